@@ -1,0 +1,338 @@
+"""Proximal Policy Optimization (Schulman et al., 2017, https://arxiv.org/abs/1707.06347).
+
+With the implementation details of CleanRL's ``ppo.py`` / ``ppo_continuous_action.py``
+(Huang et al., "The 37 Implementation Details of PPO", ICLR Blog Track 2022): vectorized envs,
+orthogonal init, Adam with eps=1e-5 and annealed learning rate, GAE, minibatch updates over
+several epochs, advantage normalisation, clipped surrogate and clipped value loss, entropy bonus,
+global gradient clipping, optional early stop on approximate KL. Discrete actions (categorical)
+and continuous actions (diagonal Gaussian with state-independent log-std, with observation and
+reward normalisation as CleanRL does for continuous control).
+
+Runs three ways, unchanged::
+
+    train(Args())                                                  # eagerly, plain Python
+    ff.run(train, Args(), policy="single_process")                 # through fragflow
+    fragflow run algorithms/ppo.py --set num_envs=8                # from the CLI
+
+Episode boundaries follow CleanRL: a step whose episode ended (terminated or truncated) cuts the
+GAE recursion (``done``); the environments autoreset in gymnasium's same-step mode (see
+``fragflow.envs``), so no stored transition ever pairs an action with an observation it did not
+produce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    env_id: str = "CartPole-v1"
+    """gymnasium environment id"""
+    seed: int = 1
+    """seed of environments, network initialisation and sampling"""
+    total_timesteps: int = 500_000
+    """total environment steps of the run"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate (annealed linearly to 0 when anneal_lr)"""
+    num_envs: int = 4
+    """parallel environments"""
+    num_steps: int = 128
+    """steps per environment per rollout"""
+    anneal_lr: bool = True
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    num_minibatches: int = 4
+    update_epochs: int = 4
+    norm_adv: bool = True
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    target_kl: float | None = None
+    """stop the epoch loop early when the approximate KL exceeds this (None: never)"""
+    hidden: int = 64
+    """width of the two hidden layers of actor and critic"""
+    normalize: bool | None = None
+    """normalise observations and rewards (None: only for continuous actions, as CleanRL)"""
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.num_minibatches
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_timesteps // self.batch_size
+
+
+# NETWORK: parameters are a plain dict of tensors, so they can be versioned and shipped.
+def layer(gen: torch.Generator, n_in: int, n_out: int, std: float) -> dict[str, torch.Tensor]:
+    w = torch.empty(n_out, n_in)
+    torch.nn.init.orthogonal_(w, std, generator=gen)
+    return {"w": w, "b": torch.zeros(n_out)}
+
+
+def init_params(obs_dim: int, act_dim: int, continuous: bool, hidden: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    s2 = math.sqrt(2)
+    params = {
+        "critic": [layer(gen, obs_dim, hidden, s2), layer(gen, hidden, hidden, s2), layer(gen, hidden, 1, 1.0)],
+        "actor": [layer(gen, obs_dim, hidden, s2), layer(gen, hidden, hidden, s2), layer(gen, hidden, act_dim, 0.01)],
+    }
+    if continuous:
+        params["logstd"] = torch.zeros(1, act_dim)
+    return params
+
+
+def mlp(layers: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    for lyr in layers[:-1]:
+        x = torch.tanh(F.linear(x, lyr["w"], lyr["b"]))
+    return F.linear(x, layers[-1]["w"], layers[-1]["b"])
+
+
+def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
+    """log-prob and entropy of ``action`` under the policy, and the state value."""
+    value = mlp(params["critic"], obs).squeeze(-1)
+    out = mlp(params["actor"], obs)
+    if "logstd" in params:
+        logstd = params["logstd"].expand_as(out)
+        dist = torch.distributions.Normal(out, logstd.exp())
+        return dist.log_prob(action).sum(-1), dist.entropy().sum(-1), value
+    logp_all = F.log_softmax(out, dim=-1)
+    logp = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy, value
+
+
+# ACT: one inference step for every environment. Sampling noise comes from per-environment keys,
+# so environment i draws the same numbers wherever a policy places it.
+@ff.fragment("actor")
+def act(params, obs, key):
+    with torch.no_grad():
+        obs = torch.as_tensor(obs, dtype=torch.float32)
+        value = mlp(params["critic"], obs).squeeze(-1)
+        out = mlp(params["actor"], obs)
+        if "logstd" in params:
+            std = params["logstd"].exp().expand_as(out)
+            noise = torch.from_numpy(ff.random.normal(key, (out.shape[-1],))).to(out.dtype)
+            action = out + std * noise
+            logprob = torch.distributions.Normal(out, std).log_prob(action).sum(-1)
+        else:
+            gumbel = torch.from_numpy(ff.random.gumbel(key, (out.shape[-1],))).to(out.dtype)
+            action = torch.argmax(out + gumbel, dim=-1)
+            logprob = F.log_softmax(out, dim=-1).gather(-1, action.unsqueeze(-1)).squeeze(-1)
+    return action, logprob, value
+
+
+# LEARN: GAE, then update_epochs passes of minibatch Adam steps on the clipped PPO objective.
+def adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
+              v: list[torch.Tensor], step: int, lr: float, betas=(0.9, 0.999), eps=1e-5) -> None:
+    """In-place Adam (Kingma & Ba, 2015), the same arithmetic as torch.optim.Adam."""
+    b1, b2 = betas
+    c1, c2 = 1 - b1**step, 1 - b2**step
+    torch._foreach_lerp_(m, grads, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, grads, grads, 1 - b2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, math.sqrt(c2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, m, denom, -lr / c1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, lr, args: dict):
+    params = tree_clone(state["params"])
+    m, v = tree_clone(state["m"]), tree_clone(state["v"])
+    step = int(state["step"])
+    leaves, m_leaves, v_leaves = tree_leaves(params), tree_leaves(m), tree_leaves(v)
+    gamma, lam = float(args["gamma"]), float(args["gae_lambda"])
+    clip_coef = float(args["clip_coef"])
+
+    obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
+    actions = torch.as_tensor(batch["action"])
+    logprobs, values = batch["logprob"], batch["value"]
+    rewards = torch.as_tensor(batch["reward"], dtype=torch.float32)
+    dones = torch.as_tensor(batch["done"], dtype=torch.float32)
+    num_steps = obs.shape[0]
+
+    # Generalized Advantage Estimation (Schulman et al., 2016, https://arxiv.org/abs/1506.02438)
+    with torch.no_grad():
+        next_value = mlp(params["critic"], torch.as_tensor(batch["next_obs"], dtype=torch.float32)).squeeze(-1)
+        next_done = torch.as_tensor(batch["next_done"], dtype=torch.float32)
+        advantages = torch.zeros_like(rewards)
+        lastgaelam = torch.zeros_like(next_value)
+        for t in reversed(range(num_steps)):
+            if t == num_steps - 1:
+                nextnonterminal, nextvalues = 1.0 - next_done, next_value
+            else:
+                nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+            delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
+            lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+            advantages[t] = lastgaelam
+        returns = advantages + values
+
+    b_obs = obs.reshape((-1,) + obs.shape[2:])
+    b_actions = actions.reshape((-1,) + actions.shape[2:])
+    b_logprobs, b_advantages = logprobs.reshape(-1), advantages.reshape(-1)
+    b_returns, b_values = returns.reshape(-1), values.reshape(-1)
+    batch_size = b_obs.shape[0]
+    minibatch_size = batch_size // int(args["num_minibatches"])
+
+    key = state["key"]
+    clipfracs = []
+    for _epoch in range(int(args["update_epochs"])):
+        key, sub = ff.random.split(key)
+        b_inds = torch.from_numpy(np.argsort(ff.random.uniform(sub, (batch_size,))[0]))
+        for start in range(0, batch_size, minibatch_size):
+            mb = b_inds[start:start + minibatch_size]
+            for p in leaves:
+                p.requires_grad_(True)
+            newlogprob, entropy, newvalue = evaluate(params, b_obs[mb], b_actions[mb])
+            logratio = newlogprob - b_logprobs[mb]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                # http://joschu.net/blog/kl-approx.html
+                old_approx_kl = (-logratio).mean()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfracs.append(((ratio - 1.0).abs() > clip_coef).float().mean().item())
+
+            mb_adv = b_advantages[mb]
+            if args["norm_adv"]:
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+
+            # clipped surrogate objective
+            pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+
+            # value loss, clipped around the old values
+            newvalue = newvalue.view(-1)
+            if args["clip_vloss"]:
+                v_unclipped = (newvalue - b_returns[mb]) ** 2
+                v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -clip_coef, clip_coef)
+                v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((newvalue - b_returns[mb]) ** 2).mean()
+
+            entropy_loss = entropy.mean()
+            loss = pg_loss - float(args["ent_coef"]) * entropy_loss + v_loss * float(args["vf_coef"])
+
+            grads = list(torch.autograd.grad(loss, leaves))
+            for p in leaves:
+                p.requires_grad_(False)
+            with torch.no_grad():
+                # global gradient clipping, as torch.nn.utils.clip_grad_norm_
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                scale = torch.clamp(float(args["max_grad_norm"]) / (norm + 1e-6), max=1.0)
+                torch._foreach_mul_(grads, scale)
+                step += 1
+                adam_step(leaves, grads, m_leaves, v_leaves, step, float(lr))
+
+        if args["target_kl"] is not None and approx_kl > float(args["target_kl"]):
+            break
+
+    y_pred, y_true = b_values.numpy(), b_returns.numpy()
+    var_y = np.var(y_true)
+    explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+    new_state = {"params": params, "m": m, "v": v, "step": np.int64(step), "key": key}
+    metrics = {
+        "learning_rate": float(lr), "value_loss": v_loss.item(), "policy_loss": pg_loss.item(),
+        "entropy": entropy_loss.item(), "old_approx_kl": old_approx_kl.item(), "approx_kl": approx_kl.item(),
+        "clipfrac": float(np.mean(clipfracs)), "explained_variance": float(explained_var),
+    }
+    return new_state, metrics
+
+
+def tree_clone(tree):
+    if isinstance(tree, dict):
+        return {k: tree_clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [tree_clone(v) for v in tree]
+    return tree.clone()
+
+
+def tree_leaves(tree) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in tree_leaves(v)]
+    if isinstance(tree, list):
+        return [x for v in tree for x in tree_leaves(v)]
+    return [tree]
+
+
+LEARNER_KEY_ID = 1 << 40   # an id no environment has: the learner's minibatch shuffling key
+
+
+def init_state(env, args: Args) -> dict:
+    obs_dim = int(np.prod(env.single_observation_space.shape))
+    continuous = not hasattr(env.single_action_space, "n")
+    act_dim = int(np.prod(env.single_action_space.shape)) if continuous else int(env.single_action_space.n)
+    params = init_params(obs_dim, act_dim, continuous, args.hidden, args.seed)
+    zeros = lambda t: torch.zeros_like(t)  # noqa: E731
+    return {
+        "params": params,
+        "m": {k: _map(zeros, v) for k, v in params.items()},
+        "v": {k: _map(zeros, v) for k, v in params.items()},
+        "step": np.int64(0),
+        "key": ff.random.keys(args.seed, np.array([LEARNER_KEY_ID])),
+    }
+
+
+def _map(fn, tree):
+    if isinstance(tree, dict):
+        return {k: _map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map(fn, v) for v in tree]
+    return fn(tree)
+
+
+def is_continuous(env_id: str) -> bool:
+    if env_id not in gym.registry:
+        return False   # ff.envs.make reports the unknown id with the caller's line
+    probe = gym.make(env_id)
+    try:
+        return isinstance(probe.action_space, gym.spaces.Box)
+    finally:
+        probe.close()
+
+
+def train(args: Args):
+    continuous = is_continuous(args.env_id)
+    normalize = continuous if args.normalize is None else args.normalize
+    env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed, clip_actions=continuous,
+                       normalize_obs=normalize, normalize_reward=normalize, gamma=args.gamma)
+    state = ff.versioned(init_state(env, args))
+    buffer = ff.RolloutBuffer(args.num_steps)
+    hyper = {k: getattr(args, k) for k in ("gamma", "gae_lambda", "num_minibatches", "update_epochs", "norm_adv",
+                                           "clip_coef", "clip_vloss", "ent_coef", "vf_coef", "max_grad_norm",
+                                           "target_kl")}
+    key = ff.random.keys(args.seed, env.ids)
+
+    obs = env.reset()
+    done = np.zeros(env.num_envs, dtype=bool)
+    for update in range(args.num_updates):
+        lr = args.learning_rate * (1.0 - update / args.num_updates if args.anneal_lr else 1.0)
+
+        # ROLLOUT
+        for _step in range(args.num_steps):
+            key, sub = ff.random.split(key)
+            action, logprob, value = act(state["params"], obs, sub)
+            next_obs, reward, terminated, truncated, _info = env.step(action)
+            buffer.add(obs=obs, done=done, action=action, logprob=logprob, value=value, reward=reward)
+            obs, done = next_obs, terminated | truncated
+
+        # LEARN
+        batch = buffer.collect(next_obs=obs, next_done=done)
+        state, metrics = learn(state, batch, lr, hyper)
+        ff.log(metrics)
+    return state

@@ -1,0 +1,1 @@
+"""Distribution policies, one module each. Every module defines ``POLICY`` (see ``fragflow.policy``)."""

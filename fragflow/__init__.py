@@ -1,0 +1,43 @@
+"""fragflow: write an RL algorithm as plain Python; trace it into a fragmented dataflow graph;
+place it with a distribution policy; run it.
+
+>>> import fragflow as ff
+>>> sorted(ff.policies())[:1]
+['single_process']
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from fragflow import envs, random
+from fragflow.buffer import RolloutBuffer
+from fragflow.fragment import fragment
+from fragflow.log import log
+from fragflow.policy import distribute
+from fragflow.versioned import versioned
+
+
+def policies() -> dict[str, str]:
+    """Registered distribution policies and the system each mirrors."""
+    from fragflow.policy import available
+
+    return {name: spec.mirrors for name, spec in available().items()}
+
+
+def trace(train, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.trace.trace`)."""
+    from fragflow.trace import trace as _trace
+
+    return _trace(train, *args, **kwargs)
+
+
+def run(train, args=None, **kwargs):  # type: ignore[no-untyped-def]
+    """Compile and run a training loop (see :func:`fragflow.driver.run`)."""
+    from fragflow.driver import run as _run
+
+    return _run(train, args, **kwargs)
+
+
+__all__ = ["RolloutBuffer", "distribute", "envs", "fragment", "log", "policies", "random", "run", "trace",
+           "versioned", "__version__"]

@@ -1,0 +1,88 @@
+"""Rollout buffers: gather per-step data into one batch, as a fragment with role ``buffer``.
+
+``buf.add(**step)`` stores one step (every leaf with the environments on its leading axis);
+``buf.collect(**last)`` returns the batch: every step leaf stacked to ``[num_steps, num_envs,
+...]``, plus the ``last`` leaves (e.g. the bootstrap observation) as given, ``[num_envs, ...]``.
+The buffer records that environment axis per leaf, which is how a policy that splits the
+environments across actor processes reassembles one learner batch from several pieces.
+
+>>> buf = RolloutBuffer(num_steps=2)
+>>> for t in range(2):
+...     buf.add(obs=np.full((3, 4), t, np.float32))
+>>> batch = buf.collect(next_obs=np.zeros((3, 4), np.float32))
+>>> batch["obs"].shape, batch["next_obs"].shape
+((2, 3, 4), (3, 4))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fragflow import context
+from fragflow.errors import TraceError
+from fragflow.fragment import Fragment
+from fragflow.pytree import backend_of, leaf_paths
+from fragflow.source import user_callsite
+
+
+class RolloutBuffer:
+    """A fixed-length rollout buffer; storage is allocated anew for every rollout."""
+
+    def __init__(self, num_steps: int) -> None:
+        if num_steps < 1:
+            raise TraceError(f"RolloutBuffer needs num_steps >= 1, got {num_steps}", where=user_callsite(),
+                             fix="pass the number of steps per rollout")
+        interp = context.current()
+        self.name = "buffer" if interp is None else interp.instance_name("buffer")
+        self.num_steps = num_steps
+        self._storage: dict[str, Any] | None = None
+        self._step_keys: frozenset[str] = frozenset()
+        self._t = 0
+        self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self)
+        self.collect = Fragment(self._collect, "buffer", name=f"{self.name}.collect", instance=self)
+
+    def _add(self, **step: Any) -> None:
+        if self._t >= self.num_steps:
+            raise TraceError(f"{self.name}.add called {self._t + 1} times before collect, but num_steps={self.num_steps}",
+                             where=user_callsite(), fix="call collect() after every num_steps adds")
+        if self._storage is None:
+            self._storage = {k: _alloc(self.num_steps, v) for k, v in step.items()}
+        elif step.keys() != self._storage.keys():
+            raise TraceError(f"{self.name}.add got keys {sorted(step)}, earlier {sorted(self._storage)}",
+                             where=user_callsite(), fix="add the same keys at every step")
+        t = self._t
+        for k, v in step.items():
+            self._storage[k][t] = v
+        self._t = t + 1
+
+    def _collect(self, **last: Any) -> dict[str, Any]:
+        if self._t != self.num_steps or self._storage is None:
+            raise TraceError(f"{self.name}.collect called after {self._t} adds, expected num_steps={self.num_steps}",
+                             where=user_callsite(), fix="add exactly num_steps steps before each collect")
+        clash = set(last) & set(self._storage)
+        if clash:
+            raise TraceError(f"{self.name}.collect got {sorted(clash)}, which are also step keys",
+                             where=user_callsite(), fix="give the collect() arguments other names")
+        self._step_keys = frozenset(self._storage)
+        batch = dict(self._storage, **last)
+        self._storage, self._t = None, 0
+        return batch
+
+    def env_axis(self, key: str) -> int:
+        """Environment axis of a collected batch's top-level entry: 1 for step data, 0 for last leaves."""
+        return 1 if key in self._step_keys else 0
+
+
+def _alloc(num_steps: int, x: Any) -> Any:
+    backend = backend_of(x)
+    if backend == "torch":
+        import torch
+
+        return torch.empty((num_steps, *x.shape), dtype=x.dtype, device=x.device)
+    if backend == "jax":
+        raise TraceError("RolloutBuffer stores numpy or torch leaves; got a jax array", where=user_callsite(),
+                         fix="convert with np.asarray(x) before add(), or keep the rollout inside a jax fragment")
+    arr = np.asarray(x)
+    return np.empty((num_steps, *arr.shape), dtype=arr.dtype)

@@ -1,0 +1,172 @@
+"""The command line: ``fragflow run``, ``fragflow graph``, ``fragflow policies``.
+
+Usage errors (unknown file, policy, env id or ``--set`` key; a loop fragflow cannot trace) print
+one message with the user's ``file:line`` and the fix, and exit with code 2. ``--debug`` (or
+``FRAGFLOW_DEBUG=1``) shows the internal traceback too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from fragflow.errors import FragflowError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Compile and run reinforcement-learning training loops as fragmented dataflow graphs.")
+err = Console(stderr=True)
+out = Console(soft_wrap=True)
+
+DEFAULT_ALGORITHM = "ppo"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+AlgorithmArg = Annotated[str, typer.Argument(help="algorithm file (e.g. algorithms/ppo.py) or built-in name (ppo)")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override a field of the algorithm's Args: key=value (repeatable)")]
+PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="distribution policy, e.g. single_process or name(key=value,...); overrides the decorator")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="show internal tracebacks")]
+
+
+def _debug(flag: bool) -> bool:
+    return flag or os.environ.get("FRAGFLOW_DEBUG", "") not in ("", "0")
+
+
+def _fail(exc: BaseException, debug: bool) -> typer.Exit:
+    if isinstance(exc, FragflowError):
+        if debug:
+            traceback.print_exception(exc)
+        err.print(f"[bold red]error:[/] {type(exc).__name__}: ", end="", highlight=False)
+        err.print(str(exc), markup=False, highlight=False)
+        return typer.Exit(code=exc.exit_code)
+    # An exception from the user's own code: show the user's frames (all frames with --debug).
+    tb = exc.__traceback__
+    if not debug:
+        from fragflow.source import is_internal
+
+        frames = [f for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+        err.print("[bold red]error:[/] the training program raised:", highlight=False)
+        sys.stderr.write("".join(traceback.format_list(frames)))
+        sys.stderr.write("".join(traceback.format_exception_only(exc)))
+        err.print("(internal frames hidden; --debug shows them)", style="dim", highlight=False)
+    else:
+        traceback.print_exception(exc)
+    return typer.Exit(code=1)
+
+
+def _load(algorithm: str, sets: list[str] | None) -> tuple[Any, Any]:
+    from fragflow.config import apply_overrides
+    from fragflow.program import load
+
+    program = load(algorithm)
+    if program.args_cls is None:
+        if sets:
+            from fragflow.errors import ConfigError
+
+            raise ConfigError("--set was given but the training function takes no Args dataclass",
+                              where=program.where, fix="annotate the first parameter: def train(args: Args)")
+        return program, None
+    return program, apply_overrides(program.args_cls, sets or [], where=program.where)
+
+
+@app.command()
+def run(
+    algorithm: AlgorithmArg = DEFAULT_ALGORITHM,
+    policy: PolicyOpt = None,
+    set_: SetOpt = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", "-o", help="run directory (default runs/<algorithm>-<policy>-<time>)")] = None,
+    target_return: Annotated[float | None, typer.Option(help="record when the mean return of the last 20 episodes first reaches R")] = None,
+    stop_on_target: Annotated[bool, typer.Option(help="stop the run once --target-return is reached")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Train: trace the loop, place it with a policy, run it, write metrics.csv, TensorBoard and summary.json."""
+    debug = _debug(debug)
+    try:
+        from fragflow import driver, policy as policies
+
+        program, args = _load(algorithm, set_)
+        spec, _ = policies.resolve(policy, program.train)
+        if stop_on_target and target_return is None:
+            from fragflow.errors import ConfigError
+
+            raise ConfigError("--stop-on-target needs --target-return R", fix="add --target-return, e.g. 475")
+        run_dir = out_dir or Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        with err.status(f"tracing {algorithm} ...", spinner="dots"):
+            placed = driver.compile(program.train, args, policy=policy)
+        err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy [bold]{placed.policy}[/], "
+                  f"writing to {run_dir}", highlight=False)
+        result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
+                            stop_on_target=stop_on_target, progress=not quiet, description=program.name,
+                            placed=placed)
+    except KeyboardInterrupt:
+        err.print("interrupted", style="yellow")
+        raise typer.Exit(code=130) from None
+    except Exception as exc:
+        raise _fail(exc, debug) from None
+    s = result.summary
+    ret = s.get("final_return_mean")
+    line = (f"done: {s['env_steps']} env steps in {s['wall_seconds']:.1f}s ({s['steps_per_second']:,.0f} steps/s), "
+            f"final return {'-' if ret is None else f'{ret:.1f}'}")
+    if target_return is not None:
+        solved = s.get("solved_at_seconds")
+        line += f", target {target_return:g} " + ("not reached" if solved is None else f"reached at {solved:.1f}s / {s['solved_at_steps']} steps")
+    out.print(line, highlight=False)
+    out.print(f"outputs: {run_dir}/{{metrics.csv, summary.json, returns.png, tensorboard/}}", highlight=False)
+
+
+@app.command()
+def graph(
+    algorithm: AlgorithmArg,
+    set_: SetOpt = None,
+    policy: PolicyOpt = None,
+    image: Annotated[Path | None, typer.Option("--image", "-i", help="image to write, .png or .svg (default <algorithm>-fdg.png)")] = None,
+    no_image: Annotated[bool, typer.Option("--no-image", help="print the text form only")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Trace an algorithm and print its fragmented dataflow graph (with --policy: its placement); write an image."""
+    debug = _debug(debug)
+    try:
+        from fragflow import driver
+        from fragflow.printer import format_graph, format_placed
+
+        program, args = _load(algorithm, set_)
+        target = image or Path(f"{program.name}-fdg.png")
+        if not no_image and target.suffix.lower() not in (".png", ".svg"):
+            from fragflow.errors import ConfigError
+
+            raise ConfigError(f"cannot write an image to {target}", fix="give a path ending in .png or .svg")
+        placed = driver.compile(program.train, args, policy=policy)
+        text = format_placed(placed) if policy else format_graph(placed.graph)
+        if not no_image:
+            from fragflow.draw import draw
+
+            draw(placed.graph, target)
+    except Exception as exc:
+        raise _fail(exc, debug) from None
+    sys.stdout.write(text)
+    if not no_image:
+        err.print(f"image: {target}", highlight=False)
+
+
+@app.command("policies")
+def list_policies() -> None:
+    """List the distribution policies, with the system each mirrors."""
+    from fragflow.policy import DEFAULT_POLICY, available
+
+    policies = available()
+    width = max(len(n) for n in policies) + len(" (default)")
+    for name, spec in policies.items():
+        label = name + (" (default)" if name == DEFAULT_POLICY else "")
+        sys.stdout.write(f"{label:<{width}}  mirrors {spec.mirrors}: {spec.summary}\n")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,99 @@
+"""Configuration: ``--set key=value`` overrides applied to an algorithm's frozen ``Args`` dataclass.
+
+All problems are reported at once, with the offending values.
+
+>>> from dataclasses import dataclass
+>>> @dataclass(frozen=True)
+... class Args:
+...     num_envs: int = 4
+...     lr: float = 2.5e-4
+>>> apply_overrides(Args, ["num_envs=8"])
+Args(num_envs=8, lr=0.00025)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from fragflow.errors import ConfigError, did_you_mean
+from fragflow.source import SourceLoc
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a dataclass's fields (string annotations included)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def coerce(raw: Any, annotation: Any) -> Any:
+    """Convert a command-line string to ``annotation`` (int, float, bool, str, Optional[...])."""
+    if not isinstance(raw, str):
+        return raw
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if type(None) in options and raw.lower() in ("none", "null", ""):
+            return None
+        problems = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return coerce(raw, option)
+            except ValueError as exc:
+                problems.append(str(exc))
+        raise ValueError("; ".join(problems))
+    if annotation is bool:
+        low = raw.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"expected true or false, got {raw!r}")
+    if annotation is int:
+        try:
+            return int(raw.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if annotation is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if annotation in (str, Any):
+        return raw
+    raise ValueError(f"cannot set a field of type {annotation} from the command line")
+
+
+def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = None) -> Any:
+    """An ``args_cls`` instance with ``key=value`` overrides; every problem reported in one error."""
+    types_ = field_types(args_cls)
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep:
+            problems.append(f"--set {item!r}: expected key=value")
+            continue
+        if key not in types_:
+            problems.append(f"--set {key}: {args_cls.__name__} has no field '{key}'; {did_you_mean(key, types_)}")
+            continue
+        try:
+            values[key] = coerce(raw.strip(), types_[key])
+        except ValueError as exc:
+            problems.append(f"--set {key}={raw}: {exc}")
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
+                          fix=f"the fields of {args_cls.__name__} are: {', '.join(types_)}")
+    try:
+        return args_cls(**values)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid configuration: {exc}", where=where,
+                          fix="change the values given with --set") from None

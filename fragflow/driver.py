@@ -1,0 +1,113 @@
+"""The driver: trace -> verify -> place -> execute, with outputs and a summary.
+
+>>> from fragflow.algorithms import ppo                                              # doctest: +SKIP
+>>> result = run(ppo.train, ppo.Args(total_timesteps=20_000), out="runs/demo")        # doctest: +SKIP
+>>> result.summary["steps_per_second"]                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fragflow import __version__
+from fragflow import policy as policies
+from fragflow.errors import GraphError
+from fragflow.ir import Graph
+from fragflow.placement import PlacedGraph
+from fragflow.printer import format_graph, format_placed
+from fragflow.progress import ProgressDisplay
+from fragflow.runtime import serial
+from fragflow.runtime.monitor import Monitor, StopRun
+from fragflow.runtime.outputs import RunOutputs
+from fragflow.trace import trace
+
+
+@dataclass
+class RunResult:
+    value: Any                         # what the training function returned (versioned state unwrapped)
+    summary: dict[str, Any]
+    graph: Graph
+    placed: PlacedGraph
+    out: Path | None = None
+    episodes: list[tuple[int, float, int]] = field(default_factory=list)
+
+    @property
+    def episode_returns(self) -> list[float]:
+        return [r for _, r, _ in self.episodes]
+
+
+def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None) -> PlacedGraph:
+    """Trace ``train(args)`` and place it with ``policy`` (or the decorator's, or the default)."""
+    spec, options = policies.resolve(policy, train)
+    call_args = () if args is None else (args,)
+    graph = trace(train, *call_args)
+    placed = spec.place(graph, options).verify()
+    return placed
+
+
+def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
+        out: str | os.PathLike[str] | None = None, target_return: float | None = None,
+        stop_on_target: bool = False, progress: bool = False, description: str | None = None,
+        placed: PlacedGraph | None = None) -> RunResult:
+    """Compile (unless ``placed`` is given) and run a training function under a distribution policy."""
+    if placed is None:
+        placed = compile(train, args, policy=policy)
+    if len(placed.groups) != 1 or placed.groups[0].replicas != 1:
+        raise GraphError(f"policy '{placed.policy}' places the program on {len(placed.groups)} groups; "
+                         "this build of fragflow executes single-group placements only",
+                         fix="use --policy single_process")
+    call_args = () if args is None else (args,)
+    total = getattr(args, "total_timesteps", None)
+    outputs = RunOutputs(out) if out is not None else None
+    display = ProgressDisplay(description or getattr(train, "__name__", "train"), total) if progress else None
+    monitor = Monitor(total_steps=total, outputs=outputs, progress=display, target_return=target_return,
+                      stop_on_target=stop_on_target)
+    if outputs is not None:
+        outputs.write_text("graph.txt", format_placed(placed))
+    status = "failed"
+    value = None
+    monitor.start()
+    try:
+        value = serial.execute(train, call_args, monitor)
+        status = "completed"
+    except StopRun:
+        status = "stopped_at_target"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        monitor.close()
+        summary = _summary(placed, args, monitor, status)
+        if outputs is not None:
+            outputs.write_json("summary.json", summary)
+            outputs.plot_returns(monitor.episodes, target_return)
+            outputs.close()
+    return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
+
+
+def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str) -> dict[str, Any]:
+    import gymnasium
+    import torch
+
+    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) and not isinstance(args, type) else None
+    return {
+        "status": status,
+        "policy": placed.policy,
+        "policy_options": dict(placed.options),
+        "algorithm": placed.graph.name,
+        "args": config,
+        **monitor.summary(),
+        "versions": {"fragflow": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+                     "gymnasium": gymnasium.__version__},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+    }
+
+
+__all__ = ["RunResult", "compile", "run", "format_graph"]

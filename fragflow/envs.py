@@ -1,0 +1,160 @@
+"""Environments as fragments: gymnasium vector environments with role ``env``.
+
+``ff.envs.make(env_id, num_envs, seed)`` returns a :class:`VectorEnv` whose ``reset`` and
+``step`` are fragments. Under a policy that replicates the acting side, each process steps a
+slice of the environments (``env.ids`` holds their global indices); environment ``i`` is always
+seeded with ``seed + i``, wherever it runs.
+
+Autoreset: gymnasium's **same-step** mode. When an episode ends at step ``t`` the observation
+returned by ``step`` is already the first observation of the next episode, and the last
+observation of the finished episode is in ``info["final_obs"]`` (equal to ``obs`` for
+environments that did not finish). No transition is ever made of an action the environment
+ignored, unlike gymnasium's default next-step mode, where the step after an episode's end
+ignores its action and a naive buffer stores that phantom transition.
+
+Episode returns and lengths are measured on the raw rewards, before any reward wrapper.
+
+>>> env = make("CartPole-v1", num_envs=2, seed=0)
+>>> obs = env.reset()
+>>> obs.shape
+(2, 4)
+>>> obs, reward, terminated, truncated, info = env.step(np.zeros(2, dtype=np.int64))
+>>> sorted(info)
+['final_obs']
+>>> env.close()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from fragflow import context
+from fragflow.errors import UnknownEnvError, did_you_mean
+from fragflow.fragment import Fragment
+from fragflow.pytree import to_numpy
+from fragflow.source import user_callsite
+
+
+class _EpisodeStats(gym.vector.VectorWrapper):
+    """Accumulates raw episode returns and lengths; innermost, so reward wrappers do not touch them."""
+
+    def __init__(self, env: gym.vector.VectorEnv) -> None:
+        super().__init__(env)
+        self.returns = np.zeros(env.num_envs, dtype=np.float64)
+        self.lengths = np.zeros(env.num_envs, dtype=np.int64)
+        self.finished: list[tuple[float, int]] = []
+
+    def reset(self, **kwargs: Any) -> Any:
+        self.returns[:] = 0.0
+        self.lengths[:] = 0
+        return self.env.reset(**kwargs)
+
+    def step(self, actions: Any) -> Any:
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns += reward
+        self.lengths += 1
+        done = terminated | truncated
+        if done.any():
+            for i in np.flatnonzero(done):
+                self.finished.append((float(self.returns[i]), int(self.lengths[i])))
+            self.returns[done] = 0.0
+            self.lengths[done] = 0
+        return obs, reward, terminated, truncated, info
+
+
+class VectorEnv:
+    """A batch of gymnasium environments stepped as one fragment call.
+
+    ``step(actions)`` returns ``(obs, reward, terminated, truncated, info)`` with numpy arrays of
+    leading dimension ``num_envs`` and ``info = {"final_obs": ...}`` (see the module docstring).
+    """
+
+    def __init__(self, env_id: str, num_envs: int, seed: int, *, ids: np.ndarray, name: str,
+                 clip_actions: bool = False, normalize_obs: bool = False,
+                 normalize_reward: bool = False, gamma: float = 0.99) -> None:
+        self.env_id = env_id
+        self.seed = seed
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.num_envs = len(self.ids)
+        self.total_envs = num_envs
+        self.name = name
+        base = gym.make_vec(env_id, num_envs=self.num_envs, vectorization_mode="sync",
+                            vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP})
+        self._stats = _EpisodeStats(base)
+        env: gym.vector.VectorEnv = self._stats
+        if clip_actions:
+            env = gym.wrappers.vector.ClipAction(env)
+        if normalize_obs:
+            env = gym.wrappers.vector.NormalizeObservation(env)
+        if normalize_reward:
+            env = gym.wrappers.vector.NormalizeReward(env, gamma=gamma)
+        self._env = env
+        self.single_observation_space = env.single_observation_space
+        self.single_action_space = env.single_action_space
+        self._action_dtype = self.single_action_space.dtype
+        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self)
+        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self)
+        self.steps_taken = 0
+
+    @property
+    def finished_episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of every episode finished so far, in order of completion."""
+        return self._stats.finished
+
+    def pop_finished(self) -> list[tuple[float, int]]:
+        done = self._stats.finished
+        self._stats.finished = []
+        return done
+
+    def _reset(self) -> np.ndarray:
+        seeds = [int(self.seed + i) for i in self.ids]
+        obs, _ = self._env.reset(seed=seeds)
+        return obs
+
+    def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        a = to_numpy(actions)
+        if self._action_dtype is not None and a.dtype != self._action_dtype:
+            a = a.astype(self._action_dtype)
+        obs, reward, terminated, truncated, info = self._env.step(a)
+        final = obs
+        if "_final_obs" in info:
+            mask = info["_final_obs"]
+            final = obs.copy()
+            final[mask] = np.stack(info["final_obs"][mask])
+        self.steps_taken += self.num_envs
+        return obs, reward, terminated, truncated, {"final_obs": final}
+
+    def close(self) -> None:
+        self._env.close()
+
+    def __repr__(self) -> str:
+        return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
+
+
+def make(env_id: str, num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
+         normalize_obs: bool = False, normalize_reward: bool = False, gamma: float = 0.99) -> VectorEnv:
+    """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
+
+    ``clip_actions`` clips continuous actions to the action space; ``normalize_obs`` and
+    ``normalize_reward`` apply gymnasium's running normalisation wrappers (as CleanRL's
+    continuous-action PPO does).
+    """
+    where = user_callsite()
+    if num_envs < 1:
+        raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
+                              fix="pass num_envs=1 or more")
+    if env_id not in gym.registry:
+        raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
+                              fix=did_you_mean(env_id, gym.registry.keys()))
+    interp = context.current()
+    ids = np.arange(num_envs) if interp is None else interp.env_ids(num_envs)
+    name = "env" if interp is None else interp.instance_name("env")
+    env = VectorEnv(env_id, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
+                    normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma)
+    if interp is not None:
+        interp.adopt(env)
+    return env

@@ -1,0 +1,108 @@
+"""Fragments: the functions a distribution policy places.
+
+A fragment is a plain function over array pytrees, marked with its role::
+
+    @ff.fragment("actor")
+    def act(params, obs, key):
+        ...
+        return action, logprob, value
+
+Roles:
+
+=========  ==================================================================================
+env        steps environments (``ff.envs.make`` builds one; users may write their own)
+actor      inference on the acting side: reads versioned parameters, never writes them
+buffer     gathers per-step data into batches (``ff.RolloutBuffer``)
+learner    consumes batches; with ``writes=`` it returns the next version of a versioned state
+logger     a sink for scalars (``ff.log``), placed beside whatever produces them
+=========  ==================================================================================
+
+Without an active interpreter (see :mod:`fragflow.context`) a fragment is called directly, so an
+algorithm file runs eagerly without fragflow's runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from fragflow import context
+from fragflow.errors import TraceError
+from fragflow.source import SourceLoc, definition_of, user_callsite
+
+ROLES = ("env", "actor", "buffer", "learner", "logger")
+ACTING_ROLES = frozenset({"env", "actor", "buffer"})
+
+_FIRST_PARAM = object()
+
+
+class Fragment:
+    """A callable marked with a role. Calls go to the active interpreter, or run eagerly."""
+
+    __slots__ = ("name", "role", "fn", "writes", "defined_at", "instance", "signature", "__dict__")
+
+    def __init__(self, fn: Callable[..., Any], role: str, *, name: str | None = None,
+                 writes: str | None = None, defined_at: SourceLoc | None = None,
+                 instance: object | None = None) -> None:
+        self.fn = fn
+        self.role = role
+        self.name = name or fn.__name__
+        self.writes = writes
+        self.defined_at = defined_at or definition_of(fn)
+        # Built-in fragments (env.step, buffer.add) belong to an object; policies keep an
+        # instance's fragments together because they share its internal state.
+        self.instance = instance
+        self.signature = inspect.signature(fn)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        interp = context.current()
+        if interp is None:
+            return self.fn(*args, **kwargs)
+        return interp.call(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<fragment {self.name} role={self.role} at {self.defined_at}>"
+
+
+def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) -> Callable[[Callable[..., Any]], Fragment]:
+    """Mark a function as a fragment with a role.
+
+    ``writes`` (learners only) names the argument holding the versioned state the learner
+    updates; the fragment's first output is that state's next version. It defaults to the
+    learner's first parameter; pass ``writes=None`` for a learner that updates no shared state.
+
+    >>> @fragment("actor")
+    ... def double(x):
+    ...     return x * 2
+    >>> double(np.ones(2))      # no interpreter active: a plain call
+    array([2., 2.])
+    """
+    where = user_callsite()
+    if role not in ROLES:
+        raise TraceError(f"unknown fragment role {role!r}", where=where,
+                         fix=f"use one of: {', '.join(ROLES)}")
+
+    def wrap(fn: Callable[..., Any]) -> Fragment:
+        w: str | None
+        if role != "learner":
+            if writes is not _FIRST_PARAM and writes is not None:
+                raise TraceError(f"fragment '{fn.__name__}' has role {role!r} but declares writes={writes!r}",
+                                 where=definition_of(fn), fix="only a 'learner' fragment writes versioned state")
+            w = None
+        elif writes is _FIRST_PARAM:
+            params = list(inspect.signature(fn).parameters)
+            if not params:
+                raise TraceError(f"learner '{fn.__name__}' takes no arguments", where=definition_of(fn),
+                                 fix="a learner takes its state as first argument, or declare writes=None")
+            w = params[0]
+        else:
+            w = writes
+            if w is not None and w not in inspect.signature(fn).parameters:
+                raise TraceError(f"learner '{fn.__name__}' declares writes={w!r} but has no such parameter",
+                                 where=definition_of(fn), fix="name one of its parameters, or writes=None")
+        return Fragment(fn, role, name=name, writes=w)
+
+    return wrap

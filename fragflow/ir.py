@@ -1,0 +1,174 @@
+"""The fragmented dataflow graph (FDG): a small, closed IR.
+
+Node kinds
+==========
+
+=========  ===========================================================================================
+kind       what it stands for
+=========  ===========================================================================================
+FRAGMENT   one fragment (a user function or a built-in such as ``env.step``): role, backend, where it
+           is defined and called, and how many times it runs per learner update (``rate``; 0 = once,
+           at set-up)
+STATE      a versioned value (``ff.versioned``): written by one learner, read by other fragments
+LOOP       the user's training loop itself: the source of every fragment input that fragflow did not
+           produce (constants, random keys, arithmetic done in the loop)
+=========  ===========================================================================================
+
+Edge kinds
+==========
+
+===========  =========================================================================================
+DATA         array pytree from a fragment (or the loop) output to a fragment input; carries the specs
+             of its leaves and how many times it is crossed per learner update
+STATE_WRITE  a learner's output that becomes the next version of a STATE
+STATE_READ   a fragment's input that reads a STATE (``path`` names the view, e.g. ``['params']``)
+===========  =========================================================================================
+
+Every dataclass is frozen; passes build new graphs. ``verify()`` checks the invariants the
+policies rely on and reports every problem at once, with the graph printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import networkx as nx
+
+from fragflow.errors import GraphError
+from fragflow.pytree import TensorSpec
+from fragflow.source import SourceLoc
+
+
+class NodeKind(Enum):
+    FRAGMENT = "fragment"
+    STATE = "state"
+    LOOP = "loop"
+
+
+class EdgeKind(Enum):
+    DATA = "data"
+    STATE_WRITE = "write"
+    STATE_READ = "read"
+
+
+@dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """One leaf crossing an edge: where it leaves the producer, where it enters the consumer."""
+
+    src_path: str
+    dst_path: str
+    spec: TensorSpec
+    env_axis: int | None = None   # axis that indexes environments, where known (buffer batches)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    kind: NodeKind
+    role: str | None = None
+    backend: str | None = None
+    defined_at: SourceLoc | None = None
+    called_at: SourceLoc | None = None
+    rate: float = 0.0              # calls per learner update in steady state; 0 = set-up only
+    calls: int = 0                 # calls seen while tracing
+    instance: str | None = None    # built-in object the fragment belongs to (co-located by policies)
+    versions: int = 0              # STATE: versions seen while tracing
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    src: str
+    dst: str
+    kind: EdgeKind
+    src_port: str = ""
+    dst_port: str = ""
+    leaves: tuple[LeafSpec, ...] = ()
+    rate: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.spec.nbytes for leaf in self.leaves)
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """A traced FDG. ``name`` and ``defined_at`` are the training function's."""
+
+    name: str
+    defined_at: SourceLoc | None
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    updates_traced: int = 0
+    env_steps_traced: int = 0
+    _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({n.name: n for n in self.nodes})
+
+    def node(self, name: str) -> Node:
+        return self._index[name]
+
+    def fragments(self, role: str | None = None) -> list[Node]:
+        return [n for n in self.nodes if n.kind is NodeKind.FRAGMENT and (role is None or n.role == role)]
+
+    def edges_of(self, kind: EdgeKind) -> list[Edge]:
+        return [e for e in self.edges if e.kind is kind]
+
+    def to_networkx(self) -> nx.MultiDiGraph:
+        g = nx.MultiDiGraph(name=self.name)
+        for n in self.nodes:
+            g.add_node(n.name, node=n)
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, edge=e)
+        return g
+
+    def problems(self) -> list[str]:
+        """Every broken invariant, as one line each (empty when the graph is sound)."""
+        out: list[str] = []
+        names = [n.name for n in self.nodes]
+        for dup in sorted({x for x in names if names.count(x) > 1}):
+            out.append(f"node name '{dup}' is used more than once")
+        if not any(n.kind is NodeKind.FRAGMENT for n in self.nodes):
+            out.append("the graph has no fragment")
+        for e in self.edges:
+            if e.src not in self._index or e.dst not in self._index:
+                out.append(f"edge {e.src} -> {e.dst} names a node that does not exist")
+                continue
+            src, dst = self._index[e.src], self._index[e.dst]
+            if e.kind is EdgeKind.DATA:
+                if src.kind is NodeKind.STATE or dst.kind is not NodeKind.FRAGMENT:
+                    out.append(f"data edge {e.src} -> {e.dst} must run from a fragment or the loop to a fragment")
+                if src.role == "learner" and dst.role in ("env", "actor", "buffer"):
+                    out.append(f"learner output {e.src}{e.src_port} feeds acting-side fragment {e.dst} as plain data")
+                if not e.leaves:
+                    out.append(f"data edge {e.src} -> {e.dst} carries no leaf")
+            elif e.kind is EdgeKind.STATE_WRITE:
+                if src.role != "learner" or dst.kind is not NodeKind.STATE:
+                    out.append(f"state write {e.src} -> {e.dst} must run from a learner to a state")
+            elif e.kind is EdgeKind.STATE_READ:
+                if src.kind is not NodeKind.STATE or dst.kind is not NodeKind.FRAGMENT:
+                    out.append(f"state read {e.src} -> {e.dst} must run from a state to a fragment")
+        for n in self.nodes:
+            if n.kind is NodeKind.STATE:
+                writers = [e.src for e in self.edges if e.kind is EdgeKind.STATE_WRITE and e.dst == n.name]
+                if len(writers) > 1:
+                    out.append(f"state '{n.name}' is written by {len(writers)} learners ({', '.join(writers)})")
+            if n.kind is NodeKind.FRAGMENT and n.rate < 0:
+                out.append(f"fragment '{n.name}' has negative rate {n.rate}")
+        return out
+
+    def verify(self) -> Graph:
+        """Raise :class:`GraphError` listing every problem, with the graph printed; else return self."""
+        problems = self.problems()
+        if problems:
+            from fragflow.printer import format_graph
+
+            raise GraphError(
+                f"the dataflow graph of '{self.name}' is inconsistent ({len(problems)} problem(s)):\n  - "
+                + "\n  - ".join(problems),
+                where=self.defined_at,
+                fix="this is a bug in a pass or the tracer if the graph came from fragflow itself; please report it",
+                detail=format_graph(self),
+            )
+        return self

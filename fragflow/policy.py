@@ -1,0 +1,122 @@
+"""Distribution policies: registry, options and the ``@ff.distribute`` decorator.
+
+A policy is one module in ``fragflow.distribution_policies`` (the ``distribution_policies/``
+folder) that defines ``POLICY = PolicySpec(...)``: a name, the system it mirrors, a one-line
+summary, a frozen dataclass of options and ``place(graph, options) -> PlacedGraph``, a pure pass.
+
+The policy for a run comes from, in order: ``--policy`` on the command line, the decorator on the
+training function, then the default (``single_process``).
+
+>>> parse_policy("actor_learner(actors=4, max_lag=1)")
+('actor_learner', {'actors': '4', 'max_lag': '1'})
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fragflow.config import coerce, field_types
+from fragflow.errors import ConfigError, UnknownPolicyError, did_you_mean
+from fragflow.ir import Graph
+from fragflow.placement import PlacedGraph
+
+DEFAULT_POLICY = "single_process"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    mirrors: str
+    summary: str
+    options: type
+    place: Callable[[Graph, Any], PlacedGraph]
+
+    def make_options(self, values: dict[str, Any]) -> Any:
+        fields = field_types(self.options)
+        problems = []
+        kwargs = {}
+        for key, raw in values.items():
+            if key not in fields:
+                problems.append(f"policy '{self.name}' has no option '{key}' ({did_you_mean(key, fields) if fields else 'it takes none'})")
+                continue
+            try:
+                kwargs[key] = coerce(raw, fields[key])
+            except ValueError as exc:
+                problems.append(f"option '{key}' of policy '{self.name}': {exc}")
+        if problems:
+            raise ConfigError("; ".join(problems), fix=f"see `fragflow policies` for the options of '{self.name}'")
+        return self.options(**kwargs)
+
+
+def available() -> dict[str, PolicySpec]:
+    """Every registered policy, by name."""
+    from fragflow import distribution_policies
+
+    found: dict[str, PolicySpec] = {}
+    for info in pkgutil.iter_modules(distribution_policies.__path__):
+        module = importlib.import_module(f"{distribution_policies.__name__}.{info.name}")
+        spec = getattr(module, "POLICY", None)
+        if isinstance(spec, PolicySpec):
+            found[spec.name] = spec
+    return dict(sorted(found.items()))
+
+
+def get(name: str) -> PolicySpec:
+    policies = available()
+    if name not in policies:
+        raise UnknownPolicyError(f"unknown distribution policy {name!r}",
+                                 fix=f"{did_you_mean(name, policies)} (`fragflow policies` lists them)")
+    return policies[name]
+
+
+_CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$")
+
+
+def parse_policy(text: str) -> tuple[str, dict[str, str]]:
+    """``"name"`` or ``"name(key=value, ...)"`` -> (name, {key: value})."""
+    m = _CALL.match(text)
+    if not m:
+        raise UnknownPolicyError(f"cannot read policy {text!r}", fix="write it as name or name(key=value, ...)")
+    options: dict[str, str] = {}
+    body = (m.group(2) or "").strip()
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise UnknownPolicyError(f"cannot read policy option {part!r} in {text!r}", fix="write options as key=value")
+        options[key.strip()] = value.strip()
+    return m.group(1), options
+
+
+def resolve(policy: str | None, train: Callable[..., Any]) -> tuple[PolicySpec, Any]:
+    """The policy and options for a run: the CLI's ``policy`` string, else the decorator's, else the default."""
+    if policy is not None:
+        name, raw = parse_policy(policy)
+    else:
+        name, raw = getattr(train, "__fragflow_policy__", (DEFAULT_POLICY, {}))
+    spec = get(name)
+    return spec, spec.make_options(dict(raw))
+
+
+def distribute(policy: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Choose the distribution policy of a training function; ``--policy`` overrides it.
+
+    The function itself is unchanged: called directly it runs eagerly.
+
+    >>> @distribute("single_process")
+    ... def train(args):
+    ...     pass
+    >>> train.__fragflow_policy__
+    ('single_process', {})
+    """
+    get(policy)   # fail at decoration time on a misspelled name
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.__fragflow_policy__ = (policy, dict(options))  # type: ignore[attr-defined]
+        return fn
+
+    return mark

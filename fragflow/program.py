@@ -1,0 +1,90 @@
+"""Loading an algorithm: a file path (``algorithms/ppo.py``) or a built-in name (``ppo``).
+
+An algorithm module defines a training function, the one decorated with ``@ff.distribute`` or
+else the one named ``train``, whose first parameter is annotated with a frozen dataclass of
+hyper-parameters (conventionally ``Args``). ``total_timesteps``, when the dataclass has it, is
+the length shown by the progress display.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import pkgutil
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from fragflow.errors import UnknownFileError, did_you_mean
+from fragflow.source import SourceLoc, definition_of
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    module: ModuleType
+    train: Any
+    args_cls: type | None
+
+    @property
+    def where(self) -> SourceLoc | None:
+        return definition_of(self.train)
+
+
+def builtin_algorithms() -> list[str]:
+    from fragflow import algorithms
+
+    return sorted(m.name for m in pkgutil.iter_modules(algorithms.__path__) if not m.name.startswith("_"))
+
+
+def load(target: str) -> Program:
+    path = Path(target)
+    if path.suffix == ".py" or path.exists():
+        if not path.is_file():
+            raise UnknownFileError(f"no such algorithm file: {target}",
+                                   fix=f"give the path of a .py file, or a built-in algorithm: {', '.join(builtin_algorithms())}")
+        module = _import_file(path)
+    else:
+        names = builtin_algorithms()
+        if target not in names:
+            raise UnknownFileError(f"no algorithm file or built-in algorithm named {target!r}",
+                                   fix=did_you_mean(target, names))
+        module = importlib.import_module(f"fragflow.algorithms.{target}")
+    return from_module(module, path.stem)
+
+
+def _import_file(path: Path) -> ModuleType:
+    name = f"fragflow_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path.resolve())
+    if spec is None or spec.loader is None:
+        raise UnknownFileError(f"cannot import {path}", fix="give the path of a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def from_module(module: ModuleType, name: str) -> Program:
+    functions = [f for f in vars(module).values() if inspect.isfunction(f) and f.__module__ == module.__name__]
+    marked = [f for f in functions if hasattr(f, "__fragflow_policy__")]
+    train = marked[0] if marked else vars(module).get("train")
+    if train is None or not callable(train):
+        raise UnknownFileError(f"{getattr(module, '__file__', name)} defines no training loop",
+                               fix="define `def train(args: Args)` or mark the loop with @ff.distribute(...)")
+    return Program(name, module, train, args_class(train, module))
+
+
+def args_class(train: Any, module: ModuleType) -> type | None:
+    params = list(inspect.signature(train).parameters.values())
+    if params:
+        hints = typing.get_type_hints(train)
+        cls = hints.get(params[0].name)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            return cls
+    cls = getattr(module, "Args", None)
+    return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None

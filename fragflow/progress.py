@@ -1,0 +1,59 @@
+"""The live progress display: env steps, steps/s, recent return, elapsed and ETA.
+
+On a terminal it is a rich progress bar; elsewhere (CI, a pipe) a plain line every few seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class ProgressDisplay:
+    def __init__(self, description: str, total: int | None, console: Console | None = None,
+                 plain_interval: float = 5.0) -> None:
+        self.console = console or Console(stderr=True)
+        self.total = total
+        self.description = description
+        self.interactive = self.console.is_terminal
+        self.plain_interval = plain_interval
+        self._last_plain = 0.0
+        self._progress: Progress | None = None
+        self._task = None
+
+    def start(self) -> None:
+        if self.interactive:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("env steps  {task.fields[sps]:>7} steps/s  return {task.fields[ret]:>7}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=self.console, transient=False, refresh_per_second=4)
+            self._progress.start()
+            self._task = self._progress.add_task(self.description, total=self.total, sps="-", ret="-")
+        else:
+            self.console.print(f"{self.description}: started", highlight=False)
+        self._last_plain = time.monotonic()
+
+    def update(self, env_steps: int, sps: float, recent_return: float | None, elapsed: float) -> None:
+        ret = "-" if recent_return is None else f"{recent_return:.1f}"
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=env_steps, sps=f"{sps:,.0f}", ret=ret)
+            return
+        now = time.monotonic()
+        if now - self._last_plain >= self.plain_interval:
+            self._last_plain = now
+            total = f"/{self.total}" if self.total else ""
+            eta = ""
+            if self.total and sps > 0:
+                eta = f"  eta {max(0.0, (self.total - env_steps) / sps):.0f}s"
+            self.console.print(f"{self.description}: {env_steps}{total} env steps  {sps:,.0f} steps/s  "
+                               f"return {ret}  elapsed {elapsed:.0f}s{eta}", highlight=False)
+            sys.stderr.flush()
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

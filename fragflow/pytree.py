@@ -1,0 +1,175 @@
+"""Array pytrees: the only values that cross a fragment boundary.
+
+A pytree is a nest of ``dict``, ``list``, ``tuple``, ``namedtuple`` and ``None`` whose leaves are
+arrays: ``numpy.ndarray``/numpy scalars, ``torch.Tensor``, ``jax.Array``, or Python
+``bool``/``int``/``float`` scalars.
+
+>>> leaves, treedef = flatten({"obs": np.zeros((4, 3), np.float32), "t": 1})
+>>> [spec_of(x).short() for x in leaves]
+['f32[4,3]', 'int[]']
+>>> unflatten(treedef, leaves)["t"]
+1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# A treedef is a hashable description of a pytree's containers:
+#   ("leaf",) | ("none",) | ("dict", keys, children) | ("list"|"tuple", children)
+#   | ("namedtuple", type, children)
+TreeDef = tuple[Any, ...]
+
+_LEAF: TreeDef = ("leaf",)
+_NONE: TreeDef = ("none",)
+
+
+class NotAnArray(TypeError):
+    """Raised by :func:`flatten` with the path of a leaf that is not an array."""
+
+    def __init__(self, path: str, value: object) -> None:
+        self.path = path
+        self.value = value
+        super().__init__(f"{path or '<root>'} is a {type(value).__module__}.{type(value).__qualname__}")
+
+
+def backend_of(x: object) -> str | None:
+    """'numpy', 'torch', 'jax' or 'python' for an array leaf; None for anything else."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return "numpy"
+    if isinstance(x, (bool, int, float)):
+        return "python"
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        return "torch" if isinstance(x, torch.Tensor) else None
+    if mod.startswith(("jax", "jaxlib")):
+        return "jax" if hasattr(x, "shape") and hasattr(x, "dtype") else None
+    return None
+
+
+def flatten(tree: Any, path: str = "") -> tuple[list[Any], TreeDef]:
+    """Leaves in a fixed order (dict keys in insertion order) and the treedef to rebuild them."""
+    leaves: list[Any] = []
+    treedef = _flatten(tree, path, leaves)
+    return leaves, treedef
+
+
+def _flatten(tree: Any, path: str, out: list[Any]) -> TreeDef:
+    if tree is None:
+        return _NONE
+    if isinstance(tree, dict):
+        keys = tuple(tree.keys())
+        return ("dict", keys, tuple(_flatten(tree[k], f"{path}[{k!r}]", out) for k in keys))
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        kids = tuple(_flatten(v, f"{path}.{f}", out) for f, v in zip(tree._fields, tree))
+        return ("namedtuple", type(tree), kids)
+    if isinstance(tree, (list, tuple)):
+        kind = "list" if isinstance(tree, list) else "tuple"
+        return (kind, tuple(_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(tree)))
+    if backend_of(tree) is None:
+        raise NotAnArray(path, tree)
+    out.append(tree)
+    return _LEAF
+
+
+def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
+    it = iter(leaves)
+    return _unflatten(treedef, it)
+
+
+def _unflatten(td: TreeDef, it: Iterator[Any]) -> Any:
+    kind = td[0]
+    if kind == "leaf":
+        return next(it)
+    if kind == "none":
+        return None
+    if kind == "dict":
+        return {k: _unflatten(c, it) for k, c in zip(td[1], td[2])}
+    if kind == "namedtuple":
+        return td[1](*[_unflatten(c, it) for c in td[2]])
+    kids = [_unflatten(c, it) for c in td[1]]
+    return kids if kind == "list" else tuple(kids)
+
+
+def leaf_paths(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(path, leaf) pairs in flatten order, e.g. ``[("['obs']", array), ...]``."""
+    out: list[tuple[str, Any]] = []
+    _paths(tree, prefix, out)
+    return out
+
+
+def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
+    if tree is None:
+        return
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _paths(v, f"{path}[{k!r}]", out)
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        for f, v in zip(tree._fields, tree):
+            _paths(v, f"{path}.{f}", out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _paths(v, f"{path}[{i}]", out)
+    else:
+        if backend_of(tree) is None:
+            raise NotAnArray(path, tree)
+        out.append((path, tree))
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    leaves, td = flatten(tree)
+    return unflatten(td, [fn(x) for x in leaves])
+
+
+_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8",
+    "uint64": "u64", "uint32": "u32", "uint16": "u16", "uint8": "u8", "bool": "bool",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape, dtype and array library of one leaf. Python scalars have dtype 'int'/'float'/'bool'."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    backend: str
+
+    def short(self) -> str:
+        return f"{_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
+
+    @property
+    def nbytes(self) -> int:
+        size = int(np.prod(self.shape)) if self.shape else 1
+        try:
+            return size * np.dtype(self.dtype).itemsize
+        except TypeError:
+            return size * 8
+
+
+def spec_of(x: Any) -> TensorSpec:
+    backend = backend_of(x)
+    if backend == "python":
+        return TensorSpec((), type(x).__name__, "python")
+    if backend == "torch":
+        return TensorSpec(tuple(x.shape), str(x.dtype).removeprefix("torch."), "torch")
+    if backend is None:
+        raise NotAnArray("", x)
+    return TensorSpec(tuple(x.shape), str(np.dtype(x.dtype)), backend)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A numpy view (or copy, for device arrays) of an array leaf."""
+    if isinstance(x, np.ndarray):
+        return x
+    backend = backend_of(x)
+    if backend == "torch":
+        return x.detach().cpu().numpy()
+    return np.asarray(x)

@@ -1,0 +1,1 @@
+"""The runtime: executors for placed graphs, and the run monitor they report to."""

@@ -1,0 +1,135 @@
+"""The run monitor: counts environment steps and episodes, detects the target return, and feeds
+the progress display and the run's outputs. Every executor reports to one monitor in the driver.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Any
+
+from fragflow.progress import ProgressDisplay
+from fragflow.pytree import leaf_paths, to_numpy
+from fragflow.runtime.outputs import RunOutputs
+
+RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes reaches the target
+
+
+class StopRun(BaseException):
+    """Unwinds the training loop when the run is done early (target reached with stop_on_target)."""
+
+
+class Monitor:
+    def __init__(self, *, total_steps: int | None = None, outputs: RunOutputs | None = None,
+                 progress: ProgressDisplay | None = None, target_return: float | None = None,
+                 stop_on_target: bool = False) -> None:
+        self.total_steps = total_steps
+        self.outputs = outputs
+        self.progress = progress
+        self.target_return = target_return
+        self.stop_on_target = stop_on_target
+        self.env_steps = 0
+        self.updates = 0
+        self.episodes: list[tuple[int, float, int]] = []    # (env_steps at end, return, length)
+        self.recent: deque[float] = deque(maxlen=RETURN_WINDOW)
+        self.recent_lengths: deque[int] = deque(maxlen=RETURN_WINDOW)
+        self.solved_at_seconds: float | None = None
+        self.solved_at_steps: int | None = None
+        self._start = time.perf_counter()
+        self._next_refresh = 0.0
+        self._pending: dict[str, float] | None = None
+        self.stop_requested = False
+
+    # -- what executors report --------------------------------------------------------
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        if self.progress is not None:
+            self.progress.start()
+
+    def env_step(self, n: int, finished: list[tuple[float, int]]) -> None:
+        self.env_steps += n
+        if self._pending is not None:
+            self._flush()
+        for ret, length in finished:
+            self.episodes.append((self.env_steps, ret, length))
+            self.recent.append(ret)
+            self.recent_lengths.append(length)
+            if self.outputs is not None:
+                self.outputs.write_episode(self.env_steps, ret, length)
+            if (self.target_return is not None and self.solved_at_steps is None
+                    and len(self.recent) == RETURN_WINDOW and sum(self.recent) / RETURN_WINDOW >= self.target_return):
+                self.solved_at_seconds = time.perf_counter() - self._start
+                self.solved_at_steps = self.env_steps
+                if self.stop_on_target:
+                    self.stop_requested = True
+        now = time.perf_counter()
+        if now >= self._next_refresh:
+            self._next_refresh = now + 0.25
+            self._refresh(now)
+        if self.stop_requested:
+            raise StopRun
+
+    def update(self) -> None:
+        self.updates += 1
+        if self._pending is not None:
+            self._flush()
+        self._pending = self._runtime_row()
+
+    def log(self, scalars: Any) -> None:
+        row = self._pending if self._pending is not None else self._runtime_row()
+        for path, leaf in leaf_paths(scalars):
+            key = path.strip("[]'").replace("']['", "/") if path else "value"
+            row[key] = float(to_numpy(leaf)) if not isinstance(leaf, (int, float)) else float(leaf)
+        self._pending = row
+
+    # -- derived figures ---------------------------------------------------------------
+    @property
+    def wall_seconds(self) -> float:
+        return time.perf_counter() - self._start
+
+    @property
+    def recent_return(self) -> float | None:
+        return sum(self.recent) / len(self.recent) if self.recent else None
+
+    def _runtime_row(self) -> dict[str, float]:
+        wall = self.wall_seconds
+        nan = math.nan
+        return {
+            "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": wall,
+            "steps_per_second": self.env_steps / wall if wall > 0 else 0.0,
+            "episode_return_mean": self.recent_return if self.recent else nan,
+            "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
+            "episodes": float(len(self.episodes)),
+        }
+
+    def _flush(self) -> None:
+        if self._pending is not None and self.outputs is not None:
+            self.outputs.write_row(self._pending)
+        self._pending = None
+
+    def _refresh(self, now: float) -> None:
+        if self.progress is not None:
+            wall = now - self._start
+            self.progress.update(self.env_steps, self.env_steps / wall if wall > 0 else 0.0,
+                                 self.recent_return, wall)
+
+    def summary(self) -> dict[str, Any]:
+        wall = self.wall_seconds
+        out: dict[str, Any] = {
+            "env_steps": self.env_steps, "updates": self.updates, "wall_seconds": round(wall, 3),
+            "steps_per_second": round(self.env_steps / wall, 1) if wall > 0 else 0.0,
+            "episodes": len(self.episodes),
+            "final_return_mean": self.recent_return,
+        }
+        if self.target_return is not None:
+            out["target_return"] = self.target_return
+            out["solved_at_seconds"] = None if self.solved_at_seconds is None else round(self.solved_at_seconds, 3)
+            out["solved_at_steps"] = self.solved_at_steps
+        return out
+
+    def close(self) -> None:
+        self._flush()
+        if self.progress is not None:
+            self._refresh(time.perf_counter())
+            self.progress.stop()

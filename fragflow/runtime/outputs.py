@@ -1,0 +1,84 @@
+"""What a run writes: ``metrics.csv``, TensorBoard event files, ``summary.json``, ``returns.png``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
+                   "episode_return_mean", "episode_length_mean", "episodes")
+
+
+class RunOutputs:
+    """Writers for one run directory. Rows go to CSV and TensorBoard as they come."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._csv_file: IO[str] | None = None
+        self._csv: csv.DictWriter[str] | None = None
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+
+    def write_row(self, row: dict[str, float]) -> None:
+        if self._csv is None:
+            self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
+            self._csv = csv.DictWriter(self._csv_file, fieldnames=list(row), extrasaction="ignore")
+            self._csv.writeheader()
+        self._csv.writerow(row)
+        assert self._csv_file is not None
+        self._csv_file.flush()
+        step = int(row["env_steps"])
+        for key, value in row.items():
+            if key != "env_steps" and value == value:   # skip NaN (no episode finished yet)
+                self._tb.add_scalar(_tb_tag(key), value, step)
+
+    def write_episode(self, env_steps: int, ret: float, length: int) -> None:
+        self._tb.add_scalar("charts/episodic_return", ret, env_steps)
+        self._tb.add_scalar("charts/episodic_length", length, env_steps)
+
+    def write_text(self, name: str, text: str) -> None:
+        (self.dir / name).write_text(text)
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        (self.dir / name).write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+    def plot_returns(self, episodes: list[tuple[int, float, int]], target: float | None) -> None:
+        if not episodes:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+
+        steps = np.array([e[0] for e in episodes])
+        rets = np.array([e[1] for e in episodes])
+        window = min(20, len(rets))
+        smooth = np.convolve(rets, np.ones(window) / window, mode="valid")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(steps, rets, ".", alpha=0.25, label="episode return")
+        ax.plot(steps[window - 1:], smooth, label=f"mean of last {window}")
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", label=f"target {target:g}")
+        ax.set_xlabel("environment steps")
+        ax.set_ylabel("return")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(self.dir / "returns.png", dpi=100)
+        plt.close(fig)
+
+    def close(self) -> None:
+        if self._csv_file is not None:
+            self._csv_file.close()
+        self._tb.close()
+
+
+def _tb_tag(key: str) -> str:
+    if key in RUNTIME_COLUMNS:
+        return f"charts/{key}"
+    return key if "/" in key else f"losses/{key}"

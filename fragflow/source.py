@@ -1,0 +1,68 @@
+"""Source locations in the user's code, and the stack walking that finds them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from types import FrameType
+
+_CORE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Algorithms are user code even when they are installed inside the fragflow package.
+_USER_SUBDIRS = (os.path.join(_CORE_DIR, "algorithms") + os.sep,)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLoc:
+    """A ``file:line`` in the user's program; ``file`` is relative to the working directory when it can be."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @staticmethod
+    def of(filename: str, line: int) -> SourceLoc:
+        return SourceLoc(display_path(filename), line)
+
+
+def display_path(filename: str) -> str:
+    """Relative to the working directory when below it, else as given."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def is_internal(filename: str) -> bool:
+    """True for frames inside fragflow's compiler and runtime (not algorithms, not user code)."""
+    path = os.path.abspath(filename)
+    if path.startswith(_USER_SUBDIRS):
+        return False
+    return path.startswith(_CORE_DIR + os.sep) or "/typer/" in path or "/click/" in path
+
+
+def user_frame(skip: int = 1) -> FrameType | None:
+    """The innermost stack frame that belongs to the user's code."""
+    frame: FrameType | None = sys._getframe(skip)
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def user_callsite(skip: int = 1) -> SourceLoc | None:
+    """``file:line`` of the innermost user frame on the stack."""
+    frame = user_frame(skip + 1)
+    if frame is None:
+        return None
+    return SourceLoc.of(frame.f_code.co_filename, frame.f_lineno)
+
+
+def definition_of(fn: object) -> SourceLoc | None:
+    """``file:line`` where a user function was defined; None for fragflow's built-ins."""
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    if code is None or is_internal(code.co_filename):
+        return None
+    return SourceLoc.of(code.co_filename, code.co_firstlineno)

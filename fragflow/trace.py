@@ -1,0 +1,379 @@
+"""The tracer: run the training loop concretely and record its fragmented dataflow graph.
+
+The loop runs on real data inside a tracing context until the steady-state pattern is seen (two
+learner updates; a loop without a learner runs to its end). Every fragment call is executed and
+recorded: which fragment, where the user called it, the specs of what it took and returned.
+Data edges are found by identity: an array a fragment returned that later reaches another
+fragment's argument is an edge between the two; arrays fragflow did not produce come from the
+loop itself (the ``loop`` node). Mistakes that would break a distributed run fail here, with the
+user's ``file:line``.
+
+>>> from fragflow.algorithms import ppo                                 # doctest: +SKIP
+>>> graph = trace(ppo.train, ppo.Args(num_envs=2, num_steps=8))          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random as _pyrandom
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fragflow import context
+from fragflow.buffer import RolloutBuffer
+from fragflow.context import InstanceNames
+from fragflow.errors import (
+    LearnerOutputOnActingSideError,
+    NoFragmentError,
+    NotArrayPytreeError,
+    ShapeChangedError,
+    VersionedStateError,
+)
+from fragflow.envs import VectorEnv
+from fragflow.fragment import ACTING_ROLES, Fragment
+from fragflow.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
+from fragflow.pytree import NotAnArray, TensorSpec, leaf_paths, spec_of
+from fragflow.source import SourceLoc, definition_of, user_callsite
+from fragflow.versioned import Versioned, VersionedView
+
+LOOP = "loop"
+
+
+class _StopTracing(BaseException):
+    """Unwinds the user's loop once the steady state has been seen (BaseException: not caught by
+    a user's ``except Exception``)."""
+
+
+@dataclass
+class _NodeRec:
+    name: str
+    role: str
+    defined_at: SourceLoc | None
+    instance: str | None
+    called_at: SourceLoc | None = None
+    calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
+    out_specs: list[tuple[str, TensorSpec]] | None = None
+    backends: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _EdgeRec:
+    kind: EdgeKind
+    leaves: dict[tuple[str, str], LeafSpec] = field(default_factory=dict)
+    crossings: list[int] = field(default_factory=lambda: [0, 0])
+
+
+@dataclass
+class _StateRec:
+    created_at: SourceLoc | None
+    versions: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    node: str
+    role: str
+    port: str        # "[i]" for element i of a tuple output, "" for a whole non-tuple output
+    path: str
+    env_axis: int | None
+    ref: Callable[[], Any]
+
+
+class Tracer:
+    """The tracing interpreter (see :mod:`fragflow.context`)."""
+
+    def __init__(self, max_updates: int = 2) -> None:
+        self.max_updates = max_updates
+        self.instance_name = InstanceNames()
+        self._names = InstanceNames()
+        self._nodes: dict[int, _NodeRec] = {}
+        self._edges: dict[tuple[str, str, EdgeKind, str, str], _EdgeRec] = {}
+        self._states: dict[str, _StateRec] = {}
+        self._origins: dict[int, _Origin] = {}
+        self._input_ids: set[int] = set()
+        self._resources: list[Any] = []
+        self.updates = 0
+        self.env_steps = 0
+
+    # -- interpreter protocol -------------------------------------------------------------
+    def env_ids(self, num_envs: int) -> np.ndarray:
+        return np.arange(num_envs)
+
+    def adopt(self, resource: Any) -> None:
+        self._resources.append(resource)
+
+    def versioned(self, value: Any, name: str, where: SourceLoc | None) -> Versioned:
+        try:
+            leaf_paths(value)
+        except NotAnArray as bad:
+            raise NotArrayPytreeError(
+                f"ff.versioned(...) got a value whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
+                where=where, fix="versioned state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays",
+            ) from None
+        unique = self._names(name)
+        self._states[unique] = _StateRec(where)
+        return Versioned(unique, 0, value, where)
+
+    def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rec = self._node(frag)
+        where = user_callsite()
+        if rec.called_at is None:
+            rec.called_at = where
+        window = 1 if self.updates >= 1 else 0
+        rec.calls[window] += 1
+        try:
+            bound = frag.signature.bind(*args, **kwargs)
+        except TypeError:
+            return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
+        written: Versioned | None = None
+        self._input_ids: set[int] = set()
+        self._input_backends: set[str] = set()
+        for pname, value in list(bound.arguments.items()):
+            if isinstance(value, (Versioned, VersionedView)):
+                bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)
+                if pname == frag.writes:
+                    if not isinstance(value, Versioned):
+                        raise VersionedStateError(
+                            f"learner '{rec.name}' writes '{pname}' but was given the view {value!r}",
+                            where=where, fix=f"pass the whole versioned state as '{pname}'")
+                    written = value
+                continue
+            self._record_inputs(rec, pname, value, window, where)
+        if frag.writes is not None and written is None:
+            raise VersionedStateError(
+                f"learner '{rec.name}' writes '{frag.writes}', but that argument is not versioned state",
+                where=where, fix=f"create it with state = ff.versioned(initial_value) and pass it as '{frag.writes}'")
+
+        try:
+            out = frag.fn(*bound.args, **bound.kwargs)
+        except Exception as exc:
+            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where})")
+            raise
+
+        if isinstance(frag.instance, VectorEnv) and frag.name.endswith(".step"):
+            self.env_steps += frag.instance.num_envs
+        written_specs: list[TensorSpec] = []
+        if written is not None:
+            out = self._write_state(rec, written, out, where, window)
+            written_specs = [leaf.spec for leaf in self._edges[(rec.name, written.name, EdgeKind.STATE_WRITE, "[0]", "")].leaves.values()]
+        self._record_outputs(rec, frag, out, where, written_specs)
+        if frag.role == "learner":
+            self.updates += 1
+            if self.updates >= self.max_updates:
+                raise _StopTracing
+        return out
+
+    # -- recording ------------------------------------------------------------------------
+    def _node(self, frag: Fragment) -> _NodeRec:
+        rec = self._nodes.get(id(frag))
+        if rec is None:
+            instance = getattr(frag.instance, "name", None)
+            rec = _NodeRec(self._names(frag.name), frag.role, frag.defined_at, instance)
+            self._nodes[id(frag)] = rec
+        return rec
+
+    def _edge(self, src: str, dst: str, kind: EdgeKind, src_port: str, dst_port: str) -> _EdgeRec:
+        key = (src, dst, kind, src_port, dst_port)
+        rec = self._edges.get(key)
+        if rec is None:
+            rec = self._edges[key] = _EdgeRec(kind)
+        return rec
+
+    def _read_state(self, rec: _NodeRec, frag: Fragment, pname: str, value: Versioned | VersionedView,
+                    window: int, where: SourceLoc | None) -> Any:
+        handle = value if isinstance(value, Versioned) else value.handle
+        path = "" if isinstance(value, Versioned) else value.path_str
+        edge = self._edge(handle.name, rec.name, EdgeKind.STATE_READ, path, pname)
+        edge.crossings[window] += 1
+        resolved = handle.value if isinstance(value, Versioned) else value.resolve(handle.value)
+        for p, leaf in leaf_paths(resolved):
+            edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
+        return resolved
+
+    def _write_state(self, rec: _NodeRec, handle: Versioned, out: Any, where: SourceLoc | None, window: int) -> Any:
+        if not isinstance(out, tuple) or not out:
+            raise VersionedStateError(
+                f"learner '{rec.name}' writes '{handle.name}' but returned a {type(out).__name__}, not a tuple",
+                where=rec.defined_at, fix="return (new_state, ...) with the next version of the state first")
+        new_value = out[0]
+        try:
+            leaves = leaf_paths(new_value)
+        except NotAnArray as bad:
+            raise NotArrayPytreeError(
+                f"learner '{rec.name}' returned new state whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
+                where=rec.defined_at, fix="state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays") from None
+        edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
+        edge.crossings[window] += 1
+        for p, leaf in leaves:
+            edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
+        self._states[handle.name].versions += 1
+        return (Versioned(handle.name, handle.version + 1, new_value, handle.created_at), *out[1:])
+
+    def _record_inputs(self, rec: _NodeRec, pname: str, value: Any, window: int,
+                       where: SourceLoc | None) -> None:
+        try:
+            leaves = leaf_paths(value)
+        except NotAnArray as bad:
+            if isinstance(bad.value, (Versioned, VersionedView)):
+                raise VersionedStateError(
+                    f"versioned state reached fragment '{rec.name}' nested inside argument '{pname}' at {bad.path}",
+                    where=where, fix="pass versioned state (or a view such as state['params']) as an argument of its own") from None
+            raise NotArrayPytreeError(
+                f"fragment '{rec.name}' was given argument '{pname}' whose leaf {pname}{bad.path} is a "
+                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
+                where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays "
+                                 "and Python numbers; keep other objects in the loop or inside the fragment") from None
+        touched: set[tuple[str, str]] = set()
+        for path, leaf in leaves:
+            self._input_ids.add(id(leaf))
+            origin = self._origin(leaf)
+            spec = spec_of(leaf)
+            self._input_backends.add(spec.backend)
+            if origin is None:
+                src, port, src_path, env_axis = LOOP, "", "", None
+            else:
+                src, port, src_path, env_axis = origin.node, origin.port, origin.path, origin.env_axis
+                if origin.role == "learner" and rec.role in ACTING_ROLES:
+                    raise LearnerOutputOnActingSideError(
+                        f"output {origin.path} of learner '{origin.node}' is used as plain data by "
+                        f"{rec.role} fragment '{rec.name}' (argument '{pname}')",
+                        where=where,
+                        fix="on a distributed policy the acting side only sees learner state through a versioned "
+                            "broadcast: return it as part of the learner's versioned state and pass state[...] "
+                            "to the fragment, or send metrics to ff.log instead")
+            edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
+            edge.leaves.setdefault((src_path, f"{pname}{path}"), LeafSpec(src_path, f"{pname}{path}", spec, env_axis))
+            if (src, port) not in touched:
+                touched.add((src, port))
+                edge.crossings[window] += 1
+
+    def _origin(self, leaf: Any) -> _Origin | None:
+        origin = self._origins.get(id(leaf))
+        if origin is not None and origin.ref() is leaf:
+            return origin
+        return None
+
+    def _record_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None,
+                        written_specs: list[TensorSpec]) -> None:
+        first = 1 if frag.writes is not None else 0   # a learner's new state is not data
+        try:
+            if isinstance(out, tuple):
+                leaves = [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
+                          for p, x in leaf_paths(item)]
+            else:
+                leaves = [("", p, x) for p, x in leaf_paths(out)]
+        except NotAnArray as bad:
+            raise NotArrayPytreeError(
+                f"fragment '{rec.name}' returned a value whose leaf {bad.path or '<root>'} is a "
+                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
+                where=rec.defined_at or where,
+                fix="fragments return pytrees (dict/list/tuple) of numpy, torch or jax arrays") from None
+        specs = [(p, spec_of(x)) for _, p, x in leaves]
+        if rec.out_specs is None:
+            rec.out_specs = specs
+        elif specs != rec.out_specs:
+            raise ShapeChangedError(
+                f"fragment '{rec.name}' changed its output between calls:\n"
+                f"    before: {_describe(rec.out_specs)}\n    now:    {_describe(specs)}",
+                where=rec.defined_at or where,
+                fix="a fragment must return the same pytree with the same shapes and dtypes every call "
+                    "(pad or bucket variable-size data; channels are sized from the traced specs)")
+        rec.backends.update(s.backend for _, s in specs if s.backend != "python")
+        if not rec.backends and written_specs:
+            rec.backends.update(s.backend for s in written_specs if s.backend != "python")
+        if not rec.backends:
+            rec.backends.update(b for b in self._input_backends if b != "python")
+        buffer = frag.instance if isinstance(frag.instance, RolloutBuffer) and frag.name.endswith(".collect") else None
+        is_env = isinstance(frag.instance, VectorEnv)
+        registered: set[int] = set()
+        for port, path, leaf in leaves:
+            # A leaf the fragment passed through keeps its producer; when one array appears twice
+            # in an output (final_obs is obs when no episode ended) the first place names it.
+            if id(leaf) in self._input_ids or id(leaf) in registered or isinstance(leaf, (bool, int)):
+                continue   # Python ints and bools are shared singletons: their identity says nothing
+            registered.add(id(leaf))
+            try:
+                ref: Callable[[], Any] = weakref.ref(leaf)
+            except TypeError:
+                ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
+            env_axis = 0 if is_env else None
+            if buffer is not None:
+                env_axis = buffer.env_axis(path[2:].split("'")[0])
+            self._origins[id(leaf)] = _Origin(rec.name, rec.role, port, path, env_axis, ref)
+
+    # -- result ---------------------------------------------------------------------------
+    def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
+        steady = 1 if self.updates >= 2 else 0
+        nodes: list[Node] = []
+        loop_used = any(k[0] == LOOP for k in self._edges)
+        if loop_used:
+            nodes.append(Node(LOOP, NodeKind.LOOP, defined_at=defined_at))
+        for sname, srec in self._states.items():
+            nodes.append(Node(sname, NodeKind.STATE, defined_at=srec.created_at, versions=srec.versions))
+        for rec in self._nodes.values():
+            backend = "+".join(sorted(rec.backends)) or "python"
+            nodes.append(Node(rec.name, NodeKind.FRAGMENT, role=rec.role, backend=backend,
+                              defined_at=rec.defined_at, called_at=rec.called_at,
+                              rate=float(rec.calls[steady]), calls=sum(rec.calls), instance=rec.instance))
+        edges = [
+            Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), float(er.crossings[steady]))
+            for (src, dst, kind, src_port, dst_port), er in self._edges.items()
+        ]
+        return Graph(name, defined_at, tuple(nodes), tuple(edges), self.updates, self.env_steps)
+
+    def close(self) -> None:
+        for resource in self._resources:
+            resource.close()
+
+
+def _strong(x: Any) -> Callable[[], Any]:
+    return lambda: x
+
+
+def _describe(specs: list[tuple[str, TensorSpec]]) -> str:
+    return ", ".join(f"{p or 'out'}: {s.short()}" for p, s in specs) or "nothing"
+
+
+def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs: Any) -> Graph:
+    """Trace ``train(*args, **kwargs)`` into a verified :class:`~fragflow.ir.Graph`.
+
+    Global random states (``random``, ``numpy``, ``torch``) are restored afterwards, so a run
+    that follows the trace starts exactly as an untraced one would.
+    """
+    train = getattr(train, "__fragflow_train__", train)
+    tracer = Tracer(max_updates=max_updates)
+    saved = _rng_state()
+    try:
+        with context.using(tracer):
+            try:
+                train(*args, **kwargs)
+            except _StopTracing:
+                pass
+    finally:
+        tracer.close()
+        _set_rng_state(saved)
+    defined_at = definition_of(train)
+    if not tracer._nodes:
+        raise NoFragmentError(
+            f"the training loop '{getattr(train, '__name__', train)}' ran to its end without calling a fragment",
+            where=defined_at,
+            fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
+                "and step environments made with ff.envs.make(...)")
+    return tracer.graph(getattr(train, "__name__", "train"), defined_at).verify()
+
+
+def _rng_state() -> tuple[Any, ...]:
+    import torch
+
+    return _pyrandom.getstate(), np.random.get_state(), torch.random.get_rng_state()
+
+
+def _set_rng_state(state: tuple[Any, ...]) -> None:
+    import torch
+
+    _pyrandom.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.random.set_rng_state(state[2])

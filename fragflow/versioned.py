@@ -1,0 +1,112 @@
+"""Versioned state: values one learner writes and other fragments read.
+
+``ff.versioned(x)`` marks ``x`` (a pytree of arrays: parameters, optimizer state) as shared
+state. Every learner call that writes it produces the next version. Fragments receive it as an
+argument, whole or as a view (``state["params"]``), and the runtime hands them the value of the
+version their placement allows: under ``single_process`` the latest, on a distributed policy the
+newest one broadcast to that process. Versioned values are never read in the loop itself.
+
+>>> v = Versioned("state", 0, {"params": {"w": 1.0}}, None)
+>>> v["params"].resolve(v.value)
+{'w': 1.0}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fragflow import context
+from fragflow.errors import VersionedStateError
+from fragflow.source import SourceLoc, user_callsite
+
+
+def _misuse(what: str) -> VersionedStateError:
+    return VersionedStateError(
+        f"versioned state was {what} in the training loop",
+        where=user_callsite(2),
+        fix="pass the versioned state (or a view of it such as state['params']) to a fragment "
+            "and compute with it there; the loop only moves it between fragments",
+    )
+
+
+class _NoLoopUse:
+    """Refuse every way plain loop code could read a versioned value."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        raise _misuse("tested for truth")
+
+    def __iter__(self) -> Any:
+        raise _misuse("iterated")
+
+    def __len__(self) -> int:
+        raise _misuse("asked for its length")
+
+    def __array__(self, *a: Any, **k: Any) -> Any:
+        raise _misuse("converted to an array")
+
+    def __float__(self) -> float:
+        raise _misuse("converted to a number")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _misuse(f"read as attribute '.{name}'")
+
+
+class Versioned(_NoLoopUse):
+    """One version of a shared state. ``value`` is None where this process holds no copy."""
+
+    __slots__ = ("name", "version", "value", "created_at")
+
+    def __init__(self, name: str, version: int, value: Any, created_at: SourceLoc | None) -> None:
+        self.name = name
+        self.version = version
+        self.value = value
+        self.created_at = created_at
+
+    def __getitem__(self, key: Any) -> VersionedView:
+        return VersionedView(self, (key,))
+
+    def __repr__(self) -> str:
+        return f"Versioned({self.name!r}, v{self.version})"
+
+
+class VersionedView(_NoLoopUse):
+    """A sub-tree of a versioned state (``state["params"]``): what an actor usually reads."""
+
+    __slots__ = ("handle", "path")
+
+    def __init__(self, handle: Versioned, path: tuple[Any, ...]) -> None:
+        self.handle = handle
+        self.path = path
+
+    def __getitem__(self, key: Any) -> VersionedView:
+        return VersionedView(self.handle, self.path + (key,))
+
+    @property
+    def path_str(self) -> str:
+        return "".join(f"[{k!r}]" for k in self.path)
+
+    def resolve(self, value: Any) -> Any:
+        for k in self.path:
+            value = value[k]
+        return value
+
+    def __repr__(self) -> str:
+        return f"{self.handle!r}{self.path_str}"
+
+
+def versioned(value: Any, name: str = "state") -> Any:
+    """Mark ``value`` as state one learner writes and other fragments read.
+
+    Eagerly (no interpreter active) the value is returned unchanged.
+
+    >>> versioned({"w": 1.0})
+    {'w': 1.0}
+    """
+    interp = context.current()
+    if interp is None:
+        return value
+    return interp.versioned(value, name, user_callsite())
