@@ -127,13 +127,13 @@ def act(params, obs, key):
         out = mlp(params["actor"], obs)
         if "logstd" in params:
             std = params["logstd"].exp().expand_as(out)
-            noise = torch.from_numpy(ff.random.normal(key, (out.shape[-1],))).to(out.dtype)
-            action = out + std * noise
+            action = out + std * torch.from_numpy(ff.random.normal(key, (out.shape[-1],)).astype(np.float32))
             logprob = torch.distributions.Normal(out, std).log_prob(action).sum(-1)
         else:
-            gumbel = torch.from_numpy(ff.random.gumbel(key, (out.shape[-1],))).to(out.dtype)
+            # Gumbel-max: argmax(logits + Gumbel noise) is a sample of the categorical
+            gumbel = torch.from_numpy(ff.random.gumbel(key, (out.shape[-1],)).astype(np.float32))
             action = torch.argmax(out + gumbel, dim=-1)
-            logprob = F.log_softmax(out, dim=-1).gather(-1, action.unsqueeze(-1)).squeeze(-1)
+            logprob = torch.log_softmax(out, dim=-1).gather(-1, action[:, None])[:, 0]
     return action, logprob, value
 
 
@@ -163,26 +163,29 @@ def learn(state, batch, lr, args: dict):
 
     obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
     actions = torch.as_tensor(batch["action"])
-    logprobs, values = batch["logprob"], batch["value"]
-    rewards = torch.as_tensor(batch["reward"], dtype=torch.float32)
-    dones = torch.as_tensor(batch["done"], dtype=torch.float32)
+    logprobs, values = torch.as_tensor(batch["logprob"]), torch.as_tensor(batch["value"])
     num_steps = obs.shape[0]
 
     # Generalized Advantage Estimation (Schulman et al., 2016, https://arxiv.org/abs/1506.02438)
     with torch.no_grad():
-        next_value = mlp(params["critic"], torch.as_tensor(batch["next_obs"], dtype=torch.float32)).squeeze(-1)
-        next_done = torch.as_tensor(batch["next_done"], dtype=torch.float32)
-        advantages = torch.zeros_like(rewards)
-        lastgaelam = torch.zeros_like(next_value)
-        for t in reversed(range(num_steps)):
-            if t == num_steps - 1:
-                nextnonterminal, nextvalues = 1.0 - next_done, next_value
-            else:
-                nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
-            delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
-            lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
-            advantages[t] = lastgaelam
-        returns = advantages + values
+        next_obs = torch.as_tensor(batch["next_obs"], dtype=torch.float32)
+        next_value = mlp(params["critic"], next_obs).squeeze(-1).numpy()
+    v_np = np.asarray(values, dtype=np.float32)
+    r_np = np.asarray(batch["reward"], dtype=np.float32)
+    nonterminal = 1.0 - np.asarray(batch["done"], dtype=np.float32)
+    next_nonterminal = 1.0 - np.asarray(batch["next_done"], dtype=np.float32)
+    adv_np = np.zeros_like(r_np)
+    lastgaelam = np.zeros_like(next_value)
+    for t in reversed(range(num_steps)):
+        if t == num_steps - 1:
+            nextnonterminal, nextvalues = next_nonterminal, next_value
+        else:
+            nextnonterminal, nextvalues = nonterminal[t + 1], v_np[t + 1]
+        delta = r_np[t] + gamma * nextvalues * nextnonterminal - v_np[t]
+        lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+        adv_np[t] = lastgaelam
+    advantages = torch.from_numpy(adv_np)
+    returns = advantages + values
 
     b_obs = obs.reshape((-1,) + obs.shape[2:])
     b_actions = actions.reshape((-1,) + actions.shape[2:])

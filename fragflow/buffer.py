@@ -39,6 +39,7 @@ class RolloutBuffer:
         self.num_steps = num_steps
         self._storage: dict[str, Any] | None = None
         self._step_keys: frozenset[str] = frozenset()
+        self._views: dict[str, Any] = {}
         self._t = 0
         self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self)
         self.collect = Fragment(self._collect, "buffer", name=f"{self.name}.collect", instance=self)
@@ -49,12 +50,17 @@ class RolloutBuffer:
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
             self._storage = {k: _alloc(self.num_steps, v) for k, v in step.items()}
+            # numpy views of the storage: assigning through numpy is several times cheaper than
+            # indexing a torch tensor, and writes the same memory.
+            self._views = {k: (s.numpy() if s.device.type == "cpu" else s) if not isinstance(s, np.ndarray) else s
+                           for k, s in self._storage.items()}
         elif step.keys() != self._storage.keys():
             raise TraceError(f"{self.name}.add got keys {sorted(step)}, earlier {sorted(self._storage)}",
                              where=user_callsite(), fix="add the same keys at every step")
         t = self._t
+        views = self._views
         for k, v in step.items():
-            self._storage[k][t] = v
+            views[k][t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
         self._t = t + 1
 
     def _collect(self, **last: Any) -> dict[str, Any]:

@@ -17,6 +17,8 @@ True
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -24,14 +26,16 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _SPLIT_A = np.uint64(0x2545F4914F6CDD1D)
 _SPLIT_B = np.uint64(0xD6E8FEB86659FD93)
+_S30, _S27, _S31, _SHIFT = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_TWO_M53 = 1.0 / 9007199254740992.0
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
     """SplitMix64 finalizer, elementwise on uint64 arrays (wrapping arithmetic)."""
     z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
 
 
 def keys(seed: int, ids: np.ndarray) -> np.ndarray:
@@ -40,22 +44,32 @@ def keys(seed: int, ids: np.ndarray) -> np.ndarray:
     return _mix(base ^ _mix(np.asarray(ids, dtype=np.uint64)))
 
 
+_SPLIT = np.array([[_SPLIT_A], [_SPLIT_B]], dtype=np.uint64)
+
+
 def split(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent key arrays from one: ``key, sub = split(key)``."""
-    return _mix(key ^ _SPLIT_A), _mix(key ^ _SPLIT_B)
+    both = _mix(key.reshape(1, -1) ^ _SPLIT)
+    return both[0].reshape(key.shape), both[1].reshape(key.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _counters(n: int) -> np.ndarray:
+    counters = _mix(np.arange(1, n + 1, dtype=np.uint64)).reshape(1, -1)
+    counters.setflags(write=False)
+    return counters
 
 
 def bits(key: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """uint64 random bits of shape ``key.shape + shape``."""
     n = int(np.prod(shape)) if shape else 1
-    counters = _mix(np.arange(1, n + 1, dtype=np.uint64))
-    out = _mix(key.reshape(-1, 1) ^ counters.reshape(1, -1))
+    out = _mix(key.reshape(-1, 1) ^ _counters(n))
     return out.reshape(key.shape + tuple(shape))
 
 
 def uniform(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
     """Floats in the open interval (0, 1), float64, shape ``key.shape + shape``."""
-    return ((bits(key, shape) >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    return ((bits(key, shape) >> _SHIFT).astype(np.float64) + 0.5) * _TWO_M53
 
 
 def normal(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
