@@ -10,12 +10,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from fragflow import envs, random
 from fragflow.buffer import RolloutBuffer
 from fragflow.fragment import fragment
 from fragflow.log import log
 from fragflow.policy import distribute
 from fragflow.versioned import versioned
+
+if TYPE_CHECKING:
+    from fragflow.driver import RunResult
+    from fragflow.ir import Graph
 
 
 def policies() -> dict[str, str]:
@@ -25,14 +32,14 @@ def policies() -> dict[str, str]:
     return {name: spec.mirrors for name, spec in available().items()}
 
 
-def trace(train, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.trace.trace`)."""
-    from fragflow.trace import trace as _trace
+def trace(train: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.tracer.trace`)."""
+    from fragflow.tracer import trace as _trace
 
     return _trace(train, *args, **kwargs)
 
 
-def run(train, args=None, **kwargs):  # type: ignore[no-untyped-def]
+def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult:
     """Compile and run a training loop (see :func:`fragflow.driver.run`)."""
     from fragflow.driver import run as _run
 

@@ -23,7 +23,7 @@ import numpy as np
 from fragflow import context
 from fragflow.errors import TraceError
 from fragflow.fragment import Fragment
-from fragflow.pytree import backend_of, leaf_paths
+from fragflow.pytree import backend_of
 from fragflow.source import user_callsite
 
 

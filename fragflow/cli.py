@@ -22,7 +22,7 @@ from fragflow.errors import FragflowError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile and run reinforcement-learning training loops as fragmented dataflow graphs.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
 
 DEFAULT_ALGORITHM = "ppo"
@@ -90,7 +90,8 @@ def run(
     """Train: trace the loop, place it with a policy, run it, write metrics.csv, TensorBoard and summary.json."""
     debug = _debug(debug)
     try:
-        from fragflow import driver, policy as policies
+        from fragflow import driver
+        from fragflow import policy as policies
 
         program, args = _load(algorithm, set_)
         spec, _ = policies.resolve(policy, program.train)

@@ -26,7 +26,7 @@ from fragflow.progress import ProgressDisplay
 from fragflow.runtime import serial
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.trace import trace
+from fragflow.tracer import trace
 
 
 @dataclass
@@ -66,7 +66,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     call_args = () if args is None else (args,)
     total = getattr(args, "total_timesteps", None)
     outputs = RunOutputs(out) if out is not None else None
-    display = ProgressDisplay(description or getattr(train, "__name__", "train"), total) if progress else None
+    display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
     monitor = Monitor(total_steps=total, outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
     if outputs is not None:

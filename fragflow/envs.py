@@ -66,6 +66,63 @@ class _EpisodeStats(gym.vector.VectorWrapper):
         return obs, reward, terminated, truncated, info
 
 
+class _RunningMeanStd:
+    """Running mean and variance over batches (Chan et al.'s parallel update)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = 1e-4
+
+    def update(self, x: np.ndarray) -> None:
+        mean, var, n = x.mean(axis=0), x.var(axis=0), x.shape[0]
+        delta, total = mean - self.mean, self.count + n
+        self.mean = self.mean + delta * n / total
+        self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
+        self.count = total
+
+
+class _Normalize(gym.vector.VectorWrapper):
+    """Observation and reward normalisation as CleanRL's continuous PPO applies it (running
+    statistics, clipped to +-10), for same-step autoreset: gymnasium's own normalisation
+    wrappers refuse that mode because they would leave ``final_obs`` unnormalised; here the final
+    observation is normalised with the same statistics."""
+
+    def __init__(self, env: gym.vector.VectorEnv, obs: bool, reward: bool, gamma: float, clip: float = 10.0) -> None:
+        super().__init__(env)
+        self.obs_rms = _RunningMeanStd(env.single_observation_space.shape or ()) if obs else None
+        self.ret_rms = _RunningMeanStd(()) if reward else None
+        self.returns = np.zeros(env.num_envs)
+        self.gamma, self.clip = gamma, clip
+
+    def _obs(self, obs: np.ndarray, update: bool) -> np.ndarray:
+        if self.obs_rms is None:
+            return obs
+        if update:
+            self.obs_rms.update(obs)
+        z = (obs - self.obs_rms.mean) / np.sqrt(self.obs_rms.var + 1e-8)
+        return np.clip(z, -self.clip, self.clip).astype(obs.dtype)
+
+    def reset(self, **kwargs: Any) -> Any:
+        obs, info = self.env.reset(**kwargs)
+        self.returns[:] = 0.0
+        return self._obs(obs, True), info
+
+    def step(self, actions: Any) -> Any:
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        if "final_obs" in info:
+            mask = info["_final_obs"]
+            info = dict(info, final_obs=info["final_obs"].copy())
+            for i in np.flatnonzero(mask):
+                info["final_obs"][i] = self._obs(info["final_obs"][i][None], False)[0]
+        obs = self._obs(obs, True)
+        if self.ret_rms is not None:
+            self.returns = self.returns * self.gamma * (1 - terminated) + reward
+            self.ret_rms.update(self.returns[:, None].reshape(-1))
+            reward = np.clip(reward / np.sqrt(self.ret_rms.var + 1e-8), -self.clip, self.clip)
+        return obs, reward, terminated, truncated, info
+
+
 class VectorEnv:
     """A batch of gymnasium environments stepped as one fragment call.
 
@@ -88,10 +145,8 @@ class VectorEnv:
         env: gym.vector.VectorEnv = self._stats
         if clip_actions:
             env = gym.wrappers.vector.ClipAction(env)
-        if normalize_obs:
-            env = gym.wrappers.vector.NormalizeObservation(env)
-        if normalize_reward:
-            env = gym.wrappers.vector.NormalizeReward(env, gamma=gamma)
+        if normalize_obs or normalize_reward:
+            env = _Normalize(env, normalize_obs, normalize_reward, gamma)
         self._env = env
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
@@ -112,7 +167,7 @@ class VectorEnv:
 
     def _reset(self) -> np.ndarray:
         seeds = [int(self.seed + i) for i in self.ids]
-        obs, _ = self._env.reset(seed=seeds)
+        obs, _ = self._env.reset(seed=seeds)  # type: ignore[arg-type]  # vector envs take one seed per env
         return obs
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
@@ -140,8 +195,8 @@ def make(env_id: str, num_envs: int = 1, seed: int = 0, *, clip_actions: bool = 
     """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
 
     ``clip_actions`` clips continuous actions to the action space; ``normalize_obs`` and
-    ``normalize_reward`` apply gymnasium's running normalisation wrappers (as CleanRL's
-    continuous-action PPO does).
+    ``normalize_reward`` normalise with running statistics and clip to +-10, as CleanRL's
+    continuous-action PPO does. The statistics belong to this process's environments.
     """
     where = user_callsite()
     if num_envs < 1:

@@ -78,15 +78,14 @@ class PlacedGraph:
                 if n in seen:
                     out.append(f"fragment '{n}' is placed in both '{seen[n]}' and '{g.name}'")
                 seen[n] = g.name
-        for n in self.graph.fragments():
-            if n.name not in seen:
-                out.append(f"fragment '{n.name}' is not placed in any group")
         instances: dict[str, str] = {}
-        for n in self.graph.fragments():
-            if n.instance and n.name in seen:
-                other = instances.setdefault(n.instance, seen[n.name])
-                if other != seen[n.name]:
-                    out.append(f"fragments of '{n.instance}' are split across groups '{other}' and '{seen[n.name]}'")
+        for frag in self.graph.fragments():
+            if frag.name not in seen:
+                out.append(f"fragment '{frag.name}' is not placed in any group")
+            elif frag.instance:
+                other = instances.setdefault(frag.instance, seen[frag.name])
+                if other != seen[frag.name]:
+                    out.append(f"fragments of '{frag.instance}' are split across groups '{other}' and '{seen[frag.name]}'")
         carried = {e for c in self.channels for e in c.edges}
         for e in self.graph.edges:
             src = self.graph.node(e.src)

@@ -55,7 +55,7 @@ class PolicySpec:
 
 def available() -> dict[str, PolicySpec]:
     """Every registered policy, by name."""
-    from fragflow import distribution_policies
+    from fragflow import distribution_policies  # type: ignore[attr-defined]
 
     found: dict[str, PolicySpec] = {}
     for info in pkgutil.iter_modules(distribution_policies.__path__):

@@ -83,7 +83,7 @@ def format_graph(graph: Graph) -> str:
     lines.append("fragments:")
     for n in frags:
         defined = str(n.defined_at) if n.defined_at else "builtin"
-        lines.append(f"  {n.name:<{width}}  role={n.role:<7}  backend={n.backend:<{bwidth}}  "
+        lines.append(f"  {n.name:<{width}}  role={n.role or '-':<7}  backend={n.backend or '-':<{bwidth}}  "
                      f"rate={_rate(n.rate, unit):<10}  called={n.called_at}  defined={defined}")
     states = [n for n in graph.nodes if n.kind is NodeKind.STATE]
     if states:

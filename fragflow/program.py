@@ -37,7 +37,7 @@ class Program:
 
 
 def builtin_algorithms() -> list[str]:
-    from fragflow import algorithms
+    from fragflow import algorithms  # type: ignore[attr-defined]
 
     return sorted(m.name for m in pkgutil.iter_modules(algorithms.__path__) if not m.name.startswith("_"))
 

@@ -98,7 +98,7 @@ class Monitor:
         return {
             "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": wall,
             "steps_per_second": self.env_steps / wall if wall > 0 else 0.0,
-            "episode_return_mean": self.recent_return if self.recent else nan,
+            "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
             "episodes": float(len(self.episodes)),
         }

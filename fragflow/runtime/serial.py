@@ -15,7 +15,7 @@ import numpy as np
 from fragflow import context
 from fragflow.context import InstanceNames
 from fragflow.envs import VectorEnv
-from fragflow.errors import VersionedStateError
+from fragflow.errors import FragflowError, VersionedStateError
 from fragflow.fragment import Fragment
 from fragflow.runtime.monitor import Monitor
 from fragflow.source import SourceLoc, user_callsite
@@ -64,6 +64,8 @@ class SerialInterpreter:
             kwargs = {k: _resolve(v) for k, v in kwargs.items()}
         try:
             out = frag.fn(*args, **kwargs)
+        except FragflowError:
+            raise
         except Exception as exc:
             exc.add_note(f"(while executing fragment '{frag.name}' called at {user_callsite()})")
             raise

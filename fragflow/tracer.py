@@ -25,14 +25,15 @@ import numpy as np
 from fragflow import context
 from fragflow.buffer import RolloutBuffer
 from fragflow.context import InstanceNames
+from fragflow.envs import VectorEnv
 from fragflow.errors import (
+    FragflowError,
     LearnerOutputOnActingSideError,
     NoFragmentError,
     NotArrayPytreeError,
     ShapeChangedError,
     VersionedStateError,
 )
-from fragflow.envs import VectorEnv
 from fragflow.fragment import ACTING_ROLES, Fragment
 from fragflow.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
 from fragflow.pytree import NotAnArray, TensorSpec, leaf_paths, spec_of
@@ -94,6 +95,7 @@ class Tracer:
         self._states: dict[str, _StateRec] = {}
         self._origins: dict[int, _Origin] = {}
         self._input_ids: set[int] = set()
+        self._input_backends: set[str] = set()
         self._resources: list[Any] = []
         self.updates = 0
         self.env_steps = 0
@@ -129,8 +131,8 @@ class Tracer:
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
         written: Versioned | None = None
-        self._input_ids: set[int] = set()
-        self._input_backends: set[str] = set()
+        self._input_ids = set()
+        self._input_backends = set()
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
                 bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)
@@ -149,6 +151,8 @@ class Tracer:
 
         try:
             out = frag.fn(*bound.args, **bound.kwargs)
+        except FragflowError:
+            raise
         except Exception as exc:
             exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where})")
             raise

@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fragflow.cli import app
+from tests.conftest import ROOT
+
+runner = CliRunner()
+SMALL = ["--set", "total_timesteps=2048", "--set", "num_steps=64"]
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_run_writes_metrics_tensorboard_summary_and_plot(tmp_path):
+    out = tmp_path / "x"
+    res = invoke("run", "algorithms/ppo.py", "--policy", "single_process", "--set", "num_envs=8", *SMALL,
+                 "--out", str(out), "--target-return", "20", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert "done: 2048 env steps" in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("policy", "env_steps", "wall_seconds", "steps_per_second", "final_return_mean",
+                "solved_at_seconds", "solved_at_steps"):
+        assert key in summary, key
+    assert summary["policy"] == "single_process" and summary["env_steps"] == 2048
+    assert summary["args"]["num_envs"] == 8
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert len(rows) == 4 and float(rows[-1]["env_steps"]) == 2048
+    assert {"steps_per_second", "episode_return_mean", "value_loss", "approx_kl"} <= set(rows[0])
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "returns.png").stat().st_size > 1000
+    assert "placement by policy single_process" in (out / "graph.txt").read_text()
+
+
+def test_tensorboard_events_hold_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    assert invoke("run", "ppo", *SMALL, "--out", str(out), "--quiet").exit_code == 0
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"charts/episodic_return", "charts/steps_per_second", "losses/value_loss"} <= tags
+    assert len(acc.Scalars("losses/value_loss")) == 8
+
+
+def test_graph_prints_text_and_writes_png_and_svg(tmp_path):
+    res = invoke("graph", "algorithms/ppo.py", "--image", str(tmp_path / "g.png"), *SMALL)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("fdg train at algorithms/ppo.py:")
+    assert "buffer.collect -> learn.batch  data  rate=1/update" in res.stdout
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+    res = invoke("graph", "ppo", "--image", str(tmp_path / "g.svg"), "--policy", "single_process", *SMALL)
+    assert res.exit_code == 0 and res.stdout.startswith("placement by policy single_process")
+    assert b"<svg" in (tmp_path / "g.svg").read_bytes()[:2000]
+
+
+def test_policies_lists_one_line_each_with_what_it_mirrors():
+    res = invoke("policies")
+    assert res.exit_code == 0
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("single_process")][0]
+    assert "(default)" in line and "mirrors" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "nope.py"], "no such algorithm file: nope.py"),
+    (["run", "pp0"], "no algorithm file or built-in algorithm named 'pp0'"),
+    (["run", "ppo", "--policy", "single_proces"], "did you mean 'single_process'"),
+    (["run", "ppo", "--set", "num_env=8"], "no field 'num_env'; did you mean 'num_envs'"),
+    (["run", "ppo", "--set", "env_id=CartPole-v9"], "unknown environment id 'CartPole-v9'"),
+    (["run", "ppo", "--stop-on-target"], "--stop-on-target needs --target-return"),
+    (["graph", "ppo", "--image", "g.gif"], "give a path ending in .png or .svg"),
+])
+def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
+    out = tmp_path / "never"
+    extra = ["--out", str(out)] if args[0] == "run" else []
+    res = invoke(*args, *extra)
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr
+    assert "Traceback" not in res.output
+    assert not out.exists()
+
+
+def test_unknown_env_error_points_at_the_users_line():
+    res = invoke("run", "algorithms/ppo.py", "--set", "env_id=CartPole-v9")
+    assert res.exit_code == 2
+    assert "at algorithms/ppo.py:" in res.stderr and "fix: did you mean 'CartPole-v1'" in res.stderr
+
+
+def test_real_entry_point_exit_codes_and_debug_traceback(tmp_path):
+    exe = Path(sys.executable).with_name("fragflow")
+    res = subprocess.run([str(exe), "run", "ppo", "--set", "nope=1"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "has no field 'nope'" in res.stderr
+    res = subprocess.run([str(exe), "run", "ppo", "--set", "nope=1", "--debug"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" in res.stderr
+    res = subprocess.run([str(exe), "run", "--bogus-flag"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2
+
+
+def test_ctrl_c_stops_the_run_and_still_writes_the_summary(tmp_path):
+    exe = Path(sys.executable).with_name("fragflow")
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([str(exe), "run", "ppo", "--out", str(out), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["env_steps"] > 0

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fragflow as ff
+from fragflow.envs import VectorEnv
+from fragflow.errors import UnknownEnvError
+
+
+def test_same_step_autoreset_keeps_the_final_observation():
+    env = ff.envs.make("CartPole-v1", num_envs=3, seed=0)
+    obs = env.reset()
+    ended = False
+    for _ in range(200):
+        prev = obs
+        obs, reward, terminated, truncated, info = env.step(np.ones(3, dtype=np.int64))  # always push right
+        done = terminated | truncated
+        assert np.array_equal(info["final_obs"][~done], obs[~done])
+        if done.any():
+            ended = True
+            i = int(np.flatnonzero(done)[0])
+            # the returned observation is a fresh episode start; the final one continues the old episode
+            assert np.abs(obs[i]).max() <= 0.05
+            assert np.abs(info["final_obs"][i] - prev[i]).max() < 0.5
+            assert np.abs(info["final_obs"][i]).max() > 0.05
+            break
+    assert ended
+    assert env.finished_episodes and env.finished_episodes[0][1] == env.finished_episodes[0][0]   # +1 per step
+    env.close()
+
+
+def test_environment_i_is_the_same_wherever_it_runs():
+    whole = VectorEnv("CartPole-v1", 4, seed=5, ids=np.arange(4), name="env")
+    part = VectorEnv("CartPole-v1", 4, seed=5, ids=np.array([2, 3]), name="env")
+    a, b = whole.reset(), part.reset()
+    assert np.array_equal(a[2:], b)
+    for _ in range(30):
+        a = whole.step(np.array([0, 1, 1, 0]))[0]
+        b = part.step(np.array([1, 0]))[0]
+        assert np.array_equal(a[2:], b)
+    whole.close(), part.close()
+
+
+def test_unknown_env_id_suggests_a_close_one():
+    with pytest.raises(UnknownEnvError, match=r"unknown environment id 'CartPole-v9'\n  at tests/test_envs.py:\d+\n  fix: did you mean 'CartPole-v1'"):
+        ff.envs.make("CartPole-v9", num_envs=2)

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from fragflow import random as ffr
+from fragflow.config import apply_overrides
+from fragflow.errors import ConfigError
+from fragflow.pytree import NotAnArray, flatten, leaf_paths, spec_of, unflatten
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_flatten_roundtrip_keeps_structure_and_leaves():
+    tree = {"x": np.zeros(3), "y": [torch.ones(2), (1.5, None)], "z": Pair(np.int64(3), True)}
+    leaves, td = flatten(tree)
+    assert len(leaves) == 5
+    back = unflatten(td, leaves)
+    assert back["y"][1] == (1.5, None) and isinstance(back["z"], Pair)
+    assert [p for p, _ in leaf_paths(tree)] == ["['x']", "['y'][0]", "['y'][1][0]", "['z'].a", "['z'].b"]
+
+
+def test_non_array_leaf_reports_its_path():
+    with pytest.raises(NotAnArray) as info:
+        flatten({"ok": np.zeros(1), "bad": ["s"]})
+    assert info.value.path == "['bad'][0]"
+
+
+def test_specs_name_dtype_shape_and_backend():
+    assert spec_of(np.zeros((2, 3), np.float32)).short() == "f32[2,3]"
+    assert spec_of(torch.zeros(4, dtype=torch.int64)).backend == "torch"
+    assert spec_of(1.0).dtype == "float" and spec_of(1.0).backend == "python"
+
+
+def test_keys_are_per_environment_whatever_the_slice():
+    full = ffr.keys(7, np.arange(4))
+    part = ffr.keys(7, np.array([2, 3]))
+    assert (full[2:] == part).all()
+    k, sub = ffr.split(full)
+    _, sub_part = ffr.split(part)
+    assert (ffr.uniform(sub, (5,))[2:] == ffr.uniform(sub_part, (5,))).all()
+    assert not (k == sub).any()
+
+
+def test_uniform_and_normal_look_right():
+    key = ffr.keys(0, np.arange(2000))
+    u = ffr.uniform(key, (3,))
+    assert u.shape == (2000, 3) and 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.02
+    n = ffr.normal(key, (2,))
+    assert n.shape == (2000, 2) and abs(n.mean()) < 0.06 and abs(n.std() - 1) < 0.06
+    assert not (ffr.keys(0, np.arange(3)) == ffr.keys(1, np.arange(3))).any()
+
+
+@dataclass(frozen=True)
+class Args:
+    num_envs: int = 4
+    lr: float = 2.5e-4
+    norm: bool = True
+    target_kl: float | None = None
+    env_id: str = "CartPole-v1"
+
+
+def test_overrides_convert_by_field_type():
+    args = apply_overrides(Args, ["num_envs=8", "lr=1e-3", "norm=false", "target_kl=0.02", "env_id=Acrobot-v1"])
+    assert args == Args(8, 1e-3, False, 0.02, "Acrobot-v1")
+    assert apply_overrides(Args, ["target_kl=none"]).target_kl is None
+
+
+def test_every_bad_override_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Args, ["num_env=8", "lr=fast", "norm=maybe", "oops"])
+    msg = str(info.value)
+    assert "no field 'num_env'; did you mean 'num_envs'?" in msg
+    assert "--set lr=fast: expected a number, got 'fast'" in msg
+    assert "expected true or false, got 'maybe'" in msg
+    assert "--set 'oops': expected key=value" in msg

@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fragflow as ff
+from fragflow.errors import (
+    LearnerOutputOnActingSideError,
+    NoFragmentError,
+    NotArrayPytreeError,
+    ShapeChangedError,
+    TraceError,
+    VersionedStateError,
+)
+from fragflow.ir import EdgeKind, NodeKind
+from fragflow.printer import format_graph
+from fragflow.program import load
+from tests.conftest import ROOT, relpath
+from tests.fakes import tiny
+
+HEADER = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(params, obs):
+    return np.argmax(obs @ params["w"], axis=-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"w": state["w"] + batch["obs"].mean()}, {"m": batch["obs"].mean()}
+"""
+
+
+def trace_file(path):
+    program = load(str(path))
+    return ff.trace(program.train, *(() if program.args_cls is None else (program.args_cls(),)))
+
+
+def test_golden_text_of_tiny_algorithm():
+    graph = ff.trace(tiny.train, tiny.Args())
+    assert format_graph(graph) == (ROOT / "tests/golden/tiny.txt").read_text()
+
+
+def test_ppo_graph_has_roles_rates_state_and_trajectory_edge():
+    from fragflow.algorithms import ppo
+
+    graph = ff.trace(ppo.train, ppo.Args(num_envs=2, num_steps=16, total_timesteps=2048))
+    roles = {n.name: n.role for n in graph.fragments()}
+    assert roles == {"env.reset": "env", "act": "actor", "env.step": "env", "buffer.add": "buffer",
+                     "buffer.collect": "buffer", "learn": "learner", "log": "logger"}
+    assert graph.node("act").rate == 16 and graph.node("learn").rate == 1 and graph.node("env.reset").rate == 0
+    assert graph.node("act").backend == "torch"
+    assert graph.node("act").defined_at.file == "algorithms/ppo.py"
+    state = [n for n in graph.nodes if n.kind is NodeKind.STATE]
+    assert [s.versions for s in state] == [3]
+    reads = [(e.dst, e.src_port) for e in graph.edges_of(EdgeKind.STATE_READ)]
+    assert ("act", "['params']") in reads and ("learn", "") in reads
+    [traj] = [e for e in graph.edges if e.src == "buffer.collect" and e.dst == "learn"]
+    obs = {leaf.dst_path: leaf for leaf in traj.leaves}["batch['obs']"]
+    assert obs.spec.shape == (16, 2, 4) and obs.env_axis == 1
+    assert [e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)] == ["learn"]
+
+
+def test_trace_leaves_global_random_state_untouched():
+    import random
+
+    import torch
+
+    before = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    ff.trace(tiny.train, tiny.Args())
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert before != expected
+
+
+def test_loop_without_fragment(write_algo):
+    path, marks = write_algo("""
+        import numpy as np
+
+        def train():  # @def
+            return np.zeros(3)
+    """)
+    with pytest.raises(NoFragmentError, match=rf"without calling a fragment\n  at {relpath(path)}:{marks['def']}\n  fix: mark"):
+        trace_file(path)
+
+
+def test_fragment_given_a_non_array(write_algo):
+    path, marks = write_algo(HEADER + """
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    obs = env.reset()
+    act({"w": np.zeros((4, 2))}, "not an array")  # @call
+""")
+    with pytest.raises(NotArrayPytreeError, match=rf"argument 'obs' whose leaf obs is a builtins.str\n  at {relpath(path)}:{marks['call']}"):
+        trace_file(path)
+
+
+def test_fragment_returning_a_non_array(write_algo):
+    path, marks = write_algo("""
+        import fragflow as ff
+        import numpy as np
+
+        @ff.fragment("actor")  # @def
+        def act(obs):
+            return {"action": obs, "note": object()}
+
+        def train():
+            act(np.zeros(2))
+    """)
+    with pytest.raises(NotArrayPytreeError, match=rf"returned a value whose leaf \['note'\] is a builtins.object\n  at {relpath(path)}:{marks['def']}\n  fix: fragments return pytrees"):
+        trace_file(path)
+
+
+def test_fragment_whose_output_shape_changes(write_algo):
+    path, marks = write_algo("""
+        import fragflow as ff
+        import numpy as np
+
+        @ff.fragment("actor")  # @def
+        def act(n):
+            return np.zeros(n)
+
+        def train():
+            for n in range(1, 4):
+                act(n)
+    """)
+    with pytest.raises(ShapeChangedError, match=rf"'act' changed its output between calls:\n    before: out: f64\[1\]\n    now:    out: f64\[2\]\n  at {relpath(path)}:{marks['def']}"):
+        trace_file(path)
+
+
+def test_learner_output_used_as_plain_data_by_actor(write_algo):
+    path, marks = write_algo(HEADER + """
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act({"w": np.zeros((4, 2))}, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        act({"w": metrics["m"] * np.ones((4, 2))}, obs)
+        act(metrics, obs)  # @misuse
+""")
+    with pytest.raises(LearnerOutputOnActingSideError,
+                       match=rf"output \[1\]\['m'\] of learner 'learn' is used as plain data by actor fragment 'act' \(argument 'params'\)\n  at {relpath(path)}:{marks['misuse']}\n  fix: on a distributed policy"):
+        trace_file(path)
+
+
+def test_versioned_state_read_in_the_loop(write_algo):
+    path, marks = write_algo(HEADER + """
+def train():
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    if state["w"]:  # @misuse
+        pass
+""")
+    with pytest.raises(VersionedStateError, match=rf"versioned state was tested for truth in the training loop\n  at {relpath(path)}:{marks['misuse']}"):
+        trace_file(path)
+
+
+def test_learner_given_plain_state(write_algo):
+    path, marks = write_algo(HEADER + """
+def train():
+    learn({"w": np.zeros(2)}, {"obs": np.zeros(2)})  # @call
+""")
+    with pytest.raises(VersionedStateError, match=rf"learner 'learn' writes 'state', but that argument is not versioned state\n  at {relpath(path)}:{marks['call']}\n  fix: create it with state = ff.versioned"):
+        trace_file(path)
+
+
+def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
+    with pytest.raises(TraceError, match="unknown fragment role 'critic'"):
+        ff.fragment("critic")
+    with pytest.raises(TraceError, match="declares writes='nope' but has no such parameter"):
+        ff.fragment("learner", writes="nope")(lambda state: state)
+
+
+def test_buffer_misuse(write_algo):
+    path, marks = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        def train():
+            buf = ff.RolloutBuffer(2)
+            buf.add(x=np.zeros(2))
+            buf.collect()  # @early
+    """)
+    with pytest.raises(TraceError, match=rf"buffer.collect called after 1 adds, expected num_steps=2\n  at {relpath(path)}:{marks['early']}"):
+        trace_file(path)
