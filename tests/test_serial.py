@@ -3,10 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fragflow.algorithms import ppo
 
 import fragflow as ff
 import fragflow.envs
+from fragflow.algorithms import ppo
 from fragflow.pytree import leaf_paths, to_numpy
 
 ARGS = ppo.Args(total_timesteps=3072, num_envs=4, num_steps=64, seed=3)
