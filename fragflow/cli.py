@@ -101,12 +101,13 @@ def run(
             raise ConfigError("--stop-on-target needs --target-return R", fix="add --target-return, e.g. 475")
         run_dir = out_dir or Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         with err.status(f"tracing {algorithm} ...", spinner="dots"):
-            placed = driver.compile(program.train, args, policy=policy)
+            compiled = driver._compile(program.train, args, policy)
+        placed = compiled[0]
         err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy [bold]{placed.policy}[/], "
                   f"writing to {run_dir}", highlight=False)
         result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
                             stop_on_target=stop_on_target, progress=not quiet, description=program.name,
-                            placed=placed)
+                            placed=compiled)
     except KeyboardInterrupt:
         err.print("interrupted", style="yellow")
         raise typer.Exit(code=130) from None

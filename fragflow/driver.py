@@ -18,7 +18,6 @@ from typing import Any
 
 from fragflow import __version__
 from fragflow import policy as policies
-from fragflow.errors import GraphError
 from fragflow.ir import Graph
 from fragflow.placement import PlacedGraph
 from fragflow.printer import format_graph, format_placed
@@ -26,7 +25,8 @@ from fragflow.progress import ProgressDisplay
 from fragflow.runtime import serial
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.tracer import trace
+from fragflow.fragment import Fragment
+from fragflow.tracer import trace_program
 
 
 @dataclass
@@ -45,24 +45,28 @@ class RunResult:
 
 def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None) -> PlacedGraph:
     """Trace ``train(args)`` and place it with ``policy`` (or the decorator's, or the default)."""
+    return _compile(train, args, policy)[0]
+
+
+def _compile(train: Callable[..., Any], args: Any, policy: str | None) -> tuple[PlacedGraph, dict[str, Fragment]]:
     spec, options = policies.resolve(policy, train)
     call_args = () if args is None else (args,)
-    graph = trace(train, *call_args)
+    graph, fragments = trace_program(train, *call_args)
     placed = spec.place(graph, options).verify()
-    return placed
+    return placed, fragments
 
 
 def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
         out: str | os.PathLike[str] | None = None, target_return: float | None = None,
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,
-        placed: PlacedGraph | None = None) -> RunResult:
+        placed: tuple[PlacedGraph, dict[str, Fragment]] | None = None) -> RunResult:
     """Compile (unless ``placed`` is given) and run a training function under a distribution policy."""
-    if placed is None:
-        placed = compile(train, args, policy=policy)
-    if len(placed.groups) != 1 or placed.groups[0].replicas != 1:
-        raise GraphError(f"policy '{placed.policy}' places the program on {len(placed.groups)} groups; "
-                         "this build of fragflow executes single-group placements only",
-                         fix="use --policy single_process")
+    placed, fragments = _compile(train, args, policy) if placed is None else placed
+    serial_run = len(placed.groups) == 1 and placed.groups[0].replicas == 1
+    if not serial_run:
+        from fragflow.runtime import plan as plans
+
+        plans.build(placed, fragments, train, args)   # configuration errors before anything is written
     call_args = () if args is None else (args,)
     total = getattr(args, "total_timesteps", None)
     outputs = RunOutputs(out) if out is not None else None
@@ -75,7 +79,12 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     value = None
     monitor.start()
     try:
-        value = serial.execute(train, call_args, monitor)
+        if serial_run:
+            value = serial.execute(train, call_args, monitor)
+        else:
+            from fragflow.runtime import multiprocess
+
+            value = multiprocess.execute(placed, fragments, train, args, monitor)
         status = "completed"
     except StopRun:
         status = "stopped_at_target"

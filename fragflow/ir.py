@@ -74,6 +74,8 @@ class Node:
     calls: int = 0                 # calls seen while tracing
     instance: str | None = None    # built-in object the fragment belongs to (co-located by policies)
     versions: int = 0              # STATE: versions seen while tracing
+    arity: int = 0                 # number of outputs when it returns a tuple, else 0
+    inputs: tuple[LeafSpec, ...] = ()   # argument leaves in call order (dst_path, spec, env axis)
 
 
 @dataclass(frozen=True, slots=True)

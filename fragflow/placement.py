@@ -52,6 +52,7 @@ class Channel:
     max_lag: int = 0
     overflow: Overflow = Overflow.BLOCK
     capacity: int = 1
+    discipline: str = ""           # how the consumer reads it (see acting_and_learning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ class PlacedGraph:
             src = self.graph.node(e.src)
             if src.kind is NodeKind.LOOP:
                 continue
-            if e.kind is EdgeKind.DATA and seen.get(e.src) != seen.get(e.dst):
+            if e.kind is EdgeKind.DATA and e.src != e.dst and seen.get(e.src) != seen.get(e.dst):
                 label = edge_label(e.src, e.dst, e.dst_port)
                 if label not in carried:
                     out.append(f"edge {label} crosses groups but no channel carries it")
@@ -117,3 +118,42 @@ class PlacedGraph:
 
 def edge_label(src: str, dst: str, dst_port: str) -> str:
     return f"{src} -> {dst}.{dst_port}"
+
+
+def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
+                        max_lag: int, overflow: Overflow, trajectory: str, parameters: str,
+                        capacity: int) -> PlacedGraph:
+    """The placement shared by the single-learner policies: the acting side (envs, actors,
+    buffers and the loop itself) replicated ``actors`` times; the learner, and the sinks it feeds,
+    in one service process; a trajectory channel for every data edge into the learner and a
+    parameter channel for every state read on the acting side.
+
+    ``trajectory`` is the consumer's discipline: ``ordered`` (one piece per actor per update, in
+    actor order), ``arrival`` (first come, first served) or ``balanced`` (arrival, with producers
+    admitted only while their samples will be fresh enough). ``parameters`` is ``exact`` (an
+    actor acting for update ``i`` reads version ``max(0, i - max_lag)``) or ``latest`` (it waits for
+    ``i - max_lag`` and reads the newest).
+    """
+    learners = graph.fragments("learner")
+    writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
+    if len(learners) != 1 or learners[0].name not in writers:
+        found = ", ".join(n.name for n in learners) or "none"
+        raise GraphError(f"policy '{policy}' needs exactly one learner fragment that writes versioned state; found: {found}",
+                         where=graph.defined_at,
+                         fix="mark the update function @ff.fragment('learner') and give it the state from ff.versioned(...)")
+    learner = learners[0].name
+    fed_by_learner = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src == learner}
+    sinks = tuple(n.name for n in graph.fragments("logger") if n.name in fed_by_learner)
+    service = (learner, *sinks)
+    acting = tuple(n.name for n in graph.fragments() if n.name not in service)
+    traj_edges = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
+                       if e.dst == learner and e.src != learner)
+    read_edges = tuple(f"{e.src}{e.src_port} -> {e.dst}.{e.dst_port}" for e in graph.edges_of(EdgeKind.STATE_READ)
+                       if e.dst in acting)
+    channels = [Channel("trajectory", "trajectory", "actors", "learner", traj_edges, max_lag, overflow, capacity,
+                        trajectory)]
+    if read_edges:
+        channels.append(Channel("parameters", "parameter", "learner", "actors", read_edges, max_lag, Overflow.DELIVER,
+                                max_lag + 2, parameters))
+    groups = (Group("actors", acting, replicas=actors, program="loop"), Group("learner", service, program="service"))
+    return PlacedGraph(graph, policy, options, groups, tuple(channels))

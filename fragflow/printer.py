@@ -107,5 +107,7 @@ def format_placed(placed: PlacedGraph) -> str:
         lines.append("  (none: every edge stays inside one process)")
     for c in placed.channels:
         lines.append(f"  {c.name}  {c.kind}  {c.src_group} -> {c.dst_group}  max_lag={c.max_lag}  "
-                     f"overflow={c.overflow.value}  capacity={c.capacity}  edges={', '.join(c.edges)}")
+                     f"overflow={c.overflow.value}  capacity={c.capacity}  discipline={c.discipline or '-'}")
+        for label in c.edges:
+            lines.append(f"      {label}")
     return "\n".join(lines) + "\n\n" + format_graph(placed.graph)

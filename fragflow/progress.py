@@ -37,18 +37,18 @@ class ProgressDisplay:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("env steps  {task.fields[sps]:>7} steps/s  return {task.fields[ret]:>7}"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[extra]}"),
                 console=self.console, transient=False, refresh_per_second=4)
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, sps="-", ret="-")
+            self._task = self._progress.add_task(self.description, total=self.total, sps="-", ret="-", extra="")
         else:
             self.console.print(f"{self.description}: started", highlight=False)
         self._last_plain = time.monotonic()
 
-    def update(self, env_steps: int, sps: float, recent_return: float | None, elapsed: float) -> None:
+    def update(self, env_steps: int, sps: float, recent_return: float | None, elapsed: float, extra: str = "") -> None:
         ret = "-" if recent_return is None else f"{recent_return:.1f}"
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=env_steps, sps=f"{sps:,.0f}", ret=ret)
+            self._progress.update(self._task, completed=env_steps, sps=f"{sps:,.0f}", ret=ret, extra=extra)
             return
         now = time.monotonic()
         if now - self._last_plain >= self.plain_interval:
@@ -58,7 +58,7 @@ class ProgressDisplay:
             if self.total and sps > 0:
                 eta = f"  eta {max(0.0, (self.total - env_steps) / sps):.0f}s"
             self.console.print(f"{self.description}: {env_steps}{total} env steps  {sps:,.0f} steps/s  "
-                               f"return {ret}  elapsed {elapsed:.0f}s{eta}", highlight=False)
+                               f"return {ret}  elapsed {elapsed:.0f}s{eta}{extra}", highlight=False)
             sys.stderr.flush()
 
     def stop(self) -> None:

@@ -57,6 +57,8 @@ class _NodeRec:
     called_at: SourceLoc | None = None
     calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
     out_specs: list[tuple[str, TensorSpec]] | None = None
+    arity: int = 0
+    inputs: list[LeafSpec] | None = None
     backends: set[str] = field(default_factory=set)
 
 
@@ -96,6 +98,9 @@ class Tracer:
         self._origins: dict[int, _Origin] = {}
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
+        self._inputs: list[LeafSpec] = []
+        self._env_axis_hint: dict[int, tuple[int, Callable[[], Any]]] = {}
+        self.fragments: dict[str, Fragment] = {}
         self._resources: list[Any] = []
         self.updates = 0
         self.env_steps = 0
@@ -133,6 +138,7 @@ class Tracer:
         written: Versioned | None = None
         self._input_ids = set()
         self._input_backends = set()
+        self._inputs: list[LeafSpec] = []
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
                 bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)
@@ -159,6 +165,8 @@ class Tracer:
 
         if isinstance(frag.instance, VectorEnv) and frag.name.endswith(".step"):
             self.env_steps += frag.instance.num_envs
+        if rec.inputs is None:
+            rec.inputs = self._inputs
         written_specs: list[TensorSpec] = []
         if written is not None:
             out = self._write_state(rec, written, out, where, window)
@@ -177,6 +185,7 @@ class Tracer:
             instance = getattr(frag.instance, "name", None)
             rec = _NodeRec(self._names(frag.name), frag.role, frag.defined_at, instance)
             self._nodes[id(frag)] = rec
+            self.fragments[rec.name] = frag
         return rec
 
     def _edge(self, src: str, dst: str, kind: EdgeKind, src_port: str, dst_port: str) -> _EdgeRec:
@@ -248,8 +257,13 @@ class Tracer:
                         fix="on a distributed policy the acting side only sees learner state through a versioned "
                             "broadcast: return it as part of the learner's versioned state and pass state[...] "
                             "to the fragment, or send metrics to ff.log instead")
+            if env_axis is None:
+                hint = self._env_axis_hint.get(id(leaf))
+                env_axis = hint[0] if hint is not None and hint[1]() is leaf else None
             edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
-            edge.leaves.setdefault((src_path, f"{pname}{path}"), LeafSpec(src_path, f"{pname}{path}", spec, env_axis))
+            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, env_axis)
+            edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
+            self._inputs.append(leaf_spec)
             if (src, port) not in touched:
                 touched.add((src, port))
                 edge.crossings[window] += 1
@@ -263,6 +277,7 @@ class Tracer:
     def _record_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None,
                         written_specs: list[TensorSpec]) -> None:
         first = 1 if frag.writes is not None else 0   # a learner's new state is not data
+        rec.arity = len(out) if isinstance(out, tuple) else 0
         try:
             if isinstance(out, tuple):
                 leaves = [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
@@ -296,6 +311,10 @@ class Tracer:
         for port, path, leaf in leaves:
             # A leaf the fragment passed through keeps its producer; when one array appears twice
             # in an output (final_obs is obs when no episode ended) the first place names it.
+            if buffer is not None and path.startswith("['"):
+                # what collect() passes through keeps its producer, but its environment axis is
+                # the buffer's to declare (the last step's leaves are [num_envs, ...])
+                self._env_axis_hint[id(leaf)] = (buffer.env_axis(path[2:].split("'")[0]), _strong(leaf))
             if id(leaf) in self._input_ids or id(leaf) in registered or isinstance(leaf, (bool, int)):
                 continue   # Python ints and bools are shared singletons: their identity says nothing
             registered.add(id(leaf))
@@ -321,7 +340,8 @@ class Tracer:
             backend = "+".join(sorted(rec.backends)) or "python"
             nodes.append(Node(rec.name, NodeKind.FRAGMENT, role=rec.role, backend=backend,
                               defined_at=rec.defined_at, called_at=rec.called_at,
-                              rate=float(rec.calls[steady]), calls=sum(rec.calls), instance=rec.instance))
+                              rate=float(rec.calls[steady]), calls=sum(rec.calls), instance=rec.instance,
+                              arity=rec.arity, inputs=tuple(rec.inputs or ())))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), float(er.crossings[steady]))
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
@@ -347,6 +367,12 @@ def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs:
     Global random states (``random``, ``numpy``, ``torch``) are restored afterwards, so a run
     that follows the trace starts exactly as an untraced one would.
     """
+    return trace_program(train, *args, max_updates=max_updates, **kwargs)[0]
+
+
+def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
+                  **kwargs: Any) -> tuple[Graph, dict[str, Fragment]]:
+    """:func:`trace`, also returning the fragment objects by node name (what executors call)."""
     train = getattr(train, "__fragflow_train__", train)
     tracer = Tracer(max_updates=max_updates)
     saved = _rng_state()
@@ -366,7 +392,7 @@ def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs:
             where=defined_at,
             fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
                 "and step environments made with ff.envs.make(...)")
-    return tracer.graph(getattr(train, "__name__", "train"), defined_at).verify()
+    return tracer.graph(getattr(train, "__name__", "train"), defined_at).verify(), tracer.fragments
 
 
 def _rng_state() -> tuple[Any, ...]:

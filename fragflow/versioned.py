@@ -110,3 +110,39 @@ def versioned(value: Any, name: str = "state") -> Any:
     if interp is None:
         return value
     return interp.versioned(value, name, user_callsite())
+
+
+class Pending(_NoLoopUse):
+    """A learner output seen from an actor process, where the learner does not run.
+
+    It may be passed on (to ``ff.log``, which the learner process then writes) but not read: any
+    read raises, naming the learner and the way out.
+    """
+
+    __slots__ = ("fragment", "index", "path")
+
+    def __init__(self, fragment: str, index: int, path: str = "") -> None:
+        self.fragment = fragment
+        self.index = index
+        self.path = path
+
+    def __getitem__(self, key: Any) -> Pending:
+        return Pending(self.fragment, self.index, f"{self.path}[{key!r}]")
+
+    def __repr__(self) -> str:
+        return f"Pending({self.fragment}[{self.index}]{self.path})"
+
+
+def _pending_misuse(self: Pending, what: str) -> VersionedStateError:
+    return VersionedStateError(
+        f"output [{self.index}]{self.path} of learner '{self.fragment}' was {what} on the acting side, "
+        "where the learner does not run under this policy",
+        where=user_callsite(3),
+        fix="send learner outputs to ff.log, or make what the actors need part of the versioned state")
+
+
+for _name, _what in (("__bool__", "tested for truth"), ("__iter__", "iterated"), ("__len__", "asked for its length"),
+                     ("__array__", "converted to an array"), ("__float__", "converted to a number")):
+    def _raiser(self: Pending, *a: Any, _what: str = _what, **k: Any) -> Any:
+        raise _pending_misuse(self, _what)
+    setattr(Pending, _name, _raiser)

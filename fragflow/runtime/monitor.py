@@ -40,6 +40,9 @@ class Monitor:
         self._next_refresh = 0.0
         self._pending: dict[str, float] | None = None
         self.stop_requested = False
+        self.channel_stats: dict[str, dict[str, Any]] = {}
+        self._last_channel: tuple[float, dict[str, dict[str, Any]]] | None = None
+        self._rates: dict[str, float] = {}
 
     # -- what executors report --------------------------------------------------------
     def start(self) -> None:
@@ -83,6 +86,19 @@ class Monitor:
             row[key] = float(to_numpy(leaf)) if not isinstance(leaf, (int, float)) else float(leaf)
         self._pending = row
 
+    def channels(self, stats: dict[str, dict[str, Any]]) -> None:
+        """Latest counters of every channel (cumulative); rates are derived between calls."""
+        now = time.perf_counter()
+        if self._last_channel is not None:
+            then, before = self._last_channel
+            dt = max(now - then, 1e-9)
+            for name, s in stats.items():
+                b = before.get(name, {})
+                self._rates[f"{name}/items_per_second"] = (s["items"] - b.get("items", 0)) / dt
+                self._rates[f"{name}/bytes_per_second"] = (s["bytes"] - b.get("bytes", 0)) / dt
+        self._last_channel = (now, stats)
+        self.channel_stats = stats
+
     # -- derived figures ---------------------------------------------------------------
     @property
     def wall_seconds(self) -> float:
@@ -95,13 +111,19 @@ class Monitor:
     def _runtime_row(self) -> dict[str, float]:
         wall = self.wall_seconds
         nan = math.nan
-        return {
+        row = {
             "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": wall,
             "steps_per_second": self.env_steps / wall if wall > 0 else 0.0,
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
             "episodes": float(len(self.episodes)),
         }
+        for name, s in self.channel_stats.items():
+            row[f"{name}/depth"] = float(s["depth"])
+            row[f"{name}/drops"] = float(s["drops"])
+            row[f"{name}/items_per_second"] = self._rates.get(f"{name}/items_per_second", nan)
+            row[f"{name}/bytes_per_second"] = self._rates.get(f"{name}/bytes_per_second", nan)
+        return row
 
     def _flush(self) -> None:
         if self._pending is not None and self.outputs is not None:
@@ -111,8 +133,11 @@ class Monitor:
     def _refresh(self, now: float) -> None:
         if self.progress is not None:
             wall = now - self._start
+            extra = ""
+            for name, s in self.channel_stats.items():
+                extra += f"  {name}: depth {s['depth']} drops {s['drops']}"
             self.progress.update(self.env_steps, self.env_steps / wall if wall > 0 else 0.0,
-                                 self.recent_return, wall)
+                                 self.recent_return, wall, extra)
 
     def summary(self) -> dict[str, Any]:
         wall = self.wall_seconds
@@ -122,6 +147,8 @@ class Monitor:
             "episodes": len(self.episodes),
             "final_return_mean": self.recent_return,
         }
+        if self.channel_stats:
+            out["channels"] = self.channel_stats
         if self.target_return is not None:
             out["target_return"] = self.target_return
             out["solved_at_seconds"] = None if self.solved_at_seconds is None else round(self.solved_at_seconds, 3)

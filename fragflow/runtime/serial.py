@@ -102,6 +102,26 @@ def unwrap(value: Any) -> Any:
     return value
 
 
+def unwrap_with(value: Any, state: Any) -> Any:
+    """A worker's return value with versioned handles replaced by ``state`` (the learner's final
+    state) and learner outputs the worker never saw (Pending) by None."""
+    from fragflow.versioned import Pending
+
+    if isinstance(value, Versioned):
+        return state
+    if isinstance(value, VersionedView):
+        return value.resolve(state)
+    if isinstance(value, Pending):
+        return None
+    if isinstance(value, tuple):
+        return tuple(unwrap_with(v, state) for v in value)
+    if isinstance(value, list):
+        return [unwrap_with(v, state) for v in value]
+    if isinstance(value, dict):
+        return {k: unwrap_with(v, state) for k, v in value.items()}
+    return value
+
+
 def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor) -> Any:
     """Run the loop under the serial interpreter; envs it made are closed however it ends."""
     interp = SerialInterpreter(monitor)

@@ -1,0 +1,283 @@
+"""Channels between processes: a trajectory ring and a versioned parameter broadcast.
+
+**TrajectoryChannel** - one producer, one consumer. A bounded ring of slots pre-allocated in shared
+memory and sized from the traced edge spec. ``put`` copies a pytree into the next free slot and
+stamps it with the producer's parameter version; ``get`` hands the consumer zero-copy views of the
+oldest slot, valid until ``release``. Two semaphores count free and filled slots. A shared
+``ready`` semaphore (one for a group of channels) lets a consumer of several channels sleep until
+any of them has data. Counters live in the segment header, so the driver reads depth, items,
+bytes, drops and the lag histogram without asking either side.
+
+**ParamChannel** - one writer, any number of readers, never blocking either. The last ``depth``
+versions live in a ring of slots, each guarded by a sequence counter (a seqlock): the writer makes
+the counter odd, writes, then makes it even; a reader copies the slot and retries if the counter
+moved. Readers therefore never see a half-written set of weights, and can ask for an exact
+version (deterministic policies) or the newest one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fragflow.pytree import TensorSpec
+from fragflow.runtime.shm import Layout, Segment
+
+LAG_BINS = 16   # lag histogram: 0, 1, ..., 14, and 15 or more
+
+
+class Stopped(Exception):
+    """The run is stopping (a stop event was set while waiting)."""
+
+
+class ChannelClosed(Exception):
+    """The producer closed the channel and every item has been consumed."""
+
+
+# header fields of a trajectory channel (int64 each)
+_HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS = range(8)
+_HEADER_WORDS = 8 + LAG_BINS
+_SLOT_WORDS = 2           # version, sequence number
+
+
+def _acquire(sem: Any, stop: Any, timeout: float | None) -> bool:
+    """Acquire ``sem``, waking every 50 ms to honour ``stop``; False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+        if sem.acquire(timeout=wait):
+            return True
+        if stop is not None and stop.is_set():
+            raise Stopped
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
+@dataclass
+class ChannelHandles:
+    """What a process needs to open a channel: segment name, layout and synchronisation objects."""
+
+    name: str
+    segment: str
+    layout: Layout
+    capacity: int
+    free: Any
+    filled: Any
+    ready: Any | None
+
+
+class TrajectoryChannel:
+    def __init__(self, handles: ChannelHandles, segment: Segment, stop: Any = None) -> None:
+        self.h = handles
+        self.name = handles.name
+        self.layout = handles.layout
+        self.capacity = handles.capacity
+        self.stop = stop
+        self.seg = segment
+        self.header = np.frombuffer(segment.shm.buf, np.int64, _HEADER_WORDS, 0)
+        self._slot_bytes = _SLOT_WORDS * 8 + self.layout.nbytes
+        self._slot_bytes = -(-self._slot_bytes // 64) * 64
+        self._base = _HEADER_WORDS * 8
+        self._base = -(-self._base // 64) * 64
+
+    # -- construction ------------------------------------------------------------------
+    @staticmethod
+    def create(ctx: Any, name: str, specs: list[TensorSpec], capacity: int, ready: Any = None) -> tuple[ChannelHandles, Segment]:
+        layout = Layout.of(specs)
+        slot = -(-(_SLOT_WORDS * 8 + layout.nbytes) // 64) * 64
+        base = -(-(_HEADER_WORDS * 8) // 64) * 64
+        seg = Segment.create(base + capacity * slot)
+        seg.buf[: base].fill(0)
+        handles = ChannelHandles(name, seg.name, layout, capacity, ctx.Semaphore(capacity), ctx.Semaphore(0), ready)
+        return handles, seg
+
+    @staticmethod
+    def open(handles: ChannelHandles, stop: Any = None) -> TrajectoryChannel:
+        return TrajectoryChannel(handles, Segment.attach(handles.segment), stop)
+
+    def _slot(self, index: int) -> tuple[np.ndarray, int]:
+        off = self._base + (index % self.capacity) * self._slot_bytes
+        meta = np.frombuffer(self.seg.shm.buf, np.int64, _SLOT_WORDS, off)
+        return meta, off + _SLOT_WORDS * 8
+
+    # -- producer ----------------------------------------------------------------------
+    def put(self, leaves: list[Any], version: int, timeout: float | None = None) -> bool:
+        """Copy ``leaves`` into the next free slot; blocks while the ring is full (False on timeout)."""
+        t0 = time.perf_counter_ns()
+        if not _acquire(self.h.free, self.stop, timeout):
+            return False
+        waited = time.perf_counter_ns() - t0
+        head = int(self.header[_HEAD])
+        meta, data = self._slot(head)
+        self.layout.write(self.seg.buf, data, leaves)
+        meta[0] = version
+        meta[1] = head
+        self.header[_HEAD] = head + 1
+        self.header[_PUTS] += 1
+        self.header[_BYTES] += self.layout.nbytes
+        self.header[_PUT_WAIT_NS] += waited
+        self.h.filled.release()
+        if self.h.ready is not None:
+            self.h.ready.release()
+        return True
+
+    def close(self) -> None:
+        """No more items will come (the consumer drains what is queued)."""
+        self.header[_CLOSED] = 1
+        if self.h.ready is not None:
+            self.h.ready.release()
+        self.h.filled.release()   # wake a consumer blocked in get()
+
+    # -- consumer ----------------------------------------------------------------------
+    def try_get(self) -> tuple[int, list[Any]] | None:
+        """(version, zero-copy leaves) of the oldest item, or None if the ring is empty."""
+        if int(self.header[_HEAD]) == int(self.header[_TAIL]):
+            return None
+        if not self.h.filled.acquire(block=False):
+            return None
+        return self._take()
+
+    def get(self, timeout: float | None = None) -> tuple[int, list[Any]] | None:
+        """Block until an item is queued. None on timeout; ChannelClosed once closed and drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if int(self.header[_HEAD]) == int(self.header[_TAIL]) and self.header[_CLOSED]:
+                raise ChannelClosed(self.name)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not _acquire(self.h.filled, self.stop, left):
+                return None
+            if int(self.header[_HEAD]) != int(self.header[_TAIL]):
+                return self._take()
+            # woken by close(): loop to report the closed channel
+
+    def _take(self) -> tuple[int, list[Any]]:
+        meta, data = self._slot(int(self.header[_TAIL]))
+        return int(meta[0]), self.layout.read(self.seg.buf, data)
+
+    def release(self, lag: int | None = None, dropped: bool = False) -> None:
+        """Free the oldest slot (its views become invalid); record its lag or its drop."""
+        self.header[_TAIL] += 1
+        self.header[_GETS] += 1
+        if dropped:
+            self.header[_DROPS] += 1
+        elif lag is not None:
+            self.header[8 + min(max(lag, 0), LAG_BINS - 1)] += 1
+        self.h.free.release()
+
+    # -- metrics -----------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return int(self.header[_HEAD] - self.header[_TAIL])
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.header[_CLOSED])
+
+    def stats(self) -> dict[str, Any]:
+        h = self.header
+        return {"depth": int(h[_HEAD] - h[_TAIL]), "puts": int(h[_PUTS]), "gets": int(h[_GETS]),
+                "drops": int(h[_DROPS]), "bytes": int(h[_BYTES]), "put_wait_s": int(h[_PUT_WAIT_NS]) / 1e9,
+                "lag_histogram": [int(x) for x in h[8:8 + LAG_BINS]]}
+
+    def detach(self) -> None:
+        self.header = np.zeros(_HEADER_WORDS, np.int64)
+        self.seg.close()
+
+
+# -- parameter broadcast ---------------------------------------------------------------------
+_P_LATEST, _P_WRITES = 0, 1
+_P_HEADER = 64
+
+
+@dataclass
+class ParamHandles:
+    name: str
+    segment: str
+    layout: Layout
+    depth: int
+
+
+class ParamChannel:
+    def __init__(self, handles: ParamHandles, segment: Segment, stop: Any = None) -> None:
+        self.h = handles
+        self.layout = handles.layout
+        self.depth = handles.depth
+        self.seg = segment
+        self.stop = stop
+        self.header = np.frombuffer(segment.shm.buf, np.int64, 2, 0)
+        self._slot_bytes = -(-(16 + self.layout.nbytes) // 64) * 64
+        self._cache: tuple[int, list[Any]] | None = None
+
+    @staticmethod
+    def create(name: str, specs: list[TensorSpec], depth: int) -> tuple[ParamHandles, Segment]:
+        layout = Layout.of(specs)
+        slot = -(-(16 + layout.nbytes) // 64) * 64
+        seg = Segment.create(_P_HEADER + depth * slot)
+        seg.buf[:].fill(0)
+        np.frombuffer(seg.shm.buf, np.int64, 1, 0)[0] = -1   # nothing published yet
+        for i in range(depth):
+            np.frombuffer(seg.shm.buf, np.int64, 2, _P_HEADER + i * slot)[1] = -1
+        return ParamHandles(name, seg.name, layout, depth), seg
+
+    @staticmethod
+    def open(handles: ParamHandles, stop: Any = None) -> ParamChannel:
+        return ParamChannel(handles, Segment.attach(handles.segment), stop)
+
+    def _slot(self, version: int) -> tuple[np.ndarray, int]:
+        off = _P_HEADER + (version % self.depth) * self._slot_bytes
+        return np.frombuffer(self.seg.shm.buf, np.int64, 2, off), off + 16
+
+    @property
+    def latest(self) -> int:
+        """The newest published version (-1 before the first)."""
+        return int(self.header[_P_LATEST])
+
+    def publish(self, leaves: list[Any], version: int) -> None:
+        meta, data = self._slot(version)
+        meta[0] += 1                      # odd: slot being written
+        meta[1] = -1
+        self.layout.write(self.seg.buf, data, leaves)
+        meta[1] = version
+        meta[0] += 1                      # even: slot consistent
+        self.header[_P_LATEST] = version
+        self.header[_P_WRITES] += 1
+
+    def read(self, version: int | None = None) -> tuple[int, list[Any]]:
+        """A private copy of ``version`` (default: the newest). Never blocks; retries a torn read."""
+        while True:
+            v = self.latest if version is None else version
+            if v < 0:
+                raise LookupError("no version published yet")
+            if self._cache is not None and self._cache[0] == v:
+                return self._cache
+            meta, data = self._slot(v)
+            before = int(meta[0])
+            if before % 2 == 0 and int(meta[1]) == v:
+                leaves = self.layout.read(self.seg.buf, data, copy=True)
+                if int(meta[0]) == before and int(meta[1]) == v:
+                    self._cache = (v, leaves)
+                    return self._cache
+            elif version is not None and int(meta[1]) > v and before % 2 == 0:
+                raise LookupError(f"version {v} was overwritten (ring depth {self.depth})")
+            # a write of this slot raced with the read: try again
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        """Sleep until ``latest >= version``; returns latest. Honours the stop event."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 2e-5
+        while self.latest < version:
+            if self.stop is not None and self.stop.is_set():
+                raise Stopped
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"parameter version {version} not published in {timeout}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return self.latest
+
+    def detach(self) -> None:
+        self._cache = None
+        self.header = np.zeros(2, np.int64)
+        self.seg.close()

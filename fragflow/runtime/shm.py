@@ -1,0 +1,120 @@
+"""Shared-memory segments and the fixed layouts that map array pytrees onto them.
+
+Every segment fragflow creates is named ``fragflow_<pid>_<n>``, created by the driver, which
+alone unlinks it; workers only attach. A run leaves nothing in ``/dev/shm``.
+
+>>> layout = Layout.of([TensorSpec((2, 3), "float32", "numpy"), TensorSpec((), "float", "python")])
+>>> seg = Segment.create(layout.nbytes)
+>>> layout.write(seg.buf, 0, [np.ones((2, 3), np.float32), 0.5])
+>>> [getattr(x, "shape", x) for x in layout.read(seg.buf, 0)]
+[(2, 3), 0.5]
+>>> seg.close(); seg.unlink()
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+from fragflow.pytree import TensorSpec, to_numpy
+
+PREFIX = "fragflow_"
+ALIGN = 64
+_counter = itertools.count()
+
+
+class Segment:
+    """A named shared-memory block. ``create`` in the driver; ``attach`` in workers."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
+        self.shm = shm
+        self.owner = owner
+        self.name = shm.name
+        self.buf = np.frombuffer(shm.buf, dtype=np.uint8)
+
+    @staticmethod
+    def create(nbytes: int) -> Segment:
+        name = f"{PREFIX}{os.getpid()}_{next(_counter)}"
+        return Segment(shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1)), owner=True)
+
+    @staticmethod
+    def attach(name: str) -> Segment:
+        # Workers are spawned by the driver and share its resource tracker, so attaching registers
+        # nothing new; the tracker unlinks a segment only if the driver dies without doing so.
+        return Segment(shared_memory.SharedMemory(name=name), owner=False)
+
+    def close(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+        try:
+            self.shm.close()
+        except BufferError:
+            pass   # a view still points into it; the mapping goes when the process ends
+
+    def unlink(self) -> None:
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _np_dtype(spec: TensorSpec) -> np.dtype:
+    if spec.backend == "python":
+        return np.dtype({"float": np.float64, "int": np.int64, "bool": np.bool_}[spec.dtype])
+    return np.dtype(spec.dtype)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each leaf of a fixed pytree lives in a byte buffer (64-byte aligned)."""
+
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    dtypes: tuple[np.dtype, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(specs: list[TensorSpec] | tuple[TensorSpec, ...]) -> Layout:
+        offsets, dtypes, pos = [], [], 0
+        for spec in specs:
+            dtype = _np_dtype(spec)
+            offsets.append(pos)
+            dtypes.append(dtype)
+            size = int(np.prod(spec.shape)) * dtype.itemsize if spec.shape else dtype.itemsize
+            pos += -(-size // ALIGN) * ALIGN
+        return Layout(tuple(specs), tuple(offsets), tuple(dtypes), max(pos, ALIGN))
+
+    def views(self, buf: np.ndarray, base: int) -> list[np.ndarray]:
+        out = []
+        for spec, off, dtype in zip(self.specs, self.offsets, self.dtypes):
+            count = int(np.prod(spec.shape)) if spec.shape else 1
+            out.append(np.frombuffer(buf, dtype=dtype, count=count, offset=base + off).reshape(spec.shape))
+        return out
+
+    def write(self, buf: np.ndarray, base: int, leaves: list[Any]) -> None:
+        for view, leaf, spec in zip(self.views(buf, base), leaves, self.specs):
+            if spec.backend == "python":
+                view[...] = leaf
+            else:
+                np.copyto(view, to_numpy(leaf), casting="no")
+
+    def read(self, buf: np.ndarray, base: int, copy: bool = False) -> list[Any]:
+        """Leaves as views into ``buf`` (or copies), converted back to their traced backend."""
+        out: list[Any] = []
+        for view, spec in zip(self.views(buf, base), self.specs):
+            if spec.backend == "python":
+                out.append(view.item())
+                continue
+            arr = view.copy() if copy else view
+            if spec.backend == "torch":
+                import torch
+
+                out.append(torch.from_numpy(arr))
+            else:
+                out.append(arr)
+        return out
