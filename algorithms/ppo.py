@@ -97,10 +97,22 @@ def init_params(obs_dim: int, act_dim: int, continuous: bool, hidden: int, seed:
     return params
 
 
-def mlp(layers: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+def mlp(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, linear=F.linear) -> torch.Tensor:
     for lyr in layers[:-1]:
-        x = torch.tanh(F.linear(x, lyr["w"], lyr["b"]))
-    return F.linear(x, layers[-1]["w"], layers[-1]["b"])
+        x = torch.tanh(linear(x, lyr["w"], lyr["b"]))
+    return linear(x, layers[-1]["w"], layers[-1]["b"])
+
+
+def rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T + b`` with every row computed the same way whatever the batch size.
+
+    Matrix-multiply kernels block differently for different batch sizes, which changes float
+    rounding: one process acting for 8 environments would act slightly differently from two
+    processes acting for 4 each. An elementwise product summed over the contiguous last axis
+    computes each output element identically in both, so a run does not depend on how a policy
+    splits the environments. Used on the acting side, where batches are small.
+    """
+    return (x.unsqueeze(-2) * w).sum(-1) + b
 
 
 def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
@@ -123,8 +135,8 @@ def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
 def act(params, obs, key):
     with torch.no_grad():
         obs = torch.as_tensor(obs, dtype=torch.float32)
-        value = mlp(params["critic"], obs).squeeze(-1)
-        out = mlp(params["actor"], obs)
+        value = mlp(params["critic"], obs, rowwise_linear).squeeze(-1)
+        out = mlp(params["actor"], obs, rowwise_linear)
         if "logstd" in params:
             std = params["logstd"].exp().expand_as(out)
             action = out + std * torch.from_numpy(ff.random.normal(key, (out.shape[-1],)).astype(np.float32))

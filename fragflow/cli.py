@@ -101,16 +101,19 @@ def run(
             raise ConfigError("--stop-on-target needs --target-return R", fix="add --target-return, e.g. 475")
         run_dir = out_dir or Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         with err.status(f"tracing {algorithm} ...", spinner="dots"):
-            compiled = driver._compile(program.train, args, policy)
-        placed = compiled[0]
+            compiled = driver.compile(program.train, args, policy=policy)
+        placed = compiled.placed
         err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy [bold]{placed.policy}[/], "
                   f"writing to {run_dir}", highlight=False)
         result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
                             stop_on_target=stop_on_target, progress=not quiet, description=program.name,
-                            placed=compiled)
-    except KeyboardInterrupt:
-        err.print("interrupted", style="yellow")
-        raise typer.Exit(code=130) from None
+                            compiled=compiled)
+    except KeyboardInterrupt as exc:
+        from fragflow.driver import Terminated
+
+        terminated = isinstance(exc, Terminated)
+        err.print("terminated" if terminated else "interrupted", style="yellow")
+        raise typer.Exit(code=143 if terminated else 130) from None
     except Exception as exc:
         raise _fail(exc, debug) from None
     s = result.summary
@@ -145,7 +148,7 @@ def graph(
             from fragflow.errors import ConfigError
 
             raise ConfigError(f"cannot write an image to {target}", fix="give a path ending in .png or .svg")
-        placed = driver.compile(program.train, args, policy=policy)
+        placed = driver.compile(program.train, args, policy=policy).placed
         text = format_placed(placed) if policy else format_graph(placed.graph)
         if not no_image:
             from fragflow.draw import draw

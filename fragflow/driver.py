@@ -10,23 +10,47 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fragflow import __version__
 from fragflow import policy as policies
+from fragflow.fragment import Fragment
 from fragflow.ir import Graph
 from fragflow.placement import PlacedGraph
 from fragflow.printer import format_graph, format_placed
 from fragflow.progress import ProgressDisplay
+from fragflow.runtime import plan as plans
 from fragflow.runtime import serial
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.fragment import Fragment
+from fragflow.runtime.plan import RunPlan
 from fragflow.tracer import trace_program
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a run: handled like Ctrl-C (stop, clean up, write the summary)."""
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:   # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -43,30 +67,34 @@ class RunResult:
         return [r for _, r, _ in self.episodes]
 
 
-def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None) -> PlacedGraph:
-    """Trace ``train(args)`` and place it with ``policy`` (or the decorator's, or the default)."""
-    return _compile(train, args, policy)[0]
+@dataclass(frozen=True)
+class Compiled:
+    """A traced, placed program and, for a distributed placement, its worker plan."""
+
+    placed: PlacedGraph
+    fragments: dict[str, Fragment]
+    plan: RunPlan | None      # None: one group in one process, run by the serial executor
 
 
-def _compile(train: Callable[..., Any], args: Any, policy: str | None) -> tuple[PlacedGraph, dict[str, Fragment]]:
+def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None) -> Compiled:
+    """Trace ``train(args)``, place it with ``policy`` (or the decorator's, or the default) and wire
+    it; every configuration error surfaces here, before a run writes anything."""
     spec, options = policies.resolve(policy, train)
     call_args = () if args is None else (args,)
     graph, fragments = trace_program(train, *call_args)
     placed = spec.place(graph, options).verify()
-    return placed, fragments
+    serial_run = len(placed.groups) == 1 and placed.groups[0].replicas == 1
+    plan = None if serial_run else plans.build(placed, fragments, train, args)
+    return Compiled(placed, fragments, plan)
 
 
 def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
         out: str | os.PathLike[str] | None = None, target_return: float | None = None,
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,
-        placed: tuple[PlacedGraph, dict[str, Fragment]] | None = None) -> RunResult:
-    """Compile (unless ``placed`` is given) and run a training function under a distribution policy."""
-    placed, fragments = _compile(train, args, policy) if placed is None else placed
-    serial_run = len(placed.groups) == 1 and placed.groups[0].replicas == 1
-    if not serial_run:
-        from fragflow.runtime import plan as plans
-
-        plans.build(placed, fragments, train, args)   # configuration errors before anything is written
+        compiled: Compiled | None = None) -> RunResult:
+    """Compile (unless ``compiled`` is given) and run a training function under a distribution policy."""
+    compiled = compiled or compile(train, args, policy=policy)
+    placed = compiled.placed
     call_args = () if args is None else (args,)
     total = getattr(args, "total_timesteps", None)
     outputs = RunOutputs(out) if out is not None else None
@@ -79,15 +107,19 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     value = None
     monitor.start()
     try:
-        if serial_run:
-            value = serial.execute(train, call_args, monitor)
-        else:
-            from fragflow.runtime import multiprocess
+        with _sigterm_as_interrupt():
+            if compiled.plan is None:
+                value = serial.execute(train, call_args, monitor)
+            else:
+                from fragflow.runtime import multiprocess
 
-            value = multiprocess.execute(placed, fragments, train, args, monitor)
+                value = multiprocess.execute(compiled.plan, monitor)
         status = "completed"
     except StopRun:
         status = "stopped_at_target"
+    except Terminated:
+        status = "terminated"
+        raise
     except KeyboardInterrupt:
         status = "interrupted"
         raise

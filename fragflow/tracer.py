@@ -138,7 +138,7 @@ class Tracer:
         written: Versioned | None = None
         self._input_ids = set()
         self._input_backends = set()
-        self._inputs: list[LeafSpec] = []
+        self._inputs = []
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
                 bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)

@@ -143,7 +143,7 @@ class ActorInterpreter:
         self.update += 1
         self.rollout_version = None
         self.report()
-        handle = bound.arguments[frag.writes]
+        handle = bound.arguments[self.plan.writes]
         rest = [Pending(frag.name, i) for i in range(1, max(self.plan.arity, 1))]
         return (handle, *rest)
 

@@ -77,7 +77,7 @@ class TrajectoryChannel:
         self.capacity = handles.capacity
         self.stop = stop
         self.seg = segment
-        self.header = np.frombuffer(segment.shm.buf, np.int64, _HEADER_WORDS, 0)
+        self.header = np.frombuffer(segment.mem, np.int64, _HEADER_WORDS, 0)
         self._slot_bytes = _SLOT_WORDS * 8 + self.layout.nbytes
         self._slot_bytes = -(-self._slot_bytes // 64) * 64
         self._base = _HEADER_WORDS * 8
@@ -100,7 +100,7 @@ class TrajectoryChannel:
 
     def _slot(self, index: int) -> tuple[np.ndarray, int]:
         off = self._base + (index % self.capacity) * self._slot_bytes
-        meta = np.frombuffer(self.seg.shm.buf, np.int64, _SLOT_WORDS, off)
+        meta = np.frombuffer(self.seg.mem, np.int64, _SLOT_WORDS, off)
         return meta, off + _SLOT_WORDS * 8
 
     # -- producer ----------------------------------------------------------------------
@@ -207,7 +207,7 @@ class ParamChannel:
         self.depth = handles.depth
         self.seg = segment
         self.stop = stop
-        self.header = np.frombuffer(segment.shm.buf, np.int64, 2, 0)
+        self.header = np.frombuffer(segment.mem, np.int64, 2, 0)
         self._slot_bytes = -(-(16 + self.layout.nbytes) // 64) * 64
         self._cache: tuple[int, list[Any]] | None = None
 
@@ -217,9 +217,9 @@ class ParamChannel:
         slot = -(-(16 + layout.nbytes) // 64) * 64
         seg = Segment.create(_P_HEADER + depth * slot)
         seg.buf[:].fill(0)
-        np.frombuffer(seg.shm.buf, np.int64, 1, 0)[0] = -1   # nothing published yet
+        np.frombuffer(seg.mem, np.int64, 1, 0)[0] = -1   # nothing published yet
         for i in range(depth):
-            np.frombuffer(seg.shm.buf, np.int64, 2, _P_HEADER + i * slot)[1] = -1
+            np.frombuffer(seg.mem, np.int64, 2, _P_HEADER + i * slot)[1] = -1
         return ParamHandles(name, seg.name, layout, depth), seg
 
     @staticmethod
@@ -228,7 +228,7 @@ class ParamChannel:
 
     def _slot(self, version: int) -> tuple[np.ndarray, int]:
         off = _P_HEADER + (version % self.depth) * self._slot_bytes
-        return np.frombuffer(self.seg.shm.buf, np.int64, 2, off), off + 16
+        return np.frombuffer(self.seg.mem, np.int64, 2, off), off + 16
 
     @property
     def latest(self) -> int:

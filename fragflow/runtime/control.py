@@ -22,7 +22,7 @@ WORDS = 8
 class Control:
     def __init__(self, segment: Segment, lock: Any, stop: Any) -> None:
         self.seg = segment
-        self.words = np.frombuffer(segment.shm.buf, np.int64, WORDS, 0)
+        self.words = np.frombuffer(segment.mem, np.int64, WORDS, 0)
         self.lock = lock
         self.stop = stop
 

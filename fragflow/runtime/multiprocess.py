@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -19,12 +18,10 @@ from typing import Any
 
 import cloudpickle
 
-from fragflow.fragment import Fragment
-from fragflow.placement import PlacedGraph
-from fragflow.runtime import plan as plans
 from fragflow.runtime.channels import ParamChannel, TrajectoryChannel
 from fragflow.runtime.control import ADMIT_WAIT_NS, LEARN_NS, UPDATES, WAIT_NS, Control
 from fragflow.runtime.monitor import Monitor, StopRun
+from fragflow.runtime.plan import RunPlan
 from fragflow.runtime.serial import unwrap_with
 from fragflow.runtime.shm import Segment
 
@@ -44,22 +41,6 @@ class WorkerFailed(Exception):
 
 class WorkerDied(Exception):
     """A worker process ended without a word (killed, or crashed in native code)."""
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:   # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
@@ -85,9 +66,8 @@ def _no_main_reimport() -> Iterator[None]:
 
 
 class Driver:
-    def __init__(self, placed: PlacedGraph, fragments: dict[str, Fragment], train: Any, args: Any,
-                 monitor: Monitor) -> None:
-        self.plan = plans.build(placed, fragments, train, args)
+    def __init__(self, plan: RunPlan, monitor: Monitor) -> None:
+        self.plan = plan
         self.monitor = monitor
         self.ctx = mp.get_context("spawn")
         self.segments: list[Segment] = []
@@ -99,12 +79,11 @@ class Driver:
         self.returned = False
 
     def run(self) -> Any:
-        with _sigterm_as_interrupt():
-            try:
-                self._start()
-                self._loop()
-            finally:
-                self._shutdown()
+        try:
+            self._start()
+            self._loop()
+        finally:
+            self._shutdown()
         return unwrap_with(self.value, self.final_state)
 
     # -- start ---------------------------------------------------------------------------------
@@ -250,5 +229,5 @@ class Driver:
         self.segments.clear()
 
 
-def execute(placed: PlacedGraph, fragments: dict[str, Fragment], train: Any, args: Any, monitor: Monitor) -> Any:
-    return Driver(placed, fragments, train, args, monitor).run()
+def execute(plan: RunPlan, monitor: Monitor) -> Any:
+    return Driver(plan, monitor).run()

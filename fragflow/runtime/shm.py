@@ -35,7 +35,9 @@ class Segment:
         self.shm = shm
         self.owner = owner
         self.name = shm.name
-        self.buf = np.frombuffer(shm.buf, dtype=np.uint8)
+        assert shm.buf is not None
+        self.mem: memoryview = shm.buf
+        self.buf = np.frombuffer(self.mem, dtype=np.uint8)
 
     @staticmethod
     def create(nbytes: int) -> Segment:
@@ -50,10 +52,13 @@ class Segment:
 
     def close(self) -> None:
         self.buf = np.empty(0, np.uint8)
+        self.mem = memoryview(b"")
         try:
             self.shm.close()
         except BufferError:
-            pass   # a view still points into it; the mapping goes when the process ends
+            # A consumer still holds a zero-copy view: the mapping is released with the last view.
+            # Keep SharedMemory.__del__ from retrying the close and warning about it.
+            self.shm.close = lambda: None  # type: ignore[method-assign]
 
     def unlink(self) -> None:
         if self.owner:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -14,6 +15,7 @@ from fragflow.runtime.channels import ChannelHandles, ParamChannel, ParamHandles
 from fragflow.runtime.control import Control
 from fragflow.runtime.plan import RunPlan
 from fragflow.runtime.shm import Segment
+from fragflow.source import is_internal
 
 
 def main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], param: ParamHandles | None,
@@ -55,7 +57,7 @@ def main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], para
         results.put(("stopped", role, index))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the driver
         fragment = getattr(worker, "current", None)
-        results.put(("error", role, index, fragment, "".join(traceback.format_exception(exc)), _dumps_or_none(exc)))
+        results.put(("error", role, index, fragment, _user_traceback(exc), _dumps_or_none(exc)))
         sys.exit(1)
     finally:
         for ch in channels:
@@ -64,6 +66,15 @@ def main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], para
             params.detach()
         if control is not None:
             control.detach()
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback with fragflow's own frames left out (FRAGFLOW_DEBUG=1 keeps them)."""
+    if os.environ.get("FRAGFLOW_DEBUG", "") not in ("", "0"):
+        return "".join(traceback.format_exception(exc))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_internal(f.filename)]
+    return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+            + "".join(traceback.format_exception_only(exc)))
 
 
 def _dumps_or_none(value: Any) -> bytes | None:

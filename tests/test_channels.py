@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from fragflow.pytree import TensorSpec
+from fragflow.runtime.channels import ChannelClosed, ParamChannel, TrajectoryChannel
+
+CTX = mp.get_context("spawn")
+SPECS = [TensorSpec((3, 4), "float32", "numpy"), TensorSpec((2,), "int64", "torch"), TensorSpec((), "float", "python")]
+
+
+def shm_leftovers() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("fragflow_")]
+
+
+@pytest.fixture
+def ring():
+    handles, seg = TrajectoryChannel.create(CTX, "t", SPECS, capacity=2)
+    ch = TrajectoryChannel(handles, seg)
+    yield ch
+    ch.detach()
+    seg.unlink()
+
+
+def test_ring_keeps_order_versions_types_and_zero_copy(ring):
+    assert ring.put([np.full((3, 4), 1, np.float32), torch.tensor([1, 2]), 0.5], version=7)
+    assert ring.put([np.full((3, 4), 2, np.float32), torch.tensor([3, 4]), 1.5], version=8)
+    assert not ring.put([np.zeros((3, 4), np.float32), torch.tensor([0, 0]), 0.0], version=9, timeout=0.05)  # full
+    version, (a, b, c) = ring.get()
+    assert version == 7 and a[0, 0] == 1 and isinstance(b, torch.Tensor) and b.tolist() == [1, 2] and c == 0.5
+    assert np.shares_memory(a, ring.seg.buf)   # a view into the slot, not a copy
+    ring.release(lag=1)
+    version, (a, _, c) = ring.get()
+    assert version == 8 and a[0, 0] == 2 and c == 1.5
+    ring.release(dropped=True)
+    ring.close()
+    with pytest.raises(ChannelClosed):
+        ring.get(timeout=1)
+    stats = ring.stats()
+    assert stats["puts"] == 2 and stats["gets"] == 2 and stats["drops"] == 1 and stats["lag_histogram"][1] == 1
+
+
+def test_ring_rejects_wrong_dtype(ring):
+    with pytest.raises(TypeError):
+        ring.put([np.zeros((3, 4), np.float64), torch.tensor([1, 2]), 0.5], version=0)
+
+
+def _produce(handles, n):
+    ch = TrajectoryChannel.open(handles)
+    for i in range(n):
+        ch.put([np.full((3, 4), i, np.float32), torch.tensor([i, -i]), float(i)], version=i)
+    ch.close()
+    ch.detach()
+
+
+def test_ring_between_processes_delivers_everything_in_order():
+    handles, seg = TrajectoryChannel.create(CTX, "t", SPECS, capacity=3)
+    ch = TrajectoryChannel(handles, seg)
+    p = CTX.Process(target=_produce, args=(handles, 300))
+    p.start()
+    seen = []
+    try:
+        while True:
+            try:
+                item = ch.get(timeout=10)
+            except ChannelClosed:
+                break
+            assert item is not None
+            v, (a, b, c) = item
+            assert (a == v).all() and b.tolist() == [v, -v] and c == float(v)
+            seen.append(v)
+            ch.release(lag=0)
+    finally:
+        p.join(10)
+        ch.detach()
+        seg.unlink()
+    assert seen == list(range(300))
+    assert shm_leftovers() == []
+
+
+PARAMS = [TensorSpec((256, 256), "float32", "torch"), TensorSpec((1000,), "float64", "numpy")]
+
+
+def _write(handles, seconds):
+    ch = ParamChannel.open(handles)
+    v, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        ch.publish([torch.full((256, 256), float(v)), np.full(1000, float(v))], v)
+        v += 1
+    ch.detach()
+
+
+def _read(handles, seconds, out):
+    ch = ParamChannel.open(handles)
+    reads, torn, last, end = 0, 0, -1, time.monotonic() + seconds
+    while time.monotonic() < end:
+        if ch.latest < 0:
+            continue
+        v, (w, x) = ch.read()
+        if not ((w == v).all() and (x == v).all()):
+            torn += 1
+        if v < last:
+            torn += 1
+        last, reads = v, reads + 1
+        ch._cache = None
+    out.put((reads, torn))
+    ch.detach()
+
+
+def test_parameter_broadcast_never_tears_under_concurrent_writes():
+    handles, seg = ParamChannel.create("p", PARAMS, depth=2)
+    out = CTX.Queue()
+    procs = [CTX.Process(target=_write, args=(handles, 2.0))] + [
+        CTX.Process(target=_read, args=(handles, 2.0, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=30) for _ in range(2)]
+    finally:
+        for p in procs:
+            p.join(10)
+        seg.close()
+        seg.unlink()
+    assert all(reads > 50 for reads, _ in results), results
+    assert [torn for _, torn in results] == [0, 0]
+
+
+def test_exact_versions_stay_readable_within_the_ring_depth():
+    handles, seg = ParamChannel.create("p", PARAMS, depth=3)
+    ch = ParamChannel(handles, seg)
+    try:
+        with pytest.raises(LookupError):
+            ch.read()
+        for v in range(5):
+            ch.publish([torch.full((256, 256), float(v)), np.full(1000, float(v))], v)
+        assert ch.latest == 4
+        assert float(ch.read(2)[1][0][0, 0]) == 2.0
+        with pytest.raises(LookupError, match="overwritten"):
+            ch.read(1)
+        assert ch.wait_for(4, timeout=0.1) == 4
+        with pytest.raises(TimeoutError):
+            ch.wait_for(9, timeout=0.05)
+    finally:
+        ch.detach()
+        seg.unlink()

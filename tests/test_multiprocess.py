@@ -1,0 +1,203 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fragflow as ff
+from fragflow.algorithms import ppo
+from fragflow.errors import ConfigError
+from fragflow.program import load
+from fragflow.pytree import leaf_paths, to_numpy
+from fragflow.runtime.multiprocess import WorkerDied, WorkerFailed
+from tests.conftest import ROOT
+
+ARGS = ppo.Args(total_timesteps=4096, num_envs=4, num_steps=64, seed=3)
+
+
+def same_tree(a, b) -> bool:
+    pa, pb = leaf_paths(a), leaf_paths(b)
+    return [p for p, _ in pa] == [p for p, _ in pb] and all(
+        np.array_equal(to_numpy(x), to_numpy(y)) for (_, x), (_, y) in zip(pa, pb))
+
+
+def shm_leftovers() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("fragflow_")]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ff.run(ppo.train, ARGS, policy="single_process")
+
+
+@pytest.mark.parametrize("policy", [
+    "actor_learner(actors=1, max_lag=0)",
+    "actor_learner(actors=2, max_lag=0)",
+    "pipelined(actors=2, max_lag=0)",
+    "async_relaxed(actors=2, max_lag=0)",
+])
+def test_max_lag_zero_reproduces_single_process_exactly(reference, policy):
+    result = ff.run(ppo.train, ARGS, policy=policy)
+    assert same_tree(result.value, reference.value)
+    assert sorted(result.episode_returns) == sorted(reference.episode_returns)
+    traj = result.summary["channels"]["trajectory"]
+    assert traj["drops"] == 0 and traj["lag_histogram"][0] == traj["items"]
+    assert result.summary["updates"] == 16 and result.summary["env_steps"] == 4096
+    assert shm_leftovers() == []
+
+
+def test_pipelined_is_one_version_behind_and_deterministic_whatever_the_actor_count():
+    one = ff.run(ppo.train, ARGS, policy="pipelined(actors=1)")
+    two = ff.run(ppo.train, ARGS, policy="pipelined(actors=2)")
+    again = ff.run(ppo.train, ARGS, policy="pipelined(actors=2)")
+    assert same_tree(one.value, two.value) and same_tree(two.value, again.value)
+    assert sorted(one.episode_returns) == sorted(two.episode_returns) == sorted(again.episode_returns)
+    lags = two.summary["channels"]["trajectory"]["lag_histogram"]
+    assert lags[0] == 2 and lags[1] == 30 and sum(lags) == 32   # first update at version 0, then exactly one behind
+
+
+def test_async_relaxed_keeps_staleness_bounded_and_counts_drops():
+    result = ff.run(ppo.train, ppo.Args(total_timesteps=8192, num_envs=4, num_steps=64, seed=1),
+                    policy="async_relaxed(actors=2, max_lag=1)")
+    traj = result.summary["channels"]["trajectory"]
+    assert traj["items"] == 64 and sum(traj["lag_histogram"][2:]) == 0
+    assert result.summary["updates"] == (64 - traj["drops"]) // 2
+    assert shm_leftovers() == []
+
+
+def test_actors_must_divide_the_environments():
+    with pytest.raises(ConfigError, match="puts 1 environments on each of 3 actors, but the loop steps 4"):
+        ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")
+
+
+FAILING = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 100000
+    fail_in: int = 1          # 1: act raises, 2: learn raises, 0: nothing raises
+
+@ff.fragment("actor")
+def act(params, obs, fail):
+    if fail == 1 and params["t"][0] >= 3:
+        raise ValueError("boom in act")  # @act
+    return np.zeros(obs.shape[0], dtype=np.int64)
+
+@ff.fragment("learner")
+def learn(state, batch, fail):
+    if fail == 2 and state["params"]["t"][0] >= 3:
+        raise RuntimeError("boom in learn")  # @learn
+    return {"params": {"t": state["params"]["t"] + 1}}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"params": {"t": np.zeros(1)}})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            action = act(state["params"], obs, args.fail_in)
+            obs, *_ = env.step(action)
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect(), args.fail_in)
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("where, fragment, message", [("act", "act", "boom in act"), ("learn", "learn", "boom in learn")])
+def test_worker_error_stops_the_run_and_names_the_fragment(write_algo, where, fragment, message):
+    path, marks = write_algo(FAILING)
+    program = load(str(path))
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        ff.run(program.train, program.args_cls(fail_in={"act": 1, "learn": 2}[where]), policy="pipelined(actors=2)")
+    assert time.monotonic() - start < 30
+    msg = str(info.value)
+    assert f"failed in fragment '{fragment}'" in msg and message in msg
+    assert f"algo.py\", line {marks[where]}" in msg     # the user's own frame, with its line
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
+def test_killed_worker_stops_the_run(write_algo):
+    path, _ = write_algo(FAILING)
+    program = load(str(path))
+
+    def kill_an_actor():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            actors = [p for p in mp.active_children() if p.name == "fragflow-actor-1"]
+            if actors and actors[0].pid:
+                time.sleep(1.0)
+                os.kill(actors[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_an_actor)
+    killer.start()
+    with pytest.raises(WorkerDied, match="actor 1 process was killed by signal 9"):
+        ff.run(program.train, program.args_cls(fail_in=0), policy="pipelined(actors=2)")
+    killer.join()
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig, code, status", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_signal_stops_every_process_and_leaves_no_shared_memory(tmp_path, sig, code, status):
+    import json
+
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("fragflow")
+    proc = subprocess.Popen([str(exe), "run", "ppo", "--policy", "pipelined(actors=2)", "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        assert len(workers) >= 3        # learner, two actors (and the resource tracker)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(timeout=10)
+        assert time.monotonic() - sent < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, proc.stderr.read() if proc.stderr else ""
+    time.sleep(0.5)
+    assert [p for p in workers if alive(p)] == []
+    assert shm_leftovers() == []
+    assert json.loads((out / "summary.json").read_text())["status"] == status
