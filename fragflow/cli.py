@@ -164,12 +164,13 @@ def graph(
 @app.command("policies")
 def list_policies() -> None:
     """List the distribution policies, with the system each mirrors."""
-    from fragflow.policy import DEFAULT_POLICY, available
+    from fragflow.policy import available, default_policy
 
     policies = available()
+    default = default_policy()
     width = max(len(n) for n in policies) + len(" (default)")
     for name, spec in policies.items():
-        label = name + (" (default)" if name == DEFAULT_POLICY else "")
+        label = name + (" (default)" if name == default else "")
         sys.stdout.write(f"{label:<{width}}  mirrors {spec.mirrors}: {spec.summary}\n")
 
 

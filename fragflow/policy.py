@@ -5,7 +5,7 @@ folder) that defines ``POLICY = PolicySpec(...)``: a name, the system it mirrors
 summary, a frozen dataclass of options and ``place(graph, options) -> PlacedGraph``, a pure pass.
 
 The policy for a run comes from, in order: ``--policy`` on the command line, the decorator on the
-training function, then the default (``single_process``).
+training function, then :func:`default_policy` (``pipelined`` with two or more cores).
 
 >>> parse_policy("actor_learner(actors=4, max_lag=1)")
 ('actor_learner', {'actors': '4', 'max_lag': '1'})
@@ -14,6 +14,7 @@ training function, then the default (``single_process``).
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import re
 from collections.abc import Callable
@@ -25,7 +26,14 @@ from fragflow.errors import ConfigError, UnknownPolicyError, did_you_mean
 from fragflow.ir import Graph
 from fragflow.placement import PlacedGraph
 
-DEFAULT_POLICY = "single_process"
+
+def default_policy() -> str:
+    """The policy a run gets when none is chosen: the fastest correct one for this machine.
+
+    With two or more cores, ``pipelined`` (one actor process acting while the learner learns,
+    exactly one version behind, deterministic); on one core, ``single_process``.
+    """
+    return "pipelined" if (os.cpu_count() or 1) >= 2 else "single_process"
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ def resolve(policy: str | None, train: Callable[..., Any]) -> tuple[PolicySpec, 
     if policy is not None:
         name, raw = parse_policy(policy)
     else:
-        name, raw = getattr(train, "__fragflow_policy__", (DEFAULT_POLICY, {}))
+        name, raw = getattr(train, "__fragflow_policy__", (default_policy(), {}))
     spec = get(name)
     return spec, spec.make_options(dict(raw))
 

@@ -69,8 +69,10 @@ def test_graph_prints_text_and_writes_png_and_svg(tmp_path):
 def test_policies_lists_one_line_each_with_what_it_mirrors():
     res = invoke("policies")
     assert res.exit_code == 0
-    line = [ln for ln in res.stdout.splitlines() if ln.startswith("single_process")][0]
-    assert "(default)" in line and "mirrors" in line
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("pipelined")][0]
+    assert "mirrors" in line
+    assert sum("(default)" in ln for ln in res.stdout.splitlines()) == 1
+    assert len([ln for ln in res.stdout.splitlines() if ln.strip()]) == 4
 
 
 @pytest.mark.parametrize("args, message", [

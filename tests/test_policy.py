@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import fragflow as ff
@@ -31,7 +33,8 @@ def test_cli_policy_overrides_decorator_and_decorator_overrides_default(monkeypa
     def train(args):
         pass
 
-    assert policy.resolve(None, train)[0].name == "single_process"
+    assert policy.resolve(None, train)[0].name == policy.default_policy()
+    assert policy.default_policy() == ("pipelined" if (os.cpu_count() or 1) >= 2 else "single_process")
     marked = ff.distribute("single_process")(train)
     assert marked.__fragflow_policy__ == ("single_process", {})
     fake = policy.PolicySpec("fake", "nothing", "a test policy", tiny.Args, lambda g, o: None)  # type: ignore[arg-type,return-value]

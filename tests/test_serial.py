@@ -46,34 +46,34 @@ def test_single_process_reproduces_the_eager_loop_exactly():
 
 
 def test_same_seed_same_result_and_other_seed_differs():
-    a = ff.run(ppo.train, ARGS)
-    b = ff.run(ppo.train, ARGS)
+    a = ff.run(ppo.train, ARGS, policy="single_process")
+    b = ff.run(ppo.train, ARGS, policy="single_process")
     assert_same_tree(a.value, b.value)
     assert a.episode_returns == b.episode_returns
-    c = ff.run(ppo.train, ppo.Args(total_timesteps=3072, num_envs=4, num_steps=64, seed=4))
+    c = ff.run(ppo.train, ppo.Args(total_timesteps=3072, num_envs=4, num_steps=64, seed=4), policy="single_process")
     assert c.episode_returns != a.episode_returns
 
 
 def test_run_reports_steps_updates_and_target():
-    result = ff.run(ppo.train, ARGS, target_return=15.0)
+    result = ff.run(ppo.train, ARGS, target_return=15.0, policy="single_process")
     s = result.summary
     assert s["status"] == "completed" and s["policy"] == "single_process"
     assert s["env_steps"] == 3072 and s["updates"] == 12
     assert s["solved_at_steps"] is not None and s["solved_at_steps"] <= 3072
-    stopped = ff.run(ppo.train, ARGS, target_return=15.0, stop_on_target=True)
+    stopped = ff.run(ppo.train, ARGS, target_return=15.0, stop_on_target=True, policy="single_process")
     assert stopped.summary["status"] == "stopped_at_target"
     assert stopped.summary["env_steps"] == s["solved_at_steps"]
 
 
 def test_ppo_learns_cartpole():
-    result = ff.run(ppo.train, ppo.Args(total_timesteps=40_960, seed=1))
+    result = ff.run(ppo.train, ppo.Args(total_timesteps=40_960, seed=1), policy="single_process")
     first = np.mean(result.episode_returns[:20])
     assert result.summary["final_return_mean"] > 3 * first and result.summary["final_return_mean"] > 100
 
 
 def test_ppo_continuous_actions_run():
     args = ppo.Args(env_id="Pendulum-v1", total_timesteps=2048, num_envs=2, num_steps=256, seed=1)
-    result = ff.run(ppo.train, args)
+    result = ff.run(ppo.train, args, policy="single_process")
     params = result.value["params"]
     assert params["logstd"].shape == (1, 1)
     assert result.summary["env_steps"] == 2048 and len(result.episodes) == 10   # 1024 steps per env, 200-step episodes
@@ -100,5 +100,5 @@ def test_user_exception_in_fragment_names_the_fragment(write_algo):
 
     program = load(str(path))
     with pytest.raises(ValueError, match="boom") as info:
-        ff.run(program.train)
+        ff.run(program.train, policy="single_process")
     assert any("while fragflow traced fragment 'act'" in n for n in info.value.__notes__)

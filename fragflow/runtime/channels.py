@@ -82,6 +82,9 @@ class TrajectoryChannel:
         self._slot_bytes = -(-self._slot_bytes // 64) * 64
         self._base = _HEADER_WORDS * 8
         self._base = -(-self._base // 64) * 64
+        # The consumer may hold several items before releasing them (in order): it reads at its
+        # own cursor, and ``tail`` only moves on release.
+        self._next = int(self.header[_TAIL])
 
     # -- construction ------------------------------------------------------------------
     @staticmethod
@@ -134,7 +137,7 @@ class TrajectoryChannel:
     # -- consumer ----------------------------------------------------------------------
     def try_get(self) -> tuple[int, list[Any]] | None:
         """(version, zero-copy leaves) of the oldest item, or None if the ring is empty."""
-        if int(self.header[_HEAD]) == int(self.header[_TAIL]):
+        if int(self.header[_HEAD]) == self._next:
             return None
         if not self.h.filled.acquire(block=False):
             return None
@@ -144,18 +147,24 @@ class TrajectoryChannel:
         """Block until an item is queued. None on timeout; ChannelClosed once closed and drained."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if int(self.header[_HEAD]) == int(self.header[_TAIL]) and self.header[_CLOSED]:
+            if int(self.header[_HEAD]) == self._next and self.header[_CLOSED]:
                 raise ChannelClosed(self.name)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not _acquire(self.h.filled, self.stop, left):
                 return None
-            if int(self.header[_HEAD]) != int(self.header[_TAIL]):
+            if int(self.header[_HEAD]) != self._next:
                 return self._take()
             # woken by close(): loop to report the closed channel
 
     def _take(self) -> tuple[int, list[Any]]:
-        meta, data = self._slot(int(self.header[_TAIL]))
+        meta, data = self._slot(self._next)
+        self._next += 1
         return int(meta[0]), self.layout.read(self.seg.buf, data)
+
+    @property
+    def available(self) -> int:
+        """Items queued that this consumer has not taken yet."""
+        return int(self.header[_HEAD]) - self._next
 
     def release(self, lag: int | None = None, dropped: bool = False) -> None:
         """Free the oldest slot (its views become invalid); record its lag or its drop."""

@@ -86,7 +86,7 @@ class Learner:
                 break
             if got:
                 continue
-            if all(ch.closed and ch.depth == 0 for ch in self.trajs):
+            if all(ch.closed and ch.available == 0 for ch in self.trajs):
                 for ch, _, _ in pieces:
                     ch.release(dropped=True)
                 return None

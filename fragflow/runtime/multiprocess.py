@@ -9,6 +9,7 @@ within seconds and every segment is unlinked.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import cloudpickle
 
+from fragflow.errors import ConfigError
 from fragflow.runtime.channels import ParamChannel, TrajectoryChannel
 from fragflow.runtime.control import ADMIT_WAIT_NS, LEARN_NS, UPDATES, WAIT_NS, Control
 from fragflow.runtime.monitor import Monitor, StopRun
@@ -27,6 +29,22 @@ from fragflow.runtime.shm import Segment
 
 JOIN_TIMEOUT = 3.0
 STATS_EVERY = 1.0
+
+
+def start_method() -> str:
+    """How workers start: ``FRAGFLOW_START_METHOD`` (fork, forkserver or spawn), else fork on Linux.
+
+    Fork starts a worker in milliseconds with the driver's modules already imported; spawn starts a
+    fresh interpreter (about a second per worker, to import torch) and is the only choice on
+    macOS and Windows.
+    """
+    method = os.environ.get("FRAGFLOW_START_METHOD", "")
+    if method:
+        if method not in mp.get_all_start_methods():
+            raise ConfigError(f"FRAGFLOW_START_METHOD={method!r} is not available here",
+                              fix=f"use one of: {', '.join(mp.get_all_start_methods())}")
+        return method
+    return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 class WorkerFailed(Exception):
@@ -69,7 +87,7 @@ class Driver:
     def __init__(self, plan: RunPlan, monitor: Monitor) -> None:
         self.plan = plan
         self.monitor = monitor
-        self.ctx = mp.get_context("spawn")
+        self.ctx = mp.get_context(start_method())
         self.segments: list[Segment] = []
         self.procs: list[tuple[str, int, Any]] = []
         self.finished: set[tuple[str, int]] = set()

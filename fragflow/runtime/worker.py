@@ -22,6 +22,7 @@ def main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], para
          control_segment: str, lock: Any, stop: Any, results: Any, init: Any, threads: int) -> None:
     # The driver coordinates shutdown; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
     import torch
 
     torch.set_num_threads(threads)
