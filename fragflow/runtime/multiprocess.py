@@ -87,7 +87,7 @@ class Driver:
     def __init__(self, plan: RunPlan, monitor: Monitor) -> None:
         self.plan = plan
         self.monitor = monitor
-        self.ctx = mp.get_context(start_method())
+        self.ctx: Any = mp.get_context(start_method())
         self.segments: list[Segment] = []
         self.procs: list[tuple[str, int, Any]] = []
         self.finished: set[tuple[str, int]] = set()
