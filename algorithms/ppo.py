@@ -207,14 +207,15 @@ def learn(state, batch, lr, args: dict):
     minibatch_size = batch_size // int(args["num_minibatches"])
 
     key = state["key"]
-    clipfracs = []
+    clipfracs = torch.zeros(())
+    minibatches = 0
+    for p in leaves:
+        p.requires_grad_(True)      # updated in place under no_grad; the state we return has them off
     for _epoch in range(int(args["update_epochs"])):
         key, sub = ff.random.split(key)
         b_inds = torch.from_numpy(np.argsort(ff.random.uniform(sub, (batch_size,))[0]))
         for start in range(0, batch_size, minibatch_size):
             mb = b_inds[start:start + minibatch_size]
-            for p in leaves:
-                p.requires_grad_(True)
             newlogprob, entropy, newvalue = evaluate(params, b_obs[mb], b_actions[mb])
             logratio = newlogprob - b_logprobs[mb]
             ratio = logratio.exp()
@@ -222,7 +223,8 @@ def learn(state, batch, lr, args: dict):
                 # http://joschu.net/blog/kl-approx.html
                 old_approx_kl = (-logratio).mean()
                 approx_kl = ((ratio - 1) - logratio).mean()
-                clipfracs.append(((ratio - 1.0).abs() > clip_coef).float().mean().item())
+                clipfracs += ((ratio - 1.0).abs() > clip_coef).float().mean()
+                minibatches += 1
 
             mb_adv = b_advantages[mb]
             if args["norm_adv"]:
@@ -244,11 +246,9 @@ def learn(state, batch, lr, args: dict):
             loss = pg_loss - float(args["ent_coef"]) * entropy_loss + v_loss * float(args["vf_coef"])
 
             grads = list(torch.autograd.grad(loss, leaves))
-            for p in leaves:
-                p.requires_grad_(False)
             with torch.no_grad():
                 # global gradient clipping, as torch.nn.utils.clip_grad_norm_
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
                 scale = torch.clamp(float(args["max_grad_norm"]) / (norm + 1e-6), max=1.0)
                 torch._foreach_mul_(grads, scale)
                 step += 1
@@ -257,6 +257,8 @@ def learn(state, batch, lr, args: dict):
         if args["target_kl"] is not None and approx_kl > float(args["target_kl"]):
             break
 
+    for p in leaves:
+        p.requires_grad_(False)
     y_pred, y_true = b_values.numpy(), b_returns.numpy()
     var_y = np.var(y_true)
     explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
@@ -264,7 +266,7 @@ def learn(state, batch, lr, args: dict):
     metrics = {
         "learning_rate": float(lr), "value_loss": v_loss.item(), "policy_loss": pg_loss.item(),
         "entropy": entropy_loss.item(), "old_approx_kl": old_approx_kl.item(), "approx_kl": approx_kl.item(),
-        "clipfrac": float(np.mean(clipfracs)), "explained_variance": float(explained_var),
+        "clipfrac": clipfracs.item() / max(minibatches, 1), "explained_variance": float(explained_var),
     }
     return new_state, metrics
 

@@ -1,0 +1,82 @@
+"""PPO end-to-end env steps/s divided by raw env steps/s, for the same environment configuration.
+
+Raw: gymnasium's synchronous vector env of CartPole-v1 (same-step autoreset, as fragflow uses)
+stepped with random actions in a loop, one process. PPO: fragflow's PPO (CleanRL hyper-parameters
+except num_envs) under each policy, learning included, over the whole run. Medians of repetitions,
+raw and PPO measured alternately in the same run.
+
+    python benchmarks/env_ratio.py [--envs 4 16 64] [--steps 200000] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_rows, row, save, stats  # noqa: E402
+
+POLICIES = ["single_process", "pipelined(actors=1)", "pipelined(actors=2)", "actor_learner(actors=1, max_lag=1)"]
+
+RAW = """
+import json, time, numpy as np, gymnasium as gym
+from gymnasium.vector import AutoresetMode
+env = gym.make_vec("CartPole-v1", num_envs={n}, vectorization_mode="sync",
+                   vector_kwargs={{"autoreset_mode": AutoresetMode.SAME_STEP}})
+env.reset(seed=0)
+rng = np.random.default_rng(0)
+steps = max(2000, {steps} // {n} // 4)
+actions = rng.integers(0, 2, size=(steps, {n}))
+t = time.perf_counter()
+for a in actions:
+    env.step(a)
+print(json.dumps({{"sps": steps * {n} / (time.perf_counter() - t)}}))
+"""
+
+PPO = """
+import json, torch
+torch.set_num_threads(1)
+import fragflow as ff
+from fragflow.algorithms import ppo
+r = ff.run(ppo.train, ppo.Args(num_envs={n}, total_timesteps={steps}), policy={policy!r})
+print(json.dumps({{"sps": r.summary["steps_per_second"]}}))
+"""
+
+
+def once(code: str) -> float:
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["sps"])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--envs", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--steps", type=int, default=200_000)
+    p.add_argument("--reps", type=int, default=3)
+    a = p.parse_args(argv)
+    rows, raw_runs = [], {}
+    for n in a.envs:
+        raw: list[float] = []
+        ours: dict[str, list[float]] = {pol: [] for pol in POLICIES}
+        for _ in range(a.reps):
+            raw.append(once(RAW.format(n=n, steps=a.steps)))
+            for pol in POLICIES:
+                ours[pol].append(once(PPO.format(n=n, steps=a.steps, policy=pol)))
+        raw_runs[n] = {"raw": raw, **ours}
+        for pol in POLICIES:
+            rows.append(row(f"PPO {n} envs, {pol}: steps/s / raw env", stats(ours[pol]), "raw env", stats(raw),
+                            "steps/s", ">= 0.5"))
+        print(f"{n} envs: raw {statistics.median(raw):,.0f} steps/s; " + ", ".join(
+            f"{pol} {statistics.median(v):,.0f}" for pol, v in ours.items()), flush=True)
+    save("env_ratio", {"command": "python benchmarks/env_ratio.py " + " ".join(argv or sys.argv[1:]), "rows": rows,
+                       "raw": {str(k): v for k, v in raw_runs.items()}})
+    print_rows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
