@@ -64,6 +64,10 @@ class Args:
     """width of the two hidden layers of actor and critic"""
     normalize: bool | None = None
     """normalise observations and rewards (None: only for continuous actions, as CleanRL)"""
+    invariant_acting: bool = True
+    """act with batch-size-invariant arithmetic, so a run is the same however a policy splits the
+    environments across actor processes; false is faster with many environments per actor and
+    still deterministic for a given number of actors"""
 
     @property
     def batch_size(self) -> int:
@@ -132,11 +136,12 @@ def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
 # ACT: one inference step for every environment. Sampling noise comes from per-environment keys,
 # so environment i draws the same numbers wherever a policy places it.
 @ff.fragment("actor")
-def act(params, obs, key):
+def act(params, obs, key, invariant: bool = True):
+    linear = rowwise_linear if invariant else F.linear
     with torch.no_grad():
         obs = torch.as_tensor(obs, dtype=torch.float32)
-        value = mlp(params["critic"], obs, rowwise_linear).squeeze(-1)
-        out = mlp(params["actor"], obs, rowwise_linear)
+        value = mlp(params["critic"], obs, linear).squeeze(-1)
+        out = mlp(params["actor"], obs, linear)
         if "logstd" in params:
             std = params["logstd"].exp().expand_as(out)
             action = out + std * torch.from_numpy(ff.random.normal(key, (out.shape[-1],)).astype(np.float32))
@@ -343,7 +348,7 @@ def train(args: Args):
         # ROLLOUT
         for _step in range(args.num_steps):
             key, sub = ff.random.split(key)
-            action, logprob, value = act(state["params"], obs, sub)
+            action, logprob, value = act(state["params"], obs, sub, args.invariant_acting)
             next_obs, reward, terminated, truncated, _info = env.step(action)
             buffer.add(obs=obs, done=done, action=action, logprob=logprob, value=value, reward=reward)
             obs, done = next_obs, terminated | truncated

@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import print_rows, row, save, stats  # noqa: E402
 
 POLICIES = ["single_process", "pipelined(actors=1)", "pipelined(actors=2)", "actor_learner(actors=1, max_lag=1)"]
+# (policy, invariant_acting): batch-size-invariant acting (the default) costs throughput with many envs
+CONTENDERS = [(p, True) for p in POLICIES] + [("pipelined(actors=1)", False), ("pipelined(actors=2)", False)]
 
 RAW = """
 import json, time, numpy as np, gymnasium as gym
@@ -42,7 +44,7 @@ import json, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import ppo
-r = ff.run(ppo.train, ppo.Args(num_envs={n}, total_timesteps={steps}), policy={policy!r})
+r = ff.run(ppo.train, ppo.Args(num_envs={n}, total_timesteps={steps}, invariant_acting={invariant}), policy={policy!r})
 print(json.dumps({{"sps": r.summary["steps_per_second"]}}))
 """
 
@@ -61,14 +63,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, raw_runs = [], {}
     for n in a.envs:
         raw: list[float] = []
-        ours: dict[str, list[float]] = {pol: [] for pol in POLICIES}
+        ours: dict[str, list[float]] = {f"{pol}{'' if inv else ', invariant_acting=false'}": [] for pol, inv in CONTENDERS}
         for _ in range(a.reps):
             raw.append(once(RAW.format(n=n, steps=a.steps)))
-            for pol in POLICIES:
-                ours[pol].append(once(PPO.format(n=n, steps=a.steps, policy=pol)))
+            for (pol, inv), name in zip(CONTENDERS, ours):
+                ours[name].append(once(PPO.format(n=n, steps=a.steps, policy=pol, invariant=inv)))
         raw_runs[n] = {"raw": raw, **ours}
-        for pol in POLICIES:
-            rows.append(row(f"PPO {n} envs, {pol}: steps/s / raw env", stats(ours[pol]), "raw env", stats(raw),
+        for name, values in ours.items():
+            rows.append(row(f"PPO {n} envs, {name}: steps/s / raw env", stats(values), "raw env", stats(raw),
                             "steps/s", ">= 0.5"))
         print(f"{n} envs: raw {statistics.median(raw):,.0f} steps/s; " + ", ".join(
             f"{pol} {statistics.median(v):,.0f}" for pol, v in ours.items()), flush=True)
