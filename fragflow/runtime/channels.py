@@ -38,8 +38,9 @@ class ChannelClosed(Exception):
 
 
 # header fields of a trajectory channel (int64 each)
-_HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS = range(8)
-_HEADER_WORDS = 8 + LAG_BINS
+_HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS, _TAKEN = range(9)
+_LAGS = 9
+_HEADER_WORDS = _LAGS + LAG_BINS
 _SLOT_WORDS = 2           # version, sequence number
 
 
@@ -159,7 +160,14 @@ class TrajectoryChannel:
     def _take(self) -> tuple[int, list[Any]]:
         meta, data = self._slot(self._next)
         self._next += 1
+        self.header[_TAKEN] = self._next
         return int(meta[0]), self.layout.read(self.seg.buf, data)
+
+    def peek_version(self) -> int | None:
+        """Version of the next item this consumer would take, or None if there is none."""
+        if int(self.header[_HEAD]) == self._next:
+            return None
+        return int(self._slot(self._next)[0][0])
 
     @property
     def available(self) -> int:
@@ -173,13 +181,18 @@ class TrajectoryChannel:
         if dropped:
             self.header[_DROPS] += 1
         elif lag is not None:
-            self.header[8 + min(max(lag, 0), LAG_BINS - 1)] += 1
+            self.header[_LAGS + min(max(lag, 0), LAG_BINS - 1)] += 1
         self.h.free.release()
 
     # -- metrics -----------------------------------------------------------------------
     @property
     def depth(self) -> int:
         return int(self.header[_HEAD] - self.header[_TAIL])
+
+    @property
+    def queued(self) -> int:
+        """Items put that the consumer has not taken yet (readable from any process)."""
+        return int(self.header[_HEAD] - self.header[_TAKEN])
 
     @property
     def closed(self) -> bool:
@@ -189,7 +202,7 @@ class TrajectoryChannel:
         h = self.header
         return {"depth": int(h[_HEAD] - h[_TAIL]), "puts": int(h[_PUTS]), "gets": int(h[_GETS]),
                 "drops": int(h[_DROPS]), "bytes": int(h[_BYTES]), "put_wait_s": int(h[_PUT_WAIT_NS]) / 1e9,
-                "lag_histogram": [int(x) for x in h[8:8 + LAG_BINS]]}
+                "lag_histogram": [int(x) for x in h[_LAGS:_LAGS + LAG_BINS]]}
 
     def detach(self) -> None:
         self.header = np.zeros(_HEADER_WORDS, np.int64)

@@ -36,16 +36,17 @@ class Control:
         """Wait until a new rollout's piece would be consumed within ``max_lag`` versions; return the
         version it must act with (the newest), counting the rollout as in production.
 
-        The piece joins ``q`` pieces ahead of it (queued, or being produced by other actors); the
-        learner takes ``per_update`` per update and may be mid-update (``busy``), so the piece is
-        consumed ``busy + q // per_update`` versions after the newest one, which must be <= max_lag.
+        The piece joins ``q`` pieces ahead of it (queued and not yet taken by the learner, or being
+        produced by other actors); the learner takes ``per_update`` per update and may be mid-update
+        (``busy``), so the piece is consumed ``busy + q // per_update`` versions after the newest
+        one, which must be <= max_lag.
         """
         params.wait_for(0)
         pause = 2e-5
         t0 = time.perf_counter_ns()
         while True:
             with self.lock:
-                ahead = sum(t.depth for t in trajs) + int(self.words[IN_PRODUCTION])
+                ahead = sum(t.queued for t in trajs) + int(self.words[IN_PRODUCTION])
                 if int(self.words[BUSY]) + ahead // per_update <= max_lag:
                     self.words[IN_PRODUCTION] += 1
                     self.words[ADMIT_WAIT_NS] += time.perf_counter_ns() - t0

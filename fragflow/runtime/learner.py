@@ -27,7 +27,6 @@ class Learner:
         self.control, self.results, self.init, self.stop = control, results, init, stop
         self.version = 0
         self.current = plan.learner
-        self._rr = 0
         self._ready = trajs[0].h.ready
 
     def _receive(self, kind: str) -> Any:
@@ -68,23 +67,19 @@ class Learner:
 
     def _gather_arrival(self) -> list[tuple[TrajectoryChannel, int, list[Any]]] | None:
         pieces: list[tuple[TrajectoryChannel, int, list[Any]]] = []
-        n = len(self.trajs)
         while len(pieces) < self.plan.actors:
-            got = False
-            for j in range(n):
-                ch = self.trajs[(self._rr + j) % n]
+            # the oldest piece first: it is the one closest to going stale
+            heads = [(v, i) for i, ch in enumerate(self.trajs) if (v := ch.peek_version()) is not None]
+            if heads:
+                ch = self.trajs[min(heads)[1]]
                 item = ch.try_get()
                 if item is None:
                     continue
-                self._rr = (self._rr + j + 1) % n
-                got = True
                 lag = self.version - item[0]
                 if lag > self.plan.max_lag and self.plan.overflow is Overflow.DROP:
                     ch.release(dropped=True)
                 else:
                     pieces.append((ch, item[0], item[1]))
-                break
-            if got:
                 continue
             if all(ch.closed and ch.available == 0 for ch in self.trajs):
                 for ch, _, _ in pieces:
