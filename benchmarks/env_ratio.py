@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             "steps/s", ">= 0.5"))
         print(f"{n} envs: raw {statistics.median(raw):,.0f} steps/s; " + ", ".join(
             f"{pol} {statistics.median(v):,.0f}" for pol, v in ours.items()), flush=True)
-    save("env_ratio", {"command": "python benchmarks/env_ratio.py " + " ".join(argv or sys.argv[1:]), "rows": rows,
+    save("env_ratio_" + "_".join(map(str, a.envs)), {"command": "python benchmarks/env_ratio.py " + " ".join(argv or sys.argv[1:]), "rows": rows,
                        "raw": {str(k): v for k, v in raw_runs.items()}})
     print_rows(rows)
     return rows
