@@ -1,7 +1,7 @@
 """Trajectory channel bandwidth between two processes vs memcpy and multiprocessing.Queue.
 
 A producer process puts float32 batches of each size into a trajectory channel (shared-memory ring,
-capacity 4); the consumer (this process) takes each with ``get`` (a zero-copy view), touches it and
+two slots by default, as pipelined and actor_learner use with max_lag=0); the consumer (this process) takes each with ``get`` (a zero-copy view), touches it and
 releases it. Baselines in the same run: ``np.copyto`` of the same batch in one process (memcpy), and
 the same batches through a ``multiprocessing.Queue``. Each figure is the median of several
 repetitions of moving about 256 MB.
@@ -46,9 +46,10 @@ def _queue_producer(q, n: int, nbytes: int) -> None:
     q.put(None)
 
 
-def channel(nbytes: int) -> float:
+def channel(nbytes: int, capacity: int) -> float:
     n = max(8, VOLUME // nbytes)
-    handles, seg = TrajectoryChannel.create(CTX, "bench", [TensorSpec((nbytes // 4,), "float32", "numpy")], capacity=4)
+    handles, seg = TrajectoryChannel.create(CTX, "bench", [TensorSpec((nbytes // 4,), "float32", "numpy")],
+                                            capacity=capacity)
     ch = TrajectoryChannel(handles, seg)
     p = CTX.Process(target=_channel_producer, args=(handles, n, nbytes))
     p.start()
@@ -102,12 +103,13 @@ def memcpy(nbytes: int) -> float:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--capacity", type=int, default=2, help="ring slots (policies use max_lag + 2)")
     a = p.parse_args(argv)
     rows, raw = [], {}
     for label, nbytes in SIZES.items():
         ch, mc, qu = [], [], []
         for _ in range(a.reps):
-            ch.append(channel(nbytes) / 1e9)
+            ch.append(channel(nbytes, a.capacity) / 1e9)
             mc.append(memcpy(nbytes) / 1e9)
             qu.append(queue_(nbytes) / 1e9)
         raw[label] = {"channel_GBps": ch, "memcpy_GBps": mc, "queue_GBps": qu}
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(row(f"channel {label} GB/s vs mp.Queue", stats(ch), "mp.Queue", stats(qu), "GB/s", ">= 10 (1-16MB)"))
         print(f"{label}: channel {np.median(ch):.2f} GB/s, memcpy {np.median(mc):.2f} GB/s, queue {np.median(qu):.2f} GB/s",
               flush=True)
-    save("channel_bandwidth", {"command": "python benchmarks/channel_bandwidth.py " + " ".join(argv or sys.argv[1:]),
+    save(f"channel_bandwidth_capacity{a.capacity}", {"capacity": a.capacity, "command": "python benchmarks/channel_bandwidth.py " + " ".join(argv or sys.argv[1:]),
                                "rows": rows, "raw": raw})
     print_rows(rows)
     return rows

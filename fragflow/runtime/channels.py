@@ -44,8 +44,17 @@ _HEADER_WORDS = _LAGS + LAG_BINS
 _SLOT_WORDS = 2           # version, sequence number
 
 
+SPIN_SECONDS = 5e-5   # poll this long before sleeping: a futex wake-up costs more than a short spin
+
+
 def _acquire(sem: Any, stop: Any, timeout: float | None) -> bool:
     """Acquire ``sem``, waking every 50 ms to honour ``stop``; False on timeout."""
+    if sem.acquire(block=False):
+        return True
+    spin_until = time.perf_counter() + SPIN_SECONDS
+    while time.perf_counter() < spin_until:
+        if sem.acquire(block=False):
+            return True
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
