@@ -25,7 +25,7 @@ import json, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import ppo
-r = ff.run(ppo.train, ppo.Args(total_timesteps={steps}, seed={seed}), target_return=475)
+r = ff.run(ppo.train, ppo.Args(total_timesteps={steps}, seed={seed}), policy="single_process", target_return=475)
 last100 = r.episode_returns[-100:]
 print(json.dumps(dict(r.summary, final_return_last100=sum(last100) / len(last100))))
 """

@@ -1,4 +1,4 @@
-"""single_process PPO steps/s vs Stable-Baselines3 PPO, identical hyper-parameters, same run.
+"""single_process (and pipelined) PPO steps/s vs Stable-Baselines3 PPO, identical hyper-parameters.
 
 Both train PPO on CartPole-v1 with CleanRL's ppo.py hyper-parameters (4 envs x 128 steps,
 4 minibatches, 4 epochs, lr 2.5e-4 annealed, clip 0.2 with clipped value loss, ent 0.01, vf 0.5,
@@ -23,7 +23,7 @@ import json, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import ppo
-r = ff.run(ppo.train, ppo.Args(total_timesteps={steps}, seed={seed}))
+r = ff.run(ppo.train, ppo.Args(total_timesteps={steps}, seed={seed}), policy={policy!r})
 print(json.dumps({{"sps": r.summary["steps_per_second"], "ret": r.summary["final_return_mean"]}}))
 """
 
@@ -56,14 +56,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=50_000)
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args(argv)
-    ours, theirs = [], []
+    ours, piped, theirs = [], [], []
     for rep in range(a.reps):
-        ours.append(once(FRAGFLOW.format(steps=a.steps, seed=rep + 1))["sps"])
+        ours.append(once(FRAGFLOW.format(steps=a.steps, seed=rep + 1, policy="single_process"))["sps"])
+        piped.append(once(FRAGFLOW.format(steps=a.steps, seed=rep + 1, policy="pipelined"))["sps"])
         theirs.append(once(SB3.format(steps=a.steps, seed=rep + 1))["sps"])
-        print(f"rep {rep + 1}/{a.reps}: fragflow {ours[-1]:,.0f} steps/s, sb3 {theirs[-1]:,.0f} steps/s", flush=True)
-    rows = [row("PPO CartPole steps/s, single_process vs SB3", stats(ours), "sb3", stats(theirs), "steps/s", ">= 1.5")]
+        print(f"rep {rep + 1}/{a.reps}: single_process {ours[-1]:,.0f} steps/s, pipelined {piped[-1]:,.0f}, "
+              f"sb3 {theirs[-1]:,.0f} steps/s", flush=True)
+    rows = [row("PPO CartPole steps/s, single_process vs SB3", stats(ours), "sb3", stats(theirs), "steps/s", ">= 1.5"),
+            row("PPO CartPole steps/s, pipelined vs SB3", stats(piped), "sb3", stats(theirs), "steps/s", "-")]
     save("throughput_sb3", {"command": "python benchmarks/throughput_sb3.py " + " ".join(argv or sys.argv[1:]),
-                            "steps": a.steps, "rows": rows, "fragflow_sps": ours, "sb3_sps": theirs})
+                            "steps": a.steps, "rows": rows, "single_process_sps": ours, "pipelined_sps": piped,
+                            "sb3_sps": theirs})
     print_rows(rows)
     return rows
 

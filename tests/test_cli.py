@@ -66,6 +66,15 @@ def test_graph_prints_text_and_writes_png_and_svg(tmp_path):
     assert b"<svg" in (tmp_path / "g.svg").read_bytes()[:2000]
 
 
+def test_graph_with_a_distributed_policy_prints_groups_and_channels():
+    res = invoke("graph", "ppo", "--policy", "async_relaxed(actors=2, max_lag=3)", "--no-image", *SMALL)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "actors  x2  program=loop" in out and "learner  x1  program=service" in out
+    assert "trajectory  trajectory  actors -> learner  max_lag=3  overflow=drop" in out
+    assert "parameters  parameter  learner -> actors" in out and "state['params'] -> act.params" in out
+
+
 def test_policies_lists_one_line_each_with_what_it_mirrors():
     res = invoke("policies")
     assert res.exit_code == 0
@@ -83,6 +92,8 @@ def test_policies_lists_one_line_each_with_what_it_mirrors():
     (["run", "ppo", "--set", "env_id=CartPole-v9"], "unknown environment id 'CartPole-v9'"),
     (["run", "ppo", "--stop-on-target"], "--stop-on-target needs --target-return"),
     (["graph", "ppo", "--image", "g.gif"], "give a path ending in .png or .svg"),
+    (["run", "ppo", "--policy", "pipelined(actors=3)"], "puts 1 environments on each of 3 actors, but the loop steps 4"),
+    (["run", "ppo", "--policy", "pipelined(actor=2)"], "policy 'pipelined' has no option 'actor'"),
 ])
 def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"
