@@ -1,8 +1,9 @@
-"""Run every benchmark and print one table; results land in benchmarks/results/*.json.
+"""Run every benchmark; each prints its table and writes benchmarks/results/*.json.
 
     python benchmarks/run.py [--quick]
 
-``--quick`` uses fewer steps and repetitions (a smoke run, not figures to report).
+The full set takes about 40 minutes on 2 cores. ``--quick`` uses few steps and repetitions: a
+smoke run that checks the scripts work, not figures to report.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import async_staleness  # noqa: E402
+import channel_bandwidth  # noqa: E402
+import common  # noqa: E402
+import env_ratio  # noqa: E402
 import ppo_returns  # noqa: E402
 import throughput_sb3  # noqa: E402
+import time_to_solve  # noqa: E402
 
 
 def main() -> None:
@@ -22,11 +28,21 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     a = p.parse_args()
     if a.quick:
+        common.RESULTS = common.RESULTS / "quick"   # smoke figures never replace reported ones
         throughput_sb3.main(["--steps", "10000", "--reps", "1"])
         ppo_returns.main(["--seeds", "2", "--steps", "20000"])
+        channel_bandwidth.main(["--reps", "1"])
+        env_ratio.main(["--envs", "16", "--steps", "20000", "--reps", "1"])
+        async_staleness.main(["--steps", "20000"])
+        time_to_solve.main(["--seeds", "1"])
     else:
         throughput_sb3.main(["--steps", "50000", "--reps", "5"])
         ppo_returns.main(["--seeds", "5", "--steps", "500000"])
+        channel_bandwidth.main(["--reps", "5", "--capacity", "2"])
+        channel_bandwidth.main(["--reps", "5", "--capacity", "4"])
+        env_ratio.main(["--envs", "64", "256", "--steps", "400000", "--reps", "2"])
+        async_staleness.main(["--steps", "200000"])
+        time_to_solve.main(["--seeds", "5"])
 
 
 if __name__ == "__main__":

@@ -76,12 +76,13 @@ def once(code: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--policies", nargs="+", default=POLICIES, help="fragflow policies to time (default: all)")
     a = p.parse_args(argv)
     runs: dict[str, list[dict]] = {"sb3 (RL-Zoo)": []}
-    runs.update({pol: [] for pol in POLICIES})
+    runs.update({pol: [] for pol in a.policies})
     for seed in range(1, a.seeds + 1):          # interleave: each seed runs every contender in turn
         runs["sb3 (RL-Zoo)"].append(once(SB3.format(seed=seed)))
-        for pol in POLICIES:
+        for pol in a.policies:
             runs[pol].append(once(FRAGFLOW.format(seed=seed, fast=FAST, policy=pol)))
         print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]['seconds']}" for k, v in runs.items()), flush=True)
 
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<40} {min(s):.2f}/{statistics.median(s):.2f}/{max(s):.2f}{'':<12} {steps:>14,.0f} {ratio:>10.2f}")
     result = {"command": "python benchmarks/time_to_solve.py " + " ".join(argv or sys.argv[1:]), "fast_args": FAST,
               "table": table, "target": "default policy >= 3x faster than SB3 (RL-Zoo)"}
-    save("time_to_solve", result)
+    save("time_to_solve" if a.policies == POLICIES else "time_to_solve_" + "_".join(
+        p.split("(")[0] for p in a.policies), result)
     return result
 
 
