@@ -23,7 +23,7 @@ from fragflow import policy as policies
 from fragflow.fragment import Fragment
 from fragflow.ir import Graph
 from fragflow.placement import PlacedGraph
-from fragflow.printer import format_graph, format_placed
+from fragflow.printer import format_placed
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime import plan as plans
 from fragflow.runtime import serial
@@ -99,7 +99,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     total = getattr(args, "total_timesteps", None)
     outputs = RunOutputs(out) if out is not None else None
     display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
-    monitor = Monitor(total_steps=total, outputs=outputs, progress=display, target_return=target_return,
+    monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
     if outputs is not None:
         outputs.write_text("graph.txt", format_placed(placed))
@@ -151,4 +151,4 @@ def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str) -> d
     }
 
 
-__all__ = ["RunResult", "compile", "run", "format_graph"]
+__all__ = ["Compiled", "RunResult", "compile", "run"]

@@ -153,7 +153,6 @@ class VectorEnv:
         self._action_dtype = self.single_action_space.dtype
         self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self)
         self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self)
-        self.steps_taken = 0
 
     @property
     def finished_episodes(self) -> list[tuple[float, int]]:
@@ -180,7 +179,6 @@ class VectorEnv:
             mask = info["_final_obs"]
             final = obs.copy()
             final[mask] = np.stack(info["final_obs"][mask])
-        self.steps_taken += self.num_envs
         return obs, reward, terminated, truncated, {"final_obs": final}
 
     def close(self) -> None:

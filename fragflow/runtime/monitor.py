@@ -21,10 +21,9 @@ class StopRun(BaseException):
 
 
 class Monitor:
-    def __init__(self, *, total_steps: int | None = None, outputs: RunOutputs | None = None,
+    def __init__(self, *, outputs: RunOutputs | None = None,
                  progress: ProgressDisplay | None = None, target_return: float | None = None,
                  stop_on_target: bool = False) -> None:
-        self.total_steps = total_steps
         self.outputs = outputs
         self.progress = progress
         self.target_return = target_return
