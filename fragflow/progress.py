@@ -23,7 +23,7 @@ from rich.progress import (
 class ProgressDisplay:
     def __init__(self, description: str, total: int | None, console: Console | None = None,
                  plain_interval: float = 5.0) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.total = total
         self.description = description
         self.interactive = self.console.is_terminal
