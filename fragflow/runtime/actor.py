@@ -18,9 +18,10 @@ from fragflow.context import InstanceNames
 from fragflow.envs import VectorEnv
 from fragflow.errors import ConfigError
 from fragflow.fragment import Fragment
-from fragflow.pytree import flatten, leaf_paths, unflatten
+from fragflow.pytree import flatten, unflatten
 from fragflow.runtime.channels import ParamChannel, TrajectoryChannel
 from fragflow.runtime.control import Control
+from fragflow.runtime.monitor import flat_scalars
 from fragflow.runtime.plan import RunPlan
 from fragflow.source import SourceLoc, user_callsite
 from fragflow.versioned import Pending, Versioned, VersionedView
@@ -150,9 +151,9 @@ class ActorInterpreter:
     def _log(self, tree: Any) -> None:
         if self.index != 0:
             return None
-        leaves = [(p, x) for p, x in _paths_skipping_pending(tree)]
-        if leaves:
-            self.results.put(("actor_log", dict(leaves)))
+        scalars = flat_scalars(_without_pending(tree))
+        if scalars:
+            self.results.put(("actor_log", scalars))
         return None
 
     def report(self) -> None:
@@ -166,9 +167,12 @@ class ActorInterpreter:
             r.close()
 
 
-def _paths_skipping_pending(tree: Any) -> list[tuple[str, float]]:
+def _without_pending(tree: Any) -> Any:
+    """The tree minus the learner outputs this actor never saw (they are logged by the learner)."""
     if isinstance(tree, Pending):
-        return []
+        return None
     if isinstance(tree, dict):
-        return [(f"['{k}']" + p, x) for k, v in tree.items() for p, x in _paths_skipping_pending(v)]
-    return [(p, float(np.asarray(x))) for p, x in leaf_paths(tree)]
+        return {k: _without_pending(v) for k, v in tree.items() if not isinstance(v, Pending)}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_without_pending(v) for v in tree)
+    return tree

@@ -47,6 +47,21 @@ _SLOT_WORDS = 2           # version, sequence number
 SPIN_SECONDS = 5e-5   # poll this long before sleeping: a futex wake-up costs more than a short spin
 
 
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+_TRAJ_BASE = _round64(_HEADER_WORDS * 8)   # slots start after the header
+
+
+def _traj_slot_bytes(layout: Layout) -> int:
+    return _round64(_SLOT_WORDS * 8 + layout.nbytes)
+
+
+def _param_slot_bytes(layout: Layout) -> int:
+    return _round64(16 + layout.nbytes)
+
+
 def _acquire(sem: Any, stop: Any, timeout: float | None) -> bool:
     """Acquire ``sem``, waking every 50 ms to honour ``stop``; False on timeout."""
     if sem.acquire(block=False):
@@ -88,10 +103,7 @@ class TrajectoryChannel:
         self.stop = stop
         self.seg = segment
         self.header = np.frombuffer(segment.mem, np.int64, _HEADER_WORDS, 0)
-        self._slot_bytes = _SLOT_WORDS * 8 + self.layout.nbytes
-        self._slot_bytes = -(-self._slot_bytes // 64) * 64
-        self._base = _HEADER_WORDS * 8
-        self._base = -(-self._base // 64) * 64
+        self._slot_bytes = _traj_slot_bytes(self.layout)
         # The consumer may hold several items before releasing them (in order): it reads at its
         # own cursor, and ``tail`` only moves on release.
         self._next = int(self.header[_TAIL])
@@ -100,10 +112,8 @@ class TrajectoryChannel:
     @staticmethod
     def create(ctx: Any, name: str, specs: list[TensorSpec], capacity: int, ready: Any = None) -> tuple[ChannelHandles, Segment]:
         layout = Layout.of(specs)
-        slot = -(-(_SLOT_WORDS * 8 + layout.nbytes) // 64) * 64
-        base = -(-(_HEADER_WORDS * 8) // 64) * 64
-        seg = Segment.create(base + capacity * slot)
-        seg.buf[: base].fill(0)
+        seg = Segment.create(_TRAJ_BASE + capacity * _traj_slot_bytes(layout))
+        seg.buf[:_TRAJ_BASE].fill(0)
         handles = ChannelHandles(name, seg.name, layout, capacity, ctx.Semaphore(capacity), ctx.Semaphore(0), ready)
         return handles, seg
 
@@ -112,7 +122,7 @@ class TrajectoryChannel:
         return TrajectoryChannel(handles, Segment.attach(handles.segment), stop)
 
     def _slot(self, index: int) -> tuple[np.ndarray, int]:
-        off = self._base + (index % self.capacity) * self._slot_bytes
+        off = _TRAJ_BASE + (index % self.capacity) * self._slot_bytes
         meta = np.frombuffer(self.seg.mem, np.int64, _SLOT_WORDS, off)
         return meta, off + _SLOT_WORDS * 8
 
@@ -239,13 +249,13 @@ class ParamChannel:
         self.seg = segment
         self.stop = stop
         self.header = np.frombuffer(segment.mem, np.int64, 2, 0)
-        self._slot_bytes = -(-(16 + self.layout.nbytes) // 64) * 64
+        self._slot_bytes = _param_slot_bytes(self.layout)
         self._cache: tuple[int, list[Any]] | None = None
 
     @staticmethod
     def create(name: str, specs: list[TensorSpec], depth: int) -> tuple[ParamHandles, Segment]:
         layout = Layout.of(specs)
-        slot = -(-(16 + layout.nbytes) // 64) * 64
+        slot = _param_slot_bytes(layout)
         seg = Segment.create(_P_HEADER + depth * slot)
         seg.buf[:].fill(0)
         np.frombuffer(seg.mem, np.int64, 1, 0)[0] = -1   # nothing published yet

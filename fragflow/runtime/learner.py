@@ -14,9 +14,10 @@ import cloudpickle
 import numpy as np
 
 from fragflow.placement import Overflow
-from fragflow.pytree import flatten, leaf_paths, to_numpy, unflatten
+from fragflow.pytree import flatten, to_numpy, unflatten
 from fragflow.runtime.channels import ChannelClosed, ParamChannel, Stopped, TrajectoryChannel, _acquire
 from fragflow.runtime.control import LEARN_NS, UPDATES, WAIT_NS, Control
+from fragflow.runtime.monitor import flat_scalars
 from fragflow.runtime.plan import RunPlan
 
 
@@ -132,9 +133,8 @@ class Learner:
                 ch.release(lag=self.version - 1 - v)
             words[LEARN_NS] += time.perf_counter_ns() - t1
             words[UPDATES] += 1
-            logged = {}
+            logged: dict[str, float] = {}
             for i in self.plan.log_outputs:
-                for path, leaf in leaf_paths(out[i]):
-                    logged[path] = float(to_numpy(leaf)) if not isinstance(leaf, (int, float)) else float(leaf)
+                logged.update(flat_scalars(out[i]))
             self.results.put(("update", self.version, logged))
         self.results.put(("final", cloudpickle.dumps(state)))

@@ -16,6 +16,15 @@ from fragflow.runtime.outputs import RunOutputs
 RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes reaches the target
 
 
+def flat_scalars(tree: Any) -> dict[str, float]:
+    """``{"loss": 0.5, "x": {"y": 1}}`` -> ``{"loss": 0.5, "x/y": 1.0}``."""
+    out = {}
+    for path, leaf in leaf_paths(tree):
+        key = path.strip("[]'").replace("']['", "/") if path else "value"
+        out[key] = float(leaf) if isinstance(leaf, (int, float)) else float(to_numpy(leaf))
+    return out
+
+
 class StopRun(BaseException):
     """Unwinds the training loop when the run is done early (target reached with stop_on_target)."""
 
@@ -79,10 +88,13 @@ class Monitor:
         self._pending = self._runtime_row()
 
     def log(self, scalars: Any) -> None:
+        """Scalars from ``ff.log`` (a pytree of 0-d arrays or numbers) into the current row."""
+        self.log_scalars(flat_scalars(scalars))
+
+    def log_scalars(self, scalars: dict[str, float]) -> None:
+        """Already flattened scalars (see :func:`flat_scalars`) into the current row."""
         row = self._pending if self._pending is not None else self._runtime_row()
-        for path, leaf in leaf_paths(scalars):
-            key = path.strip("[]'").replace("']['", "/") if path else "value"
-            row[key] = float(to_numpy(leaf)) if not isinstance(leaf, (int, float)) else float(leaf)
+        row.update(scalars)
         self._pending = row
 
     def channels(self, stats: dict[str, dict[str, Any]]) -> None:

@@ -24,7 +24,7 @@ from fragflow.runtime.channels import ParamChannel, TrajectoryChannel
 from fragflow.runtime.control import ADMIT_WAIT_NS, LEARN_NS, UPDATES, WAIT_NS, Control
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.plan import RunPlan
-from fragflow.runtime.serial import unwrap_with
+from fragflow.runtime.serial import unwrap
 from fragflow.runtime.shm import Segment
 
 JOIN_TIMEOUT = 3.0
@@ -102,7 +102,7 @@ class Driver:
             self._loop()
         finally:
             self._shutdown()
-        return unwrap_with(self.value, self.final_state)
+        return unwrap(self.value, self.final_state)
 
     # -- start ---------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -164,9 +164,9 @@ class Driver:
         elif kind == "update":
             self.monitor.update()
             if msg[2]:
-                self.monitor.log({k.strip("[]'").replace("']['", "/"): v for k, v in msg[2].items()})
+                self.monitor.log_scalars(msg[2])
         elif kind == "actor_log":
-            self.monitor.log({k.strip("[]'").replace("']['", "/"): v for k, v in msg[1].items()})
+            self.monitor.log_scalars(msg[1])
         elif kind == "return":
             self.value = cloudpickle.loads(msg[1]) if msg[1] is not None else None
             self.returned = True

@@ -89,36 +89,27 @@ def _resolve(x: Any) -> Any:
     return x
 
 
-def unwrap(value: Any) -> Any:
-    """A training function's return value with versioned state replaced by its latest value."""
-    if isinstance(value, (Versioned, VersionedView)):
-        return _resolve(value)
-    if isinstance(value, tuple):
-        return tuple(unwrap(v) for v in value)
-    if isinstance(value, list):
-        return [unwrap(v) for v in value]
-    if isinstance(value, dict):
-        return {k: unwrap(v) for k, v in value.items()}
-    return value
+_OWN = object()
 
 
-def unwrap_with(value: Any, state: Any) -> Any:
-    """A worker's return value with versioned handles replaced by ``state`` (the learner's final
-    state) and learner outputs the worker never saw (Pending) by None."""
+def unwrap(value: Any, state: Any = _OWN) -> Any:
+    """A training function's return value with versioned state replaced by its value: each
+    handle's own latest value (serial), or ``state``, the learner's final state, for a value that
+    came back from an actor process, where learner outputs the actor never saw (Pending) become None."""
     from fragflow.versioned import Pending
 
     if isinstance(value, Versioned):
-        return state
+        return value.value if state is _OWN else state
     if isinstance(value, VersionedView):
-        return value.resolve(state)
+        return value.resolve(value.handle.value if state is _OWN else state)
     if isinstance(value, Pending):
         return None
     if isinstance(value, tuple):
-        return tuple(unwrap_with(v, state) for v in value)
+        return tuple(unwrap(v, state) for v in value)
     if isinstance(value, list):
-        return [unwrap_with(v, state) for v in value]
+        return [unwrap(v, state) for v in value]
     if isinstance(value, dict):
-        return {k: unwrap_with(v, state) for k, v in value.items()}
+        return {k: unwrap(v, state) for k, v in value.items()}
     return value
 
 
