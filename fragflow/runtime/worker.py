@@ -18,8 +18,23 @@ from fragflow.runtime.shm import Segment
 from fragflow.source import is_internal
 
 
-def main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], param: ParamHandles | None,
-         control_segment: str, lock: Any, stop: Any, results: Any, init: Any, threads: int) -> None:
+def main(*args: Any) -> None:
+    """Run a worker; with ``FRAGFLOW_PROFILE=DIR`` under cProfile, stats written to DIR/<role><index>.prof."""
+    out = os.environ.get("FRAGFLOW_PROFILE", "")
+    if not out:
+        return _main(*args)
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(_main, *args)
+    finally:
+        os.makedirs(out, exist_ok=True)
+        prof.dump_stats(os.path.join(out, f"{args[0]}{args[1]}.prof"))
+
+
+def _main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], param: ParamHandles | None,
+          control_segment: str, lock: Any, stop: Any, results: Any, init: Any, threads: int) -> None:
     # The driver coordinates shutdown; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
