@@ -85,6 +85,16 @@ def test_async_relaxed_keeps_staleness_bounded_and_counts_drops():
     assert shm_leftovers() == []
 
 
+def test_profile_knob_writes_stats_for_every_worker(tmp_path, monkeypatch):
+    import pstats
+
+    monkeypatch.setenv("FRAGFLOW_PROFILE", str(tmp_path))
+    ff.run(ppo.train, ppo.Args(total_timesteps=512, num_envs=4, num_steps=64), policy="pipelined(actors=2)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor0.prof", "actor1.prof", "learner0.prof"]
+    names = {fn for _, _, fn in pstats.Stats(str(tmp_path / "learner0.prof")).stats}
+    assert "learn" in names
+
+
 def test_actors_must_divide_the_environments():
     with pytest.raises(ConfigError, match="puts 1 environments on each of 3 actors, but the loop steps 4"):
         ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")
