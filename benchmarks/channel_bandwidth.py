@@ -4,7 +4,11 @@ A producer process puts float32 batches of each size into a trajectory channel (
 two slots by default, as pipelined and actor_learner use with max_lag=0); the consumer (this process) takes each with ``get`` (a zero-copy view), touches it and
 releases it. Baselines in the same run: ``np.copyto`` of the same batch in one process (memcpy), and
 the same batches through a ``multiprocessing.Queue``. Each figure is the median of several
-repetitions of moving about 256 MB.
+repetitions of moving about 2 GB (64 MB through the Queue).
+
+Steady state is measured: the clock starts after the ring has gone round twice, so every slot's
+pages are mapped in both processes, as they are a few updates into any run (the first touch of a
+fresh 4 MB slot costs about a thousand page faults, more than the copy itself).
 
     python benchmarks/channel_bandwidth.py [--reps 5]
 """
@@ -26,7 +30,7 @@ from fragflow.pytree import TensorSpec  # noqa: E402
 from fragflow.runtime.channels import ChannelClosed, TrajectoryChannel  # noqa: E402
 
 SIZES = {"64KB": 64 << 10, "1MB": 1 << 20, "4MB": 4 << 20, "16MB": 16 << 20}
-VOLUME = 256 << 20
+VOLUME = 2 << 30
 CTX = mp.get_context("spawn")
 
 
@@ -47,16 +51,18 @@ def _queue_producer(q, n: int, nbytes: int) -> None:
 
 
 def channel(nbytes: int, capacity: int) -> float:
-    n = max(8, VOLUME // nbytes)
+    warm = 2 * capacity
+    n = warm + max(8, VOLUME // nbytes)
     handles, seg = TrajectoryChannel.create(CTX, "bench", [TensorSpec((nbytes // 4,), "float32", "numpy")],
                                             capacity=capacity)
     ch = TrajectoryChannel(handles, seg)
     p = CTX.Process(target=_channel_producer, args=(handles, n, nbytes))
     p.start()
     try:
-        first = ch.get(timeout=60)     # start the clock once the producer is up
-        assert first is not None
-        ch.release()
+        for _ in range(warm):          # start the clock once every slot has been used twice
+            first = ch.get(timeout=60)
+            assert first is not None
+            ch.release()
         t0, count, check = time.perf_counter(), 0, 0.0
         while True:
             try:
