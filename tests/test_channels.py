@@ -46,6 +46,45 @@ def test_ring_keeps_order_versions_types_and_zero_copy(ring):
     assert stats["puts"] == 2 and stats["gets"] == 2 and stats["drops"] == 1 and stats["lag_histogram"][1] == 1
 
 
+def _item(i):
+    return [np.full((3, 4), i, np.float32), torch.tensor([i, -i]), float(i)]
+
+
+def test_ring_reuses_the_slot_released_last_and_keeps_fifo_order():
+    handles, seg = TrajectoryChannel.create(CTX, "t", SPECS, capacity=3)
+    ch = TrajectoryChannel(handles, seg)
+    try:
+        def where(item) -> int:
+            return item[0].__array_interface__["data"][0]
+
+        ch.put(_item(0), version=0)
+        _, first = ch.get()
+        hot = where(first)
+        ch.release()
+        for i in range(1, 5):        # a consumer that keeps up: every item lands in the same hot slot
+            ch.put(_item(i), version=i)
+            _, got = ch.get()
+            assert got[0][0, 0] == i and where(got) == hot
+            ch.release()
+        ch.put(_item(5), version=5)   # three items held at once take three different slots
+        ch.put(_item(6), version=6)
+        ch.put(_item(7), version=7)
+        held = [ch.get() for _ in range(3)]
+        assert [v for v, _ in held] == [5, 6, 7] and where(held[0][1]) == hot
+        assert len({where(item) for _, item in held}) == 3
+        ch.release()                  # frees item 5's slot, then item 6's: the next put takes 6's
+        ch.release()
+        ch.put(_item(8), version=8)
+        assert ch.put(_item(9), version=9)
+        ch.release()
+        (v8, got8), (v9, got9) = ch.get(), ch.get()
+        assert (v8, v9) == (8, 9) and got8[0][0, 0] == 8 and got9[0][0, 0] == 9
+        assert where(got8) == where(held[1][1]) and where(got9) == where(held[0][1])
+    finally:
+        ch.detach()
+        seg.unlink()
+
+
 def test_ring_rejects_wrong_dtype(ring):
     with pytest.raises(TypeError):
         ring.put([np.zeros((3, 4), np.float64), torch.tensor([1, 2]), 0.5], version=0)

@@ -1,9 +1,12 @@
 """Channels between processes: a trajectory ring and a versioned parameter broadcast.
 
-**TrajectoryChannel** - one producer, one consumer. A bounded ring of slots pre-allocated in shared
-memory and sized from the traced edge spec. ``put`` copies a pytree into the next free slot and
+**TrajectoryChannel** - one producer, one consumer. A bounded queue of slots pre-allocated in
+shared memory and sized from the traced edge spec. ``put`` copies a pytree into a free slot and
 stamps it with the producer's parameter version; ``get`` hands the consumer zero-copy views of the
-oldest slot, valid until ``release``. Two semaphores count free and filled slots. A shared
+oldest item, valid until ``release``. Items leave in the order they came, but a slot is not chosen
+round-robin: ``put`` takes the free slot released most recently, whose lines are most likely still
+in cache (with a consumer that keeps up, the producer writes one hot slot over and over instead of
+streaming through the whole ring). Two semaphores count free and filled slots. A shared
 ``ready`` semaphore (one for a group of channels) lets a consumer of several channels sleep until
 any of them has data. Counters live in the segment header, so the driver reads depth, items,
 bytes, drops and the lag histogram without asking either side.
@@ -40,7 +43,12 @@ class ChannelClosed(Exception):
 # header fields of a trajectory channel (int64 each)
 _HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS, _TAKEN = range(9)
 _LAGS = 9
-_HEADER_WORDS = _LAGS + LAG_BINS
+_SLOT_OF = _LAGS + LAG_BINS      # then capacity words: slot of item i at [i % capacity]
+# then capacity words: per slot, 1 + the number of the item last released from it (0: never used)
+
+
+def _header_words(capacity: int) -> int:
+    return _SLOT_OF + 2 * capacity
 _SLOT_WORDS = 2           # version, sequence number
 
 
@@ -51,7 +59,8 @@ def _round64(n: int) -> int:
     return -(-n // 64) * 64
 
 
-_TRAJ_BASE = _round64(_HEADER_WORDS * 8)   # slots start after the header
+def _traj_base(capacity: int) -> int:
+    return _round64(_header_words(capacity) * 8)   # slots start after the header
 
 
 def _traj_slot_bytes(layout: Layout) -> int:
@@ -102,7 +111,10 @@ class TrajectoryChannel:
         self.capacity = handles.capacity
         self.stop = stop
         self.seg = segment
-        self.header = np.frombuffer(segment.mem, np.int64, _HEADER_WORDS, 0)
+        self.header = np.frombuffer(segment.mem, np.int64, _header_words(self.capacity), 0)
+        self._slot_of = self.header[_SLOT_OF:_SLOT_OF + self.capacity]
+        self._released = self.header[_SLOT_OF + self.capacity:]
+        self._base = _traj_base(self.capacity)
         self._slot_bytes = _traj_slot_bytes(self.layout)
         # The consumer may hold several items before releasing them (in order): it reads at its
         # own cursor, and ``tail`` only moves on release.
@@ -112,8 +124,8 @@ class TrajectoryChannel:
     @staticmethod
     def create(ctx: Any, name: str, specs: list[TensorSpec], capacity: int, ready: Any = None) -> tuple[ChannelHandles, Segment]:
         layout = Layout.of(specs)
-        seg = Segment.create(_TRAJ_BASE + capacity * _traj_slot_bytes(layout))
-        seg.buf[:_TRAJ_BASE].fill(0)
+        seg = Segment.create(_traj_base(capacity) + capacity * _traj_slot_bytes(layout))
+        seg.buf[:_traj_base(capacity)].fill(0)
         handles = ChannelHandles(name, seg.name, layout, capacity, ctx.Semaphore(capacity), ctx.Semaphore(0), ready)
         return handles, seg
 
@@ -121,10 +133,19 @@ class TrajectoryChannel:
     def open(handles: ChannelHandles, stop: Any = None) -> TrajectoryChannel:
         return TrajectoryChannel(handles, Segment.attach(handles.segment), stop)
 
-    def _slot(self, index: int) -> tuple[np.ndarray, int]:
-        off = _TRAJ_BASE + (index % self.capacity) * self._slot_bytes
+    def _slot(self, item: int) -> tuple[np.ndarray, int]:
+        """Metadata and data offset of the slot holding item number ``item``."""
+        off = self._base + int(self._slot_of[item % self.capacity]) * self._slot_bytes
         meta = np.frombuffer(self.seg.mem, np.int64, _SLOT_WORDS, off)
         return meta, off + _SLOT_WORDS * 8
+
+    def _hottest_free_slot(self, head: int) -> int:
+        """The free slot released most recently. Called after acquiring ``free``, so one exists;
+        the consumer published its releases before releasing the semaphore."""
+        tail = int(self.header[_TAIL])
+        busy = {int(self._slot_of[i % self.capacity]) for i in range(tail, head)}
+        free = [k for k in range(self.capacity) if k not in busy]
+        return max(free, key=lambda k: int(self._released[k]))
 
     # -- producer ----------------------------------------------------------------------
     def put(self, leaves: list[Any], version: int, timeout: float | None = None) -> bool:
@@ -134,6 +155,7 @@ class TrajectoryChannel:
             return False
         waited = time.perf_counter_ns() - t0
         head = int(self.header[_HEAD])
+        self._slot_of[head % self.capacity] = self._hottest_free_slot(head)
         meta, data = self._slot(head)
         self.layout.write(self.seg.buf, data, leaves)
         meta[0] = version
@@ -195,7 +217,9 @@ class TrajectoryChannel:
 
     def release(self, lag: int | None = None, dropped: bool = False) -> None:
         """Free the oldest slot (its views become invalid); record its lag or its drop."""
-        self.header[_TAIL] += 1
+        tail = int(self.header[_TAIL])
+        self._released[int(self._slot_of[tail % self.capacity])] = tail + 1
+        self.header[_TAIL] = tail + 1
         self.header[_GETS] += 1
         if dropped:
             self.header[_DROPS] += 1
@@ -224,7 +248,9 @@ class TrajectoryChannel:
                 "lag_histogram": [int(x) for x in h[_LAGS:_LAGS + LAG_BINS]]}
 
     def detach(self) -> None:
-        self.header = np.zeros(_HEADER_WORDS, np.int64)
+        self.header = np.zeros(_header_words(self.capacity), np.int64)
+        self._slot_of = self.header[_SLOT_OF:_SLOT_OF + self.capacity]
+        self._released = self.header[_SLOT_OF + self.capacity:]
         self.seg.close()
 
 
