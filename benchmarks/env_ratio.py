@@ -5,7 +5,7 @@ stepped with random actions in a loop, one process. PPO: fragflow's PPO (CleanRL
 except num_envs) under each policy, learning included, over the whole run. Medians of repetitions,
 raw and PPO measured alternately in the same run.
 
-    python benchmarks/env_ratio.py [--envs 4 16 64] [--steps 200000] [--reps 3]
+    python benchmarks/env_ratio.py [--envs 4 16 64] [--steps 200000] [--reps 3] [--no-invariant]
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--envs", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--steps", type=int, default=200_000)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-invariant", action="store_true", help="skip the batch-invariant acting variants")
     a = p.parse_args(argv)
+    contenders = [(pol, inv) for pol, inv in CONTENDERS if not (inv and a.no_invariant)]
     rows, raw_runs = [], {}
     for n in a.envs:
         raw: list[float] = []
-        ours: dict[str, list[float]] = {f"{pol}{', invariant_acting=true' if inv else ''}": [] for pol, inv in CONTENDERS}
+        ours: dict[str, list[float]] = {f"{pol}{', invariant_acting=true' if inv else ''}": [] for pol, inv in contenders}
         for _ in range(a.reps):
             raw.append(once(RAW.format(n=n, steps=a.steps)))
-            for (pol, inv), name in zip(CONTENDERS, ours):
+            for (pol, inv), name in zip(contenders, ours):
                 ours[name].append(once(PPO.format(n=n, steps=a.steps, policy=pol, invariant=inv)))
         raw_runs[n] = {"raw": raw, **ours}
         for name, values in ours.items():

@@ -143,6 +143,8 @@ class TrajectoryChannel:
         """The free slot released most recently. Called after acquiring ``free``, so one exists;
         the consumer published its releases before releasing the semaphore."""
         tail = int(self.header[_TAIL])
+        if tail == head and tail > 0:    # nothing queued: the last item's slot was the last released
+            return int(self._slot_of[(tail - 1) % self.capacity])
         busy = {int(self._slot_of[i % self.capacity]) for i in range(tail, head)}
         free = [k for k in range(self.capacity) if k not in busy]
         return max(free, key=lambda k: int(self._released[k]))
