@@ -2,8 +2,8 @@
 
 Raw: gymnasium's synchronous vector env of CartPole-v1 (same-step autoreset, as fragflow uses)
 stepped with random actions in a loop, one process. PPO: fragflow's PPO (CleanRL hyper-parameters
-except num_envs) under each policy, learning included, over the whole run. Medians of repetitions,
-raw and PPO measured alternately in the same run.
+except num_envs) under each policy, learning included, over the whole run. Medians of repetitions;
+the raw env is timed right before every PPO run, and its median over all of them is the baseline.
 
     python benchmarks/env_ratio.py [--envs 4 16 64] [--steps 200000] [--reps 3] [--no-invariant]
 """
@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raw: list[float] = []
         ours: dict[str, list[float]] = {f"{pol}{', invariant_acting=true' if inv else ''}": [] for pol, inv in contenders}
         for _ in range(a.reps):
-            raw.append(once(RAW.format(n=n, steps=a.steps)))
             for (pol, inv), name in zip(contenders, ours):
+                # the raw env is cheap to time: time it before every PPO run, so it sees the
+                # same machine conditions (a shared VM drifts by tens of percent within minutes)
+                raw.append(once(RAW.format(n=n, steps=a.steps)))
                 ours[name].append(once(PPO.format(n=n, steps=a.steps, policy=pol, invariant=inv)))
         raw_runs[n] = {"raw": raw, **ours}
         for name, values in ours.items():

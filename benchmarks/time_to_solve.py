@@ -8,7 +8,9 @@ is the median over seeds, and the ratio is SB3's median divided by the policy's.
 SB3 uses RL-Zoo's CartPole-v1 hyper-parameters: 8 envs, n_steps 32, batch 256, 20 epochs, gamma
 0.98, GAE 0.8, lr 1e-3 and clip 0.2 both annealed, no entropy bonus. fragflow's PPO runs with the
 settings in FAST below: RL-Zoo's, with 10 epochs at lr 3e-3 annealed over 80k steps and an unclipped
-value loss (the best steps-to-solve of a small grid over envs x steps, epochs and lr, 3 seeds each).
+value loss (the best steps-to-solve of a small grid over envs x steps, epochs and lr, 3 seeds each;
+``tune_time_to_solve.py`` re-checks it in wall time under the default policy on seeds 101-103,
+disjoint from the seeds reported here).
 
     python benchmarks/time_to_solve.py [--seeds 3]
 """

@@ -116,6 +116,7 @@ class TrajectoryChannel:
         self._released = self.header[_SLOT_OF + self.capacity:]
         self._base = _traj_base(self.capacity)
         self._slot_bytes = _traj_slot_bytes(self.layout)
+        self._views: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}   # per slot, made on first use
         # The consumer may hold several items before releasing them (in order): it reads at its
         # own cursor, and ``tail`` only moves on release.
         self._next = int(self.header[_TAIL])
@@ -133,11 +134,16 @@ class TrajectoryChannel:
     def open(handles: ChannelHandles, stop: Any = None) -> TrajectoryChannel:
         return TrajectoryChannel(handles, Segment.attach(handles.segment), stop)
 
-    def _slot(self, item: int) -> tuple[np.ndarray, int]:
-        """Metadata and data offset of the slot holding item number ``item``."""
-        off = self._base + int(self._slot_of[item % self.capacity]) * self._slot_bytes
-        meta = np.frombuffer(self.seg.mem, np.int64, _SLOT_WORDS, off)
-        return meta, off + _SLOT_WORDS * 8
+    def _slot(self, item: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Metadata and leaf views of the slot holding item number ``item``."""
+        k = int(self._slot_of[item % self.capacity])
+        views = self._views.get(k)
+        if views is None:
+            off = self._base + k * self._slot_bytes
+            views = (np.frombuffer(self.seg.mem, np.int64, _SLOT_WORDS, off),
+                     self.layout.views(self.seg.buf, off + _SLOT_WORDS * 8))
+            self._views[k] = views
+        return views
 
     def _hottest_free_slot(self, head: int) -> int:
         """The free slot released most recently. Called after acquiring ``free``, so one exists;
@@ -158,8 +164,8 @@ class TrajectoryChannel:
         waited = time.perf_counter_ns() - t0
         head = int(self.header[_HEAD])
         self._slot_of[head % self.capacity] = self._hottest_free_slot(head)
-        meta, data = self._slot(head)
-        self.layout.write(self.seg.buf, data, leaves)
+        meta, views = self._slot(head)
+        self.layout.write_views(views, leaves)
         meta[0] = version
         meta[1] = head
         self.header[_HEAD] = head + 1
@@ -201,10 +207,10 @@ class TrajectoryChannel:
             # woken by close(): loop to report the closed channel
 
     def _take(self) -> tuple[int, list[Any]]:
-        meta, data = self._slot(self._next)
+        meta, views = self._slot(self._next)
         self._next += 1
         self.header[_TAKEN] = self._next
-        return int(meta[0]), self.layout.read(self.seg.buf, data)
+        return int(meta[0]), self.layout.read_views(views)
 
     def peek_version(self) -> int | None:
         """Version of the next item this consumer would take, or None if there is none."""
@@ -250,6 +256,7 @@ class TrajectoryChannel:
                 "lag_histogram": [int(x) for x in h[_LAGS:_LAGS + LAG_BINS]]}
 
     def detach(self) -> None:
+        self._views.clear()
         self.header = np.zeros(_header_words(self.capacity), np.int64)
         self._slot_of = self.header[_SLOT_OF:_SLOT_OF + self.capacity]
         self._released = self.header[_SLOT_OF + self.capacity:]

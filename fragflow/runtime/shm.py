@@ -81,28 +81,31 @@ class Layout:
     specs: tuple[TensorSpec, ...]
     offsets: tuple[int, ...]
     dtypes: tuple[np.dtype, ...]
+    counts: tuple[int, ...]
     nbytes: int
 
     @staticmethod
     def of(specs: list[TensorSpec] | tuple[TensorSpec, ...]) -> Layout:
-        offsets, dtypes, pos = [], [], 0
+        offsets, dtypes, counts, pos = [], [], [], 0
         for spec in specs:
             dtype = _np_dtype(spec)
+            count = int(np.prod(spec.shape)) if spec.shape else 1
             offsets.append(pos)
             dtypes.append(dtype)
-            size = int(np.prod(spec.shape)) * dtype.itemsize if spec.shape else dtype.itemsize
-            pos += -(-size // ALIGN) * ALIGN
-        return Layout(tuple(specs), tuple(offsets), tuple(dtypes), max(pos, ALIGN))
+            counts.append(count)
+            pos += -(-count * dtype.itemsize // ALIGN) * ALIGN
+        return Layout(tuple(specs), tuple(offsets), tuple(dtypes), tuple(counts), max(pos, ALIGN))
 
     def views(self, buf: np.ndarray, base: int) -> list[np.ndarray]:
-        out = []
-        for spec, off, dtype in zip(self.specs, self.offsets, self.dtypes):
-            count = int(np.prod(spec.shape)) if spec.shape else 1
-            out.append(np.frombuffer(buf, dtype=dtype, count=count, offset=base + off).reshape(spec.shape))
-        return out
+        """numpy views of every leaf's place in ``buf`` at ``base`` (cache them: they do not change)."""
+        return [np.frombuffer(buf, dtype=dtype, count=count, offset=base + off).reshape(spec.shape)
+                for spec, off, dtype, count in zip(self.specs, self.offsets, self.dtypes, self.counts)]
 
     def write(self, buf: np.ndarray, base: int, leaves: list[Any]) -> None:
-        for view, leaf, spec in zip(self.views(buf, base), leaves, self.specs):
+        self.write_views(self.views(buf, base), leaves)
+
+    def write_views(self, views: list[np.ndarray], leaves: list[Any]) -> None:
+        for view, leaf, spec in zip(views, leaves, self.specs):
             if spec.backend == "python":
                 view[...] = leaf
             else:
@@ -110,8 +113,11 @@ class Layout:
 
     def read(self, buf: np.ndarray, base: int, copy: bool = False) -> list[Any]:
         """Leaves as views into ``buf`` (or copies), converted back to their traced backend."""
+        return self.read_views(self.views(buf, base), copy)
+
+    def read_views(self, views: list[np.ndarray], copy: bool = False) -> list[Any]:
         out: list[Any] = []
-        for view, spec in zip(self.views(buf, base), self.specs):
+        for view, spec in zip(views, self.specs):
             if spec.backend == "python":
                 out.append(view.item())
                 continue
