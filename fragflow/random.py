@@ -18,6 +18,7 @@ True
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -32,10 +33,13 @@ _TWO_M53 = 1.0 / 9007199254740992.0
 
 def _mix(z: np.ndarray) -> np.ndarray:
     """SplitMix64 finalizer, elementwise on uint64 arrays (wrapping arithmetic)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
+    z = z + _GOLDEN                 # a new array; the rest works in place on it
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 def keys(seed: int, ids: np.ndarray) -> np.ndarray:
@@ -62,7 +66,7 @@ def _counters(n: int) -> np.ndarray:
 
 def bits(key: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """uint64 random bits of shape ``key.shape + shape``."""
-    n = int(np.prod(shape)) if shape else 1
+    n = math.prod(shape)
     out = _mix(key.reshape(-1, 1) ^ _counters(n))
     return out.reshape(key.shape + tuple(shape))
 
@@ -81,4 +85,8 @@ def normal(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
 
 def gumbel(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
     """Standard Gumbel noise: ``argmax(logits + gumbel)`` samples a categorical."""
-    return -np.log(-np.log(uniform(key, shape)))
+    u = uniform(key, shape)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    return np.negative(u, out=u)
