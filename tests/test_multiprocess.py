@@ -95,6 +95,16 @@ def test_profile_knob_writes_stats_for_every_worker(tmp_path, monkeypatch):
     assert "learn" in names
 
 
+def test_spawned_workers_give_the_same_run_as_forked_ones(monkeypatch):
+    args = ppo.Args(total_timesteps=1024, num_envs=4, num_steps=64, seed=5)
+    forked = ff.run(ppo.train, args, policy="pipelined(actors=1)")
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "spawn")
+    spawned = ff.run(ppo.train, args, policy="pipelined(actors=1)")
+    assert same_tree(forked.value, spawned.value)
+    assert forked.episode_returns == spawned.episode_returns
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_actors_must_divide_the_environments():
     with pytest.raises(ConfigError, match="puts 1 environments on each of 3 actors, but the loop steps 4"):
         ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")
