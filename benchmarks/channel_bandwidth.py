@@ -1,8 +1,8 @@
 """Trajectory channel bandwidth between two processes vs memcpy and multiprocessing.Queue.
 
-A producer process puts float32 batches of each size into a trajectory channel (shared-memory ring,
-two slots by default, as pipelined and actor_learner use with max_lag=0); the consumer (this process) takes each with ``get`` (a zero-copy view), touches it and
-releases it. Baselines in the same run: ``np.copyto`` of the same batch in one process (memcpy), and
+A producer process puts float32 batches of each size into a trajectory channel (shared-memory slots,
+three by default: max_lag + 2 for the default policy's max_lag=1); the consumer (this process)
+takes each with ``get`` (a zero-copy view), touches it and releases it. Baselines in the same run: ``np.copyto`` of the same batch in one process (memcpy), and
 the same batches through a ``multiprocessing.Queue``. Each figure is the median of several
 repetitions of moving about 2 GB (64 MB through the Queue).
 
@@ -109,7 +109,7 @@ def memcpy(nbytes: int) -> float:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--capacity", type=int, default=2, help="ring slots (policies use max_lag + 2)")
+    p.add_argument("--capacity", type=int, default=3, help="ring slots (policies use max_lag + 2)")
     a = p.parse_args(argv)
     rows, raw = [], {}
     for label, nbytes in SIZES.items():
