@@ -342,8 +342,11 @@ def flat_cat(tensors: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
     for x, start, end in zip(tensors, offsets, offsets[1:]):
         parts.append(x.reshape(-1))
         if end - start > x.numel():
-            parts.append(x.new_zeros(end - start - x.numel()))
+            parts.append(_GAP.to(x.dtype)[:end - start - x.numel()])   # a view: nothing allocated
     return torch.cat(parts)
+
+
+_GAP = torch.zeros(ALIGN)
 
 
 def tree_leaves(tree) -> list[torch.Tensor]:

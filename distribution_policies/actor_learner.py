@@ -43,7 +43,7 @@ def place(graph: Graph, options: Options) -> PlacedGraph:
     return acting_and_learning(
         graph, policy="actor_learner", options=tuple(asdict(options).items()), actors=options.actors,
         max_lag=options.max_lag, overflow=Overflow(options.overflow), trajectory="ordered" if ordered else "arrival",
-        parameters="latest", capacity=options.max_lag + 2)
+        parameters="latest")
 
 
 POLICY = PolicySpec(

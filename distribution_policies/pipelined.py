@@ -37,8 +37,7 @@ class Options:
 def place(graph: Graph, options: Options) -> PlacedGraph:
     return acting_and_learning(
         graph, policy="pipelined", options=tuple(asdict(options).items()), actors=options.actors,
-        max_lag=options.max_lag, overflow=Overflow.BLOCK, trajectory="ordered", parameters="exact",
-        capacity=options.max_lag + 2)
+        max_lag=options.max_lag, overflow=Overflow.BLOCK, trajectory="ordered", parameters="exact")
 
 
 POLICY = PolicySpec(

@@ -121,8 +121,7 @@ def edge_label(src: str, dst: str, dst_port: str) -> str:
 
 
 def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
-                        max_lag: int, overflow: Overflow, trajectory: str, parameters: str,
-                        capacity: int) -> PlacedGraph:
+                        max_lag: int, overflow: Overflow, trajectory: str, parameters: str) -> PlacedGraph:
     """The placement shared by the single-learner policies: the acting side (envs, actors,
     buffers and the loop itself) replicated ``actors`` times; the learner, and the sinks it feeds,
     in one service process; a trajectory channel for every data edge into the learner and a
@@ -133,7 +132,13 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     admitted only while their samples will be fresh enough). ``parameters`` is ``exact`` (an
     actor acting for update ``i`` reads version ``max(0, i - max_lag)``) or ``latest`` (it waits for
     ``i - max_lag`` and reads the newest).
+
+    The trajectory channel holds ``max_lag + 2`` items per actor: the ``max_lag`` versions an actor
+    may run ahead, the one being produced and the one being consumed. The parameter broadcast keeps
+    one version more, so the oldest version an actor may still ask for is never the slot the
+    learner is writing.
     """
+    capacity = max_lag + 2
     learners = graph.fragments("learner")
     writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
     if len(learners) != 1 or learners[0].name not in writers:
@@ -154,6 +159,6 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                         trajectory)]
     if read_edges:
         channels.append(Channel("parameters", "parameter", "learner", "actors", read_edges, max_lag, Overflow.DELIVER,
-                                max_lag + 2, parameters))
+                                max_lag + 3, parameters))
     groups = (Group("actors", acting, replicas=actors, program="loop"), Group("learner", service, program="service"))
     return PlacedGraph(graph, policy, options, groups, tuple(channels))

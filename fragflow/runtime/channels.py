@@ -45,11 +45,11 @@ _HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS, _TAKEN = rang
 _LAGS = 9
 _SLOT_OF = _LAGS + LAG_BINS      # then capacity words: slot of item i at [i % capacity]
 # then capacity words: per slot, 1 + the number of the item last released from it (0: never used)
+_SLOT_WORDS = 2           # version, sequence number
 
 
 def _header_words(capacity: int) -> int:
     return _SLOT_OF + 2 * capacity
-_SLOT_WORDS = 2           # version, sequence number
 
 
 SPIN_SECONDS = 5e-5   # poll this long before sleeping: a futex wake-up costs more than a short spin
@@ -111,15 +111,18 @@ class TrajectoryChannel:
         self.capacity = handles.capacity
         self.stop = stop
         self.seg = segment
-        self.header = np.frombuffer(segment.mem, np.int64, _header_words(self.capacity), 0)
-        self._slot_of = self.header[_SLOT_OF:_SLOT_OF + self.capacity]
-        self._released = self.header[_SLOT_OF + self.capacity:]
+        self._bind_header(np.frombuffer(segment.mem, np.int64, _header_words(self.capacity), 0))
         self._base = _traj_base(self.capacity)
         self._slot_bytes = _traj_slot_bytes(self.layout)
         self._views: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}   # per slot, made on first use
         # The consumer may hold several items before releasing them (in order): it reads at its
         # own cursor, and ``tail`` only moves on release.
         self._next = int(self.header[_TAIL])
+
+    def _bind_header(self, header: np.ndarray) -> None:
+        self.header = header
+        self._slot_of = header[_SLOT_OF:_SLOT_OF + self.capacity]
+        self._released = header[_SLOT_OF + self.capacity:]
 
     # -- construction ------------------------------------------------------------------
     @staticmethod
@@ -257,9 +260,7 @@ class TrajectoryChannel:
 
     def detach(self) -> None:
         self._views.clear()
-        self.header = np.zeros(_header_words(self.capacity), np.int64)
-        self._slot_of = self.header[_SLOT_OF:_SLOT_OF + self.capacity]
-        self._released = self.header[_SLOT_OF + self.capacity:]
+        self._bind_header(np.zeros(_header_words(self.capacity), np.int64))
         self.seg.close()
 
 

@@ -120,7 +120,7 @@ class Driver:
             self.trajs.append(TrajectoryChannel(h, seg))
         param = None
         if plan.read_paths:
-            param, seg = ParamChannel.create("parameters", list(plan.param_specs), plan.max_lag + 3)
+            param, seg = ParamChannel.create("parameters", list(plan.param_specs), plan.param_depth)
             self.segments.append(seg)
         control_seg = Control.create()
         self.segments.append(control_seg)

@@ -30,7 +30,8 @@ class RunPlan:
     trajectory: str              # ordered | arrival | balanced
     parameters: str              # exact | latest
     overflow: Overflow
-    capacity: int
+    capacity: int                # trajectory slots per actor
+    param_depth: int             # versions the parameter broadcast keeps (0: no broadcast)
     learner: str
     writes: str
     arity: int
@@ -106,6 +107,7 @@ def build(placed: PlacedGraph, fragments: dict[str, Fragment], train: Any, args:
         cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
     program = cloudpickle.dumps((train, args, frag))
     return RunPlan(placed.policy, actors, traj.max_lag, traj.discipline, param.discipline if param else "latest",
-                   traj.overflow, traj.capacity, learner.name, frag.writes, learner.arity, tuple(pieces),
+                   traj.overflow, traj.capacity, param.capacity if param else 0, learner.name, frag.writes,
+                   learner.arity, tuple(pieces),
                    tuple(leaf.env_axis for leaf in inputs), tuple(parse_path(p) for p in paths), tuple(param_specs),
                    tuple(counts), tuple(logged), program)
