@@ -20,6 +20,7 @@ Placement::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from fragflow.ir import Graph
 from fragflow.placement import Overflow, PlacedGraph, acting_and_learning
@@ -34,8 +35,9 @@ class Options:
     """environments per actor (0: num_envs / actors); must multiply with actors to num_envs"""
     max_lag: int = 1
     """versions a sample may lag the learner when consumed"""
-    overflow: str = "drop"
-    """what happens to a sample beyond max_lag: drop (and count) or deliver (with its version)"""
+    overflow: Literal["drop", "deliver", "block"] = "drop"
+    """a sample beyond max_lag: drop (and count it), deliver (with its version: ff.delivered()), or
+    block (actors wait for the balance controller, so none goes beyond)"""
 
 
 def place(graph: Graph, options: Options) -> PlacedGraph:
@@ -43,7 +45,7 @@ def place(graph: Graph, options: Options) -> PlacedGraph:
     return acting_and_learning(
         graph, policy="actor_learner", options=tuple(asdict(options).items()), actors=options.actors,
         max_lag=options.max_lag, overflow=Overflow(options.overflow), trajectory="ordered" if ordered else "arrival",
-        parameters="latest")
+        parameters="balanced" if options.overflow == "block" and not ordered else "latest")
 
 
 POLICY = PolicySpec(

@@ -18,11 +18,28 @@ from fragflow.buffer import RolloutBuffer
 from fragflow.fragment import fragment
 from fragflow.log import log
 from fragflow.policy import distribute
+from fragflow.replay import ReplayBuffer
 from fragflow.versioned import versioned
 
 if TYPE_CHECKING:
     from fragflow.driver import RunResult
     from fragflow.ir import Graph
+
+
+def delivered() -> list[tuple[int, int]]:
+    """Inside a fragment: ``(version, lag)`` of each piece its call was assembled from, in merge
+    order. A channel with ``overflow=deliver`` consumes pieces beyond its staleness bound, and this
+    is how the algorithm sees by how much (an importance correction, V-trace). Run in one process
+    the call is the loop's own: one piece, lag 0.
+
+    >>> delivered()
+    [(0, 0)]
+    """
+    from fragflow import context
+
+    interp = context.current()
+    pieces = getattr(interp, "delivered", None)
+    return list(pieces) if pieces else [(0, 0)]
 
 
 def policies() -> dict[str, str]:
@@ -46,5 +63,5 @@ def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult
     return _run(train, args, **kwargs)
 
 
-__all__ = ["RolloutBuffer", "distribute", "envs", "fragment", "log", "policies", "random", "run", "trace",
+__all__ = ["ReplayBuffer", "RolloutBuffer", "delivered", "distribute", "envs", "fragment", "log", "policies", "random", "run", "trace",
            "versioned", "__version__"]

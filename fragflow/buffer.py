@@ -42,7 +42,8 @@ class RolloutBuffer:
         self._views: dict[str, Any] = {}
         self._t = 0
         self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self)
-        self.collect = Fragment(self._collect, "buffer", name=f"{self.name}.collect", instance=self)
+        self.collect = Fragment(self._collect, "buffer", name=f"{self.name}.collect", instance=self,
+                                axes=self._axes)
 
     def _add(self, **step: Any) -> None:
         if self._t >= self.num_steps:
@@ -76,9 +77,11 @@ class RolloutBuffer:
         self._storage, self._t = None, 0
         return batch
 
-    def env_axis(self, key: str) -> int:
-        """Environment axis of a collected batch's top-level entry: 1 for step data, 0 for last leaves."""
-        return 1 if key in self._step_keys else 0
+    def _axes(self, path: str) -> tuple[str, int]:
+        """The ``env`` axis of a collected batch's leaf: 1 for step data ``[time, env, ...]``, 0 for
+        the ``last`` leaves ``[env, ...]``."""
+        key = path[2:].split("'")[0] if path.startswith("['") else ""
+        return ("env", 1 if key in self._step_keys else 0)
 
 
 def _alloc(num_steps: int, x: Any) -> Any:

@@ -36,6 +36,12 @@ def coerce(raw: Any, annotation: Any) -> Any:
     if not isinstance(raw, str):
         return raw
     origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        for choice in choices:
+            if raw == str(choice):
+                return choice
+        raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {raw!r}")
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         if type(None) in options and raw.lower() in ("none", "null", ""):

@@ -22,14 +22,14 @@ from fragflow import __version__
 from fragflow import policy as policies
 from fragflow.fragment import Fragment
 from fragflow.ir import Graph
+from fragflow.lowering import Lowered, lower
 from fragflow.placement import PlacedGraph
 from fragflow.printer import format_placed
 from fragflow.progress import ProgressDisplay
-from fragflow.runtime import plan as plans
 from fragflow.runtime import serial
+from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.runtime.plan import RunPlan
 from fragflow.tracer import trace_program
 
 
@@ -69,23 +69,40 @@ class RunResult:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A traced, placed program and, for a distributed placement, its worker plan."""
+    """A traced, placed and lowered program; ``program`` is what worker processes receive."""
 
     placed: PlacedGraph
     fragments: dict[str, Fragment]
-    plan: RunPlan | None      # None: one group in one process, run by the serial executor
+    lowered: Lowered
+    checks: dict[str, Any]
+    program: bytes | None     # None: one group in one process, run by the serial executor
+
+    @property
+    def serial(self) -> bool:
+        return self.program is None
 
 
 def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None) -> Compiled:
-    """Trace ``train(args)``, place it with ``policy`` (or the decorator's, or the default) and wire
+    """Trace ``train(args)``, place it with ``policy`` (or the decorator's, or the default) and lower
     it; every configuration error surfaces here, before a run writes anything."""
     spec, options = policies.resolve(policy, train)
     call_args = () if args is None else (args,)
     graph, fragments = trace_program(train, *call_args)
     placed = spec.place(graph, options).verify()
-    serial_run = len(placed.groups) == 1 and placed.groups[0].replicas == 1
-    plan = None if serial_run else plans.build(placed, fragments, train, args)
-    return Compiled(placed, fragments, plan)
+    lowered = lower(placed)
+    checks = state_checks(graph)
+    checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
+    program = None
+    if lowered.services:
+        import sys
+
+        import cloudpickle
+
+        module = sys.modules.get(getattr(train, "__module__", ""), None)
+        if module is not None and module.__name__.startswith("fragflow_user_"):
+            cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
+        program = cloudpickle.dumps((lowered, checks, train, args))
+    return Compiled(placed, fragments, lowered, checks, program)
 
 
 def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
@@ -108,12 +125,12 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     monitor.start()
     try:
         with _sigterm_as_interrupt():
-            if compiled.plan is None:
-                value = serial.execute(train, call_args, monitor)
+            if compiled.program is None:
+                value = serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks)
             else:
                 from fragflow.runtime import multiprocess
 
-                value = multiprocess.execute(compiled.plan, monitor)
+                value = multiprocess.execute(compiled.lowered, compiled.program, monitor)
         status = "completed"
     except StopRun:
         status = "stopped_at_target"

@@ -132,7 +132,7 @@ class VectorEnv:
 
     def __init__(self, env_id: str, num_envs: int, seed: int, *, ids: np.ndarray, name: str,
                  clip_actions: bool = False, normalize_obs: bool = False,
-                 normalize_reward: bool = False, gamma: float = 0.99) -> None:
+                 normalize_reward: bool = False, gamma: float = 0.99, evaluation: bool = False) -> None:
         self.env_id = env_id
         self.seed = seed
         self.ids = np.asarray(ids, dtype=np.int64)
@@ -151,8 +151,14 @@ class VectorEnv:
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
         self._action_dtype = self.single_action_space.dtype
-        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self)
-        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self)
+        self.evaluation = evaluation
+        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=_env_axis,
+                              evaluation=evaluation)
+        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=_env_axis,
+                             events=self._events, evaluation=evaluation)
+
+    def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
+        return self.num_envs, (self.pop_finished() if self._stats.finished else [])
 
     @property
     def finished_episodes(self) -> list[tuple[float, int]]:
@@ -188,9 +194,18 @@ class VectorEnv:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
 
 
+def _env_axis(path: str) -> tuple[str, int]:
+    return ("env", 0)
+
+
 def make(env_id: str, num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
-         normalize_obs: bool = False, normalize_reward: bool = False, gamma: float = 0.99) -> VectorEnv:
+         normalize_obs: bool = False, normalize_reward: bool = False, gamma: float = 0.99,
+         evaluation: bool = False) -> VectorEnv:
     """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
+
+    ``evaluation=True`` marks an environment whose episodes evaluate the policy: they are counted
+    apart (``eval_episodes``, ``eval_return_mean``) and never mixed into the training returns or
+    env steps. It is never split across actor processes.
 
     ``clip_actions`` clips continuous actions to the action space; ``normalize_obs`` and
     ``normalize_reward`` normalise with running statistics and clip to +-10, as CleanRL's
@@ -204,10 +219,11 @@ def make(env_id: str, num_envs: int = 1, seed: int = 0, *, clip_actions: bool = 
         raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
                               fix=did_you_mean(env_id, gym.registry.keys()))
     interp = context.current()
-    ids = np.arange(num_envs) if interp is None else interp.env_ids(num_envs)
-    name = "env" if interp is None else interp.instance_name("env")
+    ids = np.arange(num_envs) if interp is None or evaluation else interp.env_ids(num_envs)
+    name = "env" if interp is None else interp.instance_name("eval_env" if evaluation else "env")
     env = VectorEnv(env_id, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
-                    normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma)
+                    normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
+                    evaluation=evaluation)
     if interp is not None:
         interp.adopt(env)
     return env

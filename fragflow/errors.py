@@ -74,20 +74,35 @@ class ShapeChangedError(TraceError):
     """A fragment's output pytree, shape or dtype changed from one call to the next."""
 
 
-class LearnerOutputOnActingSideError(TraceError):
-    """An output of a learner fragment reached an acting-side fragment as plain data.
-
-    On a distributed policy the acting side runs in other processes and only sees learner
-    state through a versioned broadcast, so such a value would silently go stale.
-    """
-
-
 class VersionedStateError(TraceError):
     """A versioned value was used in a way its version cannot follow."""
 
 
 class GraphError(FragflowError):
     """``Graph.verify()`` or ``PlacedGraph.verify()`` found an inconsistent graph."""
+
+
+class PlacementError(FragflowError):
+    """A distribution policy cannot place this program: the message says why and which policy can."""
+
+
+class LearnerOutputOnActingSideError(PlacementError):
+    """A learner's output is used as plain data on the acting side, where a policy that runs the
+    learner in another process cannot deliver it (``single_process`` runs such a loop as written)."""
+
+
+class SpecChangedError(FragflowError):
+    """A fragment's input, output or state no longer matches the specs traced for it."""
+
+
+class NonFiniteError(FragflowError):
+    """A learner produced NaN or infinity (``FRAGFLOW_ALLOW_NONFINITE=1`` keeps going)."""
+
+    exit_code = 1
+
+
+class UntracedFragmentError(FragflowError):
+    """The loop called a fragment the tracer never saw, so no placement knows where it runs."""
 
 
 class FragmentFailed(Exception):

@@ -19,6 +19,18 @@ logger     a sink for scalars (``ff.log``), placed beside whatever produces them
 
 Without an active interpreter (see :mod:`fragflow.context`) a fragment is called directly, so an
 algorithm file runs eagerly without fragflow's runtime.
+
+Built-in fragments *declare* what the compiler and runtime need to know about them, instead of
+being recognised by type:
+
+==========  =====================================================================================
+axes        ``axes(path) -> (name, axis) | None``: the named batch axis of an output leaf (``env``,
+            ``time``, ``sample``, ``agent``); a policy that splits a batch across replicas splits and
+            merges along it
+events      ``events(output) -> (env_steps, [(return, length), ...])``: what one call stepped; any env
+            fragment emits these (a user's own env gets a counter for gymnasium's step signature)
+evaluation  an env whose episodes are evaluation, counted and reported apart from training
+==========  =====================================================================================
 """
 
 from __future__ import annotations
@@ -41,11 +53,14 @@ _FIRST_PARAM = object()
 class Fragment:
     """A callable marked with a role. Calls go to the active interpreter, or run eagerly."""
 
-    __slots__ = ("name", "role", "fn", "writes", "defined_at", "instance", "signature", "__dict__")
+    __slots__ = ("name", "role", "fn", "writes", "defined_at", "instance", "signature", "axes", "events",
+                 "evaluation", "__dict__")
 
     def __init__(self, fn: Callable[..., Any], role: str, *, name: str | None = None,
                  writes: str | None = None, defined_at: SourceLoc | None = None,
-                 instance: object | None = None) -> None:
+                 instance: object | None = None, axes: Callable[[str], tuple[str, int] | None] | None = None,
+                 events: Callable[[Any], tuple[int, list[tuple[float, int]]]] | None = None,
+                 evaluation: bool = False) -> None:
         self.fn = fn
         self.role = role
         self.name = name or fn.__name__
@@ -54,6 +69,9 @@ class Fragment:
         # Built-in fragments (env.step, buffer.add) belong to an object; policies keep an
         # instance's fragments together because they share its internal state.
         self.instance = instance
+        self.axes = axes
+        self.events = events
+        self.evaluation = evaluation
         self.signature = inspect.signature(fn)
         functools.update_wrapper(self, fn)
 

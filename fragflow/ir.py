@@ -22,7 +22,15 @@ DATA         array pytree from a fragment (or the loop) output to a fragment inp
              of its leaves and how many times it is crossed per learner update
 STATE_WRITE  a learner's output that becomes the next version of a STATE
 STATE_READ   a fragment's input that reads a STATE (``path`` names the view, e.g. ``['params']``)
+EFFECT       an object's mutation seen by a later call on the same object (a replay buffer's ``add``
+             before its ``sample``): no data crosses, but the order is a dependency placements keep
+             (the fragments of one object always share a group)
 ===========  =========================================================================================
+
+Leaves carry a *named batch axis* where one is known: ``env`` (environments: env outputs, rollout
+batches), ``sample`` (a replay buffer's samples), ``time`` or ``agent``. A policy that replicates a
+producer splits such a leaf along its axis and the consumer merges the pieces along it; a leaf
+without one must be the same in every replica.
 
 Every dataclass is frozen; passes build new graphs. ``verify()`` checks the invariants the
 policies rely on and reports every problem at once, with the graph printed.
@@ -50,6 +58,7 @@ class EdgeKind(Enum):
     DATA = "data"
     STATE_WRITE = "write"
     STATE_READ = "read"
+    EFFECT = "effect"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +68,8 @@ class LeafSpec:
     src_path: str
     dst_path: str
     spec: TensorSpec
-    env_axis: int | None = None   # axis that indexes environments, where known (buffer batches)
+    axis: int | None = None        # the leaf's named batch axis, where known ...
+    axis_name: str | None = None   # ... and its name: env, sample, time or agent
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +85,9 @@ class Node:
     instance: str | None = None    # built-in object the fragment belongs to (co-located by policies)
     versions: int = 0              # STATE: versions seen while tracing
     arity: int = 0                 # number of outputs when it returns a tuple, else 0
-    inputs: tuple[LeafSpec, ...] = ()   # argument leaves in call order (dst_path, spec, env axis)
+    inputs: tuple[LeafSpec, ...] = ()   # argument leaves in call order (dst_path, spec, batch axis)
+    outputs: tuple[tuple[str, TensorSpec], ...] = ()   # output leaves (path, spec) as traced
+    static: tuple[str, ...] = ()   # arguments that are configuration (a frozen dataclass, a string)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +99,7 @@ class Edge:
     dst_port: str = ""
     leaves: tuple[LeafSpec, ...] = ()
     rate: float = 0.0
+    where: SourceLoc | None = field(default=None, compare=False)   # the user's line that first crossed it
 
     @property
     def nbytes(self) -> int:
@@ -141,8 +154,6 @@ class Graph:
             if e.kind is EdgeKind.DATA:
                 if src.kind is NodeKind.STATE or dst.kind is not NodeKind.FRAGMENT:
                     out.append(f"data edge {e.src} -> {e.dst} must run from a fragment or the loop to a fragment")
-                if src.role == "learner" and dst.role in ("env", "actor", "buffer"):
-                    out.append(f"learner output {e.src}{e.src_port} feeds acting-side fragment {e.dst} as plain data")
                 if not e.leaves:
                     out.append(f"data edge {e.src} -> {e.dst} carries no leaf")
             elif e.kind is EdgeKind.STATE_WRITE:
@@ -151,6 +162,9 @@ class Graph:
             elif e.kind is EdgeKind.STATE_READ:
                 if src.kind is not NodeKind.STATE or dst.kind is not NodeKind.FRAGMENT:
                     out.append(f"state read {e.src} -> {e.dst} must run from a state to a fragment")
+            elif e.kind is EdgeKind.EFFECT:
+                if src.instance is None or src.instance != dst.instance:
+                    out.append(f"effect edge {e.src} -> {e.dst} must join two fragments of one object")
         for n in self.nodes:
             if n.kind is NodeKind.STATE:
                 writers = [e.src for e in self.edges if e.kind is EdgeKind.STATE_WRITE and e.dst == n.name]
@@ -170,7 +184,8 @@ class Graph:
                 f"the dataflow graph of '{self.name}' is inconsistent ({len(problems)} problem(s)):\n  - "
                 + "\n  - ".join(problems),
                 where=self.defined_at,
-                fix="this is a bug in a pass or the tracer if the graph came from fragflow itself; please report it",
+                fix="a graph built by hand must follow the invariants above; fragflow's own tracer and policies "
+                    "check them in their tests",
                 detail=format_graph(self),
             )
         return self

@@ -40,6 +40,7 @@ class Group:
     replicas: int = 1
     program: str = "loop"
     device: str = "cpu"
+    threads: int = 1               # torch intra-op threads of each process (FRAGFLOW_THREADS overrides)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class Channel:
     max_lag: int = 0
     overflow: Overflow = Overflow.BLOCK
     capacity: int = 1
-    discipline: str = ""           # how the consumer reads it (see acting_and_learning)
+    discipline: str = ""           # how it is read (see acting_and_learning and fragflow.lowering.disciplines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,44 +122,81 @@ def edge_label(src: str, dst: str, dst_port: str) -> str:
 
 
 def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
-                        max_lag: int, overflow: Overflow, trajectory: str, parameters: str) -> PlacedGraph:
+                        max_lag: int, overflow: Overflow, trajectory: str, parameters: str,
+                        buffers_with_learner: bool = False) -> PlacedGraph:
     """The placement shared by the single-learner policies: the acting side (envs, actors,
-    buffers and the loop itself) replicated ``actors`` times; the learner, and the sinks it feeds,
-    in one service process; a trajectory channel for every data edge into the learner and a
-    parameter channel for every state read on the acting side.
+    buffers and the loop itself) replicated ``actors`` times; every learner fragment, and the sinks
+    they feed, in one service process; a trajectory channel for the calls the acting side makes
+    into the learner group and a parameter channel for every state read on the acting side.
 
-    ``trajectory`` is the consumer's discipline: ``ordered`` (one piece per actor per update, in
-    actor order), ``arrival`` (first come, first served) or ``balanced`` (arrival, with producers
-    admitted only while their samples will be fresh enough). ``parameters`` is ``exact`` (an
-    actor acting for update ``i`` reads version ``max(0, i - max_lag)``) or ``latest`` (it waits for
-    ``i - max_lag`` and reads the newest).
+    ``buffers_with_learner`` also moves every buffer whose output feeds a learner (a replay
+    buffer's add, sample and priority updates) into the learner group: the acting side then sends
+    transitions, and the learner adds, samples and learns (the Ape-X shape).
 
-    The trajectory channel holds ``max_lag + 2`` items per actor: the ``max_lag`` versions an actor
-    may run ahead, the one being produced and the one being consumed. The parameter broadcast keeps
-    one version more, so the oldest version an actor may still ask for is never the slot the
-    learner is writing.
+    ``trajectory`` is the consumer's discipline: ``ordered`` (one piece per actor per call, in
+    actor order) or ``arrival`` (first come, first served). ``parameters`` is ``exact`` (an actor
+    acting for update ``i`` reads version ``max(0, i - max_lag)``), ``latest`` (it waits for
+    ``i - max_lag`` and reads the newest) or ``balanced`` (it waits until the balance controller
+    admits a rollout whose piece will be consumed within ``max_lag`` versions).
+
+    Trajectory rings hold ``max_lag + 2`` items per actor per call per update (a fragment called
+    ten times per update gets ten times the slots): the ``max_lag`` versions an actor may run
+    ahead, the one being produced and the one being consumed. The parameter broadcast keeps one
+    version more, so the oldest version an actor may still ask for is never the slot the learner
+    is writing.
     """
-    capacity = max_lag + 2
+    from fragflow.errors import ConfigError, LearnerOutputOnActingSideError, PlacementError
+
+    if max_lag < 0:
+        raise ConfigError(f"policy '{policy}' got max_lag={max_lag}; a staleness bound is a number of versions",
+                          fix="pass max_lag=0 (sequential semantics) or more")
+    if actors < 1:
+        raise ConfigError(f"policy '{policy}' needs actors >= 1, got {actors}", fix="pass actors=1 or more")
     learners = graph.fragments("learner")
     writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
-    if len(learners) != 1 or learners[0].name not in writers:
+    if not any(n.name in writers for n in learners):
         found = ", ".join(n.name for n in learners) or "none"
-        raise GraphError(f"policy '{policy}' needs exactly one learner fragment that writes versioned state; found: {found}",
-                         where=graph.defined_at,
-                         fix="mark the update function @ff.fragment('learner') and give it the state from ff.versioned(...)")
-    learner = learners[0].name
-    fed_by_learner = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src == learner}
-    sinks = tuple(n.name for n in graph.fragments("logger") if n.name in fed_by_learner)
-    service = (learner, *sinks)
+        raise PlacementError(f"policy '{policy}' needs a learner fragment that writes versioned state; found: {found}",
+                             where=graph.defined_at,
+                             fix="mark the update function @ff.fragment('learner') and give it the state from "
+                                 "ff.versioned(...), or run with --policy single_process")
+    service = {n.name for n in learners}
+    if buffers_with_learner:
+        feeding = {graph.node(e.src).instance for e in graph.edges_of(EdgeKind.DATA)
+                   if e.dst in service and graph.node(e.src).role == "buffer"}
+        service |= {n.name for n in graph.fragments() if n.instance is not None and n.instance in feeding}
+    sinks = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src in service and graph.node(e.dst).role == "logger"}
+    service |= sinks
+    for e in graph.edges_of(EdgeKind.DATA):
+        dst = graph.node(e.dst)
+        if e.src in service and e.dst not in service:
+            src = graph.node(e.src)
+            if src.role == "learner":
+                raise LearnerOutputOnActingSideError(
+                    f"output {e.leaves[0].src_path if e.leaves else e.src_port} of learner '{e.src}' is used as plain "
+                    f"data by {dst.role} fragment '{e.dst}' (argument '{e.dst_port}'), but policy '{policy}' runs the "
+                    "learner in another process",
+                    where=e.where or dst.called_at,
+                    fix=("keep the buffer with the learner (--policy learner_replay) or run with --policy single_process"
+                         if dst.role == "buffer" else
+                         "the acting side only sees learner state through a versioned broadcast: return it as part of "
+                         "the learner's versioned state and pass state[...] to the fragment, send metrics to ff.log, "
+                         "or run with --policy single_process"))
+            raise PlacementError(
+                f"policy '{policy}' places '{e.src}' in the learner process, but its output {e.src_port} is used by "
+                f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
+                fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
-    traj_edges = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
-                       if e.dst == learner and e.src != learner)
+    ordered_service = tuple(n.name for n in graph.fragments() if n.name in service)
+    calls = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
+                  if e.dst in service and e.src not in service)
     read_edges = tuple(f"{e.src}{e.src_port} -> {e.dst}.{e.dst_port}" for e in graph.edges_of(EdgeKind.STATE_READ)
                        if e.dst in acting)
-    channels = [Channel("trajectory", "trajectory", "actors", "learner", traj_edges, max_lag, overflow, capacity,
+    channels = [Channel("trajectory", "trajectory", "actors", "learner", calls, max_lag, overflow, max_lag + 2,
                         trajectory)]
     if read_edges:
         channels.append(Channel("parameters", "parameter", "learner", "actors", read_edges, max_lag, Overflow.DELIVER,
                                 max_lag + 3, parameters))
-    groups = (Group("actors", acting, replicas=actors, program="loop"), Group("learner", service, program="service"))
+    groups = (Group("actors", acting, replicas=actors, program="loop"),
+              Group("learner", ordered_service, program="service"))
     return PlacedGraph(graph, policy, options, groups, tuple(channels))

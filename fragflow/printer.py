@@ -53,6 +53,8 @@ def _summarize_leaves(e: Edge) -> list[str]:
 
 def format_edge(graph: Graph, e: Edge, unit: str) -> list[str]:
     src = _endpoint(graph, e.src, e.src_port)
+    if e.kind is EdgeKind.EFFECT:
+        return [f"  {e.src} -> {e.dst}  effect  rate={_rate(e.rate, unit)}"]
     if e.kind is EdgeKind.STATE_WRITE:
         dst = e.dst
     elif e.kind is EdgeKind.STATE_READ:
@@ -67,7 +69,7 @@ def format_edge(graph: Graph, e: Edge, unit: str) -> list[str]:
     for leaf in e.leaves:
         name = leaf.dst_path if e.kind is EdgeKind.DATA else (leaf.dst_path or "<root>")
         origin = f" <- {leaf.src_path}" if e.kind is EdgeKind.DATA and leaf.src_path else ""
-        axis = f"  env_axis={leaf.env_axis}" if leaf.env_axis is not None else ""
+        axis = f"  {leaf.axis_name}_axis={leaf.axis}" if leaf.axis is not None else ""
         lines.append(f"      {name}{origin}  {leaf.spec.short()} {leaf.spec.backend}{axis}")
     return lines
 

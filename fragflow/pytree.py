@@ -2,7 +2,11 @@
 
 A pytree is a nest of ``dict``, ``list``, ``tuple``, ``namedtuple`` and ``None`` whose leaves are
 arrays: ``numpy.ndarray``/numpy scalars, ``torch.Tensor``, ``jax.Array``, or Python
-``bool``/``int``/``float`` scalars.
+``bool``/``int``/``float`` scalars. Two torch objects are containers too, so versioned state may
+hold what users write: an ``nn.Module`` (its leaves are its ``state_dict`` tensors, parameters and
+buffers) and a ``torch.optim.Optimizer`` (its leaves are its per-parameter state tensors). Such a
+node cannot be rebuilt from its treedef alone: :func:`unflatten_into` loads leaves into an existing
+object of the same structure (what a process that receives new weights does).
 
 >>> leaves, treedef = flatten({"obs": np.zeros((4, 3), np.float32), "t": 1})
 >>> [spec_of(x).short() for x in leaves]
@@ -13,6 +17,7 @@ arrays: ``numpy.ndarray``/numpy scalars, ``torch.Tensor``, ``jax.Array``, or Pyt
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +65,39 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], TreeDef]:
     return leaves, treedef
 
 
+def _torch_kind(x: Any) -> str | None:
+    """'module' or 'optimizer' for the torch objects that are pytree nodes; None otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if isinstance(x, torch.nn.Module):
+        return "module"
+    if isinstance(x, torch.optim.Optimizer):
+        return "optimizer"
+    return None
+
+
+def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
+    """(key, tensor) pairs of a module or optimizer, in a fixed order."""
+    if kind == "module":
+        return list(x.state_dict(keep_vars=True).items())
+    out: list[tuple[Any, Any]] = []
+    params = [p for group in x.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        st = x.state.get(p, {})
+        out.extend(((i, k), st[k]) for k in sorted(st) if backend_of(st[k]) is not None)
+    return out
+
+
 def _flatten(tree: Any, path: str, out: list[Any]) -> TreeDef:
     if tree is None:
         return _NONE
+    kind = _torch_kind(tree) if not isinstance(tree, (dict, list, tuple, np.ndarray)) else None
+    if kind is not None:
+        items = _children(tree, kind)
+        for _, v in items:
+            out.append(v.detach() if kind == "module" else v)
+        return (kind, tuple(k for k, _ in items))
     if isinstance(tree, dict):
         keys = tuple(tree.keys())
         return ("dict", keys, tuple(_flatten(tree[k], f"{path}[{k!r}]", out) for k in keys))
@@ -83,6 +118,46 @@ def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
     return _unflatten(treedef, it)
 
 
+def unflatten_into(template: Any, leaves: list[Any]) -> Any:
+    """``template``'s structure with ``leaves`` in it: containers are rebuilt, but modules and
+    optimizers in ``template`` are kept and their tensors overwritten in place (their leaves are
+    copied, so the caller may reuse ``leaves``).
+
+    >>> unflatten_into({"a": 1, "b": [2]}, [10, 20])
+    {'a': 10, 'b': [20]}
+    """
+    it = iter(leaves)
+    out = _into(template, it)
+    if next(it, _END) is not _END:
+        raise ValueError("more leaves than the template has")
+    return out
+
+
+_END = object()
+
+
+def _into(tree: Any, it: Iterator[Any]) -> Any:
+    if tree is None:
+        return None
+    kind = _torch_kind(tree) if not isinstance(tree, (dict, list, tuple, np.ndarray)) else None
+    if kind is not None:
+        import torch
+
+        with torch.no_grad():
+            for _, dst in _children(tree, kind):
+                src = next(it)
+                dst.copy_(src if isinstance(src, torch.Tensor) else torch.as_tensor(src))
+        return tree
+    if isinstance(tree, dict):
+        return {k: _into(v, it) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*[_into(v, it) for v in tree])
+    if isinstance(tree, (list, tuple)):
+        kids = [_into(v, it) for v in tree]
+        return kids if isinstance(tree, list) else tuple(kids)
+    return next(it)
+
+
 def _unflatten(td: TreeDef, it: Iterator[Any]) -> Any:
     kind = td[0]
     if kind == "leaf":
@@ -93,6 +168,8 @@ def _unflatten(td: TreeDef, it: Iterator[Any]) -> Any:
         return {k: _unflatten(c, it) for k, c in zip(td[1], td[2])}
     if kind == "namedtuple":
         return td[1](*[_unflatten(c, it) for c in td[2]])
+    if kind in ("module", "optimizer"):
+        raise TypeError(f"a {kind} cannot be rebuilt from leaves alone; use unflatten_into with a template")
     kids = [_unflatten(c, it) for c in td[1]]
     return kids if kind == "list" else tuple(kids)
 
@@ -107,6 +184,11 @@ def leaf_paths(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
     if tree is None:
         return
+    kind = _torch_kind(tree) if not isinstance(tree, (dict, list, tuple, np.ndarray)) else None
+    if kind is not None:
+        for k, v in _children(tree, kind):
+            out.append((f"{path}[{k!r}]", v.detach() if kind == "module" else v))
+        return
     if isinstance(tree, dict):
         for k, v in tree.items():
             _paths(v, f"{path}[{k!r}]", out)
@@ -120,6 +202,19 @@ def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
         if backend_of(tree) is None:
             raise NotAnArray(path, tree)
         out.append((path, tree))
+
+
+def is_static(x: Any) -> bool:
+    """Configuration rather than data: a frozen dataclass instance (an algorithm's ``Args``) or a
+    string. A fragment may take it as an argument; a runtime sends it once, not with every call.
+
+    >>> is_static("adam"), is_static(np.zeros(2))
+    (True, False)
+    """
+    if isinstance(x, (str, bytes)):
+        return True
+    params = getattr(type(x), "__dataclass_params__", None)
+    return params is not None and params.frozen and not isinstance(x, type)
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:

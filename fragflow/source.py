@@ -44,10 +44,23 @@ def is_internal(filename: str) -> bool:
     return path.startswith(_CORE_DIR + os.sep) or "/typer/" in path or "/click/" in path
 
 
+def _library_dirs() -> tuple[str, ...]:
+    dirs = []
+    for name in ("numpy", "torch"):
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None) if mod is not None else None
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
 def user_frame(skip: int = 1) -> FrameType | None:
-    """The innermost stack frame that belongs to the user's code."""
+    """The innermost stack frame that belongs to the user's code (fragflow's frames and those of
+    the array libraries a user's value passed through, e.g. ``np.asarray``, are skipped)."""
     frame: FrameType | None = sys._getframe(skip)
-    while frame is not None and is_internal(frame.f_code.co_filename):
+    libs = _library_dirs()
+    while frame is not None and (is_internal(frame.f_code.co_filename)
+                                 or os.path.abspath(frame.f_code.co_filename).startswith(libs)):
         frame = frame.f_back
     return frame
 

@@ -23,24 +23,26 @@ from typing import Any
 import numpy as np
 
 from fragflow import context
-from fragflow.buffer import RolloutBuffer
 from fragflow.context import InstanceNames
-from fragflow.envs import VectorEnv
 from fragflow.errors import (
     FragflowError,
-    LearnerOutputOnActingSideError,
     NoFragmentError,
     NotArrayPytreeError,
     ShapeChangedError,
     VersionedStateError,
 )
-from fragflow.fragment import ACTING_ROLES, Fragment
+from fragflow.events import EventSources, default_axes
+from fragflow.fragment import Fragment
 from fragflow.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
-from fragflow.pytree import NotAnArray, TensorSpec, leaf_paths, spec_of
+from fragflow.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
 from fragflow.source import SourceLoc, definition_of, user_callsite
 from fragflow.versioned import Versioned, VersionedView
 
 LOOP = "loop"
+# After the first two updates the tracer goes on (up to this many updates) until every fragment the
+# training function's module defines has been called once: a target-network sync every 500 steps
+# must be seen to be placed.
+MAX_TRACE_UPDATES = 200
 
 
 class _StopTracing(BaseException):
@@ -60,6 +62,7 @@ class _NodeRec:
     arity: int = 0
     inputs: list[LeafSpec] | None = None
     backends: set[str] = field(default_factory=set)
+    static: tuple[str, ...] = ()
 
 
 @dataclass
@@ -67,6 +70,7 @@ class _EdgeRec:
     kind: EdgeKind
     leaves: dict[tuple[str, str], LeafSpec] = field(default_factory=dict)
     crossings: list[int] = field(default_factory=lambda: [0, 0])
+    where: SourceLoc | None = None
 
 
 @dataclass
@@ -81,15 +85,19 @@ class _Origin:
     role: str
     port: str        # "[i]" for element i of a tuple output, "" for a whole non-tuple output
     path: str
-    env_axis: int | None
+    axis: tuple[str, int] | None
     ref: Callable[[], Any]
 
 
 class Tracer:
     """The tracing interpreter (see :mod:`fragflow.context`)."""
 
-    def __init__(self, max_updates: int = 2) -> None:
+    def __init__(self, max_updates: int = 2, expected: tuple[Fragment, ...] = ()) -> None:
         self.max_updates = max_updates
+        self._expected = {id(f) for f in expected}
+        self._primary: int | None = None     # the first learner fragment called: its calls are updates
+        self.events = EventSources()
+        self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
         self._nodes: dict[int, _NodeRec] = {}
@@ -99,7 +107,7 @@ class Tracer:
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
         self._inputs: list[LeafSpec] = []
-        self._env_axis_hint: dict[int, tuple[int, Callable[[], Any]]] = {}
+        self._axis_hint: dict[int, tuple[tuple[str, int], Callable[[], Any]]] = {}
         self.fragments: dict[str, Fragment] = {}
         self._resources: list[Any] = []
         self.updates = 0
@@ -108,6 +116,9 @@ class Tracer:
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
         return np.arange(num_envs)
+
+    def replica(self) -> tuple[int, int]:
+        return 0, 1
 
     def adopt(self, resource: Any) -> None:
         self._resources.append(resource)
@@ -129,6 +140,7 @@ class Tracer:
         where = user_callsite()
         if rec.called_at is None:
             rec.called_at = where
+        self._expected.discard(id(frag))
         window = 1 if self.updates >= 1 else 0
         rec.calls[window] += 1
         try:
@@ -139,6 +151,7 @@ class Tracer:
         self._input_ids = set()
         self._input_backends = set()
         self._inputs = []
+        static = []
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
                 bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)
@@ -149,11 +162,20 @@ class Tracer:
                             where=where, fix=f"pass the whole versioned state as '{pname}'")
                     written = value
                 continue
+            if is_static(value):
+                static.append(pname)
+                continue
             self._record_inputs(rec, pname, value, window, where)
+        rec.static = tuple(static)
         if frag.writes is not None and written is None:
             raise VersionedStateError(
                 f"learner '{rec.name}' writes '{frag.writes}', but that argument is not versioned state",
                 where=where, fix=f"create it with state = ff.versioned(initial_value) and pass it as '{frag.writes}'")
+        if frag.instance is not None:
+            last = self._last_on_instance.get(id(frag.instance))
+            if last is not None and last != rec.name:
+                self._edge(last, rec.name, EdgeKind.EFFECT, "", "").crossings[window] += 1
+            self._last_on_instance[id(frag.instance)] = rec.name
 
         try:
             out = frag.fn(*bound.args, **bound.kwargs)
@@ -163,8 +185,9 @@ class Tracer:
             exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where})")
             raise
 
-        if isinstance(frag.instance, VectorEnv) and frag.name.endswith(".step"):
-            self.env_steps += frag.instance.num_envs
+        events = self.events.of(frag)
+        if events is not None and not frag.evaluation:
+            self.env_steps += events(out)[0]
         if rec.inputs is None:
             rec.inputs = self._inputs
         written_specs: list[TensorSpec] = []
@@ -173,9 +196,12 @@ class Tracer:
             written_specs = [leaf.spec for leaf in self._edges[(rec.name, written.name, EdgeKind.STATE_WRITE, "[0]", "")].leaves.values()]
         self._record_outputs(rec, frag, out, where, written_specs)
         if frag.role == "learner":
-            self.updates += 1
-            if self.updates >= self.max_updates:
-                raise _StopTracing
+            if self._primary is None:
+                self._primary = id(frag)
+            if self._primary == id(frag):
+                self.updates += 1
+                if self.updates >= self.max_updates and (not self._expected or self.updates >= MAX_TRACE_UPDATES):
+                    raise _StopTracing
         return out
 
     # -- recording ------------------------------------------------------------------------
@@ -207,11 +233,11 @@ class Tracer:
         return resolved
 
     def _write_state(self, rec: _NodeRec, handle: Versioned, out: Any, where: SourceLoc | None, window: int) -> Any:
-        if not isinstance(out, tuple) or not out:
+        if isinstance(out, tuple) and not out:
             raise VersionedStateError(
-                f"learner '{rec.name}' writes '{handle.name}' but returned a {type(out).__name__}, not a tuple",
-                where=rec.defined_at, fix="return (new_state, ...) with the next version of the state first")
-        new_value = out[0]
+                f"learner '{rec.name}' writes '{handle.name}' but returned an empty tuple",
+                where=rec.defined_at, fix="return the next version of the state, or (new_state, ...) with it first")
+        new_value = out[0] if isinstance(out, tuple) else out
         try:
             leaves = leaf_paths(new_value)
         except NotAnArray as bad:
@@ -223,7 +249,8 @@ class Tracer:
         for p, leaf in leaves:
             edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
         self._states[handle.name].versions += 1
-        return (Versioned(handle.name, handle.version + 1, new_value, handle.created_at), *out[1:])
+        new = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
+        return (new, *out[1:]) if isinstance(out, tuple) else new
 
     def _record_inputs(self, rec: _NodeRec, pname: str, value: Any, window: int,
                        where: SourceLoc | None) -> None:
@@ -237,8 +264,9 @@ class Tracer:
             raise NotArrayPytreeError(
                 f"fragment '{rec.name}' was given argument '{pname}' whose leaf {pname}{bad.path} is a "
                 f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
-                where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays "
-                                 "and Python numbers; keep other objects in the loop or inside the fragment") from None
+                where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
+                                 "Python numbers and configuration (a frozen dataclass, a string); keep other "
+                                 "objects in the loop or inside the fragment") from None
         touched: set[tuple[str, str]] = set()
         for path, leaf in leaves:
             self._input_ids.add(id(leaf))
@@ -246,22 +274,16 @@ class Tracer:
             spec = spec_of(leaf)
             self._input_backends.add(spec.backend)
             if origin is None:
-                src, port, src_path, env_axis = LOOP, "", "", None
+                src, port, src_path, axis = LOOP, "", "", None
             else:
-                src, port, src_path, env_axis = origin.node, origin.port, origin.path, origin.env_axis
-                if origin.role == "learner" and rec.role in ACTING_ROLES:
-                    raise LearnerOutputOnActingSideError(
-                        f"output {origin.path} of learner '{origin.node}' is used as plain data by "
-                        f"{rec.role} fragment '{rec.name}' (argument '{pname}')",
-                        where=where,
-                        fix="on a distributed policy the acting side only sees learner state through a versioned "
-                            "broadcast: return it as part of the learner's versioned state and pass state[...] "
-                            "to the fragment, or send metrics to ff.log instead")
-            if env_axis is None:
-                hint = self._env_axis_hint.get(id(leaf))
-                env_axis = hint[0] if hint is not None and hint[1]() is leaf else None
+                src, port, src_path, axis = origin.node, origin.port, origin.path, origin.axis
+            if axis is None:
+                hint = self._axis_hint.get(id(leaf))
+                axis = hint[0] if hint is not None and hint[1]() is leaf else None
             edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
-            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, env_axis)
+            if edge.where is None:
+                edge.where = where
+            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
             edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
             self._inputs.append(leaf_spec)
             if (src, port) not in touched:
@@ -278,6 +300,8 @@ class Tracer:
                         written_specs: list[TensorSpec]) -> None:
         first = 1 if frag.writes is not None else 0   # a learner's new state is not data
         rec.arity = len(out) if isinstance(out, tuple) else 0
+        if frag.writes is not None and not isinstance(out, tuple):
+            out = ()   # the new state alone: no data output
         try:
             if isinstance(out, tuple):
                 leaves = [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
@@ -305,16 +329,16 @@ class Tracer:
             rec.backends.update(s.backend for s in written_specs if s.backend != "python")
         if not rec.backends:
             rec.backends.update(b for b in self._input_backends if b != "python")
-        buffer = frag.instance if isinstance(frag.instance, RolloutBuffer) and frag.name.endswith(".collect") else None
-        is_env = isinstance(frag.instance, VectorEnv)
+        axes = frag.axes or default_axes(frag.role, out)
         registered: set[int] = set()
         for port, path, leaf in leaves:
+            axis = axes(path) if axes is not None else None
+            if axis is not None and id(leaf) in self._input_ids:
+                # what a fragment passes through keeps its producer, but the batch axis is the
+                # declaring fragment's (a rollout's last observation is [num_envs, ...])
+                self._axis_hint[id(leaf)] = (axis, _strong(leaf))
             # A leaf the fragment passed through keeps its producer; when one array appears twice
             # in an output (final_obs is obs when no episode ended) the first place names it.
-            if buffer is not None and path.startswith("['"):
-                # what collect() passes through keeps its producer, but its environment axis is
-                # the buffer's to declare (the last step's leaves are [num_envs, ...])
-                self._env_axis_hint[id(leaf)] = (buffer.env_axis(path[2:].split("'")[0]), _strong(leaf))
             if id(leaf) in self._input_ids or id(leaf) in registered or isinstance(leaf, (bool, int)):
                 continue   # Python ints and bools are shared singletons: their identity says nothing
             registered.add(id(leaf))
@@ -322,14 +346,12 @@ class Tracer:
                 ref: Callable[[], Any] = weakref.ref(leaf)
             except TypeError:
                 ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
-            env_axis = 0 if is_env else None
-            if buffer is not None:
-                env_axis = buffer.env_axis(path[2:].split("'")[0])
-            self._origins[id(leaf)] = _Origin(rec.name, rec.role, port, path, env_axis, ref)
+            self._origins[id(leaf)] = _Origin(rec.name, rec.role, port, path, axis, ref)
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
         steady = 1 if self.updates >= 2 else 0
+        per = max(self.updates - 1, 1) if steady else 1   # updates inside the steady window
         nodes: list[Node] = []
         loop_used = any(k[0] == LOOP for k in self._edges)
         if loop_used:
@@ -340,10 +362,11 @@ class Tracer:
             backend = "+".join(sorted(rec.backends)) or "python"
             nodes.append(Node(rec.name, NodeKind.FRAGMENT, role=rec.role, backend=backend,
                               defined_at=rec.defined_at, called_at=rec.called_at,
-                              rate=float(rec.calls[steady]), calls=sum(rec.calls), instance=rec.instance,
-                              arity=rec.arity, inputs=tuple(rec.inputs or ())))
+                              rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
+                              arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
+                              static=rec.static))
         edges = [
-            Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), float(er.crossings[steady]))
+            Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.updates, self.env_steps)
@@ -355,6 +378,10 @@ class Tracer:
 
 def _strong(x: Any) -> Callable[[], Any]:
     return lambda: x
+
+
+def _per(count: int, updates: int) -> float:
+    return round(count / updates, 4)
 
 
 def _describe(specs: list[tuple[str, TensorSpec]]) -> str:
@@ -374,7 +401,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                   **kwargs: Any) -> tuple[Graph, dict[str, Fragment]]:
     """:func:`trace`, also returning the fragment objects by node name (what executors call)."""
     train = getattr(train, "__fragflow_train__", train)
-    tracer = Tracer(max_updates=max_updates)
+    module_fragments = tuple(v for v in getattr(train, "__globals__", {}).values()
+                             if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
+    tracer = Tracer(max_updates=max_updates, expected=module_fragments)
     saved = _rng_state()
     try:
         with context.using(tracer):

@@ -54,6 +54,27 @@ class _NoLoopUse:
             raise AttributeError(name)
         raise _misuse(f"read as attribute '.{name}'")
 
+    __hash__ = object.__hash__
+
+
+def _refuse(what: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _misuse(what)
+    return method
+
+
+# Comparisons and arithmetic would otherwise fall back to identity (``state["n"] == 1`` is silently
+# False) or raise Python's own TypeError far from the cause.
+for _dunder, _what in (("__eq__", "compared with =="), ("__ne__", "compared with !="), ("__lt__", "compared with <"),
+                       ("__le__", "compared with <="), ("__gt__", "compared with >"), ("__ge__", "compared with >="),
+                       ("__int__", "converted to an int"), ("__index__", "used as an index"),
+                       ("__add__", "used in arithmetic"), ("__radd__", "used in arithmetic"),
+                       ("__sub__", "used in arithmetic"), ("__rsub__", "used in arithmetic"),
+                       ("__mul__", "used in arithmetic"), ("__rmul__", "used in arithmetic"),
+                       ("__truediv__", "used in arithmetic"), ("__rtruediv__", "used in arithmetic"),
+                       ("__mod__", "used in arithmetic"), ("__neg__", "used in arithmetic")):
+    setattr(_NoLoopUse, _dunder, _refuse(_what))
+
 
 class Versioned(_NoLoopUse):
     """One version of a shared state. ``value`` is None where this process holds no copy."""
@@ -113,36 +134,57 @@ def versioned(value: Any, name: str = "state") -> Any:
 
 
 class Pending(_NoLoopUse):
-    """A learner output seen from an actor process, where the learner does not run.
+    """The output of a fragment that runs in another process, seen from the loop.
 
-    It may be passed on (to ``ff.log``, which the learner process then writes) but not read: any
-    read raises, naming the learner and the way out.
+    It may be passed on, to ``ff.log`` or to another fragment of that process (``learn(state,
+    batch)`` with ``batch`` from a replay buffer's ``sample`` on the learner), which resolves it
+    there; any read in the loop raises, naming the fragment and the way out. ``index`` is the
+    output's place in a tuple output (-1: the whole output), ``keys`` the path into it.
     """
 
-    __slots__ = ("fragment", "index", "path")
+    __slots__ = ("fragment", "index", "keys")
 
-    def __init__(self, fragment: str, index: int, path: str = "") -> None:
+    def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = ()) -> None:
         self.fragment = fragment
         self.index = index
-        self.path = path
+        self.keys = keys
 
     def __getitem__(self, key: Any) -> Pending:
-        return Pending(self.fragment, self.index, f"{self.path}[{key!r}]")
+        return Pending(self.fragment, self.index, self.keys + (key,))
+
+    @property
+    def path(self) -> str:
+        return "".join(f"[{k!r}]" for k in self.keys)
+
+    def resolve(self, out: Any) -> Any:
+        """This output's value, given the whole output of its fragment's call."""
+        value = out if self.index < 0 else out[self.index]
+        for k in self.keys:
+            value = value[k]
+        return value
 
     def __repr__(self) -> str:
-        return f"Pending({self.fragment}[{self.index}]{self.path})"
+        where = "" if self.index < 0 else f"[{self.index}]"
+        return f"Pending({self.fragment}{where}{self.path})"
 
 
 def _pending_misuse(self: Pending, what: str) -> VersionedStateError:
     return VersionedStateError(
-        f"output [{self.index}]{self.path} of learner '{self.fragment}' was {what} on the acting side, "
-        "where the learner does not run under this policy",
+        f"output {'' if self.index < 0 else f'[{self.index}]'}{self.path} of fragment '{self.fragment}' was {what} "
+        "in the loop, but that fragment runs in another process under this policy",
         where=user_callsite(3),
-        fix="send learner outputs to ff.log, or make what the actors need part of the versioned state")
+        fix="send its outputs to ff.log or to fragments placed with it, or make what the loop needs part of the "
+            "versioned state (or run with --policy single_process)")
 
 
 for _name, _what in (("__bool__", "tested for truth"), ("__iter__", "iterated"), ("__len__", "asked for its length"),
-                     ("__array__", "converted to an array"), ("__float__", "converted to a number")):
+                     ("__array__", "converted to an array"), ("__float__", "converted to a number"),
+                     ("__int__", "converted to an int"), ("__index__", "used as an index"),
+                     ("__eq__", "compared with =="), ("__ne__", "compared with !="), ("__lt__", "compared with <"),
+                     ("__le__", "compared with <="), ("__gt__", "compared with >"), ("__ge__", "compared with >="),
+                     ("__add__", "used in arithmetic"), ("__radd__", "used in arithmetic"),
+                     ("__sub__", "used in arithmetic"), ("__mul__", "used in arithmetic"),
+                     ("__rmul__", "used in arithmetic"), ("__truediv__", "used in arithmetic")):
     def _raiser(self: Pending, *a: Any, _what: str = _what, **k: Any) -> Any:
         raise _pending_misuse(self, _what)
     setattr(Pending, _name, _raiser)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import fragflow as ff
 from fragflow.cli import app
 from tests.conftest import ROOT
 
@@ -81,7 +82,7 @@ def test_policies_lists_one_line_each_with_what_it_mirrors():
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("pipelined")][0]
     assert "mirrors" in line
     assert sum("(default)" in ln for ln in res.stdout.splitlines()) == 1
-    assert len([ln for ln in res.stdout.splitlines() if ln.strip()]) == 4
+    assert len([ln for ln in res.stdout.splitlines() if ln.strip()]) == len(ff.policies())
 
 
 @pytest.mark.parametrize("args, message", [

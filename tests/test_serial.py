@@ -77,7 +77,7 @@ def test_ppo_continuous_actions_run():
     params = result.value["params"]
     assert params["logstd"].shape == (1, 1)
     assert result.summary["env_steps"] == 2048 and len(result.episodes) == 10   # 1024 steps per env, 200-step episodes
-    [traj] = [e for e in result.graph.edges if e.src == "buffer.collect"]
+    [traj] = [e for e in result.graph.edges if e.src == "buffer.collect" and e.kind.value == "data"]
     assert {leaf.dst_path: leaf.spec.dtype for leaf in traj.leaves}["batch['action']"] == "float32"
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import fragflow as ff
+from fragflow.driver import compile
 from fragflow.errors import (
     LearnerOutputOnActingSideError,
     NoFragmentError,
@@ -59,7 +60,7 @@ def test_ppo_graph_has_roles_rates_state_and_trajectory_edge():
     assert ("act", "['params']") in reads and ("learn", "") in reads
     [traj] = [e for e in graph.edges if e.src == "buffer.collect" and e.dst == "learn"]
     obs = {leaf.dst_path: leaf for leaf in traj.leaves}["batch['obs']"]
-    assert obs.spec.shape == (16, 2, 4) and obs.env_axis == 1
+    assert obs.spec.shape == (16, 2, 4) and obs.axis == 1 and obs.axis_name == "env"
     assert [e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)] == ["learn"]
 
 
@@ -93,9 +94,9 @@ def test_fragment_given_a_non_array(write_algo):
 def train():
     env = ff.envs.make("CartPole-v1", num_envs=2)
     obs = env.reset()
-    act({"w": np.zeros((4, 2))}, "not an array")  # @call
+    act({"w": np.zeros((4, 2))}, {"not an array"})  # @call
 """)
-    with pytest.raises(NotArrayPytreeError, match=rf"argument 'obs' whose leaf obs is a builtins.str\n  at {relpath(path)}:{marks['call']}"):
+    with pytest.raises(NotArrayPytreeError, match=rf"argument 'obs' whose leaf obs is a builtins.set\n  at {relpath(path)}:{marks['call']}"):
         trace_file(path)
 
 
@@ -134,6 +135,10 @@ def test_fragment_whose_output_shape_changes(write_algo):
 
 def test_learner_output_used_as_plain_data_by_actor(write_algo):
     path, marks = write_algo(HEADER + """
+@ff.fragment("actor")
+def scaled(params, obs, scale):
+    return np.argmax(obs @ params["w"] * scale, axis=-1)
+
 def train():
     env = ff.envs.make("CartPole-v1", num_envs=2)
     state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
@@ -144,12 +149,15 @@ def train():
             obs, *_ = env.step(act({"w": np.zeros((4, 2))}, obs))
             buf.add(obs=obs)
         state, metrics = learn(state, buf.collect())
-        act({"w": metrics["m"] * np.ones((4, 2))}, obs)
-        act(metrics, obs)  # @misuse
+        scaled({"w": np.ones((4, 2))}, obs, metrics["m"])  # @misuse
 """)
+    program = load(str(path))
+    trace_file(path)   # single_process runs such a loop as written
     with pytest.raises(LearnerOutputOnActingSideError,
-                       match=rf"output \[1\]\['m'\] of learner 'learn' is used as plain data by actor fragment 'act' \(argument 'params'\)\n  at {relpath(path)}:{marks['misuse']}\n  fix: on a distributed policy"):
-        trace_file(path)
+                       match=rf"output \[1\]\['m'\] of learner 'learn' is used as plain data by actor fragment 'scaled' "
+                             rf"\(argument 'scale'\), but policy 'pipelined' runs the learner in another process\n"
+                             rf"  at {relpath(path)}:{marks['misuse']}\n  fix: the acting side only sees"):
+        compile(program.train, policy="pipelined")
 
 
 def test_versioned_state_read_in_the_loop(write_algo):

@@ -42,6 +42,8 @@ class Monitor:
         self.episodes: list[tuple[int, float, int]] = []    # (env_steps at end, return, length)
         self.recent: deque[float] = deque(maxlen=RETURN_WINDOW)
         self.recent_lengths: deque[int] = deque(maxlen=RETURN_WINDOW)
+        self.eval_episodes: list[tuple[int, float, int]] = []     # (env_steps then, return, length)
+        self.eval_recent: deque[float] = deque(maxlen=RETURN_WINDOW)
         self.solved_at_seconds: float | None = None
         self.solved_at_steps: int | None = None
         self._start = time.perf_counter()
@@ -80,6 +82,13 @@ class Monitor:
             self._refresh(now)
         if self.stop_requested:
             raise StopRun
+
+    def eval_episode(self, ret: float, length: int) -> None:
+        """An episode of an evaluation env: reported apart, never mixed into the training returns."""
+        self.eval_episodes.append((self.env_steps, ret, length))
+        self.eval_recent.append(ret)
+        if self.outputs is not None:
+            self.outputs.write_eval_episode(self.env_steps, ret, length)
 
     def update(self) -> None:
         self.updates += 1
@@ -128,6 +137,8 @@ class Monitor:
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
             "episodes": float(len(self.episodes)),
+            "eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else nan,
+            "eval_episodes": float(len(self.eval_episodes)),
         }
         for name, s in self.channel_stats.items():
             row[f"{name}/depth"] = float(s["depth"])
@@ -158,6 +169,9 @@ class Monitor:
             "episodes": len(self.episodes),
             "final_return_mean": self.recent_return,
         }
+        if self.eval_episodes:
+            out["eval_episodes"] = len(self.eval_episodes)
+            out["eval_return_mean"] = sum(self.eval_recent) / len(self.eval_recent)
         if self.channel_stats:
             out["channels"] = self.channel_stats
         if self.target_return is not None:

@@ -41,6 +41,10 @@ class RunOutputs:
         self._tb.add_scalar("charts/episodic_return", ret, env_steps)
         self._tb.add_scalar("charts/episodic_length", length, env_steps)
 
+    def write_eval_episode(self, env_steps: int, ret: float, length: int) -> None:
+        self._tb.add_scalar("eval/episodic_return", ret, env_steps)
+        self._tb.add_scalar("eval/episodic_length", length, env_steps)
+
     def write_text(self, name: str, text: str) -> None:
         (self.dir / name).write_text(text)
 

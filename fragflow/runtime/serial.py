@@ -1,8 +1,8 @@
 """The serial executor: the source of truth.
 
-Runs the user's training loop in this process with every fragment called in order, exactly as an
-eager call would, while versions are counted and environment steps, episodes and logged scalars
-are reported to the run monitor.
+``single_process`` lowers to one loop group that serves every fragment here: the user's loop runs
+in this process with every fragment called in order, exactly as an eager call would, while versions
+are counted and environment steps, episodes and logged scalars go to the run monitor.
 """
 
 from __future__ import annotations
@@ -10,114 +10,72 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from fragflow import context
-from fragflow.context import InstanceNames
-from fragflow.envs import VectorEnv
-from fragflow.errors import FragflowError, VersionedStateError
-from fragflow.fragment import Fragment
+from fragflow.lowering import LoopProgram
+from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
-from fragflow.source import SourceLoc, user_callsite
-from fragflow.versioned import Versioned, VersionedView
+from fragflow.versioned import Pending, Versioned, VersionedView
 
 
-class SerialInterpreter:
-    """Executes fragment calls directly (see :mod:`fragflow.context`)."""
+class MonitorReporter:
+    """A loop's events straight into the monitor (one process)."""
 
     def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
-        self.instance_name = InstanceNames()
-        self._state_names = InstanceNames()
-        self.resources: list[Any] = []
 
-    def adopt(self, resource: Any) -> None:
-        self.resources.append(resource)
+    def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
+        if evaluation:
+            for ret, length in episodes:
+                self.monitor.eval_episode(ret, length)
+        else:
+            self.monitor.env_step(n, episodes)
 
-    def close(self) -> None:
-        for r in self.resources:
-            r.close()
-        self.resources.clear()
+    def update(self) -> None:
+        self.monitor.update()
 
-    def env_ids(self, num_envs: int) -> np.ndarray:
-        return np.arange(num_envs)
+    def log(self, scalars: dict[str, float]) -> None:
+        self.monitor.log_scalars(scalars)
 
-    def versioned(self, value: Any, name: str, where: SourceLoc | None) -> Versioned:
-        return Versioned(self._state_names(name), 0, value, where)
-
-    def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        role = frag.role
-        if role == "logger":
-            self.monitor.log(args[0] if args else kwargs)
-            return None
-        written: Versioned | None = None
-        if frag.writes is not None:
-            bound = frag.signature.bind(*args, **kwargs)
-            handle = bound.arguments.get(frag.writes)
-            if not isinstance(handle, Versioned):
-                raise VersionedStateError(
-                    f"learner '{frag.name}' writes '{frag.writes}', but that argument is not versioned state",
-                    where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
-            written = handle
-        args = tuple(_resolve(a) for a in args)
-        if kwargs:
-            kwargs = {k: _resolve(v) for k, v in kwargs.items()}
-        try:
-            out = frag.fn(*args, **kwargs)
-        except FragflowError:
-            raise
-        except Exception as exc:
-            exc.add_note(f"(while executing fragment '{frag.name}' called at {user_callsite()})")
-            raise
-        if role == "env":
-            env = frag.instance
-            if isinstance(env, VectorEnv) and frag is env.step:
-                self.monitor.env_step(env.num_envs, env.pop_finished() if env.finished_episodes else [])
-        elif written is not None:
-            self.monitor.update()
-            return (Versioned(written.name, written.version + 1, out[0], written.created_at), *out[1:])
-        elif role == "learner":
-            self.monitor.update()
-        return out
+    def flush(self) -> None:
+        pass
 
 
-def _resolve(x: Any) -> Any:
-    if isinstance(x, Versioned):
-        return x.value
-    if isinstance(x, VersionedView):
-        return x.resolve(x.handle.value)
-    return x
+_OWN: dict[str, Any] = {}
 
 
-_OWN = object()
-
-
-def unwrap(value: Any, state: Any = _OWN) -> Any:
+def unwrap(value: Any, final: dict[str, Any] = _OWN) -> Any:
     """A training function's return value with versioned state replaced by its value: each
-    handle's own latest value (serial), or ``state``, the learner's final state, for a value that
-    came back from an actor process, where learner outputs the actor never saw (Pending) become None."""
-    from fragflow.versioned import Pending
-
+    handle's own value (serial), or ``final[name]``, the state a service group ended with, for a
+    value that came back from a loop replica (where outputs it never saw, ``Pending``, become None)."""
     if isinstance(value, Versioned):
-        return value.value if state is _OWN else state
+        return final.get(value.name, value.value) if final is not _OWN else value.value
     if isinstance(value, VersionedView):
-        return value.resolve(value.handle.value if state is _OWN else state)
+        root = final.get(value.handle.name, value.handle.value) if final is not _OWN else value.handle.value
+        return value.resolve(root)
     if isinstance(value, Pending):
         return None
-    if isinstance(value, tuple):
-        return tuple(unwrap(v, state) for v in value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(unwrap(v, final) for v in value)
     if isinstance(value, list):
-        return [unwrap(v, state) for v in value]
+        return [unwrap(v, final) for v in value]
     if isinstance(value, dict):
-        return {k: unwrap(v, state) for k, v in value.items()}
+        return {k: unwrap(v, final) for k, v in value.items()}
     return value
 
 
-def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor) -> Any:
-    """Run the loop under the serial interpreter; envs it made are closed however it ends."""
-    interp = SerialInterpreter(monitor)
+def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, program: LoopProgram,
+            checks: dict[str, Any]) -> Any:
+    """Run the loop here, every fragment served in this process; envs it made are closed however it ends."""
+    import torch
+
+    from fragflow.runtime.worker import threads_for
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads_for(program.threads))
+    interp = LoopInterpreter(program, MonitorReporter(monitor), checks=checks)
     try:
         with context.using(interp):
             return unwrap(train(*args))
     finally:
         interp.close()
+        torch.set_num_threads(before)

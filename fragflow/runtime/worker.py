@@ -1,21 +1,85 @@
-"""Entry point of every worker process (spawned; user code arrives cloudpickled in the plan)."""
+"""Entry point of every worker process: a loop replica or a service group.
+
+A worker dies with its driver (Linux: the parent-death signal; elsewhere a watchdog thread polls
+the parent), so a killed driver leaves no worker running and, once the workers are gone, the
+shared-memory tracker unlinks what the driver could not.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
 import cloudpickle
 
 from fragflow import context
-from fragflow.runtime.channels import ChannelHandles, ParamChannel, ParamHandles, Stopped, TrajectoryChannel
-from fragflow.runtime.control import Control
-from fragflow.runtime.plan import RunPlan
-from fragflow.runtime.shm import Segment
 from fragflow.source import is_internal
+
+REPORT_EVERY = 0.2
+
+
+def threads_for(group_threads: int) -> int:
+    """torch threads of a process: ``FRAGFLOW_THREADS`` if set, else the placement's number for its group."""
+    env = os.environ.get("FRAGFLOW_THREADS", "")
+    return int(env) if env.strip() else group_threads
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent:   # the driver died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fragflow-parent-watch", daemon=True).start()
+
+
+class QueueReporter:
+    """A loop replica's events, batched to the driver every 0.2 s."""
+
+    def __init__(self, results: Any, replica: int) -> None:
+        self.results = results
+        self.replica = replica
+        self.steps = 0
+        self.episodes: list[tuple[float, int]] = []
+        self.eval: list[tuple[float, int]] = []
+        self.next = time.monotonic() + REPORT_EVERY
+
+    def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
+        if evaluation:
+            self.eval.extend(episodes)
+        else:
+            self.steps += n
+            self.episodes.extend(episodes)
+        if time.monotonic() >= self.next:
+            self.flush()
+
+    def update(self) -> None:
+        pass
+
+    def log(self, scalars: dict[str, float]) -> None:
+        self.results.put(("log", scalars))
+
+    def flush(self) -> None:
+        if self.steps or self.episodes or self.eval:
+            self.results.put(("steps", self.replica, self.steps, self.episodes, self.eval))
+            self.steps, self.episodes, self.eval = 0, [], []
+        self.next = time.monotonic() + REPORT_EVERY
 
 
 def main(*args: Any) -> None:
@@ -33,41 +97,44 @@ def main(*args: Any) -> None:
         prof.dump_stats(os.path.join(out, f"{args[0]}{args[1]}.prof"))
 
 
-def _main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], param: ParamHandles | None,
-          control_segment: str, lock: Any, stop: Any, results: Any, init: Any, threads: int) -> None:
+def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any) -> None:
     # The driver coordinates shutdown; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
+    _die_with_parent(parent)
     import torch
 
-    torch.set_num_threads(threads)
+    from fragflow.backends import Stopped
+
+    lowered, checks, train, args = cloudpickle.loads(blob)
+    endpoints = None
     worker: Any = None
-    channels: list[TrajectoryChannel] = []
-    params = None
-    control = None
+    results = wiring.results
     try:
-        channels = [TrajectoryChannel.open(h, stop) for h in trajs]
-        params = ParamChannel.open(param, stop) if param is not None else None
-        control = Control(Segment.attach(control_segment), lock, stop)
-        if role == "learner":
-            from fragflow.runtime.learner import Learner
+        endpoints = wiring.attach()
+        if role == "actor":
+            from fragflow.runtime.loop import LoopInterpreter
 
-            worker = Learner(plan, channels, params, control, results, init, stop)
-            worker.run()
-        else:
-            from fragflow.runtime.actor import ActorInterpreter
-
-            train, args, _ = cloudpickle.loads(plan.program)
-            worker = ActorInterpreter(plan, index, channels[index], channels, params, control, results, init)
+            torch.set_num_threads(threads_for(lowered.loop.threads))
+            reporter = QueueReporter(results, index)
+            worker = LoopInterpreter(lowered.loop, reporter, replica=index, endpoints=endpoints, checks=checks)
             try:
                 with context.using(worker):
                     value = train(*(() if args is None else (args,)))
             finally:
                 worker.close()
-            worker.report()
-            channels[index].close()
+            reporter.flush()
+            for name in lowered.loop.remote:
+                endpoints.rings[f"{name}[{index}]"].close()
             if index == 0:
                 results.put(("return", _dumps_or_none(value)))
+        else:
+            from fragflow.runtime.service import ServiceRunner
+
+            program = next(s for s in lowered.services if s.group == role)
+            torch.set_num_threads(threads_for(program.threads))
+            worker = ServiceRunner(program, endpoints, checks)
+            worker.run()
         results.put(("done", role, index))
     except Stopped:
         results.put(("stopped", role, index))
@@ -76,12 +143,8 @@ def _main(role: str, index: int, plan: RunPlan, trajs: list[ChannelHandles], par
         results.put(("error", role, index, fragment, _user_traceback(exc), _dumps_or_none(exc)))
         sys.exit(1)
     finally:
-        for ch in channels:
-            ch.detach()
-        if params is not None:
-            params.detach()
-        if control is not None:
-            control.detach()
+        if endpoints is not None:
+            endpoints.detach()
 
 
 def _user_traceback(exc: BaseException) -> str:

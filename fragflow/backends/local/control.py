@@ -12,19 +12,27 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.runtime.channels import ParamChannel, Stopped, TrajectoryChannel
-from fragflow.runtime.shm import Segment
+from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryChannel
+from fragflow.backends.local.shm import Segment
 
 BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS = range(6)
 WORDS = 8
 
 
 class Control:
-    def __init__(self, segment: Segment, lock: Any, stop: Any) -> None:
+    """The balance controller and the learner's counters (implements ``backends.Admission``).
+
+    ``clock_rings`` are the rings of the calls that make updates (one per producer) and
+    ``params`` the broadcast whose newest version an admitted producer acts with."""
+
+    def __init__(self, segment: Segment, lock: Any, stop: Any, clock_rings: list[TrajectoryChannel] | None = None,
+                 params: ParamChannel | None = None) -> None:
         self.seg = segment
         self.words = np.frombuffer(segment.mem, np.int64, WORDS, 0)
         self.lock = lock
         self.stop = stop
+        self.clock_rings = clock_rings or []
+        self.params = params
 
     @staticmethod
     def create() -> Segment:
@@ -32,7 +40,7 @@ class Control:
         seg.buf[:].fill(0)
         return seg
 
-    def admit(self, trajs: list[TrajectoryChannel], params: ParamChannel, per_update: int, max_lag: int) -> int:
+    def admit(self, replica: int, max_lag: int) -> int:
         """Wait until a new rollout's piece would be consumed within ``max_lag`` versions; return the
         version it must act with (the newest), counting the rollout as in production.
 
@@ -41,6 +49,8 @@ class Control:
         (``busy``), so the piece is consumed ``busy + q // per_update`` versions after the newest
         one, which must be <= max_lag.
         """
+        params, trajs, per_update = self.params, self.clock_rings, max(len(self.clock_rings), 1)
+        assert params is not None
         params.wait_for(0)
         pause = 2e-5
         t0 = time.perf_counter_ns()
@@ -67,3 +77,15 @@ class Control:
     def set_busy(self, busy: bool) -> None:
         with self.lock:
             self.words[BUSY] = int(busy)
+
+    def add_wait(self, ns: int) -> None:
+        self.words[WAIT_NS] += ns
+
+    def add_busy(self, ns: int) -> None:
+        self.words[LEARN_NS] += ns
+        self.words[UPDATES] += 1
+
+    def counters(self) -> dict[str, float]:
+        w = self.words
+        return {"learner_wait_s": int(w[WAIT_NS]) / 1e9, "learner_busy_s": int(w[LEARN_NS]) / 1e9,
+                "learner_updates": int(w[UPDATES]), "admission_wait_s": int(w[ADMIT_WAIT_NS]) / 1e9}

@@ -26,14 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from fragflow.backends import Stopped
+from fragflow.backends.local.shm import Layout, Segment
 from fragflow.pytree import TensorSpec
-from fragflow.runtime.shm import Layout, Segment
 
 LAG_BINS = 16   # lag histogram: 0, 1, ..., 14, and 15 or more
-
-
-class Stopped(Exception):
-    """The run is stopping (a stop event was set while waiting)."""
 
 
 class ChannelClosed(Exception):
@@ -45,7 +42,8 @@ _HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS, _TAKEN = rang
 _LAGS = 9
 _SLOT_OF = _LAGS + LAG_BINS      # then capacity words: slot of item i at [i % capacity]
 # then capacity words: per slot, 1 + the number of the item last released from it (0: never used)
-_SLOT_WORDS = 2           # version, sequence number
+_SLOT_WORDS = 4           # version, item number, tag (the producer's call number), aux (a word for the producer)
+_SLOT_META = 64           # the leaves start one cache line into the slot, 64-byte aligned
 
 
 def _header_words(capacity: int) -> int:
@@ -64,7 +62,7 @@ def _traj_base(capacity: int) -> int:
 
 
 def _traj_slot_bytes(layout: Layout) -> int:
-    return _round64(_SLOT_WORDS * 8 + layout.nbytes)
+    return _round64(_SLOT_META + layout.nbytes)
 
 
 def _param_slot_bytes(layout: Layout) -> int:
@@ -144,7 +142,7 @@ class TrajectoryChannel:
         if views is None:
             off = self._base + k * self._slot_bytes
             views = (np.frombuffer(self.seg.mem, np.int64, _SLOT_WORDS, off),
-                     self.layout.views(self.seg.buf, off + _SLOT_WORDS * 8))
+                     self.layout.views(self.seg.buf, off + _SLOT_META))
             self._views[k] = views
         return views
 
@@ -159,8 +157,9 @@ class TrajectoryChannel:
         return max(free, key=lambda k: int(self._released[k]))
 
     # -- producer ----------------------------------------------------------------------
-    def put(self, leaves: list[Any], version: int, timeout: float | None = None) -> bool:
-        """Copy ``leaves`` into the next free slot; blocks while the ring is full (False on timeout)."""
+    def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0) -> bool:
+        """Copy ``leaves`` into the next free slot; blocks while the ring is full (False on timeout).
+        ``tag`` travels with the item (a producer numbers its calls across all its rings)."""
         t0 = time.perf_counter_ns()
         if not _acquire(self.h.free, self.stop, timeout):
             return False
@@ -171,6 +170,8 @@ class TrajectoryChannel:
         self.layout.write_views(views, leaves)
         meta[0] = version
         meta[1] = head
+        meta[2] = tag
+        meta[3] = aux
         self.header[_HEAD] = head + 1
         self.header[_PUTS] += 1
         self.header[_BYTES] += self.layout.nbytes
@@ -220,6 +221,13 @@ class TrajectoryChannel:
         if int(self.header[_HEAD]) == self._next:
             return None
         return int(self._slot(self._next)[0][0])
+
+    def peek(self) -> tuple[int, int, int] | None:
+        """(version, tag, aux) of the next item this consumer would take, or None if there is none."""
+        if int(self.header[_HEAD]) == self._next:
+            return None
+        meta = self._slot(self._next)[0]
+        return int(meta[0]), int(meta[2]), int(meta[3])
 
     @property
     def available(self) -> int:

@@ -1,0 +1,100 @@
+"""Backends: what the runtime needs to move calls, versions and reports between processes.
+
+The runtime (the loop interpreter, the service runner, the driver) speaks to these interfaces
+only; a backend is one folder that implements them and registers under a name, as distribution
+policies do. ``local`` (processes on this machine, shared memory) is the default.
+
+=============  ======================================================================================
+Ring           one producer's calls of one remote fragment: ``put(leaves, version, tag=, aux=)`` on
+               the producer side; ``peek() -> (version, tag, aux)``, ``take()``, ``release(lag, dropped)``
+               on the consumer side; version-stamped, bounded, zero-copy where it can be
+Broadcast      a versioned latest-value store of one state's views: ``publish(leaves, version)``,
+               ``read(version)``, ``wait_for(version)``, ``latest``; readers never block the writer
+Admission      the balance controller: ``admit(replica, max_lag) -> version``, ``produced()``,
+               ``set_busy(flag)``, and the learner's wait/busy counters
+Endpoints      what one process holds: rings, broadcasts, admission, the report queue, the queue
+               of definitions (fragments, call structures, initial states), the stop event
+Backend        ``wire(lowered) -> Wiring`` (creates everything, in the driver), ``start(target, args,
+               name) -> process``; ``Wiring.attach() -> Endpoints`` in a worker; ``Wiring.release()``
+=============  ======================================================================================
+
+A new backend touches only its own folder and :data:`BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+from fragflow.errors import ConfigError, did_you_mean
+
+BACKENDS = {"local": "fragflow.backends.local"}
+
+
+class Stopped(Exception):
+    """The run is stopping (its stop event was set while a process waited)."""
+
+
+class Ring(Protocol):
+    def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0) -> bool: ...
+    def close(self) -> None: ...
+    def peek(self) -> tuple[int, int, int] | None: ...
+    def try_get(self) -> tuple[int, list[Any]] | None: ...
+    def get(self, timeout: float | None = None) -> tuple[int, list[Any]] | None: ...
+    def release(self, lag: int | None = None, dropped: bool = False) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def available(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Broadcast(Protocol):
+    def publish(self, leaves: list[Any], version: int) -> None: ...
+    def read(self, version: int | None = None) -> tuple[int, list[Any]]: ...
+    def wait_for(self, version: int, timeout: float | None = None) -> int: ...
+    @property
+    def latest(self) -> int: ...
+
+
+class Admission(Protocol):
+    def admit(self, replica: int, max_lag: int) -> int: ...
+    def produced(self) -> None: ...
+    def set_busy(self, busy: bool) -> None: ...
+    def add_wait(self, ns: int) -> None: ...
+    def add_busy(self, ns: int) -> None: ...
+    def counters(self) -> dict[str, float]: ...
+
+
+class Endpoints(Protocol):
+    rings: dict[str, Ring]
+    broadcasts: dict[str, Broadcast]
+    admission: Admission
+    results: Any
+    stop: Any
+
+    def definitions(self, group: str) -> Any: ...
+    def wait_any(self, group: str, timeout: float) -> None: ...
+    def detach(self) -> None: ...
+
+
+class Wiring(Protocol):
+    def attach(self) -> Endpoints: ...
+    def release(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def wire(self, lowered: Any) -> Wiring: ...
+    def start(self, target: Any, args: tuple[Any, ...], name: str) -> Any: ...
+
+
+def get(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}", fix=did_you_mean(name, BACKENDS))
+    module = importlib.import_module(BACKENDS[name])
+    backend: Backend = module.BACKEND
+    return backend

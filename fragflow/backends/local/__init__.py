@@ -1,0 +1,156 @@
+"""The local backend: one process per group replica on this machine, channels in shared memory.
+
+Rings are :class:`~.channels.TrajectoryChannel` (a bounded ring of pre-allocated slots, zero-copy
+reads), broadcasts :class:`~.channels.ParamChannel` (a seqlock ring of versions), admission
+:class:`~.control.Control`; reports and definitions go through ``multiprocessing`` queues. The
+driver creates every segment and alone unlinks it; workers attach.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from fragflow.backends.local.channels import (
+    ChannelHandles,
+    ParamChannel,
+    ParamHandles,
+    Stopped,
+    TrajectoryChannel,
+    _acquire,
+)
+from fragflow.backends.local.control import Control
+from fragflow.backends.local.shm import Segment
+from fragflow.errors import ConfigError
+
+__all__ = ["BACKEND", "LocalBackend", "Stopped"]
+
+
+def start_method() -> str:
+    """How workers start: ``FRAGFLOW_START_METHOD`` (fork, forkserver or spawn), else fork on Linux.
+
+    Fork starts a worker in milliseconds with the driver's modules already imported; spawn starts a
+    fresh interpreter (about a second per worker, to import torch) and is the only choice on
+    macOS and Windows.
+    """
+    method = os.environ.get("FRAGFLOW_START_METHOD", "")
+    if method:
+        if method not in mp.get_all_start_methods():
+            raise ConfigError(f"FRAGFLOW_START_METHOD={method!r} is not available here",
+                              fix=f"use one of: {', '.join(mp.get_all_start_methods())}")
+        return method
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+@dataclass
+class LocalWiring:
+    """Everything a worker needs to attach (picklable: names of segments and sync objects)."""
+
+    rings: dict[str, ChannelHandles]
+    consumers: dict[str, str]                 # ring -> consuming group
+    broadcasts: dict[str, ParamHandles]
+    clock_rings: list[str]
+    clock_state: str | None
+    control: str
+    lock: Any
+    stop: Any
+    results: Any
+    definitions: dict[str, Any]               # group -> queue
+    ready: dict[str, Any]                     # group -> semaphore
+    segments: list[Segment] = field(default_factory=list, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["segments"] = []                # the driver alone owns (and unlinks) the segments
+        return state
+
+    def attach(self) -> LocalEndpoints:
+        return LocalEndpoints(self)
+
+    def release(self) -> None:
+        for q in (self.results, *self.definitions.values()):
+            q.close()
+            q.cancel_join_thread()
+        for seg in self.segments:
+            seg.close()
+            seg.unlink()
+        self.segments.clear()
+
+
+class LocalEndpoints:
+    def __init__(self, wiring: LocalWiring) -> None:
+        self.wiring = wiring
+        self.stop = wiring.stop
+        self.results = wiring.results
+        self.rings: dict[str, Any] = {n: TrajectoryChannel.open(h, wiring.stop) for n, h in wiring.rings.items()}
+        self.broadcasts: dict[str, Any] = {n: ParamChannel.open(h, wiring.stop) for n, h in wiring.broadcasts.items()}
+        clock = [self.rings[n] for n in wiring.clock_rings]
+        params = self.broadcasts.get(wiring.clock_state) if wiring.clock_state else None
+        self.admission = Control(Segment.attach(wiring.control), wiring.lock, wiring.stop, clock, params)
+
+    def definitions(self, group: str) -> Any:
+        return self.wiring.definitions[group]
+
+    def wait_any(self, group: str, timeout: float) -> None:
+        """Sleep until a ring into ``group`` may have something (or ``timeout`` seconds)."""
+        _acquire(self.wiring.ready[group], self.stop, timeout)
+
+    def detach(self) -> None:
+        for ring in self.rings.values():
+            ring.detach()
+        for b in self.broadcasts.values():
+            b.detach()
+        self.admission.detach()
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self) -> None:
+        self._ctx: Any = None
+
+    @property
+    def ctx(self) -> Any:
+        if self._ctx is None:
+            self._ctx = mp.get_context(start_method())
+        return self._ctx
+
+    def wire(self, lowered: Any) -> LocalWiring:
+        ctx = self._ctx = mp.get_context(start_method())
+        segments: list[Segment] = []
+        wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), ctx.Queue(), {}, {}, segments)
+        try:
+            for service in lowered.services:
+                wiring.definitions[service.group] = ctx.Queue()
+                ready = wiring.ready[service.group] = ctx.Semaphore(0)
+                for ring in service.rings:
+                    h, seg = TrajectoryChannel.create(ctx, ring.name, list(ring.specs), ring.capacity, ready)
+                    segments.append(seg)
+                    wiring.rings[ring.name] = h
+                    wiring.consumers[ring.name] = service.group
+                    if ring.fragment == service.clock:
+                        wiring.clock_rings.append(ring.name)
+                for b in service.publish:
+                    ph, seg = ParamChannel.create(b.state, list(b.specs), b.depth)
+                    segments.append(seg)
+                    wiring.broadcasts[b.state] = ph
+                    if wiring.clock_state is None:
+                        wiring.clock_state = b.state
+            control = Control.create()
+            segments.append(control)
+            wiring.control = control.name
+        except BaseException:
+            wiring.release()
+            raise
+        return wiring
+
+    def start(self, target: Any, args: tuple[Any, ...], name: str) -> Any:
+        p = self.ctx.Process(target=target, args=args, name=name, daemon=True)
+        p.start()
+        return p
+
+
+BACKEND = LocalBackend()

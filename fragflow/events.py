@@ -1,0 +1,93 @@
+"""What env fragments emit and what batch axes fragment outputs carry, for fragments that do not
+declare them (see :mod:`fragflow.fragment`).
+
+A user's own env fragment with gymnasium's step signature, ``(obs, reward, terminated, truncated,
+info)``, is counted like a built-in one: one env step per reward entry, an episode ending wherever
+``terminated | truncated``, its return summed from the raw rewards. Its outputs whose leading
+dimension is the number of environments get the ``env`` axis 0.
+
+>>> count = StepCounter()
+>>> count((None, np.ones(2), np.array([False, True]), np.zeros(2, bool), {}))
+(2, [(1.0, 1)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fragflow.pytree import backend_of, to_numpy
+
+Events = Callable[[Any], tuple[int, list[tuple[float, int]]]]
+Axes = Callable[[str], "tuple[str, int] | None"]
+
+
+def _is_step(out: Any) -> bool:
+    return (isinstance(out, tuple) and len(out) == 5 and backend_of(out[1]) is not None
+            and backend_of(out[2]) is not None and backend_of(out[3]) is not None)
+
+
+class StepCounter:
+    """Env steps and finished episodes of calls with gymnasium's step signature."""
+
+    def __init__(self) -> None:
+        self.returns: np.ndarray | None = None
+        self.lengths: np.ndarray | None = None
+
+    def __call__(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
+        if not _is_step(out):
+            return 0, []
+        reward = np.asarray(to_numpy(out[1]), np.float64).reshape(-1)
+        done = (np.asarray(to_numpy(out[2])) | np.asarray(to_numpy(out[3]))).reshape(-1)
+        if self.returns is None or self.returns.shape != reward.shape:
+            self.returns = np.zeros_like(reward)
+            self.lengths = np.zeros(reward.shape, np.int64)
+        assert self.lengths is not None
+        self.returns += reward
+        self.lengths += 1
+        finished = []
+        if done.any():
+            for i in np.flatnonzero(done):
+                finished.append((float(self.returns[i]), int(self.lengths[i])))
+            self.returns[done] = 0.0
+            self.lengths[done] = 0
+        return reward.size, finished
+
+
+class EventSources:
+    """Per run: the events function of every env fragment (declared, or a counter of its own)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[int, Events | None] = {}
+
+    def of(self, frag: Any) -> Events | None:
+        key = id(frag)
+        if key not in self._counters:
+            self._counters[key] = frag.events if frag.events is not None else (
+                StepCounter() if frag.role == "env" else None)
+        return self._counters[key]
+
+
+def default_axes(role: str, out: Any) -> Axes | None:
+    """Batch axes for the outputs of an env fragment that declares none: leaves whose leading
+    dimension is the number of rewards of a gymnasium step are ``env`` axis 0."""
+    if role != "env" or not _is_step(out):
+        return None
+    reward = out[1]
+    n = reward.shape[0] if getattr(reward, "ndim", 0) >= 1 else None
+    if n is None:
+        return None
+    from fragflow.pytree import leaf_paths
+
+    batched = {f"[{i}]{p}" for i, item in enumerate(out) for p, x in leaf_paths_safe(item, leaf_paths)
+               if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}
+    return lambda path: ("env", 0) if path in batched else None
+
+
+def leaf_paths_safe(item: Any, leaf_paths: Callable[[Any], list[tuple[str, Any]]]) -> list[tuple[str, Any]]:
+    try:
+        return leaf_paths(item)
+    except TypeError:
+        return []

@@ -1,0 +1,271 @@
+"""Lowering: from a placed graph to the program every process group runs.
+
+A **loop group** runs the user's training loop. Lowering gives it a dispatch table: each fragment is
+served *here* (called in this process) or is a :class:`Remote` call into a service group, whose
+loop-side arguments go onto that fragment's :class:`Ring` and whose outputs come back to the loop
+as ``Pending`` references (they can be passed on to other fragments of that group, not read).
+Reads of versioned state the service group writes come from a :class:`Broadcast`.
+
+A **service group** runs a program derived from the graph: it takes the calls the loop makes into
+it, in the loop's order, from every producer replica; a call is executed once one piece from each
+replica is there (merged along the named batch axes of its leaves); references to its own earlier
+outputs resolve from a value table; after a call that writes versioned state it publishes the
+views the loop reads, and it logs the outputs the graph sends to ``ff.log``. The learner is
+"gather, learn, publish"; a learner-side replay is "add each piece; then sample and learn".
+
+A channel of the placement carries exactly the edges that cross it: one ring per remote fragment
+per producer replica, sized from the traced specs of the leaves that cross.
+
+>>> from fragflow.algorithms import ppo                                          # doctest: +SKIP
+>>> lowered = lower(placed)                                                      # doctest: +SKIP
+>>> lowered.loop.remote["learn"].group                                           # doctest: +SKIP
+'learner'
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fragflow.errors import ConfigError, PlacementError
+from fragflow.ir import EdgeKind, Graph, LeafSpec
+from fragflow.lowering import disciplines
+from fragflow.placement import Channel, Group, PlacedGraph
+from fragflow.pytree import TensorSpec
+from fragflow.tracer import LOOP
+
+
+def parse_path(text: str) -> tuple[Any, ...]:
+    """``"['params'][0]"`` -> ``('params', 0)``."""
+    return tuple(ast.literal_eval(m) for m in re.findall(r"\[(.*?)\]", text))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The calls of one remote fragment from one producer replica: the loop-side leaves of each call."""
+
+    name: str
+    fragment: str
+    replica: int
+    specs: tuple[TensorSpec, ...]     # per replica (batch axes divided by the number of replicas)
+    axes: tuple[int | None, ...]      # merge axis of each leaf; None: the same in every replica
+    capacity: int
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """The views of one versioned state that a loop group reads, published by its writer's group."""
+
+    state: str
+    paths: tuple[tuple[Any, ...], ...]
+    specs: tuple[TensorSpec, ...]
+    counts: tuple[int, ...]           # leaves per path
+    depth: int
+
+
+@dataclass(frozen=True)
+class Remote:
+    """How a loop group serves a fragment placed in a service group."""
+
+    fragment: str
+    group: str
+    writes: str | None
+    arity: int
+    primary: bool                     # its calls are the service's updates (the version clock)
+
+
+@dataclass(frozen=True)
+class Logged:
+    """A scalar a service logs after a call: its name and where it is in the call's output."""
+
+    name: str
+    index: int
+    keys: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class LoopProgram:
+    group: str
+    replicas: int
+    threads: int
+    local: frozenset[str]
+    remote: dict[str, Remote]
+    reads: dict[str, Broadcast]
+    ship: dict[str, tuple[str, ...]]  # state -> the service groups that hold a copy
+    choice: Any                       # a version choice (see disciplines), None without broadcast
+    max_lag: int
+
+
+@dataclass(frozen=True)
+class ServiceProgram:
+    group: str
+    threads: int
+    producers: int
+    fragments: tuple[str, ...]
+    rings: tuple[Ring, ...]
+    publish: tuple[Broadcast, ...]
+    logs: dict[str, tuple[Logged, ...]]
+    clock: str
+    ordered: bool
+    overflow: Any
+    max_lag: int
+    states: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    placed: PlacedGraph
+    loop: LoopProgram
+    services: tuple[ServiceProgram, ...]
+
+    @property
+    def rings(self) -> tuple[Ring, ...]:
+        return tuple(r for s in self.services for r in s.rings)
+
+    @property
+    def broadcasts(self) -> tuple[Broadcast, ...]:
+        return tuple(b for s in self.services for b in s.publish)
+
+
+def _channel(placed: PlacedGraph, kind: str, src: str, dst: str) -> Channel | None:
+    return next((c for c in placed.channels if c.kind == kind and c.src_group == src and c.dst_group == dst), None)
+
+
+def _clock(graph: Graph, group: Group) -> str:
+    """The service's version clock: its state-writing fragment with the highest rate (first in trace order)."""
+    writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
+    candidates = [graph.node(n) for n in group.nodes if n in writers]
+    if not candidates:
+        raise PlacementError(f"group '{group.name}' runs as a service but none of its fragments writes versioned state",
+                             where=graph.defined_at,
+                             fix="a service group publishes versions: give its learner the state it updates")
+    return max(candidates, key=lambda n: n.rate).name
+
+
+def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: PlacedGraph) -> TensorSpec:
+    if leaf.axis is None or replicas == 1:
+        return leaf.spec
+    shape = list(leaf.spec.shape)
+    total = shape[leaf.axis]
+    if total % replicas:
+        options = dict(placed.options)
+        if leaf.axis_name == "env":
+            per = int(options.get("envs_per_actor", 0) or 0) or total // replicas
+            raise ConfigError(f"policy '{placed.policy}' puts {per} environments on each of {replicas} actors, "
+                              f"but the loop steps {total}",
+                              fix=f"choose actors dividing num_envs={total} and envs_per_actor = num_envs / actors "
+                                  "(or --set num_envs=...)")
+        raise ConfigError(f"policy '{placed.policy}' splits '{leaf.dst_path}' of '{fragment}' ({total} along its "
+                          f"{leaf.axis_name} axis) across {replicas} replicas, which does not divide it",
+                          where=graph.node(fragment).called_at,
+                          fix=f"use a size divisible by {replicas}, or another number of actors")
+    shape[leaf.axis] = total // replicas
+    return replace(leaf.spec, shape=tuple(shape))
+
+
+def _reads(graph: Graph, state: str, readers: set[str], depth: int) -> Broadcast | None:
+    """The views of ``state`` that ``readers`` read (a prefix covers its extensions)."""
+    edges = [e for e in graph.edges_of(EdgeKind.STATE_READ) if e.src == state and e.dst in readers]
+    if not edges:
+        return None
+    paths: list[str] = []
+    for r in sorted({e.src_port for e in edges}, key=len):
+        if not any(r.startswith(p) for p in paths):
+            paths.append(r)
+    specs: list[TensorSpec] = []
+    counts: list[int] = []
+    for p in paths:
+        edge = next(e for e in edges if e.src_port == p)
+        specs.extend(leaf.spec for leaf in edge.leaves)
+        counts.append(len(edge.leaves))
+    return Broadcast(state, tuple(parse_path(p) for p in paths), tuple(specs), tuple(counts), depth)
+
+
+def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
+    out = []
+    for e in graph.edges_of(EdgeKind.DATA):
+        if e.src == fragment and e.dst in group and graph.node(e.dst).role == "logger":
+            for leaf in e.leaves:
+                keys = parse_path(leaf.src_path)
+                index = keys[0] if e.src_port else -1
+                rest = keys[1:] if e.src_port else keys
+                param = leaf.dst_path.split("[", 1)[0]
+                name = "/".join(str(k) for k in parse_path(leaf.dst_path[len(param):])) or "value"
+                out.append(Logged(name, int(index), tuple(rest)))
+    return tuple(out)
+
+
+def lower(placed: PlacedGraph) -> Lowered:
+    """One program per group: the loop group's dispatch table, each service's derived program."""
+    graph = placed.graph
+    loops = [g for g in placed.groups if g.program == "loop"]
+    if len(loops) != 1:
+        raise PlacementError(f"policy '{placed.policy}' produced {len(loops)} loop groups; one group runs the loop",
+                             where=graph.defined_at, fix="fix the policy's place(): exactly one group has program='loop'")
+    loop = loops[0]
+    in_loop = set(loop.nodes)
+    services: list[ServiceProgram] = []
+    remote: dict[str, Remote] = {}
+    reads: dict[str, Broadcast] = {}
+    ship: dict[str, list[str]] = {}
+    choice = None
+    max_lag = 0
+    for group in placed.groups:
+        if group.program != "service":
+            continue
+        members = set(group.nodes)
+        traj = _channel(placed, "trajectory", loop.name, group.name)
+        param = _channel(placed, "parameter", group.name, loop.name)
+        lag = traj.max_lag if traj is not None else 0
+        max_lag = max(max_lag, lag)
+        clock = _clock(graph, group)
+        clock_rate = max(graph.node(clock).rate, 1e-9)
+        rings: list[Ring] = []
+        logs: dict[str, tuple[Logged, ...]] = {}
+        for name in group.nodes:
+            node = graph.node(name)
+            logged = _logged(graph, name, members)
+            if logged:
+                logs[name] = logged
+            if node.role == "logger":
+                continue   # sinks run after the call that feeds them (see ``logs``)
+            writes = next((e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src == name), None)
+            remote[name] = Remote(name, group.name, writes, node.arity, name == clock)
+            source = {leaf.dst_path: e.src for e in graph.edges_of(EdgeKind.DATA) if e.dst == name for leaf in e.leaves}
+            crossing = [leaf for leaf in node.inputs if source.get(leaf.dst_path, LOOP) in in_loop | {LOOP}]
+            per_update = max(1, math.ceil(node.rate / clock_rate)) if node.rate else 1
+            capacity = (traj.capacity if traj is not None else lag + 2) * per_update
+            specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in crossing)
+            axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in crossing)
+            for k in range(loop.replicas):
+                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity))
+        publish = []
+        depth = param.capacity if param is not None else lag + 3
+        for state in sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src in members}):
+            b = _reads(graph, state, in_loop, depth)
+            if b is not None:
+                publish.append(b)
+                reads[state] = b
+        held = {e.src for e in graph.edges_of(EdgeKind.STATE_READ) if e.dst in members}
+        held |= {e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src in members}
+        for state in held:
+            ship.setdefault(state, []).append(group.name)
+        if param is not None:
+            kind = param.discipline or "latest"
+            if kind not in disciplines.VERSION_CHOICE:
+                raise PlacementError(f"policy '{placed.policy}' asks for parameter discipline {kind!r}",
+                                     fix=f"use one of: {', '.join(disciplines.VERSION_CHOICE)}")
+            choice = disciplines.VERSION_CHOICE[kind](lag)
+        gather = traj.discipline if traj is not None else "ordered"
+        if gather == "balanced":
+            gather = "arrival"
+        overflow = disciplines.OVERFLOW[traj.overflow.value]() if traj is not None else disciplines.Deliver()
+        services.append(ServiceProgram(group.name, group.threads, loop.replicas, group.nodes, tuple(rings),
+                                       tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
+                                       tuple(sorted(held))))
+    program = LoopProgram(loop.name, loop.replicas, loop.threads, frozenset(in_loop), remote, reads,
+                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag)
+    return Lowered(placed, program, tuple(services))

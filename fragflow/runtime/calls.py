@@ -1,0 +1,131 @@
+"""Calls that cross processes: a call's arguments split into a static *skeleton* and its array leaves.
+
+The skeleton is what stays the same from call to call (the containers, configuration such as a
+frozen ``Args``, and references: to versioned state, or to an earlier output of a fragment in the
+receiving process); the leaves go through a ring, stamped with a version. The receiving process
+rebuilds the arguments from the skeleton, the leaves and its own values.
+
+>>> skel, leaves = split({"x": np.zeros(2), "cfg": "adam"})
+>>> skel
+('dict', ('x', 'cfg'), (('leaf',), ('static', 'adam')))
+>>> build(skel, iter(leaves), resolve=None)["cfg"]
+'adam'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from fragflow.errors import NonFiniteError, NotArrayPytreeError, SpecChangedError
+from fragflow.pytree import TensorSpec, backend_of, is_static, leaf_paths, spec_of, to_numpy
+from fragflow.source import SourceLoc
+from fragflow.versioned import Pending, Versioned, VersionedView
+
+Skeleton = tuple[Any, ...]
+
+
+def split(value: Any, leaves: list[Any] | None = None, path: str = "") -> tuple[Skeleton, list[Any]]:
+    out: list[Any] = [] if leaves is None else leaves
+    return _split(value, out, path), out
+
+
+def _split(x: Any, out: list[Any], path: str) -> Skeleton:
+    if backend_of(x) is not None:
+        out.append(x)
+        return ("leaf",)
+    if x is None:
+        return ("none",)
+    if isinstance(x, Pending):
+        return ("ref", x.fragment, x.index, x.keys)
+    if isinstance(x, Versioned):
+        return ("state", x.name, ())
+    if isinstance(x, VersionedView):
+        return ("state", x.handle.name, x.path)
+    if is_static(x):
+        return ("static", x)
+    if isinstance(x, dict):
+        keys = tuple(x)
+        return ("dict", keys, tuple(_split(x[k], out, f"{path}[{k!r}]") for k in keys))
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return ("namedtuple", type(x), tuple(_split(v, out, f"{path}.{f}") for f, v in zip(x._fields, x)))
+    if isinstance(x, (list, tuple)):
+        return ("list" if isinstance(x, list) else "tuple", tuple(_split(v, out, f"{path}[{i}]") for i, v in enumerate(x)))
+    raise NotArrayPytreeError(f"argument leaf {path or '<root>'} is a {type(x).__module__}.{type(x).__qualname__}",
+                              fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
+                                  "Python numbers, and configuration (a frozen dataclass, a string)")
+
+
+def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], Any] | None) -> Any:
+    kind = skel[0]
+    if kind == "leaf":
+        return next(leaves)
+    if kind == "none":
+        return None
+    if kind == "static":
+        return skel[1]
+    if kind in ("ref", "state"):
+        assert resolve is not None
+        return resolve(skel)
+    if kind == "dict":
+        return {k: build(c, leaves, resolve) for k, c in zip(skel[1], skel[2])}
+    if kind == "namedtuple":
+        return skel[1](*[build(c, leaves, resolve) for c in skel[2]])
+    kids = [build(c, leaves, resolve) for c in skel[1]]
+    return kids if kind == "list" else tuple(kids)
+
+
+def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None) -> None:
+    """The leaves a call sends must match the traced specs its ring was sized for."""
+    if len(leaves) != len(specs):
+        raise SpecChangedError(f"fragment '{fragment}' was called with {len(leaves)} array leaves, "
+                               f"but it was traced with {len(specs)}", where=where,
+                               fix="pass the same pytree on every call (channels are sized from the traced call)")
+    for i, (x, spec) in enumerate(zip(leaves, specs)):
+        got = spec_of(x)
+        if got.shape != spec.shape or (got.dtype != spec.dtype and spec.backend != "python"):
+            raise SpecChangedError(f"fragment '{fragment}' got argument leaf {i} as {got.short()} {got.backend}, "
+                                   f"but it was traced as {spec.short()} {spec.backend}", where=where,
+                                   fix="keep every argument's shape and dtype fixed across calls (pad or bucket "
+                                       "variable-size data)")
+
+
+def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: SourceLoc | None) -> None:
+    """A learner's new state must keep the shapes and dtypes traced for it (every policy checks the same)."""
+    for path, leaf in leaf_paths(value):
+        spec = traced.get(path)
+        if spec is None:
+            continue   # optimizer moments appear after the first step
+        got = spec_of(leaf)
+        if got.shape != spec.shape or got.dtype != spec.dtype:
+            raise SpecChangedError(f"learner '{fragment}' returned state '{state}' with {path} as {got.short()} "
+                                   f"{got.backend}, traced as {spec.short()} {spec.backend}", where=where,
+                                   fix="keep the state's shapes and dtypes fixed (cast back, e.g. x.astype(np.float32))")
+
+
+def check_finite(out: Any, fragment: str, update: int, where: SourceLoc | None) -> None:
+    """Stop on NaN or infinity in a learner's output (state or metrics)."""
+    for path, leaf in leaf_paths(out):
+        if isinstance(leaf, float):
+            bad = not math.isfinite(leaf)
+        elif isinstance(leaf, (bool, int)):
+            continue
+        else:
+            backend = backend_of(leaf)
+            if backend == "torch":
+                if not leaf.is_floating_point():
+                    continue
+                bad = not bool(leaf.detach().isfinite().all())
+            else:
+                arr = to_numpy(leaf)
+                if arr.dtype.kind not in "fc":
+                    continue
+                bad = not bool(np.isfinite(arr).all())
+        if bad:
+            raise NonFiniteError(f"learner '{fragment}' produced a non-finite value (NaN or inf) at {path or 'its output'} "
+                                 f"in update {update}", where=where,
+                                 fix="lower the learning rate, clip gradients or check the loss for log(0) / division "
+                                     "by zero; FRAGFLOW_ALLOW_NONFINITE=1 lets the run go on")

@@ -1,0 +1,291 @@
+"""The loop interpreter: the user's training loop as the program of a loop group.
+
+Every fragment call is served from the dispatch table lowering built (:class:`LoopProgram`):
+
+- **here**: the fragment is called in this process; reads of versioned state written elsewhere
+  resolve to the broadcast version this replica acts with (chosen by the channel's version
+  discipline at the first read after each update);
+- **remote**: the call's loop-side leaves go onto the fragment's ring, stamped with that version
+  and numbered in this replica's call order; the loop gets the state handle back (a write) and
+  ``Pending`` references for the outputs, which other fragments of that group may take.
+
+Under ``single_process`` every fragment is served here and versioned state is the value itself:
+the serial semantics every other placement is checked against.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import cloudpickle
+import numpy as np
+
+from fragflow.context import InstanceNames
+from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
+from fragflow.events import EventSources
+from fragflow.fragment import Fragment
+from fragflow.lowering import LoopProgram
+from fragflow.pytree import unflatten_into
+from fragflow.runtime import calls
+from fragflow.runtime.monitor import flat_scalars
+from fragflow.source import SourceLoc, user_callsite
+from fragflow.versioned import Pending, Versioned, VersionedView
+
+REPORT_EVERY = 0.2   # seconds between progress reports to the driver
+
+
+class Reporter(Protocol):
+    """Where a loop's events go: the monitor (one process) or the driver's queue (a worker)."""
+
+    def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None: ...
+    def update(self) -> None: ...
+    def log(self, scalars: dict[str, float]) -> None: ...
+    def flush(self) -> None: ...
+
+
+def allow_nonfinite() -> bool:
+    return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
+
+
+class LoopInterpreter:
+    """Executes the loop's fragment calls as the placement says (see :mod:`fragflow.context`)."""
+
+    def __init__(self, program: LoopProgram, reporter: Reporter, *, replica: int = 0, endpoints: Any = None,
+                 checks: dict[str, Any] | None = None) -> None:
+        self.program = program
+        self.reporter = reporter
+        self.index = replica
+        self.endpoints = endpoints
+        self.checks = checks or {}
+        self.instance_name = InstanceNames()
+        self._names = InstanceNames()
+        self._state_names = InstanceNames()
+        self._node_of: dict[int, tuple[Fragment, str]] = {}
+        self.events = EventSources()
+        self.resources: list[Any] = []
+        self.current = "(loop)"
+        self.update = 0                       # remote clock calls made (this replica's updates)
+        self.rollout_version: int | None = None
+        self._last_version = 0
+        self._views: dict[str, tuple[int, list[Any]]] = {}
+        self._states: dict[str, Versioned] = {}
+        self._seq = 0
+        self._shipped: set[str] = set()
+        self._skeletons: dict[tuple[str, Any], int] = {}
+        self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
+        self._defs = {} if endpoints is None else {g: endpoints.definitions(g) for g in
+                                                   {r.group for r in program.remote.values()}}
+
+    # -- interpreter protocol ------------------------------------------------------------
+    def env_ids(self, num_envs: int) -> np.ndarray:
+        n = self.program.replicas
+        if num_envs % n:
+            raise ConfigError(f"cannot split {num_envs} environments across {n} actors", where=user_callsite(),
+                              fix=f"use a number of environments divisible by {n}, or another actors=")
+        per = num_envs // n
+        return np.arange(self.index * per, (self.index + 1) * per)
+
+    def replica(self) -> tuple[int, int]:
+        return self.index, self.program.replicas
+
+    def adopt(self, resource: Any) -> None:
+        self.resources.append(resource)
+
+    def close(self) -> None:
+        for r in self.resources:
+            r.close()
+        self.resources.clear()
+
+    def versioned(self, value: Any, name: str, where: SourceLoc | None) -> Versioned:
+        handle = Versioned(self._state_names(name), 0, value, where)
+        self._states[handle.name] = handle
+        if self.index == 0:
+            for group in self.program.ship.get(handle.name, ()):
+                self._defs[group].put(("state", handle.name, cloudpickle.dumps(value)))
+        return handle
+
+    # -- dispatch --------------------------------------------------------------------------
+    def _node(self, frag: Fragment) -> str:
+        hit = self._node_of.get(id(frag))
+        if hit is None:
+            hit = self._node_of[id(frag)] = (frag, self._names(frag.name))
+        return hit[1]
+
+    def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = self._node(frag)
+        self.current = name
+        if frag.role == "logger":
+            return self._log(args[0] if args else kwargs)
+        route = self.program.remote.get(name)
+        if route is not None:
+            return self._remote(frag, name, route, args, kwargs)
+        if self.program.remote and name not in self.program.local:
+            raise UntracedFragmentError(
+                f"fragment '{name}' was first called after tracing ended, so policy '{self.program.group}' "
+                "placement has no place for it", where=user_callsite(),
+                fix="make sure the loop calls it within its first learner updates (the tracer runs until every "
+                    "fragment of the training module has been called, for up to 200 updates), or run with "
+                    "--policy single_process")
+        return self._local(frag, name, args, kwargs)
+
+    # -- here ------------------------------------------------------------------------------
+    def _local(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        written: Versioned | None = None
+        if frag.writes is not None:
+            bound = frag.signature.bind(*args, **kwargs)
+            handle = bound.arguments.get(frag.writes)
+            if not isinstance(handle, Versioned):
+                raise VersionedStateError(
+                    f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
+                    where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
+            written = handle
+        if any(isinstance(a, (Versioned, VersionedView)) for a in args):
+            args = tuple(self._resolve(a) for a in args)
+        if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
+            kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
+        try:
+            out = frag.fn(*args, **kwargs)
+        except FragflowError:
+            raise
+        except Exception as exc:
+            if not self.program.remote:
+                exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
+            raise
+        events = self.events.of(frag)
+        if events is not None:
+            n, finished = events(out)
+            self.reporter.env_step(n, finished, frag.evaluation)
+        if written is not None:
+            new_value = out[0] if isinstance(out, tuple) else out
+            self._check_write(name, written.name, new_value)
+            new = Versioned(written.name, written.version + 1, new_value, written.created_at)
+            self._states[new.name] = new
+            if name == self.checks.get("clock"):
+                self.reporter.update()
+            return (new, *out[1:]) if isinstance(out, tuple) else new
+        if frag.role == "learner" and name == self.checks.get("clock"):
+            self.reporter.update()
+        return out
+
+    def _check_write(self, fragment: str, state: str, value: Any) -> None:
+        traced = self.checks.get("state", {}).get((fragment, state))
+        if traced is not None:
+            calls.check_state(value, traced, fragment, state, user_callsite())
+        if not allow_nonfinite():
+            calls.check_finite(value, fragment, self.update + 1, user_callsite())
+
+    def _version(self) -> int:
+        """The parameter version of the current rollout, chosen at its first read."""
+        if self.rollout_version is None:
+            choice = self.program.choice
+            if choice is None or self.endpoints is None:
+                return self.update
+            params = self.endpoints.broadcasts[next(iter(self.program.reads))]
+            self.rollout_version = choice.choose(self.update, params, self.endpoints.admission, self.index)
+            self._last_version = self.rollout_version
+        return self.rollout_version
+
+    def _resolve(self, x: Any) -> Any:
+        if not isinstance(x, (Versioned, VersionedView)):
+            return x
+        handle = x if isinstance(x, Versioned) else x.handle
+        path = () if isinstance(x, Versioned) else x.path
+        local = self._states.get(handle.name, handle)
+        b = self.program.reads.get(handle.name) if self.endpoints is not None else None
+        if b is None:
+            value = local.value
+            for k in path:
+                value = value[k]
+            return value
+        v = self._version()
+        cached = self._views.get(handle.name)
+        if cached is None or cached[0] != v:
+            _, leaves = self.endpoints.broadcasts[handle.name].read(v)
+            trees, pos = [], 0
+            for root, n in zip(b.paths, b.counts):
+                template = local.value
+                for k in root:
+                    template = template[k]
+                trees.append(unflatten_into(template, leaves[pos:pos + n]))
+                pos += n
+            cached = self._views[handle.name] = (v, trees)
+        for root, tree in zip(b.paths, cached[1]):
+            if path[:len(root)] == root:
+                for k in path[len(root):]:
+                    tree = tree[k]
+                return tree
+        raise ConfigError(f"the loop read {handle.name}{''.join(f'[{k!r}]' for k in path)}, which was not traced",
+                          where=user_callsite(), fix="read the same state views on every call")
+
+    # -- remote ----------------------------------------------------------------------------
+    def _remote(self, frag: Fragment, name: str, route: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = frag.signature.bind(*args, **kwargs)
+        handle = None
+        if route.writes is not None:
+            handle = bound.arguments.get(frag.writes) if frag.writes else None
+            if not isinstance(handle, Versioned):
+                raise VersionedStateError(
+                    f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
+                    where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
+        skeleton, leaves = calls.split(bound.arguments)
+        group = self._defs[route.group]
+        if name not in self._shipped:
+            group.put(("fragment", name, cloudpickle.dumps(frag)))
+            self._shipped.add(name)
+        sid = self._skeletons.get((name, skeleton))
+        if sid is None:
+            sid = self._skeletons[(name, skeleton)] = len(self._skeletons)
+            group.put(("skeleton", self.index, sid, skeleton))
+        ring = self._rings[name]
+        calls.check_leaves(leaves, ring.layout.specs, name, user_callsite())
+        version = self._version() if self.program.reads else self._last_version
+        ring.put(leaves, version, tag=self._seq, aux=sid)
+        self._seq += 1
+        if route.primary:
+            if self.rollout_version is not None and getattr(self.program.choice, "admits", False):
+                self.endpoints.admission.produced()
+            self.update += 1
+            self.rollout_version = None
+            self.reporter.flush()
+        rest = [Pending(name, i) for i in range(1, route.arity)] if route.writes else \
+            [Pending(name, i) for i in range(route.arity)]
+        if handle is not None:
+            new = Versioned(handle.name, handle.version + 1, self._states.get(handle.name, handle).value,
+                            handle.created_at)
+            self._states[new.name] = new
+            return (new, *rest) if route.arity else new
+        return tuple(rest) if route.arity else Pending(name, -1)
+
+    # -- logging -----------------------------------------------------------------------------
+    def _log(self, tree: Any) -> None:
+        if self.index != 0:
+            return None
+        scalars = flat_scalars(_without_pending(tree))   # what is Pending is logged where it is computed
+        if scalars:
+            self.reporter.log(scalars)
+        return None
+
+
+def _without_pending(tree: Any) -> Any:
+    if isinstance(tree, Pending):
+        return None
+    if isinstance(tree, dict):
+        return {k: _without_pending(v) for k, v in tree.items() if not isinstance(v, Pending)}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_without_pending(v) for v in tree)
+    return tree
+
+
+def state_checks(graph: Any) -> dict[str, Any]:
+    """What every executor checks after a learner call: the traced state specs and the clock."""
+    from fragflow.ir import EdgeKind
+
+    state = {(e.src, e.dst): {leaf.src_path: leaf.spec for leaf in e.leaves}
+             for e in graph.edges_of(EdgeKind.STATE_WRITE)}
+    writers = [graph.node(e.src) for e in graph.edges_of(EdgeKind.STATE_WRITE)]
+    learners = graph.fragments("learner")
+    clock = max(writers, key=lambda n: n.rate).name if writers else (learners[0].name if learners else None)
+    return {"state": state, "clock": clock}
+
+

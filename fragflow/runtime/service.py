@@ -1,0 +1,311 @@
+"""The service runner: the program of a service group, derived from the graph by lowering.
+
+It takes the calls the loop replicas make into this group, each replica's in its own call order
+(every piece carries its producer's call number), and executes a fragment once it holds one piece
+from every replica: pieces are merged along the named batch axes of their leaves (a leaf without
+one must be the same in every replica). ``ordered`` gathering goes round the replicas in order,
+which makes the run independent of scheduling; ``arrival`` takes the oldest piece available. A
+piece older than ``max_lag`` versions when taken goes to the channel's overflow discipline.
+
+Arguments are rebuilt from each call's skeleton: leaves from the pieces, versioned state from this
+group's own copies, references to earlier outputs from the value table. After a call of the
+clock fragment (the learner) the version advances and every broadcast state is published; the
+outputs the graph sends to ``ff.log`` are reported with the update.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from fragflow import context
+from fragflow.context import InstanceNames
+from fragflow.errors import ConfigError
+from fragflow.fragment import Fragment
+from fragflow.lowering import ServiceProgram
+from fragflow.pytree import flatten, to_numpy
+from fragflow.runtime import calls
+from fragflow.runtime.loop import allow_nonfinite
+
+IDLE_WAIT = 0.05
+
+
+class _Piece:
+    __slots__ = ("replica", "version", "tag", "sid", "leaves", "ring")
+
+    def __init__(self, replica: int, version: int, tag: int, sid: int, leaves: list[Any], ring: Any) -> None:
+        self.replica, self.version, self.tag, self.sid, self.leaves, self.ring = replica, version, tag, sid, leaves, ring
+
+
+class ServiceRunner:
+    """Runs one service group (also the interpreter for fragment calls nested in its fragments)."""
+
+    def __init__(self, program: ServiceProgram, endpoints: Any, checks: dict[str, Any]) -> None:
+        self.program = program
+        self.endpoints = endpoints
+        self.checks = checks
+        self.results = endpoints.results
+        self.defs = endpoints.definitions(program.group)
+        self.stop = endpoints.stop
+        self.admission = endpoints.admission
+        self.version = 0
+        self.current = program.clock
+        self.fragments: dict[str, Fragment] = {}
+        self.skeletons: dict[tuple[int, int], Any] = {}
+        self.states: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+        self.pools: dict[str, list[_Piece]] = {}
+        self.rings: list[dict[str, Any]] = [{} for _ in range(program.producers)]
+        self.ring_specs: dict[str, Any] = {}
+        for ring in program.rings:
+            self.rings[ring.replica][ring.fragment] = endpoints.rings[ring.name]
+            self.ring_specs[ring.fragment] = ring
+        self.next_tag = [0] * program.producers
+        self._cursor = 0
+        self.finished = [False] * program.producers
+        self.delivered: list[tuple[int, int]] = []
+        self.instance_name = InstanceNames()
+
+    # -- interpreter protocol for calls nested inside a fragment -----------------------------
+    def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return frag.fn(*args, **kwargs)
+
+    def replica(self) -> tuple[int, int]:
+        return 0, 1
+
+    def env_ids(self, num_envs: int) -> np.ndarray:
+        return np.arange(num_envs)
+
+    def adopt(self, resource: Any) -> None:
+        pass
+
+    def versioned(self, value: Any, name: str, where: Any) -> Any:
+        return value
+
+    # -- definitions from the loop ---------------------------------------------------------------
+    def _take_definition(self, block: bool) -> bool:
+        try:
+            msg = self.defs.get(timeout=IDLE_WAIT) if block else self.defs.get_nowait()
+        except Exception:
+            if self.stop.is_set():
+                from fragflow.backends import Stopped
+
+                raise Stopped from None
+            return False
+        kind = msg[0]
+        if kind == "fragment":
+            self.fragments.setdefault(msg[1], cloudpickle.loads(msg[2]))
+        elif kind == "skeleton":
+            self.skeletons[(msg[1], msg[2])] = msg[3]
+        elif kind == "state":
+            self.states[msg[1]] = cloudpickle.loads(msg[2])
+            if msg[1] in {b.state for b in self.program.publish}:
+                self._publish(msg[1])
+        return True
+
+    def _wait_for(self, ready: Any) -> None:
+        while not ready():
+            if not self._take_definition(block=True):
+                continue
+
+    # -- gathering ---------------------------------------------------------------------------------
+    def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int]] | None:
+        """Replica ``k``'s next call, if it has arrived: (tag, fragment, ring, meta)."""
+        want = self.next_tag[k]
+        for fragment, ring in self.rings[k].items():
+            meta = ring.peek()
+            if meta is not None and meta[1] == want:
+                return want, fragment, ring, meta
+        if not self.finished[k] and all(r.closed and r.available == 0 for r in self.rings[k].values()):
+            self.finished[k] = True
+        return None
+
+    def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int]]) -> _Piece | None:
+        tag, fragment, ring, meta = head
+        item = ring.try_get()
+        if item is None:   # the producer moved the head but has not released the semaphore yet
+            item = ring.get()
+        assert item is not None
+        self.next_tag[k] = tag + 1
+        version, leaves = item
+        if not self.program.overflow.accept(self.version - version, self.program.max_lag):
+            ring.release(dropped=True)
+            return None
+        piece = _Piece(k, version, tag, meta[2], leaves, ring)
+        self.pools.setdefault(fragment, []).append(piece)
+        return piece
+
+    def _next(self) -> str | None:
+        """Take pieces until some fragment's pool is complete; its name, or None when every replica is done."""
+        producers = self.program.producers
+        while True:
+            while self._take_definition(block=False):
+                pass
+            if self.program.ordered:
+                # strictly round the replicas in order: the run does not depend on scheduling
+                k = self._cursor
+                head = self._head(k)
+                if head is None:
+                    if all(self.finished):
+                        return None
+                    if self.finished[k]:
+                        self._cursor = (k + 1) % producers
+                    else:
+                        self.endpoints.wait_any(self.program.group, IDLE_WAIT)
+                    continue
+            else:
+                heads = [(k_, h) for k_ in range(producers) if (h := self._head(k_)) is not None]
+                if not heads:
+                    if all(self.finished):
+                        return None
+                    self.endpoints.wait_any(self.program.group, IDLE_WAIT)
+                    continue
+                # the oldest piece first: it is the one closest to going stale
+                k, head = min(heads, key=lambda kh: (kh[1][3][0], kh[1][0], kh[0]))
+            piece = self._take(k, head)
+            self._cursor = (k + 1) % producers
+            fragment = head[1]
+            if piece is not None and len(self.pools[fragment]) >= producers:
+                return fragment
+
+    # -- executing -------------------------------------------------------------------------------
+    def _merge(self, fragment: str, pieces: list[_Piece]) -> list[Any]:
+        if len(pieces) == 1:
+            return pieces[0].leaves
+        ring = self.ring_specs[fragment]
+        out = []
+        for j, (axis, spec) in enumerate(zip(ring.axes, ring.specs)):
+            if axis is None:
+                first = pieces[0].leaves[j]
+                for p in pieces[1:]:
+                    other = p.leaves[j]
+                    same = first == other if spec.backend == "python" else np.array_equal(to_numpy(first), to_numpy(other))
+                    if not same:
+                        node_where = self.checks.get("called_at", {}).get(fragment)
+                        raise ConfigError(
+                            f"argument leaf {j} of '{fragment}' differs between actor replicas and has no batch axis "
+                            "to merge them along", where=node_where,
+                            fix="pass per-environment data through an env fragment, ff.RolloutBuffer or "
+                                "ff.ReplayBuffer (which declare their batch axes), or run with one actor")
+                out.append(first)
+                continue
+            joined = np.concatenate([to_numpy(p.leaves[j]) for p in pieces], axis=axis)
+            if spec.backend == "torch":
+                import torch
+
+                out.append(torch.from_numpy(joined))
+            else:
+                out.append(joined)
+        return out
+
+    def _resolve(self, skel: Any) -> Any:
+        if skel[0] == "state":
+            name = skel[1]
+            while name not in self.states:
+                self._take_definition(block=True)
+            value = self.states[name]
+            for k in skel[2]:
+                value = value[k]
+            return value
+        _, fragment, index, keys = skel
+        value = self.outputs[fragment]
+        value = value if index < 0 else value[index]
+        for k in keys:
+            value = value[k]
+        return value
+
+    def _execute(self, fragment: str) -> None:
+        pieces = self.pools.pop(fragment)
+        if not self.program.ordered:
+            pieces.sort(key=lambda p: (p.version, p.tag))
+        else:
+            pieces.sort(key=lambda p: p.replica)
+        self._wait_for(lambda: fragment in self.fragments and
+                       all((p.replica, p.sid) in self.skeletons for p in pieces))
+        frag = self.fragments[fragment]
+        skel = self.skeletons[(pieces[0].replica, pieces[0].sid)]
+        leaves = self._merge(fragment, pieces)
+        arguments = calls.build(skel, iter(leaves), self._resolve)
+        bound = inspect.BoundArguments(frag.signature, arguments)
+        self.current = fragment
+        lags = [self.version - p.version for p in pieces]
+        self.delivered = [(p.version, lag) for p, lag in zip(pieces, lags)]
+        t0 = time.perf_counter_ns()
+        clock = fragment == self.program.clock
+        if clock:
+            self.admission.set_busy(True)
+        with context.using(self):
+            out = frag.fn(*bound.args, **bound.kwargs)
+        writes = next((r for r in [frag.writes] if r), None)
+        if writes is not None:
+            state = skel_state_name(skel, writes)
+            new_value = out[0] if isinstance(out, tuple) else out
+            traced = self.checks.get("state", {}).get((fragment, state))
+            where = self.checks.get("called_at", {}).get(fragment)
+            if traced is not None:
+                calls.check_state(new_value, traced, fragment, state, where)
+            if not allow_nonfinite():
+                calls.check_finite(new_value, fragment, self.version + 1, where)
+            self.states[state] = new_value
+            if clock:
+                self.version += 1
+                for b in self.program.publish:
+                    self._publish(b.state)
+            elif state in {b.state for b in self.program.publish}:
+                self._publish(state)
+        self.outputs[fragment] = out
+        if clock:
+            self.admission.set_busy(False)
+        for p, lag in zip(pieces, lags):
+            p.ring.release(lag=lag)
+        logged = self._logged(fragment, out)
+        if clock:
+            self.admission.add_busy(time.perf_counter_ns() - t0)
+            self.results.put(("update", self.version, logged))
+        elif logged:
+            self.results.put(("log", logged))
+
+    def _logged(self, fragment: str, out: Any) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        for item in self.program.logs.get(fragment, ()):
+            value = out if item.index < 0 else out[item.index]
+            for k in item.keys:
+                value = value[k]
+            scalars[item.name] = float(value) if isinstance(value, (int, float)) else float(to_numpy(value))
+        return scalars
+
+    def _publish(self, state: str) -> None:
+        b = next(b for b in self.program.publish if b.state == state)
+        leaves: list[Any] = []
+        value = self.states[state]
+        for path in b.paths:
+            sub = value
+            for k in path:
+                sub = sub[k]
+            leaves.extend(flatten(sub)[0])
+        self.endpoints.broadcasts[state].publish(leaves, self.version)
+
+    def run(self) -> None:
+        while True:
+            t0 = time.perf_counter_ns()
+            fragment = self._next()
+            self.admission.add_wait(time.perf_counter_ns() - t0)
+            if fragment is None:
+                break
+            self._execute(fragment)
+        for pieces in self.pools.values():   # calls no replica completed (arrival gathering at the end)
+            for p in pieces:
+                p.ring.release(dropped=True)
+        self.results.put(("final", self.program.group,
+                          {name: cloudpickle.dumps(value) for name, value in self.states.items()}))
+
+
+def skel_state_name(skel: Any, param: str) -> str:
+    """The versioned state a call passes as ``param`` (the skeleton of the call's arguments)."""
+    keys, kids = skel[1], skel[2]
+    ref = kids[keys.index(param)]
+    return str(ref[1])
