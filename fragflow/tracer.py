@@ -329,7 +329,7 @@ class Tracer:
             rec.backends.update(s.backend for s in written_specs if s.backend != "python")
         if not rec.backends:
             rec.backends.update(b for b in self._input_backends if b != "python")
-        axes = frag.axes or default_axes(frag.role, out)
+        axes = frag.axes or default_axes(frag.role, out) or self._inherited_axes(leaves)
         registered: set[int] = set()
         for port, path, leaf in leaves:
             axis = axes(path) if axes is not None else None
@@ -347,6 +347,17 @@ class Tracer:
             except TypeError:
                 ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
             self._origins[id(leaf)] = _Origin(rec.name, rec.role, port, path, axis, ref)
+
+    def _inherited_axes(self, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
+        """A fragment that declares no axes (a user's ``act``) keeps its inputs' ``env`` batch: when
+        its batched inputs have the environments on axis 0, outputs with that leading size do too."""
+        sizes = {leaf.spec.shape[0] for leaf in self._inputs
+                 if leaf.axis == 0 and leaf.axis_name == "env" and leaf.spec.shape}
+        if len(sizes) != 1:
+            return None
+        n = sizes.pop()
+        batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}
+        return lambda path: ("env", 0) if path in batched else None
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:

@@ -55,6 +55,7 @@ class ServiceRunner:
         self.version = 0
         self.current = program.clock
         self.fragments: dict[str, Fragment] = {}
+        self.instances: dict[str, Any] = {}
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
@@ -98,7 +99,7 @@ class ServiceRunner:
             return False
         kind = msg[0]
         if kind == "fragment":
-            self.fragments.setdefault(msg[1], cloudpickle.loads(msg[2]))
+            self.fragments.setdefault(msg[1], self._bind(cloudpickle.loads(msg[2])))
         elif kind == "skeleton":
             self.skeletons[(msg[1], msg[2])] = msg[3]
         elif kind == "state":
@@ -106,6 +107,18 @@ class ServiceRunner:
             if msg[1] in {b.state for b in self.program.publish}:
                 self._publish(msg[1])
         return True
+
+    def _bind(self, frag: Fragment) -> Fragment:
+        """The fragments of one object (a replay buffer's add and sample) arrive pickled one by one:
+        each would bring its own copy of the object. Keep the first copy and use its fragments."""
+        inst = frag.instance
+        if inst is None:
+            return frag
+        key = getattr(inst, "name", None) or type(inst).__name__
+        held = self.instances.setdefault(key, inst)
+        if held is inst:
+            return frag
+        return next(v for v in vars(held).values() if isinstance(v, Fragment) and v.name == frag.name)
 
     def _wait_for(self, ready: Any) -> None:
         while not ready():

@@ -1,0 +1,197 @@
+"""Programs this project's own algorithms are not: off-policy replay, prioritized replay, a
+separate target sync, two versioned values, a user's own environment, an evaluation environment.
+Each runs under single_process, and under every other placement, or is refused at the user's line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fragflow as ff
+from fragflow.algorithms import dqn
+from fragflow.driver import compile
+from fragflow.errors import LearnerOutputOnActingSideError
+from fragflow.program import load
+from tests.test_multiprocess import same_tree, shm_leftovers
+
+SMALL = dict(total_timesteps=1600, learning_starts=400, target_network_frequency=60, buffer_size=1000, batch_size=32)
+
+
+@pytest.fixture(scope="module")
+def dqn_reference():
+    return {per: ff.run(dqn.train, dqn.Args(**SMALL, prioritized=per), policy="single_process") for per in (False, True)}
+
+
+@pytest.mark.parametrize("policy, per", [
+    ("learner_replay(max_lag=0)", False),
+    ("actor_learner(actors=1, max_lag=0)", False),
+    ("learner_replay(max_lag=0)", True),
+])
+def test_dqn_reproduces_single_process_wherever_the_replay_buffer_lives(dqn_reference, policy, per):
+    expected = dqn_reference[per]
+    result = ff.run(dqn.train, dqn.Args(**SMALL, prioritized=per), policy=policy)
+    assert same_tree(result.value["q"].state_dict(), expected.value["q"].state_dict())
+    assert result.episode_returns == expected.episode_returns
+    assert result.summary["updates"] == expected.summary["updates"] == (1600 - 400) // 10
+    assert result.summary["channels"]["trajectory"]["drops"] == 0
+    assert shm_leftovers() == []
+
+
+def test_dqn_graph_has_replay_effects_target_sync_and_static_args(dqn_reference):
+    graph = dqn_reference[False].graph
+    effects = {(e.src, e.dst) for e in graph.edges if e.kind.value == "effect"}
+    assert ("replay.add", "replay.sample") in effects
+    assert graph.node("sync_target").rate == pytest.approx(10 / 60, abs=0.02)
+    assert graph.node("learn").static == ("args",)
+    sample = next(e for e in graph.edges if e.src == "replay.sample" and e.dst == "learn")
+    assert {leaf.axis_name for leaf in sample.leaves} == {"sample"}
+
+
+def test_dqn_with_a_buffer_on_each_of_two_actors_merges_their_samples():
+    args = dqn.Args(**{**SMALL, "num_envs": 2})
+    compiled = compile(dqn.train, args, policy="actor_learner(actors=2)")
+    ring = next(r for r in compiled.lowered.rings if r.fragment == "learn" and r.replica == 1)
+    assert [s.shape[0] for s in ring.specs] == [16] * len(ring.specs)   # half of batch_size=32 from each buffer
+    result = ff.run(dqn.train, args, policy="actor_learner(actors=2)", compiled=compiled)
+    assert result.summary["env_steps"] == 1600
+    assert result.summary["updates"] == len(range(0, 800, 10)) - len(range(0, 201, 10))
+    assert shm_leftovers() == []
+
+
+def test_learner_side_replay_never_drops_transitions():
+    args = dqn.Args(**{**SMALL, "num_envs": 2})
+    result = ff.run(dqn.train, args, policy="learner_replay(actors=2, max_lag=1)")
+    traj = result.summary["channels"]["trajectory"]
+    assert traj["drops"] == 0 and result.summary["env_steps"] == 1600
+
+
+def test_prioritized_replay_on_the_actors_is_refused_at_the_users_line():
+    with pytest.raises(LearnerOutputOnActingSideError, match=r"learner_replay") as info:
+        compile(dqn.train, dqn.Args(**SMALL, prioritized=True), policy="actor_learner(actors=1)")
+    assert "algorithms/dqn.py" in str(info.value.where)
+
+
+TWO_STATES = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(params, encoder, obs):
+    return (np.tanh(obs @ encoder["w"]) @ params["w"]).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["params"]["w"] + 0.1 * batch["obs"].mean() * np.ones_like(state["params"]["w"])
+    return {"params": {"w": w}}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=3)
+    state = ff.versioned({"params": {"w": np.linspace(-1, 1, 6).reshape(3, 2)}})
+    encoder = ff.versioned({"params": {"w": np.linspace(1, -1, 12).reshape(4, 3)}}, name="encoder")
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            action = act(state["params"], encoder["params"], obs)
+            obs, *_ = env.step(action)
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_two_versioned_values_read_on_the_acting_side_keep_their_own_weights(write_algo):
+    path, _ = write_algo(TWO_STATES)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
+        result = ff.run(program.train, program.args_cls(), policy=policy)
+        assert same_tree(result.value, expected.value), policy
+        assert sorted(result.episode_returns) == sorted(expected.episode_returns), policy
+
+
+CUSTOM_ENV = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+class Corridor:
+    '''A user's own environment: walk right for `length` steps; not a gymnasium env.'''
+
+    def __init__(self, n, length):
+        self.n, self.length, self.pos = n, length, np.zeros(n, np.int64)
+        self.step = ff.fragment("env", name="corridor.step")(self._step)
+        self.reset = ff.fragment("env", name="corridor.reset")(self._reset)
+
+    def _reset(self):
+        self.pos[:] = 0
+        return self.pos.astype(np.float32)[:, None]
+
+    def _step(self, action):
+        self.pos += 1
+        done = self.pos >= self.length
+        self.pos[done] = 0
+        return self.pos.astype(np.float32)[:, None], np.ones(self.n), done, np.zeros(self.n, bool), {}
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 5
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs * params["w"]).astype(np.int64)[:, 0]
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"params": {"w": state["params"]["w"] + batch["obs"].mean()}}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = Corridor(4, 3)
+    evaluation = ff.envs.make("CartPole-v1", num_envs=1, seed=7, evaluation=True)
+    state = ff.versioned({"params": {"w": np.zeros(1, np.float32)}})
+    buf = ff.RolloutBuffer(6)
+    obs = env.reset()
+    eval_obs = evaluation.reset()
+    for _ in range(args.updates):
+        for _ in range(6):
+            obs, reward, terminated, truncated, info = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+            eval_obs, *_ = evaluation.step(np.zeros(1, np.int64))
+        state, metrics = learn(state, buf.collect())
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=2)"])
+def test_a_users_own_env_counts_steps_and_episodes_and_evaluation_is_apart(write_algo, policy):
+    path, _ = write_algo(CUSTOM_ENV)
+    program = load(str(path))
+    result = ff.run(program.train, program.args_cls(), policy=policy)
+    s = result.summary
+    assert s["env_steps"] == 5 * 6 * 4                       # the evaluation env's steps are not training steps
+    assert s["episodes"] == 5 * 6 * 4 // 3 and set(result.episode_returns) == {3.0}
+    evals = s["eval_episodes"]
+    assert evals >= 1 and s["eval_return_mean"] > 0
+
+
+def test_replay_buffer_samples_uniformly_and_by_priority():
+    rb = ff.ReplayBuffer(100, seed=0)
+    rb.add(x=np.arange(10, dtype=np.float32)[:, None], r=np.ones(10))
+    batch = rb.sample(64)
+    assert batch["x"].shape == (64, 1) and batch["index"].max() < 10 and (batch["weight"] == 1).all()
+    per = ff.ReplayBuffer(16, seed=0, prioritized=True, alpha=1.0, beta=1.0)
+    per.add(x=np.arange(4, dtype=np.float32))
+    per.update_priorities(np.arange(4), np.array([1.0, 1.0, 1.0, 97.0]))
+    counts = np.bincount(per.sample(1000)["index"], minlength=4)
+    assert counts[3] > 900                                   # ~97% of the mass
+    w = per.sample(8)["weight"]
+    assert w.max() == 1.0 and w.min() > 0
+    wrapped = ff.ReplayBuffer(4, seed=0)
+    wrapped.add(x=np.arange(6, dtype=np.float32))
+    assert sorted(wrapped.sample(200)["x"].tolist())[0] >= 2   # the two oldest were overwritten
