@@ -194,6 +194,18 @@ class VectorEnv:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
 
 
+def ids(num_envs: int) -> np.ndarray:
+    """The global indices of the environments this process steps, out of ``num_envs``: all of them
+    in one process, a slice where a policy splits the environments across actor processes. A
+    user's own environment sizes itself with it (and seeds environment ``i`` with ``seed + i``).
+
+    >>> ids(4)
+    array([0, 1, 2, 3])
+    """
+    interp = context.current()
+    return np.arange(num_envs) if interp is None else interp.env_ids(num_envs)
+
+
 def _env_axis(path: str) -> tuple[str, int]:
     return ("env", 0)
 

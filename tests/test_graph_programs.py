@@ -32,7 +32,7 @@ def test_dqn_reproduces_single_process_wherever_the_replay_buffer_lives(dqn_refe
     result = ff.run(dqn.train, dqn.Args(**SMALL, prioritized=per), policy=policy)
     assert same_tree(result.value["q"].state_dict(), expected.value["q"].state_dict())
     assert result.episode_returns == expected.episode_returns
-    assert result.summary["updates"] == expected.summary["updates"] == (1600 - 400) // 10
+    assert result.summary["updates"] == expected.summary["updates"] == len(range(410, 1600, 10))
     assert result.summary["channels"]["trajectory"]["drops"] == 0
     assert shm_leftovers() == []
 
@@ -41,7 +41,7 @@ def test_dqn_graph_has_replay_effects_target_sync_and_static_args(dqn_reference)
     graph = dqn_reference[False].graph
     effects = {(e.src, e.dst) for e in graph.edges if e.kind.value == "effect"}
     assert ("replay.add", "replay.sample") in effects
-    assert graph.node("sync_target").rate == pytest.approx(10 / 60, abs=0.02)
+    assert 0 < graph.node("sync_target").rate < graph.node("learn").rate == 1
     assert graph.node("learn").static == ("args",)
     sample = next(e for e in graph.edges if e.src == "replay.sample" and e.dst == "learn")
     assert {leaf.axis_name for leaf in sample.leaves} == {"sample"}
@@ -124,7 +124,8 @@ import fragflow as ff
 class Corridor:
     '''A user's own environment: walk right for `length` steps; not a gymnasium env.'''
 
-    def __init__(self, n, length):
+    def __init__(self, num_envs, length):
+        n = len(ff.envs.ids(num_envs))     # the environments this process steps
         self.n, self.length, self.pos = n, length, np.zeros(n, np.int64)
         self.step = ff.fragment("env", name="corridor.step")(self._step)
         self.reset = ff.fragment("env", name="corridor.reset")(self._reset)
