@@ -89,6 +89,12 @@ def run(
 ) -> None:
     """Train: trace the loop, place it with a policy, run it, write metrics.csv, TensorBoard and summary.json."""
     debug = _debug(debug)
+    # A shell starts a background job (``cmd &``) with SIGINT ignored, and Python then installs no
+    # handler of its own: put Ctrl-C (and ``kill -INT``) back, so the run can always be stopped.
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from fragflow import driver
         from fragflow import policy as policies
@@ -132,32 +138,33 @@ def graph(
     algorithm: AlgorithmArg,
     set_: SetOpt = None,
     policy: PolicyOpt = None,
-    image: Annotated[Path | None, typer.Option("--image", "-i", help="image to write, .png or .svg (default <algorithm>-fdg.png)")] = None,
-    no_image: Annotated[bool, typer.Option("--no-image", help="print the text form only")] = False,
+    image: Annotated[Path | None, typer.Option("--image", "-i", help="also draw the graph to this .png or .svg")] = None,
+    no_image: Annotated[bool, typer.Option("--no-image", help="print the text form only (the default; kept for scripts)")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Trace an algorithm and print its fragmented dataflow graph (with --policy: its placement); write an image."""
+    """Trace an algorithm and print its fragmented dataflow graph (with --policy: its placement); --image draws it."""
     debug = _debug(debug)
     try:
         from fragflow import driver
         from fragflow.printer import format_graph, format_placed
 
         program, args = _load(algorithm, set_)
-        target = image or Path(f"{program.name}-fdg.png")
-        if not no_image and target.suffix.lower() not in (".png", ".svg"):
+        target = image
+        no_image = no_image or image is None
+        if target is not None and target.suffix.lower() not in (".png", ".svg"):
             from fragflow.errors import ConfigError
 
             raise ConfigError(f"cannot write an image to {target}", fix="give a path ending in .png or .svg")
         placed = driver.compile(program.train, args, policy=policy).placed
         text = format_placed(placed) if policy else format_graph(placed.graph)
-        if not no_image:
+        if target is not None and not no_image:
             from fragflow.draw import draw
 
             draw(placed.graph, target)
     except Exception as exc:
         raise _fail(exc, debug) from None
     sys.stdout.write(text)
-    if not no_image:
+    if target is not None and not no_image:
         err.print(f"image: {target}", highlight=False)
 
 

@@ -29,6 +29,7 @@ from fragflow.errors import (
     NoFragmentError,
     NotArrayPytreeError,
     ShapeChangedError,
+    TraceError,
     VersionedStateError,
 )
 from fragflow.events import EventSources, default_axes
@@ -141,6 +142,8 @@ class Tracer:
         if rec.called_at is None:
             rec.called_at = where
         self._expected.discard(id(frag))
+        if frag.role == "logger":
+            self._check_scalars(args[0] if args else kwargs, where)
         window = 1 if self.updates >= 1 else 0
         rec.calls[window] += 1
         try:
@@ -203,6 +206,19 @@ class Tracer:
                 if self.updates >= self.max_updates and (not self._expected or self.updates >= MAX_TRACE_UPDATES):
                     raise _StopTracing
         return out
+
+    def _check_scalars(self, tree: Any, where: SourceLoc | None) -> None:
+        try:
+            leaves = leaf_paths(tree)
+        except NotAnArray as bad:
+            raise NotArrayPytreeError(f"ff.log got {bad.path or 'a value'} of type {type(bad.value).__qualname__}",
+                                      where=where, fix="log numbers or 0-d arrays, e.g. ff.log({'loss': loss})") from None
+        for path, leaf in leaves:
+            spec = spec_of(leaf)
+            if spec.shape and int(np.prod(spec.shape)) != 1:
+                raise TraceError(f"ff.log got {path or 'its value'} with shape {spec.shape}, not a scalar",
+                                 where=where, fix="log scalars: reduce it first (x.mean(), x.max()) or log its "
+                                                  "elements under names of their own")
 
     # -- recording ------------------------------------------------------------------------
     def _node(self, frag: Fragment) -> _NodeRec:

@@ -162,6 +162,7 @@ class LoopInterpreter:
             new = Versioned(written.name, written.version + 1, new_value, written.created_at)
             self._states[new.name] = new
             if name == self.checks.get("clock"):
+                self.update += 1
                 self.reporter.update()
             return (new, *out[1:]) if isinstance(out, tuple) else new
         if frag.role == "learner" and name == self.checks.get("clock"):

@@ -1,0 +1,189 @@
+"""What every policy checks the same way once the trace is done, and the run's environment:
+thread counts, traced specs, non-finite learners, misuse of versioned state, policy options."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fragflow as ff
+from fragflow.errors import ConfigError, NonFiniteError, SpecChangedError, TraceError, VersionedStateError
+from fragflow.program import load
+from tests.conftest import ROOT, relpath
+from tests.test_multiprocess import alive, children_of, shm_leftovers
+
+PROGRAM = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+    bad_at: int = -1          # the update whose learner misbehaves
+    how: str = "nan"          # nan | dtype
+    threads: bool = False
+
+@ff.fragment("actor")
+def act(params, obs, threads):
+    if threads:
+        assert torch.get_num_threads() == int(params["t"][0]), torch.get_num_threads()
+    return np.zeros(obs.shape[0], dtype=np.int64)
+
+@ff.fragment("learner")
+def learn(state, batch, bad_at, how):
+    w = state["params"]["w"] + batch["obs"].mean()
+    if state["n"][0] == bad_at:
+        if how == "nan":
+            w = w * np.nan
+        else:
+            w = w.astype(np.float64)  # @dtype
+    return {"params": {"w": w, "t": state["params"]["t"]}, "n": state["n"] + 1}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    expected = float(torch.get_num_threads()) if args.threads else 0.0
+    state = ff.versioned({"params": {"w": np.zeros(4, np.float32), "t": np.full(1, expected)}, "n": np.zeros(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["params"], obs, args.threads))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect(), args.bad_at, args.how)  # @learn
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.fixture
+def program(write_algo):
+    path, marks = write_algo(PROGRAM)
+    return load(str(path)), path, marks
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+def test_a_nan_learner_stops_the_run_naming_fragment_and_update(program, policy):
+    prog, path, marks = program
+    with pytest.raises(NonFiniteError, match=r"learner 'learn' produced a non-finite value .* in update 3"):
+        ff.run(prog.train, prog.args_cls(bad_at=2, how="nan"), policy=policy)
+    assert shm_leftovers() == []
+
+
+def test_nan_check_can_be_switched_off(program, monkeypatch):
+    prog, _, _ = program
+    monkeypatch.setenv("FRAGFLOW_ALLOW_NONFINITE", "1")
+    result = ff.run(prog.train, prog.args_cls(bad_at=2, how="nan"), policy="single_process")
+    assert result.summary["status"] == "completed"
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+def test_a_state_dtype_change_after_tracing_is_refused_the_same_way_everywhere(program, policy):
+    prog, path, marks = program
+    with pytest.raises(SpecChangedError, match=r"learner 'learn' returned state 'state' with \['params'\]\['w'\] as "
+                                               r"f64\[4\] numpy, traced as f32\[4\] numpy"):
+        ff.run(prog.train, prog.args_cls(bad_at=3, how="dtype"), policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+def test_every_process_runs_torch_with_the_placements_thread_count(program, policy, monkeypatch):
+    import torch
+
+    prog, _, _ = program
+    before = torch.get_num_threads()
+    monkeypatch.setenv("FRAGFLOW_THREADS", "1")
+    torch.set_num_threads(2)
+    try:
+        # the loop records the count it runs with; act asserts the same count wherever it runs
+        ff.run(prog.train, prog.args_cls(threads=True), policy=policy)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("line, what", [
+    ('if state["n"] == 1:', "compared with =="),
+    ('if int(state["n"]) > 0:', "converted to an int"),
+    ('x = np.asarray(state["n"])', "converted to an array"),
+    ('x = state["n"] + 1', "used in arithmetic"),
+])
+def test_versioned_state_read_in_the_loop_is_refused_at_the_users_line(write_algo, line, what):
+    path, marks = write_algo(f"""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner")
+def learn(state):
+    return state
+
+def train():
+    state = ff.versioned({{"n": np.zeros(1)}})
+    {line}  # @misuse
+        pass
+    learn(state)
+""".replace("        pass\n", "        pass\n" if line.startswith("if") else ""))
+    prog = load(str(path))
+    with pytest.raises(VersionedStateError, match=rf"was {what} in the training loop\n  at {relpath(path)}:{marks['misuse']}"):
+        ff.trace(prog.train)
+
+
+def test_logging_a_non_scalar_is_refused_at_trace_time(write_algo):
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner")
+def learn(state):
+    return state, {"loss": np.ones(3)}
+
+def train():
+    state = ff.versioned({"n": np.zeros(1)})
+    state, metrics = learn(state)
+    ff.log(metrics)  # @log
+""")
+    prog = load(str(path))
+    with pytest.raises(TraceError, match=rf"ff.log got \['loss'\] with shape \(3,\), not a scalar\n  at {relpath(path)}:{marks['log']}"):
+        ff.trace(prog.train)
+
+
+@pytest.mark.parametrize("policy, message", [
+    ("actor_learner(overflow=bogus)", "expected one of drop, deliver, block, got 'bogus'"),
+    ("pipelined(max_lag=-1)", "got max_lag=-1; a staleness bound is a number of versions"),
+    ("pipelined(actors=0)", "needs actors >= 1, got 0"),
+])
+def test_bad_policy_options_are_configuration_errors(program, policy, message):
+    prog, _, _ = program
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ff.run(prog.train, prog.args_cls(), policy=policy)
+
+
+def test_workers_exit_when_the_driver_is_killed(tmp_path):
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("fragflow")
+    proc = subprocess.Popen([str(exe), "run", "ppo", "--policy", "pipelined(actors=2)", "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        assert len(workers) >= 3
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while [p for p in workers if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in workers if alive(p)] == []
+        deadline = time.monotonic() + 10
+        while shm_leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shm_leftovers() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
