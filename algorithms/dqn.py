@@ -121,7 +121,8 @@ def sync_target(target, state, tau):
 def train(args: Args):
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
     torch.manual_seed(args.seed)
-    q = QNetwork(int(np.prod(env.single_observation_space.shape)), int(env.single_action_space.n))
+    obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
+    q = QNetwork(obs_dim, int(env.single_action_space.n))  # type: ignore[attr-defined]
     state = ff.versioned({"q": q, "optimizer": torch.optim.Adam(q.parameters(), lr=args.learning_rate)})
     target = ff.versioned({"q": copy.deepcopy(q)}, name="target")
     rb = ff.ReplayBuffer(args.buffer_size, seed=args.seed, prioritized=args.prioritized)

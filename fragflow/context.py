@@ -33,6 +33,10 @@ class Interpreter(Protocol):
         """Global indices of the environments this process steps (a slice under replication)."""
         ...
 
+    def replica(self) -> tuple[int, int]:
+        """(index, count) of this process among the replicas of its group: (0, 1) in one process."""
+        ...
+
     def instance_name(self, prefix: str) -> str:
         """A deterministic unique name for a built-in fragment instance ('env', 'env_1', ...)."""
         ...

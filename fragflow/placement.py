@@ -123,7 +123,7 @@ def edge_label(src: str, dst: str, dst_port: str) -> str:
 
 def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
                         max_lag: int, overflow: Overflow, trajectory: str, parameters: str,
-                        buffers_with_learner: bool = False) -> PlacedGraph:
+                        buffers_with_learner: bool = False, inference_with_learner: bool = False) -> PlacedGraph:
     """The placement shared by the single-learner policies: the acting side (envs, actors,
     buffers and the loop itself) replicated ``actors`` times; every learner fragment, and the sinks
     they feed, in one service process; a trajectory channel for the calls the acting side makes
@@ -132,6 +132,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     ``buffers_with_learner`` also moves every buffer whose output feeds a learner (a replay
     buffer's add, sample and priority updates) into the learner group: the acting side then sends
     transitions, and the learner adds, samples and learns (the Ape-X shape).
+    ``inference_with_learner`` moves the actor fragments there too: the acting side keeps only
+    the environments and the loop, and each inference call becomes a request the learner's
+    process answers for all actors at once, with its newest parameters (the SEED RL shape).
 
     ``trajectory`` is the consumer's discipline: ``ordered`` (one piece per actor per call, in
     actor order) or ``arrival`` (first come, first served). ``parameters`` is ``exact`` (an actor
@@ -161,6 +164,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                              fix="mark the update function @ff.fragment('learner') and give it the state from "
                                  "ff.versioned(...), or run with --policy single_process")
     service = {n.name for n in learners}
+    if inference_with_learner:
+        service |= {n.name for n in graph.fragments("actor")}
     if buffers_with_learner:
         feeding = {graph.node(e.src).instance for e in graph.edges_of(EdgeKind.DATA)
                    if e.dst in service and graph.node(e.src).role == "buffer"}
@@ -171,6 +176,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         dst = graph.node(e.dst)
         if e.src in service and e.dst not in service:
             src = graph.node(e.src)
+            if src.role == "actor" and inference_with_learner:
+                continue   # an inference request: the acting side waits for its reply
             if src.role == "learner":
                 raise LearnerOutputOnActingSideError(
                     f"output {e.leaves[0].src_path if e.leaves else e.src_port} of learner '{e.src}' is used as plain "
@@ -197,6 +204,10 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     if read_edges:
         channels.append(Channel("parameters", "parameter", "learner", "actors", read_edges, max_lag, Overflow.DELIVER,
                                 max_lag + 3, parameters))
+    replies = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
+                    if e.src in service and e.dst not in service)
+    if replies:
+        channels.append(Channel("replies", "reply", "learner", "actors", replies, 0, Overflow.BLOCK, 1, "request"))
     groups = (Group("actors", acting, replicas=actors, program="loop"),
               Group("learner", ordered_service, program="service"))
     return PlacedGraph(graph, policy, options, groups, tuple(channels))

@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from fragflow import context
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -42,10 +44,19 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z
 
 
+def _per_env(arr: np.ndarray) -> np.ndarray:
+    """Tell a tracer that ``arr`` has the environments on axis 0 (keys are per environment), so a
+    policy that splits the environments across processes splits keys that cross with them."""
+    hint = getattr(context.current(), "hint_axis", None)
+    if hint is not None:
+        hint(arr, ("env", 0))
+    return arr
+
+
 def keys(seed: int, ids: np.ndarray) -> np.ndarray:
     """One key per environment id, derived from the run's seed."""
     base = _mix(np.full(1, seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64))
-    return _mix(base ^ _mix(np.asarray(ids, dtype=np.uint64)))
+    return _per_env(_mix(base ^ _mix(np.asarray(ids, dtype=np.uint64))))
 
 
 _SPLIT = np.array([[_SPLIT_A], [_SPLIT_B]], dtype=np.uint64)
@@ -54,7 +65,7 @@ _SPLIT = np.array([[_SPLIT_A], [_SPLIT_B]], dtype=np.uint64)
 def split(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent key arrays from one: ``key, sub = split(key)``."""
     both = _mix(key.reshape(1, -1) ^ _SPLIT)
-    return both[0].reshape(key.shape), both[1].reshape(key.shape)
+    return _per_env(both[0].reshape(key.shape)), _per_env(both[1].reshape(key.shape))
 
 
 @functools.lru_cache(maxsize=64)

@@ -121,6 +121,11 @@ class Tracer:
     def replica(self) -> tuple[int, int]:
         return 0, 1
 
+    def hint_axis(self, leaf: Any, axis: tuple[str, int]) -> None:
+        """A value made in the loop whose batch axis is known (per-environment random keys)."""
+        if getattr(leaf, "ndim", 0) >= 1:
+            self._axis_hint[id(leaf)] = (axis, _strong(leaf))
+
     def adopt(self, resource: Any) -> None:
         self._resources.append(resource)
 

@@ -196,3 +196,18 @@ def test_replay_buffer_samples_uniformly_and_by_priority():
     wrapped = ff.ReplayBuffer(4, seed=0)
     wrapped.add(x=np.arange(6, dtype=np.float32))
     assert sorted(wrapped.sample(200)["x"].tolist())[0] >= 2   # the two oldest were overwritten
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_central_inference_reproduces_single_process_with_batched_acting(workers):
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=2048, num_envs=4, num_steps=64, seed=3)   # fast (batch-dependent) acting
+    expected = ff.run(ppo.train, args, policy="single_process")
+    compiled = compile(ppo.train, args, policy=f"central_inference(env_workers={workers})")
+    assert compiled.lowered.loop.remote["act"].sync and not compiled.lowered.loop.reads   # no broadcast at all
+    result = ff.run(ppo.train, args, policy=f"central_inference(env_workers={workers})", compiled=compiled)
+    assert same_tree(result.value, expected.value)
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+    assert result.summary["updates"] == 8 and result.summary["env_steps"] == 2048
+    assert shm_leftovers() == []

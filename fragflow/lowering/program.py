@@ -75,6 +75,8 @@ class Remote:
     writes: str | None
     arity: int
     primary: bool                     # its calls are the service's updates (the version clock)
+    sync: bool = False                # the loop uses its outputs: it waits for the reply
+    outputs: tuple[tuple[Any, ...], ...] = ()   # keys of each output leaf (sync calls), to rebuild them
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class ServiceProgram:
     overflow: Any
     max_lag: int
     states: tuple[str, ...]
+    replies: tuple[Ring, ...] = ()    # per sync fragment per replica: its outputs, split back
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,10 @@ class Lowered:
     @property
     def rings(self) -> tuple[Ring, ...]:
         return tuple(r for s in self.services for r in s.rings)
+
+    @property
+    def replies(self) -> tuple[Ring, ...]:
+        return tuple(r for s in self.services for r in s.replies)
 
     @property
     def broadcasts(self) -> tuple[Broadcast, ...]:
@@ -150,10 +157,11 @@ def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: P
         return leaf.spec
     shape = list(leaf.spec.shape)
     total = shape[leaf.axis]
-    if total % replicas:
-        options = dict(placed.options)
+    options = dict(placed.options)
+    asked = int(options.get("envs_per_actor", 0) or options.get("envs_per_worker", 0) or 0)
+    if total % replicas or (leaf.axis_name == "env" and asked and asked * replicas != total):
         if leaf.axis_name == "env":
-            per = int(options.get("envs_per_actor", 0) or 0) or total // replicas
+            per = asked or total // replicas
             raise ConfigError(f"policy '{placed.policy}' puts {per} environments on each of {replicas} actors, "
                               f"but the loop steps {total}",
                               fix=f"choose actors dividing num_envs={total} and envs_per_actor = num_envs / actors "
@@ -224,6 +232,7 @@ def lower(placed: PlacedGraph) -> Lowered:
         clock = _clock(graph, group)
         clock_rate = max(graph.node(clock).rate, 1e-9)
         rings: list[Ring] = []
+        replies: list[Ring] = []
         logs: dict[str, tuple[Logged, ...]] = {}
         for name in group.nodes:
             node = graph.node(name)
@@ -233,7 +242,17 @@ def lower(placed: PlacedGraph) -> Lowered:
             if node.role == "logger":
                 continue   # sinks run after the call that feeds them (see ``logs``)
             writes = next((e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src == name), None)
-            remote[name] = Remote(name, group.name, writes, node.arity, name == clock)
+            sync = any(e.src == name and e.dst in in_loop for e in graph.edges_of(EdgeKind.DATA))
+            keys = tuple(parse_path(path) for path, _ in node.outputs) if sync else ()
+            remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys)
+            if sync:
+                out_axis = {leaf.src_path: leaf for e in graph.edges_of(EdgeKind.DATA) if e.src == name
+                            for leaf in e.leaves}
+                outs = [out_axis.get(path) or LeafSpec(path, path, spec) for path, spec in node.outputs]
+                out_specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in outs)
+                out_axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in outs)
+                for k in range(loop.replicas):
+                    replies.append(Ring(f"{name}.reply[{k}]", name, k, out_specs, out_axes, 1))
             source = {leaf.dst_path: e.src for e in graph.edges_of(EdgeKind.DATA) if e.dst == name for leaf in e.leaves}
             crossing = [leaf for leaf in node.inputs if source.get(leaf.dst_path, LOOP) in in_loop | {LOOP}]
             per_update = max(1, math.ceil(node.rate / clock_rate)) if node.rate else 1
@@ -265,7 +284,7 @@ def lower(placed: PlacedGraph) -> Lowered:
         overflow = disciplines.OVERFLOW[traj.overflow.value]() if traj is not None else disciplines.Deliver()
         services.append(ServiceProgram(group.name, group.threads, loop.replicas, group.nodes, tuple(rings),
                                        tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
-                                       tuple(sorted(held))))
+                                       tuple(sorted(held)), tuple(replies)))
     program = LoopProgram(loop.name, loop.replicas, loop.threads, frozenset(in_loop), remote, reads,
                           {k: tuple(v) for k, v in ship.items()}, choice, max_lag)
     return Lowered(placed, program, tuple(services))

@@ -74,6 +74,8 @@ class LoopInterpreter:
         self._shipped: set[str] = set()
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
+        self._replies = {} if endpoints is None else {r: endpoints.rings[f"{r}.reply[{replica}]"]
+                                                      for r, route in program.remote.items() if route.sync}
         self._defs = {} if endpoints is None else {g: endpoints.definitions(g) for g in
                                                    {r.group for r in program.remote.values()}}
 
@@ -249,6 +251,8 @@ class LoopInterpreter:
             self.update += 1
             self.rollout_version = None
             self.reporter.flush()
+        if route.sync:
+            return self._reply(name, route)
         rest = [Pending(name, i) for i in range(1, route.arity)] if route.writes else \
             [Pending(name, i) for i in range(route.arity)]
         if handle is not None:
@@ -258,6 +262,17 @@ class LoopInterpreter:
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1)
 
+    def _reply(self, name: str, route: Any) -> Any:
+        """Wait for the answer to a request (an inference call served by another group): its
+        outputs, copied out of the reply ring and rebuilt in their traced structure."""
+        ring = self._replies[name]
+        item = ring.get()
+        if item is None:
+            raise ConfigError(f"no reply to '{name}'", fix="the serving process stopped")
+        leaves = [x.clone() if hasattr(x, "clone") else (x.copy() if hasattr(x, "copy") else x) for x in item[1]]
+        ring.release()
+        return from_keys(route.outputs, leaves)
+
     # -- logging -----------------------------------------------------------------------------
     def _log(self, tree: Any) -> None:
         if self.index != 0:
@@ -266,6 +281,32 @@ class LoopInterpreter:
         if scalars:
             self.reporter.log(scalars)
         return None
+
+
+def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:
+    """Rebuild an output from its leaves and their key paths: int keys make tuples, others dicts.
+
+    >>> from_keys(((0,), (1, "a")), [1, 2])
+    (1, {'a': 2})
+    """
+    if len(keys) == 1 and keys[0] == ():
+        return leaves[0]
+    root: dict[Any, Any] = {}
+    for path, leaf in zip(keys, leaves):
+        node = root
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = leaf
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: build(v) for k, v in node.items()}
+        if items and all(isinstance(k, int) for k in items):
+            return tuple(items[i] for i in sorted(items))
+        return items
+
+    return build(root)
 
 
 def _without_pending(tree: Any) -> Any:

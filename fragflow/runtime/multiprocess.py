@@ -171,7 +171,7 @@ class Driver:
     def channel_stats(self) -> dict[str, Any]:
         if self.endpoints is None:
             return {}
-        stats = [r.stats() for r in self.endpoints.rings.values()]
+        stats = [self.endpoints.rings[r.name].stats() for r in self.lowered.rings]
         if not stats:
             return {}
         merged: dict[str, Any] = {

@@ -27,7 +27,7 @@ from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError
 from fragflow.fragment import Fragment
 from fragflow.lowering import ServiceProgram
-from fragflow.pytree import flatten, to_numpy
+from fragflow.pytree import flatten, leaf_paths, to_numpy
 from fragflow.runtime import calls
 from fragflow.runtime.loop import allow_nonfinite
 
@@ -65,6 +65,9 @@ class ServiceRunner:
         for ring in program.rings:
             self.rings[ring.replica][ring.fragment] = endpoints.rings[ring.name]
             self.ring_specs[ring.fragment] = ring
+        self.replies: dict[str, dict[int, tuple[Any, Any]]] = {}
+        for ring in program.replies:
+            self.replies.setdefault(ring.fragment, {})[ring.replica] = (ring, endpoints.rings[ring.name])
         self.next_tag = [0] * program.producers
         self._cursor = 0
         self.finished = [False] * program.producers
@@ -271,6 +274,8 @@ class ServiceRunner:
             elif state in {b.state for b in self.program.publish}:
                 self._publish(state)
         self.outputs[fragment] = out
+        if fragment in self.replies:
+            self._answer(fragment, out, pieces)
         if clock:
             self.admission.set_busy(False)
         for p, lag in zip(pieces, lags):
@@ -281,6 +286,20 @@ class ServiceRunner:
             self.results.put(("update", self.version, logged))
         elif logged:
             self.results.put(("log", logged))
+
+    def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
+        """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
+        leaves = [leaf for _, leaf in leaf_paths(out)]
+        for p in pieces:
+            ring_spec, ring = self.replies[fragment][p.replica]
+            part = []
+            for leaf, axis, spec in zip(leaves, ring_spec.axes, ring_spec.specs):
+                if axis is None:
+                    part.append(leaf)
+                else:
+                    n = spec.shape[axis]
+                    part.append(to_numpy(leaf).take(range(p.replica * n, (p.replica + 1) * n), axis=axis))
+            ring.put(part, self.version)
 
     def _logged(self, fragment: str, out: Any) -> dict[str, float]:
         scalars: dict[str, float] = {}

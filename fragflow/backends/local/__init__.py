@@ -133,6 +133,11 @@ class LocalBackend:
                     wiring.consumers[ring.name] = service.group
                     if ring.fragment == service.clock:
                         wiring.clock_rings.append(ring.name)
+                for ring in service.replies:
+                    h, seg = TrajectoryChannel.create(ctx, ring.name, list(ring.specs), ring.capacity, None)
+                    segments.append(seg)
+                    wiring.rings[ring.name] = h
+                    wiring.consumers[ring.name] = "loop"
                 for b in service.publish:
                     ph, seg = ParamChannel.create(b.state, list(b.specs), b.depth)
                     segments.append(seg)

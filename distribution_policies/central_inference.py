@@ -1,0 +1,52 @@
+"""central_inference: env-only worker processes; inference batched across all of them beside the learner.
+
+MSRL's single-learner fine policy, the shape of SEED RL. Each env worker runs the training loop
+over its slice of the environments, but keeps only the environments and the buffers: every
+inference call becomes a request to the learner's process, which waits for the requests of all
+workers, acts once on the whole batch with the newest parameters (no parameter broadcast at all)
+and sends each worker its part of the answer. Learning calls go the same way, without waiting.
+
+Inference and learning share one process and run in the loop's order, so acting always uses the
+parameters of the sequential run: this policy reproduces single_process bit for bit, for any
+number of workers and with the fast batched arithmetic (one batch, as in one process). It pays
+when inference is expensive (a wide network: one batched call instead of one per worker) and
+costs a round trip per step when it is cheap.
+
+Placement::
+
+    group actors  x N (program=loop):    env.reset, env.step, buffer.add, buffer.collect
+    group learner x 1 (program=service): act (request/reply), learn, log
+    channel trajectory  actors -> learner   inference requests and learning calls, ordered
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fragflow.ir import Graph
+from fragflow.placement import Overflow, PlacedGraph, acting_and_learning
+from fragflow.policy import PolicySpec
+
+
+@dataclass(frozen=True)
+class Options:
+    env_workers: int = 2
+    """env worker processes"""
+    envs_per_worker: int = 0
+    """environments per worker (0: num_envs / env_workers)"""
+
+
+def place(graph: Graph, options: Options) -> PlacedGraph:
+    return acting_and_learning(
+        graph, policy="central_inference", options=tuple(asdict(options).items()),
+        actors=options.env_workers, max_lag=0, overflow=Overflow.BLOCK, trajectory="ordered", parameters="exact",
+        inference_with_learner=True)
+
+
+POLICY = PolicySpec(
+    name="central_inference",
+    mirrors="MSRL single-learner fine; SEED RL",
+    summary="env-only workers; inference batched across all workers beside the learner, with the newest parameters",
+    options=Options,
+    place=place,
+)
