@@ -16,7 +16,7 @@ Runs three ways, unchanged::
 
 Episode boundaries follow CleanRL: a step whose episode ended (terminated or truncated) cuts the
 GAE recursion (``done``); the environments autoreset in gymnasium's same-step mode (see
-``fragflow.envs``), so no stored transition ever pairs an action with an observation it did not
+``fragflow.api.envs``), so no stored transition ever pairs an action with an observation it did not
 produce.
 """
 

@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_rows, row, save, stats  # noqa: E402
 
-from fragflow.pytree import TensorSpec  # noqa: E402
 from fragflow.backends.local.channels import ChannelClosed, TrajectoryChannel  # noqa: E402
+from fragflow.compiler.pytree import TensorSpec  # noqa: E402
 
 SIZES = {"64KB": 64 << 10, "1MB": 1 << 20, "4MB": 4 << 20, "16MB": 16 << 20}
 VOLUME = 2 << 30

@@ -27,7 +27,7 @@ from common import save  # noqa: E402
 
 import fragflow as ff  # noqa: E402
 from fragflow.algorithms import ppo  # noqa: E402
-from fragflow.policy import default_policy  # noqa: E402
+from fragflow.placement.registry import default_policy  # noqa: E402
 
 BASE = dict(num_minibatches=1, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_vloss=False, total_timesteps=120_000)
 GRID = {"num_envs": [8, 16], "num_steps": [16, 32], "update_epochs": [4, 10], "learning_rate": [1e-3, 3e-3]}

@@ -1,1 +1,1 @@
-"""Distribution policies, one module each. Every module defines ``POLICY`` (see ``fragflow.policy``)."""
+"""Distribution policies, one module each. Every module defines ``POLICY`` (see ``fragflow.placement.registry``)."""

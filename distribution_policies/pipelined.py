@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fragflow.ir import Graph
-from fragflow.placement import Overflow, PlacedGraph, acting_and_learning
-from fragflow.policy import PolicySpec
+from fragflow.compiler.ir import Graph
+from fragflow.placement import Overflow, PlacedGraph, PolicySpec, acting_and_learning
 
 
 @dataclass(frozen=True)

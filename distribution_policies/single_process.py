@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fragflow.ir import Graph
-from fragflow.placement import Group, PlacedGraph
-from fragflow.policy import PolicySpec
+from fragflow.compiler.ir import Graph
+from fragflow.placement import Group, PlacedGraph, PolicySpec
 
 
 @dataclass(frozen=True)

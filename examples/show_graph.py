@@ -5,8 +5,8 @@
 
 import fragflow as ff
 from fragflow.algorithms import ppo
-from fragflow.draw import draw
-from fragflow.printer import format_graph
+from fragflow.compiler.draw import draw
+from fragflow.compiler.printer import format_graph
 
 if __name__ == "__main__":
     graph = ff.trace(ppo.train, ppo.Args(num_envs=8))

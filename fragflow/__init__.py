@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fragflow import envs, random
-from fragflow.buffer import RolloutBuffer
-from fragflow.fragment import fragment
-from fragflow.log import log
-from fragflow.policy import distribute
-from fragflow.replay import ReplayBuffer
-from fragflow.versioned import versioned
+from fragflow.api import envs, random
+from fragflow.api.buffer import RolloutBuffer
+from fragflow.api.fragment import fragment
+from fragflow.api.log import log
+from fragflow.api.replay import ReplayBuffer
+from fragflow.api.versioned import versioned
+from fragflow.placement.registry import distribute
 
 if TYPE_CHECKING:
+    from fragflow.compiler.ir import Graph
     from fragflow.driver import RunResult
-    from fragflow.ir import Graph
 
 
 def delivered() -> list[tuple[int, int]]:
@@ -44,14 +44,14 @@ def delivered() -> list[tuple[int, int]]:
 
 def policies() -> dict[str, str]:
     """Registered distribution policies and the system each mirrors."""
-    from fragflow.policy import available
+    from fragflow.placement.registry import available
 
     return {name: spec.mirrors for name, spec in available().items()}
 
 
 def trace(train: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
-    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.tracer.trace`)."""
-    from fragflow.tracer import trace as _trace
+    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.compiler.tracer.trace`)."""
+    from fragflow.compiler.tracer import trace as _trace
 
     return _trace(train, *args, **kwargs)
 

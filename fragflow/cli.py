@@ -97,7 +97,7 @@ def run(
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from fragflow import driver
-        from fragflow import policy as policies
+        from fragflow.placement import registry as policies
 
         program, args = _load(algorithm, set_)
         spec, _ = policies.resolve(policy, program.train)
@@ -146,7 +146,7 @@ def graph(
     debug = _debug(debug)
     try:
         from fragflow import driver
-        from fragflow.printer import format_graph, format_placed
+        from fragflow.compiler.printer import format_graph, format_placed
 
         program, args = _load(algorithm, set_)
         target = image
@@ -158,7 +158,7 @@ def graph(
         placed = driver.compile(program.train, args, policy=policy).placed
         text = format_placed(placed) if policy else format_graph(placed.graph)
         if target is not None and not no_image:
-            from fragflow.draw import draw
+            from fragflow.compiler.draw import draw
 
             draw(placed.graph, target)
     except Exception as exc:
@@ -171,7 +171,7 @@ def graph(
 @app.command("policies")
 def list_policies() -> None:
     """List the distribution policies, with the system each mirrors."""
-    from fragflow.policy import available, default_policy
+    from fragflow.placement.registry import available, default_policy
 
     policies = available()
     default = default_policy()

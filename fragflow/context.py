@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from fragflow.fragment import Fragment
+    from fragflow.api.fragment import Fragment
     from fragflow.source import SourceLoc
 
 

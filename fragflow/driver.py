@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from fragflow import __version__
-from fragflow import policy as policies
-from fragflow.fragment import Fragment
-from fragflow.ir import Graph
+from fragflow.api.fragment import Fragment
+from fragflow.compiler.ir import Graph
+from fragflow.compiler.printer import format_placed
+from fragflow.compiler.tracer import trace_program
 from fragflow.lowering import Lowered, lower
-from fragflow.placement import PlacedGraph
-from fragflow.printer import format_placed
+from fragflow.placement import registry as policies
+from fragflow.placement.placed import PlacedGraph
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime import serial
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.tracer import trace_program
 
 
 class Terminated(KeyboardInterrupt):
@@ -101,7 +101,9 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
         module = sys.modules.get(getattr(train, "__module__", ""), None)
         if module is not None and module.__name__.startswith("fragflow_user_"):
             cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
-        program = cloudpickle.dumps((lowered, checks, train, args))
+        from fragflow.api.envs import registered_by_user
+
+        program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
     return Compiled(placed, fragments, lowered, checks, program)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fragflow.backends.local.channels import ChannelClosed, ParamChannel, TrajectoryChannel
-from fragflow.pytree import TensorSpec
+from fragflow.compiler.pytree import TensorSpec
 
 CTX = mp.get_context("spawn")
 SPECS = [TensorSpec((3, 4), "float32", "numpy"), TensorSpec((2,), "int64", "torch"), TensorSpec((), "float", "python")]

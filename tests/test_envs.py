@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import fragflow as ff
-from fragflow.envs import VectorEnv
+from fragflow.api.envs import VectorEnv
 from fragflow.errors import UnknownEnvError
 
 

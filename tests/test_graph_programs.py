@@ -49,11 +49,12 @@ def test_dqn_graph_has_replay_effects_target_sync_and_static_args(dqn_reference)
 
 def test_dqn_with_a_buffer_on_each_of_two_actors_merges_their_samples():
     args = dqn.Args(**{**SMALL, "num_envs": 2})
-    compiled = compile(dqn.train, args, policy="actor_learner(actors=2)")
+    policy = "actor_learner(actors=2, overflow=deliver)"   # learning calls beyond max_lag are consumed, not dropped
+    compiled = compile(dqn.train, args, policy=policy)
     ring = next(r for r in compiled.lowered.rings if r.fragment == "learn" and r.replica == 1)
     assert [s.shape[0] for s in ring.specs] == [16] * len(ring.specs)   # half of batch_size=32 from each buffer
-    result = ff.run(dqn.train, args, policy="actor_learner(actors=2)", compiled=compiled)
-    assert result.summary["env_steps"] == 1600
+    result = ff.run(dqn.train, args, policy=policy, compiled=compiled)
+    assert result.summary["env_steps"] == 1600 and result.summary["channels"]["trajectory"]["drops"] == 0
     assert result.summary["updates"] == len(range(0, 800, 10)) - len(range(0, 201, 10))
     assert shm_leftovers() == []
 
@@ -211,3 +212,58 @@ def test_central_inference_reproduces_single_process_with_batched_acting(workers
     assert sorted(result.episode_returns) == sorted(expected.episode_returns)
     assert result.summary["updates"] == 8 and result.summary["env_steps"] == 2048
     assert shm_leftovers() == []
+
+
+REGISTERS_ENV = """
+from dataclasses import dataclass
+import gymnasium as gym
+import numpy as np
+import fragflow as ff
+
+class Walk(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(2, self.t / 10, np.float32), 1.0, self.t >= 5, False, {}
+
+gym.register("WalkForTests-v0", entry_point=Walk)
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs @ params["w"] > 0).astype(np.int64)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"params": {"w": state["params"]["w"] + batch["obs"].mean()}}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("WalkForTests-v0", num_envs=2, seed=0)
+    state = ff.versioned({"params": {"w": np.ones(2, np.float32)}})
+    buf = ff.RolloutBuffer(5)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(5):
+            obs, *_ = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_an_env_registered_in_the_algorithm_file_reaches_spawned_workers(write_algo, monkeypatch):
+    path, _ = write_algo(REGISTERS_ENV)
+    program = load(str(path))
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "spawn")
+    result = ff.run(program.train, program.args_cls(), policy="pipelined(actors=2)")
+    assert result.summary["env_steps"] == 30 and result.summary["episodes"] == 6

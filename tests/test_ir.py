@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 import fragflow as ff
+from fragflow.compiler.ir import Edge, EdgeKind, LeafSpec, Node, NodeKind
+from fragflow.compiler.pytree import TensorSpec
 from fragflow.errors import GraphError
-from fragflow.ir import Edge, EdgeKind, LeafSpec, Node, NodeKind
-from fragflow.placement import Channel, Group, PlacedGraph
-from fragflow.pytree import TensorSpec
+from fragflow.placement.placed import Channel, Group, PlacedGraph
 from tests.fakes import tiny
 
 

@@ -14,9 +14,9 @@ import pytest
 
 import fragflow as ff
 from fragflow.algorithms import ppo
+from fragflow.compiler.pytree import leaf_paths, to_numpy
 from fragflow.errors import ConfigError
 from fragflow.program import load
-from fragflow.pytree import leaf_paths, to_numpy
 from fragflow.runtime.multiprocess import WorkerDied, WorkerFailed
 from tests.conftest import ROOT
 

@@ -5,8 +5,8 @@ import os
 import pytest
 
 import fragflow as ff
-from fragflow import policy
 from fragflow.errors import ConfigError, UnknownPolicyError
+from fragflow.placement import registry as policy
 from tests.fakes import tiny
 
 

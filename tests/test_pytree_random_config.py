@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fragflow import random as ffr
+from fragflow.compiler.pytree import NotAnArray, flatten, leaf_paths, spec_of, unflatten
 from fragflow.config import apply_overrides
 from fragflow.errors import ConfigError
-from fragflow.pytree import NotAnArray, flatten, leaf_paths, spec_of, unflatten
 
 Pair = collections.namedtuple("Pair", "a b")
 

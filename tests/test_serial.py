@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import fragflow as ff
-import fragflow.envs
+import fragflow.api.envs
 from fragflow.algorithms import ppo
-from fragflow.pytree import leaf_paths, to_numpy
+from fragflow.compiler.pytree import leaf_paths, to_numpy
 
 ARGS = ppo.Args(total_timesteps=3072, num_envs=4, num_steps=64, seed=3)
 
@@ -22,17 +22,17 @@ def assert_same_tree(a, b):
 def eager(args):
     """Call the training loop directly, without fragflow's runtime; capture its environment."""
     made = []
-    real = fragflow.envs.make
+    real = fragflow.api.envs.make
 
     def spy(*a, **k):
         made.append(real(*a, **k))
         return made[-1]
 
-    fragflow.envs.make = spy
+    fragflow.api.envs.make = spy
     try:
         state = ppo.train(args)
     finally:
-        fragflow.envs.make = real
+        fragflow.api.envs.make = real
     return state, made[0].finished_episodes
 
 

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 import fragflow as ff
+from fragflow.compiler.ir import EdgeKind, NodeKind
+from fragflow.compiler.printer import format_graph
 from fragflow.driver import compile
 from fragflow.errors import (
     LearnerOutputOnActingSideError,
@@ -13,8 +15,6 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
-from fragflow.ir import EdgeKind, NodeKind
-from fragflow.printer import format_graph
 from fragflow.program import load
 from tests.conftest import ROOT, relpath
 from tests.fakes import tiny

@@ -30,12 +30,12 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fragflow.compiler.ir import EdgeKind, Graph, LeafSpec
+from fragflow.compiler.pytree import TensorSpec
+from fragflow.compiler.tracer import LOOP
 from fragflow.errors import ConfigError, PlacementError
-from fragflow.ir import EdgeKind, Graph, LeafSpec
 from fragflow.lowering import disciplines
-from fragflow.placement import Channel, Group, PlacedGraph
-from fragflow.pytree import TensorSpec
-from fragflow.tracer import LOOP
+from fragflow.placement.placed import Channel, Group, PlacedGraph
 
 
 def parse_path(text: str) -> tuple[Any, ...]:

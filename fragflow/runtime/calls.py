@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from fragflow.api.versioned import Pending, Versioned, VersionedView
+from fragflow.compiler.pytree import TensorSpec, backend_of, is_static, leaf_paths, spec_of, to_numpy
 from fragflow.errors import NonFiniteError, NotArrayPytreeError, SpecChangedError
-from fragflow.pytree import TensorSpec, backend_of, is_static, leaf_paths, spec_of, to_numpy
 from fragflow.source import SourceLoc
-from fragflow.versioned import Pending, Versioned, VersionedView
 
 Skeleton = tuple[Any, ...]
 

@@ -21,16 +21,16 @@ from typing import Any, Protocol
 import cloudpickle
 import numpy as np
 
+from fragflow.api.events import EventSources
+from fragflow.api.fragment import Fragment
+from fragflow.api.versioned import Pending, Versioned, VersionedView
+from fragflow.compiler.pytree import unflatten_into
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
-from fragflow.events import EventSources
-from fragflow.fragment import Fragment
 from fragflow.lowering import LoopProgram
-from fragflow.pytree import unflatten_into
 from fragflow.runtime import calls
 from fragflow.runtime.monitor import flat_scalars
 from fragflow.source import SourceLoc, user_callsite
-from fragflow.versioned import Pending, Versioned, VersionedView
 
 REPORT_EVERY = 0.2   # seconds between progress reports to the driver
 
@@ -321,7 +321,7 @@ def _without_pending(tree: Any) -> Any:
 
 def state_checks(graph: Any) -> dict[str, Any]:
     """What every executor checks after a learner call: the traced state specs and the clock."""
-    from fragflow.ir import EdgeKind
+    from fragflow.compiler.ir import EdgeKind
 
     state = {(e.src, e.dst): {leaf.src_path: leaf.spec for leaf in e.leaves}
              for e in graph.edges_of(EdgeKind.STATE_WRITE)}

@@ -9,8 +9,8 @@ import time
 from collections import deque
 from typing import Any
 
+from fragflow.compiler.pytree import leaf_paths, to_numpy
 from fragflow.progress import ProgressDisplay
-from fragflow.pytree import leaf_paths, to_numpy
 from fragflow.runtime.outputs import RunOutputs
 
 RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes reaches the target

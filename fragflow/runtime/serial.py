@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fragflow import context
+from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
-from fragflow.versioned import Pending, Versioned, VersionedView
 
 
 class MonitorReporter:

@@ -23,11 +23,11 @@ import cloudpickle
 import numpy as np
 
 from fragflow import context
+from fragflow.api.fragment import Fragment
+from fragflow.compiler.pytree import flatten, leaf_paths, to_numpy
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError
-from fragflow.fragment import Fragment
 from fragflow.lowering import ServiceProgram
-from fragflow.pytree import flatten, leaf_paths, to_numpy
 from fragflow.runtime import calls
 from fragflow.runtime.loop import allow_nonfinite
 

@@ -106,7 +106,10 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any) -> None:
 
     from fragflow.backends import Stopped
 
-    lowered, checks, train, args = cloudpickle.loads(blob)
+    lowered, checks, train, args, user_envs = cloudpickle.loads(blob)
+    from fragflow.api.envs import register
+
+    register(user_envs)
     endpoints = None
     worker: Any = None
     results = wiring.results

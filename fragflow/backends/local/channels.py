@@ -28,7 +28,7 @@ import numpy as np
 
 from fragflow.backends import Stopped
 from fragflow.backends.local.shm import Layout, Segment
-from fragflow.pytree import TensorSpec
+from fragflow.compiler.pytree import TensorSpec
 
 LAG_BINS = 16   # lag histogram: 0, 1, ..., 14, and 15 or more
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.pytree import TensorSpec, to_numpy
+from fragflow.compiler.pytree import TensorSpec, to_numpy
 
 PREFIX = "fragflow_"
 ALIGN = 64

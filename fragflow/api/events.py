@@ -1,5 +1,5 @@
 """What env fragments emit and what batch axes fragment outputs carry, for fragments that do not
-declare them (see :mod:`fragflow.fragment`).
+declare them (see :mod:`fragflow.api.fragment`).
 
 A user's own env fragment with gymnasium's step signature, ``(obs, reward, terminated, truncated,
 info)``, is counted like a built-in one: one env step per reward entry, an episode ending wherever
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.pytree import backend_of, to_numpy
+from fragflow.compiler.pytree import backend_of, to_numpy
 
 Events = Callable[[Any], tuple[int, list[tuple[float, int]]]]
 Axes = Callable[[str], "tuple[str, int] | None"]
@@ -79,7 +79,7 @@ def default_axes(role: str, out: Any) -> Axes | None:
     n = reward.shape[0] if getattr(reward, "ndim", 0) >= 1 else None
     if n is None:
         return None
-    from fragflow.pytree import leaf_paths
+    from fragflow.compiler.pytree import leaf_paths
 
     batched = {f"[{i}]{p}" for i, item in enumerate(out) for p, x in leaf_paths_safe(item, leaf_paths)
                if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}

@@ -23,6 +23,11 @@ from typing import Any
 import numpy as np
 
 from fragflow import context
+from fragflow.api.events import EventSources, default_axes
+from fragflow.api.fragment import Fragment
+from fragflow.api.versioned import Versioned, VersionedView
+from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
+from fragflow.compiler.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
 from fragflow.context import InstanceNames
 from fragflow.errors import (
     FragflowError,
@@ -32,12 +37,7 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
-from fragflow.events import EventSources, default_axes
-from fragflow.fragment import Fragment
-from fragflow.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
-from fragflow.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
 from fragflow.source import SourceLoc, definition_of, user_callsite
-from fragflow.versioned import Versioned, VersionedView
 
 LOOP = "loop"
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
@@ -421,7 +421,7 @@ def _describe(specs: list[tuple[str, TensorSpec]]) -> str:
 
 
 def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs: Any) -> Graph:
-    """Trace ``train(*args, **kwargs)`` into a verified :class:`~fragflow.ir.Graph`.
+    """Trace ``train(*args, **kwargs)`` into a verified :class:`~fragflow.compiler.ir.Graph`.
 
     Global random states (``random``, ``numpy``, ``torch``) are restored afterwards, so a run
     that follows the trace starts exactly as an untraced one would.

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from fragflow import context
+from fragflow.api.fragment import Fragment
+from fragflow.compiler.pytree import backend_of
 from fragflow.errors import TraceError
-from fragflow.fragment import Fragment
-from fragflow.pytree import backend_of
 from fragflow.source import user_callsite
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from fragflow.compiler.ir import EdgeKind, Graph, NodeKind
 from fragflow.errors import GraphError
-from fragflow.ir import EdgeKind, Graph, NodeKind
 
 
 class Overflow(Enum):
@@ -107,7 +107,7 @@ class PlacedGraph:
     def verify(self) -> PlacedGraph:
         problems = self.problems()
         if problems:
-            from fragflow.printer import format_placed
+            from fragflow.compiler.printer import format_placed
 
             raise GraphError(
                 f"policy '{self.policy}' produced an inconsistent placement ({len(problems)} problem(s)):\n  - "

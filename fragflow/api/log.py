@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fragflow.fragment import Fragment
+from fragflow.api.fragment import Fragment
 
 
 def _log(scalars: dict[str, Any]) -> None:

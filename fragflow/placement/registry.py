@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fragflow.compiler.ir import Graph
 from fragflow.config import coerce, field_types
 from fragflow.errors import ConfigError, UnknownPolicyError, did_you_mean
-from fragflow.ir import Graph
-from fragflow.placement import PlacedGraph
+from fragflow.placement.placed import PlacedGraph
 
 
 def default_policy() -> str:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fragflow.ir import Edge, EdgeKind, Graph, LeafSpec, NodeKind
+from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, NodeKind
 
 if TYPE_CHECKING:
-    from fragflow.placement import PlacedGraph
+    from fragflow.placement.placed import PlacedGraph
 
 
 def _rate(rate: float, unit: str) -> str:

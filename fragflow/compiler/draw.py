@@ -11,7 +11,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from fragflow.ir import EdgeKind, Graph, NodeKind
+from fragflow.compiler.ir import EdgeKind, Graph, NodeKind
 
 _COLUMN = {"env": 0, "actor": 1, "buffer": 2, "learner": 3, "logger": 4}
 _COLOR = {"env": "#b7e4c7", "actor": "#a9d6e5", "buffer": "#ffe5a8", "learner": "#f4acb7", "logger": "#dddddd"}

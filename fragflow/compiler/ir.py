@@ -43,8 +43,8 @@ from enum import Enum
 
 import networkx as nx
 
+from fragflow.compiler.pytree import TensorSpec
 from fragflow.errors import GraphError
-from fragflow.pytree import TensorSpec
 from fragflow.source import SourceLoc
 
 
@@ -178,7 +178,7 @@ class Graph:
         """Raise :class:`GraphError` listing every problem, with the graph printed; else return self."""
         problems = self.problems()
         if problems:
-            from fragflow.printer import format_graph
+            from fragflow.compiler.printer import format_graph
 
             raise GraphError(
                 f"the dataflow graph of '{self.name}' is inconsistent ({len(problems)} problem(s)):\n  - "

@@ -33,9 +33,9 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from fragflow import context
+from fragflow.api.fragment import Fragment
+from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import UnknownEnvError, did_you_mean
-from fragflow.fragment import Fragment
-from fragflow.pytree import to_numpy
 from fragflow.source import user_callsite
 
 
@@ -192,6 +192,22 @@ class VectorEnv:
 
     def __repr__(self) -> str:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
+
+
+_KNOWN_AT_IMPORT = frozenset(gym.registry)
+
+
+def registered_by_user() -> dict[str, Any]:
+    """Environment ids registered after fragflow was imported (by the algorithm file, or a package
+    it imported). A worker process started by spawn has not run that code: the specs travel with
+    the program and :func:`register` adds them there."""
+    return {k: v for k, v in gym.registry.items() if k not in _KNOWN_AT_IMPORT}
+
+
+def register(specs: dict[str, Any]) -> None:
+    for env_id, spec in specs.items():
+        if env_id not in gym.registry:
+            gym.registry[env_id] = spec
 
 
 def ids(num_envs: int) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""What users import (as ``fragflow``): fragments, versioned state, environments, buffers, random keys, logging."""

@@ -1,0 +1,1 @@
+"""The compiler: a training loop becomes a fragmented dataflow graph (trace -> IR -> printer / image)."""
