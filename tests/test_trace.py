@@ -199,3 +199,14 @@ def test_buffer_misuse(write_algo):
     """)
     with pytest.raises(TraceError, match=rf"buffer.collect called after 1 adds, expected num_steps=2\n  at {relpath(path)}:{marks['early']}"):
         trace_file(path)
+
+
+def test_ir_knows_the_loops_around_each_call_and_their_trip_counts():
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=8192, num_envs=4, num_steps=16)
+    graph = ff.trace(ppo.train, args)          # tracing stops after two updates ...
+    outer, inner = graph.loops_of("act")
+    assert outer.trips == args.num_updates == 128 and inner.trips == 16   # ... the bounds are the run's
+    assert [loop.header for loop in graph.loops_of("learn")] == ["for update in range(args.num_updates)"]
+    assert graph.loops_of("env.reset") == []

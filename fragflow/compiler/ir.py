@@ -43,6 +43,7 @@ from enum import Enum
 
 import networkx as nx
 
+from fragflow.compiler.loops import LoopSpec
 from fragflow.compiler.pytree import TensorSpec
 from fragflow.errors import GraphError
 from fragflow.source import SourceLoc
@@ -116,6 +117,7 @@ class Graph:
     edges: tuple[Edge, ...]
     updates_traced: int = 0
     env_steps_traced: int = 0
+    loops: tuple[LoopSpec, ...] = ()    # the training function's loops, outermost first
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +125,11 @@ class Graph:
 
     def node(self, name: str) -> Node:
         return self._index[name]
+
+    def loops_of(self, name: str) -> list[LoopSpec]:
+        """The loops that enclose a fragment's call in the training function, outermost first."""
+        where = self.node(name).called_at
+        return [loop for loop in self.loops if loop.encloses(where)]
 
     def fragments(self, role: str | None = None) -> list[Node]:
         return [n for n in self.nodes if n.kind is NodeKind.FRAGMENT and (role is None or n.role == role)]

@@ -87,6 +87,12 @@ def format_graph(graph: Graph) -> str:
         defined = str(n.defined_at) if n.defined_at else "builtin"
         lines.append(f"  {n.name:<{width}}  role={n.role or '-':<7}  backend={n.backend or '-':<{bwidth}}  "
                      f"rate={_rate(n.rate, unit):<10}  called={n.called_at}  defined={defined}")
+    if graph.loops:
+        lines.append("loops:")
+        for loop in graph.loops:
+            inside = [n.name for n in frags if loop.encloses(n.called_at)]
+            trips = "?" if loop.trips is None else str(loop.trips)
+            lines.append(f"  {loop.where}  {loop.header}  trips={trips}  calls={', '.join(inside) or '-'}")
     states = [n for n in graph.nodes if n.kind is NodeKind.STATE]
     if states:
         lines.append("state:")

@@ -14,6 +14,7 @@ user's ``file:line``.
 
 from __future__ import annotations
 
+import dataclasses
 import random as _pyrandom
 import weakref
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from fragflow.api.events import EventSources, default_axes
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
+from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
 from fragflow.context import InstanceNames
 from fragflow.errors import (
@@ -436,11 +438,12 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     module_fragments = tuple(v for v in getattr(train, "__globals__", {}).values()
                              if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
     tracer = Tracer(max_updates=max_updates, expected=module_fragments)
+    watcher = LoopWatcher(train)
     saved = _rng_state()
     try:
         with context.using(tracer):
             try:
-                train(*args, **kwargs)
+                watcher.run(train, *args, **kwargs)
             except _StopTracing:
                 pass
     finally:
@@ -453,7 +456,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             where=defined_at,
             fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
                 "and step environments made with ff.envs.make(...)")
-    return tracer.graph(getattr(train, "__name__", "train"), defined_at).verify(), tracer.fragments
+    graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
+    graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), _index={})
+    return graph.verify(), tracer.fragments
 
 
 def _rng_state() -> tuple[Any, ...]:
