@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fragflow.api import envs, random
+from fragflow.api import random
 from fragflow.api.buffer import RolloutBuffer
 from fragflow.api.fragment import fragment
 from fragflow.api.log import log
@@ -22,8 +22,18 @@ from fragflow.api.versioned import versioned
 from fragflow.placement.registry import distribute
 
 if TYPE_CHECKING:
+    from fragflow.api import envs
     from fragflow.compiler.ir import Graph
     from fragflow.driver import RunResult
+
+
+def __getattr__(name: str) -> Any:
+    # ``ff.envs`` imports gymnasium, which commands such as ``fragflow policies`` never need
+    if name == "envs":
+        from fragflow.api import envs
+
+        return envs
+    raise AttributeError(f"module 'fragflow' has no attribute {name!r}")
 
 
 def delivered() -> list[tuple[int, int]]:

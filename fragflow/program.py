@@ -37,7 +37,7 @@ class Program:
 
 
 def builtin_algorithms() -> list[str]:
-    from fragflow import algorithms  # type: ignore[attr-defined]
+    algorithms: Any = importlib.import_module("fragflow.algorithms")
 
     return sorted(m.name for m in pkgutil.iter_modules(algorithms.__path__) if not m.name.startswith("_"))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ def display_path(filename: str) -> str:
     return filename if rel.startswith("..") else rel
 
 
+@functools.lru_cache(maxsize=4096)
 def is_internal(filename: str) -> bool:
     """True for frames inside fragflow's compiler and runtime (not algorithms, not user code)."""
     path = os.path.abspath(filename)
@@ -54,13 +56,17 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+@functools.lru_cache(maxsize=4096)
+def _skipped(filename: str, libs: tuple[str, ...]) -> bool:
+    return is_internal(filename) or os.path.abspath(filename).startswith(libs)
+
+
 def user_frame(skip: int = 1) -> FrameType | None:
     """The innermost stack frame that belongs to the user's code (fragflow's frames and those of
     the array libraries a user's value passed through, e.g. ``np.asarray``, are skipped)."""
     frame: FrameType | None = sys._getframe(skip)
     libs = _library_dirs()
-    while frame is not None and (is_internal(frame.f_code.co_filename)
-                                 or os.path.abspath(frame.f_code.co_filename).startswith(libs)):
+    while frame is not None and _skipped(frame.f_code.co_filename, libs):
         frame = frame.f_back
     return frame
 

@@ -40,8 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-
-import networkx as nx
+from typing import Any
 
 from fragflow.compiler.loops import LoopSpec
 from fragflow.compiler.pytree import TensorSpec
@@ -137,7 +136,10 @@ class Graph:
     def edges_of(self, kind: EdgeKind) -> list[Edge]:
         return [e for e in self.edges if e.kind is kind]
 
-    def to_networkx(self) -> nx.MultiDiGraph:
+    def to_networkx(self) -> Any:
+        """The graph as a ``networkx.MultiDiGraph`` (nodes and edges carry the IR objects)."""
+        import networkx as nx  # imported here: most commands never need it
+
         g = nx.MultiDiGraph(name=self.name)
         for n in self.nodes:
             g.add_node(n.name, node=n)

@@ -440,6 +440,12 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     tracer = Tracer(max_updates=max_updates, expected=module_fragments)
     watcher = LoopWatcher(train)
     saved = _rng_state()
+    import torch
+
+    from fragflow.runtime.worker import threads_for
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
     try:
         with context.using(tracer):
             try:
@@ -449,6 +455,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     finally:
         tracer.close()
         _set_rng_state(saved)
+        torch.set_num_threads(threads)
     defined_at = definition_of(train)
     if not tracer._nodes:
         raise NoFragmentError(

@@ -63,7 +63,7 @@ class PolicySpec:
 
 def available() -> dict[str, PolicySpec]:
     """Every registered policy, by name."""
-    from fragflow import distribution_policies  # type: ignore[attr-defined]
+    distribution_policies: Any = importlib.import_module("fragflow.distribution_policies")
 
     found: dict[str, PolicySpec] = {}
     for info in pkgutil.iter_modules(distribution_policies.__path__):
