@@ -199,7 +199,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch
 
 
 @ff.fragment("learner", writes="state")
-def learn(state, batch, lr, args: dict):
+def learn(state, batch, lr, args: Args):
     # parameters and Adam moments each live in one flat tensor (the tree's leaves are views of it),
     # so gradient clipping and Adam are a handful of operations, not a handful per tensor
     params, flat_params = flat_clone(state["params"])
@@ -207,8 +207,8 @@ def learn(state, batch, lr, args: dict):
     step = int(state["step"])
     leaves = tree_leaves(params)
     offsets = flat_layout(leaves)
-    gamma, lam = float(args["gamma"]), float(args["gae_lambda"])
-    clip_coef = float(args["clip_coef"])
+    gamma, lam = float(args.gamma), float(args.gae_lambda)
+    clip_coef = float(args.clip_coef)
 
     obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
     actions = torch.as_tensor(batch["action"])
@@ -241,14 +241,14 @@ def learn(state, batch, lr, args: dict):
     b_logprobs, b_advantages = logprobs.reshape(-1), advantages.reshape(-1)
     b_returns, b_values = returns.reshape(-1), values.reshape(-1)
     batch_size = b_obs.shape[0]
-    minibatch_size = batch_size // int(args["num_minibatches"])
+    minibatch_size = batch_size // int(args.num_minibatches)
 
     key = state["key"]
     clipfracs = torch.zeros(())
     minibatches = 0
     for p in leaves:
         p.requires_grad_(True)      # updated in place under no_grad; the state we return has them off
-    for _epoch in range(int(args["update_epochs"])):
+    for _epoch in range(int(args.update_epochs)):
         key, sub = ff.random.split(key)
         b_inds = torch.from_numpy(np.argsort(ff.random.uniform(sub, (batch_size,))[0]))
         for start in range(0, batch_size, minibatch_size):
@@ -264,7 +264,7 @@ def learn(state, batch, lr, args: dict):
                 minibatches += 1
 
             mb_adv = b_advantages[mb]
-            if args["norm_adv"]:
+            if args.norm_adv:
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
 
             # clipped surrogate objective
@@ -272,7 +272,7 @@ def learn(state, batch, lr, args: dict):
 
             # value loss, clipped around the old values
             newvalue = newvalue.view(-1)
-            if args["clip_vloss"]:
+            if args.clip_vloss:
                 v_unclipped = (newvalue - b_returns[mb]) ** 2
                 v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -clip_coef, clip_coef)
                 v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
@@ -280,18 +280,18 @@ def learn(state, batch, lr, args: dict):
                 v_loss = 0.5 * ((newvalue - b_returns[mb]) ** 2).mean()
 
             entropy_loss = entropy.mean()
-            loss = pg_loss - float(args["ent_coef"]) * entropy_loss + v_loss * float(args["vf_coef"])
+            loss = pg_loss - float(args.ent_coef) * entropy_loss + v_loss * float(args.vf_coef)
 
             grads = torch.autograd.grad(loss, leaves)
             with torch.no_grad():
                 grad = flat_cat(list(grads), offsets)
                 # global gradient clipping, as torch.nn.utils.clip_grad_norm_
-                scale = torch.clamp(float(args["max_grad_norm"]) / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
+                scale = torch.clamp(float(args.max_grad_norm) / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
                 grad.mul_(scale)
                 step += 1
                 adam_step(flat_params, grad, flat_m, flat_v, step, float(lr))
 
-        if args["target_kl"] is not None and approx_kl > float(args["target_kl"]):
+        if args.target_kl is not None and approx_kl > float(args.target_kl):
             break
 
     for p in leaves:
@@ -400,9 +400,6 @@ def train(args: Args):
                        normalize_obs=normalize, normalize_reward=normalize, gamma=args.gamma)
     state = ff.versioned(init_state(env, args))
     buffer = ff.RolloutBuffer(args.num_steps)
-    hyper = {k: getattr(args, k) for k in ("gamma", "gae_lambda", "num_minibatches", "update_epochs", "norm_adv",
-                                           "clip_coef", "clip_vloss", "ent_coef", "vf_coef", "max_grad_norm",
-                                           "target_kl")}
     key = ff.random.keys(args.seed, env.ids)
 
     obs = env.reset()
@@ -420,6 +417,6 @@ def train(args: Args):
 
         # LEARN
         batch = buffer.collect(next_obs=obs, next_done=done)
-        state, metrics = learn(state, batch, lr, hyper)
+        state, metrics = learn(state, batch, lr, args)   # args: configuration, sent once
         ff.log(metrics)
     return state

@@ -187,3 +187,22 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_ctrl_c_stops_a_run_started_with_sigint_ignored(tmp_path):
+    """A shell starts background jobs (``cmd &``) with SIGINT ignored; the run must still stop on it."""
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("fragflow")
+    proc = subprocess.Popen([str(exe), "run", "ppo", "--policy", "pipelined(actors=1)", "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert shm_leftovers() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -197,6 +197,11 @@ class ServiceRunner:
         for j, (axis, spec) in enumerate(zip(ring.axes, ring.specs)):
             if axis is None:
                 first = pieces[0].leaves[j]
+                if not self.program.ordered:
+                    # replicas at different updates send their own per-update values (a learning-rate
+                    # schedule): the call takes the oldest piece's, whose version ff.delivered() lists first
+                    out.append(first)
+                    continue
                 for p in pieces[1:]:
                     other = p.leaves[j]
                     same = first == other if spec.backend == "python" else np.array_equal(to_numpy(first), to_numpy(other))

@@ -1,0 +1,67 @@
+"""central_inference vs actor_learner: PPO on CartPole-v1 with 64 environments, a narrow and a wide network.
+
+Both policies run two acting processes over 32 environments each and one learner. Under
+actor_learner each actor runs inference for its own environments with parameters broadcast one
+version behind; under central_inference the env workers send every inference request to the
+learner's process, which acts once on all 64 environments with the newest parameters. Runs
+alternate, each in a fresh process; the figure is env steps/s over training (after the trace), the
+median over repetitions, and the ratio central_inference / actor_learner in the same run.
+
+    python benchmarks/central_inference.py [--steps 200000] [--reps 3] [--hidden 64 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from common import print_rows, row, save, stats
+
+CODE = """
+import json, torch
+torch.set_num_threads(1)
+import fragflow as ff
+from fragflow.algorithms import ppo
+args = ppo.Args(total_timesteps={steps}, num_envs=64, num_steps=128, hidden={hidden}, seed=1)
+r = ff.run(ppo.train, args, policy={policy!r})
+print(json.dumps({{"sps": r.summary["steps_per_second"], "busy": r.summary["channels"]["trajectory"]["learner_busy_s"],
+                  "wall": r.summary["wall_seconds"]}}))
+"""
+
+POLICIES = {"actor_learner": "actor_learner(actors=2, max_lag=1)", "central_inference": "central_inference(env_workers=2)"}
+
+
+def one(policy: str, steps: int, hidden: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CODE.format(steps=steps, hidden=hidden, policy=policy)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200_000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--hidden", type=int, nargs="+", default=[64, 512])
+    a = p.parse_args(argv)
+    rows, raw = [], {}
+    for hidden in a.hidden:
+        runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+        for _ in range(a.reps):
+            for name, policy in POLICIES.items():
+                runs[name].append(one(policy, a.steps, hidden))
+                print(f"hidden={hidden} {name}: {runs[name][-1]['sps']:,.0f} steps/s", flush=True)
+        sps = {name: stats([r["sps"] for r in rs]) for name, rs in runs.items()}
+        rows.append(row(f"PPO 64 envs hidden={hidden}: central_inference(2) / actor_learner(2)",
+                        sps["central_inference"], "actor_learner", sps["actor_learner"], "env steps/s", "-"))
+        raw[str(hidden)] = runs
+    print_rows(rows)
+    result = {"command": "python benchmarks/central_inference.py " + " ".join(argv or sys.argv[1:]),
+              "steps": a.steps, "reps": a.reps, "rows": rows, "runs": raw}
+    save("central_inference", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
