@@ -267,3 +267,61 @@ def test_an_env_registered_in_the_algorithm_file_reaches_spawned_workers(write_a
     monkeypatch.setenv("FRAGFLOW_START_METHOD", "spawn")
     result = ff.run(program.train, program.args_cls(), policy="pipelined(actors=2)")
     assert result.summary["env_steps"] == 30 and result.summary["episodes"] == 6
+
+
+DELIVERED = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 12
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs @ params["w"]).argmax(-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    pieces = ff.delivered()
+    lag = max(lag for _, lag in pieces)
+    w = state["params"]["w"] + 1e-3 * batch["obs"].mean()
+    return {"params": {"w": w}}, {"lag": float(lag), "pieces": float(len(pieces))}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"params": {"w": np.zeros((4, 2))}})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, pieces, lag_bound", [
+    ("single_process", 1, 0),
+    ("pipelined(actors=2, max_lag=1)", 2, 1),
+    ("actor_learner(actors=2, max_lag=1, overflow=block)", 2, 1),
+    ("actor_learner(actors=2, max_lag=1, overflow=deliver)", 2, None),
+])
+def test_the_learner_sees_each_pieces_lag_and_block_keeps_every_piece_within_the_bound(write_algo, tmp_path,
+                                                                                       policy, pieces, lag_bound):
+    import csv
+
+    path, _ = write_algo(DELIVERED)
+    program = load(str(path))
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert {float(r["pieces"]) for r in rows} == {pieces}
+    lags = [float(r["lag"]) for r in rows]
+    channels = result.summary.get("channels", {}).get("trajectory", {"drops": 0})
+    assert channels["drops"] == 0                    # block and deliver never drop
+    if lag_bound is not None:
+        assert max(lags) <= lag_bound
+    assert result.summary["updates"] == 12

@@ -31,8 +31,11 @@ def same_tree(a, b) -> bool:
         np.array_equal(to_numpy(x), to_numpy(y)) for (_, x), (_, y) in zip(pa, pb))
 
 
-def shm_leftovers() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith("fragflow_")]
+def shm_leftovers(driver: int | None = None) -> list[str]:
+    """Segments a run driven by ``driver`` (default: this test process) left behind. Segment names
+    carry the driver's pid, so another fragflow run on the machine does not count."""
+    prefix = f"fragflow_{os.getpid() if driver is None else driver}_"
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
 @pytest.fixture(scope="module")
@@ -231,5 +234,5 @@ def test_signal_stops_every_process_and_leaves_no_shared_memory(tmp_path, sig, c
     assert proc.returncode == code, proc.stderr.read() if proc.stderr else ""
     time.sleep(0.5)
     assert [p for p in workers if alive(p)] == []
-    assert shm_leftovers() == []
+    assert shm_leftovers(proc.pid) == []
     assert json.loads((out / "summary.json").read_text())["status"] == status

@@ -181,9 +181,9 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path):
             time.sleep(0.1)
         assert [p for p in workers if alive(p)] == []
         deadline = time.monotonic() + 10
-        while shm_leftovers() and time.monotonic() < deadline:
+        while shm_leftovers(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert shm_leftovers() == []
+        assert shm_leftovers(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -202,7 +202,7 @@ def test_ctrl_c_stops_a_run_started_with_sigint_ignored(tmp_path):
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 130
-        assert shm_leftovers() == []
+        assert shm_leftovers(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -68,6 +68,7 @@ class LoopInterpreter:
         self.update = 0                       # remote clock calls made (this replica's updates)
         self.rollout_version: int | None = None
         self._last_version = 0
+        self._ticket = 0
         self._views: dict[str, tuple[int, list[Any]]] = {}
         self._states: dict[str, Versioned] = {}
         self._seq = 0
@@ -186,6 +187,8 @@ class LoopInterpreter:
                 return self.update
             params = self.endpoints.broadcasts[next(iter(self.program.reads))]
             self.rollout_version = choice.choose(self.update, params, self.endpoints.admission, self.index)
+            if getattr(choice, "admits", False):
+                self._ticket = self.endpoints.admission.last_ticket
             self._last_version = self.rollout_version
         return self.rollout_version
 
@@ -243,7 +246,7 @@ class LoopInterpreter:
         ring = self._rings[name]
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite())
         version = self._version() if self.program.reads else self._last_version
-        ring.put(leaves, version, tag=self._seq, aux=sid)
+        ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
         self._seq += 1
         if route.primary:
             if self.rollout_version is not None and getattr(self.program.choice, "admits", False):

@@ -70,6 +70,7 @@ class ServiceRunner:
             self.replies.setdefault(ring.fragment, {})[ring.replica] = (ring, endpoints.rings[ring.name])
         self.next_tag = [0] * program.producers
         self._cursor = 0
+        self._ticket = 1      # the next admission ticket to consume (balanced admission)
         self.finished = [False] * program.producers
         self.delivered: list[tuple[int, int]] = []
         self.instance_name = InstanceNames()
@@ -129,7 +130,7 @@ class ServiceRunner:
                 continue
 
     # -- gathering ---------------------------------------------------------------------------------
-    def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int]] | None:
+    def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int, int]] | None:
         """Replica ``k``'s next call, if it has arrived: (tag, fragment, ring, meta)."""
         want = self.next_tag[k]
         for fragment, ring in self.rings[k].items():
@@ -140,7 +141,7 @@ class ServiceRunner:
             self.finished[k] = True
         return None
 
-    def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int]]) -> _Piece | None:
+    def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
         item = ring.try_get()
         if item is None:   # the producer moved the head but has not released the semaphore yet
@@ -180,8 +181,23 @@ class ServiceRunner:
                         return None
                     self.endpoints.wait_any(self.program.group, IDLE_WAIT)
                     continue
-                # the oldest piece first: it is the one closest to going stale
-                k, head = min(heads, key=lambda kh: (kh[1][3][0], kh[1][0], kh[0]))
+                if any(h[3][3] for _, h in heads):
+                    # admitted rollouts (the balance controller's tickets) are consumed in the order
+                    # they were admitted: the controller's bound counted on it
+                    ready = [kh for kh in heads if kh[1][3][3] <= self._ticket]
+                    if not ready:
+                        held = {k_ for k_, _ in heads}
+                        if any(not self.finished[k_] and k_ not in held for k_ in range(producers)):
+                            self.endpoints.wait_any(self.program.group, IDLE_WAIT)   # being produced
+                        else:
+                            self._ticket = min(h[3][3] for _, h in heads)          # admitted, never produced
+                        continue
+                    k, head = min(ready, key=lambda kh: (kh[1][3][3], kh[0]))
+                    if head[1] == self.program.clock:
+                        self._ticket = head[3][3] + 1
+                else:
+                    # the oldest piece first: it is the one closest to going stale
+                    k, head = min(heads, key=lambda kh: (kh[1][3][0], kh[0]))
             piece = self._take(k, head)
             self._cursor = (k + 1) % producers
             fragment = head[1]

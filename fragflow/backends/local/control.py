@@ -15,7 +15,7 @@ import numpy as np
 from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryChannel
 from fragflow.backends.local.shm import Segment
 
-BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS = range(6)
+BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS = range(7)
 WORDS = 8
 
 
@@ -33,6 +33,7 @@ class Control:
         self.stop = stop
         self.clock_rings = clock_rings or []
         self.params = params
+        self.last_ticket = 0   # the admission order of this process's last admitted rollout
 
     @staticmethod
     def create() -> Segment:
@@ -44,10 +45,11 @@ class Control:
         """Wait until a new rollout's piece would be consumed within ``max_lag`` versions; return the
         version it must act with (the newest), counting the rollout as in production.
 
-        The piece joins ``q`` pieces ahead of it (queued and not yet taken by the learner, or being
-        produced by other actors); the learner takes ``per_update`` per update and may be mid-update
-        (``busy``), so the piece is consumed ``busy + q // per_update`` versions after the newest
-        one, which must be <= max_lag.
+        The piece joins ``q`` pieces ahead of it (put and not yet consumed by the learner, whether
+        still queued or already taken while the learner waits for the rest of a batch, or being
+        produced by other actors); the learner consumes ``per_update`` per update and may be
+        mid-update (``busy``, its pieces not counted in ``q``), so the piece is consumed
+        ``busy + q // per_update`` versions after the newest one, which must be <= max_lag.
         """
         params, trajs, per_update = self.params, self.clock_rings, max(len(self.clock_rings), 1)
         assert params is not None
@@ -56,10 +58,14 @@ class Control:
         t0 = time.perf_counter_ns()
         while True:
             with self.lock:
-                ahead = sum(t.queued for t in trajs) + int(self.words[IN_PRODUCTION])
-                if int(self.words[BUSY]) + ahead // per_update <= max_lag:
+                busy = int(self.words[BUSY])
+                unconsumed = sum(t.depth for t in trajs) - busy * per_update
+                ahead = max(unconsumed, 0) + int(self.words[IN_PRODUCTION])
+                if busy + ahead // per_update <= max_lag:
                     self.words[IN_PRODUCTION] += 1
                     self.words[ADMIT_WAIT_NS] += time.perf_counter_ns() - t0
+                    self.words[TICKETS] += 1
+                    self.last_ticket = int(self.words[TICKETS])
                     return params.latest
             if self.stop.is_set():
                 raise Stopped
