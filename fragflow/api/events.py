@@ -79,15 +79,15 @@ def default_axes(role: str, out: Any) -> Axes | None:
     n = reward.shape[0] if getattr(reward, "ndim", 0) >= 1 else None
     if n is None:
         return None
-    from fragflow.compiler.pytree import leaf_paths
-
-    batched = {f"[{i}]{p}" for i, item in enumerate(out) for p, x in leaf_paths_safe(item, leaf_paths)
+    batched = {f"[{i}]{p}" for i, item in enumerate(out) for p, x in _leaves(item)
                if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}
     return lambda path: ("env", 0) if path in batched else None
 
 
-def leaf_paths_safe(item: Any, leaf_paths: Callable[[Any], list[tuple[str, Any]]]) -> list[tuple[str, Any]]:
+def _leaves(item: Any) -> list[tuple[str, Any]]:
+    from fragflow.compiler.pytree import NotAnArray, leaf_paths
+
     try:
         return leaf_paths(item)
-    except TypeError:
+    except NotAnArray:
         return []
