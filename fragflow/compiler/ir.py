@@ -125,6 +125,13 @@ class Graph:
     def node(self, name: str) -> Node:
         return self._index[name]
 
+    def clock(self, among: tuple[str, ...] | None = None) -> str | None:
+        """The fragment whose calls count versions: the state-writing fragment (of ``among``, or of
+        the whole graph) with the highest rate, the first in trace order on a tie; None if none writes."""
+        writers = {e.src for e in self.edges_of(EdgeKind.STATE_WRITE)}
+        candidates = [n for n in self.fragments() if n.name in writers and (among is None or n.name in among)]
+        return max(candidates, key=lambda n: n.rate).name if candidates else None
+
     def loops_of(self, name: str) -> list[LoopSpec]:
         """The loops that enclose a fragment's call in the training function, outermost first."""
         where = self.node(name).called_at

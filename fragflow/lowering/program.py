@@ -143,13 +143,12 @@ def _channel(placed: PlacedGraph, kind: str, src: str, dst: str) -> Channel | No
 
 def _clock(graph: Graph, group: Group) -> str:
     """The service's version clock: its state-writing fragment with the highest rate (first in trace order)."""
-    writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
-    candidates = [graph.node(n) for n in group.nodes if n in writers]
-    if not candidates:
+    clock = graph.clock(group.nodes)
+    if clock is None:
         raise PlacementError(f"group '{group.name}' runs as a service but none of its fragments writes versioned state",
                              where=graph.defined_at,
                              fix="a service group publishes versions: give its learner the state it updates")
-    return max(candidates, key=lambda n: n.rate).name
+    return clock
 
 
 def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: PlacedGraph) -> TensorSpec:

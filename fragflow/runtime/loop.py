@@ -125,8 +125,8 @@ class LoopInterpreter:
             return self._remote(frag, name, route, args, kwargs)
         if self.program.remote and name not in self.program.local:
             raise UntracedFragmentError(
-                f"fragment '{name}' was first called after tracing ended, so policy '{self.program.group}' "
-                "placement has no place for it", where=user_callsite(),
+                f"fragment '{name}' was first called after tracing ended, so the placement has no process "
+                "for it", where=user_callsite(),
                 fix="make sure the loop calls it within its first learner updates (the tracer runs until every "
                     "fragment of the training module has been called, for up to 200 updates), or run with "
                     "--policy single_process")
@@ -328,9 +328,8 @@ def state_checks(graph: Any) -> dict[str, Any]:
 
     state = {(e.src, e.dst): {leaf.src_path: leaf.spec for leaf in e.leaves}
              for e in graph.edges_of(EdgeKind.STATE_WRITE)}
-    writers = [graph.node(e.src) for e in graph.edges_of(EdgeKind.STATE_WRITE)]
     learners = graph.fragments("learner")
-    clock = max(writers, key=lambda n: n.rate).name if writers else (learners[0].name if learners else None)
+    clock = graph.clock() or (learners[0].name if learners else None)
     return {"state": state, "clock": clock}
 
 

@@ -125,9 +125,10 @@ class ServiceRunner:
         return next(v for v in vars(held).values() if isinstance(v, Fragment) and v.name == frag.name)
 
     def _wait_for(self, ready: Any) -> None:
+        """Take definitions from the loop until ``ready()``: a call's fragment and skeleton are sent
+        before its first piece, but through another queue."""
         while not ready():
-            if not self._take_definition(block=True):
-                continue
+            self._take_definition(block=True)
 
     # -- gathering ---------------------------------------------------------------------------------
     def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int, int]] | None:
@@ -277,7 +278,7 @@ class ServiceRunner:
             self.admission.set_busy(True)
         with context.using(self):
             out = frag.fn(*bound.args, **bound.kwargs)
-        writes = next((r for r in [frag.writes] if r), None)
+        writes = frag.writes
         if writes is not None:
             state = skel_state_name(skel, writes)
             new_value = out[0] if isinstance(out, tuple) else out
