@@ -44,7 +44,7 @@ def place(graph: Graph, options: Options) -> PlacedGraph:
     return acting_and_learning(
         graph, policy="actor_learner", options=tuple(asdict(options).items()), actors=options.actors,
         max_lag=options.max_lag, overflow=Overflow(options.overflow), trajectory="ordered" if ordered else "arrival",
-        parameters="balanced" if options.overflow == "block" and not ordered else "latest")
+        parameters="exact" if ordered else "balanced" if options.overflow == "block" else "latest")
 
 
 POLICY = PolicySpec(

@@ -38,7 +38,7 @@ def place(graph: Graph, options: Options) -> PlacedGraph:
     return acting_and_learning(
         graph, policy="async_relaxed", options=tuple(asdict(options).items()), actors=options.actors,
         max_lag=options.max_lag, overflow=Overflow.DROP, trajectory="ordered" if options.max_lag == 0 else "arrival",
-        parameters="latest" if options.max_lag == 0 else "balanced")
+        parameters="exact" if options.max_lag == 0 else "balanced")
 
 
 POLICY = PolicySpec(

@@ -10,7 +10,7 @@ import pytest
 import fragflow as ff
 from fragflow.algorithms import dqn
 from fragflow.driver import compile
-from fragflow.errors import LearnerOutputOnActingSideError
+from fragflow.errors import LearnerOutputOnActingSideError, PlacementError
 from fragflow.program import load
 from tests.test_multiprocess import same_tree, shm_leftovers
 
@@ -180,6 +180,106 @@ def test_a_users_own_env_counts_steps_and_episodes_and_evaluation_is_apart(write
     assert s["episodes"] == 5 * 6 * 4 // 3 and set(result.episode_returns) == {3.0}
     evals = s["eval_episodes"]
     assert evals >= 1 and s["eval_return_mean"] > 0
+
+
+ENV_CLASSES = """
+from dataclasses import dataclass
+import gymnasium as gym
+import numpy as np
+import fragflow as ff
+
+class Walk(gym.Env):
+    '''A gymnasium env of the user's, given to ff.envs.make as a class, with a constructor argument.'''
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, horizon=5):
+        self.horizon = horizon
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(2, self.t / 10, np.float32), 1.0, self.t >= self.horizon, False, {}
+
+class Corridor:
+    '''Not a gymnasium env: its reset and step are fragments defined as methods.'''
+
+    def __init__(self, num_envs, length, sized):
+        n = len(ff.envs.ids(num_envs)) if sized else num_envs
+        self.n, self.length, self.pos = n, length, np.zeros(n, np.int64)
+
+    @ff.fragment("env")   # @reset
+    def reset(self):
+        self.pos[:] = 0
+        return self.pos.astype(np.float32)[:, None]
+
+    @ff.fragment("env")
+    def step(self, action):
+        self.pos += 1
+        done = self.pos >= self.length
+        self.pos[done] = 0
+        return self.pos.astype(np.float32)[:, None], np.ones(self.n), done, np.zeros(self.n, bool), {}
+
+@dataclass(frozen=True)
+class Args:
+    env: str = "walk"
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs @ params["w"] > 0).astype(np.int64)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"params": {"w": state["params"]["w"] + batch["obs"].mean()}}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    if args.env == "walk":
+        env = ff.envs.make(Walk, num_envs=4, seed=0, horizon=7)
+    else:
+        env = Corridor(4, 3, sized=args.env == "sized")
+    state = ff.versioned({"params": {"w": np.ones(1 if args.env != "walk" else 2, np.float32)}})
+    buf = ff.RolloutBuffer(7)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(7):
+            obs, *_ = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+    return state
+"""
+
+
+@pytest.mark.parametrize("env", ["walk", "sized"])
+def test_a_gymnasium_env_class_with_kwargs_and_method_fragments_split_across_actors(write_algo, env):
+    path, _ = write_algo(ENV_CLASSES)
+    program = load(str(path))
+    args = program.args_cls(env=env)
+    expected = ff.run(program.train, args, policy="single_process")
+    result = ff.run(program.train, args, policy="actor_learner(actors=2, max_lag=0)")
+    length = 7 if env == "walk" else 3                        # the horizon=7 keyword reached the env
+    for r in (expected, result):
+        assert r.summary["env_steps"] == 4 * 7 * 4 and set(r.episode_returns) == {float(length)}
+        assert r.summary["episodes"] == 4 * (4 * 7 // length)   # 4 envs, 28 steps each
+    assert same_tree(result.value, expected.value)
+    graph = compile(program.train, args, policy="single_process").placed.graph
+    if env == "sized":   # the object's two method fragments are one instance, kept together
+        assert {n.instance for n in graph.fragments("env")} == {"corridor"}
+
+
+def test_an_env_that_does_not_ask_for_its_slice_is_refused_where_the_policy_splits_environments(write_algo):
+    path, marks = write_algo(ENV_CLASSES)
+    program = load(str(path))
+    args = program.args_cls(env="unsized")
+    assert ff.run(program.train, args, policy="actor_learner(actors=1)").summary["env_steps"] == 4 * 7 * 4
+    with pytest.raises(PlacementError) as err:
+        compile(program.train, args, policy="actor_learner(actors=2)")
+    text = str(err.value)
+    assert "does not know which of them it steps" in text and str(err.value.where).endswith(f"algo.py:{marks['reset']}")
+    assert "ff.envs.ids(num_envs)" in text
 
 
 def test_replay_buffer_samples_uniformly_and_by_priority():

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fragflow import context
-from fragflow.api.fragment import Fragment
+from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import backend_of
 from fragflow.errors import TraceError
 from fragflow.source import user_callsite
@@ -41,7 +41,7 @@ class RolloutBuffer:
         self._step_keys: frozenset[str] = frozenset()
         self._views: dict[str, Any] = {}
         self._t = 0
-        self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self)
+        self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self, in_axes=rows)
         self.collect = Fragment(self._collect, "buffer", name=f"{self.name}.collect", instance=self,
                                 axes=self._axes)
 

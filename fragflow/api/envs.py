@@ -26,6 +26,9 @@ Episode returns and lengths are measured on the raw rewards, before any reward w
 
 from __future__ import annotations
 
+import functools
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
@@ -130,17 +133,25 @@ class VectorEnv:
     leading dimension ``num_envs`` and ``info = {"final_obs": ...}`` (see the module docstring).
     """
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, *, ids: np.ndarray, name: str,
+    slices_itself = True   # it steps only this process's environments (``ids``)
+
+    def __init__(self, env_id: str | Callable[..., gym.Env], num_envs: int, seed: int, *, ids: np.ndarray, name: str,
                  clip_actions: bool = False, normalize_obs: bool = False,
-                 normalize_reward: bool = False, gamma: float = 0.99, evaluation: bool = False) -> None:
-        self.env_id = env_id
+                 normalize_reward: bool = False, gamma: float = 0.99, evaluation: bool = False,
+                 env_kwargs: dict[str, Any] | None = None) -> None:
+        self.env_id = env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id))
         self.seed = seed
         self.ids = np.asarray(ids, dtype=np.int64)
         self.num_envs = len(self.ids)
         self.total_envs = num_envs
         self.name = name
-        base = gym.make_vec(env_id, num_envs=self.num_envs, vectorization_mode="sync",
-                            vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP})
+        kwargs = dict(env_kwargs or {})
+        if isinstance(env_id, str):
+            base = gym.make_vec(env_id, num_envs=self.num_envs, vectorization_mode="sync",
+                                vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **kwargs)
+        else:
+            base = gym.vector.SyncVectorEnv([functools.partial(env_id, **kwargs)] * self.num_envs,
+                                            autoreset_mode=AutoresetMode.SAME_STEP)
         self._stats = _EpisodeStats(base)
         env: gym.vector.VectorEnv = self._stats
         if clip_actions:
@@ -155,7 +166,7 @@ class VectorEnv:
         self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=_env_axis,
                               evaluation=evaluation)
         self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=_env_axis,
-                             events=self._events, evaluation=evaluation)
+                             events=self._events, evaluation=evaluation, in_axes=_env_axis)
 
     def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
         return self.num_envs, (self.pop_finished() if self._stats.finished else [])
@@ -219,17 +230,51 @@ def ids(num_envs: int) -> np.ndarray:
     array([0, 1, 2, 3])
     """
     interp = context.current()
-    return np.arange(num_envs) if interp is None else interp.env_ids(num_envs)
+    if interp is None:
+        return np.arange(num_envs)
+    asked = getattr(interp, "asked_ids", None)   # the tracer notes that the program sizes its envs
+    if asked is not None:
+        asked()
+    return interp.env_ids(num_envs)
+
+
+def _registered(env_id: str, where: Any) -> str:
+    """The registered id (``module:Env-v0`` imports ``module`` first, as gymnasium does)."""
+    if env_id in gym.registry:
+        return env_id
+    namespace = env_id.split(":", 1)[0] if ":" in env_id else None
+    if namespace is not None:   # "module:Env-v0" imports the module that registers it, as gymnasium does
+        try:
+            importlib.import_module(namespace)
+        except ImportError as exc:
+            raise UnknownEnvError(f"environment {env_id!r} needs the module {namespace!r}, which is not installed "
+                                  f"({exc})", where=where, fix=_EXTRA_HINT.get(namespace, f"pip install {namespace}")) from None
+        if env_id.split(":", 1)[1] in gym.registry:
+            return env_id.split(":", 1)[1]
+    prefix = env_id.split("/", 1)[0]
+    hint = _EXTRA_HINT.get(prefix) if "/" in env_id else None
+    raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
+                          fix=hint or did_you_mean(env_id, gym.registry.keys()))
+
+
+# the extra that registers an env family when it is missing
+_EXTRA_HINT = {"ale_py": 'pip install "fragflow[atari]"', "ALE": 'pip install "fragflow[atari]"',
+               "mujoco": 'pip install "fragflow[mujoco]"'}
 
 
 def _env_axis(path: str) -> tuple[str, int]:
     return ("env", 0)
 
 
-def make(env_id: str, num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
+def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
          normalize_obs: bool = False, normalize_reward: bool = False, gamma: float = 0.99,
-         evaluation: bool = False) -> VectorEnv:
+         evaluation: bool = False, **env_kwargs: Any) -> VectorEnv:
     """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
+
+    ``env_id`` is a registered gymnasium id (``"CartPole-v1"``, ``"HalfCheetah-v5"``,
+    ``"ale_py:ALE/Pong-v5"``), or a ``gymnasium.Env`` subclass or a function returning one (your own
+    env, wrapped as you like); other keyword arguments go to the env's constructor, as with
+    ``gymnasium.make``.
 
     ``evaluation=True`` marks an environment whose episodes evaluate the policy: they are counted
     apart (``eval_episodes``, ``eval_return_mean``) and never mixed into the training returns or
@@ -243,15 +288,23 @@ def make(env_id: str, num_envs: int = 1, seed: int = 0, *, clip_actions: bool = 
     if num_envs < 1:
         raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
                               fix="pass num_envs=1 or more")
-    if env_id not in gym.registry:
-        raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
-                              fix=did_you_mean(env_id, gym.registry.keys()))
+    if isinstance(env_id, str):
+        env_id = _registered(env_id, where)
+    elif not callable(env_id):
+        raise UnknownEnvError(f"ff.envs.make got {type(env_id).__name__} {env_id!r} as the environment",
+                              where=where, fix="pass a gymnasium id, a gymnasium.Env subclass or a function "
+                                               "that returns a gymnasium.Env")
     interp = context.current()
     ids = np.arange(num_envs) if interp is None or evaluation else interp.env_ids(num_envs)
     name = "env" if interp is None else interp.instance_name("eval_env" if evaluation else "env")
-    env = VectorEnv(env_id, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
-                    normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
-                    evaluation=evaluation)
+    try:
+        env = VectorEnv(env_id, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
+                        normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
+                        evaluation=evaluation, env_kwargs=env_kwargs)
+    except gym.error.DependencyNotInstalled as exc:
+        family = "mujoco" if "mujoco" in str(exc).lower() else None
+        raise UnknownEnvError(f"environment {env_id!r} needs a package that is not installed: {exc}", where=where,
+                              fix=_EXTRA_HINT[family] if family else "install the package the message names") from None
     if interp is not None:
         interp.adopt(env)
     return env

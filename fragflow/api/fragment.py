@@ -27,6 +27,8 @@ being recognised by type:
 axes        ``axes(path) -> (name, axis) | None``: the named batch axis of an output leaf (``env``,
             ``time``, ``sample``, ``agent``); a policy that splits a batch across replicas splits and
             merges along it
+in_axes     the same for argument leaves (``"obs['x']"``), where the loop made them: a buffer's
+            ``add`` takes rows, one per environment, however the loop computed them
 events      ``events(output) -> (env_steps, [(return, length), ...])``: what one call stepped; any env
             fragment emits these (a user's own env gets a counter for gymnasium's step signature)
 evaluation  an env whose episodes are evaluation, counted and reported apart from training
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,17 +53,25 @@ ACTING_ROLES = frozenset({"env", "actor", "buffer"})
 _FIRST_PARAM = object()
 
 
+def rows(path: str) -> tuple[str, int]:
+    """``in_axes`` of a fragment whose arguments are rows, one per environment (a buffer's add)."""
+    return ("env", 0)
+
+
+_bound: weakref.WeakKeyDictionary[object, dict[int, Fragment]] = weakref.WeakKeyDictionary()
+
+
 class Fragment:
     """A callable marked with a role. Calls go to the active interpreter, or run eagerly."""
 
-    __slots__ = ("name", "role", "fn", "writes", "defined_at", "instance", "signature", "axes", "events",
-                 "evaluation", "__dict__")
+    __slots__ = ("name", "role", "fn", "writes", "defined_at", "instance", "signature", "axes", "in_axes",
+                 "events", "evaluation", "__dict__")
 
     def __init__(self, fn: Callable[..., Any], role: str, *, name: str | None = None,
                  writes: str | None = None, defined_at: SourceLoc | None = None,
                  instance: object | None = None, axes: Callable[[str], tuple[str, int] | None] | None = None,
                  events: Callable[[Any], tuple[int, list[tuple[float, int]]]] | None = None,
-                 evaluation: bool = False) -> None:
+                 evaluation: bool = False, in_axes: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         self.fn = fn
         self.role = role
         self.name = name or fn.__name__
@@ -70,10 +81,29 @@ class Fragment:
         # instance's fragments together because they share its internal state.
         self.instance = instance
         self.axes = axes
+        self.in_axes = in_axes
         self.events = events
         self.evaluation = evaluation
         self.signature = inspect.signature(fn)
         functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: object | None, objtype: type | None = None) -> Fragment:
+        """A fragment defined as a method binds to its object like a method does: ``env.step`` is a
+        fragment of that object (its own node, kept with the object's other fragments)."""
+        if obj is None or self.instance is not None:
+            return self
+        bound = _bound.get(obj)
+        if bound is None:
+            bound = _bound[obj] = {}
+        frag = bound.get(id(self))
+        if frag is None:
+            owner = getattr(obj, "name", None) or type(obj).__name__
+            frag = bound[id(self)] = Fragment(self.fn.__get__(obj, objtype), self.role,
+                                              name=f"{owner}.{self.name}" if self.name == self.fn.__name__ else self.name,
+                                              writes=self.writes, defined_at=self.defined_at, instance=obj,
+                                              axes=self.axes, events=self.events, evaluation=self.evaluation,
+                                              in_axes=self.in_axes)
+        return frag
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         interp = context.current()

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from fragflow import context
-from fragflow.api.fragment import Fragment
+from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import TraceError
 from fragflow.source import user_callsite
@@ -96,7 +96,7 @@ class ReplayBuffer:
         self._size = 0
         self._tree = _SumTree(capacity) if prioritized else None
         self._max_priority = 1.0
-        self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self)
+        self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self, in_axes=rows)
         self.sample = Fragment(self._sample, "buffer", name=f"{self.name}.sample", instance=self, axes=_sample_axis)
         self.update_priorities = Fragment(self._update_priorities, "buffer", name=f"{self.name}.update_priorities",
                                           instance=self)

@@ -9,7 +9,8 @@ kind       what it stands for
 FRAGMENT   one fragment (a user function or a built-in such as ``env.step``): role, backend, where it
            is defined and called, and how many times it runs per learner update (``rate``; 0 = once,
            at set-up)
-STATE      a versioned value (``ff.versioned``): written by one learner, read by other fragments
+STATE      a versioned value (``ff.versioned``): written by learners (one or more, placed together),
+           read by other fragments
 LOOP       the user's training loop itself: the source of every fragment input that fragflow did not
            produce (constants, random keys, arithmetic done in the loop)
 =========  ===========================================================================================
@@ -88,6 +89,8 @@ class Node:
     inputs: tuple[LeafSpec, ...] = ()   # argument leaves in call order (dst_path, spec, batch axis)
     outputs: tuple[tuple[str, TensorSpec], ...] = ()   # output leaves (path, spec) as traced
     static: tuple[str, ...] = ()   # arguments that are configuration (a frozen dataclass, a string)
+    splittable: bool = True        # ENV: its environments can be split across processes (ff.envs.make, or
+                                   # a user's env sized with ff.envs.ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +185,6 @@ class Graph:
                 if src.instance is None or src.instance != dst.instance:
                     out.append(f"effect edge {e.src} -> {e.dst} must join two fragments of one object")
         for n in self.nodes:
-            if n.kind is NodeKind.STATE:
-                writers = [e.src for e in self.edges if e.kind is EdgeKind.STATE_WRITE and e.dst == n.name]
-                if len(writers) > 1:
-                    out.append(f"state '{n.name}' is written by {len(writers)} learners ({', '.join(writers)})")
             if n.kind is NodeKind.FRAGMENT and n.rate < 0:
                 out.append(f"fragment '{n.name}' has negative rate {n.rate}")
         return out

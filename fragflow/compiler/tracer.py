@@ -113,12 +113,17 @@ class Tracer:
         self._axis_hint: dict[int, tuple[tuple[str, int], Callable[[], Any]]] = {}
         self.fragments: dict[str, Fragment] = {}
         self._resources: list[Any] = []
+        self._instances: dict[int, str] = {}
         self.updates = 0
         self.env_steps = 0
+        self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
         return np.arange(num_envs)
+
+    def asked_ids(self) -> None:
+        self.sized_by_ids = True
 
     def replica(self) -> tuple[int, int]:
         return 0, 1
@@ -175,7 +180,7 @@ class Tracer:
             if is_static(value):
                 static.append(pname)
                 continue
-            self._record_inputs(rec, pname, value, window, where)
+            self._record_inputs(rec, pname, value, window, where, frag.in_axes)
         rec.static = tuple(static)
         if frag.writes is not None and written is None:
             raise VersionedStateError(
@@ -231,7 +236,13 @@ class Tracer:
     def _node(self, frag: Fragment) -> _NodeRec:
         rec = self._nodes.get(id(frag))
         if rec is None:
-            instance = getattr(frag.instance, "name", None)
+            instance = None
+            if frag.instance is not None:   # an object's fragments are named by the object
+                instance = getattr(frag.instance, "name", None)
+                if not isinstance(instance, str):
+                    instance = self._instances.get(id(frag.instance))
+                    if instance is None:
+                        instance = self._instances[id(frag.instance)] = self._names(type(frag.instance).__name__.lower())
             rec = _NodeRec(self._names(frag.name), frag.role, frag.defined_at, instance)
             self._nodes[id(frag)] = rec
             self.fragments[rec.name] = frag
@@ -276,7 +287,7 @@ class Tracer:
         return (new, *out[1:]) if isinstance(out, tuple) else new
 
     def _record_inputs(self, rec: _NodeRec, pname: str, value: Any, window: int,
-                       where: SourceLoc | None) -> None:
+                       where: SourceLoc | None, in_axes: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         try:
             leaves = leaf_paths(value)
         except NotAnArray as bad:
@@ -303,6 +314,8 @@ class Tracer:
             if axis is None:
                 hint = self._axis_hint.get(id(leaf))
                 axis = hint[0] if hint is not None and hint[1]() is leaf else None
+            if axis is None and in_axes is not None and getattr(leaf, "ndim", 0) >= 1:
+                axis = in_axes(f"{pname}{path}")   # the loop made it, the fragment declares its rows
             edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
             if edge.where is None:
                 edge.where = where
@@ -398,12 +411,20 @@ class Tracer:
                               defined_at=rec.defined_at, called_at=rec.called_at,
                               rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
-                              static=rec.static))
+                              static=rec.static, splittable=self._splittable(rec)))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.updates, self.env_steps)
+
+    def _splittable(self, rec: _NodeRec) -> bool:
+        """An env made by ff.envs.make slices itself; a user's own env only if the program asked
+        ff.envs.ids for its slice (an evaluation env is never split)."""
+        if rec.role != "env":
+            return True
+        frag = self.fragments[rec.name]
+        return frag.evaluation or getattr(frag.instance, "slices_itself", False) or self.sized_by_ids
 
     def close(self) -> None:
         for resource in self._resources:

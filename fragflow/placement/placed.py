@@ -40,7 +40,8 @@ class Group:
     replicas: int = 1
     program: str = "loop"
     device: str = "cpu"
-    threads: int = 1               # torch intra-op threads of each process (FRAGFLOW_THREADS overrides)
+    threads: int = 0               # torch intra-op threads of each process; 0: chosen by the lowering from the
+                                   # learners' size (FRAGFLOW_THREADS overrides)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,11 @@ class PlacedGraph:
                 other = instances.setdefault(frag.instance, seen[frag.name])
                 if other != seen[frag.name]:
                     out.append(f"fragments of '{frag.instance}' are split across groups '{other}' and '{seen[frag.name]}'")
+        written: dict[str, str] = {}
+        for e in self.graph.edges_of(EdgeKind.STATE_WRITE):   # one process holds the state's latest version
+            other = written.setdefault(e.dst, seen.get(e.src, "?"))
+            if other != seen.get(e.src, "?"):
+                out.append(f"state '{e.dst}' is written in both '{other}' and '{seen.get(e.src)}'")
         carried = {e for c in self.channels for e in c.edges}
         for e in self.graph.edges:
             src = self.graph.node(e.src)
@@ -194,6 +200,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
+    if actors > 1:
+        for n in graph.fragments("env"):
+            if n.name in acting and not n.splittable:
+                raise PlacementError(
+                    f"policy '{policy}' splits the environments across {actors} actor processes, but env fragment "
+                    f"'{n.name}' does not know which of them it steps: every actor would step all of them",
+                    where=n.defined_at,
+                    fix="size your env with n = len(ff.envs.ids(num_envs)) and seed environment i with seed + i "
+                        "(or build it with ff.envs.make(YourEnv, ...)), or run with actors=1")
     ordered_service = tuple(n.name for n in graph.fragments() if n.name in service)
     calls = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
                   if e.dst in service and e.src not in service)

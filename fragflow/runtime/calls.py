@@ -93,12 +93,15 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                                        "variable-size data)")
 
 
-def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: SourceLoc | None) -> None:
+def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: SourceLoc | None,
+                leaves: list[tuple[str, Any]] | None = None) -> None:
     """A learner's new state must keep the shapes and dtypes traced for it (every policy checks the same)."""
-    for path, leaf in leaf_paths(value):
+    for path, leaf in leaves if leaves is not None else leaf_paths(value):
         spec = traced.get(path)
         if spec is None:
             continue   # optimizer moments appear after the first step
+        if _same_spec(leaf, spec):
+            continue
         got = spec_of(leaf)
         if got.shape != spec.shape or got.dtype != spec.dtype:
             raise SpecChangedError(f"learner '{fragment}' returned state '{state}' with {path} as {got.short()} "
@@ -106,9 +109,55 @@ def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state:
                                    fix="keep the state's shapes and dtypes fixed (cast back, e.g. x.astype(np.float32))")
 
 
-def check_finite(out: Any, fragment: str, update: int, where: SourceLoc | None) -> None:
-    """Stop on NaN or infinity in a learner's output (state or metrics)."""
-    for path, leaf in leaf_paths(out):
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _same_spec(leaf: Any, spec: TensorSpec) -> bool:
+    """The fast path of the spec check: an array's shape and dtype name, the dtype's name cached."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return False
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = spec_of(leaf).dtype
+    return name == spec.dtype and tuple(leaf.shape) == spec.shape
+
+
+def check_write(value: Any, traced: dict[str, TensorSpec] | None, fragment: str, state: str, update: int,
+                where: SourceLoc | None, finite: bool) -> None:
+    """Both checks of a learner's new state, over one walk of its leaves."""
+    leaves = leaf_paths(value)
+    if traced is not None:
+        check_state(value, traced, fragment, state, where, leaves)
+    if finite:
+        check_finite(value, fragment, update, where, leaves)
+
+
+def _all_finite_torch(tensors: list[Any]) -> bool:
+    import torch
+
+    by_kind: dict[tuple[Any, Any], list[Any]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group in by_kind.values():
+        norms = torch._foreach_norm(group)
+        if not bool(torch.stack(norms).isfinite().all()):
+            return False
+    return True
+
+
+def check_finite(out: Any, fragment: str, update: int, where: SourceLoc | None,
+                 leaves: list[tuple[str, Any]] | None = None) -> None:
+    """Stop on NaN or infinity in a learner's output (state or metrics).
+
+    Torch tensors are checked together: one fused norm over all of them (a norm is non-finite
+    exactly when some element is, or the tensor's values are beyond any sane parameter); only
+    when that fails are they looked at one by one, to name the leaf."""
+    if leaves is None:
+        leaves = leaf_paths(out)
+    floats = [leaf.detach() for _, leaf in leaves if backend_of(leaf) == "torch" and leaf.is_floating_point()]
+    torch_ok = not floats or _all_finite_torch(floats)
+    for path, leaf in leaves:
         if isinstance(leaf, float):
             bad = not math.isfinite(leaf)
         elif isinstance(leaf, (bool, int)):
@@ -116,7 +165,7 @@ def check_finite(out: Any, fragment: str, update: int, where: SourceLoc | None) 
         else:
             backend = backend_of(leaf)
             if backend == "torch":
-                if not leaf.is_floating_point():
+                if torch_ok or not leaf.is_floating_point():
                     continue
                 bad = not bool(leaf.detach().isfinite().all())
             else:

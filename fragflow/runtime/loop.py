@@ -28,6 +28,7 @@ from fragflow.compiler.pytree import unflatten_into
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
 from fragflow.lowering import LoopProgram
+from fragflow.lowering.disciplines import Exact
 from fragflow.runtime import calls
 from fragflow.runtime.monitor import flat_scalars
 from fragflow.source import SourceLoc, user_callsite
@@ -69,7 +70,11 @@ class LoopInterpreter:
         self.rollout_version: int | None = None
         self._last_version = 0
         self._ticket = 0
-        self._views: dict[str, tuple[int, list[Any]]] = {}
+        self._views: dict[str, tuple[tuple[int, int | None], list[Any]]] = {}
+        # writes of each state this replica has issued, and how many there were when each version
+        # ended (a version is the state after a clock call and every write before the next one)
+        self._writes: dict[str, int] = {}
+        self._final: dict[tuple[str, int], int] = {}
         self._states: dict[str, Versioned] = {}
         self._seq = 0
         self._shipped: set[str] = set()
@@ -174,10 +179,7 @@ class LoopInterpreter:
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
-        if traced is not None:
-            calls.check_state(value, traced, fragment, state, user_callsite())
-        if not allow_nonfinite():
-            calls.check_finite(value, fragment, self.update + 1, user_callsite())
+        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite(), not allow_nonfinite())
 
     def _version(self) -> int:
         """The parameter version of the current rollout, chosen at its first read."""
@@ -205,9 +207,10 @@ class LoopInterpreter:
                 value = value[k]
             return value
         v = self._version()
+        key = (v, self._stamp(handle.name, v))
         cached = self._views.get(handle.name)
-        if cached is None or cached[0] != v:
-            _, leaves = self.endpoints.broadcasts[handle.name].read(v)
+        if cached is None or cached[0] != key:
+            _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
             trees, pos = [], 0
             for root, n in zip(b.paths, b.counts):
                 template = local.value
@@ -215,7 +218,7 @@ class LoopInterpreter:
                     template = template[k]
                 trees.append(unflatten_into(template, leaves[pos:pos + n]))
                 pos += n
-            cached = self._views[handle.name] = (v, trees)
+            cached = self._views[handle.name] = (key, trees)
         for root, tree in zip(b.paths, cached[1]):
             if path[:len(root)] == root:
                 for k in path[len(root):]:
@@ -223,6 +226,16 @@ class LoopInterpreter:
                 return tree
         raise ConfigError(f"the loop read {handle.name}{''.join(f'[{k!r}]' for k in path)}, which was not traced",
                           where=user_callsite(), fix="read the same state views on every call")
+
+    def _stamp(self, state: str, version: int) -> int | None:
+        """Under an exact version choice, the writes ``version`` of ``state`` must include: all
+        those issued before the next clock call (a second learner writing the state after the
+        clock, SAC's actor step, belongs to the same version). Relaxed choices take any."""
+        if not isinstance(self.program.choice, Exact):
+            return None
+        if version >= self.update:
+            return self._writes.get(state, 0)
+        return self._final[(state, version)]
 
     # -- remote ----------------------------------------------------------------------------
     def _remote(self, frag: Fragment, name: str, route: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -248,6 +261,12 @@ class LoopInterpreter:
         version = self._version() if self.program.reads else self._last_version
         ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
         self._seq += 1
+        if route.primary:
+            for state in self.program.reads:
+                self._final[(state, self.update)] = self._writes.get(state, 0)
+                self._final.pop((state, self.update - self.program.max_lag - 3), None)
+        if handle is not None:
+            self._writes[handle.name] = self._writes.get(handle.name, 0) + 1
         if route.primary:
             if self.rollout_version is not None and getattr(self.program.choice, "admits", False):
                 self.endpoints.admission.produced()

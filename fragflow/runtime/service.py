@@ -53,6 +53,7 @@ class ServiceRunner:
         self.stop = endpoints.stop
         self.admission = endpoints.admission
         self.version = 0
+        self.writes: dict[str, int] = {}   # writes of each state executed (the stamps of its broadcast)
         self.current = program.clock
         self.fragments: dict[str, Fragment] = {}
         self.instances: dict[str, Any] = {}
@@ -284,11 +285,9 @@ class ServiceRunner:
             new_value = out[0] if isinstance(out, tuple) else out
             traced = self.checks.get("state", {}).get((fragment, state))
             where = self.checks.get("called_at", {}).get(fragment)
-            if traced is not None:
-                calls.check_state(new_value, traced, fragment, state, where)
-            if not allow_nonfinite():
-                calls.check_finite(new_value, fragment, self.version + 1, where)
+            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite())
             self.states[state] = new_value
+            self.writes[state] = self.writes.get(state, 0) + 1
             if clock:
                 self.version += 1
                 for b in self.program.publish:
@@ -341,7 +340,7 @@ class ServiceRunner:
             for k in path:
                 sub = sub[k]
             leaves.extend(flatten(sub)[0])
-        self.endpoints.broadcasts[state].publish(leaves, self.version)
+        self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
 
     def run(self) -> None:
         while True:

@@ -67,7 +67,7 @@ def _traj_slot_bytes(layout: Layout) -> int:
 
 
 def _param_slot_bytes(layout: Layout) -> int:
-    return _round64(16 + layout.nbytes)
+    return _round64(_P_META + layout.nbytes)
 
 
 def _acquire(sem: Any, stop: Any, timeout: float | None) -> bool:
@@ -278,6 +278,7 @@ class TrajectoryChannel:
 # -- parameter broadcast ---------------------------------------------------------------------
 _P_LATEST, _P_WRITES = 0, 1
 _P_HEADER = 64
+_P_META = 32   # per slot: sequence (odd while written), version, stamp, unused
 
 
 @dataclass
@@ -298,6 +299,7 @@ class ParamChannel:
         self.header = np.frombuffer(segment.mem, np.int64, 2, 0)
         self._slot_bytes = _param_slot_bytes(self.layout)
         self._cache: tuple[int, list[Any]] | None = None
+        self._stamp = 0
 
     @staticmethod
     def create(name: str, specs: list[TensorSpec], depth: int) -> tuple[ParamHandles, Segment]:
@@ -307,7 +309,7 @@ class ParamChannel:
         seg.buf[:].fill(0)
         np.frombuffer(seg.mem, np.int64, 1, 0)[0] = -1   # nothing published yet
         for i in range(depth):
-            np.frombuffer(seg.mem, np.int64, 2, _P_HEADER + i * slot)[1] = -1
+            np.frombuffer(seg.mem, np.int64, 3, _P_HEADER + i * slot)[1] = -1
         return ParamHandles(name, seg.name, layout, depth), seg
 
     @staticmethod
@@ -316,41 +318,55 @@ class ParamChannel:
 
     def _slot(self, version: int) -> tuple[np.ndarray, int]:
         off = _P_HEADER + (version % self.depth) * self._slot_bytes
-        return np.frombuffer(self.seg.mem, np.int64, 2, off), off + 16
+        return np.frombuffer(self.seg.mem, np.int64, 3, off), off + _P_META
 
     @property
     def latest(self) -> int:
         """The newest published version (-1 before the first)."""
         return int(self.header[_P_LATEST])
 
-    def publish(self, leaves: list[Any], version: int) -> None:
+    def publish(self, leaves: list[Any], version: int, stamp: int = 0) -> None:
+        """Publish ``version``; ``stamp`` counts the writes of the state so far (a version written by
+        several learner calls is published after each, with a growing stamp)."""
         meta, data = self._slot(version)
         meta[0] += 1                      # odd: slot being written
         meta[1] = -1
         self.layout.write(self.seg.buf, data, leaves)
+        meta[2] = stamp
         meta[1] = version
         meta[0] += 1                      # even: slot consistent
         self.header[_P_LATEST] = version
         self.header[_P_WRITES] += 1
 
-    def read(self, version: int | None = None) -> tuple[int, list[Any]]:
-        """A private copy of ``version`` (default: the newest). Never blocks; retries a torn read."""
+    def read(self, version: int | None = None, stamp: int | None = None) -> tuple[int, list[Any]]:
+        """A private copy of ``version`` (default: the newest); with ``stamp``, of that version once
+        published with at least that many writes (it waits for them). Retries a torn read."""
+        pause = 2e-5
         while True:
             v = self.latest if version is None else version
             if v < 0:
                 raise LookupError("no version published yet")
-            if self._cache is not None and self._cache[0] == v:
+            if self._cache is not None and self._cache[0] == v and (stamp is None or self._stamp >= stamp):
                 return self._cache
             meta, data = self._slot(v)
             before = int(meta[0])
             if before % 2 == 0 and int(meta[1]) == v:
-                leaves = self.layout.read(self.seg.buf, data, copy=True)
-                if int(meta[0]) == before and int(meta[1]) == v:
-                    self._cache = (v, leaves)
-                    return self._cache
+                got = int(meta[2])
+                if stamp is None or got >= stamp:
+                    leaves = self.layout.read(self.seg.buf, data, copy=True)
+                    if int(meta[0]) == before and int(meta[1]) == v:
+                        self._cache, self._stamp = (v, leaves), got
+                        return self._cache
+                    continue
             elif version is not None and int(meta[1]) > v and before % 2 == 0:
                 raise LookupError(f"version {v} was overwritten (ring depth {self.depth})")
-            # a write of this slot raced with the read: try again
+            elif before % 2:
+                continue   # a write of this slot raced with the read: try again
+            # the version (or its last writes) is not published yet
+            if self.stop is not None and self.stop.is_set():
+                raise Stopped
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
         """Sleep until ``latest >= version``; returns latest. Honours the stop event."""

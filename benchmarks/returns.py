@@ -1,0 +1,89 @@
+"""Learning bands of the algorithm set: the final return of an algorithm at a fixed budget, over
+several seeds, under one or more policies, against a published band.
+
+=========  ============  ========  ===================  ==============================================
+algorithm  env           budget    target (mean)        published
+=========  ============  ========  ===================  ==============================================
+sac        Pendulum-v1   20k       >= -250              SB3 RL-Zoo -157 +- 89; RLlib's threshold -250
+a2c        CartPole-v1   500k      >= 450               SB3 RL-Zoo 500 +- 0
+impala     CartPole-v1   2M        >= 450               RLlib's IMPALA CartPole example threshold
+=========  ============  ========  ===================  ==============================================
+
+Each run is its own process (one at a time unless ``--jobs``); the final return is the mean return
+of the last 20 training episodes. Results go to ``benchmarks/results/<algo>_returns.json``.
+
+    python benchmarks/returns.py sac [--seeds 3] [--steps 20000] [--policies single_process learner_replay]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from common import save
+
+BANDS = {
+    "sac": {"steps": 20_000, "target": -250.0, "published": "SB3 RL-Zoo -157 +- 89 (Pendulum-v1, 20k)",
+            "policies": ["single_process", "learner_replay", "actor_learner(actors=1)"]},
+    "a2c": {"steps": 500_000, "target": 450.0, "published": "SB3 RL-Zoo 500 +- 0 (CartPole-v1, 500k)",
+            "policies": ["single_process"]},
+    "impala": {"steps": 2_000_000, "target": 450.0, "published": "RLlib IMPALA CartPole example: 450",
+               "policies": ["async_relaxed(actors=2, max_lag=4)"]},
+}
+
+CODE = """
+import json, torch
+torch.set_num_threads(1)
+import fragflow as ff
+from fragflow.algorithms import {algo} as algo
+r = ff.run(algo.train, algo.Args(total_timesteps={steps}, seed={seed}), policy={policy!r})
+print(json.dumps(r.summary))
+"""
+
+
+def one(algo: str, policy: str, seed: int, steps: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CODE.format(algo=algo, seed=seed, steps=steps, policy=policy)],
+                         check=True, capture_output=True, text=True).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    print(f"{algo} {policy} seed {seed}: final return {summary['final_return_mean']:.2f}, "
+          f"{summary['steps_per_second']:,.0f} steps/s, {summary['wall_seconds']:.0f}s", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("algo", choices=sorted(BANDS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="environment steps per run (default: the band's budget)")
+    p.add_argument("--policies", nargs="+", default=None)
+    p.add_argument("--jobs", type=int, default=1)
+    a = p.parse_args(argv)
+    band = BANDS[a.algo]
+    steps = a.steps or band["steps"]
+    policies = a.policies or band["policies"]
+    runs = [(policy, seed) for policy in policies for seed in range(1, a.seeds + 1)]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        summaries = list(pool.map(lambda ps: one(a.algo, ps[0], ps[1], steps), runs))
+    result: dict = {"command": "python benchmarks/returns.py " + " ".join(argv or sys.argv[1:]), "algorithm": a.algo,
+                    "steps": steps, "target": band["target"], "published": band["published"], "policies": {}}
+    for policy in policies:
+        mine = [s for (pol, _), s in zip(runs, summaries) if pol == policy]
+        finals = [s["final_return_mean"] for s in mine]
+        mean = statistics.mean(finals)
+        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        meets = mean >= band["target"]
+        print(f"{a.algo} {policy}: final return over {len(finals)} seeds {mean:.2f} +- {std:.2f} "
+              f"({'meets' if meets else 'below'} the {band['target']:.0f} target; {band['published']})")
+        result["policies"][policy] = {"final_returns": finals, "mean": mean, "std": std, "meets_target": meets,
+                                      "wall_seconds": [s["wall_seconds"] for s in mine],
+                                      "steps_per_second": [s["steps_per_second"] for s in mine], "per_seed": mine}
+    save(f"{a.algo}_returns", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
