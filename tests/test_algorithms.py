@@ -4,7 +4,10 @@ benchmarks check the learning)."""
 
 from __future__ import annotations
 
+import csv
+
 import pytest
+import torch
 
 import fragflow as ff
 from fragflow.algorithms import sac
@@ -58,3 +61,102 @@ def test_sac_transitions_from_two_actors_reach_one_learner_side_buffer(sac_refer
 def test_sac_with_stale_parameters_runs_to_the_end():
     result = ff.run(sac.train, sac.Args(**SAC_SMALL), policy="learner_replay(max_lag=2)")
     assert result.summary["updates"] == 199 and result.summary["env_steps"] == 1200
+
+
+A2C_SMALL = dict(total_timesteps=4000, num_envs=4, hidden=16)
+
+
+def test_a2c_advantages_bootstrap_truncated_episodes_and_not_terminated_ones():
+    from fragflow.algorithms import a2c
+
+    one, zero = torch.ones(3, 1), torch.zeros(3, 1)
+    value = torch.full((3, 1), 0.5)
+    # next_value[t] is the value of step t's true next observation: value[t + 1] within an episode,
+    # that of the final observation (7.0) where step 1 ends an episode, 2.0 after the rollout
+    next_value = torch.tensor([[0.5], [7.0], [2.0]])
+    cont = torch.tensor([[0.5], [0.5], [2.0]])
+    adv = a2c.advantages(one, value, cont, zero, zero, gamma=0.9, lam=1.0)   # no end: n-step returns
+    assert torch.allclose(adv[:, 0] + 0.5, torch.tensor([1 + 0.9 + 0.81 + 0.729 * 2.0, 1 + 0.9 + 0.81 * 2.0, 1 + 0.9 * 2.0]))
+    end = torch.tensor([[0.0], [1.0], [0.0]])
+    adv = a2c.advantages(one, value, next_value, end, end, gamma=0.9, lam=1.0)    # terminated: no bootstrap
+    assert torch.allclose(adv[:, 0] + 0.5, torch.tensor([1 + 0.9 * 1.0, 1.0, 1 + 0.9 * 2.0]))
+    adv = a2c.advantages(one, value, next_value, zero, end, gamma=0.9, lam=1.0)   # truncated: from final_obs
+    assert torch.allclose(adv[:, 0] + 0.5, torch.tensor([1 + 0.9 * (1 + 0.9 * 7.0), 1 + 0.9 * 7.0, 1 + 0.9 * 2.0]))
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "async_relaxed(actors=1, max_lag=0)",
+                                    "actor_learner(actors=2, max_lag=0)"])
+def test_a2c_reproduces_single_process(policy):
+    from fragflow.algorithms import a2c
+
+    expected = ff.run(a2c.train, a2c.Args(**A2C_SMALL), policy="single_process")
+    result = ff.run(a2c.train, a2c.Args(**A2C_SMALL), policy=policy)
+    assert same_tree(result.value, expected.value), policy
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+    assert result.summary["updates"] == 4000 // 20
+
+
+def test_a2c_under_async_relaxed_acts_with_stale_parameters():
+    from fragflow.algorithms import a2c
+
+    result = ff.run(a2c.train, a2c.Args(**A2C_SMALL), policy="async_relaxed(actors=2, max_lag=2)")
+    channel = result.summary["channels"]["trajectory"]
+    assert result.summary["updates"] + channel["drops"] // 2 == 4000 // 20
+    assert max(i for i, n in enumerate(channel["lag_histogram"]) if n) <= 2
+
+
+def _rollout(T: int, N: int, seed: int, ends: bool):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(T, N, generator=g)
+    value, next_value = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+    next_value[:-1] = value[1:]                               # within a rollout: the next step's value
+    term = (torch.rand(T, N, generator=g) < 0.2).float() if ends else torch.zeros(T, N)
+    behaviour, target = -torch.rand(T, N, generator=g) * 2, -torch.rand(T, N, generator=g) * 2
+    return r, value, next_value, term, behaviour, target
+
+
+def test_vtrace_is_n_step_returns_when_the_behaviour_policy_is_the_target_policy():
+    from fragflow.algorithms import a2c, impala
+
+    r, value, next_value, term, behaviour, _ = _rollout(12, 3, seed=0, ends=True)
+    vs, adv = impala.vtrace(behaviour, behaviour, r, value, next_value, term, term, gamma=0.97)
+    returns = a2c.advantages(r, value, next_value, term, term, gamma=0.97, lam=1.0) + value
+    assert torch.allclose(vs, returns, atol=1e-5)
+    next_vs = torch.cat([vs[1:], next_value[-1:]])            # the advantage bootstraps from the next target
+    assert torch.allclose(adv, r + 0.97 * (1 - term) * next_vs - value, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_vtrace_matches_rlax_on_random_off_policy_rollouts(seed):
+    import jax.numpy as jnp   # rlax (the reference) comes with the dev extra that make test installs
+    import rlax
+    import numpy as np
+
+    from fragflow.algorithms import impala
+
+    T, N, gamma = 16, 4, 0.95
+    r, value, next_value, term, behaviour, target = _rollout(T, N, seed=seed, ends=True)
+    vs, adv = impala.vtrace(behaviour, target, r, value, next_value, term, term, gamma=gamma, rho_bar=1.0, c_bar=1.0)
+    for n in range(N):
+        ref = rlax.vtrace_td_error_and_advantage(
+            jnp.asarray(value[:, n].numpy()), jnp.asarray(next_value[:, n].numpy()), jnp.asarray(r[:, n].numpy()),
+            jnp.asarray((gamma * (1 - term[:, n])).numpy()), jnp.asarray(torch.exp(target - behaviour)[:, n].numpy()))
+        np.testing.assert_allclose(vs[:, n].numpy(), np.asarray(ref.errors) + value[:, n].numpy(), atol=1e-5)
+        np.testing.assert_allclose(adv[:, n].numpy(), np.asarray(ref.pg_advantage), atol=1e-5)
+
+
+IMPALA_SMALL = dict(total_timesteps=4800, num_envs=4, num_steps=20, hidden=16)
+
+
+def test_impala_reproduces_single_process_without_lag_and_logs_the_lag_it_corrects(tmp_path):
+    from fragflow.algorithms import impala
+
+    expected = ff.run(impala.train, impala.Args(**IMPALA_SMALL), policy="single_process")
+    result = ff.run(impala.train, impala.Args(**IMPALA_SMALL), policy="async_relaxed(actors=1, max_lag=0)")
+    assert same_tree(result.value, expected.value)
+    stale = ff.run(impala.train, impala.Args(**IMPALA_SMALL), policy="async_relaxed(actors=2, max_lag=3)",
+                   out=tmp_path / "run")
+    hist = stale.summary["channels"]["trajectory"]["lag_histogram"]
+    assert sum(hist[1:]) > 0 and not any(hist[4:])            # acted with stale parameters, within the bound
+    lags = [float(row["lag_mean"]) for row in csv.DictReader(open(stale.out / "metrics.csv")) if row.get("lag_mean")]
+    assert lags and max(lags) > 0 and max(lags) <= 3

@@ -1,0 +1,138 @@
+"""Advantage Actor-Critic (Mnih et al., 2016, https://arxiv.org/abs/1602.01783), synchronous, n-step.
+
+With Stable-Baselines3's A2C defaults (the RL-Zoo's CartPole-v1 entry: 8 environments, no entropy
+bonus): 5-step rollouts, n-step returns (GAE with lambda = 1), separate 64-64 tanh policy and value
+networks with orthogonal initialisation, RMSprop (lr 7e-4, alpha 0.99, eps 1e-5), value loss
+weight 0.5, gradient norm clipped to 0.5.
+
+An episode cut by a time limit is bootstrapped from the value of its true last observation
+(``info["final_obs"]``); a terminated one is not.
+
+Under ``async_relaxed`` the actors act with parameters up to ``max_lag`` versions old while the
+learner steps: asynchronous advantage actor-critic in the spirit of A3C (one learner applying the
+actors' gradients' data, rather than Hogwild updates to shared weights)::
+
+    fragflow run algorithms/a2c.py --policy single_process
+    fragflow run algorithms/a2c.py --policy "async_relaxed(actors=2, max_lag=1)"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    env_id: str = "CartPole-v1"
+    """gymnasium environment id (discrete actions)"""
+    seed: int = 1
+    total_timesteps: int = 500_000
+    num_envs: int = 8
+    num_steps: int = 5
+    """steps per environment per update (the n of n-step returns)"""
+    learning_rate: float = 7e-4
+    gamma: float = 0.99
+    gae_lambda: float = 1.0
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    hidden: int = 64
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_timesteps // (self.num_envs * self.num_steps)
+
+
+def layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out)
+    nn.init.orthogonal_(lin.weight, std)
+    nn.init.constant_(lin.bias, 0.0)
+    return lin
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int) -> None:
+        super().__init__()
+        self.pi = nn.Sequential(layer(obs_dim, hidden), nn.Tanh(), layer(hidden, hidden), nn.Tanh(),
+                                layer(hidden, n_actions, std=0.01))
+        self.vf = nn.Sequential(layer(obs_dim, hidden), nn.Tanh(), layer(hidden, hidden), nn.Tanh(),
+                                layer(hidden, 1, std=1.0))
+
+
+# ACT: sample from the policy (Gumbel-max with per-environment keys)
+@ff.fragment("actor")
+def act(model, obs, key):
+    with torch.no_grad():
+        logits = model.pi(torch.as_tensor(obs, dtype=torch.float32))
+    return (logits.numpy() + ff.random.gumbel(key, (logits.shape[-1],))).argmax(-1)
+
+
+def advantages(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor, terminated: torch.Tensor,
+               done: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """GAE over a [T, N] rollout. ``next_value[t]`` is the value of step t's true next observation; a
+    terminated step does not bootstrap from it, and any episode end cuts the recursion."""
+    adv = torch.zeros_like(reward)
+    last = torch.zeros_like(reward[0])
+    for t in reversed(range(reward.shape[0])):
+        delta = reward[t] + gamma * (1.0 - terminated[t]) * next_value[t] - value[t]
+        last = delta + gamma * lam * (1.0 - done[t]) * last
+        adv[t] = last
+    return adv
+
+
+# LEARN: one gradient step on the rollout
+@ff.fragment("learner", writes="state")
+def learn(state, rollout, args: Args):
+    model, optimizer = state["model"], state["optimizer"]
+    obs = torch.as_tensor(rollout["obs"], dtype=torch.float32)             # [T, N, obs]
+    final_obs = torch.as_tensor(rollout["final_obs"], dtype=torch.float32)
+    action = torch.as_tensor(rollout["action"], dtype=torch.int64)
+    reward = torch.as_tensor(rollout["reward"], dtype=torch.float32)
+    terminated = torch.as_tensor(rollout["terminated"], dtype=torch.float32)
+    done = torch.as_tensor(rollout["done"], dtype=torch.float32)
+    value = model.vf(obs).squeeze(-1)
+    with torch.no_grad():
+        next_value = model.vf(final_obs).squeeze(-1)
+        adv = advantages(reward, value.detach(), next_value, terminated, done, args.gamma, args.gae_lambda)
+        returns = adv + value.detach()
+    dist = torch.distributions.Categorical(logits=model.pi(obs))
+    pg_loss = -(adv * dist.log_prob(action)).mean()
+    v_loss = ((returns - value) ** 2).mean()
+    entropy = dist.entropy().mean()
+    loss = pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy
+    optimizer.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return state, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy.detach()}
+
+
+def train(args: Args):
+    env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
+    torch.manual_seed(args.seed)
+    obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
+    model = ActorCritic(obs_dim, int(env.single_action_space.n), args.hidden)  # type: ignore[attr-defined]
+    state = ff.versioned({"model": model, "optimizer": torch.optim.RMSprop(model.parameters(), lr=args.learning_rate,
+                                                                           alpha=0.99, eps=1e-5)})
+    buffer = ff.RolloutBuffer(args.num_steps)
+    key = ff.random.keys(args.seed, env.ids)
+
+    obs = env.reset()
+    for _ in range(args.num_updates):
+        for _ in range(args.num_steps):
+            key, sub = ff.random.split(key)
+            action = act(state["model"], obs, sub)
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            buffer.add(obs=obs, action=action, reward=reward, final_obs=info["final_obs"], terminated=terminated,
+                       done=terminated | truncated)
+            obs = next_obs
+        state, metrics = learn(state, buffer.collect(), args)
+        ff.log(metrics)
+    return state
