@@ -128,9 +128,9 @@ def test_vtrace_is_n_step_returns_when_the_behaviour_policy_is_the_target_policy
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_vtrace_matches_rlax_on_random_off_policy_rollouts(seed):
-    import jax.numpy as jnp   # rlax (the reference) comes with the dev extra that make test installs
-    import rlax
+    import jax.numpy as jnp  # rlax (the reference) comes with the dev extra that make test installs
     import numpy as np
+    import rlax
 
     from fragflow.algorithms import impala
 
