@@ -7,6 +7,7 @@ algorithm  env           budget    target (mean)        published
 sac        Pendulum-v1   20k       >= -250              SB3 RL-Zoo -157 +- 89; RLlib's threshold -250
 a2c        CartPole-v1   500k      >= 450               SB3 RL-Zoo 500 +- 0
 impala     CartPole-v1   2M        >= 450               RLlib's IMPALA CartPole example threshold
+ppo        CartPole-v1   500k      >= 450               CleanRL 490 +- 6 (IMPALA's comparison)
 =========  ============  ========  ===================  ==============================================
 
 Each run is its own process (one at a time unless ``--jobs``); the final return is the mean return
@@ -31,6 +32,8 @@ BANDS = {
             "policies": ["single_process", "learner_replay", "actor_learner(actors=1)"]},
     "a2c": {"steps": 500_000, "target": 450.0, "published": "SB3 RL-Zoo 500 +- 0 (CartPole-v1, 500k)",
             "policies": ["single_process"]},
+    "ppo": {"steps": 500_000, "target": 450.0, "published": "CleanRL 490.04 +- 6.12 (CartPole-v1, 500k)",
+            "policies": ["async_relaxed(actors=2, max_lag=4)"]},
     "impala": {"steps": 2_000_000, "target": 450.0, "published": "RLlib IMPALA CartPole example: 450",
                "policies": ["async_relaxed(actors=2, max_lag=4)"]},
 }
@@ -40,16 +43,18 @@ import json, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import {algo} as algo
-r = ff.run(algo.train, algo.Args(total_timesteps={steps}, seed={seed}), policy={policy!r})
+r = ff.run(algo.train, algo.Args(total_timesteps={steps}, seed={seed}), policy={policy!r}, target_return={target})
 print(json.dumps(r.summary))
 """
 
 
 def one(algo: str, policy: str, seed: int, steps: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CODE.format(algo=algo, seed=seed, steps=steps, policy=policy)],
+    out = subprocess.run([sys.executable, "-c", CODE.format(algo=algo, seed=seed, steps=steps, policy=policy,
+                                                                      target=BANDS[algo]["target"])],
                          check=True, capture_output=True, text=True).stdout
     summary = json.loads(out.strip().splitlines()[-1])
     print(f"{algo} {policy} seed {seed}: final return {summary['final_return_mean']:.2f}, "
+          f"target reached at {summary.get('solved_at_steps')} steps / {summary.get('solved_at_seconds')} s, "
           f"{summary['steps_per_second']:,.0f} steps/s, {summary['wall_seconds']:.0f}s", flush=True)
     return summary
 
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"({'meets' if meets else 'below'} the {band['target']:.0f} target; {band['published']})")
         result["policies"][policy] = {"final_returns": finals, "mean": mean, "std": std, "meets_target": meets,
                                       "wall_seconds": [s["wall_seconds"] for s in mine],
+                                      "solved_at_steps": [s.get("solved_at_steps") for s in mine],
+                                      "solved_at_seconds": [s.get("solved_at_seconds") for s in mine],
                                       "steps_per_second": [s["steps_per_second"] for s in mine], "per_seed": mine}
     save(f"{a.algo}_returns", result)
     return result

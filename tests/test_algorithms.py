@@ -160,3 +160,15 @@ def test_impala_reproduces_single_process_without_lag_and_logs_the_lag_it_correc
     assert sum(hist[1:]) > 0 and not any(hist[4:])            # acted with stale parameters, within the bound
     lags = [float(row["lag_mean"]) for row in csv.DictReader(open(stale.out / "metrics.csv")) if row.get("lag_mean")]
     assert lags and max(lags) > 0 and max(lags) <= 3
+
+
+def test_ppo_with_its_rollout_buffer_beside_the_learner_reproduces_single_process():
+    """learner_replay moves the rollout buffer to the learner: ``collect(next_obs=obs)`` passes the
+    last observation through, and the loop hands ``learn`` the whole batch, resolved there."""
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=1024, num_envs=2, num_steps=64)
+    expected = ff.run(ppo.train, args, policy="single_process")
+    result = ff.run(ppo.train, args, policy="learner_replay(max_lag=0)")
+    assert same_tree(result.value, expected.value)
+    assert result.summary["updates"] == 8

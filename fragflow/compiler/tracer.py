@@ -114,6 +114,7 @@ class Tracer:
         self.fragments: dict[str, Fragment] = {}
         self._resources: list[Any] = []
         self._instances: dict[int, str] = {}
+        self._containers: dict[tuple[str, str], tuple[Any, str, Any]] = {}   # (node, port) -> its last output container
         self.updates = 0
         self.env_steps = 0
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
@@ -302,12 +303,20 @@ class Tracer:
                                  "Python numbers and configuration (a frozen dataclass, a string); keep other "
                                  "objects in the loop or inside the fragment") from None
         touched: set[tuple[str, str]] = set()
+        container = next(((node, port, axes) for (node, port), (obj, _, axes) in self._containers.items()
+                          if obj is value), None)
         for path, leaf in leaves:
             self._input_ids.add(id(leaf))
             origin = self._origin(leaf)
             spec = spec_of(leaf)
             self._input_backends.add(spec.backend)
-            if origin is None:
+            if container is not None:
+                src, port = container[0], container[1]
+                src_path = f"{port}{path}"
+                axis = container[2](src_path) if container[2] is not None else None
+                if axis is None and origin is not None:
+                    axis = origin.axis
+            elif origin is None:
                 src, port, src_path, axis = LOOP, "", "", None
             else:
                 src, port, src_path, axis = origin.node, origin.port, origin.path, origin.axis
@@ -366,6 +375,13 @@ class Tracer:
         if not rec.backends:
             rec.backends.update(b for b in self._input_backends if b != "python")
         axes = frag.axes or default_axes(frag.role, out) or self._inherited_axes(leaves)
+        # The output's containers: passed on whole (``learn(state, buffer.collect(...))``), every leaf
+        # in one comes from this fragment, what it passed through included: placed elsewhere, the
+        # fragment's process resolves the whole container.
+        items = [(f"[{i}]", x) for i, x in enumerate(out) if i >= first] if isinstance(out, tuple) else [("", out)]
+        for port, item in items:
+            if isinstance(item, (dict, list)):
+                self._containers[(rec.name, port)] = (item, rec.role, axes)
         registered: set[int] = set()
         for port, path, leaf in leaves:
             axis = axes(path) if axes is not None else None
