@@ -126,23 +126,43 @@ def test_vtrace_is_n_step_returns_when_the_behaviour_policy_is_the_target_policy
     assert torch.allclose(adv, r + 0.97 * (1 - term) * next_vs - value, atol=1e-5)
 
 
+RLAX_REFERENCE = """
+import sys
+import numpy as np
+import jax.numpy as jnp
+import rlax   # the reference; the dev extra that make test installs brings it
+d = np.load(sys.argv[1])
+out = {}
+for n in range(d["r"].shape[1]):
+    ref = rlax.vtrace_td_error_and_advantage(*(jnp.asarray(d[k][:, n]) for k in ("v", "next_v", "r", "discount", "rho")))
+    out[f"vs{n}"] = np.asarray(ref.errors) + d["v"][:, n]
+    out[f"adv{n}"] = np.asarray(ref.pg_advantage)
+np.savez(sys.argv[2], **out)
+"""
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_vtrace_matches_rlax_on_random_off_policy_rollouts(seed):
-    import jax.numpy as jnp  # rlax (the reference) comes with the dev extra that make test installs
+def test_vtrace_matches_rlax_on_random_off_policy_rollouts(seed, tmp_path):
+    """rlax runs in a process of its own: JAX's threads in the test process would make every later
+    forked worker risk a deadlock."""
+    import subprocess
+    import sys
+
     import numpy as np
-    import rlax
 
     from fragflow.algorithms import impala
 
     T, N, gamma = 16, 4, 0.95
     r, value, next_value, term, behaviour, target = _rollout(T, N, seed=seed, ends=True)
     vs, adv = impala.vtrace(behaviour, target, r, value, next_value, term, term, gamma=gamma, rho_bar=1.0, c_bar=1.0)
+    np.savez(tmp_path / "in.npz", v=value.numpy(), next_v=next_value.numpy(), r=r.numpy(),
+             discount=(gamma * (1 - term)).numpy(), rho=torch.exp(target - behaviour).numpy())
+    subprocess.run([sys.executable, "-c", RLAX_REFERENCE, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                   check=True)
+    ref = np.load(tmp_path / "out.npz")
     for n in range(N):
-        ref = rlax.vtrace_td_error_and_advantage(
-            jnp.asarray(value[:, n].numpy()), jnp.asarray(next_value[:, n].numpy()), jnp.asarray(r[:, n].numpy()),
-            jnp.asarray((gamma * (1 - term[:, n])).numpy()), jnp.asarray(torch.exp(target - behaviour)[:, n].numpy()))
-        np.testing.assert_allclose(vs[:, n].numpy(), np.asarray(ref.errors) + value[:, n].numpy(), atol=1e-5)
-        np.testing.assert_allclose(adv[:, n].numpy(), np.asarray(ref.pg_advantage), atol=1e-5)
+        np.testing.assert_allclose(vs[:, n].numpy(), ref[f"vs{n}"], atol=1e-5)
+        np.testing.assert_allclose(adv[:, n].numpy(), ref[f"adv{n}"], atol=1e-5)
 
 
 IMPALA_SMALL = dict(total_timesteps=4800, num_envs=4, num_steps=20, hidden=16)

@@ -34,7 +34,8 @@ def start_method() -> str:
 
     Fork starts a worker in milliseconds with the driver's modules already imported; spawn starts a
     fresh interpreter (about a second per worker, to import torch) and is the only choice on
-    macOS and Windows.
+    macOS and Windows. A process that imported JAX (multithreaded) starts its workers from a fork
+    server instead.
     """
     method = os.environ.get("FRAGFLOW_START_METHOD", "")
     if method:
@@ -42,7 +43,11 @@ def start_method() -> str:
             raise ConfigError(f"FRAGFLOW_START_METHOD={method!r} is not available here",
                               fix=f"use one of: {', '.join(mp.get_all_start_methods())}")
         return method
-    return "fork" if sys.platform.startswith("linux") else "spawn"
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    if "jax" in sys.modules:   # JAX runs threads of its own: a forked child of a JAX process may deadlock
+        return "forkserver"
+    return "fork"
 
 
 @dataclass
