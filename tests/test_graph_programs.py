@@ -425,3 +425,20 @@ def test_the_learner_sees_each_pieces_lag_and_block_keeps_every_piece_within_the
     if lag_bound is not None:
         assert max(lags) <= lag_bound
     assert result.summary["updates"] == 12
+
+
+def test_a_fragment_method_binds_to_its_object_once_even_on_an_unhashable_dataclass():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Env:          # eq=True makes it unhashable
+        n: int = 2
+
+        @ff.fragment("env")
+        def step(self, action):
+            return action + self.n
+
+    a, b = Env(), Env(n=5)
+    assert a.step is a.step and a.step is not b.step        # a stable node per object
+    assert a.step(1) == 3 and b.step(1) == 6                # eagerly, a plain method call
+    assert a.step.instance is a and a.step.name == "Env.step"

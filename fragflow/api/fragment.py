@@ -61,6 +61,19 @@ def rows(path: str) -> tuple[str, int]:
 _bound: weakref.WeakKeyDictionary[object, dict[int, Fragment]] = weakref.WeakKeyDictionary()
 
 
+def _bound_on(obj: object) -> dict[int, Fragment]:
+    """The fragments bound to ``obj`` (one per method, made once so its identity is stable)."""
+    try:
+        return _bound.setdefault(obj, {})
+    except TypeError:   # unhashable (a dataclass) or not weak-referenceable: keep them on the object
+        try:
+            return vars(obj).setdefault("_fragflow_bound", {})
+        except TypeError:
+            raise TraceError(f"cannot bind a fragment method to a {type(obj).__qualname__}: it has no __dict__",
+                             where=user_callsite(), fix="add '__weakref__' to its __slots__, or make the "
+                                                        "fragments in __init__: self.step = ff.fragment('env')(self._step)") from None
+
+
 class Fragment:
     """A callable marked with a role. Calls go to the active interpreter, or run eagerly."""
 
@@ -92,9 +105,7 @@ class Fragment:
         fragment of that object (its own node, kept with the object's other fragments)."""
         if obj is None or self.instance is not None:
             return self
-        bound = _bound.get(obj)
-        if bound is None:
-            bound = _bound[obj] = {}
+        bound = _bound_on(obj)
         frag = bound.get(id(self))
         if frag is None:
             owner = getattr(obj, "name", None) or type(obj).__name__
