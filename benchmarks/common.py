@@ -6,11 +6,20 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def run_json(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; its last line of output is a JSON object."""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env=None if env is None else dict(os.environ, **env)).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def machine() -> dict[str, Any]:

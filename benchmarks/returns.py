@@ -20,13 +20,11 @@ within the budget (the stop criterion of RLlib's examples), with the step and se
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from common import save
+from common import run_json, save
 
 BANDS = {
     "sac": {"steps": 20_000, "target": -250.0, "published": "SB3 RL-Zoo -157 +- 89 (Pendulum-v1, 20k)",
@@ -50,10 +48,7 @@ print(json.dumps(r.summary))
 
 
 def one(algo: str, policy: str, seed: int, steps: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CODE.format(algo=algo, seed=seed, steps=steps, policy=policy,
-                                                                      target=BANDS[algo]["target"])],
-                         check=True, capture_output=True, text=True).stdout
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = run_json(CODE.format(algo=algo, seed=seed, steps=steps, policy=policy, target=BANDS[algo]["target"]))
     print(f"{algo} {policy} seed {seed}: final return {summary['final_return_mean']:.2f}, "
           f"target reached at {summary.get('solved_at_steps')} steps / {summary.get('solved_at_seconds')} s, "
           f"{summary['steps_per_second']:,.0f} steps/s, {summary['wall_seconds']:.0f}s", flush=True)

@@ -23,12 +23,9 @@ sac        Pendulum-v1    256-256 ReLU, lr 3e-4 for everything, replay 1M, warm-
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 
-from common import print_rows, row, save, stats
+from common import print_rows, row, run_json, save, stats
 
 STEPS = {"a2c": 50_000, "dqn": 30_000, "sac": 7_000}
 
@@ -86,9 +83,7 @@ print(json.dumps({{"sps": model.num_timesteps / dt, "ret": sum(rets[-20:]) / max
 
 
 def once(code: str) -> dict:
-    env = dict(os.environ, FRAGFLOW_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json(code, env={"FRAGFLOW_THREADS": "1"})
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

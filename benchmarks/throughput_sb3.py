@@ -12,11 +12,9 @@ torch thread. Steps/s is measured over training only (after set-up and fragflow'
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
-from common import print_rows, row, save, stats
+from common import print_rows, row, run_json, save, stats
 
 FRAGFLOW = """
 import json, torch
@@ -47,8 +45,7 @@ print(json.dumps({{"sps": model.num_timesteps / dt, "ret": sum(rets[-20:]) / max
 
 
 def once(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json(code)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -36,7 +36,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from fragflow import context
-from fragflow.api.fragment import Fragment
+from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import UnknownEnvError, did_you_mean
 from fragflow.source import user_callsite
@@ -163,10 +163,10 @@ class VectorEnv:
         self.single_action_space = env.single_action_space
         self._action_dtype = self.single_action_space.dtype
         self.evaluation = evaluation
-        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=_env_axis,
+        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=rows,
                               evaluation=evaluation)
-        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=_env_axis,
-                             events=self._events, evaluation=evaluation, in_axes=_env_axis)
+        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=rows,
+                             events=self._events, evaluation=evaluation, in_axes=rows)
 
     def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
         return self.num_envs, (self.pop_finished() if self._stats.finished else [])
@@ -261,9 +261,6 @@ def _registered(env_id: str, where: Any) -> str:
 _EXTRA_HINT = {"ale_py": 'pip install "fragflow[atari]"', "ALE": 'pip install "fragflow[atari]"',
                "mujoco": 'pip install "fragflow[mujoco]"'}
 
-
-def _env_axis(path: str) -> tuple[str, int]:
-    return ("env", 0)
 
 
 def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,

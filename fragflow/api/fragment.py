@@ -54,7 +54,8 @@ _FIRST_PARAM = object()
 
 
 def rows(path: str) -> tuple[str, int]:
-    """``in_axes`` of a fragment whose arguments are rows, one per environment (a buffer's add)."""
+    """Every leaf is rows, one per environment, on axis 0: the ``axes`` of an env's outputs and the
+    ``in_axes`` of a buffer's ``add`` or an env's ``step``."""
     return ("env", 0)
 
 

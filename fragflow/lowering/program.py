@@ -142,9 +142,10 @@ def _channel(placed: PlacedGraph, kind: str, src: str, dst: str) -> Channel | No
     return next((c for c in placed.channels if c.kind == kind and c.src_group == src and c.dst_group == dst), None)
 
 
-# Learner state (in floats) above which a process's torch kernels are big enough to share cores:
-# below it (PPO and DQN on classic control: ~10k) one thread is fastest, as small kernels on a busy
-# machine crawl with more; SAC's twin 256-wide critics (~140k) run 1.4x faster on two.
+# Learner state (in floats, optimizer moments included) above which a process's torch kernels are
+# big enough to share cores: below it (DQN on CartPole: 11k parameters, 33k floats with Adam's
+# moments; PPO fewer) one thread is fastest, as small kernels on a busy machine crawl with more;
+# SAC (202k parameters) ran 1.4x faster on two threads than on one here.
 BIG_LEARNER = 50_000
 
 
