@@ -409,6 +409,7 @@ def train(args: Args):
     ("pipelined(actors=2, max_lag=1)", 2, 1),
     ("actor_learner(actors=2, max_lag=1, overflow=block)", 2, 1),
     ("actor_learner(actors=2, max_lag=1, overflow=deliver)", 2, None),
+    ("central_inference(env_workers=2, max_lag=1, wait_ms=0)", 2, 1),
 ])
 def test_the_learner_sees_each_pieces_lag_and_block_keeps_every_piece_within_the_bound(write_algo, tmp_path,
                                                                                        policy, pieces, lag_bound):
@@ -442,3 +443,70 @@ def test_a_fragment_method_binds_to_its_object_once_even_on_an_unhashable_datacl
     assert a.step is a.step and a.step is not b.step        # a stable node per object
     assert a.step(1) == 3 and b.step(1) == 6                # eagerly, a plain method call
     assert a.step.instance is a and a.step.name == "Env.step"
+
+
+SLOW_WORKER = """
+import time
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+class Field:
+    # four environments per worker; the second worker's take 5 ms a step
+
+    def __init__(self, num_envs):
+        ids = ff.envs.ids(num_envs)
+        self.n, self.slow = len(ids), ids[0] >= num_envs // 2
+        self.step = ff.fragment("env", name="field.step")(self._step)
+        self.reset = ff.fragment("env", name="field.reset")(lambda: np.ones((self.n, 2), np.float32))
+
+    def _step(self, action):
+        if self.slow:
+            time.sleep(0.005)
+        obs = np.ones((self.n, 2), np.float32)
+        return obs, np.ones(self.n), np.zeros(self.n, bool), np.zeros(self.n, bool), {}
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(params, obs):
+    served = np.full(len(obs), float(len(obs)))        # the size of the batch this request was answered in
+    return (obs @ params["w"]).argmax(-1), served
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"params": {"w": state["params"]["w"] + 1e-3}}, {"served": float(batch["served"].min())}
+
+def train(args: Args):
+    env = Field(8)
+    state = ff.versioned({"params": {"w": np.zeros((2, 2))}})
+    buf = ff.RolloutBuffer(10)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(10):
+            action, served = act(state["params"], obs)
+            obs, *_ = env.step(action)
+            buf.add(obs=obs, served=served)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("max_lag, smallest", [(0, 8), (1, 4)])
+def test_central_inference_waits_for_every_worker_only_without_a_bound(write_algo, tmp_path, max_lag, smallest):
+    """max_lag=0 batches every worker's request (bit-identity needs it); with a bound, the fast
+    worker's requests are answered alone once wait_ms has passed, so it is not held to the slow one's pace."""
+    import csv
+
+    path, _ = write_algo(SLOW_WORKER)
+    program = load(str(path))
+    policy = f"central_inference(env_workers=2, max_lag={max_lag}, wait_ms=1)"
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert min(float(r["served"]) for r in rows) == smallest
+    assert result.summary["updates"] == 6 and result.summary["env_steps"] == 6 * 10 * 8
+    assert max(i for i, n in enumerate(result.summary["channels"]["trajectory"]["lag_histogram"]) if n) <= max_lag
+    assert shm_leftovers() == []

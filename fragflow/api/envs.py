@@ -234,7 +234,7 @@ def ids(num_envs: int) -> np.ndarray:
         return np.arange(num_envs)
     asked = getattr(interp, "asked_ids", None)   # the tracer notes that the program sizes its envs
     if asked is not None:
-        asked()
+        asked(num_envs)
     return interp.env_ids(num_envs)
 
 

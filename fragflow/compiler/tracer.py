@@ -118,13 +118,15 @@ class Tracer:
         self.updates = 0
         self.env_steps = 0
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
+        self.env_counts: set[int] = set()   # ... of how many
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
         return np.arange(num_envs)
 
-    def asked_ids(self) -> None:
+    def asked_ids(self, num_envs: int) -> None:
         self.sized_by_ids = True
+        self.env_counts.add(num_envs)
 
     def replica(self) -> tuple[int, int]:
         return 0, 1
@@ -374,7 +376,8 @@ class Tracer:
             rec.backends.update(s.backend for s in written_specs if s.backend != "python")
         if not rec.backends:
             rec.backends.update(b for b in self._input_backends if b != "python")
-        axes = frag.axes or default_axes(frag.role, out) or self._inherited_axes(leaves)
+        axes = frag.axes or default_axes(frag.role, out) or self._sized_by_ids(frag, leaves) or \
+            self._inherited_axes(leaves)
         # The output's containers: passed on whole (``learn(state, buffer.collect(...))``), every leaf
         # in one comes from this fragment, what it passed through included: placed elsewhere, the
         # fragment's process resolves the whole container.
@@ -399,6 +402,14 @@ class Tracer:
             except TypeError:
                 ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
             self._origins[id(leaf)] = _Origin(rec.name, rec.role, port, path, axis, ref)
+
+    def _sized_by_ids(self, frag: Fragment, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
+        """A user's env fragment that returns no gymnasium step (its ``reset``): leaves whose leading
+        size is a number of environments the program asked ``ff.envs.ids`` for are ``env`` axis 0."""
+        if frag.role != "env" or frag.evaluation or not self.env_counts:
+            return None
+        batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] in self.env_counts}
+        return (lambda path: ("env", 0) if path in batched else None) if batched else None
 
     def _inherited_axes(self, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
         """A fragment that declares no axes (a user's ``act``) keeps its inputs' ``env`` batch: when

@@ -117,6 +117,7 @@ class ServiceProgram:
     max_lag: int
     states: tuple[str, ...]
     replies: tuple[Ring, ...] = ()    # per sync fragment per replica: its outputs, split back
+    batch_wait: float = 0.0           # seconds a request waits for the other replicas' (arrival gathering)
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,8 @@ def lower(placed: PlacedGraph) -> Lowered:
         overflow = disciplines.OVERFLOW[traj.overflow.value]() if traj is not None else disciplines.Deliver()
         services.append(ServiceProgram(group.name, _threads(graph, group, processes), loop.replicas, group.nodes, tuple(rings),
                                        tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
-                                       tuple(sorted(held)), tuple(replies)))
+                                       tuple(sorted(held)), tuple(replies),
+                                       traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0))
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
                           {k: tuple(v) for k, v in ship.items()}, choice, max_lag)
     return Lowered(placed, program, tuple(services))

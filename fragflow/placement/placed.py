@@ -55,6 +55,8 @@ class Channel:
     overflow: Overflow = Overflow.BLOCK
     capacity: int = 1
     discipline: str = ""           # how it is read (see acting_and_learning and fragflow.lowering.disciplines)
+    batch_wait_ms: float = 0.0     # a consumer answering requests (inference) runs on what arrived this long after
+                                   # the first request, when the rest has not come (arrival gathering only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,8 @@ def edge_label(src: str, dst: str, dst_port: str) -> str:
 
 def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
                         max_lag: int, overflow: Overflow, trajectory: str, parameters: str,
-                        buffers_with_learner: bool = False, inference_with_learner: bool = False) -> PlacedGraph:
+                        buffers_with_learner: bool = False, inference_with_learner: bool = False,
+                        batch_wait_ms: float = 0.0) -> PlacedGraph:
     """The placement shared by the single-learner policies: the acting side (envs, actors,
     buffers and the loop itself) replicated ``actors`` times; every learner fragment, and the sinks
     they feed, in one service process; a trajectory channel for the calls the acting side makes
@@ -141,6 +144,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     ``inference_with_learner`` moves the actor fragments there too: the acting side keeps only
     the environments and the loop, and each inference call becomes a request the learner's
     process answers for all actors at once, with its newest parameters (the SEED RL shape).
+    With ``arrival`` gathering, ``batch_wait_ms`` bounds how long a request waits for the other
+    actors' requests before it is answered with whatever has arrived.
 
     ``trajectory`` is the consumer's discipline: ``ordered`` (one piece per actor per call, in
     actor order) or ``arrival`` (first come, first served). ``parameters`` is ``exact`` (an actor
@@ -156,6 +161,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     """
     from fragflow.errors import ConfigError, LearnerOutputOnActingSideError, PlacementError
 
+    if batch_wait_ms < 0:
+        raise ConfigError(f"policy '{policy}' got a batching wait of {batch_wait_ms} ms",
+                          fix="pass wait_ms=0 (answer what has arrived) or more")
     if max_lag < 0:
         raise ConfigError(f"policy '{policy}' got max_lag={max_lag}; a staleness bound is a number of versions",
                           fix="pass max_lag=0 (sequential semantics) or more")
@@ -215,7 +223,7 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     read_edges = tuple(f"{e.src}{e.src_port} -> {e.dst}.{e.dst_port}" for e in graph.edges_of(EdgeKind.STATE_READ)
                        if e.dst in acting)
     channels = [Channel("trajectory", "trajectory", "actors", "learner", calls, max_lag, overflow, max_lag + 2,
-                        trajectory)]
+                        trajectory, batch_wait_ms if trajectory == "arrival" and max_lag > 0 else 0.0)]
     if read_edges:
         channels.append(Channel("parameters", "parameter", "learner", "actors", read_edges, max_lag, Overflow.DELIVER,
                                 max_lag + 3, parameters))

@@ -293,6 +293,9 @@ class LoopInterpreter:
             raise ConfigError(f"no reply to '{name}'", fix="the serving process stopped")
         leaves = [x.clone() if hasattr(x, "clone") else (x.copy() if hasattr(x, "copy") else x) for x in item[1]]
         ring.release()
+        if not self.program.reads and self.rollout_version is None:
+            # acting is served elsewhere: the rollout's version is that of its first answer
+            self.rollout_version = self._last_version = item[0]
         return from_keys(route.outputs, leaves)
 
     # -- logging -----------------------------------------------------------------------------

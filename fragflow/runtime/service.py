@@ -35,10 +35,11 @@ IDLE_WAIT = 0.05
 
 
 class _Piece:
-    __slots__ = ("replica", "version", "tag", "sid", "leaves", "ring")
+    __slots__ = ("replica", "version", "tag", "sid", "leaves", "ring", "arrived")
 
     def __init__(self, replica: int, version: int, tag: int, sid: int, leaves: list[Any], ring: Any) -> None:
         self.replica, self.version, self.tag, self.sid, self.leaves, self.ring = replica, version, tag, sid, leaves, ring
+        self.arrived = time.monotonic()
 
 
 class ServiceRunner:
@@ -73,6 +74,9 @@ class ServiceRunner:
         self._cursor = 0
         self._ticket = 1      # the next admission ticket to consume (balanced admission)
         self.finished = [False] * program.producers
+        # served inference under arrival gathering: the version each replica's current rollout was
+        # first answered with (None between its clock call and its next request)
+        self.started: list[int | None] = [None] * program.producers
         self.delivered: list[tuple[int, int]] = []
         self.instance_name = InstanceNames()
 
@@ -179,9 +183,13 @@ class ServiceRunner:
             else:
                 heads = [(k_, h) for k_ in range(producers) if (h := self._head(k_)) is not None]
                 if not heads:
+                    # nothing more has arrived: a request batch whose wait is over is answered as it is
+                    due, wait = self._due()
+                    if due is not None:
+                        return due
                     if all(self.finished):
                         return None
-                    self.endpoints.wait_any(self.program.group, IDLE_WAIT)
+                    self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
                     continue
                 if any(h[3][3] for _, h in heads):
                     # admitted rollouts (the balance controller's tickets) are consumed in the order
@@ -203,8 +211,38 @@ class ServiceRunner:
             piece = self._take(k, head)
             self._cursor = (k + 1) % producers
             fragment = head[1]
-            if piece is not None and len(self.pools[fragment]) >= producers:
+            if fragment == self.program.clock:
+                self.started[k] = None
+            if piece is not None and len(self.pools[fragment]) >= producers and not self._held(fragment):
                 return fragment
+
+    def _held(self, fragment: str) -> bool:
+        """Served inference with a bound: an update that would leave a rollout still being acted
+        more than ``max_lag`` versions behind when it is learned from waits for that rollout."""
+        if fragment != self.program.clock or self.program.ordered:
+            return False
+        return any(s is not None and not self.finished[k] and self.version + 1 - s > self.program.max_lag
+                   for k, s in enumerate(self.started))
+
+    def _due(self) -> tuple[str | None, float]:
+        """Bounded wait (arrival gathering): the request fragment whose batch is answered now, either
+        complete (every replica still running has asked) or held ``batch_wait`` seconds since its
+        first request; else None and the seconds until the next such deadline."""
+        now, wait = time.monotonic(), IDLE_WAIT
+        clock = self.pools.get(self.program.clock)
+        if clock and len(clock) >= self.program.producers and not self._held(self.program.clock):
+            return self.program.clock, 0.0     # was held for a rollout that has come in (or whose actor ended)
+        for fragment, pool in self.pools.items():
+            if not pool or fragment not in self.replies:
+                continue
+            asked = {p.replica for p in pool}
+            if all(k in asked or self.finished[k] for k in range(self.program.producers)):
+                return fragment, 0.0
+            left = pool[0].arrived + self.program.batch_wait - now
+            if left <= 0:
+                return fragment, 0.0
+            wait = min(wait, left)
+        return None, wait
 
     # -- executing -------------------------------------------------------------------------------
     def _merge(self, fragment: str, pieces: list[_Piece]) -> list[Any]:
@@ -261,6 +299,9 @@ class ServiceRunner:
         pieces = self.pools.pop(fragment)
         if not self.program.ordered:
             pieces.sort(key=lambda p: (p.version, p.tag))
+            if len(pieces) > self.program.producers:   # an update held for a late rollout: the oldest go now
+                self.pools[fragment] = pieces[self.program.producers:]
+                pieces = pieces[:self.program.producers]
         else:
             pieces.sort(key=lambda p: p.replica)
         self._wait_for(lambda: fragment in self.fragments and
@@ -271,7 +312,8 @@ class ServiceRunner:
         arguments = calls.build(skel, iter(leaves), self._resolve)
         bound = inspect.BoundArguments(frag.signature, arguments)
         self.current = fragment
-        lags = [self.version - p.version for p in pieces]
+        # a request is answered with the newest parameters: it is never stale, whatever its stamp
+        lags = [0 if fragment in self.replies else self.version - p.version for p in pieces]
         self.delivered = [(p.version, lag) for p, lag in zip(pieces, lags)]
         t0 = time.perf_counter_ns()
         clock = fragment == self.program.clock
@@ -311,7 +353,7 @@ class ServiceRunner:
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
         """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
         leaves = [leaf for _, leaf in leaf_paths(out)]
-        for p in pieces:
+        for i, p in enumerate(pieces):   # the batch holds the pieces' rows in this order (see _merge)
             ring_spec, ring = self.replies[fragment][p.replica]
             part = []
             for leaf, axis, spec in zip(leaves, ring_spec.axes, ring_spec.specs):
@@ -319,8 +361,10 @@ class ServiceRunner:
                     part.append(leaf)
                 else:
                     n = spec.shape[axis]
-                    part.append(to_numpy(leaf).take(range(p.replica * n, (p.replica + 1) * n), axis=axis))
+                    part.append(to_numpy(leaf).take(range(i * n, (i + 1) * n), axis=axis))
             ring.put(part, self.version)
+            if self.started[p.replica] is None:
+                self.started[p.replica] = self.version
 
     def _logged(self, fragment: str, out: Any) -> dict[str, float]:
         scalars: dict[str, float] = {}
