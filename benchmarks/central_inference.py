@@ -3,7 +3,8 @@
 Both policies run two acting processes over 32 environments each and one learner. Under
 actor_learner each actor runs inference for its own environments with parameters broadcast one
 version behind; under central_inference the env workers send every inference request to the
-learner's process, which acts once on all 64 environments with the newest parameters. Runs
+learner's process, which acts once on all 64 environments with the newest parameters (with
+max_lag=1 and a 2 ms bounded wait, on what arrived in that time). Runs
 alternate, each in a fresh process; the figure is env steps/s over training (after the trace), the
 median over repetitions, and the ratio central_inference / actor_learner in the same run.
 
@@ -13,11 +14,9 @@ median over repetitions, and the ratio central_inference / actor_learner in the 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
-from common import print_rows, row, save, stats
+from common import print_rows, row, run_json, save, stats
 
 CODE = """
 import json, torch
@@ -30,13 +29,12 @@ print(json.dumps({{"sps": r.summary["steps_per_second"], "busy": r.summary["chan
                   "wall": r.summary["wall_seconds"]}}))
 """
 
-POLICIES = {"actor_learner": "actor_learner(actors=2, max_lag=1)", "central_inference": "central_inference(env_workers=2)"}
+POLICIES = {"actor_learner": "actor_learner(actors=2, max_lag=1)", "central_inference": "central_inference(env_workers=2)",
+            "central_inference_wait": "central_inference(env_workers=2, max_lag=1, wait_ms=2)"}
 
 
 def one(policy: str, steps: int, hidden: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CODE.format(steps=steps, hidden=hidden, policy=policy)], check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json(CODE.format(steps=steps, hidden=hidden, policy=policy))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -55,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
         sps = {name: stats([r["sps"] for r in rs]) for name, rs in runs.items()}
         rows.append(row(f"PPO 64 envs hidden={hidden}: central_inference(2) / actor_learner(2)",
                         sps["central_inference"], "actor_learner", sps["actor_learner"], "env steps/s", "-"))
+        rows.append(row(f"PPO 64 envs hidden={hidden}: central_inference(2, max_lag=1, wait_ms=2) / actor_learner(2)",
+                        sps["central_inference_wait"], "actor_learner", sps["actor_learner"], "env steps/s", "-"))
         raw[str(hidden)] = runs
     print_rows(rows)
     result = {"command": "python benchmarks/central_inference.py " + " ".join(argv or sys.argv[1:]),

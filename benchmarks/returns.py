@@ -12,7 +12,7 @@ ppo        CartPole-v1   500k      >= 450               CleanRL 490 +- 6 (IMPALA
 
 Each run is its own process (one at a time unless ``--jobs``); the final return is the mean return
 of the last 20 training episodes; "reached" is whether that mean reached the target at any point
-within the budget (the stop criterion of RLlib's examples), with the step and second it did. Results go to ``benchmarks/results/<algo>_returns.json``.
+within the budget (the stop criterion of RLlib's examples), with the step and second it did. Results go to ``benchmarks/results/returns_<algo>.json``.
 
     python benchmarks/returns.py sac [--seeds 3] [--steps 20000] [--policies single_process learner_replay]
 """
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       "solved_at_steps": [s.get("solved_at_steps") for s in mine],
                                       "solved_at_seconds": [s.get("solved_at_seconds") for s in mine],
                                       "steps_per_second": [s["steps_per_second"] for s in mine], "per_seed": mine}
-    save(f"{a.algo}_returns", result)
+    save(f"returns_{a.algo}", result)
     return result
 
 

@@ -510,3 +510,57 @@ def test_central_inference_waits_for_every_worker_only_without_a_bound(write_alg
     assert result.summary["updates"] == 6 and result.summary["env_steps"] == 6 * 10 * 8
     assert max(i for i, n in enumerate(result.summary["channels"]["trajectory"]["lag_histogram"]) if n) <= max_lag
     assert shm_leftovers() == []
+
+
+LOOP_READS = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+    read: str = "float"
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs @ params["w"]).argmax(-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    m = batch["obs"].mean()
+    out = {"float": float(m), "array": np.full(2, m), "tensor": torch.tensor(m), "int": 3}
+    return {"params": {"w": state["params"]["w"] + 1e-3}}, out
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"params": {"w": np.zeros((4, 2))}})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log({"m": metrics["float"]})                           # passing on is not a read
+        print(f"{metrics[args.read]}")                             # nor is printing
+        if np.asarray(metrics[args.read] > 1e9).any():             # @read
+            break
+    return state
+"""
+
+
+@pytest.mark.parametrize("read", ["float", "array", "tensor", "int"])
+def test_a_learner_output_read_in_the_loop_is_refused_at_placement_where_the_learner_runs_elsewhere(write_algo,
+                                                                                                    read):
+    from fragflow.errors import LearnerOutputOnActingSideError
+
+    path, marks = write_algo(LOOP_READS)
+    program = load(str(path))
+    args = program.args_cls(read=read)
+    assert ff.run(program.train, args, policy="single_process").summary["updates"] == 4
+    with pytest.raises(LearnerOutputOnActingSideError, match=rf"output \[1\]\['{read}'\] of learner 'learn' is "
+                                                             r"compared with > in the training loop") as err:
+        compile(program.train, args, policy="pipelined")
+    assert err.value.where is not None and err.value.where.line == marks["read"]

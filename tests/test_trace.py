@@ -210,3 +210,16 @@ def test_ir_knows_the_loops_around_each_call_and_their_trip_counts():
     assert outer.trips == args.num_updates == 128 and inner.trips == 16   # ... the bounds are the run's
     assert [loop.header for loop in graph.loops_of("learn")] == ["for update in range(args.num_updates)"]
     assert graph.loops_of("env.reset") == []
+    # rates come from the loops where they say: act runs num_steps times per learn, every trip
+    assert graph.derived_rate("act") == 16 and graph.derived_rate("learn") == 1
+    assert graph.derived_rate("env.reset") is None            # outside the loops: as traced (once)
+
+
+def test_rates_from_the_loops_are_not_claimed_under_an_if_or_an_early_exit():
+    from fragflow.algorithms import dqn
+
+    graph = ff.trace(dqn.train, dqn.Args(total_timesteps=1600, learning_starts=400, target_network_frequency=60,
+                                         buffer_size=1000, batch_size=32))
+    # learn runs every train_frequency steps after the warm-up: an if around it, so the rate is the traced one
+    assert graph.derived_rate("act") is None and graph.derived_rate("sync_target") is None
+    assert graph.rate_of("act") == graph.node("act").rate == 10

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from fragflow.compiler.loops import LoopSpec
+from fragflow.compiler.loops import LoopSpec, calls_per
 from fragflow.compiler.pytree import TensorSpec
 from fragflow.errors import GraphError
 from fragflow.source import SourceLoc
@@ -110,6 +110,17 @@ class Edge:
 
 
 @dataclass(frozen=True, slots=True)
+class LoopRead:
+    """The loop itself read a fragment's output (tested, converted, compared, computed with it):
+    it needs the value in the loop's process."""
+
+    fragment: str
+    path: str            # "[1]['loss']"
+    what: str            # "compared with <"
+    where: SourceLoc | None
+
+
+@dataclass(frozen=True, slots=True)
 class Graph:
     """A traced FDG. ``name`` and ``defined_at`` are the training function's."""
 
@@ -120,6 +131,7 @@ class Graph:
     updates_traced: int = 0
     env_steps_traced: int = 0
     loops: tuple[LoopSpec, ...] = ()    # the training function's loops, outermost first
+    loop_reads: tuple[LoopRead, ...] = ()   # fragment outputs the loop itself reads (first read of each)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +146,21 @@ class Graph:
         writers = {e.src for e in self.edges_of(EdgeKind.STATE_WRITE)}
         candidates = [n for n in self.fragments() if n.name in writers and (among is None or n.name in among)]
         return max(candidates, key=lambda n: n.rate).name if candidates else None
+
+    def derived_rate(self, name: str) -> float | None:
+        """Calls of ``name`` per clock call from the loop structure alone (see
+        :func:`~fragflow.compiler.loops.calls_per`); None where the structure does not say."""
+        clock = self.clock()
+        if clock is None:
+            return None
+        return calls_per(self.node(name).called_at, self.node(clock).called_at, self.loops)
+
+    def rate_of(self, name: str) -> float:
+        """The rate the runtime sizes for: derived from the loops where they say, and never below
+        what the trace observed."""
+        derived = self.derived_rate(name)
+        observed = self.node(name).rate
+        return observed if derived is None else max(derived * self.node(self.clock() or name).rate, observed)
 
     def loops_of(self, name: str) -> list[LoopSpec]:
         """The loops that enclose a fragment's call in the training function, outermost first."""

@@ -37,9 +37,51 @@ class LoopSpec:
     trips: int | None
     first: int
     last: int
+    guards: tuple[tuple[int, int], ...] = ()   # lines of the ``if`` statements in its body
+    exits: bool = False                        # its body has a ``break`` or ``continue`` of its own
 
     def encloses(self, where: SourceLoc | None) -> bool:
         return where is not None and where.file == self.where.file and self.first <= where.line <= self.last
+
+    def every_trip(self, where: SourceLoc) -> bool:
+        """A call at ``where`` (inside this loop) runs once per trip: no ``if`` around it, no early exit."""
+        return not self.exits and not any(a <= where.line <= b for a, b in self.guards)
+
+
+def calls_per(call: SourceLoc | None, clock: SourceLoc | None, loops: tuple[LoopSpec, ...]) -> float | None:
+    """How many times the call at ``call`` runs per run of the call at ``clock``, from the loops
+    around them (the trips of the loops only one of them is in), or None when the structure does
+    not say: a bound unknown before the loop starts, an ``if`` or early exit around either call,
+    a call made outside the training function's loops.
+
+    >>> at = lambda line: SourceLoc("t.py", line)
+    >>> outer = LoopSpec(at(1), "for u in range(3)", 3, 1, 9)
+    >>> inner = LoopSpec(at(2), "for s in range(128)", 128, 2, 4)
+    >>> calls_per(at(3), at(8), (outer, inner)), calls_per(at(8), at(3), (outer, inner))
+    (128.0, 0.0078125)
+    """
+    if call is None or clock is None:
+        return None
+    around = [loop for loop in loops if loop.encloses(call)]
+    around_clock = [loop for loop in loops if loop.encloses(clock)]
+    if not around or not around_clock:
+        return None
+    ratio = 1.0
+    for loop in around:
+        if not loop.every_trip(call):
+            return None
+        if loop not in around_clock:
+            if loop.trips is None:
+                return None
+            ratio *= loop.trips
+    for loop in around_clock:
+        if not loop.every_trip(clock):
+            return None
+        if loop not in around:
+            if not loop.trips:
+                return None
+            ratio /= loop.trips
+    return ratio
 
 
 class LoopWatcher:
@@ -47,6 +89,8 @@ class LoopWatcher:
         self.fn = getattr(fn, "__wrapped__", fn)
         self.code = getattr(self.fn, "__code__", None)
         self.loops: dict[int, tuple[str, int, str | None]] = {}   # line -> (header, last line, range bound)
+        self.guards: dict[int, tuple[tuple[int, int], ...]] = {}   # line -> its body's if statements
+        self.exits: dict[int, bool] = {}
         self.trips: dict[int, int | None] = {}
         self.file = ""
         try:
@@ -69,6 +113,10 @@ class LoopWatcher:
                 else:
                     header, bound = f"while {ast.unparse(node.test)}", None
                 self.loops[line] = (header, last, bound)
+                body = [n for stmt in node.body for n in ast.walk(stmt)]
+                self.guards[line] = tuple((n.lineno + start - 1, (n.end_lineno or n.lineno) + start - 1)
+                                          for n in body if isinstance(n, ast.If))
+                self.exits[line] = _exits(node)
 
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno in self.loops and frame.f_lineno not in self.trips:
@@ -101,5 +149,20 @@ class LoopWatcher:
         return self.specs()
 
     def specs(self) -> list[LoopSpec]:
-        return [LoopSpec(SourceLoc(self.file, line), header, self.trips.get(line), line, last)
+        return [LoopSpec(SourceLoc(self.file, line), header, self.trips.get(line), line, last,
+                         self.guards.get(line, ()), self.exits.get(line, False))
                 for line, (header, last, _) in sorted(self.loops.items())]
+
+
+def _exits(loop: ast.For | ast.While) -> bool:
+    """Whether a ``break`` or ``continue`` of this loop (not of a loop inside it) is in its body."""
+    todo: list[ast.AST] = list(loop.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Break, ast.Continue)):
+            return True
+        if isinstance(node, (ast.For, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(node.orelse if isinstance(node, (ast.For, ast.While)) else [])
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return False

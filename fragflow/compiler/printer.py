@@ -1,7 +1,9 @@
 """The canonical text form of a graph (FDG or placed graph). Golden tests pin it.
 
 Fragments are listed in the order the loop first called them, edges in the order they were
-first crossed; rates are per learner update (``once`` = set-up only).
+first crossed; rates are per learner update (``once`` = set-up only), marked ``(loops)`` where
+the loops around the calls give them (trip counts, no ``if`` around the call) and ``(traced)``
+where they are what the traced updates showed.
 """
 
 from __future__ import annotations
@@ -85,8 +87,11 @@ def format_graph(graph: Graph) -> str:
     lines.append("fragments:")
     for n in frags:
         defined = str(n.defined_at) if n.defined_at else "builtin"
+        derived = graph.derived_rate(n.name) if n.role != "logger" else None
+        source = "loops" if derived is not None else "traced"
+        rate = graph.rate_of(n.name) if derived is not None else n.rate
         lines.append(f"  {n.name:<{width}}  role={n.role or '-':<7}  backend={n.backend or '-':<{bwidth}}  "
-                     f"rate={_rate(n.rate, unit):<10}  called={n.called_at}  defined={defined}")
+                     f"rate={_rate(rate, unit) + f' ({source})':<19}  called={n.called_at}  defined={defined}")
     if graph.loops:
         lines.append("loops:")
         for loop in graph.loops:

@@ -49,10 +49,11 @@ def backend_of(x: object) -> str | None:
     if isinstance(x, (bool, int, float)):
         return "python"
     mod = type(x).__module__
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):   # subclasses included
+        return "torch"
     if mod.startswith("torch"):
-        import torch
-
-        return "torch" if isinstance(x, torch.Tensor) else None
+        return None
     if mod.startswith(("jax", "jaxlib")):
         return "jax" if hasattr(x, "shape") and hasattr(x, "dtype") else None
     return None

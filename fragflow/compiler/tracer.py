@@ -27,7 +27,8 @@ from fragflow import context
 from fragflow.api.events import EventSources, default_axes
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
-from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, Node, NodeKind
+from fragflow.compiler import probes
+from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
 from fragflow.context import InstanceNames
@@ -119,6 +120,8 @@ class Tracer:
         self.env_steps = 0
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
         self.env_counts: set[int] = set()   # ... of how many
+        self.loop_reads: list[LoopRead] = []   # learner outputs the loop itself reads (see probes)
+        self._held: list[Any] = []              # probes kept alive while tracing (their ids name origins)
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
@@ -152,6 +155,10 @@ class Tracer:
         return Versioned(unique, 0, value, where)
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with probes.recording(None):   # what a fragment does with a probe is not the loop's read
+            return self._call(frag, args, kwargs)
+
+    def _call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self._node(frag)
         where = user_callsite()
         if rec.called_at is None:
@@ -214,6 +221,7 @@ class Tracer:
             written_specs = [leaf.spec for leaf in self._edges[(rec.name, written.name, EdgeKind.STATE_WRITE, "[0]", "")].leaves.values()]
         self._record_outputs(rec, frag, out, where, written_specs)
         if frag.role == "learner":
+            out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
             if self._primary == id(frag):
@@ -221,6 +229,23 @@ class Tracer:
                 if self.updates >= self.max_updates and (not self._expected or self.updates >= MAX_TRACE_UPDATES):
                     raise _StopTracing
         return out
+
+    def _probed(self, name: str, out: Any) -> Any:
+        """The learner's outputs as probes (its new state excepted), each known as its original's
+        output so that passing one on to a fragment is still an edge from this learner."""
+        first = 1 if isinstance(out, tuple) and out and isinstance(out[0], Versioned) else 0
+        if isinstance(out, Versioned):
+            return out
+        items = list(out) if isinstance(out, tuple) else [out]
+        for i in range(first, len(items)):
+            before = [leaf for _, leaf in _leaf_list(items[i])]
+            items[i] = probes.probed(items[i], name, f"[{i}]" if isinstance(out, tuple) else "")
+            for (_, new), old in zip(_leaf_list(items[i]), before):
+                origin = self._origin(old)
+                if origin is not None and new is not old:
+                    self._origins[id(new)] = dataclasses.replace(origin, ref=_strong(new))
+                    self._held.append(new)
+        return tuple(items) if isinstance(out, tuple) else items[0]
 
     def _check_scalars(self, tree: Any, where: SourceLoc | None) -> None:
         try:
@@ -458,6 +483,13 @@ class Tracer:
             resource.close()
 
 
+def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
+    try:
+        return leaf_paths(tree)
+    except NotAnArray:
+        return []
+
+
 def _strong(x: Any) -> Callable[[], Any]:
     return lambda: x
 
@@ -497,7 +529,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     try:
         with context.using(tracer):
             try:
-                watcher.run(train, *args, **kwargs)
+                with probes.recording(tracer.loop_reads):
+                    watcher.run(train, *args, **kwargs)
             except _StopTracing:
                 pass
     finally:
@@ -512,7 +545,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
                 "and step environments made with ff.envs.make(...)")
     graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
-    graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), _index={})
+    graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads), _index={})
     return graph.verify(), tracer.fragments
 
 

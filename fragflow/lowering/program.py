@@ -252,7 +252,7 @@ def lower(placed: PlacedGraph) -> Lowered:
         lag = traj.max_lag if traj is not None else 0
         max_lag = max(max_lag, lag)
         clock = _clock(graph, group)
-        clock_rate = max(graph.node(clock).rate, 1e-9)
+        clock_rate = max(graph.rate_of(clock), 1e-9)
         rings: list[Ring] = []
         replies: list[Ring] = []
         logs: dict[str, tuple[Logged, ...]] = {}
@@ -277,7 +277,8 @@ def lower(placed: PlacedGraph) -> Lowered:
                     replies.append(Ring(f"{name}.reply[{k}]", name, k, out_specs, out_axes, 1))
             source = {leaf.dst_path: e.src for e in graph.edges_of(EdgeKind.DATA) if e.dst == name for leaf in e.leaves}
             crossing = [leaf for leaf in node.inputs if source.get(leaf.dst_path, LOOP) in in_loop | {LOOP}]
-            per_update = max(1, math.ceil(node.rate / clock_rate)) if node.rate else 1
+            rate = graph.rate_of(name)   # from the loops where they say (a trace window may be atypical)
+            per_update = max(1, math.ceil(rate / clock_rate)) if rate else 1
             capacity = (traj.capacity if traj is not None else lag + 2) * per_update
             specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in crossing)
             axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in crossing)

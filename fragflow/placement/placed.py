@@ -184,6 +184,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         feeding = {graph.node(e.src).instance for e in graph.edges_of(EdgeKind.DATA)
                    if e.dst in service and graph.node(e.src).role == "buffer"}
         service |= {n.name for n in graph.fragments() if n.instance is not None and n.instance in feeding}
+    for read in graph.loop_reads:   # the loop holds Pending references to what runs in the service
+        if read.fragment in service and not (inference_with_learner and graph.node(read.fragment).role == "actor"):
+            raise LearnerOutputOnActingSideError(
+                f"output {read.path} of {graph.node(read.fragment).role} '{read.fragment}' is {read.what} in the "
+                f"training loop, but policy '{policy}' runs '{read.fragment}' in another process, so the loop does "
+                "not have its value", where=read.where,
+                fix="send it to ff.log (logged where it is computed) or to fragments placed with it, make what the "
+                    "loop needs part of the versioned state, or run with --policy single_process")
     sinks = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src in service and graph.node(e.dst).role == "logger"}
     service |= sinks
     for e in graph.edges_of(EdgeKind.DATA):

@@ -1,0 +1,209 @@
+"""Probes: learner outputs that note, while the loop is traced, where the loop itself reads them.
+
+Under a policy that runs a learner in another process the loop holds ``Pending`` references to
+its outputs, so ``if metrics["loss"] < 0.01: break`` cannot run there. To refuse such a program
+at placement (the user's line, exit 2, nothing started) rather than at its first update, the
+tracer hands the loop each learner output leaf as a probe: a subclass of the leaf's own type
+(``float``, ``int``, ``numpy.ndarray``, ``torch.Tensor``) that behaves exactly like it and, when
+the loop (not a fragment) tests, converts, compares or computes with it, records the first such
+use. Passing a probe on to a fragment or ``ff.log`` is not a read. Probes exist only during the
+trace; the run that follows starts from scratch with plain values.
+
+>>> reads = []
+>>> with recording(reads):
+...     x = probe(0.5, "learn", "[1]['loss']")
+...     bool(x > 0.1)
+True
+>>> [(r.fragment, r.path, r.what) for r in reads]
+[('learn', "[1]['loss']", 'compared with >')]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from fragflow.compiler.ir import LoopRead
+from fragflow.source import user_callsite
+
+_sink: list[LoopRead] | None = None     # where reads go while the loop (not a fragment) runs
+
+# what Pending raises on, named as its error names them
+_USES = {
+    "__bool__": "tested for truth", "__iter__": "iterated", "__len__": "asked for its length",
+    "__float__": "converted to a number", "__int__": "converted to an int", "__index__": "used as an index",
+    "__eq__": "compared with ==", "__ne__": "compared with !=", "__lt__": "compared with <",
+    "__le__": "compared with <=", "__gt__": "compared with >", "__ge__": "compared with >=",
+    "__add__": "used in arithmetic", "__radd__": "used in arithmetic", "__sub__": "used in arithmetic",
+    "__rsub__": "used in arithmetic", "__mul__": "used in arithmetic", "__rmul__": "used in arithmetic",
+    "__truediv__": "used in arithmetic", "__rtruediv__": "used in arithmetic", "__neg__": "used in arithmetic",
+    "__abs__": "used in arithmetic", "__round__": "rounded",
+}
+
+
+@contextlib.contextmanager
+def recording(into: list[LoopRead] | None) -> Iterator[None]:
+    """Reads of probes in this block go to ``into`` (None: not the loop, nothing is recorded)."""
+    global _sink
+    saved, _sink = _sink, into
+    try:
+        yield
+    finally:
+        _sink = saved
+
+
+def _note(x: Any, what: str) -> None:
+    if _sink is not None and not any(r.fragment == x._ff_fragment and r.path == x._ff_path for r in _sink):
+        _sink.append(LoopRead(x._ff_fragment, x._ff_path, what, user_callsite(3)))
+
+
+def _scalar_probe(base: type) -> type:
+    def method(name: str, what: str) -> Any:
+        plain = getattr(base, name)
+
+        def use(self: Any, *args: Any) -> Any:
+            _note(self, what)
+            return plain(self._ff_value, *args)
+        use.__name__ = name
+        return use
+
+    ns: dict[str, Any] = {name: method(name, what) for name, what in _USES.items() if hasattr(base, name)}
+    ns["__hash__"] = base.__hash__
+    ns["__reduce__"] = lambda self: (base, (self._ff_value,))
+    return type(f"Probe{base.__name__.title()}", (base,), ns)
+
+
+ProbeFloat = _scalar_probe(float)
+ProbeInt = _scalar_probe(int)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, ProbeArray):
+        return x.view(np.ndarray)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+class ProbeArray(np.ndarray):
+    """A numpy array that notes the loop's reads (ufuncs, array functions, truth, conversions)."""
+
+    _ff_fragment = ""
+    _ff_path = ""
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._ff_fragment = getattr(obj, "_ff_fragment", "")
+        self._ff_path = getattr(obj, "_ff_path", "")
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        _note(self, _UFUNC_USES.get(ufunc.__name__, "used in arithmetic"))
+        kwargs = {k: _plain(v) for k, v in kwargs.items()}
+        return getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        _note(self, f"passed to numpy.{func.__name__}")
+        return func(*_plain(tuple(args)), **{k: _plain(v) for k, v in kwargs.items()})
+
+    def __bool__(self) -> bool:
+        _note(self, "tested for truth")
+        return bool(self.view(np.ndarray))
+
+    def __float__(self) -> float:
+        _note(self, "converted to a number")
+        return float(self.view(np.ndarray))
+
+    def __int__(self) -> int:
+        _note(self, "converted to an int")
+        return int(self.view(np.ndarray))
+
+    def __index__(self) -> int:
+        _note(self, "used as an index")
+        return self.view(np.ndarray).__index__()
+
+    def __iter__(self) -> Any:
+        _note(self, "iterated")
+        return iter(self.view(np.ndarray))
+
+    def __len__(self) -> int:
+        _note(self, "asked for its length")
+        return len(self.view(np.ndarray))
+
+    def item(self, *args: Any) -> Any:
+        _note(self, "converted to a number")
+        return self.view(np.ndarray).item(*args)
+
+
+_UFUNC_USES = {"greater": "compared with >", "less": "compared with <", "greater_equal": "compared with >=",
+               "less_equal": "compared with <=", "equal": "compared with ==", "not_equal": "compared with !="}
+
+_TENSOR_FREE = frozenset({"__getitem__", "__repr__", "__format__", "__str__", "__reduce_ex__", "__deepcopy__"})
+_tensor_probe: type | None = None
+
+
+def _torch_probe() -> type:
+    """The tensor probe, made on first use (torch is imported only by programs that use it)."""
+    global _tensor_probe
+    if _tensor_probe is None:
+        import torch
+
+        def plain(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and hasattr(x, "_ff_fragment"):
+                return x.as_subclass(torch.Tensor)
+            if isinstance(x, (list, tuple)):
+                return type(x)(plain(v) for v in x)
+            return x
+
+        class ProbeTensor(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                name = getattr(func, "__name__", "")
+                if name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
+                    for a in args:
+                        if isinstance(a, cls):
+                            op = name.strip("_")
+                            _note(a, _USES.get(name) or _USES.get(f"__{op}__") or f"used in a torch operation ({op})")
+                            break
+                return func(*plain(tuple(args)), **{k: plain(v) for k, v in (kwargs or {}).items()})
+
+        _tensor_probe = ProbeTensor
+    return _tensor_probe
+
+
+def probe(leaf: Any, fragment: str, path: str) -> Any:
+    """``leaf`` as a probe (the same value and type), or ``leaf`` itself where none applies."""
+    if isinstance(leaf, bool):
+        return leaf
+    if type(leaf) is float:
+        out: Any = ProbeFloat(leaf)
+        out._ff_value = leaf
+    elif type(leaf) is int:
+        out = ProbeInt(leaf)
+        out._ff_value = leaf
+    elif isinstance(leaf, np.ndarray) and type(leaf) is np.ndarray:
+        out = leaf.view(ProbeArray)
+    elif type(leaf).__name__ == "Tensor" and type(leaf).__module__.startswith("torch"):
+        out = leaf.as_subclass(_torch_probe())
+    else:
+        return leaf
+    out._ff_fragment, out._ff_path = fragment, path
+    return out
+
+
+def probed(out: Any, fragment: str, path: str = "") -> Any:
+    """A fragment output with every leaf a probe; dicts and lists are filled in place (a container
+    the loop passes on whole keeps its identity), tuples are rebuilt."""
+    if isinstance(out, dict):
+        for k in list(out):
+            out[k] = probed(out[k], fragment, f"{path}[{k!r}]")
+        return out
+    if isinstance(out, list):
+        for i, v in enumerate(out):
+            out[i] = probed(v, fragment, f"{path}[{i}]")
+        return out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(probed(v, fragment, f"{path}[{i}]") for i, v in enumerate(out))
+    return probe(out, fragment, path)
+
