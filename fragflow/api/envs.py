@@ -14,6 +14,12 @@ ignores its action and a naive buffer stores that phantom transition.
 
 Episode returns and lengths are measured on the raw rewards, before any reward wrapper.
 
+PettingZoo parallel environments (``ff.envs.make("mpe2:simple_spread_v3", num_envs=8)``, the
+``multiagent`` extra) become a :class:`MultiAgentVectorEnv`: the same fragments, with an ``agent``
+axis after the ``env`` axis (``obs`` is ``[num_envs, num_agents, ...]``, ``reward`` and the done
+flags ``[num_envs, num_agents]``). An env step is one step of one environment (all its agents);
+every agent's episode is an episode, with that agent's return.
+
 >>> env = make("CartPole-v1", num_envs=2, seed=0)
 >>> obs = env.reset()
 >>> obs.shape
@@ -205,6 +211,116 @@ class VectorEnv:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
 
 
+class MultiAgentVectorEnv(VectorEnv):
+    """A batch of PettingZoo parallel environments stepped as one fragment call.
+
+    Agents must be alike (one observation space and one action space: parameter sharing batches
+    them); ``possible_agents`` fixes their order on the ``agent`` axis. ``step(actions)`` takes
+    ``[num_envs, num_agents, ...]`` actions and returns ``(obs, reward, terminated, truncated,
+    info)`` with ``[num_envs, num_agents, ...]`` arrays. An agent that has left an episode the others
+    go on with gets zero observations and rewards, and is marked terminated; an environment resets
+    (same-step autoreset, ``info["final_obs"]`` as for gymnasium envs) when all its agents are done.
+    """
+
+    def __init__(self, factory: Callable[..., Any], num_envs: int, seed: int, *, ids: np.ndarray, name: str,
+                 label: str, evaluation: bool = False, env_kwargs: dict[str, Any] | None = None,
+                 first: Any = None) -> None:   # the interface of VectorEnv, over other envs: no super().__init__
+        self.env_id = label
+        self.seed = seed
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.num_envs = len(self.ids)
+        self.total_envs = num_envs
+        self.name = name
+        kwargs = dict(env_kwargs or {})
+        self.envs = [first if (i == 0 and first is not None) else factory(**kwargs) for i in range(self.num_envs)]
+        probe = self.envs[0]
+        self.agents: list[str] = list(probe.possible_agents)
+        spaces = [probe.observation_space(a) for a in self.agents]
+        actions = [probe.action_space(a) for a in self.agents]
+        if any(sp != spaces[0] for sp in spaces) or any(sp != actions[0] for sp in actions):
+            raise UnknownEnvError(
+                f"the agents of {self.env_id} have different observation or action spaces", where=user_callsite(),
+                fix="give every agent the same spaces (pad observations and actions, e.g. with SuperSuit's "
+                    "pad_observations_v0 and pad_action_space_v0) or batch each kind of agent in an env of its own")
+        self.num_agents = len(self.agents)
+        self.single_observation_space = spaces[0]
+        self.single_action_space = actions[0]
+        self.evaluation = evaluation
+        self._returns = np.zeros((self.num_envs, self.num_agents))
+        self._lengths = np.zeros((self.num_envs, self.num_agents), np.int64)
+        self._finished: list[tuple[float, int]] = []
+        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=rows,
+                              evaluation=evaluation)
+        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=rows,
+                             events=self._events, evaluation=evaluation, in_axes=rows)
+
+    def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
+        return self.num_envs, self.pop_finished()
+
+    @property
+    def finished_episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of every agent's episode finished and not yet reported."""
+        return self._finished
+
+    def pop_finished(self) -> list[tuple[float, int]]:
+        done, self._finished = self._finished, []
+        return done
+
+    def _obs(self, obs: dict[str, Any]) -> np.ndarray:
+        space: Any = self.single_observation_space
+        return np.stack([np.asarray(obs[a], space.dtype) if a in obs else np.zeros(space.shape, space.dtype)
+                         for a in self.agents])
+
+    def _reset(self) -> np.ndarray:
+        self._returns[:] = 0.0
+        self._lengths[:] = 0
+        return np.stack([self._obs(env.reset(seed=int(self.seed + i))[0]) for env, i in zip(self.envs, self.ids)])
+
+    def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        a = to_numpy(actions)
+        if self.single_action_space.dtype is not None and a.dtype != self.single_action_space.dtype:
+            a = a.astype(self.single_action_space.dtype)
+        n, k = self.num_envs, self.num_agents
+        obs, final = [], []
+        reward = np.zeros((n, k), np.float32)
+        terminated = np.zeros((n, k), bool)
+        truncated = np.zeros((n, k), bool)
+        for i, env in enumerate(self.envs):
+            live = set(env.agents)
+            o, r, te, tr, _ = env.step({agent: a[i, j] for j, agent in enumerate(self.agents) if agent in live})
+            for j, agent in enumerate(self.agents):
+                if agent in live:
+                    reward[i, j] = r.get(agent, 0.0)
+                    terminated[i, j], truncated[i, j] = bool(te.get(agent, False)), bool(tr.get(agent, False))
+                else:
+                    terminated[i, j] = True       # it left the episode earlier
+            step_obs = self._obs(o)
+            self._returns[i] += reward[i]
+            self._lengths[i] += np.array([agent in live for agent in self.agents])
+            if not env.agents:                    # every agent is done: the episode ends here
+                self._finished.extend((float(ret), int(length)) for ret, length in zip(self._returns[i], self._lengths[i]))
+                self._returns[i], self._lengths[i] = 0.0, 0
+                final.append(step_obs)
+                step_obs = self._obs(env.reset()[0])
+            else:
+                final.append(step_obs)
+            obs.append(step_obs)
+        return np.stack(obs), reward, terminated, truncated, {"final_obs": np.stack(final)}
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+    def __repr__(self) -> str:
+        return f"<MultiAgentVectorEnv {self.name}: {self.env_id} x{self.num_envs}, {self.num_agents} agents>"
+
+
+def _parallel_factory(env_id: Any) -> Callable[..., Any] | None:
+    """The ``parallel_env`` constructor of a PettingZoo environment module, or None."""
+    factory = getattr(env_id, "parallel_env", None)
+    return factory if callable(factory) else None
+
+
 _KNOWN_AT_IMPORT = frozenset(gym.registry)
 
 
@@ -238,8 +354,9 @@ def ids(num_envs: int) -> np.ndarray:
     return interp.env_ids(num_envs)
 
 
-def _registered(env_id: str, where: Any) -> str:
-    """The registered id (``module:Env-v0`` imports ``module`` first, as gymnasium does)."""
+def _registered(env_id: str, where: Any) -> Any:
+    """The registered id (``module:Env-v0`` imports ``module`` first, as gymnasium does), or the
+    PettingZoo environment module ``package:env_module`` names."""
     if env_id in gym.registry:
         return env_id
     namespace = env_id.split(":", 1)[0] if ":" in env_id else None
@@ -251,6 +368,12 @@ def _registered(env_id: str, where: Any) -> str:
                                   f"({exc})", where=where, fix=_EXTRA_HINT.get(namespace, f"pip install {namespace}")) from None
         if env_id.split(":", 1)[1] in gym.registry:
             return env_id.split(":", 1)[1]
+        try:   # "mpe2:simple_spread_v3": a PettingZoo environment module of that package
+            module = importlib.import_module(env_id.replace(":", "."))
+        except ImportError:
+            module = None
+        if module is not None and _parallel_factory(module) is not None:
+            return module
     prefix = env_id.split("/", 1)[0]
     hint = _EXTRA_HINT.get(prefix) if "/" in env_id else None
     raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
@@ -259,7 +382,8 @@ def _registered(env_id: str, where: Any) -> str:
 
 # the extra that registers an env family when it is missing
 _EXTRA_HINT = {"ale_py": 'pip install "fragflow[atari]"', "ALE": 'pip install "fragflow[atari]"',
-               "mujoco": 'pip install "fragflow[mujoco]"'}
+               "mujoco": 'pip install "fragflow[mujoco]"', "mpe2": 'pip install "fragflow[multiagent]"',
+               "pettingzoo": 'pip install "fragflow[multiagent]"'}
 
 
 
@@ -271,7 +395,8 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     ``env_id`` is a registered gymnasium id (``"CartPole-v1"``, ``"HalfCheetah-v5"``,
     ``"ale_py:ALE/Pong-v5"``), or a ``gymnasium.Env`` subclass or a function returning one (your own
     env, wrapped as you like); other keyword arguments go to the env's constructor, as with
-    ``gymnasium.make``.
+    ``gymnasium.make``. A PettingZoo parallel environment (``"mpe2:simple_spread_v3"``, its module,
+    or a function returning one) gives a :class:`MultiAgentVectorEnv`.
 
     ``evaluation=True`` marks an environment whose episodes evaluate the policy: they are counted
     apart (``eval_episodes``, ``eval_return_mean``) and never mixed into the training returns or
@@ -287,15 +412,35 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                               fix="pass num_envs=1 or more")
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
-    elif not callable(env_id):
+    parallel = _parallel_factory(env_id)
+    if parallel is None and not callable(env_id):
         raise UnknownEnvError(f"ff.envs.make got {type(env_id).__name__} {env_id!r} as the environment",
-                              where=where, fix="pass a gymnasium id, a gymnasium.Env subclass or a function "
-                                               "that returns a gymnasium.Env")
+                              where=where, fix="pass a gymnasium id, a gymnasium.Env subclass, a function that returns "
+                                               "a gymnasium.Env, or a PettingZoo parallel env")
+    first: Any = None
+    if parallel is None and not isinstance(env_id, str) and not (isinstance(env_id, type) and issubclass(env_id, gym.Env)):
+        first = env_id(**env_kwargs)           # a factory: of a gymnasium env or of a PettingZoo parallel env?
+        if hasattr(first, "possible_agents"):
+            parallel = env_id
+        else:
+            first.close()
+            first = None
+    if parallel is not None:
+        interp = context.current()
+        ids = np.arange(num_envs) if interp is None or evaluation else interp.env_ids(num_envs)
+        name = "env" if interp is None else interp.instance_name("eval_env" if evaluation else "env")
+        label = getattr(env_id, "__name__", None) or getattr(env_id, "__qualname__", None) or repr(env_id)
+        menv = MultiAgentVectorEnv(parallel, num_envs, seed, ids=ids, name=name, label=label, evaluation=evaluation,
+                                   env_kwargs=env_kwargs, first=first)
+        if interp is not None:
+            interp.adopt(menv)
+        return menv
+    gym_env: Any = env_id
     interp = context.current()
     ids = np.arange(num_envs) if interp is None or evaluation else interp.env_ids(num_envs)
     name = "env" if interp is None else interp.instance_name("eval_env" if evaluation else "env")
     try:
-        env = VectorEnv(env_id, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
+        env = VectorEnv(gym_env, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
                         normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
                         evaluation=evaluation, env_kwargs=env_kwargs)
     except gym.error.DependencyNotInstalled as exc:

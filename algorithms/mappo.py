@@ -1,0 +1,192 @@
+"""Multi-agent PPO (MAPPO: Yu et al., 2022, https://arxiv.org/abs/2103.01955) on PettingZoo.
+
+Every agent acts with one shared policy network (parameter sharing) over its own observation and
+a one-hot of its index; the critic is **centralised**: it sees all agents' observations (and which
+agent it values), as MAPPO's does. ``critic="independent"`` gives each agent a critic over its own
+observation only: IPPO (de Witt et al., 2020), the same networks otherwise.
+
+The env is a PettingZoo parallel env made by ``ff.envs.make``: observations are
+``[num_envs, num_agents, obs_dim]``, rewards and done flags ``[num_envs, num_agents]``, so the
+rollout buffer holds ``[num_steps, num_envs, num_agents, ...]`` and a policy that splits the
+environments across actors splits along ``env`` and keeps every environment's agents together.
+Each agent's advantages come from its own rewards (GAE), and the PPO loss treats every agent-step
+as a sample. Needs the ``multiagent`` extra (``pip install "fragflow[multiagent]"``)::
+
+    fragflow run algorithms/mappo.py
+    fragflow run algorithms/mappo.py --set critic=independent --policy "actor_learner(actors=2)"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    env_id: str = "mpe2:simple_spread_v3"
+    """a PettingZoo parallel env whose agents share observation and action spaces"""
+    seed: int = 1
+    total_timesteps: int = 1_000_000
+    """environment steps (each steps every agent)"""
+    num_envs: int = 8
+    num_steps: int = 100
+    """steps per environment per rollout (four 25-step simple_spread episodes)"""
+    max_cycles: int = 25
+    """episode length of MPE environments"""
+    critic: str = "central"
+    """'central': the critic sees every agent's observation (MAPPO); 'independent': only its own (IPPO)"""
+    learning_rate: float = 7e-4
+    anneal_lr: bool = True
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    update_epochs: int = 10
+    num_minibatches: int = 2
+    clip_coef: float = 0.2
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 10.0
+    hidden: int = 64
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_timesteps // (self.num_envs * self.num_steps)
+
+
+def layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out)
+    nn.init.orthogonal_(lin.weight, std)
+    nn.init.constant_(lin.bias, 0.0)
+    return lin
+
+
+class Agents(nn.Module):
+    """The shared policy and the critic, with the inputs each sees built from ``[..., agents, obs]``."""
+
+    def __init__(self, obs_dim: int, num_agents: int, num_actions: int, hidden: int, central: bool) -> None:
+        super().__init__()
+        self.central = central
+        self.register_buffer("ids", torch.eye(num_agents))
+        critic_in = (num_agents * obs_dim if central else obs_dim) + num_agents
+        self.pi = nn.Sequential(layer(obs_dim + num_agents, hidden), nn.Tanh(), layer(hidden, hidden), nn.Tanh(),
+                                layer(hidden, num_actions, std=0.01))
+        self.vf = nn.Sequential(layer(critic_in, hidden), nn.Tanh(), layer(hidden, hidden), nn.Tanh(),
+                                layer(hidden, 1, std=1.0))
+
+    def _with_ids(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.ids.expand(*x.shape[:-1], -1)], -1)
+
+    def logits(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.pi(self._with_ids(obs))
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.central:   # every agent's critic input: all observations of its environment
+            obs = obs.flatten(-2).unsqueeze(-2).expand(*obs.shape[:-1], -1)
+        return self.vf(self._with_ids(obs)).squeeze(-1)
+
+
+# ACT: every agent of every environment at once, one shared network
+@ff.fragment("actor")
+def act(model, obs, key):
+    with torch.no_grad():
+        obs_t = torch.as_tensor(obs, dtype=torch.float32)
+        logp = torch.log_softmax(model.logits(obs_t), -1).numpy()      # [envs, agents, actions]
+        value = model.value(obs_t).numpy()
+    action = (logp + ff.random.gumbel(key, logp.shape[1:])).argmax(-1)
+    return action, np.take_along_axis(logp, action[..., None], -1)[..., 0], value
+
+
+def gae(reward: np.ndarray, value: np.ndarray, done: np.ndarray, next_value: np.ndarray, next_done: np.ndarray,
+        gamma: float, lam: float) -> np.ndarray:
+    """Generalized advantage estimates over ``[T, ...]`` arrays; ``done[t]``: step t began an episode."""
+    adv = np.zeros_like(reward)
+    last = np.zeros_like(next_value)
+    for t in reversed(range(reward.shape[0])):
+        nonterminal = 1.0 - (next_done if t == reward.shape[0] - 1 else done[t + 1])
+        following = next_value if t == reward.shape[0] - 1 else value[t + 1]
+        delta = reward[t] + gamma * following * nonterminal - value[t]
+        last = delta + gamma * lam * nonterminal * last
+        adv[t] = last
+    return adv
+
+
+# LEARN: clipped PPO on every agent-step of the rollout
+@ff.fragment("learner", writes="state")
+def learn(state, batch, lr, args: Args):
+    model, optimizer = state["model"], state["optimizer"]
+    for group in optimizer.param_groups:
+        group["lr"] = float(lr)
+    obs = torch.as_tensor(batch["obs"], dtype=torch.float32)               # [T, E, A, obs]
+    with torch.no_grad():
+        next_value = model.value(torch.as_tensor(batch["next_obs"], dtype=torch.float32)).numpy()
+    value = np.asarray(batch["value"], np.float32)
+    adv = gae(np.asarray(batch["reward"], np.float32), value, np.asarray(batch["done"], np.float32), next_value,
+              np.asarray(batch["next_done"], np.float32), args.gamma, args.gae_lambda)
+    # samples: one per agent-step; a centralised critic still needs each sample's whole environment
+    b_obs = obs.reshape(-1, *obs.shape[2:])                                  # [T*E, A, obs]
+    b_action = torch.as_tensor(batch["action"], dtype=torch.int64).reshape(-1, obs.shape[2])
+    b_logp = torch.as_tensor(batch["logprob"], dtype=torch.float32).reshape(-1, obs.shape[2])
+    b_adv = torch.from_numpy(adv).reshape(-1, obs.shape[2])
+    b_ret = b_adv + torch.from_numpy(value).reshape(-1, obs.shape[2])
+    n = b_obs.shape[0]
+    size = max(n // args.num_minibatches, 1)
+    key = state["key"]
+    for _ in range(args.update_epochs):
+        key, sub = ff.random.split(key)
+        order = torch.from_numpy(np.argsort(ff.random.uniform(sub, (n,))[0]))
+        for start in range(0, n, size):
+            mb = order[start:start + size]
+            logp_all = torch.log_softmax(model.logits(b_obs[mb]), -1)
+            newlogp = logp_all.gather(-1, b_action[mb, :, None])[..., 0]
+            entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+            ratio = (newlogp - b_logp[mb]).exp()
+            mb_adv = b_adv[mb]
+            mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+            pg_loss = torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+            v_loss = 0.5 * ((model.value(b_obs[mb]) - b_ret[mb]) ** 2).mean()
+            loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+    new_state = {"model": model, "optimizer": optimizer, "key": key}
+    return new_state, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy.detach(),
+                       "learning_rate": float(lr)}
+
+
+LEARNER_KEY_ID = 1 << 40   # an id no environment has: the learner's minibatch shuffling key
+
+
+def train(args: Args):
+    if args.critic not in ("central", "independent"):
+        raise ValueError(f"critic must be 'central' or 'independent', got {args.critic!r}")
+    env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed, max_cycles=args.max_cycles)
+    torch.manual_seed(args.seed)
+    obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
+    model = Agents(obs_dim, env.num_agents, int(env.single_action_space.n), args.hidden,  # type: ignore[attr-defined]
+                   central=args.critic == "central")
+    state = ff.versioned({"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=args.learning_rate,
+                                                                        eps=1e-5),
+                          "key": ff.random.keys(args.seed, np.array([LEARNER_KEY_ID]))})
+    buffer = ff.RolloutBuffer(args.num_steps)
+    key = ff.random.keys(args.seed, env.ids)
+
+    obs = env.reset()
+    done = np.zeros((env.num_envs, env.num_agents), dtype=bool)  # type: ignore[attr-defined]
+    for update in range(args.num_updates):
+        lr = args.learning_rate * (1.0 - update / args.num_updates if args.anneal_lr else 1.0)
+        for _ in range(args.num_steps):
+            key, sub = ff.random.split(key)
+            action, logprob, value = act(state["model"], obs, sub)
+            next_obs, reward, terminated, truncated, _info = env.step(action)
+            buffer.add(obs=obs, done=done, action=action, logprob=logprob, value=value, reward=reward)
+            obs, done = next_obs, terminated | truncated
+        state, metrics = learn(state, buffer.collect(next_obs=obs, next_done=done), lr, args)
+        ff.log(metrics)
+    return state
