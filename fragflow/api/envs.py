@@ -413,7 +413,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
     parallel = _parallel_factory(env_id)
-    if parallel is None and not callable(env_id):
+    if parallel is None and not isinstance(env_id, str) and not callable(env_id):
         raise UnknownEnvError(f"ff.envs.make got {type(env_id).__name__} {env_id!r} as the environment",
                               where=where, fix="pass a gymnasium id, a gymnasium.Env subclass, a function that returns "
                                                "a gymnasium.Env, or a PettingZoo parallel env")
