@@ -72,6 +72,7 @@ class Agents(nn.Module):
     def __init__(self, obs_dim: int, num_agents: int, num_actions: int, hidden: int, central: bool) -> None:
         super().__init__()
         self.central = central
+        self.ids: torch.Tensor
         self.register_buffer("ids", torch.eye(num_agents))
         critic_in = (num_agents * obs_dim if central else obs_dim) + num_agents
         self.pi = nn.Sequential(layer(obs_dim + num_agents, hidden), nn.Tanh(), layer(hidden, hidden), nn.Tanh(),
@@ -178,7 +179,8 @@ def train(args: Args):
     key = ff.random.keys(args.seed, env.ids)
 
     obs = env.reset()
-    done = np.zeros((env.num_envs, env.num_agents), dtype=bool)  # type: ignore[attr-defined]
+    num_agents: int = env.num_agents  # type: ignore[attr-defined]
+    done = np.zeros((env.num_envs, num_agents), dtype=np.bool_)
     for update in range(args.num_updates):
         lr = args.learning_rate * (1.0 - update / args.num_updates if args.anneal_lr else 1.0)
         for _ in range(args.num_steps):

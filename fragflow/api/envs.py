@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -144,7 +144,8 @@ class VectorEnv:
     def __init__(self, env_id: str | Callable[..., gym.Env], num_envs: int, seed: int, *, ids: np.ndarray, name: str,
                  clip_actions: bool = False, normalize_obs: bool = False,
                  normalize_reward: bool = False, gamma: float = 0.99, evaluation: bool = False,
-                 env_kwargs: dict[str, Any] | None = None) -> None:
+                 env_kwargs: dict[str, Any] | None = None, wrappers: tuple[Callable[[gym.Env], gym.Env], ...] = (),
+                 clip_rewards: bool = False) -> None:
         self.env_id = env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id))
         self.seed = seed
         self.ids = np.asarray(ids, dtype=np.int64)
@@ -154,12 +155,15 @@ class VectorEnv:
         kwargs = dict(env_kwargs or {})
         if isinstance(env_id, str):
             base = gym.make_vec(env_id, num_envs=self.num_envs, vectorization_mode="sync",
-                                vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **kwargs)
+                                vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
+                                wrappers=list(wrappers) or None, **kwargs)  # type: ignore[arg-type]
         else:
-            base = gym.vector.SyncVectorEnv([functools.partial(env_id, **kwargs)] * self.num_envs,
+            base = gym.vector.SyncVectorEnv([functools.partial(_wrapped, env_id, kwargs, wrappers)] * self.num_envs,
                                             autoreset_mode=AutoresetMode.SAME_STEP)
         self._stats = _EpisodeStats(base)
         env: gym.vector.VectorEnv = self._stats
+        if clip_rewards:   # outside the episode statistics: returns are reported on the raw rewards
+            env = gym.wrappers.vector.ClipReward(env, -1.0, 1.0)
         if clip_actions:
             env = gym.wrappers.vector.ClipAction(env)
         if normalize_obs or normalize_reward:
@@ -209,6 +213,14 @@ class VectorEnv:
 
     def __repr__(self) -> str:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
+
+
+def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
+             wrappers: tuple[Callable[[gym.Env], gym.Env], ...]) -> gym.Env:
+    env = factory(**kwargs)
+    for wrap in wrappers:
+        env = wrap(env)
+    return env
 
 
 class MultiAgentVectorEnv(VectorEnv):
@@ -389,7 +401,8 @@ _EXTRA_HINT = {"ale_py": 'pip install "fragflow[atari]"', "ALE": 'pip install "f
 
 def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
          normalize_obs: bool = False, normalize_reward: bool = False, gamma: float = 0.99,
-         evaluation: bool = False, **env_kwargs: Any) -> VectorEnv:
+         evaluation: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] = (), clip_rewards: bool = False,
+         **env_kwargs: Any) -> VectorEnv:
     """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
 
     ``env_id`` is a registered gymnasium id (``"CartPole-v1"``, ``"HalfCheetah-v5"``,
@@ -401,6 +414,10 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     ``evaluation=True`` marks an environment whose episodes evaluate the policy: they are counted
     apart (``eval_episodes``, ``eval_return_mean``) and never mixed into the training returns or
     env steps. It is never split across actor processes.
+
+    ``wrappers`` wrap each environment, innermost first (gymnasium wrappers, or functions of an
+    env); ``clip_rewards`` clips rewards to [-1, 1] after the episode returns are measured (so
+    reported returns are the game's). :func:`atari` puts the usual Atari preprocessing together.
 
     ``clip_actions`` clips continuous actions to the action space; ``normalize_obs`` and
     ``normalize_reward`` normalise with running statistics and clip to +-10, as CleanRL's
@@ -442,11 +459,33 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     try:
         env = VectorEnv(gym_env, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
                         normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
-                        evaluation=evaluation, env_kwargs=env_kwargs)
+                        evaluation=evaluation, env_kwargs=env_kwargs, wrappers=tuple(wrappers),
+                        clip_rewards=clip_rewards)
     except gym.error.DependencyNotInstalled as exc:
-        family = "mujoco" if "mujoco" in str(exc).lower() else None
+        text = str(exc).lower()
+        family = "mujoco" if "mujoco" in text else "ale_py" if ("atari" in text or "opencv" in text) else None
         raise UnknownEnvError(f"environment {env_id!r} needs a package that is not installed: {exc}", where=where,
                               fix=_EXTRA_HINT[family] if family else "install the package the message names") from None
     if interp is not None:
         interp.adopt(env)
     return env
+
+
+def atari(env_id: str, num_envs: int = 1, seed: int = 0, *, frame_stack: int = 4, clip_rewards: bool = True,
+          noop_max: int = 30, evaluation: bool = False, **env_kwargs: Any) -> VectorEnv:
+    """An Atari game (the ``atari`` extra: ale-py) with the usual DQN/PPO preprocessing
+    (Mnih et al., 2015; Machado et al., 2018): up to ``noop_max`` no-ops at reset, 4-frame skip with
+    max-pooling, 84x84 grayscale, ``frame_stack`` stacked frames (observations ``uint8[frame_stack,
+    84, 84]``), rewards clipped to [-1, 1] for learning while reported returns stay the game's.
+    Episodes are whole games (no end of episode on a lost life); ALE v5's sticky actions stay on.
+
+    >>> env = atari("ALE/Pong-v5", num_envs=2)          # doctest: +SKIP
+    >>> env.reset().shape                                # doctest: +SKIP
+    (2, 4, 84, 84)
+    """
+    if ":" not in env_id and env_id.startswith("ALE/"):
+        env_id = f"ale_py:{env_id}"    # registers the ALE/ ids
+    wrappers = [lambda e: gym.wrappers.AtariPreprocessing(e, noop_max=noop_max, frame_skip=4, screen_size=84),
+                lambda e: gym.wrappers.FrameStackObservation(e, frame_stack)]
+    return make(env_id, num_envs, seed, evaluation=evaluation, wrappers=wrappers, clip_rewards=clip_rewards,
+                frameskip=1, **env_kwargs)
