@@ -11,7 +11,8 @@ ppo        CartPole-v1   500k      >= 450               CleanRL 490 +- 6 (IMPALA
 =========  ============  ========  ===================  ==============================================
 
 Each run is its own process (one at a time unless ``--jobs``); the final return is the mean return
-of the last 20 training episodes; "reached" is whether that mean reached the target at any point
+of the last 20 training episodes (for A2C and IMPALA also the final policy's deterministic return
+over 10 episodes of an env of its own: RL-Zoo's protocol for its published figures); "reached" is whether that mean reached the target at any point
 within the budget (the stop criterion of RLlib's examples), with the step and second it did. Results go to ``benchmarks/results/returns_<algo>.json``.
 
     python benchmarks/returns.py sac [--seeds 3] [--steps 20000] [--policies single_process learner_replay]
@@ -43,13 +44,33 @@ torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import {algo} as algo
 r = ff.run(algo.train, algo.Args(total_timesteps={steps}, seed={seed}), policy={policy!r}, target_return={target})
-print(json.dumps(r.summary))
+summary = dict(r.summary)
+{evaluate}
+print(json.dumps(summary))
 """
+
+# RL-Zoo's protocol for its published figures: the final policy, deterministic actions, 10 episodes
+# on an environment of its own (not the training ones)
+GREEDY = """
+import numpy as np
+env = ff.envs.make(algo.Args().env_id, num_envs=1, seed=10_000 + {seed})
+obs, returns = env.reset(), []
+while len(returns) < 10:
+    with torch.no_grad():
+        action = r.value["model"].pi(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+    obs, *_ = env.step(action)
+    returns.extend(ret for ret, _ in env.pop_finished())
+summary["greedy_eval_return"] = float(np.mean(returns))
+"""
+EVALUATE = {"a2c": GREEDY, "impala": GREEDY}
 
 
 def one(algo: str, policy: str, seed: int, steps: int) -> dict:
-    summary = run_json(CODE.format(algo=algo, seed=seed, steps=steps, policy=policy, target=BANDS[algo]["target"]))
-    print(f"{algo} {policy} seed {seed}: final return {summary['final_return_mean']:.2f}, "
+    evaluate = EVALUATE.get(algo, "").format(seed=seed)
+    summary = run_json(CODE.format(algo=algo, seed=seed, steps=steps, policy=policy, target=BANDS[algo]["target"],
+                                   evaluate=evaluate))
+    greedy = f", deterministic evaluation {summary['greedy_eval_return']:.2f}" if "greedy_eval_return" in summary else ""
+    print(f"{algo} {policy} seed {seed}: final return {summary['final_return_mean']:.2f}{greedy}, "
           f"target reached at {summary.get('solved_at_steps')} steps / {summary.get('solved_at_seconds')} s, "
           f"{summary['steps_per_second']:,.0f} steps/s, {summary['wall_seconds']:.0f}s", flush=True)
     return summary
@@ -81,7 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{a.algo} {policy}: final return over {len(finals)} seeds {mean:.2f} +- {std:.2f} "
               f"({'meets' if meets else 'below'} the {band['target']:.0f} target; {band['published']}); "
               f"the mean of 20 episodes reached the target within the budget in {reached} of {len(mine)} seeds")
+        greedy = [s["greedy_eval_return"] for s in mine if "greedy_eval_return" in s]
+        if greedy:
+            print(f"{a.algo} {policy}: deterministic evaluation of the final policy (10 episodes, RL-Zoo's protocol): "
+                  f"{statistics.mean(greedy):.2f} +- {statistics.stdev(greedy) if len(greedy) > 1 else 0.0:.2f}")
         result["policies"][policy] = {"final_returns": finals, "mean": mean, "std": std, "meets_target": meets,
+                                      "greedy_eval_returns": greedy,
                                       "seeds_reaching_target": reached,
                                       "wall_seconds": [s["wall_seconds"] for s in mine],
                                       "solved_at_steps": [s.get("solved_at_steps") for s in mine],

@@ -28,6 +28,8 @@ TINY = {
     "sac": dict(total_timesteps=1200, num_envs=2, learning_starts=1000, batch_size=32, hidden=32),
     "a2c": dict(total_timesteps=2000, num_envs=2, hidden=16),
     "impala": dict(total_timesteps=2400, num_envs=2, num_steps=20, hidden=16),
+    "mappo": dict(total_timesteps=400, num_envs=2, num_steps=25, update_epochs=1, hidden=16),
+    "ppo_atari": dict(env_id="ALE/Pong-v5", total_timesteps=128, num_envs=2, num_steps=16, update_epochs=1),
 }
 
 

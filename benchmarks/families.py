@@ -1,0 +1,135 @@
+"""PPO on the heavy env families: MuJoCo (continuous control) and Atari (a CNN), at short budgets.
+
+``speed``: env steps/s of fragflow's PPO under ``single_process``, the default policy
+(``pipelined``) and ``actor_learner(actors=2)`` (the environments stepped in two worker processes)
+against Stable-Baselines3's PPO with the same hyper-parameters on the same env, one torch thread
+each, runs alternating in fresh processes (median of ``--reps``). Steps/s is over training only.
+
+============  =================================================================================
+mujoco        HalfCheetah-v5, CleanRL ``ppo_continuous_action.py``: 1 env x 2048 steps, 10 epochs of
+              32 minibatches, lr 3e-4 annealed, ent 0, observation and reward normalisation
+atari         Breakout-v5 (84x84 grayscale, 4 frames, skip 4), CleanRL ``ppo_atari.py``: 8 envs x 128
+              steps, 4 epochs of 4 minibatches, lr 2.5e-4 annealed, clip 0.1, the Nature CNN
+============  =================================================================================
+
+``learn``: one run at a short budget under the default policy, the return every 10% of it
+(learning visibly under way: CleanRL's HalfCheetah curve is near 900 at 200k steps; its Breakout
+curve near 10 at 1M).
+
+    python benchmarks/families.py speed mujoco [--steps 20000] [--reps 2]
+    python benchmarks/families.py learn mujoco [--steps 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from common import print_rows, row, run_json, save, stats
+
+ARGS = {
+    "mujoco": ("ppo", "ppo.Args(env_id='HalfCheetah-v5', num_envs=1, num_steps=2048, learning_rate=3e-4, "
+                      "num_minibatches=32, update_epochs=10, ent_coef=0.0, total_timesteps={steps}, seed={seed})"),
+    "atari": ("ppo_atari", "ppo_atari.Args(env_id='ALE/Breakout-v5', total_timesteps={steps}, seed={seed})"),
+}
+
+FRAGFLOW = """
+import json, torch
+torch.set_num_threads(1)
+import fragflow as ff
+from fragflow.algorithms import {module}
+r = ff.run({module}.train, {args}, policy={policy!r})
+rets = r.episode_returns
+print(json.dumps({{"sps": r.summary["steps_per_second"], "wall": r.summary["wall_seconds"], "returns": rets,
+                  "episodes": r.summary["episodes"]}}))
+"""
+
+SB3 = {
+    "mujoco": """
+import json, time, torch
+torch.set_num_threads(1)
+from stable_baselines3 import PPO
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.vec_env import VecNormalize
+env = VecNormalize(make_vec_env("HalfCheetah-v5", n_envs=1, seed={seed}), gamma=0.99)
+model = PPO("MlpPolicy", env, n_steps=2048, batch_size=64, n_epochs=10, learning_rate=lambda f: 3e-4 * f,
+            gamma=0.99, gae_lambda=0.95, clip_range=0.2, clip_range_vf=0.2, ent_coef=0.0, vf_coef=0.5,
+            max_grad_norm=0.5, seed={seed}, device="cpu", verbose=0,
+            policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=torch.nn.Tanh,
+                               log_std_init=0.0, optimizer_kwargs=dict(eps=1e-5)))
+t = time.perf_counter()
+model.learn({steps})
+print(json.dumps({{"sps": model.num_timesteps / (time.perf_counter() - t)}}))
+""",
+    "atari": """
+import json, time, torch
+torch.set_num_threads(1)
+import ale_py, gymnasium as gym
+gym.register_envs(ale_py)
+from stable_baselines3 import PPO
+from stable_baselines3.common.env_util import make_atari_env
+from stable_baselines3.common.vec_env import VecFrameStack, VecTransposeImage
+env = VecTransposeImage(VecFrameStack(make_atari_env("ALE/Breakout-v5", n_envs=8, seed={seed},
+                                                     env_kwargs=dict(frameskip=1)), n_stack=4))
+model = PPO("CnnPolicy", env, n_steps=128, batch_size=256, n_epochs=4, learning_rate=lambda f: 2.5e-4 * f,
+            gamma=0.99, gae_lambda=0.95, clip_range=0.1, clip_range_vf=0.1, ent_coef=0.01, vf_coef=0.5,
+            max_grad_norm=0.5, seed={seed}, device="cpu", verbose=0, policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5)))
+t = time.perf_counter()
+model.learn({steps})
+print(json.dumps({{"sps": model.num_timesteps / (time.perf_counter() - t)}}))
+""",
+}
+
+POLICIES = ("single_process", "pipelined", "actor_learner(actors=2)")
+DEFAULT_STEPS = {"speed": {"mujoco": 20_000, "atari": 8_192}, "learn": {"mujoco": 200_000, "atari": 300_000}}
+
+
+def fragflow_run(family: str, steps: int, seed: int, policy: str) -> dict:
+    module, args = ARGS[family]
+    return run_json(FRAGFLOW.format(module=module, args=args.format(steps=steps, seed=seed), policy=policy))
+
+
+def speed(family: str, steps: int, reps: int) -> dict:
+    sps: dict[str, list[float]] = {p: [] for p in (*POLICIES, "sb3")}
+    for rep in range(reps):
+        for policy in POLICIES:
+            sps[policy].append(fragflow_run(family, steps, rep + 1, policy)["sps"])
+        sps["sb3"].append(run_json(SB3[family].format(steps=steps, seed=rep + 1))["sps"])
+        print(f"rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in sps.items()) + " steps/s", flush=True)
+    rows = [row(f"PPO {family} steps/s, {policy} vs SB3", stats(sps[policy]), "sb3", stats(sps["sb3"]), "steps/s",
+                ">= 1.5" if policy == "single_process" else ">= 2" if policy == "pipelined" else "-")
+            for policy in POLICIES]
+    rows.append(row(f"PPO {family} steps/s, env workers (actor_learner(actors=2)) vs none (single_process)",
+                    stats(sps["actor_learner(actors=2)"]), "single_process", stats(sps["single_process"]), "steps/s", "-"))
+    print_rows(rows)
+    return {"steps": steps, "reps": reps, "rows": rows, "sps": sps}
+
+
+def learn(family: str, steps: int) -> dict:
+    r = fragflow_run(family, steps, 1, "pipelined")
+    rets, n = r["returns"], max(len(r["returns"]), 1)
+    tenth = [statistics.mean(rets[max(0, int(n * k / 10) - 20):max(1, int(n * k / 10))]) if rets else float("nan")
+             for k in range(1, 11)]
+    print(f"{family}: {steps:,} steps in {r['wall']:.0f} s ({r['sps']:,.0f} steps/s), {r['episodes']:.0f} episodes; "
+          f"mean of the 20 episodes before each tenth of the episodes: " + ", ".join(f"{x:.1f}" for x in tenth))
+    return {"steps": steps, "policy": "pipelined", "sps": r["sps"], "wall_seconds": r["wall"], "episodes": r["episodes"],
+            "return_by_tenth": tenth, "final_return": tenth[-1], "returns": rets}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", choices=("speed", "learn"))
+    p.add_argument("family", choices=tuple(ARGS))
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args(argv)
+    steps = a.steps or DEFAULT_STEPS[a.mode][a.family]
+    result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps)
+    result["command"] = "python benchmarks/families.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    save(f"{a.family}_{a.mode}", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
