@@ -1,9 +1,11 @@
 """PPO on the heavy env families: MuJoCo (continuous control) and Atari (a CNN), at short budgets.
 
-``speed``: env steps/s of fragflow's PPO under ``single_process``, the default policy
-(``pipelined``) and ``actor_learner(actors=2)`` (the environments stepped in two worker processes)
-against Stable-Baselines3's PPO with the same hyper-parameters on the same env, one torch thread
-each, runs alternating in fresh processes (median of ``--reps``). Steps/s is over training only.
+``speed``: env steps/s of fragflow's PPO under ``single_process`` and the default policy
+(``pipelined``) against Stable-Baselines3's PPO with the same hyper-parameters on the same env, one
+torch thread each; and under ``actor_learner(actors=2)`` (the environments stepped in two worker
+processes) against ``single_process`` with the same settings (MuJoCo: 2 envs x 1024 steps, since
+one env cannot be split). Runs alternate in fresh processes (median of ``--reps``); steps/s is over
+training only.
 
 ============  =================================================================================
 mujoco        HalfCheetah-v5, CleanRL ``ppo_continuous_action.py``: 1 env x 2048 steps, 10 epochs of
@@ -33,6 +35,9 @@ ARGS = {
                       "num_minibatches=32, update_epochs=10, ent_coef=0.0, total_timesteps={steps}, seed={seed})"),
     "atari": ("ppo_atari", "ppo_atari.Args(env_id='ALE/Breakout-v5', total_timesteps={steps}, seed={seed})"),
 }
+# env workers need environments to split: MuJoCo's one env becomes 2 x 1024 steps (the same batch)
+WORKER_ARGS = {"mujoco": ARGS["mujoco"][1].replace("num_envs=1, num_steps=2048", "num_envs=2, num_steps=1024"),
+               "atari": ARGS["atari"][1]}
 
 FRAGFLOW = """
 import json, torch
@@ -81,27 +86,36 @@ print(json.dumps({{"sps": model.num_timesteps / (time.perf_counter() - t)}}))
 """,
 }
 
-POLICIES = ("single_process", "pipelined", "actor_learner(actors=2)")
 DEFAULT_STEPS = {"speed": {"mujoco": 20_000, "atari": 8_192}, "learn": {"mujoco": 200_000, "atari": 300_000}}
 
 
-def fragflow_run(family: str, steps: int, seed: int, policy: str) -> dict:
+def fragflow_run(family: str, steps: int, seed: int, policy: str, workers: bool = False) -> dict:
     module, args = ARGS[family]
-    return run_json(FRAGFLOW.format(module=module, args=args.format(steps=steps, seed=seed), policy=policy))
+    args = WORKER_ARGS[family] if workers else args
+    return run_json(FRAGFLOW.format(module=module, args=args.format(steps=steps, seed=seed), policy=policy),
+                    env={"FRAGFLOW_THREADS": "1"})   # one torch thread per process, as SB3 gets
 
 
 def speed(family: str, steps: int, reps: int) -> dict:
-    sps: dict[str, list[float]] = {p: [] for p in (*POLICIES, "sb3")}
+    """Steps/s vs SB3 (same settings), and with env worker processes vs without (same settings)."""
+    sps: dict[str, list[float]] = {p: [] for p in ("single_process", "pipelined", "sb3", "workers: single_process",
+                                                   "workers: actor_learner(actors=2)")}
     for rep in range(reps):
-        for policy in POLICIES:
+        for policy in ("single_process", "pipelined"):
             sps[policy].append(fragflow_run(family, steps, rep + 1, policy)["sps"])
         sps["sb3"].append(run_json(SB3[family].format(steps=steps, seed=rep + 1))["sps"])
+        for policy in ("single_process", "actor_learner(actors=2)"):
+            same = family != "mujoco" and policy == "single_process"   # the settings are the same: reuse
+            sps[f"workers: {policy}"].append(sps["single_process"][-1] if same else
+                                             fragflow_run(family, steps, rep + 1, policy, workers=True)["sps"])
         print(f"rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in sps.items()) + " steps/s", flush=True)
     rows = [row(f"PPO {family} steps/s, {policy} vs SB3", stats(sps[policy]), "sb3", stats(sps["sb3"]), "steps/s",
-                ">= 1.5" if policy == "single_process" else ">= 2" if policy == "pipelined" else "-")
-            for policy in POLICIES]
-    rows.append(row(f"PPO {family} steps/s, env workers (actor_learner(actors=2)) vs none (single_process)",
-                    stats(sps["actor_learner(actors=2)"]), "single_process", stats(sps["single_process"]), "steps/s", "-"))
+                ">= 1.5" if policy == "single_process" else ">= 2")
+            for policy in ("single_process", "pipelined")]
+    rows.append(row(f"PPO {family} steps/s, envs in 2 worker processes (actor_learner(actors=2)) vs in one process "
+                    f"(single_process), {WORKER_ARGS[family].split('(', 1)[1].split(', total')[0]}",
+                    stats(sps["workers: actor_learner(actors=2)"]), "single_process", stats(sps["workers: single_process"]),
+                    "steps/s", "-"))
     print_rows(rows)
     return {"steps": steps, "reps": reps, "rows": rows, "sps": sps}
 
