@@ -146,12 +146,8 @@ class VectorEnv:
                  normalize_reward: bool = False, gamma: float = 0.99, evaluation: bool = False,
                  env_kwargs: dict[str, Any] | None = None, wrappers: tuple[Callable[[gym.Env], gym.Env], ...] = (),
                  clip_rewards: bool = False) -> None:
-        self.env_id = env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id))
-        self.seed = seed
-        self.ids = np.asarray(ids, dtype=np.int64)
-        self.num_envs = len(self.ids)
-        self.total_envs = num_envs
-        self.name = name
+        self._identify(env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id)),
+                       num_envs, seed, ids, name)
         kwargs = dict(env_kwargs or {})
         if isinstance(env_id, str):
             base = gym.make_vec(env_id, num_envs=self.num_envs, vectorization_mode="sync",
@@ -172,10 +168,22 @@ class VectorEnv:
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
         self._action_dtype = self.single_action_space.dtype
+        self._fragments(evaluation)
+
+    def _identify(self, label: str, num_envs: int, seed: int, ids: np.ndarray, name: str) -> None:
+        self.env_id = label
+        self.seed = seed
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.num_envs = len(self.ids)
+        self.total_envs = num_envs
+        self.name = name
+
+    def _fragments(self, evaluation: bool) -> None:
+        """``reset`` and ``step`` as env fragments: rows per environment in and out, env events."""
         self.evaluation = evaluation
-        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=rows,
+        self.reset = Fragment(self._reset, "env", name=f"{self.name}.reset", instance=self, axes=rows,
                               evaluation=evaluation)
-        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=rows,
+        self.step = Fragment(self._step, "env", name=f"{self.name}.step", instance=self, axes=rows,
                              events=self._events, evaluation=evaluation, in_axes=rows)
 
     def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
@@ -237,12 +245,7 @@ class MultiAgentVectorEnv(VectorEnv):
     def __init__(self, factory: Callable[..., Any], num_envs: int, seed: int, *, ids: np.ndarray, name: str,
                  label: str, evaluation: bool = False, env_kwargs: dict[str, Any] | None = None,
                  first: Any = None) -> None:   # the interface of VectorEnv, over other envs: no super().__init__
-        self.env_id = label
-        self.seed = seed
-        self.ids = np.asarray(ids, dtype=np.int64)
-        self.num_envs = len(self.ids)
-        self.total_envs = num_envs
-        self.name = name
+        self._identify(label, num_envs, seed, ids, name)
         kwargs = dict(env_kwargs or {})
         self.envs = [first if (i == 0 and first is not None) else factory(**kwargs) for i in range(self.num_envs)]
         probe = self.envs[0]
@@ -257,14 +260,10 @@ class MultiAgentVectorEnv(VectorEnv):
         self.num_agents = len(self.agents)
         self.single_observation_space = spaces[0]
         self.single_action_space = actions[0]
-        self.evaluation = evaluation
         self._returns = np.zeros((self.num_envs, self.num_agents))
         self._lengths = np.zeros((self.num_envs, self.num_agents), np.int64)
         self._finished: list[tuple[float, int]] = []
-        self.reset = Fragment(self._reset, "env", name=f"{name}.reset", instance=self, axes=rows,
-                              evaluation=evaluation)
-        self.step = Fragment(self._step, "env", name=f"{name}.step", instance=self, axes=rows,
-                             events=self._events, evaluation=evaluation, in_axes=rows)
+        self._fragments(evaluation)
 
     def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
         return self.num_envs, self.pop_finished()
