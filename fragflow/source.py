@@ -30,8 +30,13 @@ class SourceLoc:
 
 def display_path(filename: str) -> str:
     """Relative to the working directory when below it, else as given."""
+    return _display(filename, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)
+def _display(filename: str, cwd: str) -> str:
     try:
-        rel = os.path.relpath(filename)
+        rel = os.path.relpath(filename, cwd)
     except ValueError:
         return filename
     return filename if rel.startswith("..") else rel

@@ -250,15 +250,28 @@ class TensorSpec:
             return size * 8
 
 
+_DTYPE_NAMES: dict[Any, str] = {}   # dtype object -> its name (str() of a numpy dtype is slow)
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.") if "torch" in type(dtype).__module__ else \
+            str(np.dtype(dtype))
+    return name
+
+
 def spec_of(x: Any) -> TensorSpec:
+    if type(x) is np.ndarray:   # the common case first
+        return TensorSpec(x.shape, _dtype_name(x.dtype), "numpy")
     backend = backend_of(x)
     if backend == "python":
         return TensorSpec((), type(x).__name__, "python")
     if backend == "torch":
-        return TensorSpec(tuple(x.shape), str(x.dtype).removeprefix("torch."), "torch")
+        return TensorSpec(tuple(x.shape), _dtype_name(x.dtype), "torch")
     if backend is None:
         raise NotAnArray("", x)
-    return TensorSpec(tuple(x.shape), str(np.dtype(x.dtype)), backend)
+    return TensorSpec(tuple(x.shape), _dtype_name(x.dtype), backend)
 
 
 def to_numpy(x: Any) -> np.ndarray:

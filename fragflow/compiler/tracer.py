@@ -75,6 +75,7 @@ class _EdgeRec:
     leaves: dict[tuple[str, str], LeafSpec] = field(default_factory=dict)
     crossings: list[int] = field(default_factory=lambda: [0, 0])
     where: SourceLoc | None = None
+    read_version: int = -1   # a state read edge: the version whose leaves it holds
 
 
 @dataclass
@@ -290,8 +291,10 @@ class Tracer:
         edge = self._edge(handle.name, rec.name, EdgeKind.STATE_READ, path, pname)
         edge.crossings[window] += 1
         resolved = handle.value if isinstance(value, Versioned) else value.resolve(handle.value)
-        for p, leaf in leaf_paths(resolved):
-            edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
+        if edge.read_version != handle.version:   # a version's leaves are read once (an actor reads it every step)
+            edge.read_version = handle.version
+            for p, leaf in leaf_paths(resolved):
+                edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
         return resolved
 
     def _write_state(self, rec: _NodeRec, handle: Versioned, out: Any, where: SourceLoc | None, window: int) -> Any:
