@@ -213,6 +213,9 @@ def test_ir_knows_the_loops_around_each_call_and_their_trip_counts():
     # rates come from the loops where they say: act runs num_steps times per learn, every trip
     assert graph.derived_rate("act") == 16 and graph.derived_rate("learn") == 1
     assert graph.derived_rate("env.reset") is None            # outside the loops: as traced (once)
+    # learner outputs reach the loop as probes (compiler/probes.py); the IR names their own types
+    logged = {leaf.spec.dtype for e in graph.edges if e.dst == "log" for leaf in e.leaves}
+    assert logged == {"float"}
 
 
 def test_rates_from_the_loops_are_not_claimed_under_an_if_or_an_early_exit():

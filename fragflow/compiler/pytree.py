@@ -265,8 +265,8 @@ def spec_of(x: Any) -> TensorSpec:
     if type(x) is np.ndarray:   # the common case first
         return TensorSpec(x.shape, _dtype_name(x.dtype), "numpy")
     backend = backend_of(x)
-    if backend == "python":
-        return TensorSpec((), type(x).__name__, "python")
+    if backend == "python":   # the builtin's name, for subclasses too (the tracer's probes)
+        return TensorSpec((), "bool" if isinstance(x, bool) else "int" if isinstance(x, int) else "float", "python")
     if backend == "torch":
         return TensorSpec(tuple(x.shape), _dtype_name(x.dtype), "torch")
     if backend is None:
