@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ class Args:
     """steps per environment per rollout (four 25-step simple_spread episodes)"""
     max_cycles: int = 25
     """episode length of MPE environments"""
-    critic: str = "central"
+    critic: Literal["central", "independent"] = "central"
     """'central': the critic sees every agent's observation (MAPPO); 'independent': only its own (IPPO)"""
     learning_rate: float = 7e-4
     anneal_lr: bool = True
@@ -165,8 +166,6 @@ LEARNER_KEY_ID = 1 << 40   # an id no environment has: the learner's minibatch s
 
 
 def train(args: Args):
-    if args.critic not in ("central", "independent"):
-        raise ValueError(f"critic must be 'central' or 'independent', got {args.critic!r}")
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed, max_cycles=args.max_cycles)
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
