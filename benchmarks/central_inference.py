@@ -9,6 +9,7 @@ alternate, each in a fresh process; the figure is env steps/s over training (aft
 median over repetitions, and the ratio central_inference / actor_learner in the same run.
 
     python benchmarks/central_inference.py [--steps 200000] [--reps 3] [--hidden 64 512]
+    python benchmarks/central_inference.py --unequal --steps 20000 --reps 2   # one worker slower
 """
 
 from __future__ import annotations
@@ -37,12 +38,62 @@ def one(policy: str, steps: int, hidden: int) -> dict:
     return run_json(CODE.format(steps=steps, hidden=hidden, policy=policy))
 
 
+# Unequal workers: the environments of the second worker take 2 ms more per step (a slower machine,
+# a heavier level). max_lag=0 holds both workers to its pace; the bounded wait lets the fast one on.
+UNEQUAL = """
+import json, time, torch
+torch.set_num_threads(1)
+import gymnasium as gym
+import fragflow as ff
+from fragflow.algorithms import ppo
+
+class UnequalCartPole(gym.Wrapper):
+    def __init__(self):
+        super().__init__(gym.make("CartPole-v1"))
+        self.slow = None
+    def reset(self, *, seed=None, options=None):
+        if self.slow is None and seed is not None:
+            self.slow = seed - 1 >= {envs} // 2        # environments seeded 1 + i: the second half is slow
+        return self.env.reset(seed=seed, options=options)
+    def step(self, action):
+        if self.slow:
+            time.sleep(0.002)
+        return self.env.step(action)
+
+gym.register("UnequalCartPole-v1", entry_point=UnequalCartPole)
+args = ppo.Args(env_id="UnequalCartPole-v1", total_timesteps={steps}, num_envs={envs}, num_steps=32, seed=1)
+r = ff.run(ppo.train, args, policy={policy!r})
+print(json.dumps({{"sps": r.summary["steps_per_second"], "wall": r.summary["wall_seconds"],
+                  "lags": r.summary["channels"]["trajectory"]["lag_histogram"]}}))
+"""
+
+
+def unequal(steps: int, reps: int) -> dict:
+    policies = {"exact": "central_inference(env_workers=2)",
+                "bounded": "central_inference(env_workers=2, max_lag=1, wait_ms=2)"}
+    sps: dict[str, list[float]] = {k: [] for k in policies}
+    for _ in range(reps):
+        for name, policy in policies.items():
+            sps[name].append(run_json(UNEQUAL.format(steps=steps, envs=8, policy=policy))["sps"])
+        print(", ".join(f"{k} {v[-1]:,.0f}" for k, v in sps.items()) + " steps/s", flush=True)
+    return {"rows": [row("PPO, 8 envs, one worker's envs 2 ms slower per step: central_inference bounded wait "
+                         "(max_lag=1, wait_ms=2) / exact (max_lag=0)", stats(sps["bounded"]), "max_lag=0",
+                         stats(sps["exact"]), "env steps/s", "-")], "sps": sps}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200_000)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--hidden", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--unequal", action="store_true", help="the bounded wait against max_lag=0 with unequal workers")
     a = p.parse_args(argv)
+    if a.unequal:
+        out = unequal(a.steps, a.reps)
+        print_rows(out["rows"])
+        out["command"] = "python benchmarks/central_inference.py " + " ".join(argv or sys.argv[1:])
+        save("central_inference_unequal", out)
+        return out
     rows, raw = [], {}
     for hidden in a.hidden:
         runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
