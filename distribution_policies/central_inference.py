@@ -44,8 +44,9 @@ class Options:
     """environments per worker (0: num_envs / env_workers)"""
     max_lag: int = 0
     """rollouts a worker may run ahead of the learner; 0 waits for every worker's request (bit-identical)"""
-    wait_ms: float = 2.0
-    """with max_lag >= 1: how long a request waits for the other workers' before it is answered alone"""
+    wait_ms: float = 0.0
+    """with max_lag >= 1: how long a request waits for the other workers' before it is answered without
+    them (0: answer what has arrived; measured best on CPU, see the README)"""
 
 
 def place(graph: Graph, options: Options) -> PlacedGraph:
