@@ -81,8 +81,11 @@ ProbeInt = _scalar_probe(int)
 
 
 def _plain(x: Any) -> Any:
+    """``x`` with the array and tensor probes in it as plain arrays and tensors."""
     if isinstance(x, ProbeArray):
         return x.view(np.ndarray)
+    if _tensor_probe is not None and isinstance(x, _tensor_probe):
+        return x.as_subclass(_tensor_probe.__mro__[1])
     if isinstance(x, (list, tuple)):
         return type(x)(_plain(v) for v in x)
     return x
@@ -140,7 +143,7 @@ _UFUNC_USES = {"greater": "compared with >", "less": "compared with <", "greater
                "less_equal": "compared with <=", "equal": "compared with ==", "not_equal": "compared with !="}
 
 _TENSOR_FREE = frozenset({"__getitem__", "__repr__", "__format__", "__str__", "__reduce_ex__", "__deepcopy__"})
-_tensor_probe: type | None = None
+_tensor_probe: Any = None   # the tensor probe class, once torch is used
 
 
 def _torch_probe() -> type:
@@ -148,13 +151,6 @@ def _torch_probe() -> type:
     global _tensor_probe
     if _tensor_probe is None:
         import torch
-
-        def plain(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and hasattr(x, "_ff_fragment"):
-                return x.as_subclass(torch.Tensor)
-            if isinstance(x, (list, tuple)):
-                return type(x)(plain(v) for v in x)
-            return x
 
         class ProbeTensor(torch.Tensor):
             @classmethod
@@ -166,7 +162,7 @@ def _torch_probe() -> type:
                             op = name.strip("_")
                             _note(a, _USES.get(name) or _USES.get(f"__{op}__") or f"used in a torch operation ({op})")
                             break
-                return func(*plain(tuple(args)), **{k: plain(v) for k, v in (kwargs or {}).items()})
+                return func(*_plain(tuple(args)), **{k: _plain(v) for k, v in (kwargs or {}).items()})
 
         _tensor_probe = ProbeTensor
     return _tensor_probe
@@ -174,9 +170,7 @@ def _torch_probe() -> type:
 
 def probe(leaf: Any, fragment: str, path: str) -> Any:
     """``leaf`` as a probe (the same value and type), or ``leaf`` itself where none applies."""
-    if isinstance(leaf, bool):
-        return leaf
-    if type(leaf) is float:
+    if type(leaf) is float:   # exact types: bool (an int) and numpy's float64 (a float) stay as they are
         out: Any = ProbeFloat(leaf)
         out._ff_value = leaf
     elif type(leaf) is int:

@@ -122,7 +122,6 @@ class Tracer:
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
         self.env_counts: set[int] = set()   # ... of how many
         self.loop_reads: list[LoopRead] = []   # learner outputs the loop itself reads (see probes)
-        self._held: list[Any] = []              # probes kept alive while tracing (their ids name origins)
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
@@ -234,18 +233,17 @@ class Tracer:
     def _probed(self, name: str, out: Any) -> Any:
         """The learner's outputs as probes (its new state excepted), each known as its original's
         output so that passing one on to a fragment is still an edge from this learner."""
-        first = 1 if isinstance(out, tuple) and out and isinstance(out[0], Versioned) else 0
         if isinstance(out, Versioned):
             return out
+        first = 1 if isinstance(out, tuple) and out and isinstance(out[0], Versioned) else 0
         items = list(out) if isinstance(out, tuple) else [out]
         for i in range(first, len(items)):
             before = [leaf for _, leaf in _leaf_list(items[i])]
             items[i] = probes.probed(items[i], name, f"[{i}]" if isinstance(out, tuple) else "")
             for (_, new), old in zip(_leaf_list(items[i]), before):
                 origin = self._origin(old)
-                if origin is not None and new is not old:
+                if origin is not None and new is not old:   # the strong ref keeps the probe (and its id) alive
                     self._origins[id(new)] = dataclasses.replace(origin, ref=_strong(new))
-                    self._held.append(new)
         return tuple(items) if isinstance(out, tuple) else items[0]
 
     def _check_scalars(self, tree: Any, where: SourceLoc | None) -> None:
