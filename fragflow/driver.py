@@ -22,12 +22,16 @@ from fragflow import __version__
 from fragflow.api.fragment import Fragment
 from fragflow.compiler.ir import Graph
 from fragflow.compiler.printer import format_placed
+from fragflow.compiler.resumable import loop_lines
 from fragflow.compiler.tracer import trace_program
+from fragflow.errors import ConfigError
 from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime import serial
+from fragflow.runtime.checkpoint import Checkpoint, Every, RunCheckpoints
+from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
@@ -53,6 +57,33 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _checkpoint_on_interrupt(checkpoints: RunCheckpoints | None) -> Iterator[None]:
+    """With checkpointing on, the first Ctrl-C writes a checkpoint at the loop's next trip and then
+    stops the run; a second Ctrl-C stops it at once."""
+    if checkpoints is None or not checkpoints.enabled:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if checkpoints.stop_after:
+            raise KeyboardInterrupt
+        checkpoints.stop_after = True
+        checkpoints.request()
+        sys.stderr.write("\ninterrupted: writing a checkpoint at the loop's next trip, then stopping "
+                         "(Ctrl-C again stops now)\n")
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:   # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @dataclass
 class RunResult:
     value: Any                         # what the training function returned (versioned state unwrapped)
@@ -76,6 +107,7 @@ class Compiled:
     lowered: Lowered
     checks: dict[str, Any]
     program: bytes | None     # None: one group in one process, run by the serial executor
+    train: Callable[..., Any] | None = None   # the training function as compiled (loops report trips)
 
     @property
     def serial(self) -> bool:
@@ -86,6 +118,9 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     """Trace ``train(args)``, place it with ``policy`` (or the decorator's, or the default) and lower
     it; every configuration error surfaces here, before a run writes anything."""
     spec, options = policies.resolve(policy, train)
+    from fragflow.compiler.resumable import resumable
+
+    train = resumable(train)   # its top-level loops report their trips: checkpoints, resume, restarts
     call_args = () if args is None else (args,)
     graph, fragments = trace_program(train, *call_args)
     placed = spec.place(graph, options).verify()
@@ -104,22 +139,50 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
         from fragflow.api.envs import registered_by_user
 
         program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
-    return Compiled(placed, fragments, lowered, checks, program)
+    return Compiled(placed, fragments, lowered, checks, program, train)
 
 
 def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
         out: str | os.PathLike[str] | None = None, target_return: float | None = None,
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,
-        compiled: Compiled | None = None) -> RunResult:
-    """Compile (unless ``compiled`` is given) and run a training function under a distribution policy."""
+        compiled: Compiled | None = None, checkpoint_every: str | int | Every | None = None,
+        resume: str | os.PathLike[str] | Checkpoint | None = None, program_ref: str | None = None) -> RunResult:
+    """Compile (unless ``compiled`` is given) and run a training function under a distribution policy.
+
+    ``checkpoint_every`` (updates, or a duration such as ``"5m"``) writes ``out/checkpoints/<updates>/``;
+    ``resume`` (a run directory or one of its checkpoints) continues a run from one: its versioned
+    state, loop position, random states and counters (environments are reset). ``program_ref``
+    is what the manifest records to load the algorithm again (a file path or built-in name)."""
+    every = checkpoint_every if isinstance(checkpoint_every, Every) or checkpoint_every is None \
+        else Every.parse(str(checkpoint_every))
+    start = resume if isinstance(resume, Checkpoint) or resume is None else find_checkpoint(resume)
+    if (every is not None or start is not None) and out is None:
+        out = start.run_dir if start is not None else None
+        if out is None:
+            raise ConfigError("checkpoints need a run directory", fix="pass out=... (the CLI's --out)")
     compiled = compiled or compile(train, args, policy=policy)
     placed = compiled.placed
+    train = compiled.train or train
     call_args = () if args is None else (args,)
     total = getattr(args, "total_timesteps", None)
-    outputs = RunOutputs(out) if out is not None else None
+    checkpoints = None
+    if every is not None or start is not None:
+        assert out is not None
+        config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) and not isinstance(args, type) else None
+        identity = {"algorithm": placed.graph.name, "program": program_ref, "args": config, "policy": placed.policy,
+                    "policy_options": dict(placed.options), "fragflow": __version__}
+        checkpoints = RunCheckpoints(Path(out), every, identity, start)
+        checkpoints.check_fits(placed.graph.name, placed.policy, compiled.lowered.loop.replicas)
+        if every is not None and not loop_lines(train):
+            raise ConfigError("this training function cannot be checkpointed: fragflow found no top-level loop in its "
+                              "source", where=placed.graph.fragments()[0].called_at if placed.graph.fragments() else None,
+                              fix="define the training function in a file, with its loop (for/while) in its own body")
+    outputs = RunOutputs(out, append=start is not None) if out is not None else None
     display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
+    if start is not None:
+        monitor.resume(start.counters)
     if outputs is not None:
         outputs.write_text("graph.txt", format_placed(placed))
     status = "failed"
@@ -127,12 +190,13 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     monitor.start()
     try:
         with _sigterm_as_interrupt():
-            if compiled.program is None:
-                value = serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks)
-            else:
-                from fragflow.runtime import multiprocess
+            with _checkpoint_on_interrupt(checkpoints):
+                if compiled.program is None:
+                    value = serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks, checkpoints)
+                else:
+                    from fragflow.runtime import multiprocess
 
-                value = multiprocess.execute(compiled.lowered, compiled.program, monitor)
+                    value = multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints)
         status = "completed"
     except StopRun:
         status = "stopped_at_target"
@@ -145,6 +209,10 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     finally:
         monitor.close()
         summary = _summary(placed, args, monitor, status)
+        if checkpoints is not None:
+            summary["checkpoints"] = [str(p) for p in checkpoints.written]
+            if start is not None:
+                summary["resumed_from"] = str(start.path)
         if outputs is not None:
             outputs.write_json("summary.json", summary)
             outputs.plot_returns(monitor.episodes, target_return)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import numpy as np
 
@@ -44,9 +45,19 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z
 
 
+_issued: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def is_key(x: object) -> bool:
+    """Whether ``x`` is a key array this module made (a checkpoint saves the loop's keys)."""
+    return isinstance(x, np.ndarray) and _issued.get(id(x)) is x
+
+
 def _per_env(arr: np.ndarray) -> np.ndarray:
     """Tell a tracer that ``arr`` has the environments on axis 0 (keys are per environment), so a
-    policy that splits the environments across processes splits keys that cross with them."""
+    policy that splits the environments across processes splits keys that cross with them; and
+    remember it is a key."""
+    _issued[id(arr)] = arr
     hint = getattr(context.current(), "hint_axis", None)
     if hint is not None:
         hint(arr, ("env", 0))

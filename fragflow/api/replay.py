@@ -101,6 +101,35 @@ class ReplayBuffer:
         self.update_priorities = Fragment(self._update_priorities, "buffer", name=f"{self.name}.update_priorities",
                                           instance=self)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves: the stored transitions (only the ``size`` filled rows), the
+        write position, the priorities and the sampling generator's state."""
+        out: dict[str, Any] = {"pos": self._pos, "size": self._size, "max_priority": self._max_priority,
+                               "rng": self._rng.bit_generator.state}
+        if self._storage is not None:
+            out["storage"] = {k: v[:self._size] for k, v in self._storage.items()}
+        if self._tree is not None:
+            out["priorities"] = self._tree.get(np.arange(self._size))
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        size = int(state["size"])
+        if size > self.capacity:
+            raise ValueError(f"the saved buffer holds {size} transitions, more than this buffer's capacity {self.capacity}")
+        storage = state.get("storage")
+        self._storage = None
+        if storage is not None:
+            self._storage = {}
+            for k, v in storage.items():
+                v = np.asarray(v)
+                self._storage[k] = np.zeros((self.capacity, *v.shape[1:]), v.dtype)
+                self._storage[k][:size] = v
+        self._pos, self._size = int(state["pos"]), size
+        self._max_priority = float(state["max_priority"])
+        self._rng.bit_generator.state = state["rng"]
+        if self._tree is not None and "priorities" in state:
+            self._tree.set(np.arange(size), np.asarray(state["priorities"], np.float64))
+
     def __repr__(self) -> str:
         return f"<ReplayBuffer {self.name}: {self._size}/{self.capacity}{' prioritized' if self.prioritized else ''}>"
 

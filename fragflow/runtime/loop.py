@@ -16,6 +16,7 @@ the serial semantics every other placement is checked against.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import cloudpickle
@@ -84,6 +85,8 @@ class LoopInterpreter:
                                                       for r, route in program.remote.items() if route.sync}
         self._defs = {} if endpoints is None else {g: endpoints.definitions(g) for g in
                                                    {r.group for r in program.remote.values()}}
+        self.restored: Any = None             # a checkpoint's states part: versioned state starts from it
+        self.on_update: Callable[[int], None] | None = None   # after each clock call (checkpoint schedule)
 
     # -- interpreter protocol ------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
@@ -106,7 +109,13 @@ class LoopInterpreter:
         self.resources.clear()
 
     def versioned(self, value: Any, name: str, where: SourceLoc | None) -> Versioned:
-        handle = Versioned(self._state_names(name), 0, value, where)
+        name = self._state_names(name)
+        version = 0
+        if self.restored is not None:
+            from fragflow.runtime.checkpoint import restore_state
+
+            value, version = restore_state(self.restored, name, value, where)
+        handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
         if self.index == 0:
             for group in self.program.ship.get(handle.name, ()):
@@ -172,9 +181,13 @@ class LoopInterpreter:
             if name == self.checks.get("clock"):
                 self.update += 1
                 self.reporter.update()
+                if self.on_update is not None:
+                    self.on_update(self.update)
             return (new, *out[1:]) if isinstance(out, tuple) else new
         if frag.role == "learner" and name == self.checks.get("clock"):
             self.reporter.update()
+            if self.on_update is not None:
+                self.on_update(self.update)
         return out
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:

@@ -53,6 +53,13 @@ class Monitor:
         self.channel_stats: dict[str, dict[str, Any]] = {}
         self._last_channel: tuple[float, dict[str, dict[str, Any]]] | None = None
         self._rates: dict[str, float] = {}
+        self.base_steps = 0                  # env steps of the run this one resumed (not in this run's rate)
+        self.base_episodes = 0
+        self.base_wall = 0.0
+        self.base_updates = 0
+        self.resumed = False
+        self.version_offset = 0
+        self.restarts = 0
 
     # -- what executors report --------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +126,30 @@ class Monitor:
         self._last_channel = (now, stats)
         self.channel_stats = stats
 
+    # -- checkpoints -------------------------------------------------------------------------
+    def counters(self, version: int | None = None) -> dict[str, Any]:
+        """What a checkpoint records so a resumed run's counters continue."""
+        return {"env_steps": self.env_steps, "updates": self.updates,
+                "version": self.updates if version is None else self.version_offset + version,
+                "episodes": self.base_episodes + len(self.episodes), "recent_returns": list(self.recent),
+                "recent_lengths": list(self.recent_lengths), "eval_recent": list(self.eval_recent),
+                "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
+                "solved_at_steps": self.solved_at_steps}
+
+    def resume(self, counters: dict[str, Any]) -> None:
+        """Continue the counters a checkpoint recorded."""
+        self.env_steps = self.base_steps = int(counters.get("env_steps", 0))
+        self.updates = self.base_updates = int(counters.get("updates", 0))
+        self.resumed = True
+        self.version_offset = int(counters.get("version", self.updates))
+        self.base_episodes = int(counters.get("episodes", 0))
+        self.base_wall = float(counters.get("wall_seconds", 0.0))
+        self.restarts = int(counters.get("restarts", 0))
+        self.recent.extend(counters.get("recent_returns", []))
+        self.recent_lengths.extend(counters.get("recent_lengths", []))
+        self.eval_recent.extend(counters.get("eval_recent", []))
+        self.solved_at_steps = counters.get("solved_at_steps")
+
     # -- derived figures ---------------------------------------------------------------
     @property
     def wall_seconds(self) -> float:
@@ -133,10 +164,10 @@ class Monitor:
         nan = math.nan
         row = {
             "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": wall,
-            "steps_per_second": self.env_steps / wall if wall > 0 else 0.0,
+            "steps_per_second": (self.env_steps - self.base_steps) / wall if wall > 0 else 0.0,
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
-            "episodes": float(len(self.episodes)),
+            "episodes": float(self.base_episodes + len(self.episodes)),
             "eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else nan,
             "eval_episodes": float(len(self.eval_episodes)),
         }
@@ -158,17 +189,21 @@ class Monitor:
             extra = ""
             for name, s in self.channel_stats.items():
                 extra += f"  {name}: depth {s['depth']} drops {s['drops']}"
-            self.progress.update(self.env_steps, self.env_steps / wall if wall > 0 else 0.0,
+            self.progress.update(self.env_steps, (self.env_steps - self.base_steps) / wall if wall > 0 else 0.0,
                                  self.recent_return, wall, extra)
 
     def summary(self) -> dict[str, Any]:
         wall = self.wall_seconds
         out: dict[str, Any] = {
             "env_steps": self.env_steps, "updates": self.updates, "wall_seconds": round(wall, 3),
-            "steps_per_second": round(self.env_steps / wall, 1) if wall > 0 else 0.0,
-            "episodes": len(self.episodes),
+            "steps_per_second": round((self.env_steps - self.base_steps) / wall, 1) if wall > 0 else 0.0,
+            "episodes": self.base_episodes + len(self.episodes),
             "final_return_mean": self.recent_return,
         }
+        out["restarts"] = self.restarts
+        if self.resumed:
+            out["resumed_at"] = {"env_steps": self.base_steps, "updates": self.base_updates, "version": self.version_offset}
+            out["wall_seconds_total"] = round(self.base_wall + wall, 3)
         if self.eval_episodes:
             out["eval_episodes"] = len(self.eval_episodes)
             out["eval_return_mean"] = sum(self.eval_recent) / len(self.eval_recent)

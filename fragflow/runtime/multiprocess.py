@@ -65,7 +65,9 @@ def _no_main_reimport() -> Iterator[None]:
 
 
 class Driver:
-    def __init__(self, lowered: Lowered, program: bytes, monitor: Monitor, backend: str = "local") -> None:
+    def __init__(self, lowered: Lowered, program: bytes, monitor: Monitor, backend: str = "local",
+                 checkpoints: Any = None) -> None:
+        self.checkpoints = checkpoints
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -202,5 +204,5 @@ class Driver:
             self.wiring.release()
 
 
-def execute(lowered: Lowered, program: bytes, monitor: Monitor) -> Any:
-    return Driver(lowered, program, monitor).run()
+def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None) -> Any:
+    return Driver(lowered, program, monitor, checkpoints=checkpoints).run()

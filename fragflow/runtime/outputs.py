@@ -15,20 +15,32 @@ RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
 class RunOutputs:
     """Writers for one run directory. Rows go to CSV and TensorBoard as they come."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], append: bool = False) -> None:
+        """``append``: a resumed run adds to the directory's ``metrics.csv`` (same columns) and TensorBoard."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._csv_file: IO[str] | None = None
         self._csv: csv.DictWriter[str] | None = None
+        self._columns: list[str] | None = None
+        metrics = self.dir / "metrics.csv"
+        if append and metrics.is_file():
+            with open(metrics, newline="") as f:
+                header = next(csv.reader(f), None)
+            if header:
+                self._columns = header
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
 
     def write_row(self, row: dict[str, float]) -> None:
         if self._csv is None:
-            self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
-            self._csv = csv.DictWriter(self._csv_file, fieldnames=list(row), extrasaction="ignore")
-            self._csv.writeheader()
+            if self._columns is not None:
+                self._csv_file = open(self.dir / "metrics.csv", "a", newline="")
+                self._csv = csv.DictWriter(self._csv_file, fieldnames=self._columns, extrasaction="ignore")
+            else:
+                self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
+                self._csv = csv.DictWriter(self._csv_file, fieldnames=list(row), extrasaction="ignore")
+                self._csv.writeheader()
         self._csv.writerow(row)
         assert self._csv_file is not None
         self._csv_file.flush()

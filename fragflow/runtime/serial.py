@@ -13,6 +13,8 @@ from typing import Any
 from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
+from fragflow.runtime import trips
+from fragflow.runtime.checkpoint import RunCheckpoints, encode_states, loop_part, resume_point
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 
@@ -64,8 +66,11 @@ def unwrap(value: Any, final: dict[str, Any] = _OWN) -> Any:
 
 
 def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, program: LoopProgram,
-            checks: dict[str, Any]) -> Any:
-    """Run the loop here, every fragment served in this process; envs it made are closed however it ends."""
+            checks: dict[str, Any], checkpoints: RunCheckpoints | None = None) -> Any:
+    """Run the loop here, every fragment served in this process; envs it made are closed however it ends.
+
+    With ``checkpoints`` the loop is checkpointed at the start of a top-level loop's trip once
+    one is due, and resumed from the one it names (see :mod:`fragflow.runtime.checkpoint`)."""
     import torch
 
     from fragflow.runtime.worker import threads_for
@@ -73,9 +78,42 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
     before = torch.get_num_threads()
     torch.set_num_threads(threads_for(program.threads))
     interp = LoopInterpreter(program, MonitorReporter(monitor), checks=checks)
+    tracker = _checkpointing(interp, monitor, checkpoints) if checkpoints is not None else None
+    previous = trips.install(tracker) if tracker is not None else None
     try:
         with context.using(interp):
-            return unwrap(train(*args))
+            value = train(*args)
+        if checkpoints is not None and checkpoints.enabled:
+            checkpoints.commit(monitor.counters(), None, {"states": _states(interp)}, complete=True)
+        return unwrap(value)
     finally:
+        if tracker is not None:
+            trips.install(previous)
         interp.close()
         torch.set_num_threads(before)
+
+
+def _states(interp: LoopInterpreter) -> tuple[Any, Any]:
+    return encode_states({name: (h.version, h.value) for name, h in interp._states.items()})
+
+
+def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCheckpoints) -> trips.Trips:
+    tracker = trips.Trips()
+    if checkpoints.resume is not None:
+        interp.restored = checkpoints.resumed_states()
+        tracker.resume = resume_point(checkpoints.resume.part("loop0"))
+
+    def on_update(_: int) -> None:
+        if checkpoints.due(monitor.updates):
+            tracker.pending = True
+
+    def capture(snapshot: trips.Snapshot) -> None:
+        position, part = loop_part(snapshot)
+        checkpoints.commit(monitor.counters(), {"replicas": 1, **position}, {"states": _states(interp), "loop0": part})
+        if checkpoints.stop_after:
+            raise KeyboardInterrupt
+
+    interp.on_update = on_update
+    tracker.capture = capture
+    checkpoints.tracker = tracker
+    return tracker

@@ -1,0 +1,597 @@
+"""Checkpoints: what a run saves to continue later, and how it is read back.
+
+A checkpoint is a directory ``OUT/checkpoints/<updates>/`` written atomically (a temporary
+directory, then a rename; the last ``keep`` are kept):
+
+- ``manifest.json``: format version, the algorithm, its args and policy, the counters (env steps,
+  updates, parameter version, episodes and the recent returns), where the loop stands (which
+  top-level loop, how many trips), and the structure of every saved part;
+- one ``<part>.safetensors`` per part: ``states`` (every versioned state, its modules' and
+  optimizers' ``state_dict`` included), ``loop<k>`` (loop replica ``k``: its numbers and strings,
+  ``ff.random`` keys, random generators, the global torch/numpy/python random states, and every
+  local object with ``state_dict``/``load_state_dict``, such as a replay buffer or observation
+  statistics), and a service group's own objects.
+
+Reading uses safetensors and JSON only: loading never runs code from a checkpoint. Arrays of the
+loop that are not keys (observations, rollout storage) are not saved: environments are reset on
+resume, and the loop rebuilds them from its first lines.
+
+>>> meta, tensors = encode({"w": np.ones(2, np.float32), "n": 3}, "x")
+>>> decode(meta, tensors, {"w": np.zeros(2, np.float32), "n": 0})
+{'w': array([1., 1.], dtype=float32), 'n': 3}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random as pyrandom
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fragflow.errors import ConfigError, FragflowError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+KEEP = 3
+_NO = object()
+
+
+class CheckpointError(FragflowError):
+    """A checkpoint cannot be written or read, or does not fit the program resuming from it."""
+
+
+class Unsupported(TypeError):
+    def __init__(self, path: str, value: object) -> None:
+        super().__init__(f"{path} is a {type(value).__module__}.{type(value).__qualname__}")
+        self.path = path
+
+
+# -- values <-> (JSON structure, arrays) ------------------------------------------------------------
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def encode(value: Any, key: str, tensors: dict[str, np.ndarray] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
+    """A JSON structure describing ``value`` and the arrays it refers to (by key)."""
+    out: dict[str, np.ndarray] = {} if tensors is None else tensors
+    return _enc(value, key, out), out
+
+
+def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
+    torch = _torch()
+    if x is None:
+        return {"t": "none"}
+    if isinstance(x, (bool, int, float, str)):
+        return {"t": "py", "v": x}
+    if isinstance(x, np.generic):
+        return {"t": "np", "dtype": x.dtype.str, "v": x.item()}
+    if isinstance(x, np.ndarray):
+        if x.dtype == object:
+            raise Unsupported(key, x)
+        out[key] = np.ascontiguousarray(x)
+        return {"t": "ndarray", "k": key, "shape": list(x.shape)}
+    if torch is not None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            if t.dtype == torch.bfloat16:
+                out[key] = t.view(torch.int16).numpy()
+            else:
+                out[key] = t.numpy()
+            return {"t": "tensor", "k": key, "dtype": str(t.dtype).removeprefix("torch."), "device": str(x.device),
+                    "shape": list(t.shape)}
+        if isinstance(x, torch.nn.Module):
+            return {"t": "module", "v": _enc(x.state_dict(), key, out)}
+        if isinstance(x, torch.optim.Optimizer):
+            return {"t": "optimizer", "v": _enc(x.state_dict(), key, out)}
+    if type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "shape"):
+        out[key] = np.ascontiguousarray(np.asarray(x))
+        return {"t": "jax", "k": key, "shape": list(x.shape)}
+    if isinstance(x, dict):
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in x):
+            raise Unsupported(key, next(k for k in x if not isinstance(k, (str, int)) or isinstance(k, bool)))
+        return {"t": "dict", "items": [[k, _enc(v, f"{key}[{k!r}]", out)] for k, v in x.items()]}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return {"t": "namedtuple", "items": [_enc(v, f"{key}.{f}", out) for f, v in zip(x._fields, x)]}
+    if isinstance(x, (list, tuple)):
+        return {"t": "list" if isinstance(x, list) else "tuple",
+                "items": [_enc(v, f"{key}[{i}]", out) for i, v in enumerate(x)]}
+    raise Unsupported(key, x)
+
+
+class Mismatch(ValueError):
+    """A saved value does not fit the live object it is loaded into."""
+
+
+def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path: str = "") -> Any:
+    """The value ``meta`` describes. With a ``template`` (the live value) modules and optimizers are
+    loaded in place and every array must have the template's shape and dtype (else :class:`Mismatch`)."""
+    kind = meta["t"]
+    torch = _torch()
+    if kind == "none":
+        return None
+    if kind == "py":
+        return meta["v"]
+    if kind == "np":
+        return np.array(meta["v"], dtype=np.dtype(meta["dtype"]))[()]
+    if kind in ("ndarray", "jax"):
+        arr = _array(tensors, meta["k"], meta.get("shape"))
+        if template is not _NO and hasattr(template, "shape"):
+            _same(path, tuple(arr.shape), str(arr.dtype), tuple(template.shape), str(np.dtype(template.dtype)))
+        if kind == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(arr)
+        return arr.copy()
+    if kind == "tensor":
+        assert torch is not None, "torch is needed to load a tensor"
+        arr = _array(tensors, meta["k"], meta.get("shape"))
+        dtype = getattr(torch, meta["dtype"])
+        t = torch.from_numpy(arr.copy())
+        if dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        if template is not _NO and isinstance(template, torch.Tensor):
+            _same(path, tuple(t.shape), meta["dtype"], tuple(template.shape), str(template.dtype).removeprefix("torch."))
+            return t.to(template.device)
+        return t.to(meta.get("device", "cpu")) if meta.get("device", "cpu") != "cpu" else t
+    if kind in ("module", "optimizer"):
+        sd = decode(meta["v"], tensors, path=path)
+        if template is _NO:
+            return sd
+        live = template.state_dict()
+        if kind == "module":
+            _check_tree(path, sd, live)
+            try:
+                template.load_state_dict(sd, strict=True)
+            except RuntimeError as exc:
+                raise Mismatch(f"{path}: {str(exc).splitlines()[0]}") from None
+        else:
+            saved_groups = [len(g["params"]) for g in sd.get("param_groups", [])]
+            live_groups = [len(g["params"]) for g in live.get("param_groups", [])]
+            if saved_groups != live_groups:
+                raise Mismatch(f"{path}: the optimizer had parameter groups of sizes {saved_groups}, this one {live_groups}")
+            try:
+                template.load_state_dict(sd)
+            except (ValueError, KeyError) as exc:
+                raise Mismatch(f"{path}: {exc}") from None
+        return template
+    if kind == "dict":
+        items = [(k, v) for k, v in meta["items"]]
+        if template is not _NO and isinstance(template, dict):
+            if [k for k, _ in items] != list(template):
+                raise Mismatch(f"{path or 'the value'} had keys {[k for k, _ in items]}, the program's has {list(template)}")
+            return {k: decode(v, tensors, template[k], f"{path}[{k!r}]") for k, v in items}
+        return {k: decode(v, tensors, path=f"{path}[{k!r}]") for k, v in items}
+    if kind in ("list", "tuple", "namedtuple"):
+        metas = meta["items"]
+        if template is not _NO and isinstance(template, (list, tuple)):
+            if len(metas) != len(template):
+                raise Mismatch(f"{path or 'the value'} had {len(metas)} items, the program's has {len(template)}")
+            kids = [decode(m, tensors, t, f"{path}[{i}]") for i, (m, t) in enumerate(zip(metas, template))]
+            if kind == "namedtuple" and hasattr(template, "_fields"):
+                return type(template)(*kids)
+        else:
+            kids = [decode(m, tensors, path=f"{path}[{i}]") for i, m in enumerate(metas)]
+        return kids if kind == "list" else tuple(kids)
+    raise Mismatch(f"{path}: unknown entry kind {kind!r}")
+
+
+def _array(tensors: dict[str, np.ndarray], key: str, shape: list[int] | None = None) -> np.ndarray:
+    if key not in tensors:
+        raise Mismatch(f"array {key!r} is missing from the checkpoint")
+    arr = tensors[key]
+    if shape is not None and list(arr.shape) != list(shape):
+        if arr.size != int(np.prod(shape)):
+            raise Mismatch(f"array {key!r} has shape {list(arr.shape)} in the file but {shape} in the manifest")
+        arr = arr.reshape(shape)   # safetensors stores a 0-d array as [1]
+    return arr
+
+
+def _same(path: str, shape: tuple[int, ...], dtype: str, want_shape: tuple[int, ...], want_dtype: str) -> None:
+    if shape != want_shape or dtype != want_dtype:
+        raise Mismatch(f"{path or 'the value'} was saved as {dtype}{list(shape)}, the program has {want_dtype}{list(want_shape)}")
+
+
+def _check_tree(path: str, saved: dict[str, Any], live: dict[str, Any]) -> None:
+    if list(saved) != list(live):
+        missing, extra = [k for k in live if k not in saved], [k for k in saved if k not in live]
+        raise Mismatch(f"{path}: the module's parameters differ (missing {missing[:4]}, unexpected {extra[:4]})")
+    for k, v in saved.items():
+        w = live[k]
+        if hasattr(v, "shape") and hasattr(w, "shape"):
+            _same(f"{path}[{k!r}]", tuple(v.shape), str(v.dtype).removeprefix("torch."), tuple(w.shape),
+                  str(w.dtype).removeprefix("torch."))
+
+
+# -- the loop's locals ----------------------------------------------------------------------------------
+def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
+    """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``."""
+    from fragflow.api.random import is_key
+    from fragflow.api.versioned import Pending, Versioned, VersionedView
+
+    torch = _torch()
+    entries: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    left: list[str] = []
+    for name, x in frame_locals.items():
+        key = f"local.{name}"
+        if id(x) in skip or isinstance(x, (Versioned, VersionedView, Pending)) or name.startswith("__"):
+            continue
+        if x is None or isinstance(x, (bool, int, float, str, np.generic)):
+            entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
+        elif is_key(x):
+            entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
+        elif isinstance(x, np.random.Generator):
+            entries[name] = {"as": "np_generator", "state": x.bit_generator.state}
+        elif isinstance(x, pyrandom.Random):
+            entries[name] = {"as": "py_random", "state": _py_state(x.getstate())}
+        elif torch is not None and isinstance(x, torch.Generator):
+            arrays[key] = x.get_state().numpy()
+            entries[name] = {"as": "torch_generator", "k": key}
+        elif (callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
+              and not (torch is not None and isinstance(x, (torch.nn.Module, torch.optim.Optimizer)))
+              and not isinstance(x, type)):
+            try:
+                entries[name] = {"as": "component", "type": type(x).__qualname__, "v": _enc(x.state_dict(), key, arrays)}
+            except Unsupported as exc:
+                raise CheckpointError(f"cannot save the loop's {name!r}: its state_dict() holds {exc}",
+                                      fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
+        elif not callable(x) and not _is_module(x):
+            left.append(name)
+    return entries, arrays, left
+
+
+def _is_module(x: Any) -> bool:
+    return type(x).__name__ == "module"
+
+
+def _py_state(state: Any) -> Any:
+    return [state[0], list(state[1]), state[2]]
+
+
+def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live: dict[str, Any]) -> dict[str, Any]:
+    """Given the loop's locals as the resumed run has rebuilt them, the values to assign; objects
+    (generators, components) are loaded in place. A saved name the program no longer has is
+    assigned anyway (the loop defines it later)."""
+    torch = _torch()
+    assign: dict[str, Any] = {}
+    for name, e in entries.items():
+        how = e["as"]
+        x = live.get(name)
+        try:
+            if how == "value":
+                cur = live.get(name, _NO)
+                assign[name] = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
+            elif how == "np_generator" and isinstance(x, np.random.Generator):
+                x.bit_generator.state = e["state"]
+            elif how == "py_random" and isinstance(x, pyrandom.Random):
+                s = e["state"]
+                x.setstate((s[0], tuple(s[1]), s[2]))
+            elif how == "torch_generator" and torch is not None and isinstance(x, torch.Generator):
+                x.set_state(torch.from_numpy(_array(arrays, e["k"]).copy()))
+            elif how == "component":
+                if x is None or not callable(getattr(x, "load_state_dict", None)):
+                    raise Mismatch(f"the loop's {name!r} ({e['type']}) is not there to load into")
+                x.load_state_dict(decode(e["v"], arrays, path=name))
+        except Mismatch:
+            raise
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise Mismatch(f"the loop's {name!r}: {exc}") from None
+    return assign
+
+
+def global_random() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The process-wide random states: torch's, numpy's legacy one, python's ``random``."""
+    torch = _torch()
+    entries: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    arrays["random.numpy"] = np.asarray(keys)
+    entries["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
+    entries["python"] = _py_state(pyrandom.getstate())
+    if torch is not None:
+        arrays["random.torch"] = torch.get_rng_state().numpy()
+    return entries, arrays
+
+
+def set_global_random(entries: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    torch = _torch()
+    name, pos, has_gauss, cached = entries["numpy"]
+    np.random.set_state((name, _array(arrays, "random.numpy"), pos, has_gauss, cached))
+    s = entries["python"]
+    pyrandom.setstate((s[0], tuple(s[1]), s[2]))
+    if torch is not None and "random.torch" in arrays:
+        torch.set_rng_state(torch.from_numpy(arrays["random.torch"].copy()))
+
+
+# -- when -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Every:
+    """``--checkpoint-every``: N updates, or a duration (``90s``, ``5m``, ``1h``)."""
+
+    updates: int | None = None
+    seconds: float | None = None
+
+    @staticmethod
+    def parse(text: str) -> Every:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|)\s*", str(text))
+        if m is None or float(m.group(1)) <= 0:
+            raise ConfigError(f"--checkpoint-every {text!r} is neither a number of updates nor a duration",
+                              fix="give a number of updates (100) or a duration (90s, 5m, 1h)")
+        n, unit = m.group(1), m.group(2)
+        if not unit:
+            if "." in n:
+                raise ConfigError(f"--checkpoint-every {text!r}: a number of updates is a whole number",
+                                  fix="give a whole number of updates, or add a unit (s, m, h)")
+            return Every(updates=int(n))
+        return Every(seconds=float(n) * {"s": 1, "m": 60, "h": 3600}[unit])
+
+    def __str__(self) -> str:
+        return f"{self.updates} updates" if self.updates is not None else f"{self.seconds:g} s"
+
+
+class Schedule:
+    def __init__(self, every: Every, updates: int = 0) -> None:
+        self.every = every
+        self.last_updates = updates
+        self.last_time = time.monotonic()
+
+    def due(self, updates: int) -> bool:
+        if self.every.updates is not None:
+            return updates - self.last_updates >= self.every.updates
+        return self.every.seconds is not None and time.monotonic() - self.last_time >= self.every.seconds
+
+    def written(self, updates: int) -> None:
+        self.last_updates = updates
+        self.last_time = time.monotonic()
+
+
+# -- writing and reading directories -----------------------------------------------------------------
+def write(root: Path, name: str, manifest: dict[str, Any], parts: dict[str, tuple[Any, dict[str, np.ndarray]]],
+          keep: int = KEEP) -> Path:
+    """Write a checkpoint directory ``root/name`` atomically and keep the newest ``keep``."""
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        manifest = dict(manifest, format=FORMAT, parts={})
+        for part, (meta, arrays) in parts.items():
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / f"{part}.safetensors"))
+            manifest["parts"][part] = meta
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=_json_default) + "\n")
+        final = root / name
+        if final.exists():
+            old = root / f".old-{name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old_dir in listing(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old_dir, ignore_errors=True)
+    return root / name
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, Path):
+        return str(x)
+    return str(x)
+
+
+def listing(root: Path) -> list[Path]:
+    """Checkpoint directories under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+    def part(self, name: str) -> tuple[Any, dict[str, np.ndarray]]:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        meta = self.manifest["parts"].get(name)
+        if meta is None:
+            raise CheckpointError(f"checkpoint {self.path} has no part {name!r}",
+                                  fix="resume with the policy that wrote it (see its manifest.json)")
+        file = self.path / f"{name}.safetensors"
+        try:
+            arrays = load_file(str(file))
+        except (OSError, SafetensorError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}",
+                                  fix="resume from another checkpoint of the run (an older one in the same folder)") from None
+        return meta, arrays
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        return dict(self.manifest.get("counters", {}))
+
+
+def find(target: str | os.PathLike[str]) -> Checkpoint:
+    """The checkpoint a ``--resume`` argument names: a checkpoint directory, or a run directory
+    (its newest checkpoint)."""
+    path = Path(target)
+    if not path.exists():
+        raise CheckpointError(f"--resume {target}: no such directory", fix="give a run directory (--out of the run) or one of its checkpoints")
+    if not (path / MANIFEST).is_file():
+        found = listing(path / "checkpoints") or listing(path)
+        if not found:
+            raise CheckpointError(f"--resume {target}: no checkpoint there",
+                                  fix="run with --checkpoint-every N to write checkpoints into OUT/checkpoints/")
+        path = found[-1]
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {MANIFEST} cannot be read ({exc})",
+                              fix="resume from another checkpoint of the run") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "parts" not in manifest:
+        raise CheckpointError(f"checkpoint {path} is not a fragflow checkpoint of format {FORMAT}",
+                              fix="resume from a checkpoint this version of fragflow wrote")
+    return Checkpoint(path, manifest)
+
+
+def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
+    """The Args dataclass a manifest recorded (lists back to tuples where the field's default is one)."""
+    import dataclasses
+
+    if cls is None or data is None:
+        return None
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        if isinstance(v, list) and isinstance(f.default, tuple):
+            v = tuple(v)
+        values[f.name] = v
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise CheckpointError(f"the checkpoint's args do not fit {cls.__name__}: {exc}",
+                              fix="resume with the algorithm file that wrote the checkpoint") from None
+
+
+# -- one run's checkpoints -------------------------------------------------------------------------------
+class RunCheckpoints:
+    """The checkpoints of one run: when to write (``every``), what the manifest records, and the
+    checkpoint it resumes from (``resume``). Lives in the driver process."""
+
+    def __init__(self, out: Path, every: Every | None, identity: dict[str, Any], resume: Checkpoint | None = None,
+                 keep: int = KEEP) -> None:
+        self.root = Path(out) / "checkpoints"
+        self.every = every
+        self.identity = identity                # algorithm, program, args, policy, policy_options
+        self.resume = resume
+        self.keep = keep
+        base = resume.counters.get("updates", 0) if resume is not None else 0
+        self.schedule = Schedule(every, base) if every is not None else None
+        self.stop_after = False                 # Ctrl-C: write one at the next trip, then stop
+        self.written: list[Path] = []
+        self.tracker: Any = None               # the loop's trip tracker, in one process
+        self.requested = False                 # one was asked for out of schedule (Ctrl-C)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every is not None
+
+    def due(self, updates: int) -> bool:
+        return self.schedule is not None and self.schedule.due(updates)
+
+    def request(self) -> None:
+        """Write one at the loop's next trip, whatever the schedule says."""
+        if self.tracker is not None:
+            self.tracker.pending = True
+        self.requested = True
+
+    def manifest(self, counters: dict[str, Any], loop: dict[str, Any] | None, complete: bool) -> dict[str, Any]:
+        return {**self.identity, "counters": counters, "loop": loop, "complete": complete,
+                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "resumed_from": str(self.resume.path) if self.resume is not None else None}
+
+    def commit(self, counters: dict[str, Any], loop: dict[str, Any] | None,
+               parts: dict[str, tuple[Any, dict[str, np.ndarray]]], complete: bool = False) -> Path:
+        path = write(self.root, str(counters["updates"]), self.manifest(counters, loop, complete), parts, self.keep)
+        if self.schedule is not None:
+            self.schedule.written(int(counters["updates"]))
+        self.written.append(path)
+        return path
+
+    # -- resuming ------------------------------------------------------------------------------
+    def resumed_states(self) -> tuple[Any, dict[str, np.ndarray]] | None:
+        return self.resume.part("states") if self.resume is not None else None
+
+    def check_fits(self, algorithm: str, policy: str, replicas: int) -> None:
+        """Refuse a checkpoint another algorithm wrote, or a loop split another way."""
+        if self.resume is None:
+            return
+        m = self.resume.manifest
+        if m.get("complete"):
+            raise CheckpointError(f"checkpoint {self.resume.path} is the end of a completed run: there is nothing to resume",
+                                  fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
+        if m.get("algorithm") != algorithm:
+            raise CheckpointError(f"checkpoint {self.resume.path} was written by algorithm {m.get('algorithm')!r}, "
+                                  f"not {algorithm!r}", fix="resume with the algorithm that wrote it (leave it out: "
+                                  "`fragflow run --resume DIR` reads it from the checkpoint)")
+        loops = (m.get("loop") or {}).get("replicas")
+        if loops is not None and loops != replicas:
+            raise CheckpointError(f"checkpoint {self.resume.path} holds {loops} loop replica(s) (policy {m.get('policy')}), "
+                                  f"this placement runs {replicas}", fix=f"resume with --policy {m.get('policy_spec') or m.get('policy')}")
+
+
+def encode_states(states: dict[str, tuple[int, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The ``states`` part: each versioned state's version and value."""
+    meta: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for name, (version, value) in states.items():
+        try:
+            meta[name] = {"version": version, "v": _enc(value, f"state.{name}", arrays)}
+        except Unsupported as exc:
+            raise CheckpointError(f"cannot save versioned state {name!r}: {exc}",
+                                  fix="keep arrays, numbers, modules and optimizers (and dicts/lists of them) in versioned state") from None
+    return meta, arrays
+
+
+def restore_state(part: tuple[Any, dict[str, np.ndarray]], name: str, value: Any, where: Any = None) -> tuple[Any, int]:
+    """Versioned state ``name`` as saved, loaded into the program's freshly built ``value``; and its version."""
+    meta, arrays = part
+    if name not in meta:
+        raise CheckpointError(f"the checkpoint has no versioned state {name!r} (it has {sorted(meta)})", where=where,
+                              fix="resume with the algorithm and arguments that wrote it")
+    try:
+        restored = decode(meta[name]["v"], arrays, value, name)
+    except Mismatch as exc:
+        raise CheckpointError(f"the checkpoint does not fit this program: {exc}", where=where,
+                              fix="resume with the algorithm and arguments that wrote it (shapes come from the args)") from None
+    return restored, int(meta[name]["version"])
+
+
+def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
+    """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``."""
+    entries, arrays, left = loop_locals(snapshot.frame_locals, skip)
+    rng, rng_arrays = global_random()
+    arrays.update(rng_arrays)
+    return ({"line": snapshot.line, "trip": snapshot.trip},
+            ({"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}, arrays))
+
+
+def resume_point(part: tuple[Any, dict[str, np.ndarray]]) -> Any:
+    """A loop replica's :class:`~fragflow.runtime.trips.Resume` from its part: when the saved loop
+    starts again, the process's random states are set and the loop's locals loaded."""
+    from fragflow.runtime.trips import Resume
+
+    meta, arrays = part
+
+    def restore(frame: Any) -> dict[str, Any]:
+        set_global_random(meta["random"], arrays)
+        try:
+            return restore_locals(meta["locals"], arrays, frame.f_locals)
+        except Mismatch as exc:
+            raise CheckpointError(f"the checkpoint does not fit this program: {exc}",
+                                  fix="resume with the algorithm and arguments that wrote it") from None
+
+    return Resume(int(meta["line"]), int(meta["trip"]), restore)
