@@ -78,13 +78,15 @@ def _load(algorithm: str, sets: list[str] | None) -> tuple[Any, Any]:
 
 @app.command()
 def run(
-    algorithm: AlgorithmArg = DEFAULT_ALGORITHM,
+    algorithm: Annotated[str | None, typer.Argument(help="algorithm file (e.g. algorithms/ppo.py) or built-in name (default: ppo, or the one a --resume checkpoint names)")] = None,
     policy: PolicyOpt = None,
     set_: SetOpt = None,
     out_dir: Annotated[Path | None, typer.Option("--out", "-o", help="run directory (default runs/<algorithm>-<policy>-<time>)")] = None,
     target_return: Annotated[float | None, typer.Option(help="record when the mean return of the last 20 episodes first reaches R")] = None,
     stop_on_target: Annotated[bool, typer.Option(help="stop the run once --target-return is reached")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
+    checkpoint_every: Annotated[str | None, typer.Option("--checkpoint-every", help="write OUT/checkpoints/<updates>/ every N updates, or every duration (90s, 5m, 1h); Ctrl-C writes a last one")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="continue a run: its directory (newest checkpoint) or one checkpoint directory; algorithm, args and policy come from the checkpoint")] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Train: trace the loop, place it with a policy, run it, write metrics.csv, TensorBoard and summary.json."""
@@ -98,22 +100,42 @@ def run(
     try:
         from fragflow import driver
         from fragflow.placement import registry as policies
+        from fragflow.runtime import checkpoint as ckpt
 
-        program, args = _load(algorithm, set_)
+        start = ckpt.find(resume) if resume is not None else None
+        if start is not None:
+            algorithm, policy, args_data = _from_checkpoint(start, algorithm, policy)
+            program, args = _load(algorithm, [])
+            args = ckpt.args_from(program.args_cls, args_data)
+            if set_:
+                from fragflow.config import apply_overrides
+
+                args = apply_overrides(program.args_cls, set_, where=program.where, base=args)
+        else:
+            program, args = _load(algorithm or DEFAULT_ALGORITHM, set_)
+        if checkpoint_every is None and start is not None:
+            checkpoint_every = start.manifest.get("checkpoint_every")   # a resumed run keeps checkpointing as it did
+        every = ckpt.Every.parse(checkpoint_every) if checkpoint_every is not None else None
         spec, _ = policies.resolve(policy, program.train)
         if stop_on_target and target_return is None:
             from fragflow.errors import ConfigError
 
             raise ConfigError("--stop-on-target needs --target-return R", fix="add --target-return, e.g. 475")
-        run_dir = out_dir or Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = out_dir or (start.run_dir if start is not None else
+                              Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         with err.status(f"tracing {algorithm} ...", spinner="dots"):
             compiled = driver.compile(program.train, args, policy=policy)
         placed = compiled.placed
         err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy [bold]{placed.policy}[/], "
                   f"writing to {run_dir}", highlight=False)
+        if start is not None:
+            c = start.counters
+            err.print(f"resuming from {start.path}: update {c.get('updates')}, {c.get('env_steps')} env steps "
+                      "(environments are reset)", highlight=False)
         result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
                             stop_on_target=stop_on_target, progress=not quiet, description=program.name,
-                            compiled=compiled)
+                            compiled=compiled, checkpoint_every=every, resume=start,
+                            program_ref=algorithm or DEFAULT_ALGORITHM)
     except KeyboardInterrupt as exc:
         from fragflow.driver import Terminated
 
@@ -131,6 +153,32 @@ def run(
         line += f", target {target_return:g} " + ("not reached" if solved is None else f"reached at {solved:.1f}s / {s['solved_at_steps']} steps")
     out.print(line, highlight=False)
     out.print(f"outputs: {run_dir}/{{metrics.csv, summary.json, returns.png, tensorboard/}}", highlight=False)
+    if s.get("checkpoints"):
+        out.print(f"checkpoints: {len(s['checkpoints'])} written, newest {s['checkpoints'][-1]}", highlight=False)
+
+
+def _from_checkpoint(start: Any, algorithm: str | None, policy: str | None) -> tuple[str, str | None, Any]:
+    """The algorithm, policy and args a resumed run takes from its checkpoint (``--policy`` may
+    override the policy; an algorithm given on the command line must be the one saved)."""
+    from fragflow.errors import ConfigError
+
+    m = start.manifest
+    saved = m.get("program")
+    if saved is None:
+        raise ConfigError(f"checkpoint {start.path} does not record which algorithm wrote it (written through the "
+                          "Python API)", fix="resume it with fragflow.run(train, args, resume=...)")
+    if algorithm is not None and algorithm != saved:
+        from fragflow.program import load
+
+        if load(algorithm).name != load(saved).name:
+            from fragflow.runtime.checkpoint import CheckpointError
+
+            raise CheckpointError(f"checkpoint {start.path} was written by {saved!r}, not {algorithm!r}",
+                                  fix="leave the algorithm out: `fragflow run --resume DIR` reads it from the checkpoint")
+    if policy is None:
+        options = m.get("policy_options") or {}
+        policy = m.get("policy") + (f"({','.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+    return algorithm or saved, policy, m.get("args")
 
 
 @app.command()

@@ -77,8 +77,9 @@ def coerce(raw: Any, annotation: Any) -> Any:
     raise ValueError(f"cannot set a field of type {annotation} from the command line")
 
 
-def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = None) -> Any:
-    """An ``args_cls`` instance with ``key=value`` overrides; every problem reported in one error."""
+def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = None, base: Any = None) -> Any:
+    """An ``args_cls`` instance (``base`` or the defaults) with ``key=value`` overrides; every
+    problem reported in one error."""
     types_ = field_types(args_cls)
     values: dict[str, Any] = {}
     problems: list[str] = []
@@ -99,7 +100,7 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
                           fix=f"the fields of {args_cls.__name__} are: {', '.join(types_)}")
     try:
-        return args_cls(**values)
+        return dataclasses.replace(base, **values) if base is not None else args_cls(**values)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"invalid configuration: {exc}", where=where,
                           fix="change the values given with --set") from None

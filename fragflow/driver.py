@@ -169,10 +169,12 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     if every is not None or start is not None:
         assert out is not None
         config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) and not isinstance(args, type) else None
-        identity = {"algorithm": placed.graph.name, "program": program_ref, "args": config, "policy": placed.policy,
+        identity: dict[str, Any] = {"algorithm": placed.graph.name, "fragments": sorted(n.name for n in placed.graph.fragments()),
+                    "program": program_ref, "checkpoint_every": None if every is None else
+                    (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
                     "policy_options": dict(placed.options), "fragflow": __version__}
         checkpoints = RunCheckpoints(Path(out), every, identity, start)
-        checkpoints.check_fits(placed.graph.name, placed.policy, compiled.lowered.loop.replicas)
+        checkpoints.check_fits(identity["fragments"], placed.policy, compiled.lowered.loop.replicas)
         if every is not None and not loop_lines(train):
             raise ConfigError("this training function cannot be checkpointed: fragflow found no top-level loop in its "
                               "source", where=placed.graph.fragments()[0].called_at if placed.graph.fragments() else None,

@@ -11,7 +11,8 @@ Ring           one producer's calls of one remote fragment: ``put(leaves, versio
 Broadcast      a versioned latest-value store of one state's views: ``publish(leaves, version)``,
                ``read(version)``, ``wait_for(version)``, ``latest``; readers never block the writer
 Admission      the balance controller: ``admit(replica, max_lag) -> version``, ``produced()``,
-               ``set_busy(flag)``, and the learner's wait/busy counters
+               ``set_busy(flag)``, the learner's wait/busy counters, and the run's checkpoint request
+               (``request_checkpoint(seq)`` in the driver, ``checkpoint_request()`` everywhere)
 Endpoints      what one process holds: rings, broadcasts, admission, the report queue, the queue
                of definitions (fragments, call structures, initial states), the stop event
 Backend        ``wire(lowered) -> Wiring`` (creates everything, in the driver), ``start(target, args,
@@ -69,6 +70,8 @@ class Admission(Protocol):
     def add_wait(self, ns: int) -> None: ...
     def add_busy(self, ns: int) -> None: ...
     def counters(self) -> dict[str, float]: ...
+    def request_checkpoint(self, seq: int) -> None: ...
+    def checkpoint_request(self) -> int: ...
 
 
 class Endpoints(Protocol):

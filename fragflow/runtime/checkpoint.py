@@ -357,33 +357,47 @@ class Schedule:
 def write(root: Path, name: str, manifest: dict[str, Any], parts: dict[str, tuple[Any, dict[str, np.ndarray]]],
           keep: int = KEEP) -> Path:
     """Write a checkpoint directory ``root/name`` atomically and keep the newest ``keep``."""
-    from safetensors.numpy import save_file
+    tmp = stage(root, name)
+    try:
+        metas = {part: save_part(tmp, part, meta, arrays) for part, (meta, arrays) in parts.items()}
+        return finish(root, tmp, name, manifest, metas, keep)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
+
+def stage(root: Path, name: str) -> Path:
+    """A fresh temporary directory for checkpoint ``name`` (parts are written into it by any process)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    try:
-        manifest = dict(manifest, format=FORMAT, parts={})
-        for part, (meta, arrays) in parts.items():
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / f"{part}.safetensors"))
-            manifest["parts"][part] = meta
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=_json_default) + "\n")
-        final = root / name
-        if final.exists():
-            old = root / f".old-{name}-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def save_part(tmp: Path, part: str, meta: Any, arrays: dict[str, np.ndarray]) -> Any:
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / f"{part}.safetensors"))
+    return meta
+
+
+def finish(root: Path, tmp: Path, name: str, manifest: dict[str, Any], parts: dict[str, Any], keep: int = KEEP) -> Path:
+    """Write the manifest into ``tmp`` and rename it to ``root/name`` (replacing one of that name)."""
+    manifest = dict(manifest, format=FORMAT, parts=parts)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=_json_default) + "\n")
+    final = root / name
+    if final.exists():
+        old = root / f".old-{name}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
     for old_dir in listing(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old_dir, ignore_errors=True)
-    return root / name
+    return final
 
 
 def _json_default(x: Any) -> Any:
@@ -455,6 +469,24 @@ def find(target: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path, manifest)
 
 
+def staging_dir(root: Path, seq: int, pid: int) -> Path:
+    """Where the processes of the run whose driver is ``pid`` write the parts of checkpoint ``seq``."""
+    return Path(root) / f".tmp-req{seq}-{pid}"
+
+
+def merged_states(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Every versioned state a checkpoint holds: its ``states`` part (one process) or the
+    ``states.<group>`` parts of the service groups that wrote them."""
+    meta: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for part in ckpt.manifest["parts"]:
+        if part == "states" or part.startswith("states."):
+            m, a = ckpt.part(part)
+            meta.update(m)
+            arrays.update(a)
+    return meta, arrays
+
+
 def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
     """The Args dataclass a manifest recorded (lists back to tuples where the field's default is one)."""
     import dataclasses
@@ -494,6 +526,8 @@ class RunCheckpoints:
         self.written: list[Path] = []
         self.tracker: Any = None               # the loop's trip tracker, in one process
         self.requested = False                 # one was asked for out of schedule (Ctrl-C)
+        self.seq = 0
+        self.staged: tuple[int, Path, set[str], dict[str, Any], dict[str, Any]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -521,11 +555,48 @@ class RunCheckpoints:
         self.written.append(path)
         return path
 
+    # -- across processes (the driver's side) -----------------------------------------------------
+    def begin(self, expected: set[str]) -> int:
+        """Start checkpoint number ``seq``: its parts are written by the processes into ``staging(seq)``."""
+        self.seq += 1
+        self.staged = (self.seq, stage(self.root, f"req{self.seq}"), set(expected), {}, {})
+        return self.seq
+
+    def arrived(self, seq: int, part: str, meta: Any, info: dict[str, Any]) -> bool:
+        """A process wrote its part; True when every expected part is in."""
+        if self.staged is None or self.staged[0] != seq:
+            return False
+        _, _, expected, parts, infos = self.staged
+        parts[part] = meta
+        infos[part] = info
+        return expected <= set(parts)
+
+    def missing(self) -> set[str]:
+        return set() if self.staged is None else self.staged[2] - set(self.staged[3])
+
+    def complete(self, counters: dict[str, Any], replicas: int) -> Path:
+        """Commit the staged checkpoint: the parts are all written."""
+        assert self.staged is not None
+        seq, tmp, _, parts, infos = self.staged
+        self.staged = None
+        positions = {k: infos[k] for k in sorted(infos) if k.startswith("loop")}
+        path = finish(self.root, tmp, str(counters["updates"]), self.manifest(counters, {"replicas": replicas, "positions": positions}, False),
+                      parts, self.keep)
+        if self.schedule is not None:
+            self.schedule.written(int(counters["updates"]))
+        self.written.append(path)
+        return path
+
+    def abort(self) -> None:
+        if self.staged is not None:
+            shutil.rmtree(self.staged[1], ignore_errors=True)
+            self.staged = None
+
     # -- resuming ------------------------------------------------------------------------------
     def resumed_states(self) -> tuple[Any, dict[str, np.ndarray]] | None:
-        return self.resume.part("states") if self.resume is not None else None
+        return merged_states(self.resume) if self.resume is not None else None
 
-    def check_fits(self, algorithm: str, policy: str, replicas: int) -> None:
+    def check_fits(self, fragments: list[str], policy: str, replicas: int) -> None:
         """Refuse a checkpoint another algorithm wrote, or a loop split another way."""
         if self.resume is None:
             return
@@ -533,9 +604,10 @@ class RunCheckpoints:
         if m.get("complete"):
             raise CheckpointError(f"checkpoint {self.resume.path} is the end of a completed run: there is nothing to resume",
                                   fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
-        if m.get("algorithm") != algorithm:
-            raise CheckpointError(f"checkpoint {self.resume.path} was written by algorithm {m.get('algorithm')!r}, "
-                                  f"not {algorithm!r}", fix="resume with the algorithm that wrote it (leave it out: "
+        if m.get("fragments") != fragments:
+            raise CheckpointError(f"checkpoint {self.resume.path} was written by another algorithm (fragments "
+                                  f"{', '.join(m.get('fragments') or [])}; this one has {', '.join(fragments)})",
+                                  fix="resume with the algorithm that wrote it (leave it out: "
                                   "`fragflow run --resume DIR` reads it from the checkpoint)")
         loops = (m.get("loop") or {}).get("replicas")
         if loops is not None and loops != replicas:

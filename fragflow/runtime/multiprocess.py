@@ -25,6 +25,7 @@ from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.serial import unwrap
 
 JOIN_TIMEOUT = 3.0
+STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoint may take
 STATS_EVERY = 1.0
 
 
@@ -81,13 +82,21 @@ class Driver:
         self.returned = False
         self.wiring: Any = None
         self.endpoints: Any = None
+        self._asked_at = 0.0
 
     def run(self) -> Any:
         try:
             self._start()
             self._loop()
         finally:
+            if self.checkpoints is not None:
+                self.checkpoints.abort()
             self._shutdown()
+        if self.checkpoints is not None and self.checkpoints.enabled and self.final:
+            from fragflow.runtime.checkpoint import encode_states
+
+            states = encode_states({name: (self.monitor.updates, value) for name, value in self.final.items()})
+            self.checkpoints.commit(self.monitor.counters(), None, {"states": states}, complete=True)
         return unwrap(self.value, self.final)
 
     def _start(self) -> None:
@@ -96,9 +105,14 @@ class Driver:
         self.wiring = self.backend.wire(self.lowered)
         self.endpoints = self.wiring.attach()
         roles = [(s.group, 0) for s in self.lowered.services] + [("actor", k) for k in range(self.lowered.loop.replicas)]
+        ck = self.checkpoints
+        saving = None
+        if ck is not None:
+            saving = {"root": str(ck.root) if ck.enabled else None,
+                      "resume": str(ck.resume.path) if ck.resume is not None else None}
         with _no_main_reimport():
             for role, k in roles:
-                p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self.wiring),
+                p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self.wiring, saving),
                                        f"fragflow-{role}-{k}")
                 self.procs.append((role, k, p))
 
@@ -107,6 +121,7 @@ class Driver:
         results = self.wiring.results
         try:
             while len(self.finished) < len(self.procs) or not (self.returned and self.finals == self.finals_expected):
+                self._checkpoint_due()
                 try:
                     msg = results.get(timeout=0.1)
                 except queue.Empty:
@@ -142,6 +157,16 @@ class Driver:
             self.finals += 1
         elif kind in ("done", "stopped"):
             self.finished.add((msg[1], msg[2]))
+            ck = self.checkpoints
+            if ck is not None and ck.staged is not None and f"loop{msg[2]}" in ck.missing() and msg[1] == "actor":
+                ck.abort()   # that replica's loop has ended: no trip of it is left to save
+        elif kind == "ckpt":
+            _, seq, part, meta, info = msg
+            ck = self.checkpoints
+            if ck is not None and ck.arrived(seq, part, meta, info):
+                ck.complete(self.monitor.counters(), self.lowered.loop.replicas)
+                if ck.stop_after:
+                    raise KeyboardInterrupt
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
             exc = WorkerFailed(role, index, fragment, tb)
@@ -154,6 +179,29 @@ class Driver:
             if isinstance(cause, FragflowError):
                 raise cause
             raise exc from cause
+
+    def _checkpoint_due(self) -> None:
+        """Ask every process for its part of a checkpoint when one is due (or Ctrl-C asked for one)."""
+        ck = self.checkpoints
+        if ck is None or not ck.enabled:
+            return
+        if ck.staged is not None:
+            if ck.stop_after and time.monotonic() - self._asked_at > STOP_CHECKPOINT_WAIT:
+                ck.abort()
+                raise KeyboardInterrupt
+            return
+        if not (ck.requested or ck.due(self.monitor.updates)):
+            return
+        loops = range(self.lowered.loop.replicas)
+        if any(("actor", k) in self.finished for k in loops):
+            if ck.stop_after:
+                raise KeyboardInterrupt
+            return
+        ck.requested = False
+        expected = {f"states.{s.group}" for s in self.lowered.services} | {f"loop{k}" for k in loops}
+        seq = ck.begin(expected)
+        self._asked_at = time.monotonic()
+        self.endpoints.admission.request_checkpoint(seq)
 
     def _check_alive(self) -> None:
         for role, k, p in self.procs:

@@ -45,7 +45,8 @@ class _Piece:
 class ServiceRunner:
     """Runs one service group (also the interpreter for fragment calls nested in its fragments)."""
 
-    def __init__(self, program: ServiceProgram, endpoints: Any, checks: dict[str, Any]) -> None:
+    def __init__(self, program: ServiceProgram, endpoints: Any, checks: dict[str, Any],
+                 saving: dict[str, Any] | None = None, driver: int = 0) -> None:
         self.program = program
         self.endpoints = endpoints
         self.checks = checks
@@ -79,6 +80,17 @@ class ServiceRunner:
         self.started: list[int | None] = [None] * program.producers
         self.delivered: list[tuple[int, int]] = []
         self.instance_name = InstanceNames()
+        # checkpoints: where parts go, the newest request served, objects to load on resume
+        self.saving = saving or {}
+        self.driver = driver
+        self.saved_seq = 0
+        self.resume_objects: tuple[Any, Any] | None = None
+        if self.saving.get("resume"):
+            from fragflow.runtime import checkpoint
+
+            ckpt = checkpoint.find(self.saving["resume"])
+            if f"objects.{program.group}" in ckpt.manifest["parts"]:
+                self.resume_objects = ckpt.part(f"objects.{program.group}")
 
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -126,6 +138,10 @@ class ServiceRunner:
         key = getattr(inst, "name", None) or type(inst).__name__
         held = self.instances.setdefault(key, inst)
         if held is inst:
+            if self.resume_objects is not None and key in self.resume_objects[0]:
+                from fragflow.runtime.checkpoint import decode
+
+                inst.load_state_dict(decode(self.resume_objects[0][key], self.resume_objects[1], path=key))
             return frag
         return next(v for v in vars(held).values() if isinstance(v, Fragment) and v.name == frag.name)
 
@@ -168,6 +184,8 @@ class ServiceRunner:
         while True:
             while self._take_definition(block=False):
                 pass
+            if self.saving.get("root") and self.admission.checkpoint_request() > self.saved_seq:
+                self._save(self.admission.checkpoint_request())
             if self.program.ordered:
                 # strictly round the replicas in order: the run does not depend on scheduling
                 k = self._cursor
@@ -385,6 +403,30 @@ class ServiceRunner:
                 sub = sub[k]
             leaves.extend(flatten(sub)[0])
         self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
+
+    def _save(self, seq: int) -> None:
+        """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""
+        from pathlib import Path
+
+        from fragflow.runtime import checkpoint
+
+        self.saved_seq = seq
+        tmp = checkpoint.staging_dir(Path(self.saving["root"]), seq, self.driver)
+        if not tmp.is_dir():
+            return
+        group = self.program.group
+        objects: dict[str, Any] = {}
+        arrays: dict[str, Any] = {}
+        for key, inst in self.instances.items():
+            if callable(getattr(inst, "state_dict", None)) and callable(getattr(inst, "load_state_dict", None)):
+                objects[key] = checkpoint.encode(inst.state_dict(), f"object.{key}", arrays)[0]
+        if objects:
+            checkpoint.save_part(tmp, f"objects.{group}", objects, arrays)
+            self.results.put(("ckpt", seq, f"objects.{group}", objects, {}))
+        owned = set(self.writes) | {b.state for b in self.program.publish}
+        meta, arrays = checkpoint.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
+        checkpoint.save_part(tmp, f"states.{group}", meta, arrays)
+        self.results.put(("ckpt", seq, f"states.{group}", meta, {"version": self.version}))
 
     def run(self) -> None:
         while True:

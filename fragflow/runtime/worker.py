@@ -97,7 +97,7 @@ def main(*args: Any) -> None:
         prof.dump_stats(os.path.join(out, f"{args[0]}{args[1]}.prof"))
 
 
-def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any) -> None:
+def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: dict[str, Any] | None = None) -> None:
     # The driver coordinates shutdown; Ctrl-C in a terminal reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
@@ -121,10 +121,15 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any) -> None:
             torch.set_num_threads(threads_for(lowered.loop.threads))
             reporter = QueueReporter(results, index)
             worker = LoopInterpreter(lowered.loop, reporter, replica=index, endpoints=endpoints, checks=checks)
+            tracker = _loop_saving(worker, index, parent, endpoints, saving) if saving else None
             try:
                 with context.using(worker):
                     value = train(*(() if args is None else (args,)))
             finally:
+                if tracker is not None:
+                    from fragflow.runtime import trips
+
+                    trips.install(None)
                 worker.close()
             reporter.flush()
             for name in lowered.loop.remote:
@@ -136,7 +141,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any) -> None:
 
             program = next(s for s in lowered.services if s.group == role)
             torch.set_num_threads(threads_for(program.threads))
-            worker = ServiceRunner(program, endpoints, checks)
+            worker = ServiceRunner(program, endpoints, checks, saving=saving, driver=parent)
             worker.run()
         results.put(("done", role, index))
     except Stopped:
@@ -148,6 +153,41 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any) -> None:
     finally:
         if endpoints is not None:
             endpoints.detach()
+
+
+def _loop_saving(interp: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any]) -> Any:
+    """A loop replica's trip tracker: its part of each checkpoint the driver asks for, and where a
+    resumed replica starts."""
+    from pathlib import Path
+
+    from fragflow.runtime import checkpoint, trips
+
+    tracker = trips.Trips()
+    if saving.get("resume"):
+        ckpt = checkpoint.find(saving["resume"])
+        interp.restored = checkpoint.merged_states(ckpt)
+        tracker.resume = checkpoint.resume_point(ckpt.part(f"loop{index}"))
+    root = saving.get("root")
+    if root:
+        admission = endpoints.admission
+        seen = [admission.checkpoint_request()]
+
+        def poll() -> bool:
+            return bool(admission.checkpoint_request() > seen[0])
+
+        def capture(snapshot: trips.Snapshot) -> None:
+            seq = seen[0] = admission.checkpoint_request()
+            tmp = checkpoint.staging_dir(Path(root), seq, driver)
+            if not tmp.is_dir():   # the driver gave this one up
+                return
+            position, (meta, arrays) = checkpoint.loop_part(snapshot)
+            checkpoint.save_part(tmp, f"loop{index}", meta, arrays)
+            endpoints.results.put(("ckpt", seq, f"loop{index}", meta, position))
+
+        tracker.poll = poll
+        tracker.capture = capture
+    trips.install(tracker)
+    return tracker
 
 
 def _user_traceback(exc: BaseException) -> str:

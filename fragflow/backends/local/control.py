@@ -15,7 +15,7 @@ import numpy as np
 from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryChannel
 from fragflow.backends.local.shm import Segment
 
-BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS = range(7)
+BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT = range(8)
 WORDS = 8
 
 
@@ -90,6 +90,14 @@ class Control:
     def add_busy(self, ns: int) -> None:
         self.words[LEARN_NS] += ns
         self.words[UPDATES] += 1
+
+    def request_checkpoint(self, seq: int) -> None:
+        """Ask every process for its part of checkpoint ``seq`` (the driver)."""
+        self.words[CHECKPOINT] = seq
+
+    def checkpoint_request(self) -> int:
+        """The newest checkpoint asked for (0: none yet)."""
+        return int(self.words[CHECKPOINT])
 
     def counters(self) -> dict[str, float]:
         w = self.words

@@ -1,0 +1,286 @@
+"""Checkpoint and resume: bit-identical continuation under single_process, continuation of version
+and counters under a multi-process policy, refusal of corrupt or mismatched checkpoints, Ctrl-C."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fragflow import driver
+from fragflow.runtime import checkpoint as ckpt
+from tests.conftest import ROOT
+
+EXE = str(Path(sys.executable).with_name("fragflow"))
+
+# No environment: every number the loop sees comes from keys, generators and the state, so two
+# runs of it are equal bit for bit, and so must be a run stopped and resumed in a new process.
+PROGRAM = '''
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    num_updates: int = 8
+    hidden: int = 3
+    seed: int = 0
+
+
+@ff.fragment("actor")
+def act(params, key):
+    noise = ff.random.normal(key, (3,)).astype(np.float32)
+    with torch.no_grad():
+        y = params(torch.as_tensor(noise))
+    return y.numpy(), noise
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    net, opt = state["net"], state["opt"]
+    x = torch.as_tensor(batch["x"])
+    perm = torch.randperm(x.shape[0])            # the global torch generator
+    loss = ((net(x[perm]).sum(1, keepdim=True) - torch.as_tensor(batch["y"])[perm]) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return state, {"loss": loss.detach()}
+
+
+def train(args: Args):
+    torch.manual_seed(args.seed)
+    net = torch.nn.Linear(3, args.hidden)
+    state = ff.versioned({"net": net, "opt": torch.optim.Adam(net.parameters(), lr=1e-2)})
+    key = ff.random.keys(args.seed, np.arange(4))
+    replay = ff.ReplayBuffer(64, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    scale = 1.0
+    for update in range(args.num_updates):
+        for t in range(4):
+            key, sub = ff.random.split(key)
+            y, noise = act(state["net"], sub)
+            replay.add(x=noise, y=(noise.sum(1, keepdims=True) * rng.uniform() * scale).astype(np.float32))
+        scale *= 0.9                               # a number the loop carries from trip to trip
+        state, metrics = learn(state, replay.sample(8))
+        ff.log(metrics)
+    return state
+'''
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([EXE, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path / "states.safetensors"))
+
+
+@pytest.fixture
+def program(write_algo) -> Path:
+    path, _ = write_algo(PROGRAM, "ckprog.py")
+    return path
+
+
+def test_resume_in_a_new_process_equals_the_uninterrupted_run_bit_for_bit(program, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    res = cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q")
+    assert res.returncode == 0, res.stderr
+    assert [p.name for p in ckpt.listing(a / "checkpoints")] == ["4", "6", "8"]   # the last 3 kept
+    half = json.loads((a / "checkpoints" / "4" / "manifest.json").read_text())
+    assert half["counters"]["updates"] == 4 and half["loop"]["trip"] == 4 and not half["complete"]
+    saved = half["parts"]["loop0"]["locals"]
+    assert {"key", "replay", "rng", "scale", "update"} <= set(saved)
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--out", str(b), "-q")
+    assert res.returncode == 0, res.stderr
+    assert "resuming from" in res.stderr and "environments are reset" in res.stderr
+    end_a, end_b = tensors(a / "checkpoints" / "8"), tensors(b / "checkpoints" / "8")
+    assert sorted(end_a) == sorted(end_b) and len(end_a) == 8   # net weight, bias; Adam moments and steps
+    for k in end_a:
+        assert np.array_equal(end_a[k], end_b[k]), k
+    # ... and differs from the state at the checkpoint (the resumed run did learn)
+    assert not np.array_equal(tensors(a / "checkpoints" / "4")["state.state['net']['weight']"],
+                              end_b["state.state['net']['weight']"])
+    summary = json.loads((b / "summary.json").read_text())
+    assert summary["updates"] == 8 and summary["resumed_at"]["updates"] == 4
+    assert json.loads((b / "checkpoints" / "8" / "manifest.json").read_text())["complete"]
+
+
+def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_path, write_algo):
+    a = tmp_path / "a"
+    assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
+    good = a / "checkpoints" / "4"
+    # other shapes (args that change the network)
+    res = cli("run", "--resume", str(good), "--set", "hidden=5", "--out", str(tmp_path / "x"), "-q")
+    assert res.returncode == 2 and "does not fit this program" in res.stderr and "Traceback" not in res.stderr
+    assert "f32[3, 3]" in res.stderr or "[3, 3]" in res.stderr
+    # another algorithm
+    res = cli("run", "ppo", "--resume", str(good), "--out", str(tmp_path / "y"), "-q")
+    assert res.returncode == 2 and "not 'ppo'" in res.stderr
+    # a completed run has nothing to resume
+    res = cli("run", "--resume", str(a / "checkpoints" / "8"), "--out", str(tmp_path / "z"), "-q")
+    assert res.returncode == 2 and "completed run" in res.stderr
+    # a damaged tensor file, a damaged manifest, a directory with no checkpoint
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(good, bad / "checkpoints" / "4")
+    (bad / "checkpoints" / "4" / "loop0.safetensors").write_bytes(b"\x00" * 7)
+    res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"), "-q")
+    assert res.returncode == 2 and "cannot be read" in res.stderr and "Traceback" not in res.stderr
+    (bad / "checkpoints" / "4" / "manifest.json").write_text("{not json")
+    res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
+    assert res.returncode == 2 and "is corrupt" in res.stderr
+    res = cli("run", "--resume", str(tmp_path), "-q")
+    assert res.returncode == 2 and "no checkpoint there" in res.stderr
+
+
+def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=12 * 512, num_steps=64, num_envs=8)
+    policy = "actor_learner(actors=2)"
+    first = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", checkpoint_every=4)
+    written = ckpt.listing(tmp_path / "run" / "checkpoints")
+    assert written and json.loads((written[-1] / "manifest.json").read_text())["complete"]
+    mid = next(p for p in written if not json.loads((p / "manifest.json").read_text())["complete"])
+    m = json.loads((mid / "manifest.json").read_text())
+    assert set(m["parts"]) == {"states.learner", "loop0", "loop1"} and m["loop"]["replicas"] == 2
+    assert all(pos["trip"] >= 1 for pos in m["loop"]["positions"].values())
+    rows_before = len(list(csv.DictReader((tmp_path / "run" / "metrics.csv").open())))
+    second = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", resume=mid)
+    s = second.summary
+    assert s["resumed_at"]["updates"] == m["counters"]["updates"] and s["resumed_at"]["version"] == m["counters"]["version"]
+    assert s["updates"] > m["counters"]["updates"] and s["env_steps"] > m["counters"]["env_steps"]
+    # the actors went on from their saved trips: about the rest of the run, not all of it again
+    assert abs(s["updates"] - first.summary["updates"]) <= 2
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert len(rows) > rows_before
+    steps = [float(r["env_steps"]) for r in rows[rows_before:]]
+    assert steps[0] > m["counters"]["env_steps"] - 1 and steps == sorted(steps)
+
+
+def test_a_resumed_learner_process_starts_from_the_saved_state(program, tmp_path):
+    from fragflow.program import load
+
+    prog = load(str(program))
+    args = prog.args_cls(num_updates=10)
+    policy = "actor_learner(actors=2)"
+    driver.run(prog.train, args, policy=policy, out=tmp_path / "run", checkpoint_every=3)
+    mid = next(p for p in ckpt.listing(tmp_path / "run" / "checkpoints")
+               if not json.loads((p / "manifest.json").read_text())["complete"])
+    m = json.loads((mid / "manifest.json").read_text())
+    trips = min(pos["trip"] for pos in m["loop"]["positions"].values())
+    saved = tensors_of(mid, "states.learner")
+    # a run that ends where the actors stood does no update: it returns the learner's state as loaded
+    again = driver.run(prog.train, prog.args_cls(num_updates=trips), policy=policy, out=tmp_path / "again", resume=mid)
+    assert again.summary["updates"] == m["counters"]["updates"] + max(
+        0, trips - max(pos["trip"] for pos in m["loop"]["positions"].values()))
+    net = again.value["net"]
+    assert np.array_equal(net.weight.detach().numpy(), saved["state.state['net']['weight']"])
+
+
+def tensors_of(path: Path, part: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path / f"{part}.safetensors"))
+
+
+def test_ctrl_c_writes_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([EXE, "run", "ppo", "--policy", "single_process", "--set", "total_timesteps=400000",
+                             "--checkpoint-every", "100000", "--out", str(out), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "writing a checkpoint" in err
+    written = ckpt.listing(out / "checkpoints")
+    assert len(written) == 1
+    m = json.loads((written[0] / "manifest.json").read_text())
+    assert not m["complete"] and m["counters"]["updates"] >= 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["checkpoints"] == [str(written[0])]
+    res = cli("run", "--resume", str(out), "--set", f"total_timesteps={m['counters']['env_steps'] + 1024}", "-q")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["updates"] == m["counters"]["updates"] + 2
+
+
+def test_every_parses_updates_and_durations():
+    assert ckpt.Every.parse("100") == ckpt.Every(updates=100)
+    assert ckpt.Every.parse("90s").seconds == 90 and ckpt.Every.parse("5m").seconds == 300
+    for bad in ("0", "ten", "1.5", "3d"):
+        with pytest.raises(ckpt.ConfigError):
+            ckpt.Every.parse(bad)
+
+
+def test_encode_decode_checks_shapes_and_loads_modules_in_place():
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    meta, arrays = ckpt.encode({"net": net, "opt": opt, "n": np.int64(3), "k": np.arange(3, dtype=np.uint64)}, "s")
+    json.dumps(meta)   # the structure is plain JSON
+    net2 = torch.nn.Linear(2, 2)
+    opt2 = torch.optim.Adam(net2.parameters())
+    out = ckpt.decode(meta, arrays, {"net": net2, "opt": opt2, "n": 0, "k": np.zeros(3, np.uint64)})
+    assert out["net"] is net2 and torch.equal(net2.weight, net.weight)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert out["n"] == 3 and out["k"].dtype == np.uint64
+    with pytest.raises(ckpt.Mismatch, match=r"\['net'\]"):
+        ckpt.decode(meta, arrays, {"net": torch.nn.Linear(2, 3), "opt": opt2, "n": 0, "k": np.zeros(3, np.uint64)})
+    with pytest.raises(ckpt.Mismatch, match="keys"):
+        ckpt.decode(meta, arrays, {"net": net2})
+
+
+def test_a_while_loop_resumes_with_its_counter(tmp_path, write_algo):
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 12
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            step = 0
+            while step < args.total:
+                step += 3
+                state = learn(state, np.full(2, float(step)))
+            return state
+    ''', "whileprog.py")
+    from fragflow.program import load
+
+    prog = load(str(path))
+    whole = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
+    resumed = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b",
+                         resume=tmp_path / "a" / "checkpoints" / "2")
+    assert resumed.summary["updates"] == 4 and resumed.summary["resumed_at"]["updates"] == 2
+    assert np.array_equal(whole.value["w"], resumed.value["w"])
