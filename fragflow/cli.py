@@ -87,6 +87,7 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
     checkpoint_every: Annotated[str | None, typer.Option("--checkpoint-every", help="write OUT/checkpoints/<updates>/ every N updates, or every duration (90s, 5m, 1h); Ctrl-C writes a last one")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="continue a run: its directory (newest checkpoint) or one checkpoint directory; algorithm, args and policy come from the checkpoint")] = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="start an actor process that dies again, up to N times each (0: never); the learner is never restarted")] = 3,
     debug: DebugOpt = False,
 ) -> None:
     """Train: trace the loop, place it with a policy, run it, write metrics.csv, TensorBoard and summary.json."""
@@ -135,7 +136,7 @@ def run(
         result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
                             stop_on_target=stop_on_target, progress=not quiet, description=program.name,
                             compiled=compiled, checkpoint_every=every, resume=start,
-                            program_ref=algorithm or DEFAULT_ALGORITHM)
+                            program_ref=algorithm or DEFAULT_ALGORITHM, max_restarts=max_restarts)
     except KeyboardInterrupt as exc:
         from fragflow.driver import Terminated
 
@@ -153,6 +154,8 @@ def run(
         line += f", target {target_return:g} " + ("not reached" if solved is None else f"reached at {solved:.1f}s / {s['solved_at_steps']} steps")
     out.print(line, highlight=False)
     out.print(f"outputs: {run_dir}/{{metrics.csv, summary.json, returns.png, tensorboard/}}", highlight=False)
+    if s.get("restarts"):
+        out.print(f"restarts: {s['restarts']} (see summary.json notes)", highlight=False)
     if s.get("checkpoints"):
         out.print(f"checkpoints: {len(s['checkpoints'])} written, newest {s['checkpoints'][-1]}", highlight=False)
 

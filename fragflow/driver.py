@@ -146,13 +146,18 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         out: str | os.PathLike[str] | None = None, target_return: float | None = None,
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,
         compiled: Compiled | None = None, checkpoint_every: str | int | Every | None = None,
-        resume: str | os.PathLike[str] | Checkpoint | None = None, program_ref: str | None = None) -> RunResult:
+        resume: str | os.PathLike[str] | Checkpoint | None = None, program_ref: str | None = None,
+        max_restarts: int = 3) -> RunResult:
     """Compile (unless ``compiled`` is given) and run a training function under a distribution policy.
 
     ``checkpoint_every`` (updates, or a duration such as ``"5m"``) writes ``out/checkpoints/<updates>/``;
     ``resume`` (a run directory or one of its checkpoints) continues a run from one: its versioned
     state, loop position, random states and counters (environments are reset). ``program_ref``
-    is what the manifest records to load the algorithm again (a file path or built-in name)."""
+    is what the manifest records to load the algorithm again (a file path or built-in name).
+    ``max_restarts``: how many times each actor process that dies is started again (placements
+    whose actors can be, see ``fragflow graph --policy``); beyond it the run stops."""
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts={max_restarts} is negative", fix="give 0 (never restart) or more")
     every = checkpoint_every if isinstance(checkpoint_every, Every) or checkpoint_every is None \
         else Every.parse(str(checkpoint_every))
     start = resume if isinstance(resume, Checkpoint) or resume is None else find_checkpoint(resume)
@@ -198,7 +203,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 else:
                     from fragflow.runtime import multiprocess
 
-                    value = multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints)
+                    value = multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts)
         status = "completed"
     except StopRun:
         status = "stopped_at_target"

@@ -61,6 +61,13 @@ class ProgressDisplay:
                                f"return {ret}  elapsed {elapsed:.0f}s{eta}{extra}", highlight=False)
             sys.stderr.flush()
 
+    def note(self, message: str) -> None:
+        """A line printed above the bar (or on its own line): an event the user should see."""
+        if self._progress is not None:
+            self._progress.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        else:
+            self.console.print(f"warning: {message}", highlight=False)
+
     def stop(self) -> None:
         if self._progress is not None:
             self._progress.stop()

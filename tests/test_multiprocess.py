@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import csv
+
 import multiprocessing as mp
 import os
 import signal
@@ -166,24 +168,56 @@ def test_worker_error_stops_the_run_and_names_the_fragment(write_algo, where, fr
     assert shm_leftovers() == []
 
 
-def test_killed_worker_stops_the_run(write_algo):
-    path, _ = write_algo(FAILING)
-    program = load(str(path))
-
-    def kill_an_actor():
+def kill_actor_later(name: str = "fragflow-actor-1", after: float = 1.0) -> threading.Thread:
+    """SIGKILL the actor process called ``name`` ``after`` seconds after it appears."""
+    def kill() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            actors = [p for p in mp.active_children() if p.name == "fragflow-actor-1"]
+            actors = [p for p in mp.active_children() if p.name == name]
             if actors and actors[0].pid:
-                time.sleep(1.0)
+                time.sleep(after)
                 os.kill(actors[0].pid, signal.SIGKILL)
                 return
             time.sleep(0.05)
 
-    killer = threading.Thread(target=kill_an_actor)
+    killer = threading.Thread(target=kill)
     killer.start()
-    with pytest.raises(WorkerDied, match="actor 1 process was killed by signal 9"):
+    return killer
+
+
+def test_killed_worker_stops_a_run_whose_actors_cannot_restart(write_algo):
+    path, _ = write_algo(FAILING)
+    program = load(str(path))
+    killer = kill_actor_later()
+    with pytest.raises(WorkerDied, match="actor 1 process was killed by signal 9 .*not restarted: its replicas act "
+                                         "with exact versions"):
         ff.run(program.train, program.args_cls(fail_in=0), policy="pipelined(actors=2)")
+    killer.join()
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2)"])
+def test_a_killed_actor_is_restarted_and_no_update_or_step_is_lost(tmp_path, policy):
+    args = ppo.Args(total_timesteps=160 * 256, num_envs=4, num_steps=64)   # about 7 s: the kill lands mid-run
+    killer = kill_actor_later(after=1.5)
+    result = ff.run(ppo.train, args, policy=policy, out=tmp_path / "run")
+    killer.join()
+    s = result.summary
+    assert s["status"] == "completed" and s["restarts"] == 1
+    assert s["notes"] == ["actor 1 was killed by signal 9: restarted (1 of 3)"]
+    assert s["updates"] == 160 and s["env_steps"] == 160 * 256   # each rollout learned from once, counted once
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert float(rows[-1]["restarts"]) == 1.0
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
+def test_max_restarts_zero_stops_the_run_when_an_actor_dies():
+    killer = kill_actor_later(after=1.0)
+    with pytest.raises(WorkerDied, match="not restarted: --max-restarts is 0"):
+        ff.run(ppo.train, ppo.Args(total_timesteps=200 * 256, num_envs=4, num_steps=64),
+               policy="actor_learner(actors=2)", max_restarts=0)
     killer.join()
     assert mp.active_children() == []
     assert shm_leftovers() == []

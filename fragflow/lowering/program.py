@@ -100,6 +100,7 @@ class LoopProgram:
     ship: dict[str, tuple[str, ...]]  # state -> the service groups that hold a copy
     choice: Any                       # a version choice (see disciplines), None without broadcast
     max_lag: int
+    restartable: str | None = None    # None: a replica whose process dies is started again; else why not
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,18 @@ def _threads(graph: Graph, group: Group, processes: int) -> int:
     if floats < BIG_LEARNER:
         return 1
     return max(1, (os.cpu_count() or 1) // processes)
+
+
+def _not_restartable(remote: dict[str, Remote], choice: Any) -> str | None:
+    """Why a loop replica whose process dies cannot be started again under this placement (None: it can)."""
+    if not remote:
+        return "the loop runs in the driver's own process"
+    if isinstance(choice, disciplines.Exact):
+        return ("its replicas act with exact versions in lockstep with the learner (max_lag=0 or pipelined), "
+                "which a restarted process cannot rejoin deterministically")
+    if any(r.sync for r in remote.values()):
+        return "its replicas wait for answers from another group (served inference), which a restart would lose"
+    return None
 
 
 def _clock(graph: Graph, group: Group) -> str:
@@ -310,5 +323,5 @@ def lower(placed: PlacedGraph) -> Lowered:
                                        tuple(sorted(held)), tuple(replies),
                                        traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0))
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
-                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag)
+                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice))
     return Lowered(placed, program, tuple(services))

@@ -45,6 +45,8 @@ class Reporter(Protocol):
     def log(self, scalars: dict[str, float]) -> None: ...
     def flush(self) -> None: ...
 
+    muted: bool
+
 
 def allow_nonfinite() -> bool:
     return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
@@ -86,6 +88,8 @@ class LoopInterpreter:
         self._defs = {} if endpoints is None else {g: endpoints.definitions(g) for g in
                                                    {r.group for r in program.remote.values()}}
         self.restored: Any = None             # a checkpoint's states part: versioned state starts from it
+        self.restarted = False                # a replica started again after its process died
+        self.skip_until = 0                   # (restarted) calls its dead process already sent: not sent again
         self.on_update: Callable[[int], None] | None = None   # after each clock call (checkpoint schedule)
 
     # -- interpreter protocol ------------------------------------------------------------
@@ -117,7 +121,7 @@ class LoopInterpreter:
             value, version = restore_state(self.restored, name, value, where)
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
-        if self.index == 0:
+        if self.index == 0 and not self.restarted:
             for group in self.program.ship.get(handle.name, ()):
                 self._defs[group].put(("state", handle.name, cloudpickle.dumps(value)))
         return handle
@@ -272,8 +276,11 @@ class LoopInterpreter:
         ring = self._rings[name]
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite())
         version = self._version() if self.program.reads else self._last_version
-        ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
+        if self._seq >= self.skip_until:
+            ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
         self._seq += 1
+        if self._seq == self.skip_until:   # a restarted replica has caught up with its dead process
+            self.reporter.muted = False
         if route.primary:
             for state in self.program.reads:
                 self._final[(state, self.update)] = self._writes.get(state, 0)
@@ -282,7 +289,7 @@ class LoopInterpreter:
             self._writes[handle.name] = self._writes.get(handle.name, 0) + 1
         if route.primary:
             if self.rollout_version is not None and getattr(self.program.choice, "admits", False):
-                self.endpoints.admission.produced()
+                self.endpoints.admission.produced(self.index)
             self.update += 1
             self.rollout_version = None
             self.reporter.flush()

@@ -60,6 +60,7 @@ class Monitor:
         self.resumed = False
         self.version_offset = 0
         self.restarts = 0
+        self.notes: list[str] = []
 
     # -- what executors report --------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +127,17 @@ class Monitor:
         self._last_channel = (now, stats)
         self.channel_stats = stats
 
+    def restarted(self, message: str) -> None:
+        """A worker process was started again after it died."""
+        self.restarts += 1
+        self.notes.append(message)
+        if self.progress is not None:
+            self.progress.note(message)
+        else:
+            import sys
+
+            sys.stderr.write(f"warning: {message}\n")
+
     # -- checkpoints -------------------------------------------------------------------------
     def counters(self, version: int | None = None) -> dict[str, Any]:
         """What a checkpoint records so a resumed run's counters continue."""
@@ -170,6 +182,7 @@ class Monitor:
             "episodes": float(self.base_episodes + len(self.episodes)),
             "eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else nan,
             "eval_episodes": float(len(self.eval_episodes)),
+            "restarts": float(self.restarts),
         }
         for name, s in self.channel_stats.items():
             row[f"{name}/depth"] = float(s["depth"])
@@ -189,6 +202,8 @@ class Monitor:
             extra = ""
             for name, s in self.channel_stats.items():
                 extra += f"  {name}: depth {s['depth']} drops {s['drops']}"
+            if self.restarts:
+                extra += f"  restarts {self.restarts}"
             self.progress.update(self.env_steps, (self.env_steps - self.base_steps) / wall if wall > 0 else 0.0,
                                  self.recent_return, wall, extra)
 
@@ -201,6 +216,8 @@ class Monitor:
             "final_return_mean": self.recent_return,
         }
         out["restarts"] = self.restarts
+        if self.notes:
+            out["notes"] = list(self.notes)
         if self.resumed:
             out["resumed_at"] = {"env_steps": self.base_steps, "updates": self.base_updates, "version": self.version_offset}
             out["wall_seconds_total"] = round(self.base_wall + wall, 3)

@@ -67,8 +67,11 @@ def _no_main_reimport() -> Iterator[None]:
 
 class Driver:
     def __init__(self, lowered: Lowered, program: bytes, monitor: Monitor, backend: str = "local",
-                 checkpoints: Any = None) -> None:
+                 checkpoints: Any = None, max_restarts: int = 3) -> None:
         self.checkpoints = checkpoints
+        self.max_restarts = max_restarts
+        self.restarts: dict[int, int] = {}
+        self.points: dict[int, tuple[Any, ...]] = {}     # replica -> where it last said it stood
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -105,16 +108,38 @@ class Driver:
         self.wiring = self.backend.wire(self.lowered)
         self.endpoints = self.wiring.attach()
         roles = [(s.group, 0) for s in self.lowered.services] + [("actor", k) for k in range(self.lowered.loop.replicas)]
-        ck = self.checkpoints
-        saving = None
-        if ck is not None:
-            saving = {"root": str(ck.root) if ck.enabled else None,
-                      "resume": str(ck.resume.path) if ck.resume is not None else None}
+        self.saving = self._saving()
         with _no_main_reimport():
             for role, k in roles:
-                p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self.wiring, saving),
+                p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self.wiring, self.saving),
                                        f"fragflow-{role}-{k}")
                 self.procs.append((role, k, p))
+
+    def _saving(self) -> dict[str, Any]:
+        ck = self.checkpoints
+        return {"root": str(ck.root) if ck is not None and ck.enabled else None,
+                "resume": str(ck.resume.path) if ck is not None and ck.resume is not None else None,
+                "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0}
+
+    def _restart(self, k: int, how: str) -> None:
+        """Start loop replica ``k`` again in a new process: from where it last said it stood, with the
+        newest parameters (it reads the broadcast), sending nothing its dead process already sent."""
+        from fragflow.runtime import worker
+
+        endpoints = self.endpoints
+        puts = 0
+        for name in self.lowered.loop.remote:
+            ring = endpoints.rings[f"{name}[{k}]"]
+            ring.repair_producer()
+            puts += ring.puts
+        endpoints.admission.forget(k)
+        self.restarts[k] = self.restarts.get(k, 0) + 1
+        self.monitor.restarted(f"actor {k} {how}: restarted ({self.restarts[k]} of {self.max_restarts})")
+        saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts})
+        with _no_main_reimport():
+            p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program, self.wiring, saving),
+                                   f"fragflow-actor-{k}-r{self.restarts[k]}")
+        self.procs = [(r, i, q) if (r, i) != ("actor", k) else (r, i, p) for r, i, q in self.procs]
 
     def _loop(self) -> None:
         next_stats = time.monotonic() + STATS_EVERY
@@ -160,6 +185,9 @@ class Driver:
             ck = self.checkpoints
             if ck is not None and ck.staged is not None and f"loop{msg[2]}" in ck.missing() and msg[1] == "actor":
                 ck.abort()   # that replica's loop has ended: no trip of it is left to save
+        elif kind == "trip":
+            _, k, meta, arrays, seq, update = msg
+            self.points[k] = (meta, arrays, seq, update)
         elif kind == "ckpt":
             _, seq, part, meta, info = msg
             ck = self.checkpoints
@@ -216,7 +244,14 @@ class Driver:
                 who = f"actor {k}" if role == "actor" else role
                 code = p.exitcode
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                raise WorkerDied(f"{who} process {how} without reporting an error")
+                why = self.lowered.loop.restartable if role == "actor" else "only actors are restarted"
+                if why is None and self.restarts.get(k, 0) < self.max_restarts:
+                    self._restart(k, how)
+                    continue
+                if why is None:
+                    why = ("--max-restarts is 0" if self.max_restarts == 0 else
+                           f"it was restarted {self.max_restarts} times already (--max-restarts {self.max_restarts})")
+                raise WorkerDied(f"{who} process {how} without reporting an error; not restarted: {why}")
 
     def channel_stats(self) -> dict[str, Any]:
         if self.endpoints is None:
@@ -252,5 +287,5 @@ class Driver:
             self.wiring.release()
 
 
-def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None) -> Any:
-    return Driver(lowered, program, monitor, checkpoints=checkpoints).run()
+def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None, max_restarts: int = 3) -> Any:
+    return Driver(lowered, program, monitor, checkpoints=checkpoints, max_restarts=max_restarts).run()

@@ -59,8 +59,11 @@ class QueueReporter:
         self.episodes: list[tuple[float, int]] = []
         self.eval: list[tuple[float, int]] = []
         self.next = time.monotonic() + REPORT_EVERY
+        self.muted = False      # a restarted replica re-running what its dead process reported
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
+        if self.muted:
+            return
         if evaluation:
             self.eval.extend(episodes)
         else:
@@ -121,7 +124,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             torch.set_num_threads(threads_for(lowered.loop.threads))
             reporter = QueueReporter(results, index)
             worker = LoopInterpreter(lowered.loop, reporter, replica=index, endpoints=endpoints, checks=checks)
-            tracker = _loop_saving(worker, index, parent, endpoints, saving) if saving else None
+            tracker = _loop_saving(worker, reporter, index, parent, endpoints, saving) if saving else None
             try:
                 with context.using(worker):
                     value = train(*(() if args is None else (args,)))
@@ -155,9 +158,13 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             endpoints.detach()
 
 
-def _loop_saving(interp: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any]) -> Any:
-    """A loop replica's trip tracker: its part of each checkpoint the driver asks for, and where a
-    resumed replica starts."""
+SNAPSHOT_EVERY = 1.0    # a restartable replica sends where it stands at most this often (seconds) ...
+SNAPSHOT_COST = 20.0    # ... and at most once per this many times what taking one cost
+
+
+def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any]) -> Any:
+    """A loop replica's trip tracker: its part of each checkpoint the driver asks for, where it
+    stands for a restart (every second or so), and where a resumed or restarted replica starts."""
     from pathlib import Path
 
     from fragflow.runtime import checkpoint, trips
@@ -167,25 +174,44 @@ def _loop_saving(interp: Any, index: int, driver: int, endpoints: Any, saving: d
         ckpt = checkpoint.find(saving["resume"])
         interp.restored = checkpoint.merged_states(ckpt)
         tracker.resume = checkpoint.resume_point(ckpt.part(f"loop{index}"))
+    restart = saving.get("restart")
+    if restart is not None:
+        interp.restarted = True
+        interp.skip_until = restart["skip_until"]
+        reporter.muted = interp.skip_until > 0
+        if restart["point"] is not None:
+            meta, arrays, seq, update = restart["point"]
+            interp._seq, interp.update = seq, update
+            tracker.resume = checkpoint.resume_point((meta, arrays))
     root = saving.get("root")
-    if root:
-        admission = endpoints.admission
-        seen = [admission.checkpoint_request()]
+    admission = endpoints.admission
+    seen = [admission.checkpoint_request()]
+    snapshots = bool(saving.get("snapshots"))
+    next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
 
-        def poll() -> bool:
-            return bool(admission.checkpoint_request() > seen[0])
+    def poll() -> bool:
+        return bool((root and admission.checkpoint_request() > seen[0])
+                    or (snapshots and time.monotonic() >= next_snapshot[0]))
 
-        def capture(snapshot: trips.Snapshot) -> None:
-            seq = seen[0] = admission.checkpoint_request()
+    def capture(snapshot: trips.Snapshot) -> None:
+        part = None
+        seq = admission.checkpoint_request()
+        if root and seq > seen[0]:
+            seen[0] = seq
             tmp = checkpoint.staging_dir(Path(root), seq, driver)
-            if not tmp.is_dir():   # the driver gave this one up
-                return
-            position, (meta, arrays) = checkpoint.loop_part(snapshot)
-            checkpoint.save_part(tmp, f"loop{index}", meta, arrays)
-            endpoints.results.put(("ckpt", seq, f"loop{index}", meta, position))
+            if tmp.is_dir():   # else the driver gave this one up
+                position, part = checkpoint.loop_part(snapshot)
+                checkpoint.save_part(tmp, f"loop{index}", *part)
+                endpoints.results.put(("ckpt", seq, f"loop{index}", part[0], position))
+        if snapshots and time.monotonic() >= next_snapshot[0]:
+            t0 = time.monotonic()
+            meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
+            endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update))
+            cost = time.monotonic() - t0
+            next_snapshot[0] = time.monotonic() + max(SNAPSHOT_EVERY, SNAPSHOT_COST * cost)
 
-        tracker.poll = poll
-        tracker.capture = capture
+    tracker.poll = poll
+    tracker.capture = capture
     trips.install(tracker)
     return tracker
 

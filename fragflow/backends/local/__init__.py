@@ -149,7 +149,7 @@ class LocalBackend:
                     wiring.broadcasts[b.state] = ph
                     if wiring.clock_state is None:
                         wiring.clock_state = b.state
-            control = Control.create()
+            control = Control.create(lowered.loop.replicas)
             segments.append(control)
             wiring.control = control.name
         except BaseException:

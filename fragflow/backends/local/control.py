@@ -28,7 +28,7 @@ class Control:
     def __init__(self, segment: Segment, lock: Any, stop: Any, clock_rings: list[TrajectoryChannel] | None = None,
                  params: ParamChannel | None = None) -> None:
         self.seg = segment
-        self.words = np.frombuffer(segment.mem, np.int64, WORDS, 0)
+        self.words = np.frombuffer(segment.mem, np.int64, len(segment.mem) // 8, 0)
         self.lock = lock
         self.stop = stop
         self.clock_rings = clock_rings or []
@@ -36,8 +36,9 @@ class Control:
         self.last_ticket = 0   # the admission order of this process's last admitted rollout
 
     @staticmethod
-    def create() -> Segment:
-        seg = Segment.create(WORDS * 8)
+    def create(replicas: int = 1) -> Segment:
+        """The run's words, then one per loop replica: rollouts it was admitted and has not produced."""
+        seg = Segment.create((WORDS + max(replicas, 1)) * 8)
         seg.buf[:].fill(0)
         return seg
 
@@ -63,6 +64,7 @@ class Control:
                 ahead = max(unconsumed, 0) + int(self.words[IN_PRODUCTION])
                 if busy + ahead // per_update <= max_lag:
                     self.words[IN_PRODUCTION] += 1
+                    self.words[WORDS + replica] += 1
                     self.words[ADMIT_WAIT_NS] += time.perf_counter_ns() - t0
                     self.words[TICKETS] += 1
                     self.last_ticket = int(self.words[TICKETS])
@@ -73,12 +75,25 @@ class Control:
             pause = min(pause * 2, 1e-3)
 
     def detach(self) -> None:
-        self.words = np.zeros(WORDS, np.int64)
+        self.words = np.zeros(len(self.words), np.int64)
         self.seg.close()
 
-    def produced(self) -> None:
+    def produced(self, replica: int = 0) -> None:
         with self.lock:
             self.words[IN_PRODUCTION] -= 1
+            self.words[WORDS + replica] -= 1
+
+    def forget(self, replica: int) -> None:
+        """A replica's process died: what it was admitted to produce will not come (the driver, before
+        restarting it). A lock the dead process held is given back."""
+        if not self.lock.acquire(timeout=1.0):
+            self.lock.release()          # held by the dead process (a live one holds it for microseconds)
+            self.lock.acquire()
+        try:
+            self.words[IN_PRODUCTION] -= self.words[WORDS + replica]
+            self.words[WORDS + replica] = 0
+        finally:
+            self.lock.release()
 
     def set_busy(self, busy: bool) -> None:
         with self.lock:
