@@ -87,6 +87,8 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
     checkpoint_every: Annotated[str | None, typer.Option("--checkpoint-every", help="write OUT/checkpoints/<updates>/ every N updates, or every duration (90s, 5m, 1h); Ctrl-C writes a last one")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="continue a run: its directory (newest checkpoint) or one checkpoint directory; algorithm, args and policy come from the checkpoint")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="where the placement's processes run: local (this machine, shared memory) or ray (Ray actors)")] = "local",
+    address: Annotated[str | None, typer.Option("--address", help="Ray cluster address (ray start --head prints it); default: RAY_ADDRESS, else a local Ray instance")] = None,
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="start an actor process that dies again, up to N times each (0: never); the learner is never restarted")] = 3,
     debug: DebugOpt = False,
 ) -> None:
@@ -122,6 +124,10 @@ def run(
             from fragflow.errors import ConfigError
 
             raise ConfigError("--stop-on-target needs --target-return R", fix="add --target-return, e.g. 475")
+        if address is not None and backend != "ray":
+            from fragflow.errors import ConfigError
+
+            raise ConfigError("--address names a Ray cluster, but the backend is local", fix="add --backend ray")
         run_dir = out_dir or (start.run_dir if start is not None else
                               Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         with err.status(f"tracing {algorithm} ...", spinner="dots"):
@@ -136,7 +142,8 @@ def run(
         result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
                             stop_on_target=stop_on_target, progress=not quiet, description=program.name,
                             compiled=compiled, checkpoint_every=every, resume=start,
-                            program_ref=algorithm or DEFAULT_ALGORITHM, max_restarts=max_restarts)
+                            program_ref=algorithm or DEFAULT_ALGORITHM, max_restarts=max_restarts,
+                            backend=backend, address=address)
     except KeyboardInterrupt as exc:
         from fragflow.driver import Terminated
 

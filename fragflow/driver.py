@@ -147,7 +147,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,
         compiled: Compiled | None = None, checkpoint_every: str | int | Every | None = None,
         resume: str | os.PathLike[str] | Checkpoint | None = None, program_ref: str | None = None,
-        max_restarts: int = 3) -> RunResult:
+        max_restarts: int = 3, backend: str = "local", address: str | None = None) -> RunResult:
     """Compile (unless ``compiled`` is given) and run a training function under a distribution policy.
 
     ``checkpoint_every`` (updates, or a duration such as ``"5m"``) writes ``out/checkpoints/<updates>/``;
@@ -155,7 +155,12 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     state, loop position, random states and counters (environments are reset). ``program_ref``
     is what the manifest records to load the algorithm again (a file path or built-in name).
     ``max_restarts``: how many times each actor process that dies is started again (placements
-    whose actors can be, see ``fragflow graph --policy``); beyond it the run stops."""
+    whose actors can be, see ``fragflow graph --policy``); beyond it the run stops. ``backend``:
+    ``local`` (processes on this machine) or ``ray`` (Ray actors; ``address`` of the cluster, else
+    a local Ray instance); a one-process placement runs in this process whatever the backend."""
+    from fragflow import backends
+
+    backends.get(backend)   # an unknown name fails here, before anything runs
     if max_restarts < 0:
         raise ConfigError(f"max_restarts={max_restarts} is negative", fix="give 0 (never restart) or more")
     every = checkpoint_every if isinstance(checkpoint_every, Every) or checkpoint_every is None \
@@ -203,7 +208,8 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 else:
                     from fragflow.runtime import multiprocess
 
-                    value = multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts)
+                    value = multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts,
+                                                 backend, address)
         status = "completed"
     except StopRun:
         status = "stopped_at_target"
@@ -215,7 +221,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         raise
     finally:
         monitor.close()
-        summary = _summary(placed, args, monitor, status)
+        summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local")
         if checkpoints is not None:
             summary["checkpoints"] = [str(p) for p in checkpoints.written]
             if start is not None:
@@ -227,7 +233,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
 
 
-def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str) -> dict[str, Any]:
+def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, backend: str = "local") -> dict[str, Any]:
     import gymnasium
     import torch
 
@@ -236,6 +242,7 @@ def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str) -> d
         "status": status,
         "policy": placed.policy,
         "policy_options": dict(placed.options),
+        "backend": backend,
         "algorithm": placed.graph.name,
         "args": config,
         **monitor.summary(),

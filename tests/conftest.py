@@ -40,3 +40,18 @@ def relpath(p: Path) -> str:
     from fragflow.source import display_path
 
     return re.escape(display_path(str(p)))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole session, bound to 127.0.0.1, no dashboard, no usage stats;
+    the tests of the Ray backend use it (the backend joins an instance already started)."""
+    import os
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (make setup installs it)")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from fragflow.errors import ConfigError, did_you_mean
 
-BACKENDS = {"local": "fragflow.backends.local"}
+BACKENDS = {"local": "fragflow.backends.local", "ray": "fragflow.backends.ray"}
 
 
 class Stopped(Exception):
@@ -99,9 +99,13 @@ class Backend(Protocol):
     def start(self, target: Any, args: tuple[Any, ...], name: str) -> Any: ...
 
 
-def get(name: str) -> Backend:
+def get(name: str, address: str | None = None) -> Backend:
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}", fix=did_you_mean(name, BACKENDS))
     module = importlib.import_module(BACKENDS[name])
     backend: Backend = module.BACKEND
+    if address is not None:
+        if not hasattr(backend, "address"):
+            raise ConfigError(f"backend {name!r} takes no address", fix="--address is for --backend ray")
+        backend.address = address
     return backend

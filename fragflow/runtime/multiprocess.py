@@ -67,7 +67,7 @@ def _no_main_reimport() -> Iterator[None]:
 
 class Driver:
     def __init__(self, lowered: Lowered, program: bytes, monitor: Monitor, backend: str = "local",
-                 checkpoints: Any = None, max_restarts: int = 3) -> None:
+                 checkpoints: Any = None, max_restarts: int = 3, address: str | None = None) -> None:
         self.checkpoints = checkpoints
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}
@@ -75,7 +75,7 @@ class Driver:
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
-        self.backend = backends.get(backend)
+        self.backend = backends.get(backend, address)
         self.procs: list[tuple[str, int, Any]] = []
         self.finished: set[tuple[str, int]] = set()
         self.value: Any = None
@@ -287,5 +287,7 @@ class Driver:
             self.wiring.release()
 
 
-def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None, max_restarts: int = 3) -> Any:
-    return Driver(lowered, program, monitor, checkpoints=checkpoints, max_restarts=max_restarts).run()
+def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None, max_restarts: int = 3,
+            backend: str = "local", address: str | None = None) -> Any:
+    return Driver(lowered, program, monitor, backend, checkpoints=checkpoints, max_restarts=max_restarts,
+                  address=address).run()

@@ -102,9 +102,10 @@ def main(*args: Any) -> None:
 
 def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: dict[str, Any] | None = None) -> None:
     # The driver coordinates shutdown; Ctrl-C in a terminal reaches the whole process group.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
-    _die_with_parent(parent)
+    if getattr(wiring, "watch_parent", True):   # a local process (a Ray actor is ended by Ray)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
+        _die_with_parent(parent)
     import torch
 
     from fragflow.backends import Stopped
