@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import csv
-
 import multiprocessing as mp
 import os
 import signal
