@@ -78,3 +78,17 @@ def test_checkpoint_and_resume_on_ray(ray_cluster, tmp_path):
     again = ff.run(ppo.train, args, policy="actor_learner(actors=2)", backend="ray", out=tmp_path / "run", resume=mid)
     assert again.summary["resumed_at"]["updates"] == m["counters"]["updates"]
     assert again.summary["updates"] > m["counters"]["updates"]
+
+
+def test_multi_learner_on_ray_equals_one_learner(ray_cluster, write_algo):
+    import torch
+
+    from fragflow.program import load
+    from tests.test_multi_learner import PROGRAM
+
+    path, _ = write_algo(PROGRAM, "regress.py")
+    prog = load(str(path))
+    one = ff.run(prog.train, prog.args_cls(), policy="single_process")
+    two = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)", backend="ray")
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

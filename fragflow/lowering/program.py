@@ -101,6 +101,13 @@ class LoopProgram:
     choice: Any                       # a version choice (see disciplines), None without broadcast
     max_lag: int
     restartable: str | None = None    # None: a replica whose process dies is started again; else why not
+    routes: dict[str, tuple[str, ...]] | None = None   # a replicated service group: its instance per loop replica
+
+    def service_for(self, group: str, replica: int) -> str:
+        """The service instance loop replica ``replica`` sends ``group``'s calls to."""
+        if self.routes is None or group not in self.routes:
+            return group
+        return self.routes[group][replica]
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,9 @@ class ServiceProgram:
     states: tuple[str, ...]
     replies: tuple[Ring, ...] = ()    # per sync fragment per replica: its outputs, split back
     batch_wait: float = 0.0           # seconds a request waits for the other replicas' (arrival gathering)
+    first: int = 0                    # the loop replica its first producer is (several learners: its actors')
+    rank: int = 0                     # several learners: this one's place among them (0 publishes and reports)
+    world: int = 1                    # the learners that all-reduce their gradients
 
 
 @dataclass(frozen=True)
@@ -256,9 +266,18 @@ def lower(placed: PlacedGraph) -> Lowered:
     ship: dict[str, list[str]] = {}
     choice = None
     max_lag = 0
+    routes: dict[str, tuple[str, ...]] = {}
     for group in placed.groups:
         if group.program != "service":
             continue
+        if group.replicas > 1 and loop.replicas % group.replicas:
+            raise PlacementError(f"policy '{placed.policy}' gives {group.replicas} '{group.name}' processes "
+                                 f"{loop.replicas} actors to share", where=graph.defined_at,
+                                 fix=f"use a number of actors divisible by {group.replicas}")
+        instances = [f"{group.name}.{j}" for j in range(group.replicas)] if group.replicas > 1 else [group.name]
+        per = loop.replicas // len(instances)
+        if group.replicas > 1:
+            routes[group.name] = tuple(instances[k // per] for k in range(loop.replicas))
         members = set(group.nodes)
         traj = _channel(placed, "trajectory", loop.name, group.name)
         param = _channel(placed, "parameter", group.name, loop.name)
@@ -318,10 +337,25 @@ def lower(placed: PlacedGraph) -> Lowered:
         if gather == "balanced":
             gather = "arrival"
         overflow = disciplines.OVERFLOW[traj.overflow.value]() if traj is not None else disciplines.Deliver()
-        services.append(ServiceProgram(group.name, _threads(graph, group, processes), loop.replicas, group.nodes, tuple(rings),
-                                       tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
-                                       tuple(sorted(held)), tuple(replies),
-                                       traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0))
+        base = ServiceProgram(group.name, _threads(graph, group, processes), loop.replicas, group.nodes, tuple(rings),
+                              tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
+                              tuple(sorted(held)), tuple(replies),
+                              traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0)
+        if len(instances) == 1:
+            services.append(base)
+            continue
+        if replies:
+            raise PlacementError(f"policy '{placed.policy}' replicates '{group.name}', which answers requests from the "
+                                 "acting side; replicated learners take trajectories only", where=graph.defined_at,
+                                 fix="keep inference with the actors")
+        for state in held:
+            ship[state] = [n for n in ship[state] if n != group.name] + instances
+        for j, name in enumerate(instances):
+            mine = range(j * per, (j + 1) * per)
+            services.append(replace(base, group=name, producers=per, first=j * per, rank=j, world=len(instances),
+                                    rings=tuple(r for r in rings if r.replica in mine),
+                                    publish=base.publish if j == 0 else ()))
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
-                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice))
+                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice),
+                          routes or None)
     return Lowered(placed, program, tuple(services))

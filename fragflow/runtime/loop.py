@@ -85,7 +85,7 @@ class LoopInterpreter:
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
         self._replies = {} if endpoints is None else {r: endpoints.rings[f"{r}.reply[{replica}]"]
                                                       for r, route in program.remote.items() if route.sync}
-        self._defs = {} if endpoints is None else {g: endpoints.definitions(g) for g in
+        self._defs = {} if endpoints is None else {g: endpoints.definitions(program.service_for(g, replica)) for g in
                                                    {r.group for r in program.remote.values()}}
         self.restored: Any = None             # a checkpoint's states part: versioned state starts from it
         self.restarted = False                # a replica started again after its process died
@@ -122,8 +122,11 @@ class LoopInterpreter:
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
         if self.index == 0 and not self.restarted:
-            for group in self.program.ship.get(handle.name, ()):
-                self._defs[group].put(("state", handle.name, cloudpickle.dumps(value)))
+            blob = cloudpickle.dumps(value)
+            # the group that publishes (first in the list) last: a replicated learner's other processes
+            # then hold the state before any actor, waiting for its first broadcast, can feed them
+            for group in reversed(self.program.ship.get(handle.name, ())):
+                self.endpoints.definitions(group).put(("state", handle.name, blob))
         return handle
 
     # -- dispatch --------------------------------------------------------------------------

@@ -86,6 +86,7 @@ class Driver:
         self.wiring: Any = None
         self.endpoints: Any = None
         self._asked_at = 0.0
+        self.store: Any = None      # the learners' rendezvous (replicated learners)
 
     def run(self) -> Any:
         try:
@@ -116,10 +117,19 @@ class Driver:
                 self.procs.append((role, k, p))
 
     def _saving(self) -> dict[str, Any]:
+        """What every worker is told besides its program: checkpoints, restarts, the learners' rendezvous."""
         ck = self.checkpoints
+        world = max((s.world for s in self.lowered.services), default=1)
+        rendezvous = None
+        if world > 1:
+            from fragflow.runtime import allreduce
+
+            self.store, rendezvous = allreduce.host(world, self.backend.rendezvous_host()
+                                                    if hasattr(self.backend, "rendezvous_host") else "127.0.0.1")
         return {"root": str(ck.root) if ck is not None and ck.enabled else None,
                 "resume": str(ck.resume.path) if ck is not None and ck.resume is not None else None,
-                "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0}
+                "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0,
+                "rendezvous": rendezvous}
 
     def _restart(self, k: int, how: str) -> None:
         """Start loop replica ``k`` again in a new process: from where it last said it stood, with the

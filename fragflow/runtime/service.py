@@ -66,7 +66,7 @@ class ServiceRunner:
         self.rings: list[dict[str, Any]] = [{} for _ in range(program.producers)]
         self.ring_specs: dict[str, Any] = {}
         for ring in program.rings:
-            self.rings[ring.replica][ring.fragment] = endpoints.rings[ring.name]
+            self.rings[ring.replica - program.first][ring.fragment] = endpoints.rings[ring.name]
             self.ring_specs[ring.fragment] = ring
         self.replies: dict[str, dict[int, tuple[Any, Any]]] = {}
         for ring in program.replies:
@@ -80,6 +80,11 @@ class ServiceRunner:
         self.started: list[int | None] = [None] * program.producers
         self.delivered: list[tuple[int, int]] = []
         self.instance_name = InstanceNames()
+        self.reducer: Any = None
+        if program.world > 1:
+            from fragflow.runtime.allreduce import GradientAllReduce
+
+            self.reducer = GradientAllReduce(program.rank, program.world, (saving or {}).get("rendezvous"))
         # checkpoints: where parts go, the newest request served, objects to load on resume
         self.saving = saving or {}
         self.driver = driver
@@ -122,9 +127,11 @@ class ServiceRunner:
         if kind == "fragment":
             self.fragments.setdefault(msg[1], self._bind(cloudpickle.loads(msg[2])))
         elif kind == "skeleton":
-            self.skeletons[(msg[1], msg[2])] = msg[3]
+            self.skeletons[(msg[1] - self.program.first, msg[2])] = msg[3]
         elif kind == "state":
             self.states[msg[1]] = cloudpickle.loads(msg[2])
+            if self.program.world > 1:
+                self.reducer.watch(self.states[msg[1]], msg[1])
             if msg[1] in {b.state for b in self.program.publish}:
                 self._publish(msg[1])
         return True
@@ -323,7 +330,8 @@ class ServiceRunner:
         else:
             pieces.sort(key=lambda p: p.replica)
         self._wait_for(lambda: fragment in self.fragments and
-                       all((p.replica, p.sid) in self.skeletons for p in pieces))
+                       all((p.replica, p.sid) in self.skeletons for p in pieces) and
+                       all(st in self.states for st in self.program.states))
         frag = self.fragments[fragment]
         skel = self.skeletons[(pieces[0].replica, pieces[0].sid)]
         leaves = self._merge(fragment, pieces)
@@ -335,10 +343,15 @@ class ServiceRunner:
         self.delivered = [(p.version, lag) for p, lag in zip(pieces, lags)]
         t0 = time.perf_counter_ns()
         clock = fragment == self.program.clock
-        if clock:
+        lead = self.program.rank == 0        # of several learners, one speaks for them all
+        if clock and lead:
             self.admission.set_busy(True)
         with context.using(self):
-            out = frag.fn(*bound.args, **bound.kwargs)
+            if self.reducer is not None and clock:
+                with self.reducer.update(fragment):
+                    out = frag.fn(*bound.args, **bound.kwargs)
+            else:
+                out = frag.fn(*bound.args, **bound.kwargs)
         writes = frag.writes
         if writes is not None:
             state = skel_state_name(skel, writes)
@@ -357,15 +370,15 @@ class ServiceRunner:
         self.outputs[fragment] = out
         if fragment in self.replies:
             self._answer(fragment, out, pieces)
-        if clock:
+        if clock and lead:
             self.admission.set_busy(False)
         for p, lag in zip(pieces, lags):
             p.ring.release(lag=lag)
         logged = self._logged(fragment, out)
-        if clock:
+        if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
             self.results.put(("update", self.version, logged))
-        elif logged:
+        elif logged and lead:
             self.results.put(("log", logged))
 
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
@@ -429,10 +442,18 @@ class ServiceRunner:
         self.results.put(("ckpt", seq, f"states.{group}", meta, {"version": self.version}))
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.reducer is not None:
+                self.reducer.close()
+
+    def _run(self) -> None:
         while True:
             t0 = time.perf_counter_ns()
             fragment = self._next()
-            self.admission.add_wait(time.perf_counter_ns() - t0)
+            if self.program.rank == 0:
+                self.admission.add_wait(time.perf_counter_ns() - t0)
             if fragment is None:
                 break
             self._execute(fragment)

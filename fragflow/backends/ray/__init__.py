@@ -418,6 +418,11 @@ class RayBackend:
         self.address: str | None = None
         self._program: tuple[bytes, Any] | None = None   # the program, put in the object store once
 
+    def rendezvous_host(self) -> str:
+        """The address replicated learners reach the driver's TCP store at: this node's."""
+        connect(self.address)
+        return str(_ray().util.get_node_ip_address())
+
     def wire(self, lowered: Any) -> RayWiring:
         ray = _ray()
         connect(self.address)

@@ -1,0 +1,140 @@
+"""Gradient all-reduce between replicated learners (``multi_learner``, the DD-PPO shape).
+
+Each learner process runs the user's ``learn`` on its own actors' share of the batch. For the K
+of them to make the update one learner would make on the whole batch, every gradient is averaged
+over the K processes as soon as it is computed, before the user's code clips it or steps the
+optimizer: what ``backward()`` accumulates into the parameters of every ``torch.optim`` optimizer
+in the learner's state (a hook on each parameter), and what ``torch.autograd.grad`` returns while
+the learner runs (functional updates, such as the PPO here, whose Adam is hand-written).
+Parameters and optimizer states then stay identical in every learner, so one of them publishes
+the weights for all.
+
+The process group is ``torch.distributed`` with gloo on CPU (nccl for parameters on a GPU),
+meeting at a TCP store the driver hosts. The user's update must make the same number of backward
+passes in every learner per update (no data-dependent early stop), as in DD-PPO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fragflow.errors import ConfigError
+
+
+class GradientAllReduce:
+    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None) -> None:
+        import torch.distributed as dist
+
+        if rendezvous is None:
+            raise ConfigError("replicated learners need a rendezvous address", fix="run them through fragflow.run")
+        self.rank, self.world = rank, world
+        self.dist = dist
+        self.rendezvous = rendezvous
+        self.watched: set[int] = set()
+        self.handles: list[Any] = []
+        self.group_backend: str | None = None
+        self.averaged = 0
+
+    def _join(self, cuda: bool) -> None:
+        """Join the process group: nccl when the parameters are on a GPU, else gloo."""
+        assert self.rendezvous is not None
+        host, port = self.rendezvous
+        store = self.dist.TCPStore(host, port, self.world + 1, is_master=False)
+        self.group_backend = "nccl" if cuda else "gloo"
+        self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
+
+    def watch(self, state: Any, name: str) -> None:
+        """Average what backward accumulates into the parameters of every optimizer in ``state``."""
+        import torch
+
+        from fragflow.compiler.pytree import leaf_paths
+
+        if self.group_backend is None:
+            tensors = [x for _, x in leaf_paths(state) if isinstance(x, torch.Tensor)]
+            self._join(any(t.is_cuda for t in tensors))
+        for opt in _optimizers(state):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
+                        self.watched.add(id(p))
+                        self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, p: Any) -> None:
+        if p.grad is not None:
+            self.dist.all_reduce(p.grad)
+            p.grad.div_(self.world)
+            self.averaged += 1
+
+    def average(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce)."""
+        import torch
+
+        present = [g for g in grads if g is not None]
+        if not present:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in present])
+        self.dist.all_reduce(flat)
+        flat.div_(self.world)
+        out: list[Any] = []
+        pos = 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(flat[pos:pos + g.numel()].view_as(g))
+            pos += g.numel()
+        self.averaged += 1
+        return tuple(out)
+
+    @contextmanager
+    def update(self, fragment: str) -> Iterator[None]:
+        """Around a learner call: the gradients it takes with ``torch.autograd.grad`` are averaged too;
+        a call that averaged nothing is refused (the learners would drift apart)."""
+        import torch
+
+        original = torch.autograd.grad
+
+        def grad(*args: Any, **kwargs: Any) -> Any:
+            return self.average(original(*args, **kwargs))
+
+        self.averaged = 0
+        torch.autograd.grad = grad
+        try:
+            yield
+        finally:
+            torch.autograd.grad = original
+        if self.averaged == 0:
+            raise ConfigError(f"multi_learner averages the gradients '{fragment}' computes, and it computed none "
+                              "(no backward() into a torch.optim optimizer's parameters, no torch.autograd.grad)",
+                              fix="compute gradients with torch (an optimizer in the versioned state, or "
+                                  "torch.autograd.grad), or use a single-learner policy")
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def _optimizers(tree: Any) -> Any:
+    import torch
+
+    if isinstance(tree, torch.optim.Optimizer):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _optimizers(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _optimizers(v)
+
+
+def host(world: int, address: str = "127.0.0.1") -> tuple[Any, tuple[str, int]]:
+    """The driver's side: a TCP store the ``world`` learners meet at; ``(store, (address, port))``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(address, 0, world + 1, is_master=True, wait_for_workers=False)
+    return store, (address, store.port)

@@ -1,0 +1,140 @@
+"""multi_learner: K learners on K shards of the batch make the update one learner makes on all of it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+
+import fragflow as ff
+from fragflow.program import load
+from tests.test_multiprocess import shm_leftovers
+
+# A regression learner whose loss is a mean over samples: each env draws its own inputs from its
+# key, so actor j's share of the batch is the same data the single learner sees in those columns.
+PROGRAM = '''
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    num_envs: int = 4
+    num_updates: int = 6
+    steps: int = 8
+    functional: bool = False     # torch.autograd.grad and a hand-written step, else backward() + torch.optim
+    seed: int = 0
+
+
+@ff.fragment("env")
+def observe(key):
+    x = ff.random.normal(key, (3,)).astype(np.float32)
+    return x, (x @ np.array([1.0, -2.0, 0.5], np.float32))[:, None]
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, xs, ys, args: Args):
+    net, opt = state["net"], state["opt"]
+    x, y = torch.as_tensor(np.stack(xs)).reshape(-1, 3), torch.as_tensor(np.stack(ys)).reshape(-1, 1)
+    for _ in range(2):                                   # two gradient steps per update
+        loss = ((net(x) - y) ** 2).mean()
+        if args.functional:
+            grads = torch.autograd.grad(loss, list(net.parameters()))
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads):
+                    p -= 0.05 * g
+        else:
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)   # on the averaged gradient
+            opt.step()
+    return state, {"loss": loss.detach()}
+
+
+def train(args: Args):
+    torch.manual_seed(args.seed)
+    net = torch.nn.Linear(3, 1)
+    state = ff.versioned({"net": net, "opt": torch.optim.Adam(net.parameters(), lr=0.05)})
+    key = ff.random.keys(args.seed, ff.envs.ids(args.num_envs))
+    for update in range(args.num_updates):
+        xs, ys = [], []
+        for t in range(args.steps):
+            key, sub = ff.random.split(key)
+            x, y = observe(sub)
+            xs.append(x)
+            ys.append(y)
+        state, metrics = learn(state, xs, ys, args)   # lists of [env, ...] arrays: the env axis is known
+        ff.log(metrics)
+    return state
+'''
+
+
+@pytest.fixture
+def program(write_algo):
+    path, _ = write_algo(PROGRAM, "regress.py")
+    return load(str(path))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program, functional):
+    args = program.args_cls(functional=functional)
+    one = ff.run(program.train, args, policy="single_process")
+    two = ff.run(program.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    a, b = one.value["net"], two.value["net"]
+    assert not torch.equal(a.weight, torch.nn.Linear(3, 1).weight)
+    for p, q in zip(a.parameters(), b.parameters()):
+        # equal up to the order of float sums (each learner's mean, then the mean of the two)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert two.summary["updates"] == 6 and two.summary["env_steps"] == one.summary["env_steps"]
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_multi_learner_runs_ppo_and_refuses_indivisible_actors(program):
+    from fragflow.algorithms import ppo
+
+    result = ff.run(ppo.train, ppo.Args(total_timesteps=8 * 256, num_envs=4, num_steps=64),
+                    policy="multi_learner(learners=2, actors=1)")
+    assert result.summary["updates"] == 8 and result.summary["env_steps"] == 8 * 256
+    assert np.isfinite(result.summary["final_return_mean"] or 0.0)
+    from fragflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="puts 1 environments on each of 3 actors, but the loop steps 4"):
+        ff.run(program.train, program.args_cls(), policy="multi_learner(learners=3, actors=1)")
+
+
+def test_a_learner_that_computes_no_torch_gradient_is_refused(write_algo):
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            num_envs: int = 2
+
+        @ff.fragment("env")
+        def observe(key):
+            return ff.random.uniform(key, (2,))
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.9 + x.mean()}   # numpy: no gradient to average
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            key = ff.random.keys(0, ff.envs.ids(args.num_envs))
+            for update in range(4):
+                key, sub = ff.random.split(key)
+                state = learn(state, observe(sub))
+            return state
+    ''', "numpy_learner.py")
+    prog = load(str(path))
+    from fragflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="averages the gradients 'learn' computes, and it computed none"):
+        ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1)")
+    assert mp.active_children() == [] and shm_leftovers() == []
