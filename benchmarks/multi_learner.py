@@ -1,0 +1,60 @@
+"""multi_learner: learner samples per second with K = 1 and 2 learners.
+
+PPO on CartPole-v1 with a learner-heavy update (hidden=256, 10 epochs, 16 envs x 128 steps per
+update) under ``multi_learner(learners=K, actors=1)``: K learners, each with one actor and half
+(K=2) or all (K=1) of the environments, averaging gradients every minibatch. Every sample is
+learned from exactly once, so learner samples/s is env steps over the run's wall time (after the
+trace); the busy share says how much of the wall time learner 0 spent in its update. Fresh process
+per run, runs alternate; the median over repetitions, K=2 / K=1.
+
+    python benchmarks/multi_learner.py [--steps 65536] [--reps 3] [--learners 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from common import print_rows, row, run_json, save, stats
+
+CODE = """
+import json, torch
+import fragflow as ff
+from fragflow.algorithms import ppo
+args = ppo.Args(total_timesteps={steps}, num_envs=16, num_steps=128, hidden=256, update_epochs=10, seed=1)
+r = ff.run(ppo.train, args, policy="multi_learner(learners={k}, actors=1)")
+ch = r.summary["channels"]["trajectory"]
+print(json.dumps({{"sps": r.summary["steps_per_second"], "wall": r.summary["wall_seconds"],
+                  "busy": ch["learner_busy_s"], "updates": r.summary["updates"]}}))
+"""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=65_536)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--learners", type=int, nargs="+", default=[1, 2])
+    a = p.parse_args(argv)
+    env = {"FRAGFLOW_THREADS": "1"}
+    runs: dict[int, list[dict]] = {k: [] for k in a.learners}
+    for _ in range(a.reps):
+        for k in a.learners:
+            runs[k].append(run_json(CODE.format(steps=a.steps, k=k), env))
+            r = runs[k][-1]
+            print(f"K={k}: {r['sps']:,.0f} samples/s, learner 0 busy {r['busy'] / r['wall']:.0%} of {r['wall']:.1f}s",
+                  flush=True)
+    sps = {k: stats([r["sps"] for r in rs]) for k, rs in runs.items()}
+    base = min(a.learners)
+    rows = [row(f"PPO hidden=256, 10 epochs, 2048 samples/update: learner samples/s, multi_learner K={k} / K={base}",
+                sps[k], f"K={base}", sps[base], "samples/s", "-") for k in a.learners if k != base]
+    print_rows(rows)
+    result = {"command": "python benchmarks/multi_learner.py " + " ".join(argv or sys.argv[1:]), "steps": a.steps,
+              "reps": a.reps, "rows": rows, "runs": {str(k): v for k, v in runs.items()}, "cpus": os.cpu_count(),
+              "device": "cpu"}
+    save("multi_learner", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
