@@ -89,9 +89,10 @@ class GradientAllReduce:
         return tuple(out)
 
     @contextmanager
-    def update(self, fragment: str) -> Iterator[None]:
-        """Around a learner call: the gradients it takes with ``torch.autograd.grad`` are averaged too;
-        a call that averaged nothing is refused (the learners would drift apart)."""
+    def update(self, fragment: str, required: bool = True) -> Iterator[None]:
+        """Around a call that writes the learners' state: the gradients it takes with
+        ``torch.autograd.grad`` are averaged too; an update (``required``: the clock) that averaged
+        nothing is refused (the learners would learn apart)."""
         import torch
 
         original = torch.autograd.grad
@@ -105,7 +106,7 @@ class GradientAllReduce:
             yield
         finally:
             torch.autograd.grad = original
-        if self.averaged == 0:
+        if required and self.averaged == 0:
             raise ConfigError(f"multi_learner averages the gradients '{fragment}' computes, and it computed none "
                               "(no backward() into a torch.optim optimizer's parameters, no torch.autograd.grad)",
                               fix="compute gradients with torch (an optimizer in the versioned state, or "

@@ -347,8 +347,8 @@ class ServiceRunner:
         if clock and lead:
             self.admission.set_busy(True)
         with context.using(self):
-            if self.reducer is not None and clock:
-                with self.reducer.update(fragment):
+            if self.reducer is not None and frag.writes is not None:   # every update of the learners' state
+                with self.reducer.update(fragment, required=clock):
                     out = frag.fn(*bound.args, **bound.kwargs)
             else:
                 out = frag.fn(*bound.args, **bound.kwargs)
