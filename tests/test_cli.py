@@ -139,3 +139,14 @@ def test_ctrl_c_stops_the_run_and_still_writes_the_summary(tmp_path):
     assert proc.returncode == 130
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["env_steps"] > 0
+
+
+def test_checkpoint_backend_and_restart_flags_are_checked(tmp_path):
+    res = invoke("run", "ppo", "--checkpoint-every", "soon", "--out", str(tmp_path / "a"))
+    assert res.exit_code == 2 and "neither a number of updates nor a duration" in res.stderr
+    res = invoke("run", "ppo", "--address", "10.0.0.1:6379", "--out", str(tmp_path / "b"))
+    assert res.exit_code == 2 and "add --backend ray" in res.stderr
+    res = invoke("run", "ppo", "--backend", "slurm", "--out", str(tmp_path / "c"))
+    assert res.exit_code == 2 and "unknown backend 'slurm'" in res.stderr
+    res = invoke("run", "ppo", "--max-restarts", "-1")
+    assert res.exit_code == 2

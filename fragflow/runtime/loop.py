@@ -45,8 +45,6 @@ class Reporter(Protocol):
     def log(self, scalars: dict[str, float]) -> None: ...
     def flush(self) -> None: ...
 
-    muted: bool
-
 
 def allow_nonfinite() -> bool:
     return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
@@ -282,8 +280,6 @@ class LoopInterpreter:
         if self._seq >= self.skip_until:
             ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
         self._seq += 1
-        if self._seq == self.skip_until:   # a restarted replica has caught up with its dead process
-            self.reporter.muted = False
         if route.primary:
             for state in self.program.reads:
                 self._final[(state, self.update)] = self._writes.get(state, 0)

@@ -72,6 +72,7 @@ class Driver:
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}
         self.points: dict[int, tuple[Any, ...]] = {}     # replica -> where it last said it stood
+        self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -175,8 +176,13 @@ class Driver:
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "steps":
-            self.monitor.env_step(msg[2], msg[3])
-            for ret, length in msg[4]:
+            _, k, steps, episodes, finished, evaluated = msg
+            heard_steps, heard_episodes = self.heard.get(k, (0, 0))
+            new = finished[max(0, len(finished) - (episodes - heard_episodes)):] if episodes > heard_episodes else []
+            if steps > heard_steps or new:
+                self.monitor.env_step(max(0, steps - heard_steps), new)
+            self.heard[k] = (max(steps, heard_steps), max(episodes, heard_episodes))
+            for ret, length in evaluated:
                 self.monitor.eval_episode(ret, length)
         elif kind == "update":
             self.monitor.update()
@@ -196,8 +202,8 @@ class Driver:
             if ck is not None and ck.staged is not None and f"loop{msg[2]}" in ck.missing() and msg[1] == "actor":
                 ck.abort()   # that replica's loop has ended: no trip of it is left to save
         elif kind == "trip":
-            _, k, meta, arrays, seq, update = msg
-            self.points[k] = (meta, arrays, seq, update)
+            _, k, meta, arrays, seq, update, counts = msg
+            self.points[k] = (meta, arrays, seq, update, counts)
         elif kind == "ckpt":
             _, seq, part, meta, info = msg
             ck = self.checkpoints

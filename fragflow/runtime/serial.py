@@ -24,7 +24,6 @@ class MonitorReporter:
 
     def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
-        self.muted = False
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
         if evaluation:

@@ -50,25 +50,31 @@ def _die_with_parent(parent: int) -> None:
 
 
 class QueueReporter:
-    """A loop replica's events, batched to the driver every 0.2 s."""
+    """A loop replica's events, batched to the driver every 0.2 s.
+
+    Counts are cumulative (env steps and episodes since the replica's loop began), so the driver
+    counts each step and episode once: a restarted replica re-running trips its dead process
+    already reported (or had done without reporting) starts from the counts of its snapshot, and
+    the driver takes only what goes beyond what it has heard."""
 
     def __init__(self, results: Any, replica: int) -> None:
         self.results = results
         self.replica = replica
-        self.steps = 0
+        self.total_steps = 0
+        self.total_episodes = 0
         self.episodes: list[tuple[float, int]] = []
         self.eval: list[tuple[float, int]] = []
+        self.dirty = False
         self.next = time.monotonic() + REPORT_EVERY
-        self.muted = False      # a restarted replica re-running what its dead process reported
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
-        if self.muted:
-            return
         if evaluation:
             self.eval.extend(episodes)
         else:
-            self.steps += n
+            self.total_steps += n
+            self.total_episodes += len(episodes)
             self.episodes.extend(episodes)
+        self.dirty = True
         if time.monotonic() >= self.next:
             self.flush()
 
@@ -79,9 +85,9 @@ class QueueReporter:
         self.results.put(("log", scalars))
 
     def flush(self) -> None:
-        if self.steps or self.episodes or self.eval:
-            self.results.put(("steps", self.replica, self.steps, self.episodes, self.eval))
-            self.steps, self.episodes, self.eval = 0, [], []
+        if self.dirty:
+            self.results.put(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes, self.eval))
+            self.episodes, self.eval, self.dirty = [], [], False
         self.next = time.monotonic() + REPORT_EVERY
 
 
@@ -179,10 +185,10 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     if restart is not None:
         interp.restarted = True
         interp.skip_until = restart["skip_until"]
-        reporter.muted = interp.skip_until > 0
         if restart["point"] is not None:
-            meta, arrays, seq, update = restart["point"]
+            meta, arrays, seq, update, counts = restart["point"]
             interp._seq, interp.update = seq, update
+            reporter.total_steps, reporter.total_episodes = counts
             tracker.resume = checkpoint.resume_point((meta, arrays))
     root = saving.get("root")
     admission = endpoints.admission
@@ -207,7 +213,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
-            endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update))
+            endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
+                                   (reporter.total_steps, reporter.total_episodes)))
             cost = time.monotonic() - t0
             next_snapshot[0] = time.monotonic() + max(SNAPSHOT_EVERY, SNAPSHOT_COST * cost)
 
