@@ -284,3 +284,24 @@ def test_a_while_loop_resumes_with_its_counter(tmp_path, write_algo):
                          resume=tmp_path / "a" / "checkpoints" / "2")
     assert resumed.summary["updates"] == 4 and resumed.summary["resumed_at"]["updates"] == 2
     assert np.array_equal(whole.value["w"], resumed.value["w"])
+
+
+def test_environment_normalisation_statistics_are_a_saved_component():
+    import fragflow as ff
+
+    env = ff.envs.make("Pendulum-v1", num_envs=2, seed=0, normalize_obs=True, normalize_reward=True)
+    env.reset()
+    for _ in range(20):
+        env.step(np.zeros((2, 1), np.float32))
+    entries, arrays, _ = ckpt.loop_locals({"env": env})
+    fresh = ff.envs.make("Pendulum-v1", num_envs=2, seed=0, normalize_obs=True, normalize_reward=True)
+    fresh.reset()
+    ckpt.restore_locals(entries, arrays, {"env": fresh})
+    saved, loaded = env.state_dict(), fresh.state_dict()
+    assert saved["obs_rms"]["count"] > 20 and loaded["obs_rms"]["count"] == saved["obs_rms"]["count"]
+    assert np.array_equal(loaded["obs_rms"]["mean"], saved["obs_rms"]["mean"])
+    plain = ff.envs.make("Pendulum-v1", num_envs=2, seed=0)
+    with pytest.raises(ckpt.Mismatch, match="normalize_obs"):
+        ckpt.restore_locals(entries, arrays, {"env": plain})
+    for e in (env, fresh, plain):
+        e.close()

@@ -196,7 +196,8 @@ def test_killed_worker_stops_a_run_whose_actors_cannot_restart(write_algo):
     assert shm_leftovers() == []
 
 
-@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2)"])
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "actor_learner(actors=2, overflow=deliver)",
+                                    "async_relaxed(actors=2)"])
 def test_a_killed_actor_is_restarted_and_no_update_or_step_is_lost(tmp_path, policy):
     args = ppo.Args(total_timesteps=160 * 256, num_envs=4, num_steps=64)   # about 7 s: the kill lands mid-run
     killer = kill_actor_later(after=1.5)
@@ -205,7 +206,11 @@ def test_a_killed_actor_is_restarted_and_no_update_or_step_is_lost(tmp_path, pol
     s = result.summary
     assert s["status"] == "completed" and s["restarts"] == 1
     assert s["notes"] == ["actor 1 was killed by signal 9: restarted (1 of 3)"]
-    assert s["updates"] == 160 and s["env_steps"] == 160 * 256   # each rollout learned from once, counted once
+    # each rollout reaches the learner once (learned from, two per update, or dropped as stale while the
+    # other actor ran ahead), each env step is counted once
+    assert 2 * s["updates"] + s["channels"]["trajectory"]["drops"] == 320 and s["env_steps"] == 160 * 256
+    if "deliver" in policy:   # nothing is dropped: every update is made
+        assert s["updates"] == 160
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     assert float(rows[-1]["restarts"]) == 1.0
     assert mp.active_children() == []

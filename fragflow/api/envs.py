@@ -170,6 +170,31 @@ class VectorEnv:
         self._action_dtype = self.single_action_space.dtype
         self._fragments(evaluation)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the environments: the running statistics of observation and
+        reward normalisation (the environments themselves are reset on resume)."""
+        norm = getattr(self, "_env", None)
+        out: dict[str, Any] = {}
+        if isinstance(norm, _Normalize):
+            for key, rms in (("obs_rms", norm.obs_rms), ("ret_rms", norm.ret_rms)):
+                if rms is not None:
+                    out[key] = {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": float(rms.count)}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        norm = getattr(self, "_env", None)
+        for key in ("obs_rms", "ret_rms"):
+            rms = getattr(norm, key, None) if isinstance(norm, _Normalize) else None
+            if (key in state) != (rms is not None):
+                raise ValueError(f"the saved environments {'had' if key in state else 'had no'} {key} statistics "
+                                 "(normalize_obs / normalize_reward differ)")
+            if rms is not None:
+                saved = state[key]
+                if np.shape(saved["mean"]) != np.shape(rms.mean):
+                    raise ValueError(f"{key} was saved for observations of shape {np.shape(saved['mean'])}, "
+                                     f"these have {np.shape(rms.mean)}")
+                rms.mean, rms.var, rms.count = np.asarray(saved["mean"]), np.asarray(saved["var"]), float(saved["count"])
+
     def _identify(self, label: str, num_envs: int, seed: int, ids: np.ndarray, name: str) -> None:
         self.env_id = label
         self.seed = seed

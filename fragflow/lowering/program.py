@@ -174,8 +174,10 @@ def _threads(graph: Graph, group: Group, processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
-def _not_restartable(remote: dict[str, Remote], choice: Any) -> str | None:
+def _not_restartable(remote: dict[str, Remote], choice: Any, declared: bool = True) -> str | None:
     """Why a loop replica whose process dies cannot be started again under this placement (None: it can)."""
+    if not declared:
+        return "the placement declares its actors not restartable"
     if not remote:
         return "the loop runs in the driver's own process"
     if isinstance(choice, disciplines.Exact):
@@ -356,6 +358,6 @@ def lower(placed: PlacedGraph) -> Lowered:
                                     rings=tuple(r for r in rings if r.replica in mine),
                                     publish=base.publish if j == 0 else ()))
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
-                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice),
+                          {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice, loop.restart),
                           routes or None)
     return Lowered(placed, program, tuple(services))

@@ -42,6 +42,8 @@ class Group:
     device: str = "cpu"
     threads: int = 0               # torch intra-op threads of each process; 0: chosen by the lowering from the
                                    # learners' size (FRAGFLOW_THREADS overrides)
+    restart: bool = True           # a loop group: a replica whose process dies may be started again (where the
+                                   # lowering can: not with exact versions or served inference); service groups never
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,11 +93,14 @@ class RayRing:
     def __init__(self, hub: Any, name: str, layout: Layout) -> None:
         self.hub, self.name, self.layout = hub, name, layout
         self.nbytes = layout.nbytes
+        self.epoch: int | None = None   # this producer's incarnation (asked at its first put)
 
     def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0,
             order: int = 0) -> bool:
+        if self.epoch is None:
+            self.epoch = int(_get(self.hub.epoch_of.remote(self.name)))
         return bool(_get(self.hub.put.remote(self.name, _pack(self.layout, leaves), version, tag, aux, order,
-                                             self.nbytes, timeout)))
+                                             self.nbytes, timeout, self.epoch)))
 
     def close(self) -> None:
         _get(self.hub.close.remote(self.name))
@@ -146,7 +149,9 @@ class RayRing:
         return dict(_get(self.hub.stats.remote([self.name]))[0])
 
     def repair_producer(self) -> None:
-        """Nothing to repair: a put is one call of the hub, queued whole or not at all."""
+        """The producer died: a put is one call of the hub, queued whole or not at all, but one may
+        still be in flight (or waiting for space); fencing the ring discards it."""
+        _get(self.hub.fence.remote(self.name))
 
     def detach(self) -> None:
         pass

@@ -23,7 +23,7 @@ CLOSED = "__fragflow_closed__"
 
 class _Ring:
     __slots__ = ("capacity", "items", "taken", "puts", "gets", "drops", "bytes", "put_wait_ns", "lags", "closed",
-                 "changed", "group")
+                 "changed", "group", "epoch")
 
     def __init__(self, capacity: int, group: str | None) -> None:
         self.capacity = capacity
@@ -34,6 +34,7 @@ class _Ring:
         self.closed = False
         self.changed = asyncio.Condition()
         self.group = group              # the consuming group (its wait_any wakes on a put)
+        self.epoch = 0                  # the producer's incarnation: a put of a dead producer is discarded
 
 
 class Hub:
@@ -61,8 +62,10 @@ class Hub:
 
     # -- rings ---------------------------------------------------------------------------------------
     async def put(self, name: str, leaves: list[Any], version: int, tag: int, aux: int, order: int, nbytes: int,
-                  timeout: float | None) -> Any:
+                  timeout: float | None, epoch: int = 0) -> Any:
         ring = self.rings[name]
+        if epoch != ring.epoch:
+            return True   # sent by a producer that has died since (it may still be in flight when it is fenced)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with ring.changed:
@@ -73,6 +76,8 @@ class Hub:
                 return False
             if self.stopped:
                 return STOPPED
+            if epoch != ring.epoch:
+                return True
             ring.items.append((version, tag, aux, order, leaves, nbytes))
             ring.puts += 1
             ring.bytes += nbytes
@@ -81,6 +86,17 @@ class Hub:
         if ring.group is not None:
             self.ready[ring.group].set()
         return True
+
+    async def fence(self, name: str) -> tuple[int, int]:
+        """The producer died: discard whatever it still has in flight; ``(new epoch, puts)``."""
+        ring = self.rings[name]
+        async with ring.changed:
+            ring.epoch += 1
+            ring.changed.notify_all()
+        return ring.epoch, ring.puts
+
+    def epoch_of(self, name: str) -> int:
+        return self.rings[name].epoch
 
     async def close(self, name: str) -> None:
         ring = self.rings[name]
