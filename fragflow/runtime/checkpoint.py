@@ -420,6 +420,7 @@ def listing(root: Path) -> list[Path]:
 class Checkpoint:
     path: Path
     manifest: dict[str, Any]
+    loaded: dict[str, tuple[Any, dict[str, np.ndarray]]] | None = None   # parts read already (sent to workers)
 
     @property
     def run_dir(self) -> Path:
@@ -429,6 +430,8 @@ class Checkpoint:
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
+        if self.loaded is not None and name in self.loaded:
+            return self.loaded[name]
         meta = self.manifest["parts"].get(name)
         if meta is None:
             raise CheckpointError(f"checkpoint {self.path} has no part {name!r}",
@@ -444,6 +447,11 @@ class Checkpoint:
     @property
     def counters(self) -> dict[str, Any]:
         return dict(self.manifest.get("counters", {}))
+
+    def with_parts(self) -> Checkpoint:
+        """This checkpoint with every part read: what the driver sends its workers, which may run on
+        machines that do not see its files."""
+        return Checkpoint(self.path, self.manifest, {name: self.part(name) for name in self.manifest["parts"]})
 
 
 def find(target: str | os.PathLike[str]) -> Checkpoint:
@@ -467,6 +475,28 @@ def find(target: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} is not a fragflow checkpoint of format {FORMAT}",
                               fix="resume from a checkpoint this version of fragflow wrote")
     return Checkpoint(path, manifest)
+
+
+def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: str, meta: Any,
+            arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:
+    """A worker's part of checkpoint ``seq``: written into the driver's staging directory when
+    they share a filesystem (the local backend), else sent to the driver, which writes it."""
+    if saving.get("ship"):
+        results.put(("ckpt_data", seq, part, meta, arrays, info))
+        return
+    tmp = staging_dir(Path(saving["root"]), seq, driver)
+    if not tmp.is_dir():   # the driver gave this one up
+        return
+    save_part(tmp, part, meta, arrays)
+    results.put(("ckpt", seq, part, meta, info))
+
+
+def resumed(saving: dict[str, Any]) -> Checkpoint | None:
+    """The checkpoint a worker resumes from: the one the driver read and sent (or its path)."""
+    ckpt = saving.get("resume")
+    if ckpt is None or isinstance(ckpt, Checkpoint):
+        return ckpt
+    return find(ckpt)
 
 
 def staging_dir(root: Path, seq: int, pid: int) -> Path:

@@ -128,7 +128,10 @@ class Driver:
             self.store, rendezvous = allreduce.host(world, self.backend.rendezvous_host()
                                                     if hasattr(self.backend, "rendezvous_host") else "127.0.0.1")
         return {"root": str(ck.root) if ck is not None and ck.enabled else None,
-                "resume": str(ck.resume.path) if ck is not None and ck.resume is not None else None,
+                # workers get the checkpoint's parts, read here: they may run where its files are not
+                "resume": ck.resume.with_parts() if ck is not None and ck.resume is not None else None,
+                # parts go through the report queue where workers may not share this machine's files
+                "ship": not getattr(self.backend, "shares_files", True),
                 "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0,
                 "rendezvous": rendezvous}
 
@@ -204,6 +207,14 @@ class Driver:
         elif kind == "trip":
             _, k, meta, arrays, seq, update, counts = msg
             self.points[k] = (meta, arrays, seq, update, counts)
+        elif kind == "ckpt_data":   # a part sent rather than written: write it into the staging directory
+            _, seq, part, meta, arrays, info = msg
+            ck = self.checkpoints
+            if ck is not None and ck.staged is not None and ck.staged[0] == seq:
+                from fragflow.runtime.checkpoint import save_part
+
+                save_part(ck.staged[1], part, meta, arrays)
+                self._handle(("ckpt", seq, part, meta, info))
         elif kind == "ckpt":
             _, seq, part, meta, info = msg
             ck = self.checkpoints

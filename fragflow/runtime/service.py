@@ -93,7 +93,8 @@ class ServiceRunner:
         if self.saving.get("resume"):
             from fragflow.runtime import checkpoint
 
-            ckpt = checkpoint.find(self.saving["resume"])
+            ckpt = checkpoint.resumed(self.saving)
+            assert ckpt is not None
             if f"objects.{program.group}" in ckpt.manifest["parts"]:
                 self.resume_objects = ckpt.part(f"objects.{program.group}")
 
@@ -419,27 +420,21 @@ class ServiceRunner:
 
     def _save(self, seq: int) -> None:
         """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""
-        from pathlib import Path
-
         from fragflow.runtime import checkpoint
 
         self.saved_seq = seq
-        tmp = checkpoint.staging_dir(Path(self.saving["root"]), seq, self.driver)
-        if not tmp.is_dir():
-            return
         group = self.program.group
         objects: dict[str, Any] = {}
         arrays: dict[str, Any] = {}
         for key, inst in self.instances.items():
             if callable(getattr(inst, "state_dict", None)) and callable(getattr(inst, "load_state_dict", None)):
                 objects[key] = checkpoint.encode(inst.state_dict(), f"object.{key}", arrays)[0]
-        if objects:
-            checkpoint.save_part(tmp, f"objects.{group}", objects, arrays)
-            self.results.put(("ckpt", seq, f"objects.{group}", objects, {}))
+        if objects:   # before the states part: the driver commits once every expected part is in
+            checkpoint.deliver(self.results, self.saving, seq, self.driver, f"objects.{group}", objects, arrays, {})
         owned = set(self.writes) | {b.state for b in self.program.publish}
         meta, arrays = checkpoint.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
-        checkpoint.save_part(tmp, f"states.{group}", meta, arrays)
-        self.results.put(("ckpt", seq, f"states.{group}", meta, {"version": self.version}))
+        checkpoint.deliver(self.results, self.saving, seq, self.driver, f"states.{group}", meta, arrays,
+                           {"version": self.version})
 
     def run(self) -> None:
         try:

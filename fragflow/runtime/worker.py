@@ -172,13 +172,12 @@ SNAPSHOT_COST = 20.0    # ... and at most once per this many times what taking o
 def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any]) -> Any:
     """A loop replica's trip tracker: its part of each checkpoint the driver asks for, where it
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
-    from pathlib import Path
 
     from fragflow.runtime import checkpoint, trips
 
     tracker = trips.Trips()
-    if saving.get("resume"):
-        ckpt = checkpoint.find(saving["resume"])
+    ckpt = checkpoint.resumed(saving)
+    if ckpt is not None:
         interp.restored = checkpoint.merged_states(ckpt)
         tracker.resume = checkpoint.resume_point(ckpt.part(f"loop{index}"))
     restart = saving.get("restart")
@@ -205,11 +204,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         seq = admission.checkpoint_request()
         if root and seq > seen[0]:
             seen[0] = seq
-            tmp = checkpoint.staging_dir(Path(root), seq, driver)
-            if tmp.is_dir():   # else the driver gave this one up
-                position, part = checkpoint.loop_part(snapshot)
-                checkpoint.save_part(tmp, f"loop{index}", *part)
-                endpoints.results.put(("ckpt", seq, f"loop{index}", part[0], position))
+            position, part = checkpoint.loop_part(snapshot)
+            checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]

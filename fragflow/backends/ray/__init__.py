@@ -418,6 +418,7 @@ _SERIAL = itertools.count()
 
 class RayBackend:
     name = "ray"
+    shares_files = False   # actors may run on other machines: checkpoint parts travel through the hub
 
     def __init__(self) -> None:
         self.address: str | None = None
