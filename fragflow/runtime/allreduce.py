@@ -4,7 +4,8 @@ Each learner process runs the user's ``learn`` on its own actors' share of the b
 of them to make the update one learner would make on the whole batch, every gradient is averaged
 over the K processes as soon as it is computed, before the user's code clips it or steps the
 optimizer: what ``backward()`` accumulates into the parameters of every ``torch.optim`` optimizer
-in the learner's state (a hook on each parameter), and what ``torch.autograd.grad`` returns while
+in the learner's state (a hook on each parameter collects them, one all-reduce of them all runs
+when the backward pass ends, as DDP's buckets do), and what ``torch.autograd.grad`` returns while
 the learner runs (functional updates, such as the PPO here, whose Adam is hand-written).
 Parameters and optimizer states then stay identical in every learner, so one of them publishes
 the weights for all.
@@ -36,6 +37,9 @@ class GradientAllReduce:
         self.handles: list[Any] = []
         self.group_backend: str | None = None
         self.averaged = 0
+        self.pending: list[Any] = []        # parameters whose gradient this backward pass accumulated
+        self.queued = False
+        self.order: dict[int, int] = {}
 
     def _join(self, cuda: bool) -> None:
         """Join the process group: nccl when the parameters are on a GPU, else gloo."""
@@ -59,13 +63,35 @@ class GradientAllReduce:
                 for p in group["params"]:
                     if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
                         self.watched.add(id(p))
+                        self.order[id(p)] = len(self.order)
                         self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def _accumulated(self, p: Any) -> None:
-        if p.grad is not None:
-            self.dist.all_reduce(p.grad)
-            p.grad.div_(self.world)
-            self.averaged += 1
+        """A parameter's gradient is accumulated: averaged, with the others of this backward pass, in
+        one all-reduce when the pass ends (the order is the parameters', the same in every learner)."""
+        if p.grad is None:
+            return
+        self.pending.append(p)
+        if not self.queued:
+            import torch
+
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+
+    def _flush(self) -> None:
+        import torch
+
+        self.queued = False
+        pending, self.pending = sorted(self.pending, key=lambda q: self.order[id(q)]), []
+        grads = [q.grad for q in pending]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.dist.all_reduce(flat)
+        flat.div_(self.world)
+        pos = 0
+        for g in grads:
+            g.copy_(flat[pos:pos + g.numel()].view_as(g))
+            pos += g.numel()
+        self.averaged += 1
 
     def average(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce)."""
