@@ -7,7 +7,7 @@ before the timed runs; every run's actors are created inside its timing). Each r
 process for the local backend; the Ray runs share the interpreter that holds the Ray instance.
 The figure is env steps/s over the run (after the trace); the median over repetitions, Ray / local.
 
-    python benchmarks/ray_backend.py [--steps 100000] [--reps 3]
+    python benchmarks/ray_backend.py [--steps 100000] [--reps 3] [--policies actor_learner central_inference]
 """
 
 from __future__ import annotations
@@ -49,10 +49,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100_000)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--policies", nargs="+", default=["actor_learner", "central_inference"])
+    p.add_argument("--name", default="ray_backend", help="results file name")
     a = p.parse_args(argv)
     env = {"FRAGFLOW_THREADS": "1"}
     rows, raw = [], {}
     for policy, envs in POLICIES.items():
+        if policy.split("(")[0] not in a.policies:
+            continue
         local = [run_json(LOCAL.format(steps=a.steps, envs=envs, policy=policy), env)["sps"] for _ in range(a.reps)]
         print(f"{policy} local: {', '.join(f'{x:,.0f}' for x in local)} steps/s", flush=True)
         on_ray = run_json(RAY.format(steps=a.steps, envs=envs, policy=policy, reps=a.reps), env)["sps"]
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_rows(rows)
     result = {"command": "python benchmarks/ray_backend.py " + " ".join(argv or sys.argv[1:]), "steps": a.steps,
               "reps": a.reps, "rows": rows, "runs": raw, "cpus": os.cpu_count()}
-    save("ray_backend", result)
+    save(a.name, result)
     return result
 
 

@@ -94,6 +94,7 @@ class RayRing:
         self.hub, self.name, self.layout = hub, name, layout
         self.nbytes = layout.nbytes
         self.epoch: int | None = None   # this producer's incarnation (asked at its first put)
+        self._peeked: tuple[bool, int, int, int] | None = None
 
     def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0,
             order: int = 0) -> bool:
@@ -106,24 +107,37 @@ class RayRing:
         _get(self.hub.close.remote(self.name))
 
     def peek(self) -> tuple[int, int, int, int] | None:
-        out = _get(self.hub.peek.remote(self.name))
-        return None if out is None else tuple(out)
+        out, state = _get(self.hub.peek.remote(self.name))
+        if out is not None:
+            self._peeked = None
+            return (int(out[0]), int(out[1]), int(out[2]), int(out[3]))
+        self._peeked = (bool(state[0]), int(state[1]), int(state[2]), int(state[3]))
+        return None
 
     def try_get(self) -> tuple[int, list[Any]] | None:
+        self._peeked = None
         out = _get(self.hub.try_get.remote(self.name))
         return None if out is None else (int(out[0]), _unpack(self.layout, out[1]))
 
     def get(self, timeout: float | None = None) -> tuple[int, list[Any]] | None:
+        self._peeked = None
         out = _get(self.hub.get.remote(self.name, timeout))
         if isinstance(out, str) and out == CLOSED:
             raise ChannelClosed(self.name)
         return None if out is None else (int(out[0]), _unpack(self.layout, out[1]))
 
     def release(self, lag: int | None = None, dropped: bool = False) -> None:
+        self._peeked = None
         _get(self.hub.release.remote(self.name, lag, dropped))
 
     def _state(self) -> tuple[bool, int, int, int]:
-        return tuple(_get(self.hub.ring_state.remote(self.name)))
+        """(closed, available, depth, puts). After a ``peek`` that found nothing, the state it brought
+        serves until this process takes from the ring again (the service asks whether an empty ring is
+        closed and drained: one remote call, not three; a closed ring gets no more items)."""
+        if self._peeked is not None:
+            return self._peeked
+        state = _get(self.hub.ring_state.remote(self.name))
+        return (bool(state[0]), int(state[1]), int(state[2]), int(state[3]))
 
     @property
     def closed(self) -> bool:

@@ -106,12 +106,15 @@ class Hub:
         if ring.group is not None:
             self.ready[ring.group].set()
 
-    def peek(self, name: str) -> tuple[int, int, int, int] | None:
+    def peek(self, name: str) -> tuple[tuple[int, int, int, int] | None, tuple[bool, int, int, int]]:
+        """The next item's (version, tag, aux, order), or None; and the ring's state (see ``ring_state``),
+        which a consumer asks next when there is nothing to take."""
         ring = self.rings[name]
+        state = self.ring_state(name)
         if ring.taken >= len(ring.items):
-            return None
+            return None, state
         v, tag, aux, order, _, _ = ring.items[ring.taken]
-        return v, tag, aux, order
+        return (v, tag, aux, order), state
 
     def try_get(self, name: str) -> tuple[int, list[Any]] | None:
         ring = self.rings[name]
