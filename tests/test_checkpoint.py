@@ -305,3 +305,16 @@ def test_environment_normalisation_statistics_are_a_saved_component():
         ckpt.restore_locals(entries, arrays, {"env": plain})
     for e in (env, fresh, plain):
         e.close()
+
+
+def test_restart_snapshots_leave_out_the_largest_objects_beyond_their_limit():
+    from fragflow.runtime.worker import _within
+
+    big = ckpt.encode({"storage": np.zeros(1000), "pos": 3}, "local.replay")
+    small = ckpt.encode({"n": np.zeros(2)}, "local.replay2", big[1])
+    meta = {"locals": {"replay": {"as": "component", "v": big[0]}, "replay2": {"as": "component", "v": small[0]},
+                       "step": {"as": "value", "v": {"t": "py", "v": 7}}}, "not_saved": []}
+    kept, arrays = _within(meta, big[1], 1000)
+    assert set(kept["locals"]) == {"replay2", "step"} and kept["not_saved"] == ["replay"]
+    assert all(not k.startswith("local.replay[") for k in arrays) and "local.replay2['n']" in arrays
+    assert _within(meta, big[1], 10**6)[0] is meta

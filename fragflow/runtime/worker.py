@@ -167,6 +167,28 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
 
 SNAPSHOT_EVERY = 1.0    # a restartable replica sends where it stands at most this often (seconds) ...
 SNAPSHOT_COST = 20.0    # ... and at most once per this many times what taking one cost
+SNAPSHOT_MAX_BYTES = 256 << 20   # objects (a replay buffer) beyond this stay out of restart snapshots
+
+
+def _within(meta: dict[str, Any], arrays: dict[str, Any], limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A restart snapshot without its largest objects until it fits ``limit`` bytes: a restarted actor
+    then starts them empty (a replay buffer refills) rather than every snapshot costing seconds."""
+    size = sum(getattr(a, "nbytes", 0) for a in arrays.values())
+    if size <= limit:
+        return meta, arrays
+    local = dict(meta["locals"])
+    def of(name: str, key: str) -> bool:
+        return key == f"local.{name}" or key.startswith((f"local.{name}[", f"local.{name}."))
+
+    sizes = {name: sum(a.nbytes for k, a in arrays.items() if of(name, k))
+             for name, e in local.items() if e.get("as") == "component"}
+    for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if size <= limit:
+            break
+        del local[name]
+        size -= sizes[name]
+        arrays = {k: a for k, a in arrays.items() if not of(name, k)}
+    return dict(meta, locals=local, not_saved=[*meta.get("not_saved", []), *(n for n in sizes if n not in local)]), arrays
 
 
 def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any]) -> Any:
@@ -209,6 +231,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
+            meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
                                    (reporter.total_steps, reporter.total_episodes)))
             cost = time.monotonic() - t0
