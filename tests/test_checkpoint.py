@@ -318,3 +318,47 @@ def test_restart_snapshots_leave_out_the_largest_objects_beyond_their_limit():
     assert set(kept["locals"]) == {"replay2", "step"} and kept["not_saved"] == ["replay"]
     assert all(not k.startswith("local.replay[") for k in arrays) and "local.replay2['n']" in arrays
     assert _within(meta, big[1], 10**6)[0] is meta
+
+
+def test_a_state_not_yet_written_is_in_a_multi_process_checkpoint(tmp_path, write_algo):
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            num_updates: int = 12
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        @ff.fragment("learner", writes="target")
+        def sync(target, state):
+            return {"w": state["w"].copy()}
+
+        @ff.fragment("actor")
+        def act(w, key):
+            return ff.random.uniform(key, (2,))[:, 0] + w[0] * 0
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)}, name="state")
+            target = ff.versioned({"w": np.zeros(2)}, name="target")
+            key = ff.random.keys(0, ff.envs.ids(2))
+            for update in range(args.num_updates):
+                key, sub = ff.random.split(key)
+                state = learn(state, act(state["w"], sub))
+                if update >= 11:         # written late, like a target network after warm-up
+                    target = sync(target, state)
+            return state
+    ''', "late_target.py")
+    from fragflow.program import load
+
+    prog = load(str(path))
+    driver.run(prog.train, prog.args_cls(), policy="actor_learner(actors=1)", out=tmp_path / "run", checkpoint_every=1)
+    early = [p for p in ckpt.listing(tmp_path / "run" / "checkpoints")
+             if not json.loads((p / "manifest.json").read_text())["complete"]]
+    assert early
+    states = ckpt.merged_states(ckpt.find(early[0]))[0]
+    assert {"state", "target"} <= set(states)

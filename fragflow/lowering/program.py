@@ -129,6 +129,7 @@ class ServiceProgram:
     first: int = 0                    # the loop replica its first producer is (several learners: its actors')
     rank: int = 0                     # several learners: this one's place among them (0 publishes and reports)
     world: int = 1                    # the learners that all-reduce their gradients
+    writes: tuple[str, ...] = ()      # the states its fragments write (what its checkpoint part holds)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,9 @@ def lower(placed: PlacedGraph) -> Lowered:
         base = ServiceProgram(group.name, _threads(graph, group, processes), loop.replicas, group.nodes, tuple(rings),
                               tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
                               tuple(sorted(held)), tuple(replies),
-                              traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0)
+                              traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0,
+                              writes=tuple(sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE)
+                                                   if e.src in members})))
         if len(instances) == 1:
             services.append(base)
             continue

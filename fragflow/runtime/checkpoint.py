@@ -409,11 +409,12 @@ def _json_default(x: Any) -> Any:
 
 
 def listing(root: Path) -> list[Path]:
-    """Checkpoint directories under ``root``, oldest first."""
+    """Checkpoint directories under ``root``, oldest written first (a run resumed from an older
+    checkpoint writes lower numbers after higher ones: the newest is the last written)."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name))
+    return sorted(found, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, int(p.name)))
 
 
 @dataclass
@@ -484,10 +485,13 @@ def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: s
     if saving.get("ship"):
         results.put(("ckpt_data", seq, part, meta, arrays, info))
         return
+    from safetensors import SafetensorError
+
     tmp = staging_dir(Path(saving["root"]), seq, driver)
-    if not tmp.is_dir():   # the driver gave this one up
+    try:
+        save_part(tmp, part, meta, arrays)
+    except (OSError, SafetensorError):   # the driver gave this one up (an actor ended meanwhile)
         return
-    save_part(tmp, part, meta, arrays)
     results.put(("ckpt", seq, part, meta, info))
 
 
@@ -661,9 +665,8 @@ def encode_states(states: dict[str, tuple[int, Any]]) -> tuple[dict[str, Any], d
 def restore_state(part: tuple[Any, dict[str, np.ndarray]], name: str, value: Any, where: Any = None) -> tuple[Any, int]:
     """Versioned state ``name`` as saved, loaded into the program's freshly built ``value``; and its version."""
     meta, arrays = part
-    if name not in meta:
-        raise CheckpointError(f"the checkpoint has no versioned state {name!r} (it has {sorted(meta)})", where=where,
-                              fix="resume with the algorithm and arguments that wrote it")
+    if name not in meta:   # a state no process of the placement wrote or held (loop-only): as the program makes it
+        return value, 0
     try:
         restored = decode(meta[name]["v"], arrays, value, name)
     except Mismatch as exc:

@@ -26,6 +26,7 @@ from fragflow.runtime.serial import unwrap
 
 JOIN_TIMEOUT = 3.0
 STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoint may take
+CHECKPOINT_WAIT = 300.0       # a checkpoint whose parts have not all come by then is given up (and asked again)
 STATS_EVERY = 1.0
 
 
@@ -141,10 +142,16 @@ class Driver:
         from fragflow.runtime import worker
 
         endpoints = self.endpoints
+        ck = self.checkpoints
+        if ck is not None and ck.staged is not None and f"loop{k}" in ck.missing():
+            ck.abort()   # its part will not come: the next one is asked for when due
         puts = 0
         for name in self.lowered.loop.remote:
             ring = endpoints.rings[f"{name}[{k}]"]
-            ring.repair_producer()
+            try:
+                ring.repair_producer()
+            except RuntimeError as exc:
+                raise WorkerDied(f"actor {k} {how}; not restarted: {exc}") from None
             puts += ring.puts
         endpoints.admission.forget(k)
         self.restarts[k] = self.restarts.get(k, 0) + 1
@@ -241,9 +248,12 @@ class Driver:
         if ck is None or not ck.enabled:
             return
         if ck.staged is not None:
-            if ck.stop_after and time.monotonic() - self._asked_at > STOP_CHECKPOINT_WAIT:
+            waited = time.monotonic() - self._asked_at
+            if ck.stop_after and waited > STOP_CHECKPOINT_WAIT:
                 ck.abort()
                 raise KeyboardInterrupt
+            if waited > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
+                ck.abort()
             return
         if not (ck.requested or ck.due(self.monitor.updates)):
             return

@@ -147,9 +147,13 @@ class ServiceRunner:
         held = self.instances.setdefault(key, inst)
         if held is inst:
             if self.resume_objects is not None and key in self.resume_objects[0]:
-                from fragflow.runtime.checkpoint import decode
+                from fragflow.runtime.checkpoint import CheckpointError, decode
 
-                inst.load_state_dict(decode(self.resume_objects[0][key], self.resume_objects[1], path=key))
+                try:
+                    inst.load_state_dict(decode(self.resume_objects[0][key], self.resume_objects[1], path=key))
+                except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                    raise CheckpointError(f"the checkpoint does not fit this program: {key!r}: {exc}",
+                                          fix="resume with the algorithm and arguments that wrote it") from None
             return frag
         return next(v for v in vars(held).values() if isinstance(v, Fragment) and v.name == frag.name)
 
@@ -428,10 +432,15 @@ class ServiceRunner:
         arrays: dict[str, Any] = {}
         for key, inst in self.instances.items():
             if callable(getattr(inst, "state_dict", None)) and callable(getattr(inst, "load_state_dict", None)):
-                objects[key] = checkpoint.encode(inst.state_dict(), f"object.{key}", arrays)[0]
+                try:
+                    objects[key] = checkpoint.encode(inst.state_dict(), f"object.{key}", arrays)[0]
+                except checkpoint.Unsupported as exc:
+                    raise checkpoint.CheckpointError(
+                        f"cannot save {key!r} in the {group} process: its state_dict() holds {exc}",
+                        fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
         if objects:   # before the states part: the driver commits once every expected part is in
             checkpoint.deliver(self.results, self.saving, seq, self.driver, f"objects.{group}", objects, arrays, {})
-        owned = set(self.writes) | {b.state for b in self.program.publish}
+        owned = set(self.program.writes) | set(self.writes) | {b.state for b in self.program.publish}
         meta, arrays = checkpoint.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
         checkpoint.deliver(self.results, self.saving, seq, self.driver, f"states.{group}", meta, arrays,
                            {"version": self.version})

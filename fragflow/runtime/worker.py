@@ -17,6 +17,7 @@ import traceback
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from fragflow import context
 from fragflow.source import is_internal
@@ -167,7 +168,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
 
 SNAPSHOT_EVERY = 1.0    # a restartable replica sends where it stands at most this often (seconds) ...
 SNAPSHOT_COST = 20.0    # ... and at most once per this many times what taking one cost
-SNAPSHOT_MAX_BYTES = 256 << 20   # objects (a replay buffer) beyond this stay out of restart snapshots
+SNAPSHOT_MAX_BYTES = 64 << 20    # objects (a replay buffer) beyond this stay out of restart snapshots
 
 
 def _within(meta: dict[str, Any], arrays: dict[str, Any], limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -232,6 +233,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
             meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
+            # copies: the queue pickles later, in its own thread, while the loop goes on writing
+            arrays = {key: np.array(a) for key, a in arrays.items()}
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
                                    (reporter.total_steps, reporter.total_episodes)))
             cost = time.monotonic() - t0

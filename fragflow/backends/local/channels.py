@@ -194,11 +194,18 @@ class TrajectoryChannel:
             filled = int(self.header[_HEAD] - self.header[_TAKEN]) - self.h.filled.get_value()
             return free, filled
 
-        first = losses()
-        time.sleep(0.002)
-        lost_free, lost_filled = losses()
-        if (lost_free, lost_filled) != first:
-            return
+        try:
+            first = losses()
+        except NotImplementedError:   # macOS has no sem_getvalue
+            raise RuntimeError("this platform cannot read a semaphore's value, which repairing a ring "
+                               "needs") from None
+        for _ in range(100):          # until two readings agree (a consumer may be mid-release)
+            time.sleep(0.002)
+            again = losses()
+            if again == first:
+                break
+            first = again
+        lost_free, lost_filled = first
         for _ in range(max(lost_free, 0)):
             self.h.free.release()
         for _ in range(max(lost_filled, 0)):
@@ -208,8 +215,9 @@ class TrajectoryChannel:
 
     @property
     def puts(self) -> int:
-        """Items put so far (readable from any process)."""
-        return int(self.header[_PUTS])
+        """Items put so far (readable from any process): the head, which a put moves as it
+        publishes the item (its ``puts`` counter comes just after)."""
+        return int(self.header[_HEAD])
 
     def close(self) -> None:
         """No more items will come (the consumer drains what is queued)."""
