@@ -3,7 +3,9 @@
 Every agent acts with one shared policy network (parameter sharing) over its own observation and
 a one-hot of its index; the critic is **centralised**: it sees all agents' observations (and which
 agent it values), as MAPPO's does. ``critic="independent"`` gives each agent a critic over its own
-observation only: IPPO (de Witt et al., 2020), the same networks otherwise.
+observation only: IPPO (de Witt et al., 2020), the same networks otherwise. The critic learns
+returns normalised by their running mean and variance (MAPPO's ValueNorm; ``value_norm=false``
+turns it off).
 
 The env is a PettingZoo parallel env made by ``ff.envs.make``: observations are
 ``[num_envs, num_agents, obs_dim]``, rewards and done flags ``[num_envs, num_agents]``, so the
@@ -54,6 +56,8 @@ class Args:
     vf_coef: float = 0.5
     max_grad_norm: float = 10.0
     hidden: int = 64
+    value_norm: bool = True
+    """the critic learns normalised returns (running mean and variance, MAPPO's ValueNorm)"""
 
     @property
     def num_updates(self) -> int:
@@ -70,11 +74,20 @@ def layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:
 class Agents(nn.Module):
     """The shared policy and the critic, with the inputs each sees built from ``[..., agents, obs]``."""
 
-    def __init__(self, obs_dim: int, num_agents: int, num_actions: int, hidden: int, central: bool) -> None:
+    def __init__(self, obs_dim: int, num_agents: int, num_actions: int, hidden: int, central: bool,
+                 value_norm: bool = False) -> None:
         super().__init__()
         self.central = central
+        self.value_norm = value_norm
         self.ids: torch.Tensor
         self.register_buffer("ids", torch.eye(num_agents))
+        # ValueNorm (MAPPO): exponential running moments of the returns with a debiasing term; the
+        # critic's head predicts returns in their units; these buffers travel with the weights
+        self.ret_mean: torch.Tensor
+        self.ret_mean_sq: torch.Tensor
+        self.ret_debias: torch.Tensor
+        for name in ("ret_mean", "ret_mean_sq", "ret_debias"):
+            self.register_buffer(name, torch.zeros(()))
         critic_in = (num_agents * obs_dim if central else obs_dim) + num_agents
         self.pi = nn.Sequential(layer(obs_dim + num_agents, hidden), nn.Tanh(), layer(hidden, hidden), nn.Tanh(),
                                 layer(hidden, num_actions, std=0.01))
@@ -87,10 +100,31 @@ class Agents(nn.Module):
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         return self.pi(self._with_ids(obs))
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
+    def head(self, obs: torch.Tensor) -> torch.Tensor:
+        """The critic's output: normalised returns with ``value_norm``, else returns."""
         if self.central:   # every agent's critic input: all observations of its environment
             obs = obs.flatten(-2).unsqueeze(-2).expand(*obs.shape[:-1], -1)
         return self.vf(self._with_ids(obs)).squeeze(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        """The value estimate in returns' units."""
+        raw = self.head(obs)
+        if not self.value_norm:
+            return raw
+        mean, std = self.return_moments()
+        return raw * std + mean
+
+    def return_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        debias = self.ret_debias.clamp(min=1e-5)
+        mean = self.ret_mean / debias
+        var = (self.ret_mean_sq / debias - mean**2).clamp(min=1e-2)
+        return mean, var.sqrt()
+
+    @torch.no_grad()
+    def observe_returns(self, returns: torch.Tensor, beta: float = 0.99999) -> None:
+        self.ret_mean.mul_(beta).add_((1 - beta) * returns.mean())
+        self.ret_mean_sq.mul_(beta).add_((1 - beta) * (returns**2).mean())
+        self.ret_debias.mul_(beta).add_(1 - beta)
 
 
 # ACT: every agent of every environment at once, one shared network
@@ -136,6 +170,12 @@ def learn(state, batch, lr, args: Args):
     b_logp = torch.as_tensor(batch["logprob"], dtype=torch.float32).reshape(-1, obs.shape[2])
     b_adv = torch.from_numpy(adv).reshape(-1, obs.shape[2])
     b_ret = b_adv + torch.from_numpy(value).reshape(-1, obs.shape[2])
+    if model.value_norm:   # the critic learns the returns normalised with the moments seen so far
+        model.observe_returns(b_ret)
+        mean, std = model.return_moments()
+        b_target = (b_ret - mean) / std
+    else:
+        b_target = b_ret
     n = b_obs.shape[0]
     size = max(n // args.num_minibatches, 1)
     key = state["key"]
@@ -151,7 +191,7 @@ def learn(state, batch, lr, args: Args):
             mb_adv = b_adv[mb]
             mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
             pg_loss = torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-            v_loss = 0.5 * ((model.value(b_obs[mb]) - b_ret[mb]) ** 2).mean()
+            v_loss = 0.5 * ((model.head(b_obs[mb]) - b_target[mb]) ** 2).mean()
             loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
             optimizer.zero_grad()
             loss.backward()
@@ -170,7 +210,7 @@ def train(args: Args):
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
     model = Agents(obs_dim, env.num_agents, int(env.single_action_space.n), args.hidden,  # type: ignore[attr-defined]
-                   central=args.critic == "central")
+                   central=args.critic == "central", value_norm=args.value_norm)
     state = ff.versioned({"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=args.learning_rate,
                                                                         eps=1e-5),
                           "key": ff.random.keys(args.seed, np.array([LEARNER_KEY_ID]))})

@@ -26,7 +26,8 @@ import csv, json, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import mappo
-r = ff.run(mappo.train, mappo.Args(total_timesteps={steps}, seed={seed}, critic={critic!r}), policy="single_process")
+r = ff.run(mappo.train, mappo.Args(total_timesteps={steps}, seed={seed}, critic={critic!r}, value_norm={value_norm}),
+           policy="single_process")
 last = r.episode_returns[-300:]
 print(json.dumps(dict(final_return=sum(last) / len(last), wall_seconds=r.summary["wall_seconds"],
                       steps_per_second=r.summary["steps_per_second"], episodes=r.summary["episodes"],
@@ -66,12 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300_000)
+    p.add_argument("--no-value-norm", action="store_true", help="critics learn raw returns (results under *_no_value_norm)")
     a = p.parse_args(argv)
+    suffix = "_no_value_norm" if a.no_value_norm else ""
     runs: dict[str, list[dict]] = {"central": [], "independent": []}
     curves: dict[str, list[list[tuple[float, float]]]] = {"central": [], "independent": []}
     for seed in range(1, a.seeds + 1):
         for critic in runs:
-            r = run_json(CODE.format(steps=a.steps, seed=seed, critic=critic))
+            r = run_json(CODE.format(steps=a.steps, seed=seed, critic=critic, value_norm=not a.no_value_norm))
             curves[critic].append(curve(r.pop("returns")))
             runs[critic].append(r)
             print(f"seed {seed} {critic}: final return {r['final_return']:.2f} ({r['steps_per_second']:,.0f} steps/s)",
@@ -84,15 +87,16 @@ def main(argv: list[str] | None = None) -> dict:
         mean, std = statistics.mean(finals), statistics.pstdev(finals)
         summary[name] = {"final_returns": finals, "mean": mean, "std": std}
         print(f"{name}: {mean:.2f} +- {std:.2f}  (per seed {', '.join(f'{x:.2f}' for x in finals)})")
-    plot(curves, statistics.mean(rand), a.steps)
+    plot(curves, statistics.mean(rand), a.steps, suffix)
     result = {"command": "python benchmarks/mappo_returns.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "env": "mpe2:simple_spread_v3 (3 agents, max_cycles=25)", "steps": a.steps, "summary": summary,
               "runs": runs, "curves": curves}
-    save("mappo_returns", result)
+    result["value_norm"] = not a.no_value_norm
+    save("mappo_returns" + suffix, result)
     return result
 
 
-def plot(curves: dict[str, list[list[tuple[float, float]]]], random_mean: float, steps: int) -> None:
+def plot(curves: dict[str, list[list[tuple[float, float]]]], random_mean: float, steps: int, suffix: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +114,7 @@ def plot(curves: dict[str, list[list[tuple[float, float]]]], random_mean: float,
     ax.set_title(f"simple_spread_v3, {len(curves['central'])} seeds, {steps:,} steps")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "mappo_curve.png", dpi=100)
+    fig.savefig(RESULTS / f"mappo_curve{suffix}.png", dpi=100)
 
 
 if __name__ == "__main__":
