@@ -322,13 +322,14 @@ def test_restart_snapshots_leave_out_the_largest_objects_beyond_their_limit():
 
 def test_a_state_not_yet_written_is_in_a_multi_process_checkpoint(tmp_path, write_algo):
     path, _ = write_algo('''
+        import time
         from dataclasses import dataclass
         import numpy as np
         import fragflow as ff
 
         @dataclass(frozen=True)
         class Args:
-            num_updates: int = 12
+            num_updates: int = 40
 
         @ff.fragment("learner", writes="state")
         def learn(state, x):
@@ -340,6 +341,7 @@ def test_a_state_not_yet_written_is_in_a_multi_process_checkpoint(tmp_path, writ
 
         @ff.fragment("actor")
         def act(w, key):
+            time.sleep(0.02)             # trips that take a while: the actor is still running when asked
             return ff.random.uniform(key, (2,))[:, 0] + w[0] * 0
 
         def train(args: Args):
@@ -349,7 +351,7 @@ def test_a_state_not_yet_written_is_in_a_multi_process_checkpoint(tmp_path, writ
             for update in range(args.num_updates):
                 key, sub = ff.random.split(key)
                 state = learn(state, act(state["w"], sub))
-                if update >= 11:         # written late, like a target network after warm-up
+                if update >= 39:         # written late, like a target network after warm-up
                     target = sync(target, state)
             return state
     ''', "late_target.py")
