@@ -184,7 +184,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                     (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
                     "policy_options": dict(placed.options), "fragflow": __version__}
         checkpoints = RunCheckpoints(Path(out), every, identity, start)
-        checkpoints.check_fits(identity["fragments"], placed.policy, compiled.lowered.loop.replicas)
+        checkpoints.check_fits(identity["fragments"], compiled.lowered.loop.replicas)
         if every is not None and not loop_lines(train):
             raise ConfigError("this training function cannot be checkpointed: fragflow found no top-level loop in its "
                               "source", where=placed.graph.fragments()[0].called_at if placed.graph.fragments() else None,

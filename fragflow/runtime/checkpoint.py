@@ -16,9 +16,7 @@ Reading uses safetensors and JSON only: loading never runs code from a checkpoin
 loop that are not keys (observations, rollout storage) are not saved: environments are reset on
 resume, and the loop rebuilds them from its first lines.
 
->>> meta, tensors = encode({"w": np.ones(2, np.float32), "n": 3}, "x")
->>> decode(meta, tensors, {"w": np.zeros(2, np.float32), "n": 0})
-{'w': array([1., 1.], dtype=float32), 'n': 3}
+How values become JSON and arrays is :mod:`fragflow.runtime.encoding`.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ import os
 import random as pyrandom
 import re
 import shutil
-import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,177 +35,17 @@ from typing import Any
 import numpy as np
 
 from fragflow.errors import ConfigError, FragflowError
+from fragflow.runtime.encoding import _NO, Mismatch, Unsupported, _array, _enc, _torch, decode, encode
+
+__all__ = ["Checkpoint", "CheckpointError", "Every", "Mismatch", "RunCheckpoints", "Unsupported", "decode", "encode"]
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 KEEP = 3
-_NO = object()
 
 
 class CheckpointError(FragflowError):
     """A checkpoint cannot be written or read, or does not fit the program resuming from it."""
-
-
-class Unsupported(TypeError):
-    def __init__(self, path: str, value: object) -> None:
-        super().__init__(f"{path} is a {type(value).__module__}.{type(value).__qualname__}")
-        self.path = path
-
-
-# -- values <-> (JSON structure, arrays) ------------------------------------------------------------
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def encode(value: Any, key: str, tensors: dict[str, np.ndarray] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
-    """A JSON structure describing ``value`` and the arrays it refers to (by key)."""
-    out: dict[str, np.ndarray] = {} if tensors is None else tensors
-    return _enc(value, key, out), out
-
-
-def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
-    torch = _torch()
-    if x is None:
-        return {"t": "none"}
-    if isinstance(x, (bool, int, float, str)):
-        return {"t": "py", "v": x}
-    if isinstance(x, np.generic):
-        return {"t": "np", "dtype": x.dtype.str, "v": x.item()}
-    if isinstance(x, np.ndarray):
-        if x.dtype == object:
-            raise Unsupported(key, x)
-        out[key] = np.ascontiguousarray(x)
-        return {"t": "ndarray", "k": key, "shape": list(x.shape)}
-    if torch is not None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            if t.dtype == torch.bfloat16:
-                out[key] = t.view(torch.int16).numpy()
-            else:
-                out[key] = t.numpy()
-            return {"t": "tensor", "k": key, "dtype": str(t.dtype).removeprefix("torch."), "device": str(x.device),
-                    "shape": list(t.shape)}
-        if isinstance(x, torch.nn.Module):
-            return {"t": "module", "v": _enc(x.state_dict(), key, out)}
-        if isinstance(x, torch.optim.Optimizer):
-            return {"t": "optimizer", "v": _enc(x.state_dict(), key, out)}
-    if type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "shape"):
-        out[key] = np.ascontiguousarray(np.asarray(x))
-        return {"t": "jax", "k": key, "shape": list(x.shape)}
-    if isinstance(x, dict):
-        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in x):
-            raise Unsupported(key, next(k for k in x if not isinstance(k, (str, int)) or isinstance(k, bool)))
-        return {"t": "dict", "items": [[k, _enc(v, f"{key}[{k!r}]", out)] for k, v in x.items()]}
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return {"t": "namedtuple", "items": [_enc(v, f"{key}.{f}", out) for f, v in zip(x._fields, x)]}
-    if isinstance(x, (list, tuple)):
-        return {"t": "list" if isinstance(x, list) else "tuple",
-                "items": [_enc(v, f"{key}[{i}]", out) for i, v in enumerate(x)]}
-    raise Unsupported(key, x)
-
-
-class Mismatch(ValueError):
-    """A saved value does not fit the live object it is loaded into."""
-
-
-def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path: str = "") -> Any:
-    """The value ``meta`` describes. With a ``template`` (the live value) modules and optimizers are
-    loaded in place and every array must have the template's shape and dtype (else :class:`Mismatch`)."""
-    kind = meta["t"]
-    torch = _torch()
-    if kind == "none":
-        return None
-    if kind == "py":
-        return meta["v"]
-    if kind == "np":
-        return np.array(meta["v"], dtype=np.dtype(meta["dtype"]))[()]
-    if kind in ("ndarray", "jax"):
-        arr = _array(tensors, meta["k"], meta.get("shape"))
-        if template is not _NO and hasattr(template, "shape"):
-            _same(path, tuple(arr.shape), str(arr.dtype), tuple(template.shape), str(np.dtype(template.dtype)))
-        if kind == "jax":
-            import jax.numpy as jnp
-
-            return jnp.asarray(arr)
-        return arr.copy()
-    if kind == "tensor":
-        assert torch is not None, "torch is needed to load a tensor"
-        arr = _array(tensors, meta["k"], meta.get("shape"))
-        dtype = getattr(torch, meta["dtype"])
-        t = torch.from_numpy(arr.copy())
-        if dtype == torch.bfloat16:
-            t = t.view(torch.bfloat16)
-        if template is not _NO and isinstance(template, torch.Tensor):
-            _same(path, tuple(t.shape), meta["dtype"], tuple(template.shape), str(template.dtype).removeprefix("torch."))
-            return t.to(template.device)
-        return t.to(meta.get("device", "cpu")) if meta.get("device", "cpu") != "cpu" else t
-    if kind in ("module", "optimizer"):
-        sd = decode(meta["v"], tensors, path=path)
-        if template is _NO:
-            return sd
-        live = template.state_dict()
-        if kind == "module":
-            _check_tree(path, sd, live)
-            try:
-                template.load_state_dict(sd, strict=True)
-            except RuntimeError as exc:
-                raise Mismatch(f"{path}: {str(exc).splitlines()[0]}") from None
-        else:
-            saved_groups = [len(g["params"]) for g in sd.get("param_groups", [])]
-            live_groups = [len(g["params"]) for g in live.get("param_groups", [])]
-            if saved_groups != live_groups:
-                raise Mismatch(f"{path}: the optimizer had parameter groups of sizes {saved_groups}, this one {live_groups}")
-            try:
-                template.load_state_dict(sd)
-            except (ValueError, KeyError) as exc:
-                raise Mismatch(f"{path}: {exc}") from None
-        return template
-    if kind == "dict":
-        items = [(k, v) for k, v in meta["items"]]
-        if template is not _NO and isinstance(template, dict):
-            if [k for k, _ in items] != list(template):
-                raise Mismatch(f"{path or 'the value'} had keys {[k for k, _ in items]}, the program's has {list(template)}")
-            return {k: decode(v, tensors, template[k], f"{path}[{k!r}]") for k, v in items}
-        return {k: decode(v, tensors, path=f"{path}[{k!r}]") for k, v in items}
-    if kind in ("list", "tuple", "namedtuple"):
-        metas = meta["items"]
-        if template is not _NO and isinstance(template, (list, tuple)):
-            if len(metas) != len(template):
-                raise Mismatch(f"{path or 'the value'} had {len(metas)} items, the program's has {len(template)}")
-            kids = [decode(m, tensors, t, f"{path}[{i}]") for i, (m, t) in enumerate(zip(metas, template))]
-            if kind == "namedtuple" and hasattr(template, "_fields"):
-                return type(template)(*kids)
-        else:
-            kids = [decode(m, tensors, path=f"{path}[{i}]") for i, m in enumerate(metas)]
-        return kids if kind == "list" else tuple(kids)
-    raise Mismatch(f"{path}: unknown entry kind {kind!r}")
-
-
-def _array(tensors: dict[str, np.ndarray], key: str, shape: list[int] | None = None) -> np.ndarray:
-    if key not in tensors:
-        raise Mismatch(f"array {key!r} is missing from the checkpoint")
-    arr = tensors[key]
-    if shape is not None and list(arr.shape) != list(shape):
-        if arr.size != int(np.prod(shape)):
-            raise Mismatch(f"array {key!r} has shape {list(arr.shape)} in the file but {shape} in the manifest")
-        arr = arr.reshape(shape)   # safetensors stores a 0-d array as [1]
-    return arr
-
-
-def _same(path: str, shape: tuple[int, ...], dtype: str, want_shape: tuple[int, ...], want_dtype: str) -> None:
-    if shape != want_shape or dtype != want_dtype:
-        raise Mismatch(f"{path or 'the value'} was saved as {dtype}{list(shape)}, the program has {want_dtype}{list(want_shape)}")
-
-
-def _check_tree(path: str, saved: dict[str, Any], live: dict[str, Any]) -> None:
-    if list(saved) != list(live):
-        missing, extra = [k for k in live if k not in saved], [k for k in saved if k not in live]
-        raise Mismatch(f"{path}: the module's parameters differ (missing {missing[:4]}, unexpected {extra[:4]})")
-    for k, v in saved.items():
-        w = live[k]
-        if hasattr(v, "shape") and hasattr(w, "shape"):
-            _same(f"{path}[{k!r}]", tuple(v.shape), str(v.dtype).removeprefix("torch."), tuple(w.shape),
-                  str(w.dtype).removeprefix("torch."))
 
 
 # -- the loop's locals ----------------------------------------------------------------------------------
@@ -243,13 +81,9 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
             except Unsupported as exc:
                 raise CheckpointError(f"cannot save the loop's {name!r}: its state_dict() holds {exc}",
                                       fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
-        elif not callable(x) and not _is_module(x):
+        elif not callable(x) and not isinstance(x, types.ModuleType):
             left.append(name)
     return entries, arrays, left
-
-
-def _is_module(x: Any) -> bool:
-    return type(x).__name__ == "module"
 
 
 def _py_state(state: Any) -> Any:
@@ -366,10 +200,10 @@ def write(root: Path, name: str, manifest: dict[str, Any], parts: dict[str, tupl
         raise
 
 
-def stage(root: Path, name: str) -> Path:
-    """A fresh temporary directory for checkpoint ``name`` (parts are written into it by any process)."""
+def stage(root: Path, name: str, tmp: Path | None = None) -> Path:
+    """A fresh temporary directory for checkpoint ``name`` (or ``tmp``), which parts are written into."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp = tmp or root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -593,7 +427,8 @@ class RunCheckpoints:
     def begin(self, expected: set[str]) -> int:
         """Start checkpoint number ``seq``: its parts are written by the processes into ``staging(seq)``."""
         self.seq += 1
-        self.staged = (self.seq, stage(self.root, f"req{self.seq}"), set(expected), {}, {})
+        tmp = stage(self.root, "", staging_dir(self.root, self.seq, os.getpid()))
+        self.staged = (self.seq, tmp, set(expected), {}, {})
         return self.seq
 
     def arrived(self, seq: int, part: str, meta: Any, info: dict[str, Any]) -> bool:
@@ -630,7 +465,7 @@ class RunCheckpoints:
     def resumed_states(self) -> tuple[Any, dict[str, np.ndarray]] | None:
         return merged_states(self.resume) if self.resume is not None else None
 
-    def check_fits(self, fragments: list[str], policy: str, replicas: int) -> None:
+    def check_fits(self, fragments: list[str], replicas: int) -> None:
         """Refuse a checkpoint another algorithm wrote, or a loop split another way."""
         if self.resume is None:
             return

@@ -139,10 +139,10 @@ class Monitor:
             sys.stderr.write(f"warning: {message}\n")
 
     # -- checkpoints -------------------------------------------------------------------------
-    def counters(self, version: int | None = None) -> dict[str, Any]:
+    def counters(self) -> dict[str, Any]:
         """What a checkpoint records so a resumed run's counters continue."""
         return {"env_steps": self.env_steps, "updates": self.updates,
-                "version": self.updates if version is None else self.version_offset + version,
+                "version": self.updates,
                 "episodes": self.base_episodes + len(self.episodes), "recent_returns": list(self.recent),
                 "recent_lengths": list(self.recent_lengths), "eval_recent": list(self.eval_recent),
                 "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
