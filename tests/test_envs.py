@@ -45,3 +45,35 @@ def test_environment_i_is_the_same_wherever_it_runs():
 def test_unknown_env_id_suggests_a_close_one():
     with pytest.raises(UnknownEnvError, match=r"unknown environment id 'CartPole-v9'\n  at tests/test_envs.py:\d+\n  fix: did you mean 'CartPole-v1'"):
         ff.envs.make("CartPole-v9", num_envs=2)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1", "Acrobot-v1"])
+def test_steps_are_gymnasiums_same_step_vector_env_exactly(env_id):
+    """The lean step returns what gymnasium's SyncVectorEnv returns in same-step mode, episode ends
+    (terminations and truncations) and their final observations included."""
+    import gymnasium as gym
+
+    n, seed = 3, 7
+    ours = ff.envs.make(env_id, num_envs=n, seed=seed)
+    theirs = gym.make_vec(env_id, num_envs=n, vectorization_mode="sync",
+                          vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    a = ours.reset()
+    b, _ = theirs.reset(seed=[seed + i for i in range(n)])
+    assert np.array_equal(a, b)
+    theirs.action_space.seed(0)
+    ends = 0
+    for _ in range(520):
+        action = theirs.action_space.sample()
+        a, ra, ta, ua, info_a = ours.step(action)
+        b, rb, tb, ub, info_b = theirs.step(action)
+        assert np.array_equal(a, b) and np.array_equal(ra, rb)
+        assert np.array_equal(ta, tb) and np.array_equal(ua, ub)
+        assert a.dtype == b.dtype and ra.dtype == rb.dtype
+        done = tb | ub
+        ends += int(done.sum())
+        final = b.copy()
+        if done.any():
+            final[done] = np.stack(info_b["final_obs"][done])
+        assert np.array_equal(info_a["final_obs"], final)
+    assert ends > 0
+    ours.close(), theirs.close()

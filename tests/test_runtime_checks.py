@@ -77,6 +77,18 @@ def test_a_nan_learner_stops_the_run_naming_fragment_and_update(program, policy)
     assert shm_leftovers() == []
 
 
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+def test_after_the_first_updates_every_16th_is_checked_and_the_message_says_so(program, policy, monkeypatch):
+    prog, path, marks = program
+    with pytest.raises(NonFiniteError, match=r"non-finite value .* by update 32 \(after the first 16 updates, every "
+                                             r"16th is checked: FRAGFLOW_CHECK_EVERY=1 checks each\)"):
+        ff.run(prog.train, prog.args_cls(updates=40, bad_at=19, how="nan"), policy=policy)
+    monkeypatch.setenv("FRAGFLOW_CHECK_EVERY", "1")
+    with pytest.raises(NonFiniteError, match=r"non-finite value .* in update 20\n"):
+        ff.run(prog.train, prog.args_cls(updates=40, bad_at=19, how="nan"), policy=policy)
+    assert shm_leftovers() == []
+
+
 def test_nan_check_can_be_switched_off(program, monkeypatch):
     prog, _, _ = program
     monkeypatch.setenv("FRAGFLOW_ALLOW_NONFINITE", "1")

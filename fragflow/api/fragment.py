@@ -123,6 +123,25 @@ class Fragment:
             return self.fn(*args, **kwargs)
         return interp.call(self, args, kwargs)
 
+    def written(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The value a call passes as the argument this learner writes (``writes``)."""
+        assert self.writes is not None
+        if self.writes in kwargs:
+            return kwargs[self.writes]
+        pos = self.__dict__.get("_written_at")
+        if pos is None:   # its position, when every parameter before it is positional
+            pos = -1
+            for i, p in enumerate(self.signature.parameters.values()):
+                if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                    break
+                if p.name == self.writes:
+                    pos = i
+                    break
+            self.__dict__["_written_at"] = pos
+        if 0 <= pos < len(args):
+            return args[pos]
+        return self.signature.bind(*args, **kwargs).arguments.get(self.writes)
+
     def __repr__(self) -> str:
         return f"<fragment {self.name} role={self.role} at {self.defined_at}>"
 

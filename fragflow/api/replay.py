@@ -146,10 +146,12 @@ class ReplayBuffer:
         elif arrays.keys() != self._storage.keys():
             raise TraceError(f"{self.name}.add got keys {sorted(arrays)}, earlier {sorted(self._storage)}",
                              where=user_callsite(), fix="add the same keys every time")
-        rows = (self._pos + np.arange(count)) % self.capacity
+        end = self._pos + count
+        rows: Any = slice(self._pos, end) if end <= self.capacity else np.arange(self._pos, end) % self.capacity
         for k, a in arrays.items():
             self._storage[k][rows] = a if a.ndim else a.reshape(1)
         if self._tree is not None:
+            rows = np.arange(self._pos, end) % self.capacity
             self._tree.set(rows, np.full(count, self._max_priority ** self.alpha))
         self._pos = (self._pos + count) % self.capacity
         self._size = min(self._size + count, self.capacity)

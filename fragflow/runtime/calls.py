@@ -15,6 +15,7 @@ rebuilds the arguments from the skeleton, the leaves and its own values.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,7 +94,31 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                                        "variable-size data)")
 
 
-def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: SourceLoc | None,
+Where = SourceLoc | None | Callable[[], SourceLoc | None]
+
+
+def _loc(where: Where) -> SourceLoc | None:
+    return where() if callable(where) else where
+
+
+def check_every() -> int:
+    """Learner writes are checked at each of the first ``n`` updates, then at every ``n``-th
+    (``FRAGFLOW_CHECK_EVERY``, default 16; 1 checks every update). A check walks the whole state
+    and takes a norm of every tensor, about a millisecond for SAC's: every update it would be a
+    tenth of SAC's update time."""
+    raw = os.environ.get("FRAGFLOW_CHECK_EVERY", "")
+    try:
+        return max(1, int(raw)) if raw else 16
+    except ValueError:
+        return 16
+
+
+def is_checked(update: int, every: int | None = None) -> bool:
+    n = check_every() if every is None else every
+    return update <= n or update % n == 0
+
+
+def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: Where,
                 leaves: list[tuple[str, Any]] | None = None) -> None:
     """A learner's new state must keep the shapes and dtypes traced for it (every policy checks the same)."""
     for path, leaf in leaves if leaves is not None else leaf_paths(value):
@@ -105,7 +130,7 @@ def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state:
         got = spec_of(leaf)
         if got.shape != spec.shape or got.dtype != spec.dtype:
             raise SpecChangedError(f"learner '{fragment}' returned state '{state}' with {path} as {got.short()} "
-                                   f"{got.backend}, traced as {spec.short()} {spec.backend}", where=where,
+                                   f"{got.backend}, traced as {spec.short()} {spec.backend}", where=_loc(where),
                                    fix="keep the state's shapes and dtypes fixed (cast back, e.g. x.astype(np.float32))")
 
 
@@ -124,13 +149,17 @@ def _same_spec(leaf: Any, spec: TensorSpec) -> bool:
 
 
 def check_write(value: Any, traced: dict[str, TensorSpec] | None, fragment: str, state: str, update: int,
-                where: SourceLoc | None, finite: bool) -> None:
-    """Both checks of a learner's new state, over one walk of its leaves."""
+                where: Where, finite: bool) -> None:
+    """Both checks of a learner's new state, over one walk of its leaves, at the updates
+    :func:`is_checked` picks (``where`` may be a callable: it is called only to report an error)."""
+    every = check_every()
+    if not is_checked(update, every) or (traced is None and not finite):
+        return
     leaves = leaf_paths(value)
     if traced is not None:
         check_state(value, traced, fragment, state, where, leaves)
     if finite:
-        check_finite(value, fragment, update, where, leaves)
+        check_finite(value, fragment, update, where, leaves, every)
 
 
 def _all_finite_torch(tensors: list[Any]) -> bool:
@@ -146,8 +175,8 @@ def _all_finite_torch(tensors: list[Any]) -> bool:
     return True
 
 
-def check_finite(out: Any, fragment: str, update: int, where: SourceLoc | None,
-                 leaves: list[tuple[str, Any]] | None = None) -> None:
+def check_finite(out: Any, fragment: str, update: int, where: Where,
+                 leaves: list[tuple[str, Any]] | None = None, every: int = 1) -> None:
     """Stop on NaN or infinity in a learner's output (state or metrics).
 
     Torch tensors are checked together: one fused norm over all of them (a norm is non-finite
@@ -174,7 +203,10 @@ def check_finite(out: Any, fragment: str, update: int, where: SourceLoc | None,
                     continue
                 bad = not bool(np.isfinite(arr).all())
         if bad:
+            when = (f"in update {update}" if update <= every or every == 1 else
+                    f"by update {update} (after the first {every} updates, every {every}th is checked: "
+                    f"FRAGFLOW_CHECK_EVERY=1 checks each)")
             raise NonFiniteError(f"learner '{fragment}' produced a non-finite value (NaN or inf) at {path or 'its output'} "
-                                 f"in update {update}", where=where,
+                                 f"{when}", where=_loc(where),
                                  fix="lower the learning rate, clip gradients or check the loss for log(0) / division "
                                      "by zero; FRAGFLOW_ALLOW_NONFINITE=1 lets the run go on")

@@ -155,8 +155,7 @@ class LoopInterpreter:
     def _local(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         written: Versioned | None = None
         if frag.writes is not None:
-            bound = frag.signature.bind(*args, **kwargs)
-            handle = bound.arguments.get(frag.writes)
+            handle = frag.written(args, kwargs)
             if not isinstance(handle, Versioned):
                 raise VersionedStateError(
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
@@ -197,7 +196,7 @@ class LoopInterpreter:
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
-        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite(), not allow_nonfinite())
+        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite, not allow_nonfinite())
 
     def _version(self) -> int:
         """The parameter version of the current rollout, chosen at its first read."""

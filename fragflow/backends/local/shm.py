@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from fragflow.compiler.pytree import TensorSpec, to_numpy
+from fragflow.errors import SpecChangedError
 
 PREFIX = "fragflow_"
 ALIGN = 64
@@ -105,11 +106,18 @@ class Layout:
         self.write_views(self.views(buf, base), leaves)
 
     def write_views(self, views: list[np.ndarray], leaves: list[Any]) -> None:
+        if len(leaves) != len(self.specs):
+            raise SpecChangedError(f"{len(leaves)} arrays were sent through a channel sized for {len(self.specs)}",
+                                   fix="keep the structure of what a fragment takes and returns fixed across calls")
         for view, leaf, spec in zip(views, leaves, self.specs):
             if spec.backend == "python":
                 view[...] = leaf
             else:
-                np.copyto(view, to_numpy(leaf), casting="no")
+                arr = to_numpy(leaf)
+                if arr.shape != view.shape:   # copyto would broadcast a smaller array silently
+                    raise SpecChangedError(f"an array of shape {arr.shape} was sent through a channel sized for "
+                                           f"{spec.short()}", fix="keep every array's shape fixed across calls")
+                np.copyto(view, arr, casting="no")
 
     def read(self, buf: np.ndarray, base: int, copy: bool = False) -> list[Any]:
         """Leaves as views into ``buf`` (or copies), converted back to their traced backend."""
