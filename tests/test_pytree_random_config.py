@@ -79,3 +79,25 @@ def test_every_bad_override_is_reported_at_once():
     assert "--set lr=fast: expected a number, got 'fast'" in msg
     assert "expected true or false, got 'maybe'" in msg
     assert "--set 'oops': expected key=value" in msg
+
+
+def test_small_key_arrays_mix_to_the_same_numbers_as_the_vectorized_path():
+    from fragflow.api import random as R
+
+    def vectorized(z):
+        z = z + R._GOLDEN
+        z ^= z >> R._S30
+        z *= R._M1
+        z ^= z >> R._S27
+        z *= R._M2
+        z ^= z >> R._S31
+        return z
+
+    rng = np.random.default_rng(0)
+    for shape in [(1,), (3,), (2, 8), (4, 4), (1, 1), (17,)]:
+        z = rng.integers(0, 2**63, size=shape, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        mixed = R._mix(z)
+        assert mixed.dtype == np.uint64 and mixed.shape == z.shape
+        assert np.array_equal(mixed, vectorized(z))
+    top = np.array([2**64 - 1, 0], np.uint64)
+    assert np.array_equal(R._mix(top), vectorized(top))

@@ -34,8 +34,21 @@ _S30, _S27, _S31, _SHIFT = np.uint64(30), np.uint64(27), np.uint64(31), np.uint6
 _TWO_M53 = 1.0 / 9007199254740992.0
 
 
+_MASK = (1 << 64) - 1
+_SMALL = 16   # up to this many keys, Python's integers beat a numpy ufunc call per operation
+
+
+def _mix_int(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
     """SplitMix64 finalizer, elementwise on uint64 arrays (wrapping arithmetic)."""
+    if z.size <= _SMALL:   # the same numbers, in a few microseconds rather than a dozen
+        return np.array([_mix_int(v) for v in z.ravel().tolist()], dtype=np.uint64).reshape(z.shape)
     z = z + _GOLDEN                 # a new array; the rest works in place on it
     z ^= z >> _S30
     z *= _M1
