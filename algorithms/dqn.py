@@ -122,7 +122,8 @@ def train(args: Args):
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
     q = QNetwork(obs_dim, int(env.single_action_space.n))  # type: ignore[attr-defined]
-    state = ff.versioned({"q": q, "optimizer": torch.optim.Adam(q.parameters(), lr=args.learning_rate)})
+    # foreach=True: the default update, bit for bit, in a few vectorised operations rather than a few per tensor
+    state = ff.versioned({"q": q, "optimizer": torch.optim.Adam(q.parameters(), lr=args.learning_rate, foreach=True)})
     target = ff.versioned({"q": copy.deepcopy(q)}, name="target")
     rb = ff.ReplayBuffer(args.buffer_size, seed=args.seed, prioritized=args.prioritized)
     key = ff.random.keys(args.seed, env.ids)

@@ -19,7 +19,7 @@ atari         Breakout-v5 (84x84 grayscale, 4 frames, skip 4), CleanRL ``ppo_ata
 curve near 10 at 1M).
 
     python benchmarks/families.py speed mujoco [--steps 20000] [--reps 2]
-    python benchmarks/families.py learn mujoco [--steps 200000]
+    python benchmarks/families.py learn mujoco [--steps 200000] [--seeds 3]
 """
 
 from __future__ import annotations
@@ -120,15 +120,25 @@ def speed(family: str, steps: int, reps: int) -> dict:
     return {"steps": steps, "reps": reps, "rows": rows, "sps": sps}
 
 
-def learn(family: str, steps: int) -> dict:
-    r = fragflow_run(family, steps, 1, "pipelined")
-    rets, n = r["returns"], max(len(r["returns"]), 1)
-    tenth = [statistics.mean(rets[max(0, int(n * k / 10) - 20):max(1, int(n * k / 10))]) if rets else float("nan")
-             for k in range(1, 11)]
-    print(f"{family}: {steps:,} steps in {r['wall']:.0f} s ({r['sps']:,.0f} steps/s), {r['episodes']:.0f} episodes; "
-          f"mean of the 20 episodes before each tenth of the episodes: " + ", ".join(f"{x:.1f}" for x in tenth))
-    return {"steps": steps, "policy": "pipelined", "sps": r["sps"], "wall_seconds": r["wall"], "episodes": r["episodes"],
-            "return_by_tenth": tenth, "final_return": tenth[-1], "returns": rets}
+def learn(family: str, steps: int, seeds: int = 1) -> dict:
+    runs = []
+    for seed in range(1, seeds + 1):
+        r = fragflow_run(family, steps, seed, "pipelined")
+        rets, n = r["returns"], max(len(r["returns"]), 1)
+        tenth = [statistics.mean(rets[max(0, int(n * k / 10) - 20):max(1, int(n * k / 10))]) if rets else float("nan")
+                 for k in range(1, 11)]
+        print(f"{family} seed {seed}: {steps:,} steps in {r['wall']:.0f} s ({r['sps']:,.0f} steps/s), "
+              f"{r['episodes']:.0f} episodes; mean of the 20 episodes before each tenth of the episodes: "
+              + ", ".join(f"{x:.1f}" for x in tenth), flush=True)
+        runs.append({"seed": seed, "sps": r["sps"], "wall_seconds": r["wall"], "episodes": r["episodes"],
+                     "return_by_tenth": tenth, "final_return": tenth[-1], "returns": rets})
+    finals = [run["final_return"] for run in runs]
+    out = {"steps": steps, "policy": "pipelined", "seeds": seeds, "final_returns": finals,
+           "final_mean": statistics.mean(finals), "final_std": statistics.stdev(finals) if seeds > 1 else 0.0,
+           "first_tenth": [run["return_by_tenth"][0] for run in runs], "runs": runs}
+    print(f"{family}: final return over {seeds} seed(s) {out['final_mean']:.1f} +- {out['final_std']:.1f} "
+          f"(first tenth {', '.join(f'{x:.1f}' for x in out['first_tenth'])})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,9 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("family", choices=tuple(ARGS))
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=1, help="learn: seeds 1..N, one after another")
     a = p.parse_args(argv)
     steps = a.steps or DEFAULT_STEPS[a.mode][a.family]
-    result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps)
+    result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps, a.seeds)
     result["command"] = "python benchmarks/families.py " + " ".join(argv if argv is not None else sys.argv[1:])
     save(f"{a.family}_{a.mode}", result)
     return result

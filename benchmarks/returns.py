@@ -16,6 +16,7 @@ over 10 episodes of an env of its own: RL-Zoo's protocol for its published figur
 within the budget (the stop criterion of RLlib's examples), with the step and second it did. Results go to ``benchmarks/results/returns_<algo>.json``.
 
     python benchmarks/returns.py sac [--seeds 3] [--steps 20000] [--policies single_process learner_replay]
+    python benchmarks/returns.py a2c --seeds 10 --out returns_a2c_10_seeds   # more seeds, the band's file kept
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="environment steps per run (default: the band's budget)")
     p.add_argument("--policies", nargs="+", default=None)
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--out", default=None, help="results file name (default: returns_ALGO; another keeps the band's)")
     a = p.parse_args(argv)
     band = BANDS[a.algo]
     steps = a.steps or band["steps"]
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       "solved_at_steps": [s.get("solved_at_steps") for s in mine],
                                       "solved_at_seconds": [s.get("solved_at_seconds") for s in mine],
                                       "steps_per_second": [s["steps_per_second"] for s in mine], "per_seed": mine}
-    save(f"returns_{a.algo}", result)
+    save(a.out or f"returns_{a.algo}", result)
     return result
 
 
