@@ -166,9 +166,17 @@ def learn_actor(state, batch, args: Args):
     shape = (obs.shape[0], actor.fc_mean.out_features)
     target_entropy = -float(shape[1])
     alpha = temp.log_alpha.exp().detach() if args.autotune else torch.tensor(args.alpha)
+    critics = [p for q in (qf1, qf2) for p in q.parameters()]
     for _ in range(args.policy_frequency):
         pi, log_pi = actor.sample(obs, torch.randn(shape, generator=gen))
-        min_q_pi = torch.min(qf1(obs, pi), qf2(obs, pi))
+        # the critics' own gradients would be thrown away (their next step starts from zero): not computed
+        for p in critics:
+            p.requires_grad_(False)
+        try:
+            min_q_pi = torch.min(qf1(obs, pi), qf2(obs, pi))
+        finally:
+            for p in critics:
+                p.requires_grad_(True)
         actor_loss = (alpha * log_pi - min_q_pi).mean()
         state["actor_optimizer"].zero_grad()
         actor_loss.backward()

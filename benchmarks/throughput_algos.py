@@ -3,7 +3,8 @@
 For each algorithm, fragflow under ``single_process`` and under the default policy (``pipelined``)
 and SB3 train the same configuration on the same env for the same number of steps; runs alternate,
 each in a fresh process with one torch thread (``FRAGFLOW_THREADS=1`` for fragflow), and the median
-steps/s of each is compared. fragflow's steps/s is over training only (after its trace), SB3's
+steps/s of each is compared; since the VM's speed drifts between reps, each rep's own ratio (its
+three runs back to back) is recorded too, with their median. fragflow's steps/s is over training only (after its trace), SB3's
 over ``learn``.
 
 =========  =============  ==========================================================================
@@ -23,6 +24,7 @@ sac        Pendulum-v1    256-256 ReLU, lr 3e-4 for everything, replay 1M, warm-
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from common import print_rows, row, run_json, save, stats
@@ -104,6 +106,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"sb3 {theirs[-1]:,.0f}", flush=True)
         rows.append(row(f"{algo} steps/s, single_process vs SB3", stats(ours), "sb3", stats(theirs), "steps/s", ">= 1.5"))
         rows.append(row(f"{algo} steps/s, pipelined vs SB3", stats(piped), "sb3", stats(theirs), "steps/s", ">= 2"))
+        # the VM's speed drifts between reps: each rep's own ratio (its runs were back to back) too
+        for r, mine in ((rows[-2], ours), (rows[-1], piped)):
+            r["paired_ratios"] = [m / t for m, t in zip(mine, theirs)]
+            r["paired_ratio_median"] = statistics.median(r["paired_ratios"])
         raw[algo] = {"steps": steps, "single_process_sps": ours, "pipelined_sps": piped, "sb3_sps": theirs}
     save("throughput_algos", {"command": "python benchmarks/throughput_algos.py " + " ".join(argv or sys.argv[1:]),
                               "rows": rows, "runs": raw})
