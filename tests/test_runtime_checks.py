@@ -89,6 +89,13 @@ def test_after_the_first_updates_every_16th_is_checked_and_the_message_says_so(p
     assert shm_leftovers() == []
 
 
+def test_a_check_cadence_that_is_not_a_number_is_refused(program, monkeypatch):
+    prog, _, _ = program
+    monkeypatch.setenv("FRAGFLOW_CHECK_EVERY", "often")
+    with pytest.raises(ConfigError, match=r"FRAGFLOW_CHECK_EVERY='often' is not a whole number"):
+        ff.run(prog.train, prog.args_cls(), policy="single_process")
+
+
 def test_nan_check_can_be_switched_off(program, monkeypatch):
     prog, _, _ = program
     monkeypatch.setenv("FRAGFLOW_ALLOW_NONFINITE", "1")

@@ -23,7 +23,7 @@ import numpy as np
 
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.compiler.pytree import TensorSpec, backend_of, is_static, leaf_paths, spec_of, to_numpy
-from fragflow.errors import NonFiniteError, NotArrayPytreeError, SpecChangedError
+from fragflow.errors import ConfigError, NonFiniteError, NotArrayPytreeError, SpecChangedError
 from fragflow.source import SourceLoc
 
 Skeleton = tuple[Any, ...]
@@ -106,11 +106,13 @@ def check_every() -> int:
     (``FRAGFLOW_CHECK_EVERY``, default 16; 1 checks every update). A check walks the whole state
     and takes a norm of every tensor, about a millisecond for SAC's: every update it would be a
     tenth of SAC's update time."""
-    raw = os.environ.get("FRAGFLOW_CHECK_EVERY", "")
-    try:
-        return max(1, int(raw)) if raw else 16
-    except ValueError:
+    raw = os.environ.get("FRAGFLOW_CHECK_EVERY", "").strip()
+    if not raw:
         return 16
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"FRAGFLOW_CHECK_EVERY={raw!r} is not a whole number of updates of at least 1",
+                          fix="unset it (16: the first 16 updates, then every 16th) or set e.g. FRAGFLOW_CHECK_EVERY=1")
+    return int(raw)
 
 
 def is_checked(update: int, every: int | None = None) -> bool:
