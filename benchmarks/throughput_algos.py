@@ -4,8 +4,8 @@ For each algorithm, fragflow under ``single_process`` and under the default poli
 and SB3 train the same configuration on the same env for the same number of steps; runs alternate,
 each in a fresh process with one torch thread (``FRAGFLOW_THREADS=1`` for fragflow), and the median
 steps/s of each is compared; since the VM's speed drifts between reps, each rep's own ratio (its
-three runs back to back) is recorded too, with their median. fragflow's steps/s is over training only (after its trace), SB3's
-over ``learn``.
+three runs back to back) is recorded too, with their median. fragflow's steps/s is over training
+only (after its trace), SB3's over ``learn``.
 
 =========  =============  ==========================================================================
 algorithm  env            configuration (both sides)

@@ -29,7 +29,7 @@ from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
 from fragflow.progress import ProgressDisplay
-from fragflow.runtime import serial
+from fragflow.runtime import calls, serial
 from fragflow.runtime.checkpoint import Checkpoint, Every, RunCheckpoints
 from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
@@ -161,6 +161,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     from fragflow import backends
 
     backends.get(backend)   # an unknown name fails here, before anything runs
+    calls.check_every()     # so does a malformed FRAGFLOW_CHECK_EVERY
     if max_restarts < 0:
         raise ConfigError(f"max_restarts={max_restarts} is negative", fix="give 0 (never restart) or more")
     every = checkpoint_every if isinstance(checkpoint_every, Every) or checkpoint_every is None \

@@ -79,7 +79,7 @@ class Fragment:
     """A callable marked with a role. Calls go to the active interpreter, or run eagerly."""
 
     __slots__ = ("name", "role", "fn", "writes", "defined_at", "instance", "signature", "axes", "in_axes",
-                 "events", "evaluation", "__dict__")
+                 "events", "evaluation", "_written_at", "__dict__")
 
     def __init__(self, fn: Callable[..., Any], role: str, *, name: str | None = None,
                  writes: str | None = None, defined_at: SourceLoc | None = None,
@@ -99,6 +99,7 @@ class Fragment:
         self.events = events
         self.evaluation = evaluation
         self.signature = inspect.signature(fn)
+        self._written_at = _position(self.signature, writes)
         functools.update_wrapper(self, fn)
 
     def __get__(self, obj: object | None, objtype: type | None = None) -> Fragment:
@@ -128,22 +129,22 @@ class Fragment:
         assert self.writes is not None
         if self.writes in kwargs:
             return kwargs[self.writes]
-        pos = self.__dict__.get("_written_at")
-        if pos is None:   # its position, when every parameter before it is positional
-            pos = -1
-            for i, p in enumerate(self.signature.parameters.values()):
-                if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                    break
-                if p.name == self.writes:
-                    pos = i
-                    break
-            self.__dict__["_written_at"] = pos
-        if 0 <= pos < len(args):
-            return args[pos]
+        if 0 <= self._written_at < len(args):
+            return args[self._written_at]
         return self.signature.bind(*args, **kwargs).arguments.get(self.writes)
 
     def __repr__(self) -> str:
         return f"<fragment {self.name} role={self.role} at {self.defined_at}>"
+
+
+def _position(signature: inspect.Signature, name: str | None) -> int:
+    """Where parameter ``name`` is passed positionally, when every parameter before it can be (else -1)."""
+    for i, p in enumerate(signature.parameters.values()):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return -1
+        if p.name == name:
+            return i
+    return -1
 
 
 def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) -> Callable[[Callable[..., Any]], Fragment]:

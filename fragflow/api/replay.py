@@ -147,12 +147,13 @@ class ReplayBuffer:
             raise TraceError(f"{self.name}.add got keys {sorted(arrays)}, earlier {sorted(self._storage)}",
                              where=user_callsite(), fix="add the same keys every time")
         end = self._pos + count
-        rows: Any = slice(self._pos, end) if end <= self.capacity else np.arange(self._pos, end) % self.capacity
+        index = np.arange(self._pos, end) % self.capacity if end > self.capacity or self._tree is not None else None
+        rows: Any = slice(self._pos, end) if end <= self.capacity else index   # a slice writes faster
         for k, a in arrays.items():
             self._storage[k][rows] = a if a.ndim else a.reshape(1)
         if self._tree is not None:
-            rows = np.arange(self._pos, end) % self.capacity
-            self._tree.set(rows, np.full(count, self._max_priority ** self.alpha))
+            assert index is not None
+            self._tree.set(index, np.full(count, self._max_priority ** self.alpha))
         self._pos = (self._pos + count) % self.capacity
         self._size = min(self._size + count, self.capacity)
 

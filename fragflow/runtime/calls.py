@@ -115,9 +115,8 @@ def check_every() -> int:
     return int(raw)
 
 
-def is_checked(update: int, every: int | None = None) -> bool:
-    n = check_every() if every is None else every
-    return update <= n or update % n == 0
+def is_checked(update: int, every: int) -> bool:
+    return update <= every or update % every == 0
 
 
 def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: Where,
