@@ -12,10 +12,14 @@ The env is a PettingZoo parallel env made by ``ff.envs.make``: observations are
 rollout buffer holds ``[num_steps, num_envs, num_agents, ...]`` and a policy that splits the
 environments across actors splits along ``env`` and keeps every environment's agents together.
 Each agent's advantages come from its own rewards (GAE), and the PPO loss treats every agent-step
-as a sample. Needs the ``multiagent`` extra (``pip install "fragflow[multiagent]"``)::
+as a sample. Agents of different kinds (``mpe2:simple_speaker_listener_v4``: a speaker with 3
+actions that sees 3 numbers, a listener with 5 that sees 11) share the network through padding:
+``ff.envs.make`` zero-pads their observations to the longest and gives the largest action space
+with ``env.action_mask``; the policy never picks an action that is not the agent's. Needs the ``multiagent`` extra (``pip install "fragflow[multiagent]"``)::
 
     fragflow run algorithms/mappo.py
     fragflow run algorithms/mappo.py --set critic=independent --policy "actor_learner(actors=2)"
+    fragflow run algorithms/mappo.py --set env_id=mpe2:simple_speaker_listener_v4
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import fragflow as ff
 @dataclass(frozen=True)
 class Args:
     env_id: str = "mpe2:simple_spread_v3"
-    """a PettingZoo parallel env whose agents share observation and action spaces"""
+    """a PettingZoo parallel env with Discrete actions (agents of different kinds are padded to one)"""
     seed: int = 1
     total_timesteps: int = 1_000_000
     """environment steps (each steps every agent)"""
@@ -75,12 +79,16 @@ class Agents(nn.Module):
     """The shared policy and the critic, with the inputs each sees built from ``[..., agents, obs]``."""
 
     def __init__(self, obs_dim: int, num_agents: int, num_actions: int, hidden: int, central: bool,
-                 value_norm: bool = False) -> None:
+                 value_norm: bool = False, action_mask: np.ndarray | None = None) -> None:
         super().__init__()
         self.central = central
         self.value_norm = value_norm
         self.ids: torch.Tensor
         self.register_buffer("ids", torch.eye(num_agents))
+        # the actions each agent has (agents of different kinds share the largest action space)
+        self.action_mask: torch.Tensor
+        self.register_buffer("action_mask", torch.ones(num_agents, num_actions, dtype=torch.bool) if action_mask is None
+                             else torch.as_tensor(action_mask, dtype=torch.bool))
         # ValueNorm (MAPPO): exponential running moments of the returns with a debiasing term; the
         # critic's head predicts returns in their units; these buffers travel with the weights
         self.ret_mean: torch.Tensor
@@ -98,7 +106,8 @@ class Agents(nn.Module):
         return torch.cat([x, self.ids.expand(*x.shape[:-1], -1)], -1)
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.pi(self._with_ids(obs))
+        """Per agent; an action that is not the agent's gets a logit of -1e9 (probability 0)."""
+        return self.pi(self._with_ids(obs)).masked_fill(~self.action_mask, -1e9)
 
     def head(self, obs: torch.Tensor) -> torch.Tensor:
         """The critic's output: normalised returns with ``value_norm``, else returns."""
@@ -210,7 +219,8 @@ def train(args: Args):
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
     model = Agents(obs_dim, env.num_agents, int(env.single_action_space.n), args.hidden,  # type: ignore[attr-defined]
-                   central=args.critic == "central", value_norm=args.value_norm)
+                   central=args.critic == "central", value_norm=args.value_norm,
+                   action_mask=env.action_mask)  # type: ignore[attr-defined]
     state = ff.versioned({"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=args.learning_rate,
                                                                         eps=1e-5),
                           "key": ff.random.keys(args.seed, np.array([LEARNER_KEY_ID]))})

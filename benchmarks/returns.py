@@ -17,6 +17,7 @@ within the budget (the stop criterion of RLlib's examples), with the step and se
 
     python benchmarks/returns.py sac [--seeds 3] [--steps 20000] [--policies single_process learner_replay]
     python benchmarks/returns.py a2c --seeds 10 --out returns_a2c_10_seeds   # more seeds, the band's file kept
+    python benchmarks/returns.py a2c --seeds 10 --policies sb3 --out returns_a2c_sb3   # SB3's own A2C, same measures
 """
 
 from __future__ import annotations
@@ -65,8 +66,60 @@ summary["greedy_eval_return"] = float(np.mean(returns))
 """
 EVALUATE = {"a2c": GREEDY, "impala": GREEDY}
 
+# the reference implementation itself, same configuration and measures, for ``--policies sb3``: whether
+# a seed that falls short is fragflow's or the algorithm's
+SB3 = {"a2c": """
+import json, time, numpy as np, torch
+torch.set_num_threads(1)
+import gymnasium as gym
+from stable_baselines3 import A2C
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+
+class Solved(BaseCallback):
+    def __init__(self):
+        super().__init__()
+        self.at, self.t0, self.episodes = None, time.perf_counter(), []
+    def _on_step(self):
+        for info in self.locals["infos"]:
+            if "episode" in info:
+                self.episodes.append(info["episode"]["r"])
+                last = self.episodes[-20:]
+                if self.at is None and len(last) == 20 and sum(last) / 20 >= {target}:
+                    self.at = (self.num_timesteps, round(time.perf_counter() - self.t0, 3))
+        return True
+
+env = make_vec_env("CartPole-v1", n_envs=8, seed={seed})
+model = A2C("MlpPolicy", env, n_steps=5, learning_rate=7e-4, gamma=0.99, gae_lambda=1.0, ent_coef=0.0, vf_coef=0.5,
+            max_grad_norm=0.5, use_rms_prop=True, rms_prop_eps=1e-5, normalize_advantage=False, seed={seed},
+            device="cpu", policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=torch.nn.Tanh))
+cb = Solved()
+t = time.perf_counter()
+model.learn({steps}, callback=cb)
+wall = time.perf_counter() - t
+last = cb.episodes[-20:]
+ev, returns = gym.make("CartPole-v1"), []
+for i in range(10):
+    obs, _ = ev.reset(seed=10_000 + {seed} + i)
+    total, done = 0.0, False
+    while not done:
+        obs, r, te, tr, _ = ev.step(int(model.predict(obs, deterministic=True)[0]))
+        total, done = total + float(r), te or tr
+    returns.append(total)
+print(json.dumps(dict(policy="sb3", final_return_mean=float(sum(last) / len(last)), greedy_eval_return=float(np.mean(returns)),
+                      solved_at_steps=cb.at and cb.at[0], solved_at_seconds=cb.at and cb.at[1], wall_seconds=wall,
+                      steps_per_second=model.num_timesteps / wall, episodes=len(cb.episodes))))
+"""}
+
 
 def one(algo: str, policy: str, seed: int, steps: int) -> dict:
+    if policy == "sb3":
+        if algo not in SB3:
+            raise SystemExit(f"--policies sb3: only for {', '.join(SB3)}")
+        summary = run_json(SB3[algo].format(seed=seed, steps=steps, target=BANDS[algo]["target"]))
+        print(f"{algo} sb3 seed {seed}: final return {summary['final_return_mean']:.2f}, deterministic evaluation "
+              f"{summary['greedy_eval_return']:.2f}, target reached at {summary['solved_at_steps']} steps", flush=True)
+        return summary
     evaluate = EVALUATE.get(algo, "").format(seed=seed)
     summary = run_json(CODE.format(algo=algo, seed=seed, steps=steps, policy=policy, target=BANDS[algo]["target"],
                                    evaluate=evaluate))

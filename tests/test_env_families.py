@@ -33,12 +33,51 @@ def test_a_pettingzoo_parallel_env_has_an_agent_axis_and_counts_every_agents_epi
     assert np.array_equal(fresh.reset(), env.reset())                  # seeded per environment
 
 
-def test_an_env_with_unlike_agents_is_refused_with_the_fix():
-    from mpe2 import simple_adversary_v3
+def test_unlike_agents_are_padded_to_one_space_with_a_mask_of_each_agents_actions():
+    from mpe2 import simple_speaker_listener_v4
 
-    with pytest.raises(UnknownEnvError, match="different observation or action spaces") as err:
-        ff.envs.make(simple_adversary_v3.parallel_env, num_envs=1)
-    assert "pad" in err.value.fix
+    env = ff.envs.make("mpe2:simple_speaker_listener_v4", num_envs=2, seed=5, max_cycles=25)
+    assert env.agents == ["speaker_0", "listener_0"]                   # type: ignore[attr-defined]
+    assert env.single_observation_space.shape == (11,) and env.single_action_space == gym.spaces.Discrete(5)
+    assert env.action_mask.tolist() == [[True] * 3 + [False] * 2, [True] * 5]   # type: ignore[attr-defined]
+    obs = env.reset()
+    raw = simple_speaker_listener_v4.parallel_env(max_cycles=25)
+    own, _ = raw.reset(seed=5)
+    assert np.array_equal(obs[0, 0, :3], own["speaker_0"]) and not obs[:, 0, 3:].any()   # zero-padded
+    assert np.array_equal(obs[0, 1], own["listener_0"])
+    obs, reward, *_ = env.step(np.array([[2, 4], [0, 1]]))
+    own, own_reward, *_ = raw.step({"speaker_0": 2, "listener_0": 4})
+    assert np.array_equal(obs[0, 1], own["listener_0"]) and reward[0, 1] == np.float32(own_reward["listener_0"])
+    with pytest.raises(ValueError, match=r"'speaker_0' of environment 1 was given action 3, outside its Discrete\(3\)"
+                                         r".*env.action_mask"):
+        env.step(np.array([[2, 4], [3, 1]]))
+
+    cont = ff.envs.make("mpe2:simple_speaker_listener_v4", num_envs=1, seed=5, continuous_actions=True)
+    assert cont.single_action_space.shape == (5,)                      # speaker Box(3) and listener Box(5)
+    assert cont.action_mask.tolist() == [[True] * 3 + [False] * 2, [True] * 5]   # type: ignore[attr-defined]
+    cont.reset()
+    cont.step(np.full((1, 2, 5), 0.5, np.float32))                     # the speaker's two extra entries are dropped
+
+
+def test_agents_whose_spaces_cannot_be_padded_are_refused_with_the_fix():
+    class Mixed:   # a parallel env's space interface: one agent acts with a Box, the other with Discrete
+        possible_agents = ["a", "b"]
+
+        def observation_space(self, agent):
+            return gym.spaces.Box(-1, 1, (3,))
+
+        def action_space(self, agent):
+            return gym.spaces.Discrete(2) if agent == "a" else gym.spaces.Box(-1, 1, (2,))
+
+        def close(self):
+            closed.append(self)
+
+    closed: list = []
+
+    with pytest.raises(UnknownEnvError, match="cannot be padded to one") as err:
+        ff.envs.make(Mixed, num_envs=2)
+    assert "a: Box" in err.value.what and "flatten" in err.value.fix
+    assert len(closed) == 2                                             # the envs made before the refusal are closed
 
 
 @pytest.mark.parametrize("critic", ["central", "independent"])
@@ -57,6 +96,20 @@ def test_mappo_runs_under_one_process_and_split_across_two_actors(critic):
     split = ff.run(mappo.train, args, policy="actor_learner(actors=2)", compiled=compiled)
     assert split.summary["env_steps"] == 400 and split.summary["episodes"] == 48
     assert shm_leftovers() == []
+
+
+def test_mappo_with_unlike_agents_takes_only_each_agents_actions_under_every_policy():
+    from fragflow.algorithms import mappo
+
+    args = mappo.Args(env_id="mpe2:simple_speaker_listener_v4", total_timesteps=400, num_envs=4, num_steps=25,
+                      update_epochs=1)
+    expected = ff.run(mappo.train, args, policy="single_process")     # an action outside the speaker's 3 would raise
+    assert expected.summary["episodes"] == 400 // 25 * 2
+    assert expected.value["model"].action_mask[0].tolist() == [True, True, True, False, False]
+    split = ff.run(mappo.train, args, policy="actor_learner(actors=2)")
+    assert split.summary["episodes"] == 32 and shm_leftovers() == []
+    again = ff.run(mappo.train, args, policy="pipelined(max_lag=0)")
+    assert same_tree(again.value["model"].state_dict(), expected.value["model"].state_dict())
 
 
 def test_mappo_critic_sees_every_agent_and_ippo_only_its_own():
