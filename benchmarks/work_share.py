@@ -1,0 +1,94 @@
+"""Where a ``single_process`` step goes: the algorithm's own work against fragflow's, and the ratio to
+Stable-Baselines3 that a runtime costing nothing would reach.
+
+The algorithm's own work is the time inside its fragments (acting, learning, target updates),
+the environments' steps and the buffers' adds and samples: what any implementation of it runs,
+SB3's included. The rest of the step is fragflow's (dispatch, versioned state, checks, logging)
+and the loop's own Python. Dividing the env steps of training by the work alone gives the steps/s
+of a runtime that costs nothing, and so the highest ratio to SB3 any runtime could reach with these
+networks, hyper-parameters and one torch thread; the measured ratio is set beside it. Tracing is not
+counted (its calls are not timed). Same configurations as ``throughput_algos.py``; fragflow and SB3
+alternate, each run in a fresh process, medians of ``--reps``.
+
+    python benchmarks/work_share.py [--algos a2c dqn sac] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from common import run_json, save
+from throughput_algos import ARGS, SB3, SB3_MODEL, STEPS
+
+TIMED = """
+import json, time, torch
+torch.set_num_threads(1)
+import fragflow as ff
+from fragflow import context
+from fragflow.api import buffer, envs, replay
+from fragflow.api.fragment import Fragment
+from fragflow.compiler.tracer import Tracer
+from fragflow.algorithms import {algo}
+algo = {algo}
+
+spent = {{"work": 0.0, "steps": 0}}
+
+def timed(fn, env=False):
+    def run(*args, **kwargs):
+        if isinstance(context.current(), Tracer):
+            return fn(*args, **kwargs)
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        spent["work"] += time.perf_counter() - t
+        if env:
+            spent["steps"] += len(out[1])
+        return out
+    return run
+
+for value in vars(algo).values():
+    if isinstance(value, Fragment):
+        value.fn = timed(value.fn)
+envs.VectorEnv._step = timed(envs.VectorEnv._step, env=True)
+for cls in (replay.ReplayBuffer, buffer.RolloutBuffer):
+    for name in ("_add", "_sample", "_collect"):
+        if hasattr(cls, name):
+            setattr(cls, name, timed(getattr(cls, name)))
+r = ff.run(algo.train, {args}, policy="single_process")
+train_wall = spent["steps"] / r.summary["steps_per_second"]
+print(json.dumps(dict(sps=r.summary["steps_per_second"], work_sps=spent["steps"] / spent["work"],
+                      work_share=spent["work"] / train_wall)))
+"""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--algos", nargs="+", default=["a2c", "dqn", "sac"], choices=sorted(STEPS))
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args(argv)
+    out: dict = {"command": "python benchmarks/work_share.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "algorithms": {}}
+    for algo in a.algos:
+        steps = STEPS[algo]
+        ours, theirs = [], []
+        for rep in range(a.reps):
+            ours.append(run_json(TIMED.format(algo=algo, args=ARGS[algo].format(steps=steps, seed=rep + 1)),
+                                 env={"FRAGFLOW_THREADS": "1"}))
+            theirs.append(run_json(SB3.format(model=SB3_MODEL[algo].format(seed=rep + 1, steps=steps), steps=steps))["sps"])
+        sps = statistics.median(r["sps"] for r in ours)
+        work_sps = statistics.median(r["work_sps"] for r in ours)
+        share = statistics.median(r["work_share"] for r in ours)
+        sb3 = statistics.median(theirs)
+        out["algorithms"][algo] = {"steps": steps, "single_process_sps": sps, "work_only_sps": work_sps,
+                                   "work_share": share, "sb3_sps": sb3, "ratio": sps / sb3,
+                                   "ratio_at_zero_runtime_cost": work_sps / sb3, "runs": ours, "sb3_runs": theirs}
+        print(f"{algo}: the algorithm's own work is {100 * share:.0f}% of a single_process step; "
+              f"{sps:,.0f} steps/s (work alone {work_sps:,.0f}) vs SB3 {sb3:,.0f}: ratio {sps / sb3:.2f}, "
+              f"at most {work_sps / sb3:.2f} with a runtime costing nothing", flush=True)
+    save("work_share", out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
