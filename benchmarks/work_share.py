@@ -7,10 +7,11 @@ SB3's included. The rest of the step is fragflow's (dispatch, versioned state, c
 and the loop's own Python. Dividing the env steps of training by the work alone gives the steps/s
 of a runtime that costs nothing, and so the highest ratio to SB3 any runtime could reach with these
 networks, hyper-parameters and one torch thread; the measured ratio is set beside it. Tracing is not
-counted (its calls are not timed). Same configurations as ``throughput_algos.py``; fragflow and SB3
-alternate, each run in a fresh process, medians of ``--reps``.
+counted (its calls are not timed). Same configurations as ``throughput_algos.py`` (A2C, DQN, SAC)
+and ``families.py speed`` (PPO on HalfCheetah and on Breakout); fragflow and SB3 alternate, each run
+in a fresh process with one torch thread, medians of ``--reps``.
 
-    python benchmarks/work_share.py [--algos a2c dqn sac] [--reps 2]
+    python benchmarks/work_share.py [--algos a2c dqn sac ppo_mujoco ppo_atari] [--reps 2]
 """
 
 from __future__ import annotations
@@ -18,9 +19,27 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 
+import families
+import throughput_algos as algos
 from common import run_json, save
-from throughput_algos import ARGS, SB3, SB3_MODEL, STEPS
+
+
+def _sb3_algo(name: str) -> Callable[[int, int], str]:
+    return lambda seed, steps: algos.SB3.format(model=algos.SB3_MODEL[name].format(seed=seed, steps=steps), steps=steps)
+
+
+def _sb3_family(name: str) -> Callable[[int, int], str]:
+    return lambda seed, steps: families.SB3[name].format(seed=seed, steps=steps)
+
+
+# name: (algorithm module, its Args, env steps per run, SB3's program for the same run (seed, steps))
+CASES: dict[str, tuple[str, str, int, Callable[[int, int], str]]] = {
+    **{name: (name, algos.ARGS[name], steps, _sb3_algo(name)) for name, steps in algos.STEPS.items()},
+    "ppo_mujoco": (*families.ARGS["mujoco"], families.DEFAULT_STEPS["speed"]["mujoco"], _sb3_family("mujoco")),
+    "ppo_atari": (*families.ARGS["atari"], families.DEFAULT_STEPS["speed"]["atari"], _sb3_family("atari")),
+}
 
 TIMED = """
 import json, time, torch
@@ -30,8 +49,8 @@ from fragflow import context
 from fragflow.api import buffer, envs, replay
 from fragflow.api.fragment import Fragment
 from fragflow.compiler.tracer import Tracer
-from fragflow.algorithms import {algo}
-algo = {algo}
+from fragflow.algorithms import {module}
+algo = {module}
 
 spent = {{"work": 0.0, "steps": 0}}
 
@@ -64,18 +83,18 @@ print(json.dumps(dict(sps=r.summary["steps_per_second"], work_sps=spent["steps"]
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algos", nargs="+", default=["a2c", "dqn", "sac"], choices=sorted(STEPS))
+    p.add_argument("--algos", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--reps", type=int, default=2)
     a = p.parse_args(argv)
     out: dict = {"command": "python benchmarks/work_share.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "algorithms": {}}
     for algo in a.algos:
-        steps = STEPS[algo]
+        module, args, steps, sb3_code = CASES[algo]
         ours, theirs = [], []
         for rep in range(a.reps):
-            ours.append(run_json(TIMED.format(algo=algo, args=ARGS[algo].format(steps=steps, seed=rep + 1)),
+            ours.append(run_json(TIMED.format(module=module, args=args.format(steps=steps, seed=rep + 1)),
                                  env={"FRAGFLOW_THREADS": "1"}))
-            theirs.append(run_json(SB3.format(model=SB3_MODEL[algo].format(seed=rep + 1, steps=steps), steps=steps))["sps"])
+            theirs.append(run_json(sb3_code(rep + 1, steps))["sps"])
         sps = statistics.median(r["sps"] for r in ours)
         work_sps = statistics.median(r["work_sps"] for r in ours)
         share = statistics.median(r["work_share"] for r in ours)
