@@ -18,8 +18,12 @@ atari         Breakout-v5 (84x84 grayscale, 4 frames, skip 4), CleanRL ``ppo_ata
 (learning visibly under way: CleanRL's HalfCheetah curve is near 900 at 200k steps; its Breakout
 curve near 10 at 1M).
 
+``random``: the game score (raw episode return) of uniform-random actions on the environments a
+run with each seed steps, ``--episodes`` per seed: the floor ``learn`` is read against.
+
     python benchmarks/families.py speed mujoco [--steps 20000] [--reps 2]
     python benchmarks/families.py learn mujoco [--steps 200000] [--seeds 3]
+    python benchmarks/families.py random atari [--seeds 3] [--episodes 100]
 """
 
 from __future__ import annotations
@@ -141,16 +145,45 @@ def learn(family: str, steps: int, seeds: int = 1) -> dict:
     return out
 
 
+def random_score(family: str, seeds: int, episodes: int) -> dict:
+    import numpy as np
+
+    import fragflow as ff
+
+    per_seed = []
+    for seed in range(1, seeds + 1):
+        if family == "atari":
+            env = ff.envs.atari("ALE/Breakout-v5", num_envs=8, seed=seed)
+        else:
+            env = ff.envs.make("HalfCheetah-v5", num_envs=1, seed=seed)
+        space = env.single_action_space
+        space.seed(seed)
+        env.reset()
+        returns: list[float] = []
+        while len(returns) < episodes:
+            env.step(np.stack([space.sample() for _ in range(env.num_envs)]))
+            returns.extend(ret for ret, _ in env.pop_finished())
+        env.close()
+        per_seed.append(statistics.mean(returns[:episodes]))
+        print(f"{family} seed {seed}: uniform-random actions score {per_seed[-1]:.2f} over {episodes} episodes", flush=True)
+    return {"seeds": seeds, "episodes": episodes, "per_seed": per_seed, "mean": statistics.mean(per_seed),
+            "std": statistics.stdev(per_seed) if seeds > 1 else 0.0}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=("speed", "learn"))
+    p.add_argument("mode", choices=("speed", "learn", "random"))
     p.add_argument("family", choices=tuple(ARGS))
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=1, help="learn: seeds 1..N, one after another")
+    p.add_argument("--seeds", type=int, default=1, help="learn, random: seeds 1..N, one after another")
+    p.add_argument("--episodes", type=int, default=100, help="random: episodes per seed")
     a = p.parse_args(argv)
-    steps = a.steps or DEFAULT_STEPS[a.mode][a.family]
-    result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps, a.seeds)
+    if a.mode == "random":
+        result = random_score(a.family, a.seeds, a.episodes)
+    else:
+        steps = a.steps or DEFAULT_STEPS[a.mode][a.family]
+        result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps, a.seeds)
     result["command"] = "python benchmarks/families.py " + " ".join(argv if argv is not None else sys.argv[1:])
     save(f"{a.family}_{a.mode}", result)
     return result
