@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
+import signal
 import time
 
 import numpy as np
@@ -188,3 +190,36 @@ def test_exact_versions_stay_readable_within_the_ring_depth():
     finally:
         ch.detach()
         seg.unlink()
+
+
+def _die_holding_the_write_lock(q) -> None:   # killed midway through a report, its queue's write lock held
+    q._wlock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _report(q) -> None:
+    q.put("from actor 1")   # a process exits only once its queue has flushed this
+
+
+def test_a_process_killed_while_reporting_blocks_no_other_processs_reports():
+    from fragflow.backends.local import Reports
+
+    ctx = mp.get_context("fork")
+    reports = Reports(ctx)
+    killed, other = reports.new("actor-0"), reports.new("actor-1")
+    p = ctx.Process(target=_die_holding_the_write_lock, args=(killed,))
+    p.start()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    r = ctx.Process(target=_report, args=(other,))   # sharing the killed one's queue, it would never exit
+    r.start()
+    r.join(timeout=20)
+    assert r.exitcode == 0
+    reports.retire("actor-0")
+    assert reports.get(timeout=5) == "from actor 1"
+    with pytest.raises(queue.Empty):
+        reports.get(timeout=0.05)
+    restarted = reports.new("actor-0")   # a restarted process reports again, on a queue of its own
+    restarted.put("from actor 0, restarted")
+    assert reports.get(timeout=5) == "from actor 0, restarted"
+    reports.close()

@@ -114,9 +114,14 @@ class Driver:
         self.saving = self._saving()
         with _no_main_reimport():
             for role, k in roles:
-                p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self.wiring, self.saving),
-                                       f"fragflow-{role}-{k}")
+                p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self._wiring_for(role, k),
+                                                     self.saving), f"fragflow-{role}-{k}")
                 self.procs.append((role, k, p))
+
+    def _wiring_for(self, role: str, k: int) -> Any:
+        """What worker ``(role, k)`` attaches to: a report queue of its own where the backend has them."""
+        per_process = getattr(self.wiring, "for_process", None)
+        return per_process(f"{role}-{k}") if per_process is not None else self.wiring
 
     def _saving(self) -> dict[str, Any]:
         """What every worker is told besides its program: checkpoints, restarts, the learners' rendezvous."""
@@ -158,8 +163,8 @@ class Driver:
         self.monitor.restarted(f"actor {k} {how}: restarted ({self.restarts[k]} of {self.max_restarts})")
         saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts})
         with _no_main_reimport():
-            p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program, self.wiring, saving),
-                                   f"fragflow-actor-{k}-r{self.restarts[k]}")
+            p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program, self._wiring_for("actor", k),
+                                                 saving), f"fragflow-actor-{k}-r{self.restarts[k]}")
         self.procs = [(r, i, q) if (r, i) != ("actor", k) else (r, i, p) for r, i, q in self.procs]
 
     def _loop(self) -> None:
@@ -271,6 +276,9 @@ class Driver:
     def _check_alive(self) -> None:
         for role, k, p in self.procs:
             if (role, k) not in self.finished and p.exitcode is not None:
+                if p.exitcode < 0 and hasattr(self.wiring, "retire"):
+                    # killed: it may have died midway through a report; its queue is not read again
+                    self.wiring.retire(f"{role}-{k}")
                 try:   # drain: an error message may be in flight
                     while True:
                         self._handle(self.wiring.results.get(timeout=0.2))

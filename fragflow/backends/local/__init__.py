@@ -8,10 +8,14 @@ driver creates every segment and alone unlinks it; workers attach.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
+import queue
 import sys
+import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
 
 from fragflow.backends.local.channels import (
@@ -50,6 +54,61 @@ def start_method() -> str:
     return "fork"
 
 
+class Reports:
+    """The driver's end of the workers' reports: a queue per process.
+
+    A ``multiprocessing`` queue that several processes write to shares one write lock among them:
+    a process killed while it holds it (midway through a report) would leave every other
+    process's reports blocked for good, and the run waiting for them. With a queue each, a killed
+    process takes only its own queue down, which :meth:`retire` drops (a restarted process gets
+    a new one from :meth:`new`). :meth:`get` returns the next report of any process, taking the
+    queues in turn.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self._queues: dict[str, Any] = {}
+        self._turn = 0
+
+    def new(self, process: str) -> Any:
+        """A fresh queue for ``process`` (the one it had before, if any, is dropped)."""
+        self.retire(process)
+        q = self._queues[process] = self._ctx.Queue()
+        return q
+
+    def retire(self, process: str) -> None:
+        """Stop reading ``process``'s queue: what is left in it is dropped, never waited for."""
+        q = self._queues.pop(process, None)
+        if q is not None:
+            q.close()
+            q.cancel_join_thread()
+
+    def get(self, timeout: float) -> Any:
+        """The next report of any process; ``queue.Empty`` after ``timeout`` seconds without one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            queues = list(self._queues.values())
+            for i in range(len(queues)):
+                q = queues[(self._turn + i) % len(queues)]
+                try:
+                    msg = q.get_nowait()
+                except queue.Empty:
+                    continue
+                self._turn = (self._turn + i + 1) % len(queues)
+                return msg
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            if queues:   # sleep until one of them has something (a queue's reading end is its _reader)
+                wait([q._reader for q in queues], left)
+            else:
+                time.sleep(left)
+
+    def close(self) -> None:
+        for process in list(self._queues):
+            self.retire(process)
+
+
 @dataclass
 class LocalWiring:
     """Everything a worker needs to attach (picklable: names of segments and sync objects)."""
@@ -62,7 +121,7 @@ class LocalWiring:
     control: str
     lock: Any
     stop: Any
-    results: Any
+    results: Any                              # the driver's Reports; a worker's copy: its own queue
     definitions: dict[str, Any]               # group -> queue
     ready: dict[str, Any]                     # group -> semaphore
     segments: list[Segment] = field(default_factory=list, repr=False)
@@ -75,8 +134,17 @@ class LocalWiring:
     def attach(self) -> LocalEndpoints:
         return LocalEndpoints(self)
 
+    def for_process(self, process: str) -> LocalWiring:
+        """The wiring a worker process gets: ``results`` is its own report queue (see :class:`Reports`)."""
+        return dataclasses.replace(self, results=self.results.new(process))
+
+    def retire(self, process: str) -> None:
+        """A process died without finishing its reports: stop reading them."""
+        self.results.retire(process)
+
     def release(self) -> None:
-        for q in (self.results, *self.definitions.values()):
+        self.results.close()
+        for q in self.definitions.values():
             q.close()
             q.cancel_join_thread()
         for seg in self.segments:
@@ -126,7 +194,7 @@ class LocalBackend:
     def wire(self, lowered: Any) -> LocalWiring:
         ctx = self._ctx = mp.get_context(start_method())
         segments: list[Segment] = []
-        wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), ctx.Queue(), {}, {}, segments)
+        wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), Reports(ctx), {}, {}, segments)
         try:
             for service in lowered.services:
                 wiring.definitions[service.group] = ctx.Queue()
