@@ -4,6 +4,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import struct
 import time
 
 import numpy as np
@@ -197,6 +198,14 @@ def _die_holding_the_write_lock(q) -> None:   # killed midway through a report, 
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _die_midway_through_a_report(q) -> None:   # a report's header and a tenth of its bytes, then killed
+    q.put("whole, before")
+    q.close()
+    q.join_thread()
+    os.write(q._writer.fileno(), struct.pack("!i", 100) + b"x" * 10)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _report(q) -> None:
     q.put("from actor 1")   # a process exits only once its queue has flushed this
 
@@ -206,20 +215,34 @@ def test_a_process_killed_while_reporting_blocks_no_other_processs_reports():
 
     ctx = mp.get_context("fork")
     reports = Reports(ctx)
-    killed, other = reports.new("actor-0"), reports.new("actor-1")
+    killed = reports.new("actor-0")
     p = ctx.Process(target=_die_holding_the_write_lock, args=(killed,))
     p.start()
+    reports.started("actor-0")
     p.join()
     assert p.exitcode == -signal.SIGKILL
+    other = reports.new("actor-1")
     r = ctx.Process(target=_report, args=(other,))   # sharing the killed one's queue, it would never exit
     r.start()
+    reports.started("actor-1")
     r.join(timeout=20)
     assert r.exitcode == 0
-    reports.retire("actor-0")
     assert reports.get(timeout=5) == "from actor 1"
-    with pytest.raises(queue.Empty):
+    with pytest.raises(queue.Empty):   # both processes have ended: their queues too
         reports.get(timeout=0.05)
-    restarted = reports.new("actor-0")   # a restarted process reports again, on a queue of its own
-    restarted.put("from actor 0, restarted")
-    assert reports.get(timeout=5) == "from actor 0, restarted"
+
+    # killed midway through a report: what it sent whole arrives, the rest ends its queue
+    q = reports.new("actor-0")
+    p = ctx.Process(target=_die_midway_through_a_report, args=(q,))
+    p.start()
+    reports.started("actor-0")
+    p.join()
+    assert reports.get(timeout=5) == "whole, before"
+    with pytest.raises(queue.Empty):
+        reports.get(timeout=0.5)
+    restarted = ctx.Process(target=_report, args=(reports.new("actor-0"),))   # restarted: a queue of its own
+    restarted.start()
+    reports.started("actor-0")
+    assert reports.get(timeout=5) == "from actor 1"
+    restarted.join(timeout=20)
     reports.close()

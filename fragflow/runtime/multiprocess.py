@@ -116,12 +116,18 @@ class Driver:
             for role, k in roles:
                 p = self.backend.start(worker.main, (role, k, os.getpid(), self.program, self._wiring_for(role, k),
                                                      self.saving), f"fragflow-{role}-{k}")
+                self._started(role, k)
                 self.procs.append((role, k, p))
 
     def _wiring_for(self, role: str, k: int) -> Any:
         """What worker ``(role, k)`` attaches to: a report queue of its own where the backend has them."""
         per_process = getattr(self.wiring, "for_process", None)
         return per_process(f"{role}-{k}") if per_process is not None else self.wiring
+
+    def _started(self, role: str, k: int) -> None:
+        started = getattr(self.wiring, "started", None)
+        if started is not None:
+            started(f"{role}-{k}")
 
     def _saving(self) -> dict[str, Any]:
         """What every worker is told besides its program: checkpoints, restarts, the learners' rendezvous."""
@@ -165,6 +171,7 @@ class Driver:
         with _no_main_reimport():
             p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program, self._wiring_for("actor", k),
                                                  saving), f"fragflow-actor-{k}-r{self.restarts[k]}")
+            self._started("actor", k)
         self.procs = [(r, i, q) if (r, i) != ("actor", k) else (r, i, p) for r, i, q in self.procs]
 
     def _loop(self) -> None:
@@ -276,9 +283,6 @@ class Driver:
     def _check_alive(self) -> None:
         for role, k, p in self.procs:
             if (role, k) not in self.finished and p.exitcode is not None:
-                if p.exitcode < 0 and hasattr(self.wiring, "retire"):
-                    # killed: it may have died midway through a report; its queue is not read again
-                    self.wiring.retire(f"{role}-{k}")
                 try:   # drain: an error message may be in flight
                     while True:
                         self._handle(self.wiring.results.get(timeout=0.2))

@@ -60,9 +60,11 @@ class Reports:
     A ``multiprocessing`` queue that several processes write to shares one write lock among them:
     a process killed while it holds it (midway through a report) would leave every other
     process's reports blocked for good, and the run waiting for them. With a queue each, a killed
-    process takes only its own queue down, which :meth:`retire` drops (a restarted process gets
-    a new one from :meth:`new`). :meth:`get` returns the next report of any process, taking the
-    queues in turn.
+    process takes only its own queue down. Once the process has started, the driver closes its own
+    copy of the queue's writing end (:meth:`started`), so the queue ends when the process does:
+    what it sent whole is read, a report it died midway through ends the queue (EOF) instead of
+    being waited for, and the queue is then dropped. :meth:`get` returns the next report of any
+    process, taking the queues in turn; a restarted process gets a new queue from :meth:`new`.
     """
 
     def __init__(self, ctx: Any) -> None:
@@ -76,31 +78,41 @@ class Reports:
         q = self._queues[process] = self._ctx.Queue()
         return q
 
+    def started(self, process: str) -> None:
+        """``process`` holds its queue now: the driver's writing end (``_writer``) is closed."""
+        self._queues[process]._writer.close()
+
     def retire(self, process: str) -> None:
         """Stop reading ``process``'s queue: what is left in it is dropped, never waited for."""
         q = self._queues.pop(process, None)
         if q is not None:
             q.close()
             q.cancel_join_thread()
+            for end in (q._reader, q._writer):
+                if not end.closed:
+                    end.close()
 
     def get(self, timeout: float) -> Any:
         """The next report of any process; ``queue.Empty`` after ``timeout`` seconds without one."""
         deadline = time.monotonic() + timeout
         while True:
-            queues = list(self._queues.values())
-            for i in range(len(queues)):
-                q = queues[(self._turn + i) % len(queues)]
+            named = list(self._queues.items())
+            for i in range(len(named)):
+                process, q = named[(self._turn + i) % len(named)]
                 try:
                     msg = q.get_nowait()
                 except queue.Empty:
                     continue
-                self._turn = (self._turn + i + 1) % len(queues)
+                except (EOFError, OSError):   # its process has ended (midway through a report, or after)
+                    self.retire(process)
+                    continue
+                self._turn = (self._turn + i + 1) % len(named)
                 return msg
             left = deadline - time.monotonic()
             if left <= 0:
                 raise queue.Empty
-            if queues:   # sleep until one of them has something (a queue's reading end is its _reader)
-                wait([q._reader for q in queues], left)
+            if self._queues:   # sleep until one of them has something, or has ended (its reading end)
+                wait([q._reader for q in self._queues.values()], left)
             else:
                 time.sleep(left)
 
@@ -138,9 +150,9 @@ class LocalWiring:
         """The wiring a worker process gets: ``results`` is its own report queue (see :class:`Reports`)."""
         return dataclasses.replace(self, results=self.results.new(process))
 
-    def retire(self, process: str) -> None:
-        """A process died without finishing its reports: stop reading them."""
-        self.results.retire(process)
+    def started(self, process: str) -> None:
+        """``process`` has started: its report queue now ends when it does (see :class:`Reports`)."""
+        self.results.started(process)
 
     def release(self) -> None:
         self.results.close()
