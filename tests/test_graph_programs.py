@@ -507,10 +507,43 @@ def test_central_inference_waits_for_every_worker_only_without_a_bound(write_alg
     result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     assert min(float(r["served"]) for r in rows) == smallest
-    assert result.summary["updates"] == 6 and result.summary["env_steps"] == 6 * 10 * 8
-    assert max(i for i, n in enumerate(result.summary["channels"]["trajectory"]["lag_histogram"]) if n) <= max_lag
+    channel = result.summary["channels"]["trajectory"]
+    # every rollout is learned from (two per update) or, with a bound, dropped once it is more than
+    # max_lag versions behind (a fast worker's second rollout an update left waiting); none is lost
+    assert 2 * result.summary["updates"] + channel["drops"] == 12 and result.summary["env_steps"] == 6 * 10 * 8
+    if max_lag == 0:
+        assert channel["drops"] == 0
+    assert max(i for i, n in enumerate(channel["lag_histogram"]) if n) <= max_lag
     assert shm_leftovers() == []
 
+
+
+def test_a_rollout_an_update_leaves_waiting_goes_to_the_overflow_discipline_once_past_max_lag():
+    """An update takes the oldest pieces; one left waiting that the new version leaves more than
+    max_lag behind is dropped (the default) or kept (overflow=deliver), the older of a ring first."""
+    from types import SimpleNamespace
+
+    from fragflow.lowering.disciplines import Deliver, Drop
+    from fragflow.runtime.service import ServiceRunner, _Piece
+
+    released: list[tuple[str, int, bool]] = []
+
+    class Ring:   # frees its oldest slot, as a trajectory channel does
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def release(self, lag: int | None = None, dropped: bool = False) -> None:
+            released.append((self.name, lag if lag is not None else -1, dropped))
+
+    fast, slow = Ring("fast"), Ring("slow")
+    for overflow, kept in ((Drop(), [(1, 4)]), (Deliver(), [(0, 2), (0, 3), (1, 4)])):
+        released.clear()
+        waiting = [_Piece(0, 2, 7, 0, [], fast), _Piece(0, 3, 8, 0, [], fast), _Piece(1, 4, 3, 0, [], slow)]
+        runner = SimpleNamespace(pools={"learn": waiting}, version=5,
+                                 program=SimpleNamespace(overflow=overflow, max_lag=1))
+        ServiceRunner._expire(runner, "learn")   # type: ignore[arg-type]
+        assert [(p.replica, p.version) for p in runner.pools["learn"]] == kept
+        assert released == ([("fast", -1, True), ("fast", -1, True)] if isinstance(overflow, Drop) else [])
 
 LOOP_READS = """
 from dataclasses import dataclass

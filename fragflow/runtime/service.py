@@ -5,7 +5,9 @@ It takes the calls the loop replicas make into this group, each replica's in its
 from every replica: pieces are merged along the named batch axes of their leaves (a leaf without
 one must be the same in every replica). ``ordered`` gathering goes round the replicas in order,
 which makes the run independent of scheduling; ``arrival`` takes the oldest piece available. A
-piece older than ``max_lag`` versions when taken goes to the channel's overflow discipline.
+piece older than ``max_lag`` versions when taken goes to the channel's overflow discipline, and so
+does one an update leaves waiting (an update takes the oldest pieces) that the new version leaves
+more than ``max_lag`` behind.
 
 Arguments are rebuilt from each call's skeleton: leaves from the pieces, versioned state from this
 group's own copies, references to earlier outputs from the value table. After a call of the
@@ -379,12 +381,29 @@ class ServiceRunner:
             self.admission.set_busy(False)
         for p, lag in zip(pieces, lags):
             p.ring.release(lag=lag)
+        if clock and not self.program.ordered:
+            self._expire(fragment)
         logged = self._logged(fragment, out)
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
             self.results.put(("update", self.version, logged))
         elif logged and lead:
             self.results.put(("log", logged))
+
+    def _expire(self, fragment: str) -> None:
+        """The pieces of ``fragment`` still waiting after an update (it took the oldest) that the new
+        version leaves more than ``max_lag`` behind go to the overflow discipline, as they would had
+        they been taken now. Within a ring the older pieces go first: its slots are freed in order."""
+        pool = self.pools.get(fragment)
+        if not pool:
+            return
+        keep = []
+        for p in pool:
+            if self.program.overflow.accept(self.version - p.version, self.program.max_lag):
+                keep.append(p)
+            else:
+                p.ring.release(dropped=True)
+        self.pools[fragment] = keep
 
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
         """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
