@@ -5,9 +5,9 @@ It takes the calls the loop replicas make into this group, each replica's in its
 from every replica: pieces are merged along the named batch axes of their leaves (a leaf without
 one must be the same in every replica). ``ordered`` gathering goes round the replicas in order,
 which makes the run independent of scheduling; ``arrival`` takes the oldest piece available. A
-piece older than ``max_lag`` versions when taken goes to the channel's overflow discipline, and so
-does one an update leaves waiting (an update takes the oldest pieces) that the new version leaves
-more than ``max_lag`` behind.
+piece older than ``max_lag`` versions when taken goes to the channel's overflow discipline; with
+served inference, so does one an update leaves waiting (an update takes the oldest pieces) that
+the new version leaves more than ``max_lag`` behind.
 
 Arguments are rebuilt from each call's skeleton: leaves from the pieces, versioned state from this
 group's own copies, references to earlier outputs from the value table. After a call of the
@@ -381,7 +381,7 @@ class ServiceRunner:
             self.admission.set_busy(False)
         for p, lag in zip(pieces, lags):
             p.ring.release(lag=lag)
-        if clock and not self.program.ordered:
+        if clock and not self.program.ordered and self.replies:   # served inference, bounded (see _held)
             self._expire(fragment)
         logged = self._logged(fragment, out)
         if clock and lead:
