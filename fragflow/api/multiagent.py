@@ -1,0 +1,197 @@
+"""PettingZoo parallel environments as one env fragment, with an ``agent`` axis after the ``env`` axis.
+
+``ff.envs.make("mpe2:simple_spread_v3", num_envs=8)`` (the ``multiagent`` extra) gives a
+:class:`MultiAgentVectorEnv`; agents of different kinds are padded to one observation and one
+action space, with ``action_mask`` saying which actions are each agent's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from fragflow.api.envs import VectorEnv
+from fragflow.compiler.pytree import to_numpy
+from fragflow.errors import UnknownEnvError
+from fragflow.source import user_callsite
+
+
+def _corner(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The index of an array of ``shape`` placed at the start of a larger one."""
+    return tuple(slice(0, int(n)) for n in shape)
+
+
+def _padded_observations(spaces: list[Any]) -> gym.spaces.Box | None:
+    """One Box every agent's observation fits in (each axis as long as the longest), or None when
+    the agents' observations are not boxes of one rank."""
+    if not all(isinstance(sp, gym.spaces.Box) for sp in spaces) or len({len(sp.shape) for sp in spaces}) != 1:
+        return None
+    shape = tuple(int(n) for n in np.max([sp.shape for sp in spaces], axis=0))
+    dtype = np.result_type(*[sp.dtype for sp in spaces])
+    low, high = np.zeros(shape, dtype), np.zeros(shape, dtype)   # a padded entry is always 0
+    for sp in spaces:
+        at = _corner(sp.shape)
+        low[at], high[at] = np.minimum(low[at], sp.low), np.maximum(high[at], sp.high)
+    return gym.spaces.Box(low, high, shape, dtype)
+
+
+def _padded_actions(spaces: list[Any]) -> tuple[gym.Space, np.ndarray] | None:
+    """One action space for every agent and the mask of what each agent's actions may be: for
+    ``Discrete`` spaces ``Discrete(largest n)`` and ``mask[agent, a]`` = action ``a`` is the
+    agent's; for Boxes of one rank the largest box and ``mask[agent, ...]`` = the entry is the
+    agent's (the others are dropped before the env sees the action). None when neither fits."""
+    if all(isinstance(sp, gym.spaces.Discrete) and int(sp.start) == 0 for sp in spaces):
+        n = max(int(sp.n) for sp in spaces)
+        return gym.spaces.Discrete(n), np.arange(n)[None, :] < np.array([int(sp.n) for sp in spaces])[:, None]
+    box = _padded_observations(spaces)
+    if box is None:
+        return None
+    mask = np.zeros((len(spaces), *box.shape), bool)
+    low, high = np.full(box.shape, -1.0, box.dtype), np.full(box.shape, 1.0, box.dtype)
+    for j, sp in enumerate(spaces):
+        mask[j][_corner(sp.shape)] = True
+    for sp in reversed(spaces):   # a shared entry takes the first agent's bounds
+        low[_corner(sp.shape)], high[_corner(sp.shape)] = sp.low, sp.high
+    return gym.spaces.Box(low, high, box.shape, box.dtype), mask
+
+
+class MultiAgentVectorEnv(VectorEnv):
+    """A batch of PettingZoo parallel environments stepped as one fragment call.
+
+    ``possible_agents`` fixes the agents' order on the ``agent`` axis. ``step(actions)`` takes
+    ``[num_envs, num_agents, ...]`` actions and returns ``(obs, reward, terminated, truncated,
+    info)`` with ``[num_envs, num_agents, ...]`` arrays. An agent that has left an episode the others
+    go on with gets zero observations and rewards, and is marked terminated; an environment resets
+    (same-step autoreset, ``info["final_obs"]`` as for gymnasium envs) when all its agents are done.
+
+    Agents of different kinds are batched by padding, so that one network can act for all of
+    them (parameter sharing): observations are zero-padded to the longest (``Box`` spaces of one
+    rank), and actions take one space with ``action_mask`` (``[num_agents, ...]``, bool) saying
+    which are each agent's: for ``Discrete`` spaces the largest, and an agent given an action
+    outside its own is refused (mask the logits: ``logits.masked_fill(~mask, -1e9)``); for ``Box``
+    actions the largest box, each agent's action cut to its own shape. Each agent's own spaces are
+    in ``agent_observation_spaces`` and ``agent_action_spaces``; for alike agents nothing is padded
+    and the mask is all true (``None`` for action spaces other than ``Discrete`` and ``Box``).
+    """
+
+    def __init__(self, factory: Callable[..., Any], num_envs: int, seed: int, *, ids: np.ndarray, name: str,
+                 label: str, evaluation: bool = False, env_kwargs: dict[str, Any] | None = None,
+                 first: Any = None) -> None:   # the interface of VectorEnv, over other envs: no super().__init__
+        self._identify(label, num_envs, seed, ids, name)
+        kwargs = dict(env_kwargs or {})
+        self.envs = [first if (i == 0 and first is not None) else factory(**kwargs) for i in range(self.num_envs)]
+        probe = self.envs[0]
+        self.agents: list[str] = list(probe.possible_agents)
+        spaces = [probe.observation_space(a) for a in self.agents]
+        actions = [probe.action_space(a) for a in self.agents]
+        self.agent_observation_spaces: dict[str, gym.Space] = dict(zip(self.agents, spaces))
+        self.agent_action_spaces: dict[str, gym.Space] = dict(zip(self.agents, actions))
+        obs_space = spaces[0] if all(sp == spaces[0] for sp in spaces) else _padded_observations(spaces)
+        alike = all(sp == actions[0] for sp in actions)
+        padded_actions: tuple[gym.Space, np.ndarray | None] | None = _padded_actions(actions)
+        if alike and padded_actions is None:   # alike agents of another action space: nothing to pad or mask
+            padded_actions = (actions[0], None)
+        if obs_space is None or padded_actions is None:
+            kinds = ", ".join(f"{a}: {o} / {act}" for a, o, act in zip(self.agents, spaces, actions))
+            self.close()
+            raise UnknownEnvError(
+                f"the agents of {self.env_id} have observation or action spaces that cannot be padded to one ({kinds})",
+                where=user_callsite(),
+                fix="fragflow pads Box observations of one rank and Discrete (or Box) actions of one kind; "
+                    "flatten the others (e.g. with SuperSuit's flatten_v0) or batch each kind of agent in an env of its own")
+        self.num_agents = len(self.agents)
+        self.single_observation_space = obs_space
+        self.single_action_space, self.action_mask = padded_actions
+        self._padded = any(sp.shape != obs_space.shape for sp in spaces)
+        discrete = self.action_mask is not None and isinstance(self.single_action_space, gym.spaces.Discrete)
+        self._action_n = np.array([int(sp.n) for sp in actions]) if discrete and not alike else None
+        self._action_cut = None if discrete or alike else [_corner(sp.shape) for sp in actions]
+        self._returns = np.zeros((self.num_envs, self.num_agents))
+        self._lengths = np.zeros((self.num_envs, self.num_agents), np.int64)
+        self._finished: list[tuple[float, int]] = []
+        self._fragments(evaluation)
+
+    def _events(self, out: Any) -> tuple[int, list[tuple[float, int]]]:
+        return self.num_envs, self.pop_finished()
+
+    @property
+    def finished_episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of every agent's episode finished and not yet reported."""
+        return self._finished
+
+    def pop_finished(self) -> list[tuple[float, int]]:
+        done, self._finished = self._finished, []
+        return done
+
+    def _obs(self, obs: dict[str, Any]) -> np.ndarray:
+        space: Any = self.single_observation_space
+        if not self._padded:
+            return np.stack([np.asarray(obs[a], space.dtype) if a in obs else np.zeros(space.shape, space.dtype)
+                             for a in self.agents])
+        out = np.zeros((self.num_agents, *space.shape), space.dtype)
+        for j, a in enumerate(self.agents):
+            if a in obs:
+                o = np.asarray(obs[a], space.dtype)
+                out[j][_corner(o.shape)] = o
+        return out
+
+    def _reset(self) -> np.ndarray:
+        self._returns[:] = 0.0
+        self._lengths[:] = 0
+        return np.stack([self._obs(env.reset(seed=int(self.seed + i))[0]) for env, i in zip(self.envs, self.ids)])
+
+    def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        a = to_numpy(actions)
+        if self.single_action_space.dtype is not None and a.dtype != self.single_action_space.dtype:
+            a = a.astype(self.single_action_space.dtype)
+        n, k = self.num_envs, self.num_agents
+        if self._action_n is not None and (a.shape[:2] != (n, k) or (a >= self._action_n).any() or (a < 0).any()):
+            self._refuse(a)
+        obs, final = [], []
+        reward = np.zeros((n, k), np.float32)
+        terminated = np.zeros((n, k), bool)
+        truncated = np.zeros((n, k), bool)
+        cut = self._action_cut
+        for i, env in enumerate(self.envs):
+            live = set(env.agents)
+            o, r, te, tr, _ = env.step({agent: a[i, j] if cut is None else a[i, j][cut[j]]
+                                        for j, agent in enumerate(self.agents) if agent in live})
+            for j, agent in enumerate(self.agents):
+                if agent in live:
+                    reward[i, j] = r.get(agent, 0.0)
+                    terminated[i, j], truncated[i, j] = bool(te.get(agent, False)), bool(tr.get(agent, False))
+                else:
+                    terminated[i, j] = True       # it left the episode earlier
+            step_obs = self._obs(o)
+            self._returns[i] += reward[i]
+            self._lengths[i] += np.array([agent in live for agent in self.agents])
+            if not env.agents:                    # every agent is done: the episode ends here
+                self._finished.extend((float(ret), int(length)) for ret, length in zip(self._returns[i], self._lengths[i]))
+                self._returns[i], self._lengths[i] = 0.0, 0
+                final.append(step_obs)
+                step_obs = self._obs(env.reset()[0])
+            else:
+                final.append(step_obs)
+            obs.append(step_obs)
+        return np.stack(obs), reward, terminated, truncated, {"final_obs": np.stack(final)}
+
+    def _refuse(self, a: np.ndarray) -> None:
+        n, k = self.num_envs, self.num_agents
+        if a.shape[:2] != (n, k):
+            raise ValueError(f"{self.env_id} takes actions of shape [num_envs={n}, num_agents={k}], got {list(a.shape)}")
+        assert self._action_n is not None
+        i, j = (int(x[0]) for x in np.nonzero((a >= self._action_n) | (a < 0)))
+        raise ValueError(f"agent {self.agents[j]!r} of environment {int(self.ids[i])} was given action {int(a[i, j])}, "
+                         f"outside its Discrete({int(self._action_n[j])}) (its kind of agent has fewer actions than the "
+                         f"padded Discrete({int(self.single_action_space.n)})); sample from logits masked with "  # type: ignore[attr-defined]
+                         "env.action_mask, e.g. logits.masked_fill(~torch.as_tensor(env.action_mask), -1e9)")
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+    def __repr__(self) -> str:
+        return f"<MultiAgentVectorEnv {self.name}: {self.env_id} x{self.num_envs}, {self.num_agents} agents>"
