@@ -3,7 +3,8 @@
 With Stable-Baselines3's A2C defaults (the RL-Zoo's CartPole-v1 entry: 8 environments, no entropy
 bonus): 5-step rollouts, n-step returns (GAE with lambda = 1), separate 64-64 tanh policy and value
 networks with orthogonal initialisation, RMSprop (lr 7e-4, alpha 0.99, eps 1e-5), value loss
-weight 0.5, gradient norm clipped to 0.5.
+weight 0.5, gradient norm clipped to 0.5; and, as in OpenAI Baselines' A2C (``lrschedule='linear'``),
+the learning rate annealed linearly to 0 over the run (``anneal_lr=False``: SB3's constant rate).
 
 An episode cut by a time limit is bootstrapped from the value of its true last observation
 (``info["final_obs"]``); a terminated one is not.
@@ -38,6 +39,8 @@ class Args:
     num_steps: int = 5
     """steps per environment per update (the n of n-step returns)"""
     learning_rate: float = 7e-4
+    """RMSprop learning rate (annealed linearly to 0 when anneal_lr)"""
+    anneal_lr: bool = True
     gamma: float = 0.99
     gae_lambda: float = 1.0
     ent_coef: float = 0.0
@@ -89,8 +92,10 @@ def advantages(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tens
 
 # LEARN: one gradient step on the rollout
 @ff.fragment("learner", writes="state")
-def learn(state, rollout, args: Args):
+def learn(state, rollout, lr, args: Args):
     model, optimizer = state["model"], state["optimizer"]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     obs = torch.as_tensor(rollout["obs"], dtype=torch.float32)             # [T, N, obs]
     final_obs = torch.as_tensor(rollout["final_obs"], dtype=torch.float32)
     action = torch.as_tensor(rollout["action"], dtype=torch.int64)
@@ -126,7 +131,9 @@ def train(args: Args):
     key = ff.random.keys(args.seed, env.ids)
 
     obs = env.reset()
-    for _ in range(args.num_updates):
+    for update in range(args.num_updates):
+        # the fraction of the run left after this rollout (SB3's progress_remaining when it trains)
+        lr = args.learning_rate * (1.0 - (update + 1) / args.num_updates if args.anneal_lr else 1.0)
         for _ in range(args.num_steps):
             key, sub = ff.random.split(key)
             action = act(state["model"], obs, sub)
@@ -134,6 +141,6 @@ def train(args: Args):
             buffer.add(obs=obs, action=action, reward=reward, final_obs=info["final_obs"], terminated=terminated,
                        done=terminated | truncated)
             obs = next_obs
-        state, metrics = learn(state, buffer.collect(), args)
+        state, metrics = learn(state, buffer.collect(), lr, args)
         ff.log(metrics)
     return state

@@ -6,7 +6,8 @@ behaviour log-probability with the rollout; the learner corrects for the lag wit
 ``ff.delivered()`` reports; it is logged (``lag_mean``).
 
 Separate 64-64 tanh policy and value networks, Adam, entropy bonus, 20-step unrolls of 8
-environments, gradient norm clipped to 40 (IMPALA's)::
+environments, gradient norm clipped to 40 (IMPALA's); a constant learning rate (``anneal_lr=True``
+anneals it linearly to 0 over the run, as the IMPALA paper does: not better here on CartPole)::
 
     fragflow run algorithms/impala.py --policy "async_relaxed(actors=2, max_lag=4)"
     fragflow run algorithms/impala.py --policy single_process      # no lag: V-trace is n-step returns
@@ -34,6 +35,8 @@ class Args:
     num_steps: int = 20
     """unroll length"""
     learning_rate: float = 5e-4
+    """Adam learning rate (annealed linearly to 0 when anneal_lr)"""
+    anneal_lr: bool = False
     gamma: float = 0.99
     rho_bar: float = 1.0
     """truncation of the importance weights in the V-trace targets"""
@@ -102,8 +105,10 @@ def vtrace(behaviour_logp: torch.Tensor, target_logp: torch.Tensor, reward: torc
 
 # LEARN: one step on a rollout, whatever parameters it was acted with
 @ff.fragment("learner", writes="state")
-def learn(state, rollout, args: Args):
+def learn(state, rollout, lr, args: Args):
     model, optimizer = state["model"], state["optimizer"]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     obs = torch.as_tensor(rollout["obs"], dtype=torch.float32)             # [T, N, obs]
     final_obs = torch.as_tensor(rollout["final_obs"], dtype=torch.float32)
     action = torch.as_tensor(rollout["action"], dtype=torch.int64)
@@ -143,7 +148,8 @@ def train(args: Args):
     key = ff.random.keys(args.seed, env.ids)
 
     obs = env.reset()
-    for _ in range(args.num_updates):
+    for update in range(args.num_updates):
+        lr = args.learning_rate * (1.0 - update / args.num_updates if args.anneal_lr else 1.0)
         for _ in range(args.num_steps):
             key, sub = ff.random.split(key)
             action, logprob = act(state["model"], obs, sub)
@@ -151,6 +157,6 @@ def train(args: Args):
             buffer.add(obs=obs, action=action, logprob=logprob, reward=reward, final_obs=info["final_obs"],
                        terminated=terminated, done=terminated | truncated)
             obs = next_obs
-        state, metrics = learn(state, buffer.collect(), args)
+        state, metrics = learn(state, buffer.collect(), lr, args)
         ff.log(metrics)
     return state

@@ -18,6 +18,7 @@ within the budget (the stop criterion of RLlib's examples), with the step and se
     python benchmarks/returns.py sac [--seeds 3] [--steps 20000] [--policies single_process learner_replay]
     python benchmarks/returns.py a2c --seeds 10 --out returns_a2c_10_seeds   # more seeds, the band's file kept
     python benchmarks/returns.py a2c --seeds 10 --policies sb3 --out returns_a2c_sb3   # SB3's own A2C, same measures
+    python benchmarks/returns.py a2c --lr-schedule constant --out returns_a2c_constant_lr   # SB3's constant rate
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import json, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import {algo} as algo
-r = ff.run(algo.train, algo.Args(total_timesteps={steps}, seed={seed}), policy={policy!r}, target_return={target})
+r = ff.run(algo.train, algo.Args(total_timesteps={steps}, seed={seed}{extra}), policy={policy!r}, target_return={target})
 summary = dict(r.summary)
 {evaluate}
 print(json.dumps(summary))
@@ -90,7 +91,7 @@ class Solved(BaseCallback):
         return True
 
 env = make_vec_env("CartPole-v1", n_envs=8, seed={seed})
-model = A2C("MlpPolicy", env, n_steps=5, learning_rate=7e-4, gamma=0.99, gae_lambda=1.0, ent_coef=0.0, vf_coef=0.5,
+model = A2C("MlpPolicy", env, n_steps=5, learning_rate={learning_rate}, gamma=0.99, gae_lambda=1.0, ent_coef=0.0, vf_coef=0.5,
             max_grad_norm=0.5, use_rms_prop=True, rms_prop_eps=1e-5, normalize_advantage=False, seed={seed},
             device="cpu", policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=torch.nn.Tanh))
 cb = Solved()
@@ -112,17 +113,23 @@ print(json.dumps(dict(policy="sb3", final_return_mean=float(sum(last) / len(last
 """}
 
 
-def one(algo: str, policy: str, seed: int, steps: int) -> dict:
+# SB3's schedules take the fraction of the run left, as fragflow's A2C anneals (from 1 to 0, read when it trains)
+LR_SCHEDULE = {"default": "", "constant": ", anneal_lr=False", "linear": ", anneal_lr=True"}
+SB3_LEARNING_RATE = {"a2c": ("lambda progress: 7e-4 * progress", "7e-4")}
+
+
+def one(algo: str, policy: str, seed: int, steps: int, schedule: str = "default") -> dict:
     if policy == "sb3":
         if algo not in SB3:
             raise SystemExit(f"--policies sb3: only for {', '.join(SB3)}")
-        summary = run_json(SB3[algo].format(seed=seed, steps=steps, target=BANDS[algo]["target"]))
+        summary = run_json(SB3[algo].format(seed=seed, steps=steps, target=BANDS[algo]["target"],
+                                            learning_rate=SB3_LEARNING_RATE[algo][schedule == "constant"]))
         print(f"{algo} sb3 seed {seed}: final return {summary['final_return_mean']:.2f}, deterministic evaluation "
               f"{summary['greedy_eval_return']:.2f}, target reached at {summary['solved_at_steps']} steps", flush=True)
         return summary
     evaluate = EVALUATE.get(algo, "").format(seed=seed)
     summary = run_json(CODE.format(algo=algo, seed=seed, steps=steps, policy=policy, target=BANDS[algo]["target"],
-                                   evaluate=evaluate))
+                                   evaluate=evaluate, extra=LR_SCHEDULE[schedule]))
     greedy = f", deterministic evaluation {summary['greedy_eval_return']:.2f}" if "greedy_eval_return" in summary else ""
     print(f"{algo} {policy} seed {seed}: final return {summary['final_return_mean']:.2f}{greedy}, "
           f"target reached at {summary.get('solved_at_steps')} steps / {summary.get('solved_at_seconds')} s, "
@@ -137,16 +144,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="environment steps per run (default: the band's budget)")
     p.add_argument("--policies", nargs="+", default=None)
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--lr-schedule", choices=sorted(LR_SCHEDULE), default="default",
+                   help="a2c, impala: a constant learning rate or one annealed linearly to 0 (default: the algorithm's; "
+                        "a2c anneals, impala does not; SB3's side follows with --policies sb3)")
     p.add_argument("--out", default=None, help="results file name (default: returns_ALGO; another keeps the band's)")
     a = p.parse_args(argv)
+    if a.lr_schedule != "default" and a.algo not in ("a2c", "impala"):
+        p.error("--lr-schedule: only for a2c and impala (the others' schedules are fixed)")
     band = BANDS[a.algo]
     steps = a.steps or band["steps"]
     policies = a.policies or band["policies"]
     runs = [(policy, seed) for policy in policies for seed in range(1, a.seeds + 1)]
     with ThreadPoolExecutor(a.jobs) as pool:
-        summaries = list(pool.map(lambda ps: one(a.algo, ps[0], ps[1], steps), runs))
+        summaries = list(pool.map(lambda ps: one(a.algo, ps[0], ps[1], steps, a.lr_schedule), runs))
     result: dict = {"command": "python benchmarks/returns.py " + " ".join(argv or sys.argv[1:]), "algorithm": a.algo,
-                    "steps": steps, "target": band["target"], "published": band["published"], "policies": {}}
+                    "steps": steps, "lr_schedule": a.lr_schedule, "target": band["target"], "published": band["published"], "policies": {}}
     for policy in policies:
         mine = [s for (pol, _), s in zip(runs, summaries) if pol == policy]
         finals = [s["final_return_mean"] for s in mine]

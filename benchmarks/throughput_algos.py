@@ -10,8 +10,9 @@ only (after its trace), SB3's over ``learn``.
 =========  =============  ==========================================================================
 algorithm  env            configuration (both sides)
 =========  =============  ==========================================================================
-a2c        CartPole-v1    8 envs x 5 steps, RMSprop lr 7e-4 (alpha 0.99, eps 1e-5), gamma 0.99,
-                          lambda 1, ent 0, vf 0.5, grad norm 0.5, separate 64-64 tanh nets
+a2c        CartPole-v1    8 envs x 5 steps, RMSprop lr 7e-4 annealed linearly to 0 (alpha 0.99, eps
+                          1e-5), gamma 0.99, lambda 1, ent 0, vf 0.5, grad norm 0.5, separate 64-64
+                          tanh nets
 dqn        CartPole-v1    CleanRL's dqn.py: 120-84 ReLU, Adam 2.5e-4, replay 10k, warm-up 10k, batch
                           128, train every 10 steps, target every 500, epsilon 1 -> 0.05 over half
 sac        Pendulum-v1    256-256 ReLU, lr 3e-4 for everything, replay 1M, warm-up 5k, batch 256,
@@ -50,7 +51,7 @@ SB3_MODEL = {
     "a2c": """
 from stable_baselines3 import A2C
 env = make_vec_env("CartPole-v1", n_envs=8, seed={seed})
-model = A2C("MlpPolicy", env, n_steps=5, learning_rate=7e-4, gamma=0.99, gae_lambda=1.0, ent_coef=0.0, vf_coef=0.5,
+model = A2C("MlpPolicy", env, n_steps=5, learning_rate=lambda progress: 7e-4 * progress, gamma=0.99, gae_lambda=1.0, ent_coef=0.0, vf_coef=0.5,
             max_grad_norm=0.5, use_rms_prop=True, rms_prop_eps=1e-5, normalize_advantage=False, seed={seed},
             device="cpu", policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=torch.nn.Tanh))
 """,
