@@ -107,6 +107,59 @@ def train(args: Args):
 """
 
 
+FIXED_BEHAVIOUR = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 10
+
+@ff.fragment("actor")
+def act(obs, key):                     # a uniform-random behaviour policy: reads no learner state
+    return (ff.random.uniform(key, ()) * 2).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):               # TD(0) value of that policy, linear in the observation
+    w = state["w"]
+    target = batch["reward"] + 0.9 * (1.0 - batch["done"]) * (batch["next_obs"] @ w)
+    w = w + 0.01 * ((target - batch["obs"] @ w)[..., None] * batch["obs"]).mean((0, 1))
+    return {"w": w}, {"td": float(np.abs(target - batch["obs"] @ w).mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros(4)})
+    buf = ff.RolloutBuffer(16)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(16):
+            key, sub = ff.random.split(key)
+            next_obs, reward, terminated, truncated, info = env.step(act(obs, sub))
+            buf.add(obs=obs, reward=reward, done=terminated, next_obs=info["final_obs"])
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "async_relaxed(actors=1, max_lag=0)",
+                                    "actor_learner(actors=2, max_lag=0)", "async_relaxed(actors=2, max_lag=1)"])
+def test_rollouts_acted_on_no_state_are_never_stale(write_algo, policy):
+    """An actor that reads no versioned state (a fixed behaviour policy) produces rollouts that depend
+    on no version: the learner learns every one, whatever its own version when they arrive."""
+    path, _ = write_algo(FIXED_BEHAVIOUR)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy=policy)
+    assert result.summary["updates"] == 10 and result.summary["channels"]["trajectory"]["drops"] == 0
+    if "max_lag=0" in policy:
+        assert same_tree(result.value, expected.value)
+    assert shm_leftovers() == []
+
+
 def test_two_versioned_values_read_on_the_acting_side_keep_their_own_weights(write_algo):
     path, _ = write_algo(TWO_STATES)
     program = load(str(path))

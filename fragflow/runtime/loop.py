@@ -46,6 +46,11 @@ class Reporter(Protocol):
     def flush(self) -> None: ...
 
 
+# The stamp of a call that depends on no version of any state (the loop reads none and no inference
+# answers it: a random or fixed behaviour policy): never stale, whatever the learner's version.
+UNVERSIONED = -1
+
+
 def allow_nonfinite() -> bool:
     return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
 
@@ -275,7 +280,10 @@ class LoopInterpreter:
             group.put(("skeleton", self.index, sid, skeleton))
         ring = self._rings[name]
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite())
-        version = self._version() if self.program.reads else self._last_version
+        if self.program.reads:
+            version = self._version()
+        else:   # served acting stamps its answers' version; acting on no state depends on none
+            version = self._last_version if self._replies else UNVERSIONED
         if self._seq >= self.skip_until:
             ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
         self._seq += 1

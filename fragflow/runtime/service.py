@@ -31,7 +31,7 @@ from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls
-from fragflow.runtime.loop import allow_nonfinite
+from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
 
 IDLE_WAIT = 0.05
 
@@ -185,6 +185,8 @@ class ServiceRunner:
         assert item is not None
         self.next_tag[k] = tag + 1
         version, leaves = item
+        if version == UNVERSIONED:   # acted on no state: as fresh as the version that takes it
+            version = self.version
         if not self.program.overflow.accept(self.version - version, self.program.max_lag):
             ring.release(dropped=True)
             return None
