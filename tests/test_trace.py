@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -168,6 +170,42 @@ def train():
         pass
 """)
     with pytest.raises(VersionedStateError, match=rf"versioned state was tested for truth in the training loop\n  at {relpath(path)}:{marks['misuse']}"):
+        trace_file(path)
+
+
+@pytest.mark.parametrize("how", ["global", "closure"])
+def test_versioned_state_reached_through_a_global_or_a_closure_is_refused_at_the_fragment(write_algo, how):
+    """A fragment must receive versioned state as an argument: one that reaches it through a
+    global or a closure would act with whatever version it captured, in every process."""
+    reach = {"global": """
+STATE = None
+
+@ff.fragment("actor")  # @def
+def act_on(obs):
+    return np.argmax(obs @ STATE["w"], axis=-1)
+
+def train():
+    global STATE
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    STATE = state
+""", "closure": """
+def train():
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+
+    @ff.fragment("actor")  # @def
+    def act_on(obs):
+        return np.argmax(obs @ [state["w"]][0], axis=-1)
+"""}[how]
+    path, marks = write_algo(HEADER + reach + textwrap.indent("""
+env = ff.envs.make("CartPole-v1", num_envs=2)
+obs = env.reset()
+for _ in range(2):
+    obs, *_ = env.step(act_on(obs))
+""", "    "))
+    kind = "global 'STATE'" if how == "global" else "closure variable 'state'"
+    with pytest.raises(VersionedStateError, match=rf"fragment 'act_on' reads the versioned state Versioned\('state', v0\) "
+                                                  rf"through the {kind} instead of receiving it as an argument\n"
+                                                  rf"  at {relpath(path)}:{marks['def']}\n  fix: add a parameter"):
         trace_file(path)
 
 

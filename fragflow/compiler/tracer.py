@@ -15,7 +15,9 @@ user's ``file:line``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random as _pyrandom
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +49,44 @@ LOOP = "loop"
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
 MAX_TRACE_UPDATES = 200
+
+
+def _holds_state(value: Any) -> bool:
+    if isinstance(value, (Versioned, VersionedView)):
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return any(isinstance(x, (Versioned, VersionedView)) for x in items)
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names a function's code (and the functions and comprehensions nested in it) may look up."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return tuple(dict.fromkeys(names))
+
+
+def captured_state(fn: Any) -> tuple[str, str, Any] | None:
+    """Versioned state a fragment's code reaches without being passed it, through a closure or a
+    global: (``"closure variable"`` or ``"global"``, its name, the value); None when there is none."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:   # not assigned yet
+            continue
+        if _holds_state(value):
+            return "closure variable", name, value
+    scope = getattr(fn, "__globals__", {})
+    for name in _global_names(code):
+        if name in scope and _holds_state(scope[name]):
+            return "global", name, scope[name]
+    return None
 
 
 class _StopTracing(BaseException):
@@ -202,6 +242,14 @@ class Tracer:
                 self._edge(last, rec.name, EdgeKind.EFFECT, "", "").crossings[window] += 1
             self._last_on_instance[id(frag.instance)] = rec.name
 
+        captured = captured_state(frag.fn)
+        if captured is not None:
+            kind, var, value = captured
+            raise VersionedStateError(
+                f"fragment '{rec.name}' reads the versioned state {value!r} through the {kind} '{var}' instead of "
+                "receiving it as an argument", where=definition_of(frag.fn) or where,
+                fix=f"add a parameter to '{rec.name}' and pass the state (or a view such as state['model']) at the "
+                    "call: a fragment sees the version its placement gives it only through its arguments")
         try:
             out = frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
