@@ -1,11 +1,14 @@
 """learner_replay: actors send transitions; the learner keeps the replay buffer, samples and learns (Ape-X).
 
-Every buffer whose output feeds a learner moves into the learner process with the learners: the
-actors' ``add`` calls become transitions on the trajectory channel, and the learner's derived
+Every buffer the learner samples (its output feeds a learner and is not per environment) moves
+into the learner process with the learners: the actors' ``add`` calls become transitions on the
+trajectory channel, and the learner's derived
 program is "on each piece: add; on each learning call: sample, learn, write priorities back". The
 actors act with parameters broadcast by the learner: the newest one (``max_lag >= 1``, Ape-X), or
 exactly the sequential version (``max_lag=0``, which reproduces single_process bit for bit).
-Transitions are off-policy data: they are never dropped, whatever their lag.
+Transitions are off-policy data: they are never dropped, whatever their lag. A rollout buffer
+(whose ``collect`` is batched along the environments) stays on the actors that fill it: an
+on-policy program runs as under ``actor_learner``, its rollouts delivered, never dropped.
 
 Placement::
 

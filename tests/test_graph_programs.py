@@ -146,10 +146,12 @@ def train(args: Args):
 
 
 @pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "async_relaxed(actors=1, max_lag=0)",
-                                    "actor_learner(actors=2, max_lag=0)", "async_relaxed(actors=2, max_lag=1)"])
+                                    "actor_learner(actors=2, max_lag=0)", "async_relaxed(actors=2, max_lag=1)",
+                                    "learner_replay(actors=2, max_lag=0)", "learner_replay(actors=2)"])
 def test_rollouts_acted_on_no_state_are_never_stale(write_algo, policy):
     """An actor that reads no versioned state (a fixed behaviour policy) produces rollouts that depend
-    on no version: the learner learns every one, whatever its own version when they arrive."""
+    on no version: the learner learns every one, whatever its own version when they arrive. Under
+    learner_replay the rollout buffer (per environment) stays with the actors that fill it."""
     path, _ = write_algo(FIXED_BEHAVIOUR)
     program = load(str(path))
     expected = ff.run(program.train, program.args_cls(), policy="single_process")

@@ -183,8 +183,12 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     if inference_with_learner:
         service |= {n.name for n in graph.fragments("actor")}
     if buffers_with_learner:
+        # a buffer the learner samples moves; one whose output is per environment (a rollout buffer's
+        # collect, batched along 'env') stays with the actors that stepped those environments, and
+        # its rollouts travel as they do under actor_learner
         feeding = {graph.node(e.src).instance for e in graph.edges_of(EdgeKind.DATA)
-                   if e.dst in service and graph.node(e.src).role == "buffer"}
+                   if e.dst in service and graph.node(e.src).role == "buffer"
+                   and not any(leaf.axis_name == "env" for leaf in e.leaves)}
         service |= {n.name for n in graph.fragments() if n.instance is not None and n.instance in feeding}
     for read in graph.loop_reads:   # the loop holds Pending references to what runs in the service
         if read.fragment in service and not (inference_with_learner and graph.node(read.fragment).role == "actor"):
