@@ -235,6 +235,57 @@ def test_a_users_own_env_counts_steps_and_episodes_and_evaluation_is_apart(write
     assert s["episodes"] == 5 * 6 * 4 // 3 and set(result.episode_returns) == {3.0}
     evals = s["eval_episodes"]
     assert evals >= 1 and s["eval_return_mean"] > 0
+    # every acting process steps the whole evaluation env; its episodes are reported once
+    expected = ff.run(program.train, program.args_cls(), policy="single_process").summary
+    assert (evals, s["eval_return_mean"]) == (expected["eval_episodes"], expected["eval_return_mean"])
+
+
+def test_central_inference_refuses_to_batch_an_evaluation_envs_inference_across_workers(write_algo):
+    path, marks = write_algo(HEADER_EVAL)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"'act_eval' acts on evaluation env 'eval_env', which every worker steps whole"
+                                             rf"\n  at {path}:{marks['eval']}\n  fix: run with env_workers=1"):
+        compile(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert result.summary["eval_episodes"] >= 1
+
+
+HEADER_EVAL = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs @ params["w"]).argmax(-1)
+
+@ff.fragment("actor")
+def act_eval(params, obs):
+    return (obs @ params["w"]).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean()}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=1)
+    evaluation = ff.envs.make("CartPole-v1", num_envs=1, seed=7, evaluation=True)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    obs, eval_obs = env.reset(), evaluation.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        for _ in range(30):
+            eval_obs, *_ = evaluation.step(act_eval(state, eval_obs))  # @eval
+    return state
+"""
 
 
 ENV_CLASSES = """

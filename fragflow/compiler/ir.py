@@ -91,6 +91,7 @@ class Node:
     static: tuple[str, ...] = ()   # arguments that are configuration (a frozen dataclass, a string)
     splittable: bool = True        # ENV: its environments can be split across processes (ff.envs.make, or
                                    # a user's env sized with ff.envs.ids)
+    evaluation: bool = False       # ENV: an evaluation env (stepped whole by every acting process)
 
 
 @dataclass(frozen=True, slots=True)

@@ -512,7 +512,8 @@ class Tracer:
                               defined_at=rec.defined_at, called_at=rec.called_at,
                               rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
-                              static=rec.static, splittable=self._splittable(rec)))
+                              static=rec.static, splittable=self._splittable(rec),
+                              evaluation=bool(getattr(self.fragments[rec.name], "evaluation", False))))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()

@@ -222,6 +222,16 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
+    if inference_with_learner and actors > 1:
+        for e in graph.edges_of(EdgeKind.DATA):
+            src, dst = graph.node(e.src), graph.node(e.dst)
+            if src.evaluation and e.dst in service and dst.role == "actor":
+                raise PlacementError(
+                    f"policy '{policy}' answers actor '{e.dst}' for {actors} env workers at once, each sending the "
+                    f"observations of its slice of the environments, but '{e.dst}' acts on evaluation env "
+                    f"'{src.instance or e.src}', which every worker steps whole", where=e.where or dst.called_at,
+                    fix="run with env_workers=1, or evaluate under a policy that acts in its actor processes "
+                        "(actor_learner, pipelined, async_relaxed)")
     if actors > 1:
         for n in graph.fragments("env"):
             if n.name in acting and not n.splittable:

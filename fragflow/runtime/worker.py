@@ -69,8 +69,9 @@ class QueueReporter:
         self.next = time.monotonic() + REPORT_EVERY
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
-        if evaluation:
-            self.eval.extend(episodes)
+        if evaluation:   # every acting replica steps the whole evaluation env: the first one reports it
+            if self.replica == 0:
+                self.eval.extend(episodes)
         else:
             self.total_steps += n
             self.total_episodes += len(episodes)
