@@ -15,7 +15,9 @@ with the fast batched arithmetic (one batch, as in one process).
 ``wait_ms`` of it (all workers' when they come in time), so a slow worker no longer holds the
 others back; learning takes rollouts as they arrive, and a worker may run up to ``max_lag``
 rollouts ahead of the learner (its rollout's version is that of its first answer; the learner
-sees each rollout's version and lag through ``ff.delivered()``).
+sees each rollout's version and lag through ``ff.delivered()``). A rollout an update leaves more
+than ``max_lag`` versions behind (a fast worker's, acted while an update waited for a slow one)
+is dropped and counted, never learned from past the bound.
 
 It pays when inference is expensive (a wide network: one batched call instead of one per worker)
 and costs a round trip per step when it is cheap.

@@ -624,9 +624,11 @@ def test_central_inference_waits_for_every_worker_only_without_a_bound(write_alg
 
 
 
-def test_a_rollout_an_update_leaves_waiting_goes_to_the_overflow_discipline_once_past_max_lag():
+def test_a_rollout_an_update_leaves_waiting_past_max_lag_is_dropped_under_served_inference_whatever_the_discipline():
     """An update takes the oldest pieces; one left waiting that the new version leaves more than
-    max_lag behind is dropped (the default) or kept (overflow=deliver), the older of a ring first."""
+    max_lag behind goes to the channel's discipline (dropped, or kept with overflow=deliver), the
+    older of a ring first; under served inference with a bound (central_inference, whose discipline
+    is block) it is dropped whatever the discipline: the bound holds, and the drop is counted."""
     from types import SimpleNamespace
 
     from fragflow.lowering.disciplines import Deliver, Drop
@@ -642,14 +644,19 @@ def test_a_rollout_an_update_leaves_waiting_goes_to_the_overflow_discipline_once
             released.append((self.name, lag if lag is not None else -1, dropped))
 
     fast, slow = Ring("fast"), Ring("slow")
-    for overflow, kept in ((Drop(), [(1, 4)]), (Deliver(), [(0, 2), (0, 3), (1, 4)])):
+    dropped_fast = [("fast", -1, True), ("fast", -1, True)]
+    for served, overflow, kept, drops in ((False, Drop(), [(1, 4)], dropped_fast),
+                                          (False, Deliver(), [(0, 2), (0, 3), (1, 4)], []),
+                                          (True, Deliver(), [(1, 4)], dropped_fast)):
         released.clear()
         waiting = [_Piece(0, 2, 7, 0, [], fast), _Piece(0, 3, 8, 0, [], fast), _Piece(1, 4, 3, 0, [], slow)]
-        runner = SimpleNamespace(pools={"learn": waiting}, version=5,
-                                 program=SimpleNamespace(overflow=overflow, max_lag=1))
+        runner = SimpleNamespace(pools={"learn": waiting}, version=5, replies={"act": []} if served else {},
+                                 program=SimpleNamespace(overflow=overflow, max_lag=1, clock="learn", ordered=False))
+        runner._accept = lambda fragment, lag, runner=runner: ServiceRunner._accept(runner, fragment, lag)
         ServiceRunner._expire(runner, "learn")   # type: ignore[arg-type]
         assert [(p.replica, p.version) for p in runner.pools["learn"]] == kept
-        assert released == ([("fast", -1, True), ("fast", -1, True)] if isinstance(overflow, Drop) else [])
+        assert released == drops
+
 
 LOOP_READS = """
 from dataclasses import dataclass

@@ -13,6 +13,7 @@ from fragflow.errors import (
     LearnerOutputOnActingSideError,
     NoFragmentError,
     NotArrayPytreeError,
+    PlacementError,
     ShapeChangedError,
     TraceError,
     VersionedStateError,
@@ -207,6 +208,56 @@ for _ in range(2):
                                                   rf"through the {kind} instead of receiving it as an argument\n"
                                                   rf"  at {relpath(path)}:{marks['def']}\n  fix: add a parameter"):
         trace_file(path)
+
+
+def test_a_learner_returning_its_metrics_where_the_new_state_goes_is_refused_at_its_definition(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("learner")  # @def
+def learn_swapped(state, batch):
+    return {"m": batch["obs"].mean()}, {"w": state["w"] + 1}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(2):
+        for _ in range(2):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn_swapped(state, buf.collect())
+""")
+    with pytest.raises(VersionedStateError, match=rf"learner 'learn_swapped' returned, as the next version of 'state', a "
+                                                  rf"value that is not shaped like the state it was given \(missing: "
+                                                  rf"\['w'\]; not in the state: \['m'\]\)\n  at {relpath(path)}:"
+                                                  rf"{marks['def']}\n  fix: return the new state first"):
+        trace_file(path)
+
+
+def test_an_actor_changing_the_state_it_reads_in_place_is_refused_where_it_runs_apart_from_the_learner(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("actor")  # @def
+def act_and_nudge(params, obs):
+    params["w"] += 0.001   # in place: only this process would see it
+    return np.argmax(obs @ params["w"], axis=-1)
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act_and_nudge(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # one process: the change is seen, as eagerly
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act_and_nudge' changes the versioned state 'state' "
+                                             rf"\(argument 'params'\) in place, but policy 'pipelined' runs it apart "
+                                             rf"from the learner.*\n  at {relpath(path)}:{marks['def']}\n  fix: leave"):
+        compile(program.train, policy="pipelined")
 
 
 def test_learner_given_plain_state(write_algo):

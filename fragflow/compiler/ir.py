@@ -92,6 +92,7 @@ class Node:
     splittable: bool = True        # ENV: its environments can be split across processes (ff.envs.make, or
                                    # a user's env sized with ff.envs.ids)
     evaluation: bool = False       # ENV: an evaluation env (stepped whole by every acting process)
+    mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import functools
 import random as _pyrandom
 import types
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,20 @@ LOOP = "loop"
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
 MAX_TRACE_UPDATES = 200
+
+
+def _fingerprint(tree: Any) -> list[int]:
+    """A checksum of each array leaf's bytes: whether a fragment changed what it read in place."""
+    try:
+        leaves = leaf_paths(tree)
+    except NotAnArray:
+        return []
+    out = []
+    for _, leaf in leaves:
+        if hasattr(leaf, "detach"):
+            leaf = leaf.detach().cpu().numpy()
+        out.append(zlib.crc32(np.ascontiguousarray(leaf).data))
+    return out
 
 
 def _holds_state(value: Any) -> bool:
@@ -107,6 +122,7 @@ class _NodeRec:
     inputs: list[LeafSpec] | None = None
     backends: set[str] = field(default_factory=set)
     static: tuple[str, ...] = ()
+    mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
 
 
 @dataclass
@@ -217,9 +233,11 @@ class Tracer:
         self._input_backends = set()
         self._inputs = []
         static = []
+        state_args: list[tuple[str, str]] = []
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
                 bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)
+                state_args.append((pname, (value if isinstance(value, Versioned) else value.handle).name))
                 if pname == frag.writes:
                     if not isinstance(value, Versioned):
                         raise VersionedStateError(
@@ -242,6 +260,11 @@ class Tracer:
                 self._edge(last, rec.name, EdgeKind.EFFECT, "", "").crossings[window] += 1
             self._last_on_instance[id(frag.instance)] = rec.name
 
+        read: list[tuple[str, str, Any]] = []
+        if frag.role != "learner" and not rec.mutates and sum(rec.calls) <= 2:
+            read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
+                    if pname != frag.writes]
+        fingerprints = [_fingerprint(value) for _, _, value in read]
         captured = captured_state(frag.fn)
         if captured is not None:
             kind, var, value = captured
@@ -258,6 +281,9 @@ class Tracer:
             exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where})")
             raise
 
+        for (pname, state, value), before in zip(read, fingerprints):
+            if _fingerprint(value) != before:
+                rec.mutates = f"'{state}' (argument '{pname}')"
         events = self.events.of(frag)
         if events is not None and not frag.evaluation:
             self.env_steps += events(out)[0]
@@ -355,6 +381,19 @@ class Tracer:
             raise NotArrayPytreeError(
                 f"learner '{rec.name}' returned new state whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
                 where=rec.defined_at, fix="state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays") from None
+        try:
+            given = {p for p, _ in leaf_paths(handle.value)}
+        except NotAnArray:
+            given = None
+        got = {p for p, _ in leaves}
+        if given is not None and got != given:
+            def some(paths: set[str]) -> str:
+                return ", ".join(sorted(paths)[:4]) + (", ..." if len(paths) > 4 else "") if paths else "none"
+            raise VersionedStateError(
+                f"learner '{rec.name}' returned, as the next version of '{handle.name}', a value that is not shaped "
+                f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
+                where=rec.defined_at,
+                fix=f"return the new state first, with the same structure: return {handle.name}, metrics")
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         edge.crossings[window] += 1
         for p, leaf in leaves:
@@ -513,7 +552,8 @@ class Tracer:
                               rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
                               static=rec.static, splittable=self._splittable(rec),
-                              evaluation=bool(getattr(self.fragments[rec.name], "evaluation", False))))
+                              evaluation=bool(getattr(self.fragments[rec.name], "evaluation", False)),
+                              mutates_state=rec.mutates))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()

@@ -222,6 +222,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
+    for n in graph.fragments():
+        if n.name in acting and n.mutates_state:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' changes the versioned state {n.mutates_state} in place, but policy "
+                f"'{policy}' runs it apart from the learner: the change would stay in its process, and the next "
+                "version broadcast would overwrite it", where=n.defined_at,
+                fix="leave state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
+                    "ops change it even under torch.no_grad()), make the change in a learner that writes the state, "
+                    "or run with --policy single_process")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):
             src, dst = graph.node(e.src), graph.node(e.dst)

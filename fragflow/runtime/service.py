@@ -187,7 +187,7 @@ class ServiceRunner:
         version, leaves = item
         if version == UNVERSIONED:   # acted on no state: as fresh as the version that takes it
             version = self.version
-        if not self.program.overflow.accept(self.version - version, self.program.max_lag):
+        if not self._accept(fragment, self.version - version):
             ring.release(dropped=True)
             return None
         piece = _Piece(k, version, tag, meta[2], leaves, ring)
@@ -392,6 +392,15 @@ class ServiceRunner:
         elif logged and lead:
             self.results.put(("log", logged))
 
+    def _accept(self, fragment: str, lag: int) -> bool:
+        """Whether a piece ``lag`` versions behind is learned from. Served inference with a bound keeps
+        its bound whatever the channel's discipline: a fast worker's rollouts acted while an update was
+        held all carry that version, and those an update leaves waiting would be learned from
+        ``max_lag + 1`` behind; they are dropped (and counted) instead."""
+        if self.replies and fragment == self.program.clock and not self.program.ordered:
+            return lag <= self.program.max_lag
+        return bool(self.program.overflow.accept(lag, self.program.max_lag))
+
     def _expire(self, fragment: str) -> None:
         """The pieces of ``fragment`` still waiting after an update (it took the oldest) that the new
         version leaves more than ``max_lag`` behind go to the overflow discipline, as they would had
@@ -401,7 +410,7 @@ class ServiceRunner:
             return
         keep = []
         for p in pool:
-            if self.program.overflow.accept(self.version - p.version, self.program.max_lag):
+            if self._accept(fragment, self.version - p.version):
                 keep.append(p)
             else:
                 p.ring.release(dropped=True)
