@@ -9,7 +9,9 @@ answer. Learning calls go the same way, without waiting for an answer.
 ``max_lag=0`` (the default): the inference group waits for the requests of all workers, and
 inference and learning run in the loop's order, so acting always uses the parameters of the
 sequential run: this policy reproduces single_process bit for bit, for any number of workers and
-with the fast batched arithmetic (one batch, as in one process).
+with the fast batched arithmetic (one batch, as in one process), for programs without a replay
+buffer (one stays on each worker and samples its share of a batch from its own transitions, as
+under actor_learner: the same algorithm, not the same numbers).
 
 ``max_lag >= 1``: bounded wait. A request is answered with the requests that arrived within
 ``wait_ms`` of it (all workers' when they come in time), so a slow worker no longer holds the
