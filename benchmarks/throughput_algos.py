@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--algos", nargs="+", default=["a2c", "dqn", "sac"], choices=sorted(STEPS))
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="throughput_algos", help="results file name (another keeps the full run's)")
     a = p.parse_args(argv)
     rows, raw = [], {}
     for algo in a.algos:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r["paired_ratios"] = [m / t for m, t in zip(mine, theirs)]
             r["paired_ratio_median"] = statistics.median(r["paired_ratios"])
         raw[algo] = {"steps": steps, "single_process_sps": ours, "pipelined_sps": piped, "sb3_sps": theirs}
-    save("throughput_algos", {"command": "python benchmarks/throughput_algos.py " + " ".join(argv or sys.argv[1:]),
+    save(a.out, {"command": "python benchmarks/throughput_algos.py " + " ".join(argv or sys.argv[1:]),
                               "rows": rows, "runs": raw})
     print_rows(rows)
     return rows
