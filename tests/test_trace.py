@@ -260,6 +260,46 @@ def train():
         compile(program.train, policy="pipelined")
 
 
+def test_an_actor_reaching_a_module_of_the_state_through_a_global_is_refused_where_it_runs_apart(write_algo):
+    path, marks = write_algo("""
+import numpy as np
+import torch
+import fragflow as ff
+
+MODEL = None
+
+@ff.fragment("actor")  # @def
+def act_global(obs):
+    with torch.no_grad():
+        return MODEL(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return state, {"m": float(batch["obs"].mean())}
+
+def train():
+    global MODEL
+    model = torch.nn.Linear(4, 2)
+    MODEL = model
+    state = ff.versioned({"model": model})
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act_global(obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # one process: the global is the learner's module
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act_global' reaches an object of the versioned state "
+                                             rf"'state' through the global 'MODEL' instead of receiving the state as "
+                                             rf"an argument, but policy 'pipelined' runs it apart from the learner.*"
+                                             rf"\n  at {relpath(path)}:{marks['def']}\n  fix: add a parameter"):
+        compile(program.train, policy="pipelined")
+
+
 def test_learner_given_plain_state(write_algo):
     path, marks = write_algo(HEADER + """
 def train():

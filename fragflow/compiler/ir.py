@@ -93,6 +93,7 @@ class Node:
                                    # a user's env sized with ff.envs.ids)
     evaluation: bool = False       # ENV: an evaluation env (stepped whole by every acting process)
     mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
+    captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)
 
 
 @dataclass(frozen=True, slots=True)

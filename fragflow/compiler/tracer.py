@@ -83,6 +83,50 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _objects_of(value: Any) -> list[Any]:
+    """The objects a versioned value holds that code could keep a reference to: its containers,
+    modules (and their submodules and parameters), optimizers, tensors and arrays."""
+    out: list[Any] = []
+    stack = [value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (str, bytes, int, float, bool)) or x is None:
+            continue
+        out.append(x)
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif hasattr(x, "modules") and hasattr(x, "parameters"):   # an nn.Module
+            out.extend(m for m in x.modules() if m is not x)
+            out.extend(x.parameters())
+    return out
+
+
+def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str, str, str] | None:
+    """An object versioned state holds (a module, a tensor) that a fragment's code reaches through a
+    closure or a global rather than its arguments: (kind, variable, state); None when there is none."""
+    if not objects:
+        return None
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = []
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            cells.append(("closure variable", name, cell.cell_contents))
+        except ValueError:
+            continue
+    scope = getattr(fn, "__globals__", {})
+    cells.extend(("global", name, scope[name]) for name in _global_names(code) if name in scope)
+    for kind, name, value in cells:
+        hit = objects.get(id(value))
+        if hit is not None and hit[1] is value:
+            return kind, name, hit[0]
+    return None
+
+
 def captured_state(fn: Any) -> tuple[str, str, Any] | None:
     """Versioned state a fragment's code reaches without being passed it, through a closure or a
     global: (``"closure variable"`` or ``"global"``, its name, the value); None when there is none."""
@@ -123,6 +167,7 @@ class _NodeRec:
     backends: set[str] = field(default_factory=set)
     static: tuple[str, ...] = ()
     mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
+    captures: str = ""  # ... or reaches an object versioned state holds (a module) through a global or closure
 
 
 @dataclass
@@ -164,6 +209,7 @@ class Tracer:
         self._nodes: dict[int, _NodeRec] = {}
         self._edges: dict[tuple[str, str, EdgeKind, str, str], _EdgeRec] = {}
         self._states: dict[str, _StateRec] = {}
+        self._state_objects: dict[int, tuple[str, Any]] = {}   # id -> (state, object): what versioned state holds
         self._origins: dict[int, _Origin] = {}
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
@@ -208,6 +254,8 @@ class Tracer:
             ) from None
         unique = self._names(name)
         self._states[unique] = _StateRec(where)
+        for obj in _objects_of(value):
+            self._state_objects.setdefault(id(obj), (unique, obj))
         return Versioned(unique, 0, value, where)
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -265,6 +313,10 @@ class Tracer:
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
         fingerprints = [_fingerprint(value) for _, _, value in read]
+        if sum(rec.calls) == 1 and frag.role != "learner":
+            shared = captured_objects(frag.fn, self._state_objects)
+            if shared is not None:
+                rec.captures = f"'{shared[2]}' through the {shared[0]} '{shared[1]}'"
         captured = captured_state(frag.fn)
         if captured is not None:
             kind, var, value = captured
@@ -553,7 +605,7 @@ class Tracer:
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=bool(getattr(self.fragments[rec.name], "evaluation", False)),
-                              mutates_state=rec.mutates))
+                              mutates_state=rec.mutates, captures_state=rec.captures))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()

@@ -231,6 +231,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 fix="leave state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
                     "ops change it even under torch.no_grad()), make the change in a learner that writes the state, "
                     "or run with --policy single_process")
+        if n.name in acting and n.captures_state:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' reaches an object of the versioned state {n.captures_state} instead "
+                f"of receiving the state as an argument, but policy '{policy}' runs it apart from the learner: it "
+                "would act with the object as it was when its process started, never with a new version",
+                where=n.defined_at,
+                fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the "
+                    "call, or run with --policy single_process")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):
             src, dst = graph.node(e.src), graph.node(e.dst)
