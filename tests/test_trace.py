@@ -210,23 +210,27 @@ for _ in range(2):
         trace_file(path)
 
 
+# a loop over two CartPoles that acts with `act` on the whole state and learns with `learn`
+ROLLOUTS = """
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({{"w": np.zeros((4, 2), np.float32)}})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range({updates}):
+        for _ in range(2):
+            obs, *_ = env.step({act}(state, obs))
+            buf.add(obs=obs)
+        state, metrics = {learn}(state, buf.collect())
+"""
+
+
 def test_a_learner_returning_its_metrics_where_the_new_state_goes_is_refused_at_its_definition(write_algo):
     path, marks = write_algo(HEADER + """
 @ff.fragment("learner")  # @def
 def learn_swapped(state, batch):
     return {"m": batch["obs"].mean()}, {"w": state["w"] + 1}
-
-def train():
-    env = ff.envs.make("CartPole-v1", num_envs=2)
-    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
-    buf = ff.RolloutBuffer(2)
-    obs = env.reset()
-    for _ in range(2):
-        for _ in range(2):
-            obs, *_ = env.step(act(state, obs))
-            buf.add(obs=obs)
-        state, metrics = learn_swapped(state, buf.collect())
-""")
+""" + ROLLOUTS.format(updates=2, act="act", learn="learn_swapped"))
     with pytest.raises(VersionedStateError, match=rf"learner 'learn_swapped' returned, as the next version of 'state', a "
                                                   rf"value that is not shaped like the state it was given \(missing: "
                                                   rf"\['w'\]; not in the state: \['m'\]\)\n  at {relpath(path)}:"
@@ -240,18 +244,7 @@ def test_an_actor_changing_the_state_it_reads_in_place_is_refused_where_it_runs_
 def act_and_nudge(params, obs):
     params["w"] += 0.001   # in place: only this process would see it
     return np.argmax(obs @ params["w"], axis=-1)
-
-def train():
-    env = ff.envs.make("CartPole-v1", num_envs=2)
-    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
-    buf = ff.RolloutBuffer(2)
-    obs = env.reset()
-    for _ in range(3):
-        for _ in range(2):
-            obs, *_ = env.step(act_and_nudge(state, obs))
-            buf.add(obs=obs)
-        state, metrics = learn(state, buf.collect())
-""")
+""" + ROLLOUTS.format(updates=3, act="act_and_nudge", learn="learn"))
     program = load(str(path))
     ff.run(program.train, policy="single_process")   # one process: the change is seen, as eagerly
     with pytest.raises(PlacementError, match=rf"actor fragment 'act_and_nudge' changes the versioned state 'state' "

@@ -15,11 +15,8 @@ user's ``file:line``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random as _pyrandom
-import types
 import weakref
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +31,7 @@ from fragflow.compiler import probes
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
+from fragflow.compiler.reach import captured_objects, captured_state, fingerprint, objects_of
 from fragflow.context import InstanceNames
 from fragflow.errors import (
     FragflowError,
@@ -50,102 +48,6 @@ LOOP = "loop"
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
 MAX_TRACE_UPDATES = 200
-
-
-def _fingerprint(tree: Any) -> list[int]:
-    """A checksum of each array leaf's bytes: whether a fragment changed what it read in place."""
-    try:
-        leaves = leaf_paths(tree)
-    except NotAnArray:
-        return []
-    out = []
-    for _, leaf in leaves:
-        if hasattr(leaf, "detach"):
-            leaf = leaf.detach().cpu().numpy()
-        out.append(zlib.crc32(np.ascontiguousarray(leaf).data))
-    return out
-
-
-def _holds_state(value: Any) -> bool:
-    if isinstance(value, (Versioned, VersionedView)):
-        return True
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return any(isinstance(x, (Versioned, VersionedView)) for x in items)
-
-
-@functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names a function's code (and the functions and comprehensions nested in it) may look up."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_global_names(const))
-    return tuple(dict.fromkeys(names))
-
-
-def _objects_of(value: Any) -> list[Any]:
-    """The objects a versioned value holds that code could keep a reference to: its containers,
-    modules (and their submodules and parameters), optimizers, tensors and arrays."""
-    out: list[Any] = []
-    stack = [value]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, (str, bytes, int, float, bool)) or x is None:
-            continue
-        out.append(x)
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif hasattr(x, "modules") and hasattr(x, "parameters"):   # an nn.Module
-            out.extend(m for m in x.modules() if m is not x)
-            out.extend(x.parameters())
-    return out
-
-
-def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str, str, str] | None:
-    """An object versioned state holds (a module, a tensor) that a fragment's code reaches through a
-    closure or a global rather than its arguments: (kind, variable, state); None when there is none."""
-    if not objects:
-        return None
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    cells = []
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        try:
-            cells.append(("closure variable", name, cell.cell_contents))
-        except ValueError:
-            continue
-    scope = getattr(fn, "__globals__", {})
-    cells.extend(("global", name, scope[name]) for name in _global_names(code) if name in scope)
-    for kind, name, value in cells:
-        hit = objects.get(id(value))
-        if hit is not None and hit[1] is value:
-            return kind, name, hit[0]
-    return None
-
-
-def captured_state(fn: Any) -> tuple[str, str, Any] | None:
-    """Versioned state a fragment's code reaches without being passed it, through a closure or a
-    global: (``"closure variable"`` or ``"global"``, its name, the value); None when there is none."""
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        try:
-            value = cell.cell_contents
-        except ValueError:   # not assigned yet
-            continue
-        if _holds_state(value):
-            return "closure variable", name, value
-    scope = getattr(fn, "__globals__", {})
-    for name in _global_names(code):
-        if name in scope and _holds_state(scope[name]):
-            return "global", name, scope[name]
-    return None
 
 
 class _StopTracing(BaseException):
@@ -254,7 +156,7 @@ class Tracer:
             ) from None
         unique = self._names(name)
         self._states[unique] = _StateRec(where)
-        for obj in _objects_of(value):
+        for obj in objects_of(value):
             self._state_objects.setdefault(id(obj), (unique, obj))
         return Versioned(unique, 0, value, where)
 
@@ -312,12 +214,13 @@ class Tracer:
         if frag.role != "learner" and not rec.mutates and sum(rec.calls) <= 2:
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
-        fingerprints = [_fingerprint(value) for _, _, value in read]
-        if sum(rec.calls) == 1 and frag.role != "learner":
+        fingerprints = [fingerprint(value) for _, _, value in read]
+        first = sum(rec.calls) == 1
+        if first and frag.role != "learner":
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
                 rec.captures = f"'{shared[2]}' through the {shared[0]} '{shared[1]}'"
-        captured = captured_state(frag.fn)
+        captured = captured_state(frag.fn) if first else None
         if captured is not None:
             kind, var, value = captured
             raise VersionedStateError(
@@ -334,7 +237,7 @@ class Tracer:
             raise
 
         for (pname, state, value), before in zip(read, fingerprints):
-            if _fingerprint(value) != before:
+            if fingerprint(value) != before:
                 rec.mutates = f"'{state}' (argument '{pname}')"
         events = self.events.of(frag)
         if events is not None and not frag.evaluation:
@@ -433,8 +336,9 @@ class Tracer:
             raise NotArrayPytreeError(
                 f"learner '{rec.name}' returned new state whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
                 where=rec.defined_at, fix="state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays") from None
+        edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         try:
-            given = {p for p, _ in leaf_paths(handle.value)}
+            given = None if edge.leaves else {p for p, _ in leaf_paths(handle.value)}   # its first write
         except NotAnArray:
             given = None
         got = {p for p, _ in leaves}
@@ -446,7 +350,6 @@ class Tracer:
                 f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
                 where=rec.defined_at,
                 fix=f"return the new state first, with the same structure: return {handle.name}, metrics")
-        edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         edge.crossings[window] += 1
         for p, leaf in leaves:
             edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
@@ -604,7 +507,7 @@ class Tracer:
                               rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
                               static=rec.static, splittable=self._splittable(rec),
-                              evaluation=bool(getattr(self.fragments[rec.name], "evaluation", False)),
+                              evaluation=self.fragments[rec.name].evaluation,
                               mutates_state=rec.mutates, captures_state=rec.captures))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
