@@ -24,7 +24,7 @@ from fragflow.compiler.ir import Graph
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
 from fragflow.compiler.tracer import trace_program
-from fragflow.errors import ConfigError
+from fragflow.errors import ConfigError, PlacementError
 from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
@@ -125,8 +125,18 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     graph, fragments = trace_program(train, *call_args)
     placed = spec.place(graph, options).verify()
     lowered = lower(placed)
+    captured = [n for n in graph.fragments() if n.reads_captured]
+    if lowered.services and captured:
+        n = captured[0]
+        raise PlacementError(
+            f"{n.role} fragment '{n.name}' reads the versioned state {n.reads_captured} instead of receiving it as "
+            f"an argument, but policy '{placed.policy}' runs the program in several processes: a fragment sees the "
+            "version its placement gives it only through its arguments", where=n.defined_at,
+            fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the call, "
+                "or run with --policy single_process")
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
+    checks["captured"] = frozenset(n.name for n in captured)
     program = None
     if lowered.services:
         import sys

@@ -175,9 +175,11 @@ def train():
 
 
 @pytest.mark.parametrize("how", ["global", "closure"])
-def test_versioned_state_reached_through_a_global_or_a_closure_is_refused_at_the_fragment(write_algo, how):
-    """A fragment must receive versioned state as an argument: one that reaches it through a
-    global or a closure would act with whatever version it captured, in every process."""
+def test_versioned_state_reached_through_a_global_or_a_closure_runs_as_eagerly_in_one_process_only(write_algo, how):
+    """A fragment should receive versioned state as an argument: that is how a placement hands it
+    the version it may act with. One that reaches it through a global or a closure runs under
+    single_process exactly as eagerly (the variable holds the state's value while it runs), and
+    every placement over several processes refuses it at its definition."""
     reach = {"global": """
 STATE = None
 
@@ -197,17 +199,36 @@ def train():
     def act_on(obs):
         return np.argmax(obs @ [state["w"]][0], axis=-1)
 """}[how]
-    path, marks = write_algo(HEADER + reach + textwrap.indent("""
-env = ff.envs.make("CartPole-v1", num_envs=2)
+    path, marks = write_algo(HEADER + """
+@ff.fragment("learner")
+def turn(state, batch):
+    return {"w": state["w"] + np.outer(batch["obs"].mean(axis=(0, 1)), [1.0, -1.0]).astype(np.float32)}, {}
+""" + reach + textwrap.indent(f"""
+env = ff.envs.make("CartPole-v1", num_envs=2, seed=3)
+buf = ff.RolloutBuffer(4)
+actions = []
 obs = env.reset()
-for _ in range(2):
-    obs, *_ = env.step(act_on(obs))
+for _ in range(6):
+    for _ in range(4):
+        action = act_on(obs)
+        actions.append(action)
+        obs, *_ = env.step(action)
+        buf.add(obs=obs)
+    state, _ = turn(state, buf.collect())
+    {"STATE = state" if how == "global" else ""}
+return np.concatenate(actions)
 """, "    "))
+    program = load(str(path))
+    eager = program.train()
+    assert eager.any() and not eager.all()   # the actor acts with each new version, not the first
+    np.testing.assert_array_equal(ff.run(program.train, policy="single_process").value, eager)
     kind = "global 'STATE'" if how == "global" else "closure variable 'state'"
-    with pytest.raises(VersionedStateError, match=rf"fragment 'act_on' reads the versioned state Versioned\('state', v0\) "
-                                                  rf"through the {kind} instead of receiving it as an argument\n"
-                                                  rf"  at {relpath(path)}:{marks['def']}\n  fix: add a parameter"):
-        trace_file(path)
+    for policy in ("pipelined", "actor_learner(actors=2)", "central_inference"):
+        with pytest.raises(PlacementError, match=rf"actor fragment 'act_on' reads the versioned state 'state' through "
+                                                 rf"the {kind} instead of receiving it as an argument, but policy "
+                                                 rf"'{policy.split('(')[0]}' runs the program in several processes.*\n"
+                                                 rf"  at {relpath(path)}:{marks['def']}\n  fix: add a parameter"):
+            compile(program.train, policy=policy)
 
 
 # a loop over two CartPoles that acts with `act` on the whole state and learns with `learn`

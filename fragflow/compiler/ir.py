@@ -94,6 +94,7 @@ class Node:
     evaluation: bool = False       # ENV: an evaluation env (stepped whole by every acting process)
     mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
     captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)
+    reads_captured: str = ""       # reaches versioned state itself (a handle) through a global or closure (which)
 
 
 @dataclass(frozen=True, slots=True)

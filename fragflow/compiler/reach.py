@@ -4,10 +4,13 @@ A fragment sees versioned state only through its arguments: that is how a placem
 version it may act with. The tracer asks, on a fragment's first call, what its closure and the
 globals its code names hold (a ``Versioned`` handle, or an object a versioned state holds, such as
 its ``nn.Module``), and fingerprints the state a fragment reads to see whether it changed it in place.
+A fragment that reaches a handle that way runs in the loop's own process with the handle's value in
+its place (:func:`handles_as_values`), as it does eagerly; placements over several processes refuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import zlib
@@ -89,10 +92,68 @@ def _holds_state(value: Any) -> bool:
     return any(isinstance(x, (Versioned, VersionedView)) for x in items)
 
 
-def captured_state(fn: Any) -> tuple[str, str, Any] | None:
+def _as_value(x: Any) -> Any:
+    """What a handle, or a dict/list/tuple of handles, holds: the handle's own value, as the
+    variable would hold it had ``ff.versioned`` returned its argument (as it does eagerly)."""
+    if isinstance(x, Versioned):
+        return x.value
+    if isinstance(x, VersionedView):
+        return x.resolve(x.handle.value)
+    if isinstance(x, dict):
+        return {k: _as_value(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_as_value(v) for v in x)
+    return x
+
+
+@contextlib.contextmanager
+def handles_as_values(fn: Any) -> Iterator[None]:
+    """While a fragment runs in the loop's own process, the closure cells and globals its code
+    reaches that hold versioned state hold the state's value instead, as they do when the program
+    runs eagerly; restored afterwards (the loop still moves the handles)."""
+    fn = getattr(fn, "__func__", fn)
+    code = fn.__code__
+    swapped: list[tuple[Any, str, Any]] = []   # (cell or globals dict, name, handle)
+    try:
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                held = cell.cell_contents
+            except ValueError:
+                continue
+            if _holds_state(held):
+                swapped.append((cell, name, held))
+                cell.cell_contents = _as_value(held)
+        scope = fn.__globals__
+        for name in _global_names(code):
+            held = scope.get(name)
+            if held is not None and _holds_state(held):
+                swapped.append((scope, name, held))
+                scope[name] = _as_value(held)
+        yield
+    finally:
+        for where, name, held in reversed(swapped):
+            if isinstance(where, dict):
+                where[name] = held
+            else:
+                where.cell_contents = held
+
+
+def captured_state(fn: Any) -> tuple[str, str, str] | None:
     """Versioned state a fragment's code reaches without being passed it, through a closure or a
-    global: (kind, its name, the value); None when there is none."""
-    return next(((kind, name, value) for kind, name, value in _reachable(fn) if _holds_state(value)), None)
+    global: (kind, the variable, the state's name); None when there is none."""
+    for kind, name, value in _reachable(fn):
+        if _holds_state(value):
+            return kind, name, _handles(value)[0].name
+    return None
+
+
+def _handles(value: Any) -> list[Versioned]:
+    if isinstance(value, Versioned):
+        return [value]
+    if isinstance(value, VersionedView):
+        return [value.handle]
+    items = value.values() if isinstance(value, dict) else value
+    return [h for x in items if isinstance(x, (Versioned, VersionedView)) for h in _handles(x)]
 
 
 def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str, str, str] | None:

@@ -31,7 +31,13 @@ from fragflow.compiler import probes
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
-from fragflow.compiler.reach import captured_objects, captured_state, fingerprint, objects_of
+from fragflow.compiler.reach import (
+    captured_objects,
+    captured_state,
+    fingerprint,
+    handles_as_values,
+    objects_of,
+)
 from fragflow.context import InstanceNames
 from fragflow.errors import (
     FragflowError,
@@ -70,6 +76,7 @@ class _NodeRec:
     static: tuple[str, ...] = ()
     mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
     captures: str = ""  # ... or reaches an object versioned state holds (a module) through a global or closure
+    reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure
 
 
 @dataclass
@@ -220,16 +227,16 @@ class Tracer:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
                 rec.captures = f"'{shared[2]}' through the {shared[0]} '{shared[1]}'"
-        captured = captured_state(frag.fn) if first else None
-        if captured is not None:
-            kind, var, value = captured
-            raise VersionedStateError(
-                f"fragment '{rec.name}' reads the versioned state {value!r} through the {kind} '{var}' instead of "
-                "receiving it as an argument", where=definition_of(frag.fn) or where,
-                fix=f"add a parameter to '{rec.name}' and pass the state (or a view such as state['model']) at the "
-                    "call: a fragment sees the version its placement gives it only through its arguments")
+        if first:
+            captured = captured_state(frag.fn)
+            if captured is not None:   # runs as eagerly in one process; other placements refuse it
+                rec.reads_captured = f"'{captured[2]}' through the {captured[0]} '{captured[1]}'"
         try:
-            out = frag.fn(*bound.args, **bound.kwargs)
+            if rec.reads_captured:
+                with handles_as_values(frag.fn):
+                    out = frag.fn(*bound.args, **bound.kwargs)
+            else:
+                out = frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
             raise
         except Exception as exc:
@@ -508,7 +515,8 @@ class Tracer:
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
-                              mutates_state=rec.mutates, captures_state=rec.captures))
+                              mutates_state=rec.mutates, captures_state=rec.captures,
+                              reads_captured=rec.reads_captured))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()

@@ -26,6 +26,7 @@ from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.compiler.pytree import unflatten_into
+from fragflow.compiler.reach import handles_as_values
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
 from fragflow.lowering import LoopProgram
@@ -65,6 +66,7 @@ class LoopInterpreter:
         self.index = replica
         self.endpoints = endpoints
         self.checks = checks or {}
+        self._captured: frozenset[str] = self.checks.get("captured", frozenset())   # read state through a global
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
         self._state_names = InstanceNames()
@@ -171,7 +173,11 @@ class LoopInterpreter:
         if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
             kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
         try:
-            out = frag.fn(*args, **kwargs)
+            if name in self._captured:   # single_process only: as eagerly, the global holds the value
+                with handles_as_values(frag.fn):
+                    out = frag.fn(*args, **kwargs)
+            else:
+                out = frag.fn(*args, **kwargs)
         except FragflowError:
             raise
         except Exception as exc:
