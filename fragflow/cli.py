@@ -39,6 +39,13 @@ def _debug(flag: bool) -> bool:
     return flag or os.environ.get("FRAGFLOW_DEBUG", "") not in ("", "0")
 
 
+def _tracing(name: str, status: Any) -> Callable[[int, int], None]:
+    """What the spinner says while the trace runs the loop up to its learner's first updates."""
+    def report(env_steps: int, updates: int) -> None:
+        status.update(f"tracing {name}: {env_steps:,} env steps, {updates} learner update{'s' * (updates != 1)}")
+    return report
+
+
 def _fail(exc: BaseException, debug: bool) -> typer.Exit:
     if isinstance(exc, FragflowError):
         if debug:
@@ -130,8 +137,8 @@ def run(
             raise ConfigError("--address names a Ray cluster, but the backend is local", fix="add --backend ray")
         run_dir = out_dir or (start.run_dir if start is not None else
                               Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        with err.status(f"tracing {algorithm} ...", spinner="dots"):
-            compiled = driver.compile(program.train, args, policy=policy)
+        with err.status(f"tracing {program.name} ...", spinner="dots") as status:
+            compiled = driver.compile(program.train, args, policy=policy, on_trace=_tracing(program.name, status))
         placed = compiled.placed
         err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy [bold]{placed.policy}[/], "
                   f"writing to {run_dir}", highlight=False)
@@ -213,7 +220,8 @@ def graph(
             from fragflow.errors import ConfigError
 
             raise ConfigError(f"cannot write an image to {target}", fix="give a path ending in .png or .svg")
-        placed = driver.compile(program.train, args, policy=policy).placed
+        with err.status(f"tracing {program.name} ...", spinner="dots") as status:
+            placed = driver.compile(program.train, args, policy=policy, on_trace=_tracing(program.name, status)).placed
         text = format_placed(placed) if policy else format_graph(placed.graph)
         if target is not None and not no_image:
             from fragflow.compiler.draw import draw

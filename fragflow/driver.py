@@ -114,15 +114,18 @@ class Compiled:
         return self.program is None
 
 
-def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None) -> Compiled:
+def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
+            on_trace: Callable[[int, int], None] | None = None) -> Compiled:
     """Trace ``train(args)``, place it with ``policy`` (or the decorator's, or the default) and lower
-    it; every configuration error surfaces here, before a run writes anything."""
+    it; every configuration error surfaces here, before a run writes anything. ``on_trace(env_steps,
+    updates)`` hears how far the trace has run, a few times a second (a warm-up before the first
+    update, as DQN's, is run through while tracing)."""
     spec, options = policies.resolve(policy, train)
     from fragflow.compiler.resumable import resumable
 
     train = resumable(train)   # its top-level loops report their trips: checkpoints, resume, restarts
     call_args = () if args is None else (args,)
-    graph, fragments = trace_program(train, *call_args)
+    graph, fragments = trace_program(train, *call_args, on_progress=on_trace)
     placed = spec.place(graph, options).verify()
     lowered = lower(placed)
     captured = [n for n in graph.fragments() if n.reads_captured]

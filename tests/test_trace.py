@@ -369,3 +369,32 @@ def test_rates_from_the_loops_are_not_claimed_under_an_if_or_an_early_exit():
     # learn runs every train_frequency steps after the warm-up: an if around it, so the rate is the traced one
     assert graph.derived_rate("act") is None and graph.derived_rate("sync_target") is None
     assert graph.rate_of("act") == graph.node("act").rate == 10
+
+
+def test_the_trace_reports_how_far_it_has_run_the_loop(write_algo, monkeypatch):
+    """A warm-up before the first update (DQN's 10k steps) is run through while tracing: the trace
+    says how far it is (the CLI's spinner shows it)."""
+    import itertools
+    import time
+
+    path, _ = write_algo(HEADER + """
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for step in range(20):
+        obs, *_ = env.step(act(state, obs))
+        buf.add(obs=obs)
+        if step % 2 == 1:
+            batch = buf.collect()
+            if step >= 9:   # a warm-up of 10 steps, then an update every 2
+                state, metrics = learn(state, batch)
+""")
+    clock = itertools.count(step=1.0)
+    monkeypatch.setattr(time, "monotonic", lambda: float(next(clock)))   # a second passes at every look
+    heard: list[tuple[int, int]] = []
+    compile(load(str(path)).train, policy="single_process", on_trace=lambda steps, updates: heard.append((steps, updates)))
+    assert heard[:3] == [(0, 0), (2, 0), (4, 0)]        # reset, then 2 env steps per call of env.step
+    assert heard[-1] == (24, 1)       # the 12th step; it stops at the second update, right after it
+    assert heard == sorted(heard)

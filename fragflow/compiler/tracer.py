@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random as _pyrandom
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,8 +108,11 @@ class _Origin:
 class Tracer:
     """The tracing interpreter (see :mod:`fragflow.context`)."""
 
-    def __init__(self, max_updates: int = 2, expected: tuple[Fragment, ...] = ()) -> None:
+    def __init__(self, max_updates: int = 2, expected: tuple[Fragment, ...] = (),
+                 on_progress: Callable[[int, int], None] | None = None) -> None:
         self.max_updates = max_updates
+        self.on_progress = on_progress   # (env steps, updates) so far, every quarter second
+        self._reported = time.monotonic()
         self._expected = {id(f) for f in expected}
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
         self.events = EventSources()
@@ -249,6 +253,9 @@ class Tracer:
         events = self.events.of(frag)
         if events is not None and not frag.evaluation:
             self.env_steps += events(out)[0]
+            if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
+                self._reported = time.monotonic()
+                self.on_progress(self.env_steps, self.updates)
         if rec.inputs is None:
             rec.inputs = self._inputs
         written_specs: list[TensorSpec] = []
@@ -565,12 +572,13 @@ def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs:
 
 
 def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
+                  on_progress: Callable[[int, int], None] | None = None,
                   **kwargs: Any) -> tuple[Graph, dict[str, Fragment]]:
     """:func:`trace`, also returning the fragment objects by node name (what executors call)."""
     train = getattr(train, "__fragflow_train__", train)
     module_fragments = tuple(v for v in getattr(train, "__globals__", {}).values()
                              if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
-    tracer = Tracer(max_updates=max_updates, expected=module_fragments)
+    tracer = Tracer(max_updates=max_updates, expected=module_fragments, on_progress=on_progress)
     watcher = LoopWatcher(train)
     saved = _rng_state()
     import torch
