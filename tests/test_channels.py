@@ -19,7 +19,8 @@ SPECS = [TensorSpec((3, 4), "float32", "numpy"), TensorSpec((2,), "int64", "torc
 
 
 def shm_leftovers() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith("fragflow_")]
+    """Segments this test process created and left (another fragflow run on the machine does not count)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"fragflow_{os.getpid()}_")]
 
 
 @pytest.fixture

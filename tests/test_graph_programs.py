@@ -162,6 +162,65 @@ def test_rollouts_acted_on_no_state_are_never_stale(write_algo, policy):
     assert shm_leftovers() == []
 
 
+RECURRENT = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(params, obs, h, key):            # a recurrent policy: the memory h is one row per environment
+    h = np.tanh(obs @ params["wx"] + h @ params["wh"])
+    logits = h @ params["wo"]
+    return np.argmax(logits + ff.random.gumbel(key, (2,)), axis=-1), h
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    score = (batch["reward"][..., None] * batch["h"]).mean((0, 1))
+    return {"wx": state["wx"], "wh": state["wh"] * 0.99, "wo": state["wo"] + 0.1 * score[:, None] * [1.0, -1.0]}, \\
+        {"h": float(np.abs(batch["h"]).mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    rng = np.random.default_rng(0)
+    state = ff.versioned({"wx": rng.normal(size=(4, 8)), "wh": rng.normal(size=(8, 8)) * 0.3, "wo": np.zeros((8, 2))})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    h = np.zeros((env.num_envs, 8))       # made by the loop, carried from step to step
+    for _ in range(args.updates):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            action, h = act(state, obs, h, sub)
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            buf.add(h=h, reward=reward)
+            h = h * (1.0 - (terminated | truncated))[:, None]    # the memory starts again with an episode
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["central_inference(env_workers=2)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(write_algo, policy):
+    """Arrays the loop makes beside a batch of environments, with one row per environment (a
+    recurrent memory, reset by the loop when an episode ends), are split with the environments, and
+    served inference answers each worker with its own rows: the run is single_process's."""
+    path, _ = write_algo(RECURRENT)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy=policy)
+    assert same_tree(result.value, expected.value)
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+    assert not np.allclose(result.value["wo"], 0.0)   # it learned
+    graph = compile(program.train, program.args_cls(), policy="single_process").placed.graph
+    assert [(leaf.axis_name, leaf.axis) for leaf in graph.node("act").inputs if leaf.dst_path == "h"] == [("env", 0)]
+
+
 def test_two_versioned_values_read_on_the_acting_side_keep_their_own_weights(write_algo):
     path, _ = write_algo(TWO_STATES)
     program = load(str(path))

@@ -71,6 +71,7 @@ class _NodeRec:
     called_at: SourceLoc | None = None
     calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
     out_specs: list[tuple[str, TensorSpec]] | None = None
+    out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None
     backends: set[str] = field(default_factory=set)
@@ -127,6 +128,7 @@ class Tracer:
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
         self._inputs: list[LeafSpec] = []
+        self._loop_made: list[tuple[int, _EdgeRec]] = []   # the call's inputs the loop made (index, edge)
         self._axis_hint: dict[int, tuple[tuple[str, int], Callable[[], Any]]] = {}
         self.fragments: dict[str, Fragment] = {}
         self._resources: list[Any] = []
@@ -193,6 +195,7 @@ class Tracer:
         self._input_ids = set()
         self._input_backends = set()
         self._inputs = []
+        self._loop_made = []
         static = []
         state_args: list[tuple[str, str]] = []
         for pname, value in list(bound.arguments.items()):
@@ -210,6 +213,8 @@ class Tracer:
                 static.append(pname)
                 continue
             self._record_inputs(rec, pname, value, window, where, frag.in_axes)
+        if self._loop_made and frag.in_axes is None:
+            self._loop_rows()
         rec.static = tuple(static)
         if frag.writes is not None and written is None:
             raise VersionedStateError(
@@ -414,6 +419,8 @@ class Tracer:
                 edge.where = where
             leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
             edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
+            if src == LOOP and axis is None:
+                self._loop_made.append((len(self._inputs), edge))
             self._inputs.append(leaf_spec)
             if (src, port) not in touched:
                 touched.add((src, port))
@@ -460,6 +467,9 @@ class Tracer:
             rec.backends.update(b for b in self._input_backends if b != "python")
         axes = frag.axes or default_axes(frag.role, out) or self._sized_by_ids(frag, leaves) or \
             self._inherited_axes(leaves)
+        if rec.out_axes is None:
+            known = [(path, axes(path)) for _, path, _ in leaves] if axes is not None else []
+            rec.out_axes = tuple((path, a[0], a[1]) for path, a in known if a is not None)
         # The output's containers: passed on whole (``learn(state, buffer.collect(...))``), every leaf
         # in one comes from this fragment, what it passed through included: placed elsewhere, the
         # fragment's process resolves the whole container.
@@ -493,14 +503,35 @@ class Tracer:
         batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] in self.env_counts}
         return (lambda path: ("env", 0) if path in batched else None) if batched else None
 
+    def _env_rows(self) -> int | None:
+        """How many environments a call's batched inputs carry on axis 0 (None: none, or several sizes)."""
+        sizes = {leaf.spec.shape[0] for leaf in self._inputs
+                 if leaf.axis == 0 and leaf.axis_name == "env" and leaf.spec.shape}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def _loop_rows(self) -> None:
+        """Arrays the loop made and passed beside a batch of environments on axis 0, with that many
+        rows (a recurrent state carried from step to step, a mask of done environments), are rows
+        one per environment too, as a fragment's outputs of that leading size are: a policy that
+        splits the environments splits them, and a served call merges the workers' rows."""
+        n = self._env_rows()
+        if n is None:
+            return
+        for i, edge in self._loop_made:
+            leaf = self._inputs[i]
+            if leaf.spec.shape and leaf.spec.shape[0] == n:
+                rows = dataclasses.replace(leaf, axis=0, axis_name="env")
+                self._inputs[i] = rows
+                key = (leaf.src_path, leaf.dst_path)
+                if edge.leaves.get(key) == leaf:
+                    edge.leaves[key] = rows
+
     def _inherited_axes(self, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
         """A fragment that declares no axes (a user's ``act``) keeps its inputs' ``env`` batch: when
         its batched inputs have the environments on axis 0, outputs with that leading size do too."""
-        sizes = {leaf.spec.shape[0] for leaf in self._inputs
-                 if leaf.axis == 0 and leaf.axis_name == "env" and leaf.spec.shape}
-        if len(sizes) != 1:
+        n = self._env_rows()
+        if n is None:
             return None
-        n = sizes.pop()
         batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}
         return lambda path: ("env", 0) if path in batched else None
 
@@ -520,6 +551,7 @@ class Tracer:
                               defined_at=rec.defined_at, called_at=rec.called_at,
                               rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
+                              output_axes=rec.out_axes or (),
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
                               mutates_state=rec.mutates, captures_state=rec.captures,

@@ -305,7 +305,10 @@ def lower(placed: PlacedGraph) -> Lowered:
             if sync:
                 out_axis = {leaf.src_path: leaf for e in graph.edges_of(EdgeKind.DATA) if e.src == name
                             for leaf in e.leaves}
-                outs = [out_axis.get(path) or LeafSpec(path, path, spec) for path, spec in node.outputs]
+                # an output only the loop's own code reads has no edge: its batch axis is the node's
+                batched = {path: (axis, name) for path, name, axis in node.output_axes}
+                outs = [out_axis.get(path) or LeafSpec(path, path, spec, *batched.get(path, (None, None)))
+                        for path, spec in node.outputs]
                 out_specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in outs)
                 out_axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in outs)
                 for k in range(loop.replicas):
