@@ -119,16 +119,32 @@ def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
     return _unflatten(treedef, it)
 
 
-def unflatten_into(template: Any, leaves: list[Any]) -> Any:
+def without_optimizers(tree: Any) -> Any:
+    """``tree`` with every ``torch.optim`` optimizer in it replaced by None (containers rebuilt,
+    modules and arrays kept): what a version broadcast to the acting side carries. An actor never
+    steps an optimizer, and Adam's state only exists after its first step, so a broadcast sized
+    from it would not fit version 0."""
+    if isinstance(tree, (dict, list, tuple)):
+        if isinstance(tree, dict):
+            return {k: without_optimizers(v) for k, v in tree.items()}
+        kids = [without_optimizers(v) for v in tree]
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            return type(tree)(*kids)
+        return kids if isinstance(tree, list) else tuple(kids)
+    return None if _torch_kind(tree) == "optimizer" else tree
+
+
+def unflatten_into(template: Any, leaves: list[Any], optimizers: bool = True) -> Any:
     """``template``'s structure with ``leaves`` in it: containers are rebuilt, but modules and
     optimizers in ``template`` are kept and their tensors overwritten in place (their leaves are
-    copied, so the caller may reuse ``leaves``).
+    copied, so the caller may reuse ``leaves``). With ``optimizers=False`` the leaves are those of
+    :func:`without_optimizers` (``template``'s optimizers are kept as they are).
 
     >>> unflatten_into({"a": 1, "b": [2]}, [10, 20])
     {'a': 10, 'b': [20]}
     """
     it = iter(leaves)
-    out = _into(template, it)
+    out = _into(template, it, optimizers)
     if next(it, _END) is not _END:
         raise ValueError("more leaves than the template has")
     return out
@@ -137,10 +153,12 @@ def unflatten_into(template: Any, leaves: list[Any]) -> Any:
 _END = object()
 
 
-def _into(tree: Any, it: Iterator[Any]) -> Any:
+def _into(tree: Any, it: Iterator[Any], optimizers: bool = True) -> Any:
     if tree is None:
         return None
     kind = _torch_kind(tree) if not isinstance(tree, (dict, list, tuple, np.ndarray)) else None
+    if kind == "optimizer" and not optimizers:
+        return tree
     if kind is not None:
         import torch
 
@@ -150,11 +168,11 @@ def _into(tree: Any, it: Iterator[Any]) -> Any:
                 dst.copy_(src if isinstance(src, torch.Tensor) else torch.as_tensor(src))
         return tree
     if isinstance(tree, dict):
-        return {k: _into(v, it) for k, v in tree.items()}
+        return {k: _into(v, it, optimizers) for k, v in tree.items()}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*[_into(v, it) for v in tree])
+        return type(tree)(*[_into(v, it, optimizers) for v in tree])
     if isinstance(tree, (list, tuple)):
-        kids = [_into(v, it) for v in tree]
+        kids = [_into(v, it, optimizers) for v in tree]
         return kids if isinstance(tree, list) else tuple(kids)
     return next(it)
 

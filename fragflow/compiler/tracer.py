@@ -31,7 +31,14 @@ from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler import probes
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
-from fragflow.compiler.pytree import NotAnArray, TensorSpec, is_static, leaf_paths, spec_of
+from fragflow.compiler.pytree import (
+    NotAnArray,
+    TensorSpec,
+    is_static,
+    leaf_paths,
+    spec_of,
+    without_optimizers,
+)
 from fragflow.compiler.reach import (
     captured_objects,
     captured_state,
@@ -339,7 +346,7 @@ class Tracer:
         resolved = handle.value if isinstance(value, Versioned) else value.resolve(handle.value)
         if edge.read_version != handle.version:   # a version's leaves are read once (an actor reads it every step)
             edge.read_version = handle.version
-            for p, leaf in leaf_paths(resolved):
+            for p, leaf in leaf_paths(without_optimizers(resolved)):   # what a broadcast carries
                 edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
         return resolved
 

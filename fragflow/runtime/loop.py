@@ -244,7 +244,7 @@ class LoopInterpreter:
                 template = local.value
                 for k in root:
                     template = template[k]
-                trees.append(unflatten_into(template, leaves[pos:pos + n]))
+                trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
                 pos += n
             cached = self._views[handle.name] = (key, trees)
         for root, tree in zip(b.paths, cached[1]):

@@ -26,7 +26,7 @@ import numpy as np
 
 from fragflow import context
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.pytree import flatten, leaf_paths, to_numpy
+from fragflow.compiler.pytree import flatten, leaf_paths, to_numpy, without_optimizers
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
@@ -449,7 +449,7 @@ class ServiceRunner:
             sub = value
             for k in path:
                 sub = sub[k]
-            leaves.extend(flatten(sub)[0])
+            leaves.extend(flatten(without_optimizers(sub))[0])
         self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
 
     def _save(self, seq: int) -> None:
