@@ -832,3 +832,56 @@ def test_a_learner_output_read_in_the_loop_is_refused_at_placement_where_the_lea
                                                              r"compared with > in the training loop") as err:
         compile(program.train, args, policy="pipelined")
     assert err.value.where is not None and err.value.where.line == marks["read"]
+
+
+SOMETIMES_LOGGED = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 7
+
+@ff.fragment("actor")
+def act(params, obs):
+    return np.argmax(obs @ params["w"], axis=-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01}, {"obs_mean": float(batch["obs"].mean())}
+
+@ff.fragment("learner", writes=None)
+def every_other(batch):                  # a second learner's loss every other update, as SAC's actor
+    return {"second": float(batch["obs"].std())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        batch = buf.collect()
+        state, metrics = learn(state, batch)
+        ff.log(metrics)
+        if u % 2 == 1:
+            ff.log(every_other(batch))
+        if u % 3 == 2:                   # and the loop's own, every third
+            ff.log({"third": float(u)})
+    return state
+"""
+
+
+def test_metrics_first_logged_after_the_first_row_get_their_own_columns(write_algo, tmp_path):
+    import csv
+
+    path, _ = write_algo(SOMETIMES_LOGGED)
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert len(rows) == 7 and {"obs_mean", "second", "third"} <= set(rows[0])
+    assert [r["second"] != "" for r in rows] == [False, True, False, True, False, True, False]
+    assert [r["third"] for r in rows] == ["", "", "2.0", "", "", "5.0", ""]

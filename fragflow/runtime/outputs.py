@@ -35,12 +35,13 @@ class RunOutputs:
     def write_row(self, row: dict[str, float]) -> None:
         if self._csv is None:
             if self._columns is not None:
-                self._csv_file = open(self.dir / "metrics.csv", "a", newline="")
-                self._csv = csv.DictWriter(self._csv_file, fieldnames=self._columns, extrasaction="ignore")
+                self._open_csv("a")
             else:
-                self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
-                self._csv = csv.DictWriter(self._csv_file, fieldnames=list(row), extrasaction="ignore")
-                self._csv.writeheader()
+                self._columns = list(row)
+                self._open_csv("w")
+        assert self._columns is not None and self._csv is not None
+        if any(key not in self._columns for key in row):
+            self._widen([key for key in row if key not in self._columns])
         self._csv.writerow(row)
         assert self._csv_file is not None
         self._csv_file.flush()
@@ -48,6 +49,30 @@ class RunOutputs:
         for key, value in row.items():
             if key != "env_steps" and value == value:   # skip NaN (no episode finished yet)
                 self._tb.add_scalar(_tb_tag(key), value, step)
+
+    def _open_csv(self, mode: str) -> None:
+        assert self._columns is not None
+        self._csv_file = open(self.dir / "metrics.csv", mode, newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self._columns, restval="")
+        if mode == "w":
+            self._csv.writeheader()
+
+    def _widen(self, new: list[str]) -> None:
+        """A metric first logged after the first row (an actor loss every other update, a value
+        the loop logs now and then): the file is rewritten with a column for it, empty above."""
+        assert self._csv_file is not None and self._columns is not None
+        self._csv_file.close()
+        path = self.dir / "metrics.csv"
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        self._columns = self._columns + new
+        tmp = path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+        self._open_csv("a")
 
     def write_episode(self, env_steps: int, ret: float, length: int) -> None:
         self._tb.add_scalar("charts/episodic_return", ret, env_steps)
