@@ -885,3 +885,56 @@ def test_metrics_first_logged_after_the_first_row_get_their_own_columns(write_al
     assert len(rows) == 7 and {"obs_mean", "second", "third"} <= set(rows[0])
     assert [r["second"] != "" for r in rows] == [False, True, False, True, False, True, False]
     assert [r["third"] for r in rows] == ["", "", "2.0", "", "", "5.0", ""]
+
+
+NESTED = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+@ff.fragment("actor")
+def logits_of(w, obs):
+    return obs @ w
+
+@ff.fragment("actor")
+def act(params, obs, key):               # one fragment calling another: part of its work
+    return np.argmax(logits_of(params["w"], obs) + ff.random.gumbel(key, (2,)), axis=-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    g = np.einsum("tei,te->i", batch["obs"], batch["reward"] - batch["reward"].mean())
+    return {"w": state["w"] + 0.01 * g[:, None] * np.array([[-1.0, 1.0]])}, {"g": float(np.abs(g).sum())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            action = act(state, obs, sub)
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            buf.add(obs=obs, reward=reward)
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_a_fragment_calling_another_runs_it_as_part_of_its_own_work(write_algo):
+    path, _ = write_algo(NESTED)
+    program = load(str(path))
+    graph = compile(program.train, program.args_cls(), policy="single_process").placed.graph
+    assert "logits_of" not in {n.name for n in graph.fragments()}   # not a node the loop calls
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert same_tree(expected.value, program.train(program.args_cls()))   # as eagerly
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        result = ff.run(program.train, program.args_cls(), policy=policy)
+        assert same_tree(result.value, expected.value), policy

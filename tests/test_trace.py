@@ -398,3 +398,15 @@ def train():
     assert heard[:3] == [(0, 0), (2, 0), (4, 0)]        # reset, then 2 env steps per call of env.step
     assert heard[-1] == (24, 1)       # the 12th step; it stops at the second update, right after it
     assert heard == sorted(heard)
+
+
+def test_ff_log_inside_a_fragment_is_refused_at_its_line(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("actor")
+def act_and_log(params, obs):
+    ff.log({"q": float(obs.mean())})  # @misuse
+    return np.argmax(obs @ params["w"], axis=-1)
+""" + ROLLOUTS.format(updates=2, act="act_and_log", learn="learn"))
+    with pytest.raises(TraceError, match=rf"ff.log was called inside fragment 'act_and_log': .*\n  at "
+                                         rf"{relpath(path)}:{marks['misuse']}\n  fix: return the values"):
+        trace_file(path)
