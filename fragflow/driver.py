@@ -20,7 +20,7 @@ from typing import Any
 
 from fragflow import __version__
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.ir import Graph
+from fragflow.compiler.ir import EdgeKind, Graph
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
 from fragflow.compiler.tracer import trace_program
@@ -127,6 +127,7 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     call_args = () if args is None else (args,)
     graph, fragments = trace_program(train, *call_args, on_progress=on_trace)
     placed = spec.place(graph, options).verify()
+    _refuse_unsendable_views(placed)
     lowered = lower(placed)
     captured = [n for n in graph.fragments() if n.reads_captured]
     if lowered.services and captured:
@@ -153,6 +154,26 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
 
         program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
     return Compiled(placed, fragments, lowered, checks, program, train)
+
+
+def _refuse_unsendable_views(placed: PlacedGraph) -> None:
+    """A view of versioned state read in another process is a path of keys the broadcast names;
+    one that slices (``state["w"][:4]``) runs in one process only, as eagerly."""
+    if len(placed.groups) == 1 and placed.groups[0].program == "loop":
+        return
+    from fragflow.lowering.program import parse_path
+
+    graph = placed.graph
+    for e in graph.edges_of(EdgeKind.STATE_READ):
+        try:
+            parse_path(e.src_port)
+        except (ValueError, SyntaxError):
+            raise PlacementError(
+                f"fragment '{e.dst}' reads the view {e.src}{e.src_port} of versioned state, which is not a path of "
+                f"keys, and policy '{placed.policy}' sends versions to other processes by path",
+                where=graph.node(e.dst).called_at,
+                fix=f"pass {e.src} (or a view by keys, such as {e.src}['w']) and slice or index the array inside "
+                    f"'{e.dst}', or run with --policy single_process") from None
 
 
 def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,

@@ -21,6 +21,7 @@ from fragflow.errors import (
 from fragflow.program import load
 from tests.conftest import ROOT, relpath
 from tests.fakes import tiny
+from tests.test_multiprocess import same_tree
 
 HEADER = """
 from dataclasses import dataclass
@@ -410,3 +411,40 @@ def act_and_log(params, obs):
     with pytest.raises(TraceError, match=rf"ff.log was called inside fragment 'act_and_log': .*\n  at "
                                          rf"{relpath(path)}:{marks['misuse']}\n  fix: return the values"):
         trace_file(path)
+
+
+def test_a_learner_changing_a_leafs_dtype_is_refused_at_its_definition(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("learner")  # @def
+def learn_cast(state, batch):
+    return {"w": (state["w"] + batch["obs"].mean()).astype(np.float64)}, {"m": batch["obs"].mean()}
+""" + ROLLOUTS.format(updates=2, act="act", learn="learn_cast"))
+    with pytest.raises(VersionedStateError, match=rf"learner 'learn_cast' returned, as the next version of 'state', "
+                                                  rf"\['w'\] as f64\[4,2\] numpy, but the state it was given holds "
+                                                  rf"f32\[4,2\] numpy\n  at {relpath(path)}:{marks['def']}\n  fix: keep"):
+        trace_file(path)
+
+
+def test_a_sliced_view_of_state_runs_in_one_process_and_is_refused_at_its_line_by_the_others(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("actor")
+def act_rows(w, obs):
+    return np.argmax(obs[:, :2] @ w, axis=-1)
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.ones((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(2):
+        for _ in range(2):
+            obs, *_ = env.step(act_rows(state["w"][:2], obs))  # @misuse
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+    return state
+""")
+    program = load(str(path))
+    assert same_tree(ff.run(program.train, policy="single_process").value, program.train())   # as eagerly
+    with pytest.raises(PlacementError, match=rf"fragment 'act_rows' reads the view state\['w'\]\[slice\(None, 2, None\)\] "
+                                             rf".*\n  at {relpath(path)}:{marks['misuse']}\n  fix: pass state"):
+        compile(program.train, policy="pipelined")

@@ -364,9 +364,10 @@ class Tracer:
                 where=rec.defined_at, fix="state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays") from None
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         try:
-            given = None if edge.leaves else {p for p, _ in leaf_paths(handle.value)}   # its first write
+            before = None if edge.leaves else dict(leaf_paths(handle.value))   # its first write
         except NotAnArray:
-            given = None
+            before = None
+        given = None if before is None else set(before)
         got = {p for p, _ in leaves}
         if given is not None and got != given:
             def some(paths: set[str]) -> str:
@@ -376,6 +377,16 @@ class Tracer:
                 f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
                 where=rec.defined_at,
                 fix=f"return the new state first, with the same structure: return {handle.name}, metrics")
+        if before is not None:
+            for p, leaf in leaves:
+                was, now = spec_of(before[p]), spec_of(leaf)
+                if (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):
+                    raise VersionedStateError(
+                        f"learner '{rec.name}' returned, as the next version of '{handle.name}', {p} as {now.short()} "
+                        f"{now.backend}, but the state it was given holds {was.short()} {was.backend}",
+                        where=rec.defined_at,
+                        fix="keep every leaf's shape, dtype and array library (cast back, e.g. x.astype(old.dtype)), "
+                            "or create the state as the learner returns it")
         edge.crossings[window] += 1
         for p, leaf in leaves:
             edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
