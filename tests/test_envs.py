@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
 import fragflow as ff
 from fragflow.api.envs import VectorEnv
-from fragflow.errors import UnknownEnvError
+from fragflow.errors import TraceError, UnknownEnvError
 
 
 def test_same_step_autoreset_keeps_the_final_observation():
@@ -77,3 +78,47 @@ def test_steps_are_gymnasiums_same_step_vector_env_exactly(env_id):
         assert np.array_equal(info_a["final_obs"], final)
     assert ends > 0
     ours.close(), theirs.close()
+
+
+class Walk(gym.Env):
+    """A user's env with a Dict observation space: walk right, the episode ends at ``length``."""
+
+    observation_space = gym.spaces.Dict({"pos": gym.spaces.Box(0, 9, (1,), np.float32),
+                                         "seen": gym.spaces.MultiBinary(2)})
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, length: int = 3) -> None:
+        self.length, self.pos = length, 0
+
+    def _obs(self):
+        return {"pos": np.array([self.pos], np.float32), "seen": np.array([1, self.pos % 2], np.int8)}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.pos += 1 + int(action)
+        return self._obs(), 1.0, self.pos >= self.length, False, {}
+
+
+def test_a_dict_observation_spaces_final_observation_replaces_the_rows_of_the_envs_that_ended():
+    env = ff.envs.make(Walk, num_envs=2, seed=0, length=3)
+    obs = env.reset()
+    buf = ff.RolloutBuffer(3)
+    for _ in range(3):
+        next_obs, reward, terminated, truncated, info = env.step(np.array([1, 0]))   # env 0 walks faster
+        buf.add(obs=obs, next_obs=info["final_obs"], done=terminated)
+        obs = next_obs
+    batch = buf.collect()
+    # env 0 ended at its 2nd step (pos 4 > 3), env 1 at its 3rd (pos 3): each final row is the last position
+    assert batch["next_obs"]["pos"][:, :, 0].tolist() == [[2.0, 1.0], [4.0, 2.0], [2.0, 3.0]]
+    assert batch["obs"]["pos"][:, :, 0].tolist() == [[0.0, 0.0], [2.0, 1.0], [0.0, 2.0]]   # reset after the end
+    assert batch["next_obs"]["seen"].dtype == np.int8 and batch["done"].tolist() == [[False, False], [True, False],
+                                                                                     [False, True]]
+    assert [length for _, length in env.finished_episodes] == [2, 3]
+    rb = ff.ReplayBuffer(8)
+    with pytest.raises(TraceError, match=r"replay.add got a dict for 'obs'; a replay buffer stores one array per key"):
+        rb.add(obs=obs, done=terminated)
+    env.close()

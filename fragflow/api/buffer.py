@@ -1,6 +1,7 @@
 """Rollout buffers: gather per-step data into one batch, as a fragment with role ``buffer``.
 
-``buf.add(**step)`` stores one step (every leaf with the environments on its leading axis);
+``buf.add(**step)`` stores one step (every leaf with the environments on its leading axis; a
+value may be a dict of such leaves, as a Dict observation space gives);
 ``buf.collect(**last)`` returns the batch: every step leaf stacked to ``[num_steps, num_envs,
 ...]``, plus the ``last`` leaves (e.g. the bootstrap observation) as given, ``[num_envs, ...]``.
 The buffer records that environment axis per leaf, which is how a policy that splits the
@@ -51,17 +52,18 @@ class RolloutBuffer:
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
             self._storage = {k: _alloc(self.num_steps, v) for k, v in step.items()}
-            # numpy views of the storage: assigning through numpy is several times cheaper than
-            # indexing a torch tensor, and writes the same memory.
-            self._views = {k: (s.numpy() if s.device.type == "cpu" else s) if not isinstance(s, np.ndarray) else s
-                           for k, s in self._storage.items()}
+            self._views = {k: _view(s) for k, s in self._storage.items()}
         elif step.keys() != self._storage.keys():
             raise TraceError(f"{self.name}.add got keys {sorted(step)}, earlier {sorted(self._storage)}",
                              where=user_callsite(), fix="add the same keys at every step")
         t = self._t
         views = self._views
         for k, v in step.items():
-            views[k][t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
+            view = views[k]
+            if type(view) is dict:   # a Dict observation: its leaves, each stored as any other
+                _put(view, t, v)
+            else:
+                view[t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
         self._t = t + 1
 
     def _collect(self, **last: Any) -> dict[str, Any]:
@@ -84,7 +86,31 @@ class RolloutBuffer:
         return ("env", 1 if key in self._step_keys else 0)
 
 
+def _view(storage: Any) -> Any:
+    """A numpy view of (torch) storage: assigning through numpy is several times cheaper than
+    indexing a torch tensor, and writes the same memory."""
+    if isinstance(storage, dict):
+        return {k: _view(v) for k, v in storage.items()}
+    if isinstance(storage, np.ndarray) or storage.device.type != "cpu":
+        return storage
+    return storage.numpy()
+
+
+def _put(view: dict[str, Any], t: int, step: Any) -> None:
+    if not isinstance(step, dict) or step.keys() != view.keys():
+        raise TraceError(f"a buffer's dict leaf got {sorted(step) if isinstance(step, dict) else type(step).__name__}, "
+                         f"earlier the keys {sorted(view)}", where=user_callsite(3),
+                         fix="add the same keys at every step")
+    for k, v in step.items():
+        if type(view[k]) is dict:
+            _put(view[k], t, v)
+        else:
+            view[k][t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
+
+
 def _alloc(num_steps: int, x: Any) -> Any:
+    if isinstance(x, dict):   # a Dict observation space's leaves
+        return {k: _alloc(num_steps, v) for k, v in x.items()}
     backend = backend_of(x)
     if backend == "torch":
         import torch

@@ -268,8 +268,12 @@ class VectorEnv:
         final = obs
         if "_final_obs" in info:
             mask = info["_final_obs"]
-            final = obs.copy()
-            final[mask] = np.stack(info["final_obs"][mask])
+            if isinstance(obs, np.ndarray):
+                final = obs.copy()
+                final[mask] = np.stack(info["final_obs"][mask])
+            else:   # a Dict or Tuple space: the same, leaf by leaf
+                ended = np.flatnonzero(mask)
+                final = _set_rows(obs, [(int(i), info["final_obs"][i]) for i in ended])
         return obs, reward, terminated, truncated, {"final_obs": final}
 
     def close(self) -> None:
@@ -277,6 +281,19 @@ class VectorEnv:
 
     def __repr__(self) -> str:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
+
+
+def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
+    """A copy of ``batch`` (arrays with one row per environment, in dicts and tuples as a Dict or
+    Tuple space makes them) with row ``i`` replaced by each ``(i, observation)``."""
+    if isinstance(batch, dict):
+        return {k: _set_rows(v, [(i, o[k]) for i, o in rows]) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_set_rows(v, [(i, o[j]) for i, o in rows]) for j, v in enumerate(batch))
+    out = np.array(batch, copy=True)
+    for i, o in rows:
+        out[i] = o
+    return out
 
 
 def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],

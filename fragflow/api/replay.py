@@ -134,6 +134,11 @@ class ReplayBuffer:
         return f"<ReplayBuffer {self.name}: {self._size}/{self.capacity}{' prioritized' if self.prioritized else ''}>"
 
     def _add(self, **transition: Any) -> None:
+        nested = next((k for k, v in transition.items() if isinstance(v, (dict, list, tuple))), None)
+        if nested is not None:
+            raise TraceError(f"{self.name}.add got a {type(transition[nested]).__name__} for '{nested}'; a replay "
+                             "buffer stores one array per key", where=user_callsite(),
+                             fix=f"add its leaves under keys of their own, e.g. {nested}_pos=obs['pos']")
         arrays = {k: to_numpy(v) for k, v in transition.items()}
         n = {a.shape[0] if a.ndim else 1 for a in arrays.values()}
         if len(n) != 1:
