@@ -172,9 +172,9 @@ class Args:
     updates: int = 6
 
 @ff.fragment("actor")
-def act(params, obs, h, key):            # a recurrent policy: the memory h is one row per environment
+def act(params, obs, h, prev, key):      # a recurrent policy: the memory h is one row per environment
     h = np.tanh(obs @ params["wx"] + h @ params["wh"])
-    logits = h @ params["wo"]
+    logits = h @ params["wo"] + 0.1 * prev[:, None]     # and the previous action, as it was answered
     return np.argmax(logits + ff.random.gumbel(key, (2,)), axis=-1), h
 
 @ff.fragment("learner", writes="state")
@@ -191,10 +191,11 @@ def train(args: Args):
     key = ff.random.keys(0, env.ids)
     obs = env.reset()
     h = np.zeros((env.num_envs, 8))       # made by the loop, carried from step to step
+    action = np.zeros(env.num_envs, np.int64)
     for _ in range(args.updates):
         for _ in range(8):
             key, sub = ff.random.split(key)
-            action, h = act(state, obs, h, sub)
+            action, h = act(state, obs, h, action, sub)
             next_obs, reward, terminated, truncated, info = env.step(action)
             buf.add(h=h, reward=reward)
             h = h * (1.0 - (terminated | truncated))[:, None]    # the memory starts again with an episode
@@ -209,7 +210,8 @@ def train(args: Args):
 def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(write_algo, policy):
     """Arrays the loop makes beside a batch of environments, with one row per environment (a
     recurrent memory, reset by the loop when an episode ends), are split with the environments, and
-    served inference answers each worker with its own rows: the run is single_process's."""
+    served inference answers each worker with its own rows, which it may pass back (the previous
+    action): the run is single_process's."""
     path, _ = write_algo(RECURRENT)
     program = load(str(path))
     expected = ff.run(program.train, program.args_cls(), policy="single_process")

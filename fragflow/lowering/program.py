@@ -314,7 +314,12 @@ def lower(placed: PlacedGraph) -> Lowered:
                 for k in range(loop.replicas):
                     replies.append(Ring(f"{name}.reply[{k}]", name, k, out_specs, out_axes, 1))
             source = {leaf.dst_path: e.src for e in graph.edges_of(EdgeKind.DATA) if e.dst == name for leaf in e.leaves}
-            crossing = [leaf for leaf in node.inputs if source.get(leaf.dst_path, LOOP) in in_loop | {LOOP}]
+            # what the loop holds as arrays: its own values, and the answers of the calls it waits for
+            # (an action served to it and passed back as the next call's previous action)
+            answered = {n for n in group.nodes
+                        if any(e.src == n and e.dst in in_loop for e in graph.edges_of(EdgeKind.DATA))}
+            crossing = [leaf for leaf in node.inputs
+                        if source.get(leaf.dst_path, LOOP) in in_loop | answered | {LOOP}]
             rate = graph.rate_of(name)   # from the loops where they say (a trace window may be atypical)
             per_update = max(1, math.ceil(rate / clock_rate)) if rate else 1
             capacity = (traj.capacity if traj is not None else lag + 2) * per_update
