@@ -172,7 +172,10 @@ class Tracer:
         except NotAnArray as bad:
             raise NotArrayPytreeError(
                 f"ff.versioned(...) got a value whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
-                where=where, fix="versioned state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays",
+                where=where, fix="versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
+                                 "torch modules and torch.optim optimizers; keep anything else out of it (a "
+                                 "learning-rate schedule: compute the rate in the loop, pass it to the learner "
+                                 "and set it there, for g in opt.param_groups: g['lr'] = lr)",
             ) from None
         unique = self._names(name)
         self._states[unique] = _StateRec(where)
