@@ -448,3 +448,37 @@ def train():
     with pytest.raises(PlacementError, match=rf"fragment 'act_rows' reads the view state\['w'\]\[slice\(None, 2, None\)\] "
                                              rf".*\n  at {relpath(path)}:{marks['misuse']}\n  fix: pass state"):
         compile(program.train, policy="pipelined")
+
+
+def test_environments_made_inside_a_fragment_are_refused_at_the_line(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("actor")
+def act_fresh(params, obs):
+    probe = ff.envs.make("CartPole-v1", num_envs=1)  # @misuse
+    return np.argmax(obs @ params["w"], axis=-1)
+""" + ROLLOUTS.format(updates=2, act="act_fresh", learn="learn"))
+    with pytest.raises(TraceError, match=rf"ff.envs.make was called inside fragment 'act_fresh': .*\n  at "
+                                         rf"{relpath(path)}:{marks['misuse']}\n  fix: make the environments once"):
+        trace_file(path)
+
+
+def test_a_buffer_leaf_sized_for_every_environment_where_a_process_steps_half_is_refused_at_the_add(write_algo):
+    path, marks = write_algo(HEADER + """
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    done = np.zeros(4, bool)              # sized by the configuration, not by this process's share
+    obs = env.reset()
+    for _ in range(2):
+        for _ in range(2):
+            obs, reward, terminated, truncated, info = env.step(act(state, obs))
+            buf.add(obs=obs, done=done)  # @add
+            done = terminated | truncated
+        state, metrics = learn(state, buf.collect())
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # 4 rows everywhere
+    with pytest.raises(TraceError, match=rf"buffer.add got leaves with different numbers of rows: 'obs' 2, 'done' 4"
+                                         rf"\n  at {relpath(path)}:{marks['add']}\n  fix: give every leaf one row"):
+        ff.run(program.train, policy="actor_learner(actors=2)")

@@ -51,6 +51,13 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.add called {self._t + 1} times before collect, but num_steps={self.num_steps}",
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
+            sizes = {k: np.shape(v)[0] for k, v in step.items() if not isinstance(v, dict) and np.ndim(v) >= 1}
+            if len(set(sizes.values())) > 1:
+                raise TraceError(f"{self.name}.add got leaves with different numbers of rows: "
+                                 + ", ".join(f"'{k}' {n}" for k, n in sizes.items()), where=user_callsite(),
+                                 fix="give every leaf one row per environment this process steps (size "
+                                     "per-environment arrays with env.num_envs, which is this process's share "
+                                     "where a policy splits the environments)")
             self._storage = {k: _alloc(self.num_steps, v) for k, v in step.items()}
             self._views = {k: _view(s) for k, s in self._storage.items()}
         elif step.keys() != self._storage.keys():
@@ -63,7 +70,15 @@ class RolloutBuffer:
             if type(view) is dict:   # a Dict observation: its leaves, each stored as any other
                 _put(view, t, v)
             else:
-                view[t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
+                try:
+                    view[t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
+                except ValueError:
+                    raise TraceError(f"{self.name}.add got '{k}' of shape {tuple(np.shape(v))}, but its storage "
+                                     f"holds steps of shape {tuple(view.shape[1:])} (from the first add)",
+                                     where=user_callsite(),
+                                     fix="add the same shapes at every step: one row per environment this process "
+                                         "steps (size per-environment arrays with env.num_envs, which is this "
+                                         "process's share where a policy splits the environments)") from None
         self._t = t + 1
 
     def _collect(self, **last: Any) -> dict[str, Any]:

@@ -42,9 +42,10 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from fragflow import context
+from fragflow.api import fragment as fragment_module
 from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
-from fragflow.errors import UnknownEnvError, did_you_mean
+from fragflow.errors import TraceError, UnknownEnvError, did_you_mean
 from fragflow.source import user_callsite
 
 
@@ -404,6 +405,12 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     if num_envs < 1:
         raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
                               fix="pass num_envs=1 or more")
+    inside = fragment_module._running
+    if inside is not None and context.current() is not None:
+        raise TraceError(f"ff.envs.make was called inside fragment '{inside.name}': it would make new "
+                         "environments at every call, in whatever process runs the fragment", where=where,
+                         fix="make the environments once, in the training function before its loop, and pass "
+                             f"their observations to '{inside.name}'")
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
     parallel = _parallel_factory(env_id)
