@@ -15,6 +15,8 @@ def test_parse_policy_reads_name_and_options():
     assert policy.parse_policy(" actor_learner(actors=4, max_lag=1) ") == ("actor_learner", {"actors": "4", "max_lag": "1"})
     with pytest.raises(UnknownPolicyError, match="write options as key=value"):
         policy.parse_policy("a(b)")
+    with pytest.raises(UnknownPolicyError, match="policy option 'actors' is given twice"):
+        policy.parse_policy("actor_learner(actors=2, actors=3)")
 
 
 def test_unknown_policy_suggests_the_close_name():

@@ -96,6 +96,9 @@ def parse_policy(text: str) -> tuple[str, dict[str, str]]:
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
             raise UnknownPolicyError(f"cannot read policy option {part!r} in {text!r}", fix="write options as key=value")
+        if key.strip() in options:
+            raise UnknownPolicyError(f"policy option {key.strip()!r} is given twice in {text!r}",
+                                     fix="give each option once")
         options[key.strip()] = value.strip()
     return m.group(1), options
 
