@@ -405,7 +405,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     if num_envs < 1:
         raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
                               fix="pass num_envs=1 or more")
-    inside = fragment_module._running
+    inside = fragment_module.running()
     if inside is not None and context.current() is not None:
         raise TraceError(f"ff.envs.make was called inside fragment '{inside.name}': it would make new "
                          "environments at every call, in whatever process runs the fragment", where=where,

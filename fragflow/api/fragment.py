@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +52,12 @@ ROLES = ("env", "actor", "buffer", "learner", "logger")
 ACTING_ROLES = frozenset({"env", "actor", "buffer"})
 
 _FIRST_PARAM = object()
-_running: Fragment | None = None   # the fragment the loop is calling (one fragment calling another runs it inline)
+_calling = threading.local()   # .fragment: the one the loop is calling (one fragment calling another runs it inline)
+
+
+def running() -> Fragment | None:
+    """The fragment whose call the loop is in, if any (in this thread)."""
+    return getattr(_calling, "fragment", None)
 
 
 def rows(path: str) -> tuple[str, int]:
@@ -120,22 +126,22 @@ class Fragment:
         return frag
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        global _running
         interp = context.current()
         if interp is None:
             return self.fn(*args, **kwargs)
-        if _running is not None:   # called by a fragment: part of its work, wherever that runs
+        outer = getattr(_calling, "fragment", None)
+        if outer is not None:   # called by a fragment: part of its work, wherever that runs
             if self.role == "logger":
-                raise TraceError(f"ff.log was called inside fragment '{_running.name}': it logs what the loop "
+                raise TraceError(f"ff.log was called inside fragment '{outer.name}': it logs what the loop "
                                  "hands it, and a fragment may run in another process",
                                  where=user_callsite(),
-                                 fix=f"return the values from '{_running.name}' and ff.log them in the loop")
+                                 fix=f"return the values from '{outer.name}' and ff.log them in the loop")
             return self.fn(*args, **kwargs)
-        _running = self
+        _calling.fragment = self
         try:
             return interp.call(self, args, kwargs)
         finally:
-            _running = None
+            _calling.fragment = None
 
     def written(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The value a call passes as the argument this learner writes (``writes``)."""
