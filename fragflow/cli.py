@@ -137,6 +137,8 @@ def run(
             raise ConfigError("--address names a Ray cluster, but the backend is local", fix="add --backend ray")
         run_dir = out_dir or (start.run_dir if start is not None else
                               Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if not err.is_terminal:   # (a terminal shows the spinner)
+            err.print(f"{program.name}: tracing", highlight=False)
         with err.status(f"tracing {program.name} ...", spinner="dots") as status:
             compiled = driver.compile(program.train, args, policy=policy, on_trace=_tracing(program.name, status))
         placed = compiled.placed
