@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seeds", type=int, default=1, help="learn, random: seeds 1..N, one after another")
     p.add_argument("--episodes", type=int, default=100, help="random: episodes per seed")
+    p.add_argument("--out", default=None, help="results file name (default FAMILY_MODE; another keeps that one)")
     a = p.parse_args(argv)
     if a.mode == "random":
         result = random_score(a.family, a.seeds, a.episodes)
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps = a.steps or DEFAULT_STEPS[a.mode][a.family]
         result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps, a.seeds)
     result["command"] = "python benchmarks/families.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    save(f"{a.family}_{a.mode}", result)
+    save(a.out or f"{a.family}_{a.mode}", result)
     return result
 
 
