@@ -63,6 +63,16 @@ def test_max_lag_zero_reproduces_single_process_exactly(reference, policy, args)
     assert shm_leftovers() == []
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_started_by_a_fork_server_or_spawned_run_and_reproduce_single_process(reference, monkeypatch, method):
+    """Once JAX is imported workers start from a fork server, whose process (not the driver) is
+    their parent: they must still run, and still die with the driver."""
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", method)
+    result = ff.run(ppo.train, ARGS, policy="pipelined(actors=1, max_lag=0)")
+    assert same_tree(result.value, reference[ARGS].value)
+    assert shm_leftovers() == []
+
+
 def test_pipelined_is_one_version_behind_and_deterministic_whatever_the_actor_count():
     one = ff.run(ppo.train, INVARIANT, policy="pipelined(actors=1)")
     two = ff.run(ppo.train, INVARIANT, policy="pipelined(actors=2)")

@@ -31,6 +31,16 @@ def threads_for(group_threads: int) -> int:
     return int(env) if env.strip() else group_threads
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -38,13 +48,20 @@ def _die_with_parent(parent: int) -> None:
             libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
         except OSError:
             pass
-    if os.getppid() != parent:   # the driver died before the signal was armed
+    # Started by fork or spawn, the driver is this process's parent; from a fork server (the start
+    # method once JAX is imported) the server is, and the driver is watched by its pid.
+    started_by = os.getppid()
+
+    def orphaned() -> bool:
+        return os.getppid() != started_by or (started_by != parent and not _alive(parent))
+
+    if orphaned():   # the driver died before the signal was armed
         os._exit(1)
 
     def watch() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent:
+            if orphaned():
                 os._exit(1)
 
     threading.Thread(target=watch, name="fragflow-parent-watch", daemon=True).start()
