@@ -940,3 +940,51 @@ def test_a_fragment_calling_another_runs_it_as_part_of_its_own_work(write_algo):
     for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
         result = ff.run(program.train, program.args_cls(), policy=policy)
         assert same_tree(result.value, expected.value), policy
+
+
+REORDERED = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(params, obs):
+    return np.argmax(obs @ params["w"] + params["b"], axis=-1), np.broadcast_to(params["b"], (obs.shape[0], 2)).copy()
+
+@ff.fragment("learner")
+def learn(state, batch):                 # returns its keys sorted the other way (as jax's tree_map sorts them)
+    return {"w": state["w"] - 0.01 * batch["obs"].mean((0, 1))[:, None],
+            "b": state["b"] + 1.0}, {"b_seen": float(batch["b_seen"].mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"b": np.zeros(2), "w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            action, b_seen = act(state, obs)
+            next_obs, *_ = env.step(action)
+            buf.add(obs=obs, b_seen=b_seen)
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_learner_returning_the_states_keys_in_another_order_is_read_by_key(write_algo, tmp_path, policy):
+    import csv
+
+    path, _ = write_algo(REORDERED)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "one")
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "two")
+    assert same_tree(result.value, expected.value)
+    seen = [[float(r["b_seen"]) for r in csv.DictReader((tmp_path / d / "metrics.csv").open())] for d in ("one", "two")]
+    assert seen[0] == seen[1] == [0.0, 1.0, 2.0, 3.0]   # the actor reads b as b, one version per update

@@ -119,6 +119,26 @@ def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
     return _unflatten(treedef, it)
 
 
+def ordered_like(template: Any, value: Any) -> Any:
+    """``value`` with its dicts in ``template``'s key order where both hold the same keys: a
+    learner's new state (``jax.tree_util.tree_map`` sorts keys) flattens as the state it was given,
+    so each leaf keeps its place in what is sent and checked.
+
+    >>> list(ordered_like({"x": 0, "y": 1}, {"y": 2, "x": 3}))
+    ['x', 'y']
+    """
+    if value is template:
+        return value
+    if isinstance(value, dict) and isinstance(template, dict) and value.keys() == template.keys():
+        return {k: ordered_like(template[k], value[k]) for k in template}
+    if isinstance(value, (list, tuple)) and isinstance(template, (list, tuple)) and len(value) == len(template):
+        kids = [ordered_like(t, v) for t, v in zip(template, value)]
+        if isinstance(value, list):
+            return kids
+        return type(value)(*kids) if hasattr(value, "_fields") else tuple(kids)
+    return value
+
+
 def without_optimizers(tree: Any) -> Any:
     """``tree`` with every ``torch.optim`` optimizer in it replaced by None (containers rebuilt,
     modules and arrays kept): what a version broadcast to the acting side carries. An actor never

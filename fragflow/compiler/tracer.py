@@ -36,6 +36,7 @@ from fragflow.compiler.pytree import (
     TensorSpec,
     is_static,
     leaf_paths,
+    ordered_like,
     spec_of,
     without_optimizers,
 )
@@ -358,7 +359,7 @@ class Tracer:
             raise VersionedStateError(
                 f"learner '{rec.name}' writes '{handle.name}' but returned an empty tuple",
                 where=rec.defined_at, fix="return the next version of the state, or (new_state, ...) with it first")
-        new_value = out[0] if isinstance(out, tuple) else out
+        new_value = ordered_like(handle.value, out[0] if isinstance(out, tuple) else out)
         try:
             leaves = leaf_paths(new_value)
         except NotAnArray as bad:

@@ -25,7 +25,7 @@ import numpy as np
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView
-from fragflow.compiler.pytree import unflatten_into
+from fragflow.compiler.pytree import ordered_like, unflatten_into
 from fragflow.compiler.reach import handles_as_values
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
@@ -189,7 +189,8 @@ class LoopInterpreter:
             n, finished = events(out)
             self.reporter.env_step(n, finished, frag.evaluation)
         if written is not None:
-            new_value = out[0] if isinstance(out, tuple) else out
+            new_value = ordered_like(self._states.get(written.name, written).value,
+                                     out[0] if isinstance(out, tuple) else out)
             self._check_write(name, written.name, new_value)
             new = Versioned(written.name, written.version + 1, new_value, written.created_at)
             self._states[new.name] = new

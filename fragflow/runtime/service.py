@@ -26,7 +26,7 @@ import numpy as np
 
 from fragflow import context
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.pytree import flatten, leaf_paths, to_numpy, without_optimizers
+from fragflow.compiler.pytree import flatten, leaf_paths, ordered_like, to_numpy, without_optimizers
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
@@ -364,7 +364,7 @@ class ServiceRunner:
         writes = frag.writes
         if writes is not None:
             state = skel_state_name(skel, writes)
-            new_value = out[0] if isinstance(out, tuple) else out
+            new_value = ordered_like(self.states.get(state), out[0] if isinstance(out, tuple) else out)
             traced = self.checks.get("state", {}).get((fragment, state))
             where = self.checks.get("called_at", {}).get(fragment)
             calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite())
