@@ -180,3 +180,9 @@ def test_a_missing_family_names_its_extra():
     with pytest.raises(UnknownEnvError) as err:
         ff.envs.make("nosuchfamily:Thing-v0")
     assert "pip install" in err.value.fix
+
+
+def test_options_make_does_not_apply_to_a_pettingzoo_env_are_refused_not_ignored():
+    with pytest.raises(UnknownEnvError, match=r"ff.envs.make does not apply normalize_obs, wrappers to a PettingZoo "
+                                              r"environment"):
+        ff.envs.make("mpe2:simple_spread_v3", num_envs=1, max_cycles=4, normalize_obs=True, wrappers=[lambda e: e])

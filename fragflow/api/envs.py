@@ -427,6 +427,15 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
             first.close()
             first = None
     if parallel is not None:
+        given = [name for name, on in (("clip_actions", clip_actions), ("normalize_obs", normalize_obs),
+                                       ("normalize_reward", normalize_reward), ("clip_rewards", clip_rewards),
+                                       ("wrappers", bool(wrappers))) if on]
+        if given:
+            if first is not None:
+                first.close()
+            raise UnknownEnvError(f"ff.envs.make does not apply {', '.join(given)} to a PettingZoo environment",
+                                  where=where, fix="wrap the parallel env yourself (pass a function that builds and "
+                                                   "wraps it), or leave these options out")
         interp = context.current()
         ids = np.arange(num_envs) if interp is None or evaluation else interp.env_ids(num_envs)
         name = "env" if interp is None else interp.instance_name("eval_env" if evaluation else "env")
