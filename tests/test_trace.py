@@ -482,3 +482,21 @@ def train():
     with pytest.raises(TraceError, match=rf"buffer.add got leaves with different numbers of rows: 'obs' 2, 'done' 4"
                                          rf"\n  at {relpath(path)}:{marks['add']}\n  fix: give every leaf one row"):
         ff.run(program.train, policy="actor_learner(actors=2)")
+
+
+def test_versioned_views_passed_through_star_args_are_refused_with_named_parameters_as_the_fix(write_algo):
+    path, marks = write_algo(HEADER + """
+@ff.fragment("actor")
+def act_many(obs, *ws):
+    return np.argmax(obs @ ws[0], axis=-1)
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    obs = env.reset()
+    obs, *_ = env.step(act_many(obs, state["w"]))  # @misuse
+""")
+    with pytest.raises(VersionedStateError, match=rf"versioned state Versioned\('state', v0\)\['w'\] reached fragment "
+                                                  rf"'act_many' through its \*ws\n  at {relpath(path)}:{marks['misuse']}"
+                                                  rf"\n  fix: give 'act_many' a named parameter"):
+        trace_file(path)

@@ -404,6 +404,14 @@ class Tracer:
             leaves = leaf_paths(value)
         except NotAnArray as bad:
             if isinstance(bad.value, (Versioned, VersionedView)):
+                frag = self.fragments[rec.name]
+                param = frag.signature.parameters.get(pname)
+                if param is not None and param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                    star = "*" if param.kind == param.VAR_POSITIONAL else "**"
+                    raise VersionedStateError(
+                        f"versioned state {bad.value!r} reached fragment '{rec.name}' through its {star}{pname}",
+                        where=where, fix=f"give '{rec.name}' a named parameter for each state or view it reads "
+                                         "(def f(obs, w0, w1)), or pass the whole state and index it inside") from None
                 raise VersionedStateError(
                     f"versioned state reached fragment '{rec.name}' nested inside argument '{pname}' at {bad.path}",
                     where=where, fix="pass versioned state (or a view such as state['params']) as an argument of its own") from None
