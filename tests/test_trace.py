@@ -500,3 +500,35 @@ def train():
                                                   rf"'act_many' through its \*ws\n  at {relpath(path)}:{marks['misuse']}"
                                                   rf"\n  fix: give 'act_many' a named parameter"):
         trace_file(path)
+
+
+def test_actor_and_learner_methods_of_one_object_are_refused_where_a_policy_would_split_them(write_algo):
+    path, marks = write_algo(HEADER + """
+class Agent:
+    @ff.fragment("actor")
+    def act(self, params, obs):
+        return np.argmax(obs @ params["w"], axis=-1)
+
+    @ff.fragment("learner", writes="state")  # @def
+    def learn(self, state, batch):
+        return {"w": state["w"] + batch["obs"].mean()}, {"m": batch["obs"].mean()}
+
+def train():
+    agent = Agent()
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(2):
+        for _ in range(2):
+            obs, *_ = env.step(agent.act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = agent.learn(state, buf.collect())
+    return state
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=rf"actor fragment 'Agent.act' and learner fragment 'Agent.learn' are methods "
+                                             rf"of one object \('agent'\).*\n  at {relpath(path)}:{marks['def']}\n  fix: "
+                                             rf"make 'Agent.learn' a function of its own"):
+        compile(program.train, policy="pipelined")

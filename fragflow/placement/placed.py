@@ -222,6 +222,19 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
+    sides: dict[str, Any] = {}
+    for n in graph.fragments():
+        if n.instance:
+            other = sides.setdefault(n.instance, n)
+            if (other.name in service) != (n.name in service):
+                learner, actor = (n, other) if n.name in service else (other, n)
+                raise PlacementError(
+                    f"{actor.role} fragment '{actor.name}' and {learner.role} fragment '{learner.name}' are methods of "
+                    f"one object ('{n.instance}'), whose fragments run in one process, but policy '{policy}' runs "
+                    f"'{learner.name}' in the learner's process and '{actor.name}' on the acting side",
+                    where=learner.defined_at,
+                    fix=f"make '{learner.name}' a function of its own (or a method of another object) that takes the "
+                        "state it needs as arguments, or run with --policy single_process")
     for n in graph.fragments():
         if n.name in acting and n.mutates_state:
             raise PlacementError(
