@@ -1,4 +1,5 @@
-"""What a fragment's code reaches besides its arguments, and whether it changed what it was given.
+"""What a fragment's code reaches besides its arguments, and whether it changed what it was given
+(in place, or as a learner's new state not shaped like the one it was given).
 
 A fragment sees versioned state only through its arguments: that is how a placement hands it the
 version it may act with. The tracer asks, on a fragment's first call, what its closure and the
@@ -20,7 +21,9 @@ from typing import Any
 import numpy as np
 
 from fragflow.api.versioned import Versioned, VersionedView
-from fragflow.compiler.pytree import NotAnArray, leaf_paths
+from fragflow.compiler.pytree import NotAnArray, leaf_paths, spec_of
+from fragflow.errors import VersionedStateError
+from fragflow.source import SourceLoc
 
 
 def fingerprint(tree: Any) -> list[int]:
@@ -35,6 +38,31 @@ def fingerprint(tree: Any) -> list[int]:
             leaf = leaf.detach().cpu().numpy()
         out.append(zlib.crc32(np.ascontiguousarray(leaf).data))
     return out
+
+
+def check_new_state(learner: str, handle: Versioned, leaves: list[tuple[str, Any]], where: SourceLoc | None) -> None:
+    """A learner's first new state (``leaves``) must be shaped like the state it was given: the same
+    leaves, each with its shape, dtype and array library."""
+    try:
+        before = dict(leaf_paths(handle.value))
+    except NotAnArray:
+        return
+    given, got = set(before), {p for p, _ in leaves}
+    if got != given:
+        def some(paths: set[str]) -> str:
+            return ", ".join(sorted(paths)[:4]) + (", ..." if len(paths) > 4 else "") if paths else "none"
+        raise VersionedStateError(
+            f"learner '{learner}' returned, as the next version of '{handle.name}', a value that is not shaped "
+            f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
+            where=where, fix=f"return the new state first, with the same structure: return {handle.name}, metrics")
+    for p, leaf in leaves:
+        was, now = spec_of(before[p]), spec_of(leaf)
+        if (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):
+            raise VersionedStateError(
+                f"learner '{learner}' returned, as the next version of '{handle.name}', {p} as {now.short()} "
+                f"{now.backend}, but the state it was given holds {was.short()} {was.backend}", where=where,
+                fix="keep every leaf's shape, dtype and array library (cast back, e.g. x.astype(old.dtype)), "
+                    "or create the state as the learner returns it")
 
 
 def objects_of(value: Any) -> list[Any]:
@@ -67,29 +95,33 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _reachable(fn: Any) -> Iterator[tuple[str, str, Any]]:
-    """(``"closure variable"`` or ``"global"``, name, value) for what ``fn``'s code can reach
-    without its arguments: its closure's cells and the globals its code names."""
+def _holders(fn: Any) -> Iterator[tuple[str, str, Any, Any]]:
+    """(``"closure variable"`` or ``"global"``, name, value, holder) for what ``fn``'s code can
+    reach without its arguments: its closure's cells and the globals its code names; the holder
+    (a cell, or the globals dict) is where the value can be swapped."""
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
         return
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
-            yield "closure variable", name, cell.cell_contents
+            yield "closure variable", name, cell.cell_contents, cell
         except ValueError:   # not assigned yet
             continue
     scope = getattr(fn, "__globals__", {})
     for name in _global_names(code):
         if name in scope:
-            yield "global", name, scope[name]
+            yield "global", name, scope[name], scope
 
 
-def _holds_state(value: Any) -> bool:
-    if isinstance(value, (Versioned, VersionedView)):
-        return True
+def _handles(value: Any) -> list[Versioned]:
+    """The handles a value is or holds directly (a handle, a view, or a dict/list/tuple of them)."""
+    if isinstance(value, Versioned):
+        return [value]
+    if isinstance(value, VersionedView):
+        return [value.handle]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return any(isinstance(x, (Versioned, VersionedView)) for x in items)
+    return [h for x in items if isinstance(x, (Versioned, VersionedView)) for h in _handles(x)]
 
 
 def _as_value(x: Any) -> Any:
@@ -111,24 +143,15 @@ def handles_as_values(fn: Any) -> Iterator[None]:
     """While a fragment runs in the loop's own process, the closure cells and globals its code
     reaches that hold versioned state hold the state's value instead, as they do when the program
     runs eagerly; restored afterwards (the loop still moves the handles)."""
-    fn = getattr(fn, "__func__", fn)
-    code = fn.__code__
     swapped: list[tuple[Any, str, Any]] = []   # (cell or globals dict, name, handle)
     try:
-        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-            try:
-                held = cell.cell_contents
-            except ValueError:
-                continue
-            if _holds_state(held):
-                swapped.append((cell, name, held))
-                cell.cell_contents = _as_value(held)
-        scope = fn.__globals__
-        for name in _global_names(code):
-            held = scope.get(name)
-            if held is not None and _holds_state(held):
-                swapped.append((scope, name, held))
-                scope[name] = _as_value(held)
+        for _, name, held, holder in _holders(fn):
+            if _handles(held):
+                swapped.append((holder, name, held))
+                if isinstance(holder, dict):
+                    holder[name] = _as_value(held)
+                else:
+                    holder.cell_contents = _as_value(held)
         yield
     finally:
         for where, name, held in reversed(swapped):
@@ -141,19 +164,11 @@ def handles_as_values(fn: Any) -> Iterator[None]:
 def captured_state(fn: Any) -> tuple[str, str, str] | None:
     """Versioned state a fragment's code reaches without being passed it, through a closure or a
     global: (kind, the variable, the state's name); None when there is none."""
-    for kind, name, value in _reachable(fn):
-        if _holds_state(value):
-            return kind, name, _handles(value)[0].name
+    for kind, name, value, _ in _holders(fn):
+        handles = _handles(value)
+        if handles:
+            return kind, name, handles[0].name
     return None
-
-
-def _handles(value: Any) -> list[Versioned]:
-    if isinstance(value, Versioned):
-        return [value]
-    if isinstance(value, VersionedView):
-        return [value.handle]
-    items = value.values() if isinstance(value, dict) else value
-    return [h for x in items if isinstance(x, (Versioned, VersionedView)) for h in _handles(x)]
 
 
 def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str, str, str] | None:
@@ -161,7 +176,7 @@ def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str,
     reaches through a closure or a global: (kind, variable, state); None when there is none."""
     if not objects:
         return None
-    for kind, name, value in _reachable(fn):
+    for kind, name, value, _ in _holders(fn):
         hit = objects.get(id(value))
         if hit is not None and hit[1] is value:
             return kind, name, hit[0]

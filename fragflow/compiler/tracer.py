@@ -43,6 +43,7 @@ from fragflow.compiler.pytree import (
 from fragflow.compiler.reach import (
     captured_objects,
     captured_state,
+    check_new_state,
     fingerprint,
     handles_as_values,
     objects_of,
@@ -367,30 +368,8 @@ class Tracer:
                 f"learner '{rec.name}' returned new state whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
                 where=rec.defined_at, fix="state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays") from None
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
-        try:
-            before = None if edge.leaves else dict(leaf_paths(handle.value))   # its first write
-        except NotAnArray:
-            before = None
-        given = None if before is None else set(before)
-        got = {p for p, _ in leaves}
-        if given is not None and got != given:
-            def some(paths: set[str]) -> str:
-                return ", ".join(sorted(paths)[:4]) + (", ..." if len(paths) > 4 else "") if paths else "none"
-            raise VersionedStateError(
-                f"learner '{rec.name}' returned, as the next version of '{handle.name}', a value that is not shaped "
-                f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
-                where=rec.defined_at,
-                fix=f"return the new state first, with the same structure: return {handle.name}, metrics")
-        if before is not None:
-            for p, leaf in leaves:
-                was, now = spec_of(before[p]), spec_of(leaf)
-                if (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):
-                    raise VersionedStateError(
-                        f"learner '{rec.name}' returned, as the next version of '{handle.name}', {p} as {now.short()} "
-                        f"{now.backend}, but the state it was given holds {was.short()} {was.backend}",
-                        where=rec.defined_at,
-                        fix="keep every leaf's shape, dtype and array library (cast back, e.g. x.astype(old.dtype)), "
-                            "or create the state as the learner returns it")
+        if not edge.leaves:   # its first write
+            check_new_state(rec.name, handle, leaves, rec.defined_at)
         edge.crossings[window] += 1
         for p, leaf in leaves:
             edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
