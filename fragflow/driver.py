@@ -218,6 +218,8 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                     "program": program_ref, "checkpoint_every": None if every is None else
                     (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
                     "policy_options": dict(placed.options), "fragflow": __version__}
+        if start is not None:
+            start = start.with_parts()   # a damaged file is refused now, before the run starts
         checkpoints = RunCheckpoints(Path(out), every, identity, start)
         checkpoints.check_fits(identity["fragments"], compiled.lowered.loop.replicas)
         if every is not None and not loop_lines(train):

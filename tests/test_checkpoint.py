@@ -138,8 +138,9 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
 
     shutil.copytree(good, bad / "checkpoints" / "4")
     (bad / "checkpoints" / "4" / "loop0.safetensors").write_bytes(b"\x00" * 7)
-    res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"), "-q")
+    res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"))
     assert res.returncode == 2 and "cannot be read" in res.stderr and "Traceback" not in res.stderr
+    assert "started" not in res.stdout + res.stderr and not (tmp_path / "w" / "summary.json").exists()   # refused first
     (bad / "checkpoints" / "4" / "manifest.json").write_text("{not json")
     res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
     assert res.returncode == 2 and "is corrupt" in res.stderr
@@ -364,3 +365,17 @@ def test_a_state_not_yet_written_is_in_a_multi_process_checkpoint(tmp_path, writ
     assert early
     states = ckpt.merged_states(ckpt.find(early[0]))[0]
     assert {"state", "target"} <= set(states)
+
+
+def test_numpy_scalars_in_state_come_back_as_the_same_numpy_scalars():
+    """np.float64 is a Python float and np.int64 is not an int: a state counter ``n + 1`` (a numpy
+    scalar) saved as a plain number came back as a Python float, which the learner's write check refused."""
+    from fragflow.runtime.encoding import decode, encode
+
+    value = {"f64": np.float64(1.5), "f32": np.float32(2.5), "i64": np.int64(3), "b": np.bool_(True),
+             "zero_d": np.zeros((), np.float32), "py": 4.0}
+    meta, arrays = encode(value, "s")
+    back = decode(meta, arrays, value)
+    assert {k: (type(v), v.dtype if hasattr(v, "dtype") else None) for k, v in back.items()} == \
+        {k: (type(v), v.dtype if hasattr(v, "dtype") else None) for k, v in value.items()}
+    assert back == value

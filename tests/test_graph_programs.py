@@ -652,10 +652,14 @@ def test_the_learner_sees_each_pieces_lag_and_block_keeps_every_piece_within_the
     assert {float(r["pieces"]) for r in rows} == {pieces}
     lags = [float(r["lag"]) for r in rows]
     channels = result.summary.get("channels", {}).get("trajectory", {"drops": 0})
-    assert channels["drops"] == 0                    # block and deliver never drop
+    if policy.startswith("central_inference"):
+        # served inference keeps its bound by dropping a rollout an update left waiting past it, whatever
+        # the discipline (a worker slowed by the machine; see the test below): none is lost
+        assert pieces * result.summary["updates"] + channels["drops"] == pieces * 12
+    else:
+        assert channels["drops"] == 0 and result.summary["updates"] == 12   # block and deliver never drop
     if lag_bound is not None:
         assert max(lags) <= lag_bound
-    assert result.summary["updates"] == 12
 
 
 def test_a_fragment_method_binds_to_its_object_once_even_on_an_unhashable_dataclass():
@@ -988,3 +992,77 @@ def test_a_learner_returning_the_states_keys_in_another_order_is_read_by_key(wri
     assert same_tree(result.value, expected.value)
     seen = [[float(r["b_seen"]) for r in csv.DictReader((tmp_path / d / "metrics.csv").open())] for d in ("one", "two")]
     assert seen[0] == seen[1] == [0.0, 1.0, 2.0, 3.0]   # the actor reads b as b, one version per update
+
+
+SEVERAL_CALLS_PER_UPDATE = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 5
+
+@ff.fragment("actor")
+def act(state, obs):                      # @act
+    return (obs @ state["w"]).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, k):
+    g = batch["obs"].mean((0, 1))[:, None] * np.array([[-1.0, 1.0]])
+    return {"w": state["w"] + 0.1 * k * g}, {"g": float(np.abs(g).sum())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=3)
+    evaluation = ff.envs.make("CartPole-v1", num_envs=1, seed=9, evaluation=True)
+    state = ff.versioned({"w": np.linspace(-1, 1, 8).reshape(4, 2)})
+    other = ff.versioned({"w": np.zeros((4, 2))}, name="other")
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        batch = buf.collect()
+        state, first = learn(state, batch, 1.0)
+        state, second = learn(state, batch, -0.5)     # the learner twice per update
+        other, _ = learn(other, batch, 2.0)           # ... and on a second state
+        ff.log({"first": first["g"], "second": second["g"]})
+        eval_obs, total = evaluation.reset(), 0.0
+        for _ in range(4):                            # the same actor on an evaluation env of 1
+            eval_obs, reward, *_ = evaluation.step(act(state, eval_obs))   # @eval
+            total += float(reward.sum()) + float(eval_obs.sum())
+        ff.log({"eval": total})
+    return state, other
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined(max_lag=0)",
+                                    "actor_learner(actors=2, max_lag=0)"])
+def test_a_learner_called_several_times_per_update_is_traced_through_the_whole_update(write_algo, tmp_path, policy):
+    """The trace covers whole trips of the loop: what follows the learner's second call (a log, a
+    third call on another state, an evaluation acting on another number of environments) is placed."""
+    import csv
+
+    path, _ = write_algo(SEVERAL_CALLS_PER_UPDATE)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "one")
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "two")
+    assert same_tree(result.value, expected.value)
+    assert result.summary["updates"] == expected.summary["updates"] == 15
+    logged = []
+    for d in ("one", "two"):
+        rows = list(csv.DictReader((tmp_path / d / "metrics.csv").open()))
+        logged.append({k: sorted(float(r[k]) for r in rows if r[k] != "") for k in ("first", "second", "eval")})
+    assert logged[0] == logged[1] and all(len(v) == 5 for v in logged[0].values())
+    assert expected.graph.node("learn").rate == 1 and expected.graph.node("act").rate == pytest.approx(12 / 3, abs=1e-3)
+    assert shm_leftovers() == []
+
+
+def test_an_actor_called_on_another_number_of_environments_is_refused_where_it_is_served(write_algo):
+    path, marks = write_algo(SEVERAL_CALLS_PER_UPDATE)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"'act' is called on 1 environments at {path}:{marks['eval']} as well as 2 "
+                                             rf"at .*\n  at {path}:{marks['act'] - 1}\n  fix: give the evaluation its "
+                                             r"own fragment \(act_eval = ff.fragment\('actor', name='act_eval'\)\(act.fn\)\)"):
+        compile(program.train, program.args_cls(), policy="central_inference(env_workers=1)")

@@ -71,6 +71,8 @@ class LeafSpec:
     spec: TensorSpec
     axis: int | None = None        # the leaf's named batch axis, where known ...
     axis_name: str | None = None   # ... and its name: env, sample, time or agent
+    call: tuple[int, int] | None = None   # a logged learner output: which of its producer's calls in
+                                          # each update (call, calls per update), where it has several
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,7 @@ class Node:
     mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
     captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)
     reads_captured: str = ""       # reaches versioned state itself (a handle) through a global or closure (which)
+    other_rows: str = ""           # also called on another number of environments (an evaluation env): where
 
 
 @dataclass(frozen=True, slots=True)

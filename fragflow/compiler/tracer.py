@@ -18,6 +18,7 @@ import dataclasses
 import random as _pyrandom
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,8 @@ class _NodeRec:
     mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
     captures: str = ""  # ... or reaches an object versioned state holds (a module) through a global or closure
     reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure
+    rows: int | None = None   # the environments its first call acted on (its inputs' env rows)
+    other_rows: str = ""      # it was also called on another number of environments (an evaluation env): where
 
 
 @dataclass
@@ -125,6 +128,23 @@ class Tracer:
         self._reported = time.monotonic()
         self._expected = {id(f) for f in expected}
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
+        # The trace window is cut at a phase point, the same place in every trip of the training loop:
+        # the first step of a training env (or, with none, the first actor call) after the primary
+        # learner has been called; with neither, the end of each primary learner call. Window 0 runs
+        # to the first phase point, window 1 from there to the last, so that window 1 holds whole
+        # trips (a learner called twice per trip, the logs and evaluation after it) and its rates are
+        # per update. The trace stops at a phase point once max_updates have been traced, and, where
+        # the last two updates differ in what they call (an actor step every other update), once the
+        # window holds two trips.
+        self._phase_role: str | None = None
+        self._after_update = False           # the primary learner ran since the last phase point
+        self._phases = 0
+        self._window = 0
+        self._window_updates = [0, 0]        # primary learner calls in each window
+        self._roles_called: set[str] = set()   # roles called before the first update (env: not evaluation)
+        self._tail: Counter[str] = Counter()    # calls from the trip's first update to its phase point
+        self._tails: list[Counter[str]] = []
+        self._log_calls: dict[tuple[str, str, str, str, str, str], int] = {}
         self.events = EventSources()
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
@@ -197,8 +217,15 @@ class Tracer:
         self._expected.discard(id(frag))
         if frag.role == "logger":
             self._check_scalars(args[0] if args else kwargs, where)
-        window = 1 if self.updates >= 1 else 0
+        if frag.role in ("env", "actor") and not frag.evaluation:
+            if self._primary is None:
+                self._roles_called.add(frag.role)
+            elif self._after_update and frag.role == self._phase_role:
+                self._phase()
+        window = self._window
         rec.calls[window] += 1
+        if self._after_update:
+            self._tail[rec.name] += 1
         try:
             bound = frag.signature.bind(*args, **kwargs)
         except TypeError:
@@ -284,11 +311,29 @@ class Tracer:
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
+                self._phase_role = next((r for r in ("env", "actor") if r in self._roles_called), None)
             if self._primary == id(frag):
                 self.updates += 1
-                if self.updates >= self.max_updates and (not self._expected or self.updates >= MAX_TRACE_UPDATES):
-                    raise _StopTracing
+                self._window_updates[window] += 1
+                if not self._after_update:
+                    self._tail[rec.name] += 1
+                    self._after_update = True
+                if self._phase_role is None:
+                    self._phase()
         return out
+
+    def _phase(self) -> None:
+        """A phase point (see ``__init__``): open the steady window at the first, stop at a later one
+        once enough updates have been traced."""
+        self._after_update = False
+        self._phases += 1
+        self._tails.append(self._tail)
+        self._tail = Counter()
+        if self._phases == 1:
+            self._window = 1
+        elif self.updates >= self.max_updates and (not self._expected or self.updates >= MAX_TRACE_UPDATES) \
+                and (self._phases >= 3 or self._tails[-1] == self._tails[-2]):
+            raise _StopTracing
 
     def _probed(self, name: str, out: Any) -> Any:
         """The learner's outputs as probes (its new state excepted), each known as its original's
@@ -428,6 +473,10 @@ class Tracer:
                 edge.where = where
             leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
             edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
+            if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
+                # which of the learner's calls in this update it came from (see graph)
+                self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
+                                           self._tail[src] - 1 if self._after_update else -1)
             if src == LOOP and axis is None:
                 self._loop_made.append((len(self._inputs), edge))
             self._inputs.append(leaf_spec)
@@ -460,8 +509,15 @@ class Tracer:
                 where=rec.defined_at or where,
                 fix="fragments return pytrees (dict/list/tuple) of numpy, torch or jax arrays") from None
         specs = [(p, spec_of(x)) for _, p, x in leaves]
+        rows = self._env_rows()
         if rec.out_specs is None:
-            rec.out_specs = specs
+            rec.out_specs, rec.rows = specs, rows
+        elif specs != rec.out_specs and rec.rows is not None and rows is not None and rows != rec.rows \
+                and _rows_differ(rec.out_specs, specs, rec.rows, rows):
+            # the same policy acting on an evaluation env of another size: the first call's specs size
+            # the channels; a policy that serves this fragment through them refuses it
+            if not rec.other_rows:
+                rec.other_rows = f"{rows} environments at {where} as well as {rec.rows} at {rec.called_at}"
         elif specs != rec.out_specs:
             raise ShapeChangedError(
                 f"fragment '{rec.name}' changed its output between calls:\n"
@@ -546,8 +602,8 @@ class Tracer:
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
-        steady = 1 if self.updates >= 2 else 0
-        per = max(self.updates - 1, 1) if steady else 1   # updates inside the steady window
+        steady = 1 if self._window_updates[1] else 0
+        per = max(self._window_updates[steady], 1)   # updates inside the window the rates come from
         nodes: list[Node] = []
         loop_used = any(k[0] == LOOP for k in self._edges)
         if loop_used:
@@ -564,12 +620,26 @@ class Tracer:
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
                               mutates_state=rec.mutates, captures_state=rec.captures,
-                              reads_captured=rec.reads_captured))
+                              reads_captured=rec.reads_captured, other_rows=rec.other_rows))
         edges = [
-            Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()), _per(er.crossings[steady], per), er.where)
+            Edge(src, dst, kind, src_port, dst_port, self._calls_logged(src, dst, src_port, dst_port, er),
+                 _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.updates, self.env_steps)
+
+    def _calls_logged(self, src: str, dst: str, port: str, pname: str, edge: _EdgeRec) -> tuple[LeafSpec, ...]:
+        """An edge's leaves; where a learner called several times in every update has an output
+        logged, which of its calls the log took it from (a service running the learner logs that
+        call's output only; an update whose calls vary in number logs every call's)."""
+        periods = {tail[src] for tail in self._tails}
+        if len(periods) != 1 or (period := periods.pop()) < 2:
+            return tuple(edge.leaves.values())
+        out = []
+        for (src_path, dst_path), leaf in edge.leaves.items():
+            call = self._log_calls.get((src, dst, port, pname, src_path, dst_path), -1)
+            out.append(dataclasses.replace(leaf, call=(call, period)) if call >= 0 else leaf)
+        return tuple(out)
 
     def _splittable(self, rec: _NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked
@@ -597,6 +667,20 @@ def _strong(x: Any) -> Callable[[], Any]:
 
 def _per(count: int, updates: int) -> float:
     return round(count / updates, 4)
+
+
+def _rows_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]], rows: int,
+                 now_rows: int) -> bool:
+    """Whether two calls' outputs differ only in their leading size, the number of environments
+    each call acted on."""
+    if [p for p, _ in before] != [p for p, _ in now]:
+        return False
+    for (_, a), (_, b) in zip(before, now):
+        if a == b:
+            continue
+        if (a.dtype, a.backend, a.shape[1:], a.shape[:1], b.shape[:1]) != (b.dtype, b.backend, b.shape[1:], (rows,), (now_rows,)):
+            return False
+    return True
 
 
 def _describe(specs: list[tuple[str, TensorSpec]]) -> str:

@@ -87,6 +87,7 @@ class Logged:
     name: str
     index: int
     keys: tuple[Any, ...]
+    call: tuple[int, int] | None = None   # logged from this of the fragment's calls in each update (see LeafSpec)
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
                 rest = keys[1:] if e.src_port else keys
                 param = leaf.dst_path.split("[", 1)[0]
                 name = "/".join(str(k) for k in parse_path(leaf.dst_path[len(param):])) or "value"
-                out.append(Logged(name, int(index), tuple(rest)))
+                out.append(Logged(name, int(index), tuple(rest), leaf.call))
     return tuple(out)
 
 

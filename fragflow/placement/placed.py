@@ -221,6 +221,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"policy '{policy}' places '{e.src}' in the learner process, but its output {e.src_port} is used by "
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
+    for n in graph.fragments():
+        if n.name in service and n.other_rows:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' is called on {n.other_rows}, but policy '{policy}' answers it "
+                "in the learner's process through channels sized for one number of environments",
+                where=n.defined_at,
+                fix=f"give the evaluation its own fragment ({n.name}_eval = ff.fragment('{n.role}', "
+                    f"name='{n.name}_eval')({n.name}.fn)), or run with a policy that acts where the envs step "
+                    "(actor_learner, single_process)")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
     sides: dict[str, Any] = {}
     for n in graph.fragments():

@@ -60,6 +60,19 @@ def _split(x: Any, out: list[Any], path: str) -> Skeleton:
                                   "Python numbers, and configuration (a frozen dataclass, a string)")
 
 
+_SID_BITS = 20
+
+
+def pack_aux(sid: int, call: int) -> int:
+    """A remote call's word for the service: its skeleton id and the fragment's call number in
+    this loop (which call of an update it is, for the outputs logged from one of several)."""
+    return sid | (call << _SID_BITS)
+
+
+def unpack_aux(aux: int) -> tuple[int, int]:
+    return aux & ((1 << _SID_BITS) - 1), aux >> _SID_BITS
+
+
 def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], Any] | None) -> Any:
     kind = skel[0]
     if kind == "leaf":
@@ -79,8 +92,10 @@ def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], A
     return kids if kind == "list" else tuple(kids)
 
 
-def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None) -> None:
-    """The leaves a call sends must match the traced specs its ring was sized for."""
+def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None,
+                 replicas: int = 1) -> None:
+    """The leaves a call sends must match the traced specs its ring was sized for (``replicas``: the
+    loop's processes, each stepping its share of the environments)."""
     if len(leaves) != len(specs):
         raise SpecChangedError(f"fragment '{fragment}' was called with {len(leaves)} array leaves, "
                                f"but it was traced with {len(specs)}", where=where,
@@ -88,10 +103,18 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         got = spec_of(x)
         if got.shape != spec.shape or (got.dtype != spec.dtype and spec.backend != "python"):
-            raise SpecChangedError(f"fragment '{fragment}' got argument leaf {i} as {got.short()} {got.backend}, "
-                                   f"but it was traced as {spec.short()} {spec.backend}", where=where,
-                                   fix="keep every argument's shape and dtype fixed across calls (pad or bucket "
-                                       "variable-size data)")
+            message = (f"fragment '{fragment}' got argument leaf {i} as {got.short()} {got.backend}, "
+                       f"but it was traced as {spec.short()} {spec.backend}")
+            fix = "keep every argument's shape and dtype fixed across calls (pad or bucket variable-size data)"
+            if replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
+                message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
+                            "the environments, and this leaf was made in the loop from per-environment data whose "
+                            "environment axis fragflow cannot follow (sliced, reshaped or flattened), so its size "
+                            "changed with the share")
+                fix = ("pass the rollout to the fragment as the buffer returns it ([time, env, ...] arrays, merged "
+                       "across processes along the env axis) and slice, reshape or flatten it inside the fragment, "
+                       "or run with one actor")
+            raise SpecChangedError(message, where=where, fix=fix)
 
 
 Where = SourceLoc | None | Callable[[], SourceLoc | None]

@@ -40,10 +40,10 @@ def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
     torch = _torch()
     if x is None:
         return {"t": "none"}
+    if isinstance(x, np.generic):   # before Python's scalars: np.float64 is a float, np.bool_ is not a bool
+        return {"t": "np", "dtype": x.dtype.str, "v": x.item()}
     if isinstance(x, (bool, int, float, str)):
         return {"t": "py", "v": x}
-    if isinstance(x, np.generic):
-        return {"t": "np", "dtype": x.dtype.str, "v": x.item()}
     if isinstance(x, np.ndarray):
         if x.dtype == object:
             raise Unsupported(key, x)

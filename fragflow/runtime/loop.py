@@ -87,6 +87,7 @@ class LoopInterpreter:
         self._seq = 0
         self._shipped: set[str] = set()
         self._skeletons: dict[tuple[str, Any], int] = {}
+        self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
         self._replies = {} if endpoints is None else {r: endpoints.rings[f"{r}.reply[{replica}]"]
                                                       for r, route in program.remote.items() if route.sync}
@@ -286,13 +287,14 @@ class LoopInterpreter:
             sid = self._skeletons[(name, skeleton)] = len(self._skeletons)
             group.put(("skeleton", self.index, sid, skeleton))
         ring = self._rings[name]
-        calls.check_leaves(leaves, ring.layout.specs, name, user_callsite())
+        calls.check_leaves(leaves, ring.layout.specs, name, user_callsite(), self.program.replicas)
         if self.program.reads:
             version = self._version()
         else:   # served acting stamps its answers' version; acting on no state depends on none
             version = self._last_version if self._replies else UNVERSIONED
+        call = self._calls_of[name] = self._calls_of.get(name, -1) + 1
         if self._seq >= self.skip_until:
-            ring.put(leaves, version, tag=self._seq, aux=sid, order=self._ticket)
+            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call), order=self._ticket)
         self._seq += 1
         if route.primary:
             for state in self.program.reads:

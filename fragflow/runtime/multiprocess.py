@@ -141,7 +141,7 @@ class Driver:
                                                     if hasattr(self.backend, "rendezvous_host") else "127.0.0.1")
         return {"root": str(ck.root) if ck is not None and ck.enabled else None,
                 # workers get the checkpoint's parts, read here: they may run where its files are not
-                "resume": ck.resume.with_parts() if ck is not None and ck.resume is not None else None,
+                "resume": ck.resume if ck is not None else None,   # its parts read (see driver.run)
                 # parts go through the report queue where workers may not share this machine's files
                 "ship": not getattr(self.backend, "shares_files", True),
                 "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0,

@@ -37,10 +37,11 @@ IDLE_WAIT = 0.05
 
 
 class _Piece:
-    __slots__ = ("replica", "version", "tag", "sid", "leaves", "ring", "arrived")
+    __slots__ = ("replica", "version", "tag", "sid", "call", "leaves", "ring", "arrived")
 
-    def __init__(self, replica: int, version: int, tag: int, sid: int, leaves: list[Any], ring: Any) -> None:
-        self.replica, self.version, self.tag, self.sid, self.leaves, self.ring = replica, version, tag, sid, leaves, ring
+    def __init__(self, replica: int, version: int, tag: int, aux: int, leaves: list[Any], ring: Any) -> None:
+        self.replica, self.version, self.tag, self.leaves, self.ring = replica, version, tag, leaves, ring
+        self.sid, self.call = calls.unpack_aux(aux)   # its skeleton; the fragment's call number in its loop
         self.arrived = time.monotonic()
 
 
@@ -385,7 +386,7 @@ class ServiceRunner:
             p.ring.release(lag=lag)
         if clock and not self.program.ordered and self.replies:   # served inference, bounded (see _held)
             self._expire(fragment)
-        logged = self._logged(fragment, out)
+        logged = self._logged(fragment, out, pieces[0].call)
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
             self.results.put(("update", self.version, logged))
@@ -432,9 +433,11 @@ class ServiceRunner:
             if self.started[p.replica] is None:
                 self.started[p.replica] = self.version
 
-    def _logged(self, fragment: str, out: Any) -> dict[str, float]:
+    def _logged(self, fragment: str, out: Any, call: int) -> dict[str, float]:
         scalars: dict[str, float] = {}
         for item in self.program.logs.get(fragment, ()):
+            if item.call is not None and call % item.call[1] != item.call[0]:
+                continue   # logged from another of the fragment's calls in an update
             value = out if item.index < 0 else out[item.index]
             for k in item.keys:
                 value = value[k]
