@@ -52,3 +52,14 @@ def test_placement_verify_catches_unplaced_fragments_and_uncarried_edges():
     split = dataclasses.replace(carried, groups=(Group("a", tuple(n for n in acting if n != "env.step")),
                                                  Group("b", ("env.step", "learn", "log"))))
     assert any("fragments of 'env' are split across groups" in p for p in split.problems())
+
+
+def test_the_compiler_modules_examples_hold():
+    """The examples in the loop-structure and trace-window docstrings are run, so they stay true."""
+    import doctest
+
+    from fragflow.compiler import loops, window
+
+    for module in (loops, window):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -1,7 +1,8 @@
 """The tracer: run the training loop concretely and record its fragmented dataflow graph.
 
 The loop runs on real data inside a tracing context until the steady-state pattern is seen (two
-learner updates; a loop without a learner runs to its end). Every fragment call is executed and
+learner updates, in whole trips of the loop: see :mod:`fragflow.compiler.window`; a loop without a
+learner runs to its end). Every fragment call is executed and
 recorded: which fragment, where the user called it, the specs of what it took and returned.
 Data edges are found by identity: an array a fragment returned that later reaches another
 fragment's argument is an edge between the two; arrays fragflow did not produce come from the
@@ -18,7 +19,6 @@ import dataclasses
 import random as _pyrandom
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +49,7 @@ from fragflow.compiler.reach import (
     handles_as_values,
     objects_of,
 )
+from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
     FragflowError,
@@ -128,22 +129,7 @@ class Tracer:
         self._reported = time.monotonic()
         self._expected = {id(f) for f in expected}
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
-        # The trace window is cut at a phase point, the same place in every trip of the training loop:
-        # the first step of a training env (or, with none, the first actor call) after the primary
-        # learner has been called; with neither, the end of each primary learner call. Window 0 runs
-        # to the first phase point, window 1 from there to the last, so that window 1 holds whole
-        # trips (a learner called twice per trip, the logs and evaluation after it) and its rates are
-        # per update. The trace stops at a phase point once max_updates have been traced, and, where
-        # the last two updates differ in what they call (an actor step every other update), once the
-        # window holds two trips.
-        self._phase_role: str | None = None
-        self._after_update = False           # the primary learner ran since the last phase point
-        self._phases = 0
-        self._window = 0
-        self._window_updates = [0, 0]        # primary learner calls in each window
-        self._roles_called: set[str] = set()   # roles called before the first update (env: not evaluation)
-        self._tail: Counter[str] = Counter()    # calls from the trip's first update to its phase point
-        self._tails: list[Counter[str]] = []
+        self.window = TraceWindow(max_updates, MAX_TRACE_UPDATES)
         self._log_calls: dict[tuple[str, str, str, str, str, str], int] = {}
         self.events = EventSources()
         self._last_on_instance: dict[int, str] = {}
@@ -163,7 +149,6 @@ class Tracer:
         self._resources: list[Any] = []
         self._instances: dict[int, str] = {}
         self._containers: dict[tuple[str, str], tuple[Any, str, Any]] = {}   # (node, port) -> its last output container
-        self.updates = 0
         self.env_steps = 0
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
         self.env_counts: set[int] = set()   # ... of how many
@@ -217,15 +202,11 @@ class Tracer:
         self._expected.discard(id(frag))
         if frag.role == "logger":
             self._check_scalars(args[0] if args else kwargs, where)
-        if frag.role in ("env", "actor") and not frag.evaluation:
-            if self._primary is None:
-                self._roles_called.add(frag.role)
-            elif self._after_update and frag.role == self._phase_role:
-                self._phase()
-        window = self._window
+        self.window.unseen = bool(self._expected)
+        if self.window.call(rec.name, frag.role, frag.evaluation):
+            raise _StopTracing
+        window = self.window.window
         rec.calls[window] += 1
-        if self._after_update:
-            self._tail[rec.name] += 1
         try:
             bound = frag.signature.bind(*args, **kwargs)
         except TypeError:
@@ -299,7 +280,7 @@ class Tracer:
             self.env_steps += events(out)[0]
             if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
                 self._reported = time.monotonic()
-                self.on_progress(self.env_steps, self.updates)
+                self.on_progress(self.env_steps, self.window.updates)
         if rec.inputs is None:
             rec.inputs = self._inputs
         written_specs: list[TensorSpec] = []
@@ -311,29 +292,10 @@ class Tracer:
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
-                self._phase_role = next((r for r in ("env", "actor") if r in self._roles_called), None)
-            if self._primary == id(frag):
-                self.updates += 1
-                self._window_updates[window] += 1
-                if not self._after_update:
-                    self._tail[rec.name] += 1
-                    self._after_update = True
-                if self._phase_role is None:
-                    self._phase()
+            self.window.unseen = bool(self._expected)
+            if self.window.learned(rec.name, self._primary == id(frag)):
+                raise _StopTracing
         return out
-
-    def _phase(self) -> None:
-        """A phase point (see ``__init__``): open the steady window at the first, stop at a later one
-        once enough updates have been traced."""
-        self._after_update = False
-        self._phases += 1
-        self._tails.append(self._tail)
-        self._tail = Counter()
-        if self._phases == 1:
-            self._window = 1
-        elif self.updates >= self.max_updates and (not self._expected or self.updates >= MAX_TRACE_UPDATES) \
-                and (self._phases >= 3 or self._tails[-1] == self._tails[-2]):
-            raise _StopTracing
 
     def _probed(self, name: str, out: Any) -> Any:
         """The learner's outputs as probes (its new state excepted), each known as its original's
@@ -476,7 +438,7 @@ class Tracer:
             if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
                 # which of the learner's calls in this update it came from (see graph)
                 self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
-                                           self._tail[src] - 1 if self._after_update else -1)
+                                           self.window.ordinal(src))
             if src == LOOP and axis is None:
                 self._loop_made.append((len(self._inputs), edge))
             self._inputs.append(leaf_spec)
@@ -602,8 +564,8 @@ class Tracer:
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
-        steady = 1 if self._window_updates[1] else 0
-        per = max(self._window_updates[steady], 1)   # updates inside the window the rates come from
+        steady = 1 if self.window.window_updates[1] else 0
+        per = max(self.window.window_updates[steady], 1)   # updates inside the window the rates come from
         nodes: list[Node] = []
         loop_used = any(k[0] == LOOP for k in self._edges)
         if loop_used:
@@ -626,14 +588,14 @@ class Tracer:
                  _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
-        return Graph(name, defined_at, tuple(nodes), tuple(edges), self.updates, self.env_steps)
+        return Graph(name, defined_at, tuple(nodes), tuple(edges), self.window.updates, self.env_steps)
 
     def _calls_logged(self, src: str, dst: str, port: str, pname: str, edge: _EdgeRec) -> tuple[LeafSpec, ...]:
         """An edge's leaves; where a learner called several times in every update has an output
         logged, which of its calls the log took it from (a service running the learner logs that
         call's output only; an update whose calls vary in number logs every call's)."""
-        periods = {tail[src] for tail in self._tails}
-        if len(periods) != 1 or (period := periods.pop()) < 2:
+        period = self.window.period(src)
+        if period is None or period < 2:
             return tuple(edge.leaves.values())
         out = []
         for (src_path, dst_path), leaf in edge.leaves.items():
