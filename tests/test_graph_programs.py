@@ -1066,3 +1066,68 @@ def test_an_actor_called_on_another_number_of_environments_is_refused_where_it_i
                                              rf"at .*\n  at {path}:{marks['act'] - 1}\n  fix: give the evaluation its "
                                              r"own fragment \(act_eval = ff.fragment\('actor', name='act_eval'\)\(act.fn\)\)"):
         compile(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+
+
+JAX_ROLLOUT = """
+from dataclasses import dataclass
+import numpy as np
+import jax
+import jax.numpy as jnp
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(params, obs, key):
+    assert isinstance(params["w"], jax.Array)     # a version arrives in the library it was made in
+    logits = jnp.asarray(obs) @ params["w"]
+    action = jnp.argmax(logits + ff.random.gumbel(key, (2,)), axis=-1)
+    return action, jax.nn.log_softmax(logits)[jnp.arange(obs.shape[0]), action]
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    assert isinstance(batch["logp"], jax.Array) and isinstance(batch["obs"], np.ndarray)   # as added
+    assert isinstance(state["w"], jax.Array)
+    g = jnp.einsum("tei,te->i", jnp.asarray(batch["obs"]), batch["logp"])
+    return {"w": state["w"] - 0.01 * g[:, None] * jnp.array([[1.0, -1.0]])}, {"g": float(jnp.abs(g).sum())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": jnp.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            action, logp = act(state, obs, sub)
+            next_obs, *_ = env.step(np.asarray(action))
+            buf.add(obs=obs, logp=logp)             # a jax array, stored as it came
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_a_rollout_buffer_given_jax_arrays_returns_them_as_jax_arrays_under_every_placement(write_algo, tmp_path):
+    """A JAX actor's outputs go into a RolloutBuffer as they are; collect hands them back as jax
+    arrays, and a learner (an actor) gets jax arrays (a version) from a channel as in one process. Run by the CLI in processes of their own: JAX's threads in this process would make later
+    forked workers risk a deadlock."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, _ = write_algo(JAX_ROLLOUT)
+    exe = str(Path(sys.executable).with_name("fragflow"))
+    logged = []
+    for i, policy in enumerate(["single_process", "actor_learner(actors=2, max_lag=0)", "learner_replay(max_lag=0)"]):
+        res = subprocess.run([exe, "run", str(path), "--policy", policy, "--out", str(tmp_path / str(i)), "-q"],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        logged.append([r["g"] for r in csv.DictReader((tmp_path / str(i) / "metrics.csv").open()) if r["g"]])
+    assert len(logged[0]) == 4 and logged[0] == logged[1] == logged[2]
+    assert shm_leftovers() == []

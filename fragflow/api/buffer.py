@@ -90,7 +90,7 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.collect got {sorted(clash)}, which are also step keys",
                              where=user_callsite(), fix="give the collect() arguments other names")
         self._step_keys = frozenset(self._storage)
-        batch = dict(self._storage, **last)
+        batch = dict({k: _as_added(v) for k, v in self._storage.items()}, **last)
         self._storage, self._t = None, 0
         return batch
 
@@ -131,8 +131,22 @@ def _alloc(num_steps: int, x: Any) -> Any:
         import torch
 
         return torch.empty((num_steps, *x.shape), dtype=x.dtype, device=x.device)
-    if backend == "jax":
-        raise TraceError("RolloutBuffer stores numpy or torch leaves; got a jax array", where=user_callsite(),
-                         fix="convert with np.asarray(x) before add(), or keep the rollout inside a jax fragment")
     arr = np.asarray(x)
+    if backend == "jax":   # gathered in host memory, handed back as one jax array by collect
+        return _JaxSteps((num_steps, *arr.shape), dtype=arr.dtype)
     return np.empty((num_steps, *arr.shape), dtype=arr.dtype)
+
+
+class _JaxSteps(np.ndarray):
+    """Storage for a leaf added as jax arrays: numpy memory, returned by ``collect`` as a jax array."""
+
+
+def _as_added(storage: Any) -> Any:
+    """A collected leaf in the library it was added in."""
+    if isinstance(storage, dict):
+        return {k: _as_added(v) for k, v in storage.items()}
+    if isinstance(storage, _JaxSteps):
+        import jax.numpy as jnp
+
+        return jnp.asarray(storage.view(np.ndarray))
+    return storage

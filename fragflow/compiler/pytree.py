@@ -320,3 +320,17 @@ def to_numpy(x: Any) -> np.ndarray:
     if backend == "torch":
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def from_numpy(arr: np.ndarray, backend: str) -> Any:
+    """A leaf received as numpy, in the library it was traced in (torch: the same memory; jax: a copy
+    on the default device)."""
+    if backend == "torch":
+        import torch
+
+        return torch.from_numpy(arr)
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(arr)
+    return arr

@@ -26,7 +26,14 @@ import numpy as np
 
 from fragflow import context
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.pytree import flatten, leaf_paths, ordered_like, to_numpy, without_optimizers
+from fragflow.compiler.pytree import (
+    flatten,
+    from_numpy,
+    leaf_paths,
+    ordered_like,
+    to_numpy,
+    without_optimizers,
+)
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
@@ -306,12 +313,7 @@ class ServiceRunner:
                 out.append(first)
                 continue
             joined = np.concatenate([to_numpy(p.leaves[j]) for p in pieces], axis=axis)
-            if spec.backend == "torch":
-                import torch
-
-                out.append(torch.from_numpy(joined))
-            else:
-                out.append(joined)
+            out.append(from_numpy(joined, spec.backend))
         return out
 
     def _resolve(self, skel: Any) -> Any:

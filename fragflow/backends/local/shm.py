@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.compiler.pytree import TensorSpec, to_numpy
+from fragflow.compiler.pytree import TensorSpec, from_numpy, to_numpy
 from fragflow.errors import SpecChangedError
 
 PREFIX = "fragflow_"
@@ -129,11 +129,5 @@ class Layout:
             if spec.backend == "python":
                 out.append(view.item())
                 continue
-            arr = view.copy() if copy else view
-            if spec.backend == "torch":
-                import torch
-
-                out.append(torch.from_numpy(arr))
-            else:
-                out.append(arr)
+            out.append(from_numpy(view.copy() if copy else view, spec.backend))
         return out

@@ -32,7 +32,7 @@ import numpy as np
 
 from fragflow.backends import Stopped
 from fragflow.backends.local.shm import Layout
-from fragflow.compiler.pytree import to_numpy
+from fragflow.compiler.pytree import from_numpy, to_numpy
 from fragflow.errors import ConfigError
 
 from .hub import CLOSED, STOPPED, Hub
@@ -78,12 +78,8 @@ def _unpack(layout: Layout, items: list[Any]) -> list[Any]:
     for item, spec in zip(items, layout.specs):
         if spec.backend == "python":
             out.append(item)
-        elif spec.backend == "torch":
-            import torch
-
-            out.append(torch.from_numpy(np.array(item)))   # a writable copy (object-store arrays are read-only)
-        else:
-            out.append(np.array(item))
+        else:   # a writable copy (object-store arrays are read-only)
+            out.append(from_numpy(np.array(item), spec.backend))
     return out
 
 
