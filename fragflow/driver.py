@@ -129,6 +129,13 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     placed = spec.place(graph, options).verify()
     _refuse_unsendable_views(placed)
     lowered = lower(placed)
+    if lowered.services and graph.remade_state is not None:
+        raise PlacementError(
+            f"ff.versioned(...) made new state in the loop, after a learner had written the state made there "
+            f"before, but policy '{placed.policy}' runs the learner in another process, which keeps the state it "
+            "was given: state made again in the loop never reaches it", where=graph.remade_state,
+            fix="make versioned state once, before the loop, and let the learner return its next value (to start "
+                "it afresh, return the fresh value from the learner), or run with --policy single_process")
     captured = [n for n in graph.fragments() if n.reads_captured]
     if lowered.services and captured:
         n = captured[0]
@@ -226,7 +233,9 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
             raise ConfigError("this training function cannot be checkpointed: fragflow found no top-level loop in its "
                               "source", where=placed.graph.fragments()[0].called_at if placed.graph.fragments() else None,
                               fix="define the training function in a file, with its loop (for/while) in its own body")
-    outputs = RunOutputs(out, append=start is not None) if out is not None else None
+    resumed_at = (int(start.counters.get("updates", 0)), int(start.counters.get("env_steps", 0))) \
+        if start is not None else None
+    outputs = RunOutputs(out, append=start is not None, resumed_at=resumed_at) if out is not None else None
     display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)

@@ -379,3 +379,16 @@ def test_numpy_scalars_in_state_come_back_as_the_same_numpy_scalars():
     assert {k: (type(v), v.dtype if hasattr(v, "dtype") else None) for k, v in back.items()} == \
         {k: (type(v), v.dtype if hasattr(v, "dtype") else None) for k, v in value.items()}
     assert back == value
+
+
+def test_a_run_resumed_in_its_own_directory_writes_each_update_once(program, tmp_path):
+    """A run killed after its checkpoint wrote rows past it; resumed, it writes them again: the
+    rows after the checkpoint are dropped first (TensorBoard's events past it are purged)."""
+    a = tmp_path / "a"
+    assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a),
+               "-q").returncode == 0
+    before = [row["updates"] for row in csv.DictReader((a / "metrics.csv").open())]
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "-q")   # into the same directory
+    assert res.returncode == 0, res.stderr
+    after = [row["updates"] for row in csv.DictReader((a / "metrics.csv").open())]
+    assert [float(u) for u in before] == [float(u) for u in after] == [float(u) for u in range(1, 9)]

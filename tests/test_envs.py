@@ -122,3 +122,19 @@ def test_a_dict_observation_spaces_final_observation_replaces_the_rows_of_the_en
     with pytest.raises(TraceError, match=r"replay.add got a dict for 'obs'; a replay buffer stores one array per key"):
         rb.add(obs=obs, done=terminated)
     env.close()
+
+
+def test_an_env_step_given_another_number_of_actions_than_environments_is_refused_at_the_call():
+    """Too many actions used to pass silently (the first ones were taken), too few failed inside
+    gymnasium; an actor returning a list under a policy that splits the environments sent a
+    worker every environment's actions."""
+    from fragflow.errors import ConfigError
+
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    env.reset()
+    for actions in (np.zeros(3, np.int64), np.zeros(5, np.int64), np.int64(0)):
+        with pytest.raises(ConfigError, match=r"env.step got .* for the 4 environments this process steps") as info:
+            env.step(actions)
+        assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    env.step([0, 1, 0, 1])   # a list with a row per environment is an action batch
+    env.close()

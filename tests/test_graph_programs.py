@@ -1026,6 +1026,9 @@ def train(args: Args):
         batch = buf.collect()
         state, first = learn(state, batch, 1.0)
         state, second = learn(state, batch, -0.5)     # the learner twice per update
+        for k in (0.3, -0.2):                         # ... and in a loop, each call logged
+            state, each = learn(state, batch, k)
+            ff.log({"each": each["g"]})
         other, _ = learn(other, batch, 2.0)           # ... and on a second state
         ff.log({"first": first["g"], "second": second["g"]})
         eval_obs, total = evaluation.reset(), 0.0
@@ -1049,13 +1052,13 @@ def test_a_learner_called_several_times_per_update_is_traced_through_the_whole_u
     expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "one")
     result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "two")
     assert same_tree(result.value, expected.value)
-    assert result.summary["updates"] == expected.summary["updates"] == 15
+    assert result.summary["updates"] == expected.summary["updates"] == 5 * 5
     logged = []
     for d in ("one", "two"):
         rows = list(csv.DictReader((tmp_path / d / "metrics.csv").open()))
-        logged.append({k: sorted(float(r[k]) for r in rows if r[k] != "") for k in ("first", "second", "eval")})
-    assert logged[0] == logged[1] and all(len(v) == 5 for v in logged[0].values())
-    assert expected.graph.node("learn").rate == 1 and expected.graph.node("act").rate == pytest.approx(12 / 3, abs=1e-3)
+        logged.append({k: sorted(float(r[k]) for r in rows if r[k] != "") for k in ("first", "second", "each", "eval")})
+    assert logged[0] == logged[1] and [len(v) for v in logged[0].values()] == [5, 5, 10, 5]
+    assert expected.graph.node("learn").rate == 1 and expected.graph.node("act").rate == pytest.approx(12 / 5, abs=1e-3)
     assert shm_leftovers() == []
 
 
@@ -1130,4 +1133,117 @@ def test_a_rollout_buffer_given_jax_arrays_returns_them_as_jax_arrays_under_ever
         assert res.returncode == 0, res.stderr
         logged.append([r["g"] for r in csv.DictReader((tmp_path / str(i) / "metrics.csv").open()) if r["g"]])
     assert len(logged[0]) == 4 and logged[0] == logged[1] == logged[2]
+    assert shm_leftovers() == []
+
+
+STATE_MADE_IN_THE_LOOP = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+    in_loop: bool = True
+
+@ff.fragment("actor")
+def act(state, target, obs):
+    return (obs @ (state["w"] + target["w"])).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean()}, {"m": float(batch["obs"].mean())}
+
+def make(value):                     # one line makes both states: not a state made in the loop
+    return ff.versioned(value)       # @make
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=3)
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    state, target = make({"w": np.zeros((4, 2))}), make({"w": np.ones((4, 2))})
+    for _ in range(args.updates):
+        if args.in_loop:
+            state = ff.versioned({"w": np.zeros((4, 2))})   # @again
+        for _ in range(8):
+            obs, *_ = env.step(act(state, target, obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_versioned_state_made_again_in_the_loop_runs_in_one_process_and_is_refused_by_other_placements(write_algo):
+    path, marks = write_algo(STATE_MADE_IN_THE_LOOP)
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 4
+    with pytest.raises(PlacementError, match=rf"made new state in the loop.*\n  at {path}:{marks['again']}\n  fix: make "
+                                             "versioned state once, before the loop"):
+        compile(program.train, program.args_cls(), policy="actor_learner(actors=1)")
+    once = program.args_cls(in_loop=False)   # one helper line making two states before the loop is fine
+    expected = ff.run(program.train, once, policy="single_process")
+    assert same_tree(ff.run(program.train, once, policy="actor_learner(actors=1, max_lag=0)").value, expected.value)
+
+
+LOOP_SIDE_RETURNS = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"]).argmax(-1), obs @ state["v"]
+
+@ff.fragment("actor")
+def get_value(state, obs):
+    return obs @ state["v"]
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, advantages, bootstrap):
+    g = (advantages[..., None] * batch["obs"]).mean((0, 1))
+    return ({"w": state["w"] + 0.01 * g[:, None] * np.array([[1.0, -1.0]]), "v": state["v"] - 0.001 * g},
+            {"adv": float(advantages.mean()), "boot": float(bootstrap.sum())})
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=3)
+    state = ff.versioned({"w": np.linspace(-1, 1, 8).reshape(4, 2), "v": np.linspace(0, 1, 4)})
+    buf = ff.RolloutBuffer(6)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(6):
+            action, value = act(state, obs)
+            obs, reward, *_ = env.step(action)
+            buf.add(obs=obs, reward=reward, value=value)
+        batch = buf.collect()
+        next_value = get_value(state, obs)                   # a served value the loop computes with
+        advantages = batch["reward"] + 0.9 * np.concatenate([batch["value"][1:], next_value[None]]) - batch["value"]
+        state, m = learn(state, batch, advantages, 0.9 * next_value)
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["central_inference(env_workers=1, max_lag=0)",
+                                    "central_inference(env_workers=2, max_lag=0)",
+                                    "actor_learner(actors=2, max_lag=0)"])
+def test_values_the_loop_computes_per_environment_from_a_rollout_and_a_served_actor_are_split_with_it(
+        write_algo, tmp_path, policy):
+    """A bootstrap value from a served actor used in the loop's arithmetic is answered (it was
+    refused as a remote output), and the [time, env] advantages and [env] values the loop computes
+    from the rollout carry its env axis (they were refused with SpecChangedError where envs split)."""
+    import csv
+
+    path, _ = write_algo(LOOP_SIDE_RETURNS)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "one")
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "two")
+    assert same_tree(result.value, expected.value)
+    logged = [[(r["adv"], r["boot"]) for r in csv.DictReader((tmp_path / d / "metrics.csv").open()) if r["adv"]]
+              for d in ("one", "two")]
+    assert len(logged[0]) == 4 and logged[0] == logged[1]
     assert shm_leftovers() == []

@@ -45,7 +45,7 @@ from fragflow import context
 from fragflow.api import fragment as fragment_module
 from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
-from fragflow.errors import TraceError, UnknownEnvError, did_you_mean
+from fragflow.errors import ConfigError, TraceError, UnknownEnvError, did_you_mean
 from fragflow.source import user_callsite
 
 
@@ -263,6 +263,13 @@ class VectorEnv:
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         a = to_numpy(actions)
+        if a.dtype != object and (a.ndim == 0 or a.shape[0] != self.num_envs):   # (a Dict action: dicts)
+            raise ConfigError(
+                f"{self.name}.step got {'one action' if a.ndim == 0 else f'{a.shape[0]} actions'} (shape "
+                f"{a.shape}) for the {self.num_envs} environments this process steps",
+                where=user_callsite(), fix="give one action per environment, a leading axis of env.num_envs; an "
+                "actor that returns a Python list or number has no environment axis that a policy splitting the "
+                "environments can split: return an array (np.asarray(...), a tensor)")
         if self._action_dtype is not None and a.dtype != self._action_dtype:
             a = a.astype(self._action_dtype)
         obs, reward, terminated, truncated, info = self._env.step(a)

@@ -71,8 +71,8 @@ class LeafSpec:
     spec: TensorSpec
     axis: int | None = None        # the leaf's named batch axis, where known ...
     axis_name: str | None = None   # ... and its name: env, sample, time or agent
-    call: tuple[int, int] | None = None   # a logged learner output: which of its producer's calls in
-                                          # each update (call, calls per update), where it has several
+    call: tuple[tuple[int, ...], int] | None = None   # a logged learner output: which of its producer's
+                                          # calls in each update ((calls), calls per update), where it has several
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +140,7 @@ class Graph:
     env_steps_traced: int = 0
     loops: tuple[LoopSpec, ...] = ()    # the training function's loops, outermost first
     loop_reads: tuple[LoopRead, ...] = ()   # fragment outputs the loop itself reads (first read of each)
+    remade_state: SourceLoc | None = None   # a line that ran ff.versioned(...) again after a learner wrote its state
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

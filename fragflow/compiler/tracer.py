@@ -130,7 +130,8 @@ class Tracer:
         self._expected = {id(f) for f in expected}
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
         self.window = TraceWindow(max_updates, MAX_TRACE_UPDATES)
-        self._log_calls: dict[tuple[str, str, str, str, str, str], int] = {}
+        self.remade_state: SourceLoc | None = None   # a line that made versioned state more than once
+        self._log_calls: dict[tuple[str, str, str, str, str, str], set[int]] = {}
         self.events = EventSources()
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
@@ -184,6 +185,8 @@ class Tracer:
                                  "learning-rate schedule: compute the rate in the loop, pass it to the learner "
                                  "and set it there, for g in opt.param_groups: g['lr'] = lr)",
             ) from None
+        if where is not None and any(rec.created_at == where and rec.versions > 1 for rec in self._states.values()):
+            self.remade_state = where   # run again at the line that made a state a learner has written: in the loop
         unique = self._names(name)
         self._states[unique] = _StateRec(where)
         for obj in objects_of(value):
@@ -438,7 +441,7 @@ class Tracer:
             if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
                 # which of the learner's calls in this update it came from (see graph)
                 self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
-                                           self.window.ordinal(src))
+                                           set()).add(self.window.ordinal(src))
             if src == LOOP and axis is None:
                 self._loop_made.append((len(self._inputs), edge))
             self._inputs.append(leaf_spec)
@@ -542,12 +545,20 @@ class Tracer:
         one per environment too, as a fragment's outputs of that leading size are: a policy that
         splits the environments splits them, and a served call merges the workers' rows."""
         n = self._env_rows()
+        # ... and beside a rollout ([time, env, ...] leaves): arrays the loop computed from it per step
+        # and environment (advantages, returns) start [time, env], per environment (a bootstrap value) [env]
+        steps = {leaf.spec.shape[:2] for leaf in self._inputs
+                 if leaf.axis == 1 and leaf.axis_name == "env" and len(leaf.spec.shape) >= 2}
+        if n is None and len(steps) == 1:
+            n = next(iter(steps))[1]
         if n is None:
             return
         for i, edge in self._loop_made:
             leaf = self._inputs[i]
-            if leaf.spec.shape and leaf.spec.shape[0] == n:
-                rows = dataclasses.replace(leaf, axis=0, axis_name="env")
+            axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
+                0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
+            if axis is not None:
+                rows = dataclasses.replace(leaf, axis=axis, axis_name="env")
                 self._inputs[i] = rows
                 key = (leaf.src_path, leaf.dst_path)
                 if edge.leaves.get(key) == leaf:
@@ -592,15 +603,17 @@ class Tracer:
 
     def _calls_logged(self, src: str, dst: str, port: str, pname: str, edge: _EdgeRec) -> tuple[LeafSpec, ...]:
         """An edge's leaves; where a learner called several times in every update has an output
-        logged, which of its calls the log took it from (a service running the learner logs that
-        call's output only; an update whose calls vary in number logs every call's)."""
+        logged, which of its calls the log took it from (a service running the learner logs those
+        calls' outputs only; a log of every call, or an update whose calls vary in number, logs every
+        call's)."""
         period = self.window.period(src)
         if period is None or period < 2:
             return tuple(edge.leaves.values())
         out = []
         for (src_path, dst_path), leaf in edge.leaves.items():
-            call = self._log_calls.get((src, dst, port, pname, src_path, dst_path), -1)
-            out.append(dataclasses.replace(leaf, call=(call, period)) if call >= 0 else leaf)
+            calls = self._log_calls.get((src, dst, port, pname, src_path, dst_path), set())
+            some = not calls or min(calls) < 0 or len(calls) == period
+            out.append(leaf if some else dataclasses.replace(leaf, call=(tuple(sorted(calls)), period)))
         return tuple(out)
 
     def _splittable(self, rec: _NodeRec) -> bool:
@@ -693,7 +706,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
                 "and step environments made with ff.envs.make(...)")
     graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
-    graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads), _index={})
+    graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
+                                remade_state=tracer.remade_state, _index={})
     return graph.verify(), tracer.fragments
 
 

@@ -87,7 +87,7 @@ class Logged:
     name: str
     index: int
     keys: tuple[Any, ...]
-    call: tuple[int, int] | None = None   # logged from this of the fragment's calls in each update (see LeafSpec)
+    call: tuple[tuple[int, ...], int] | None = None   # logged from these of the fragment's calls in each update (LeafSpec)
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,11 @@ def lower(placed: PlacedGraph) -> Lowered:
             if node.role == "logger":
                 continue   # sinks run after the call that feeds them (see ``logs``)
             writes = next((e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src == name), None)
-            sync = any(e.src == name and e.dst in in_loop for e in graph.edges_of(EdgeKind.DATA))
+            # the loop waits for its answer where a fragment with it uses an output, or where a served
+            # actor's outputs reach no fragment: the loop's own code uses them (a bootstrap value in the
+            # loop's arithmetic; a learner output the loop reads is refused at placement)
+            consumers = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src == name}
+            sync = bool(consumers & in_loop) or (node.role == "actor" and bool(node.outputs) and not consumers)
             keys = tuple(parse_path(path) for path, _ in node.outputs) if sync else ()
             remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys)
             if sync:

@@ -12,11 +12,30 @@ RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
                    "episode_return_mean", "episode_length_mean", "episodes")
 
 
+def _updates(row: dict[str, str]) -> float:
+    try:
+        return float(row.get("updates") or 0)
+    except ValueError:
+        return 0.0
+
+
+def _rewrite(path: Path, columns: list[str], rows: list[dict[str, str]]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
 class RunOutputs:
     """Writers for one run directory. Rows go to CSV and TensorBoard as they come."""
 
-    def __init__(self, directory: str | os.PathLike[str], append: bool = False) -> None:
-        """``append``: a resumed run adds to the directory's ``metrics.csv`` (same columns) and TensorBoard."""
+    def __init__(self, directory: str | os.PathLike[str], append: bool = False,
+                 resumed_at: tuple[int, int] | None = None) -> None:
+        """``append``: a resumed run adds to the directory's ``metrics.csv`` (same columns) and
+        TensorBoard; ``resumed_at`` (updates, env steps of its checkpoint): what the interrupted run
+        wrote after the checkpoint is dropped first (the resumed run writes it again)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._csv_file: IO[str] | None = None
@@ -25,12 +44,17 @@ class RunOutputs:
         metrics = self.dir / "metrics.csv"
         if append and metrics.is_file():
             with open(metrics, newline="") as f:
-                header = next(csv.reader(f), None)
+                reader = csv.DictReader(f)
+                header, rows = reader.fieldnames, list(reader)
             if header:
-                self._columns = header
+                self._columns = list(header)
+                if resumed_at is not None and any(_updates(r) > resumed_at[0] for r in rows):
+                    _rewrite(metrics, self._columns, [r for r in rows if _updates(r) <= resumed_at[0]])
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
+        purge = resumed_at[1] + 1 if append and resumed_at is not None else None
+        self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
 
     def write_row(self, row: dict[str, float]) -> None:
         if self._csv is None:
@@ -66,12 +90,7 @@ class RunOutputs:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
         self._columns = self._columns + new
-        tmp = path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, path)
+        _rewrite(path, self._columns, rows)
         self._open_csv("a")
 
     def write_episode(self, env_steps: int, ret: float, length: int) -> None:

@@ -438,7 +438,7 @@ class ServiceRunner:
     def _logged(self, fragment: str, out: Any, call: int) -> dict[str, float]:
         scalars: dict[str, float] = {}
         for item in self.program.logs.get(fragment, ()):
-            if item.call is not None and call % item.call[1] != item.call[0]:
+            if item.call is not None and call % item.call[1] not in item.call[0]:
                 continue   # logged from another of the fragment's calls in an update
             value = out if item.index < 0 else out[item.index]
             for k in item.keys:
