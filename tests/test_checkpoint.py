@@ -160,16 +160,18 @@ def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
     m = json.loads((mid / "manifest.json").read_text())
     assert set(m["parts"]) == {"states.learner", "loop0", "loop1"} and m["loop"]["replicas"] == 2
     assert all(pos["trip"] >= 1 for pos in m["loop"]["positions"].values())
-    rows_before = len(list(csv.DictReader((tmp_path / "run" / "metrics.csv").open())))
+    before = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     second = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", resume=mid)
     s = second.summary
     assert s["resumed_at"]["updates"] == m["counters"]["updates"] and s["resumed_at"]["version"] == m["counters"]["version"]
     assert s["updates"] > m["counters"]["updates"] and s["env_steps"] > m["counters"]["env_steps"]
     # the actors went on from their saved trips: about the rest of the run, not all of it again
     assert abs(s["updates"] - first.summary["updates"]) <= 2
+    # the rows up to the checkpoint stay, those the first run wrote after it are the resumed run's
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
-    assert len(rows) > rows_before
-    steps = [float(r["env_steps"]) for r in rows[rows_before:]]
+    kept = [r for r in before if float(r["updates"]) <= m["counters"]["updates"]]
+    assert len(kept) < len(before) and rows[:len(kept)] == kept and len(rows) > len(kept)
+    steps = [float(r["env_steps"]) for r in rows[len(kept):]]
     assert steps[0] > m["counters"]["env_steps"] - 1 and steps == sorted(steps)
 
 
