@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from fragflow.compiler.ir import Graph
-from fragflow.errors import ConfigError
+from fragflow.compiler.ir import EdgeKind, Graph
+from fragflow.errors import ConfigError, PlacementError
 from fragflow.placement import Overflow, PlacedGraph, PolicySpec, acting_and_learning
 
 
@@ -46,6 +46,14 @@ def place(graph: Graph, options: Options) -> PlacedGraph:
     if options.learners < 1 or options.actors < 1:
         raise ConfigError(f"multi_learner needs learners >= 1 and actors >= 1, got learners={options.learners}, "
                           f"actors={options.actors}", fix="pass e.g. multi_learner(learners=2, actors=1)")
+    writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
+    for n in graph.fragments("learner"):
+        if n.name in writers and "torch" not in n.backend.split("+"):
+            raise PlacementError(
+                f"multi_learner averages the torch gradients of its learners, but learner '{n.name}' computes "
+                f"with {n.backend}", where=n.defined_at,
+                fix="write the learner with torch (an optimizer in the versioned state, or torch.autograd.grad), "
+                    "or use a single-learner policy (actor_learner, pipelined)")
     placed = acting_and_learning(
         graph, policy="multi_learner", options=tuple(asdict(options).items()),
         actors=options.learners * options.actors, max_lag=options.max_lag, overflow=Overflow.DELIVER,

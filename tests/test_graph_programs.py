@@ -1247,3 +1247,49 @@ def test_values_the_loop_computes_per_environment_from_a_rollout_and_a_served_ac
               for d in ("one", "two")]
     assert len(logged[0]) == 4 and logged[0] == logged[1]
     assert shm_leftovers() == []
+
+
+CONVERTED_IN_THE_LOOP = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (torch.as_tensor(obs) @ state["w"]).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, reward):
+    g = (obs * reward[..., None]).mean((0, 1)).float()
+    return {"w": state["w"] + 0.01 * g[:, None] * torch.tensor([[1.0, -1.0]])}, {"g": float(g.abs().sum())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=3)
+    state = ff.versioned({"w": torch.linspace(-1, 1, 8).reshape(4, 2)})
+    buf = ff.RolloutBuffer(6)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(6):
+            obs, reward, *_ = env.step(act(state, obs))
+            buf.add(obs=obs, reward=reward)
+        batch = buf.collect()
+        state, m = learn(state, torch.as_tensor(batch["obs"]), torch.from_numpy(batch["reward"]))   # no copies
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_rollout_converted_to_torch_in_the_loop_keeps_its_environment_axis(write_algo):
+    """torch.as_tensor / torch.from_numpy share the rollout's memory: the tracer knows them as the
+    buffer's output, env axis included (they were loop-made arrays, refused where envs split)."""
+    path, _ = write_algo(CONVERTED_IN_THE_LOOP)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
+    assert same_tree(result.value, expected.value)
+    assert shm_leftovers() == []

@@ -106,35 +106,46 @@ def test_multi_learner_runs_ppo_and_refuses_indivisible_actors(program):
         ff.run(program.train, program.args_cls(), policy="multi_learner(learners=3, actors=1)")
 
 
-def test_a_learner_that_computes_no_torch_gradient_is_refused(write_algo):
-    path, _ = write_algo('''
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_a_learner_that_computes_no_torch_gradient_is_refused(write_algo, library):
+    """A numpy (or jax) learner is refused at placement, at its definition; a torch learner that
+    takes no gradient when it runs is refused at its first update."""
+    path, marks = write_algo('''
         from dataclasses import dataclass
         import numpy as np
+        import torch
         import fragflow as ff
 
         @dataclass(frozen=True)
         class Args:
             num_envs: int = 2
+            library: str = "numpy"
 
         @ff.fragment("env")
         def observe(key):
             return ff.random.uniform(key, (2,))
 
         @ff.fragment("learner", writes="state")
-        def learn(state, x):
-            return {"w": state["w"] * 0.9 + x.mean()}   # numpy: no gradient to average
+        def learn(state, x):                             # @learn
+            return {"w": state["w"] * 0.9 + x.mean()}   # no gradient to average
 
         def train(args: Args):
-            state = ff.versioned({"w": np.zeros(2)})
+            w = np.zeros(2) if args.library == "numpy" else torch.zeros(2)
+            state = ff.versioned({"w": w})
             key = ff.random.keys(0, ff.envs.ids(args.num_envs))
             for update in range(4):
                 key, sub = ff.random.split(key)
-                state = learn(state, observe(sub))
+                x = observe(sub)
+                state = learn(state, x if args.library == "numpy" else torch.as_tensor(x))   # the same memory
             return state
     ''', "numpy_learner.py")
     prog = load(str(path))
-    from fragflow.errors import ConfigError
+    from fragflow.errors import ConfigError, PlacementError
 
-    with pytest.raises(ConfigError, match="averages the gradients 'learn' computes, and it computed none"):
-        ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1)")
+    if library == "numpy":
+        with pytest.raises(PlacementError, match=rf"learner 'learn' computes with numpy\n  at {path}:{marks['learn'] - 1}"):
+            ff.run(prog.train, prog.args_cls(library=library), policy="multi_learner(learners=2, actors=1)")
+    else:
+        with pytest.raises(ConfigError, match="averages the gradients 'learn' computes, and it computed none"):
+            ff.run(prog.train, prog.args_cls(library=library), policy="multi_learner(learners=2, actors=1)")
     assert mp.active_children() == [] and shm_leftovers() == []

@@ -35,6 +35,7 @@ from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import (
     NotAnArray,
     TensorSpec,
+    backend_of,
     is_static,
     leaf_paths,
     ordered_like,
@@ -141,6 +142,7 @@ class Tracer:
         self._states: dict[str, _StateRec] = {}
         self._state_objects: dict[int, tuple[str, Any]] = {}   # id -> (state, object): what versioned state holds
         self._origins: dict[int, _Origin] = {}
+        self._by_address: dict[tuple[int, tuple[int, ...], int], _Origin] = {}   # outputs by memory (see _origin)
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
         self._inputs: list[LeafSpec] = []
@@ -453,6 +455,12 @@ class Tracer:
         origin = self._origins.get(id(leaf))
         if origin is not None and origin.ref() is leaf:
             return origin
+        # the same memory seen through another library (torch.as_tensor(obs), np.asarray(tensor)): the
+        # array it views is still alive, so the address is not a reused one
+        address = _address(leaf)
+        origin = self._by_address.get(address) if address is not None else None
+        if origin is not None and origin.ref() is not None:
+            return origin
         return None
 
     def _record_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None,
@@ -523,7 +531,10 @@ class Tracer:
                 ref: Callable[[], Any] = weakref.ref(leaf)
             except TypeError:
                 ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
-            self._origins[id(leaf)] = _Origin(rec.name, rec.role, port, path, axis, ref)
+            self._origins[id(leaf)] = origin = _Origin(rec.name, rec.role, port, path, axis, ref)
+            address = _address(leaf)
+            if address is not None:
+                self._by_address[address] = origin
 
     def _sized_by_ids(self, frag: Fragment, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
         """A user's env fragment that returns no gymnasium step (its ``reset``): leaves whose leading
@@ -634,6 +645,16 @@ def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
         return leaf_paths(tree)
     except NotAnArray:
         return []
+
+
+def _address(x: Any) -> tuple[int, tuple[int, ...], int] | None:
+    """Where an array's elements start in host memory, its shape and element size (None: not a
+    numpy array or a CPU torch tensor with elements)."""
+    if isinstance(x, np.ndarray):
+        return (x.__array_interface__["data"][0], x.shape, x.itemsize) if x.size else None
+    if backend_of(x) == "torch" and x.device.type == "cpu" and x.numel():
+        return x.data_ptr(), tuple(x.shape), x.element_size()
+    return None
 
 
 def _strong(x: Any) -> Callable[[], Any]:
