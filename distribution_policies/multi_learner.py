@@ -48,7 +48,7 @@ def place(graph: Graph, options: Options) -> PlacedGraph:
                           f"actors={options.actors}", fix="pass e.g. multi_learner(learners=2, actors=1)")
     writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
     for n in graph.fragments("learner"):
-        if n.name in writers and "torch" not in n.backend.split("+"):
+        if n.name in writers and "torch" not in (n.backend or "").split("+"):
             raise PlacementError(
                 f"multi_learner averages the torch gradients of its learners, but learner '{n.name}' computes "
                 f"with {n.backend}", where=n.defined_at,
