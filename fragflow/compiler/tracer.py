@@ -30,12 +30,12 @@ from fragflow.api.events import EventSources, default_axes
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler import probes
+from fragflow.compiler.axes import address, env_rows, inherited_axes, loop_rows, sized_by_ids
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import (
     NotAnArray,
     TensorSpec,
-    backend_of,
     is_static,
     leaf_paths,
     ordered_like,
@@ -239,7 +239,7 @@ class Tracer:
                 continue
             self._record_inputs(rec, pname, value, window, where, frag.in_axes)
         if self._loop_made and frag.in_axes is None:
-            self._loop_rows()
+            loop_rows(self._inputs, self._loop_made)
         rec.static = tuple(static)
         if frag.writes is not None and written is None:
             raise VersionedStateError(
@@ -457,8 +457,8 @@ class Tracer:
             return origin
         # the same memory seen through another library (torch.as_tensor(obs), np.asarray(tensor)): the
         # array it views is still alive, so the address is not a reused one
-        address = _address(leaf)
-        origin = self._by_address.get(address) if address is not None else None
+        at = address(leaf)
+        origin = self._by_address.get(at) if at is not None else None
         if origin is not None and origin.ref() is not None:
             return origin
         return None
@@ -482,7 +482,7 @@ class Tracer:
                 where=rec.defined_at or where,
                 fix="fragments return pytrees (dict/list/tuple) of numpy, torch or jax arrays") from None
         specs = [(p, spec_of(x)) for _, p, x in leaves]
-        rows = self._env_rows()
+        rows = env_rows(self._inputs)
         if rec.out_specs is None:
             rec.out_specs, rec.rows = specs, rows
         elif specs != rec.out_specs and rec.rows is not None and rows is not None and rows != rec.rows \
@@ -503,8 +503,8 @@ class Tracer:
             rec.backends.update(s.backend for s in written_specs if s.backend != "python")
         if not rec.backends:
             rec.backends.update(b for b in self._input_backends if b != "python")
-        axes = frag.axes or default_axes(frag.role, out) or self._sized_by_ids(frag, leaves) or \
-            self._inherited_axes(leaves)
+        axes = frag.axes or default_axes(frag.role, out) or sized_by_ids(frag, leaves, self.env_counts) or \
+            inherited_axes(self._inputs, leaves)
         if rec.out_axes is None:
             known = [(path, axes(path)) for _, path, _ in leaves] if axes is not None else []
             rec.out_axes = tuple((path, a[0], a[1]) for path, a in known if a is not None)
@@ -532,57 +532,9 @@ class Tracer:
             except TypeError:
                 ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
             self._origins[id(leaf)] = origin = _Origin(rec.name, rec.role, port, path, axis, ref)
-            address = _address(leaf)
-            if address is not None:
-                self._by_address[address] = origin
-
-    def _sized_by_ids(self, frag: Fragment, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
-        """A user's env fragment that returns no gymnasium step (its ``reset``): leaves whose leading
-        size is a number of environments the program asked ``ff.envs.ids`` for are ``env`` axis 0."""
-        if frag.role != "env" or frag.evaluation or not self.env_counts:
-            return None
-        batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] in self.env_counts}
-        return (lambda path: ("env", 0) if path in batched else None) if batched else None
-
-    def _env_rows(self) -> int | None:
-        """How many environments a call's batched inputs carry on axis 0 (None: none, or several sizes)."""
-        sizes = {leaf.spec.shape[0] for leaf in self._inputs
-                 if leaf.axis == 0 and leaf.axis_name == "env" and leaf.spec.shape}
-        return sizes.pop() if len(sizes) == 1 else None
-
-    def _loop_rows(self) -> None:
-        """Arrays the loop made and passed beside a batch of environments on axis 0, with that many
-        rows (a recurrent state carried from step to step, a mask of done environments), are rows
-        one per environment too, as a fragment's outputs of that leading size are: a policy that
-        splits the environments splits them, and a served call merges the workers' rows."""
-        n = self._env_rows()
-        # ... and beside a rollout ([time, env, ...] leaves): arrays the loop computed from it per step
-        # and environment (advantages, returns) start [time, env], per environment (a bootstrap value) [env]
-        steps = {leaf.spec.shape[:2] for leaf in self._inputs
-                 if leaf.axis == 1 and leaf.axis_name == "env" and len(leaf.spec.shape) >= 2}
-        if n is None and len(steps) == 1:
-            n = next(iter(steps))[1]
-        if n is None:
-            return
-        for i, edge in self._loop_made:
-            leaf = self._inputs[i]
-            axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
-                0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
-            if axis is not None:
-                rows = dataclasses.replace(leaf, axis=axis, axis_name="env")
-                self._inputs[i] = rows
-                key = (leaf.src_path, leaf.dst_path)
-                if edge.leaves.get(key) == leaf:
-                    edge.leaves[key] = rows
-
-    def _inherited_axes(self, leaves: list[tuple[str, str, Any]]) -> Callable[[str], tuple[str, int] | None] | None:
-        """A fragment that declares no axes (a user's ``act``) keeps its inputs' ``env`` batch: when
-        its batched inputs have the environments on axis 0, outputs with that leading size do too."""
-        n = self._env_rows()
-        if n is None:
-            return None
-        batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}
-        return lambda path: ("env", 0) if path in batched else None
+            at = address(leaf)
+            if at is not None:
+                self._by_address[at] = origin
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
@@ -645,16 +597,6 @@ def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
         return leaf_paths(tree)
     except NotAnArray:
         return []
-
-
-def _address(x: Any) -> tuple[int, tuple[int, ...], int] | None:
-    """Where an array's elements start in host memory, its shape and element size (None: not a
-    numpy array or a CPU torch tensor with elements)."""
-    if isinstance(x, np.ndarray):
-        return (x.__array_interface__["data"][0], x.shape, x.itemsize) if x.size else None
-    if backend_of(x) == "torch" and x.device.type == "cpu" and x.numel():
-        return x.data_ptr(), tuple(x.shape), x.element_size()
-    return None
 
 
 def _strong(x: Any) -> Callable[[], Any]:

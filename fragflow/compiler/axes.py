@@ -1,0 +1,84 @@
+"""Batch-axis inference while tracing: which leaves carry one row per environment.
+
+Env fragments, rollout and replay buffers declare their axes; what they do not cover is inferred
+here from sizes: a user's env sized with ``ff.envs.ids``, a fragment that declares nothing (a
+user's ``act``) keeping its inputs' ``env`` batch, arrays the loop makes beside a batch of
+environments or a rollout, and an array that is another one seen through another library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fragflow.api.fragment import Fragment
+from fragflow.compiler.ir import LeafSpec
+from fragflow.compiler.pytree import backend_of
+
+Axes = Callable[[str], "tuple[str, int] | None"]
+Leaves = list[tuple[str, str, Any]]   # (port, path, leaf) of a call's outputs
+
+
+def sized_by_ids(frag: Fragment, leaves: Leaves, env_counts: set[int]) -> Axes | None:
+    """A user's env fragment that returns no gymnasium step (its ``reset``): leaves whose leading
+    size is a number of environments the program asked ``ff.envs.ids`` for are ``env`` axis 0."""
+    if frag.role != "env" or frag.evaluation or not env_counts:
+        return None
+    batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] in env_counts}
+    return (lambda path: ("env", 0) if path in batched else None) if batched else None
+
+
+def env_rows(inputs: list[LeafSpec]) -> int | None:
+    """How many environments a call's batched inputs carry on axis 0 (None: none, or several sizes)."""
+    sizes = {leaf.spec.shape[0] for leaf in inputs if leaf.axis == 0 and leaf.axis_name == "env" and leaf.spec.shape}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]]) -> None:
+    """Arrays the loop made and passed beside a batch of environments on axis 0, with that many
+    rows (a recurrent state carried from step to step, a mask of done environments), are rows
+    one per environment too, as a fragment's outputs of that leading size are: a policy that
+    splits the environments splits them, and a served call merges the workers' rows. Beside a
+    rollout (``[time, env, ...]`` leaves), arrays the loop computed from it per step and environment
+    (advantages, returns) start ``[time, env]``, per environment (a bootstrap value) ``[env]``.
+    ``inputs`` (and each edge's leaves, ``loop_made``: (index into inputs, edge)) are updated."""
+    n = env_rows(inputs)
+    steps = {leaf.spec.shape[:2] for leaf in inputs
+             if leaf.axis == 1 and leaf.axis_name == "env" and len(leaf.spec.shape) >= 2}
+    if n is None and len(steps) == 1:
+        n = next(iter(steps))[1]
+    if n is None:
+        return
+    for i, edge in loop_made:
+        leaf = inputs[i]
+        axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
+            0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
+        if axis is not None:
+            rows = dataclasses.replace(leaf, axis=axis, axis_name="env")
+            inputs[i] = rows
+            key = (leaf.src_path, leaf.dst_path)
+            if edge.leaves.get(key) == leaf:
+                edge.leaves[key] = rows
+
+
+def inherited_axes(inputs: list[LeafSpec], leaves: Leaves) -> Axes | None:
+    """A fragment that declares no axes (a user's ``act``) keeps its inputs' ``env`` batch: when
+    its batched inputs have the environments on axis 0, outputs with that leading size do too."""
+    n = env_rows(inputs)
+    if n is None:
+        return None
+    batched = {path for _, path, x in leaves if getattr(x, "ndim", 0) >= 1 and x.shape[0] == n}
+    return lambda path: ("env", 0) if path in batched else None
+
+
+def address(x: Any) -> tuple[int, tuple[int, ...], int] | None:
+    """Where an array's elements start in host memory, its shape and element size (None: not a
+    numpy array or a CPU torch tensor with elements): ``torch.as_tensor(obs)`` is ``obs``."""
+    if isinstance(x, np.ndarray):
+        return (x.__array_interface__["data"][0], x.shape, x.itemsize) if x.size else None
+    if backend_of(x) == "torch" and x.device.type == "cpu" and x.numel():
+        return x.data_ptr(), tuple(x.shape), x.element_size()
+    return None
