@@ -235,7 +235,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                               fix="define the training function in a file, with its loop (for/while) in its own body")
     resumed_at = (int(start.counters.get("updates", 0)), int(start.counters.get("env_steps", 0))) \
         if start is not None else None
-    outputs = RunOutputs(out, append=start is not None, resumed_at=resumed_at) if out is not None else None
+    outputs = RunOutputs(out, resumed_at=resumed_at) if out is not None else None
     display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)

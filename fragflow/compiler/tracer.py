@@ -297,7 +297,6 @@ class Tracer:
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
-            self.window.unseen = bool(self._expected)
             if self.window.learned(rec.name, self._primary == id(frag)):
                 raise _StopTracing
         return out
@@ -613,12 +612,9 @@ def _rows_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, Tens
     each call acted on."""
     if [p for p, _ in before] != [p for p, _ in now]:
         return False
-    for (_, a), (_, b) in zip(before, now):
-        if a == b:
-            continue
-        if (a.dtype, a.backend, a.shape[1:], a.shape[:1], b.shape[:1]) != (b.dtype, b.backend, b.shape[1:], (rows,), (now_rows,)):
-            return False
-    return True
+    return all(a == b or (a.dtype == b.dtype and a.backend == b.backend and a.shape[1:] == b.shape[1:]
+                          and a.shape[:1] == (rows,) and b.shape[:1] == (now_rows,))
+               for (_, a), (_, b) in zip(before, now))
 
 
 def _describe(specs: list[tuple[str, TensorSpec]]) -> str:

@@ -29,24 +29,26 @@ class TraceWindow:
     def __init__(self, max_updates: int = 2, max_total: int = 200) -> None:
         self.max_updates = max_updates
         self.max_total = max_total            # updates to trace at most while fragments are still unseen
-        self.window = 0
         self.updates = 0
         self.window_updates = [0, 0]          # primary learner calls in each window
         self._phase_role: str | None = None   # what a phase point is a call of (None: the learner's end)
-        self._first_update = True
         self._after_update = False            # the primary learner ran since the last phase point
-        self._phases = 0
         self._roles: set[str] = set()         # roles called before the first update (env: not evaluation)
         self._tail: Counter[str] = Counter()  # calls from the trip's first update to its phase point
-        self._tails: list[Counter[str]] = []
+        self._tails: list[Counter[str]] = []    # one per phase point passed
         self.unseen = False                   # fragments the loop must still call before tracing stops
+
+    @property
+    def window(self) -> int:
+        """0 until the first phase point, 1 from there on."""
+        return 1 if self._tails else 0
 
     def call(self, name: str, role: str, evaluation: bool) -> bool:
         """A fragment is about to be called: True where tracing stops before it (a phase point once
         enough has been traced)."""
         stop = False
         if role in ("env", "actor") and not evaluation:
-            if self._first_update:
+            if self.updates == 0:
                 self._roles.add(role)
             elif self._after_update and role == self._phase_role:
                 stop = self._phase()
@@ -58,8 +60,7 @@ class TraceWindow:
         """A learner call returned (``primary``: an update); True where tracing stops after it."""
         if not primary:
             return False
-        if self._first_update:
-            self._first_update = False
+        if self.updates == 0:
             self._phase_role = next((r for r in ("env", "actor") if r in self._roles), None)
         self.updates += 1
         self.window_updates[self.window] += 1
@@ -79,12 +80,10 @@ class TraceWindow:
 
     def _phase(self) -> bool:
         self._after_update = False
-        self._phases += 1
         self._tails.append(self._tail)
         self._tail = Counter()
-        if self._phases == 1:
-            self.window = 1
+        if len(self._tails) == 1:   # the steady window opens
             return False
         # two trips where the last two differ in what they call (an actor step every other update)
         return (self.updates >= self.max_updates and (not self.unseen or self.updates >= self.max_total)
-                and (self._phases >= 3 or self._tails[-1] == self._tails[-2]))
+                and (len(self._tails) >= 3 or self._tails[-1] == self._tails[-2]))

@@ -31,29 +31,28 @@ def _rewrite(path: Path, columns: list[str], rows: list[dict[str, str]]) -> None
 class RunOutputs:
     """Writers for one run directory. Rows go to CSV and TensorBoard as they come."""
 
-    def __init__(self, directory: str | os.PathLike[str], append: bool = False,
-                 resumed_at: tuple[int, int] | None = None) -> None:
-        """``append``: a resumed run adds to the directory's ``metrics.csv`` (same columns) and
-        TensorBoard; ``resumed_at`` (updates, env steps of its checkpoint): what the interrupted run
-        wrote after the checkpoint is dropped first (the resumed run writes it again)."""
+    def __init__(self, directory: str | os.PathLike[str], resumed_at: tuple[int, int] | None = None) -> None:
+        """``resumed_at`` (updates, env steps of its checkpoint): a resumed run adds to the directory's
+        ``metrics.csv`` (same columns) and TensorBoard, after dropping what the interrupted run wrote
+        past the checkpoint (the resumed run writes it again)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._csv_file: IO[str] | None = None
         self._csv: csv.DictWriter[str] | None = None
         self._columns: list[str] | None = None
         metrics = self.dir / "metrics.csv"
-        if append and metrics.is_file():
+        if resumed_at is not None and metrics.is_file():
             with open(metrics, newline="") as f:
                 reader = csv.DictReader(f)
                 header, rows = reader.fieldnames, list(reader)
             if header:
                 self._columns = list(header)
-                if resumed_at is not None and any(_updates(r) > resumed_at[0] for r in rows):
+                if any(_updates(r) > resumed_at[0] for r in rows):
                     _rewrite(metrics, self._columns, [r for r in rows if _updates(r) <= resumed_at[0]])
         from torch.utils.tensorboard import SummaryWriter
 
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
-        purge = resumed_at[1] + 1 if append and resumed_at is not None else None
+        purge = resumed_at[1] + 1 if resumed_at is not None else None
         self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
 
     def write_row(self, row: dict[str, float]) -> None:
