@@ -77,12 +77,14 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
 # ACT: epsilon-greedy; the exploration noise comes from per-environment keys
 @ff.fragment("actor")
 def act(q, obs, key, epsilon):
+    u = ff.random.uniform(key, (2,))
+    explore = u[:, 0] < epsilon
+    random_action = (u[:, 1] * q.network[-1].out_features).astype(np.int64)
+    if explore.all():   # as CleanRL: no forward pass where no environment acts greedily
+        return random_action
     with torch.no_grad():
         q_values = q(torch.as_tensor(obs, dtype=torch.float32))
-    greedy = q_values.argmax(dim=-1).numpy()
-    u = ff.random.uniform(key, (2,))
-    random_action = (u[:, 1] * q_values.shape[-1]).astype(np.int64)
-    return np.where(u[:, 0] < epsilon, random_action, greedy)
+    return np.where(explore, random_action, q_values.argmax(dim=-1).numpy())
 
 
 # LEARN: one gradient step on the TD error against the target network

@@ -51,14 +51,22 @@ def is_internal(filename: str) -> bool:
     return path.startswith(_CORE_DIR + os.sep) or "/typer/" in path or "/click/" in path
 
 
+_LIBRARIES = ("numpy", "torch")
+_library_cache: tuple[str, ...] = ()
+
+
 def _library_dirs() -> tuple[str, ...]:
+    global _library_cache
+    if len(_library_cache) == len(_LIBRARIES):   # both imported: their directories stay where they are
+        return _library_cache
     dirs = []
-    for name in ("numpy", "torch"):
+    for name in _LIBRARIES:
         mod = sys.modules.get(name)
         path = getattr(mod, "__file__", None) if mod is not None else None
         if path:
             dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(dirs)
+    _library_cache = tuple(dirs)
+    return _library_cache
 
 
 @functools.lru_cache(maxsize=4096)

@@ -532,3 +532,68 @@ def train():
                                              rf"of one object \('agent'\).*\n  at {relpath(path)}:{marks['def']}\n  fix: "
                                              rf"make 'Agent.learn' a function of its own"):
         compile(program.train, policy="pipelined")
+
+
+WARM_UP = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(params, obs):
+    return np.argmax(obs @ params["w"], axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + batch["obs"].mean()}, {"m": batch["obs"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb = ff.ReplayBuffer(1000, seed=0)
+    obs = env.reset()
+    for step in range(400):
+        if step % 37 == 36:
+            obs = np.zeros((2, 4), np.float32)   # now and then the loop's own observation  # @loop
+        action = act(state, obs)
+        next_obs, reward, terminated, truncated, info = env.step(action)
+        if step % 53 == 52:
+            reward = np.ones(2)      # ... and its own reward
+        rb.add(obs=obs, next_obs=info["final_obs"], action=action, reward=reward, done=terminated)
+        obs = next_obs
+        if step >= 300:              # a long warm-up before the first update
+            state, metrics = learn(state, rb.sample(8))
+            ff.log(metrics)
+"""
+
+
+def test_a_long_warm_up_is_traced_to_the_same_graph_as_when_every_call_is_recorded(write_algo, monkeypatch):
+    # calls like the previous one are counted without being recorded again: the graph must not change,
+    # the edges the loop's own arrays make now and then included
+    path, marks = write_algo(WARM_UP)
+    graph = trace_file(path)
+    from fragflow.compiler import tracer
+
+    monkeypatch.setattr(tracer.Tracer, "_repeated", lambda self, *a: tracer._NOT_REPEATED)
+    assert graph == trace_file(path)
+    loop_obs = [e for e in graph.edges_of(EdgeKind.DATA) if e.src == "loop" and e.dst == "act"]
+    assert len(loop_obs) == 1 and loop_obs[0].where.line == marks["loop"] + 1
+    assert any(e.src == "loop" and e.dst == "replay.add" for e in graph.edges)
+
+
+def test_a_fragment_whose_output_changes_after_many_calls_is_refused_as_at_its_second(write_algo):
+    path, marks = write_algo("""
+        import fragflow as ff
+        import numpy as np
+
+        @ff.fragment("actor")  # @def
+        def act(obs):
+            return obs[:, :2] if obs.shape[0] > 1 else obs
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            obs = env.reset()
+            for step in range(100):
+                x = act(np.zeros((1 if step < 40 else 2, 4)))
+    """)
+    with pytest.raises(ShapeChangedError, match=rf"'act' changed its output between calls:\n    before: out: f64\[1,4\]\n    now:    out: f64\[2,2\]\n  at {relpath(path)}:{marks['def']}"):
+        trace_file(path)

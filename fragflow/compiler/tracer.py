@@ -16,6 +16,7 @@ user's ``file:line``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random as _pyrandom
 import time
 import weakref
@@ -93,6 +94,19 @@ class _NodeRec:
     reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure
     rows: int | None = None   # the environments its first call acted on (its inputs' env rows)
     other_rows: str = ""      # it was also called on another number of environments (an evaluation env): where
+    repeat: _Repeat | None = None   # its last call, where the next one like it need not be recorded again
+
+
+@dataclass
+class _Repeat:
+    """What a call recorded, for a later call with the same inputs from the same places: it is
+    counted on the same edges and its outputs are known by the same axes, without recording it
+    again (a warm-up of thousands of steps is traced at a fraction of the cost)."""
+
+    params: tuple[tuple[Any, ...], ...]   # per parameter: ("state", name, handle, path) | ("static", name) | ("data", name, sources)
+    edges: tuple[_EdgeRec, ...]           # the data edges the call crossed
+    axes: Any                             # its outputs' axes (a callable, or None)
+    out_axes: dict[str, tuple[str, int] | None]
 
 
 @dataclass
@@ -201,7 +215,7 @@ class Tracer:
 
     def _call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self._node(frag)
-        where = user_callsite()
+        where = user_callsite() if rec.repeat is None else None
         if rec.called_at is None:
             rec.called_at = where
         self._expected.discard(id(frag))
@@ -216,7 +230,14 @@ class Tracer:
             bound = frag.signature.bind(*args, **kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
+        if rec.repeat is not None:
+            repeated = self._repeated(rec, frag, bound, window)
+            if repeated is not _NOT_REPEATED:
+                return repeated
+            where = user_callsite()
         written: Versioned | None = None
+        params: list[tuple[Any, ...]] = []
+        crossed: list[_EdgeRec] = []
         self._input_ids = set()
         self._input_backends = set()
         self._inputs = []
@@ -225,6 +246,7 @@ class Tracer:
         state_args: list[tuple[str, str]] = []
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
+                params.append(_state_param(pname, value))
                 bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, where)
                 state_args.append((pname, (value if isinstance(value, Versioned) else value.handle).name))
                 if pname == frag.writes:
@@ -235,9 +257,10 @@ class Tracer:
                     written = value
                 continue
             if is_static(value):
+                params.append(("static", pname))
                 static.append(pname)
                 continue
-            self._record_inputs(rec, pname, value, window, where, frag.in_axes)
+            params.append(("data", pname, self._record_inputs(rec, pname, value, window, where, frag.in_axes, crossed)))
         if self._loop_made and frag.in_axes is None:
             loop_rows(self._inputs, self._loop_made)
         rec.static = tuple(static)
@@ -245,11 +268,7 @@ class Tracer:
             raise VersionedStateError(
                 f"learner '{rec.name}' writes '{frag.writes}', but that argument is not versioned state",
                 where=where, fix=f"create it with state = ff.versioned(initial_value) and pass it as '{frag.writes}'")
-        if frag.instance is not None:
-            last = self._last_on_instance.get(id(frag.instance))
-            if last is not None and last != rec.name:
-                self._edge(last, rec.name, EdgeKind.EFFECT, "", "").crossings[window] += 1
-            self._last_on_instance[id(frag.instance)] = rec.name
+        self._effects(rec, frag, window)
 
         read: list[tuple[str, str, Any]] = []
         if frag.role != "learner" and not rec.mutates and sum(rec.calls) <= 2:
@@ -280,25 +299,95 @@ class Tracer:
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:
                 rec.mutates = f"'{state}' (argument '{pname}')"
-        events = self.events.of(frag)
-        if events is not None and not frag.evaluation:
-            self.env_steps += events(out)[0]
-            if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
-                self._reported = time.monotonic()
-                self.on_progress(self.env_steps, self.window.updates)
+        self._count_events(frag, out)
         if rec.inputs is None:
             rec.inputs = self._inputs
         written_specs: list[TensorSpec] = []
         if written is not None:
             out = self._write_state(rec, written, out, where, window)
             written_specs = [leaf.spec for leaf in self._edges[(rec.name, written.name, EdgeKind.STATE_WRITE, "[0]", "")].leaves.values()]
-        self._record_outputs(rec, frag, out, where, written_specs)
+        axes = self._record_outputs(rec, frag, out, where, written_specs)
+        if frag.role not in ("learner", "logger") and sum(rec.calls) >= 3 and not rec.reads_captured:
+            # from its third call on (the first two are checked for in-place writes to state)
+            rec.repeat = _Repeat(tuple(params), tuple(crossed), axes,
+                                 {path: axes(path) if axes is not None else None for path, _ in rec.out_specs or ()})
         if frag.role == "learner":
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
             if self.window.learned(rec.name, self._primary == id(frag)):
                 raise _StopTracing
+        return out
+
+    def _effects(self, rec: _NodeRec, frag: Fragment, window: int) -> None:
+        """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
+        if frag.instance is not None:
+            last = self._last_on_instance.get(id(frag.instance))
+            if last is not None and last != rec.name:
+                self._edge(last, rec.name, EdgeKind.EFFECT, "", "").crossings[window] += 1
+            self._last_on_instance[id(frag.instance)] = rec.name
+
+    def _count_events(self, frag: Fragment, out: Any) -> None:
+        events = self.events.of(frag)
+        if events is not None and not frag.evaluation:
+            self.env_steps += events(out)[0]
+            if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
+                self._reported = time.monotonic()
+                self.on_progress(self.env_steps, self.window.updates)
+
+    def _repeated(self, rec: _NodeRec, frag: Fragment, bound: inspect.BoundArguments, window: int) -> Any:
+        """Run a call whose arguments come from the places its last recorded call's came from, with
+        the same specs, and count it where that one was counted, without recording it again. Returns
+        ``_NOT_REPEATED``, having run nothing, where an argument differs; where its outputs differ,
+        it is recorded in full (a changed output is refused as any is)."""
+        rep = rec.repeat
+        assert rep is not None
+        arguments = bound.arguments
+        if len(arguments) != len(rep.params):
+            return _NOT_REPEATED
+        self._input_ids = set()
+        for (pname, value), param in zip(arguments.items(), rep.params):
+            if isinstance(value, (Versioned, VersionedView)):
+                same = _state_param(pname, value) == param
+            elif is_static(value):
+                same = param == ("static", pname)
+            else:
+                same = param[:2] == ("data", pname) and param[2] == tuple(
+                    (path, spec_of(leaf), src, port, src_path, axis)
+                    for path, leaf, src, port, src_path, axis in self._sources(rec, pname, value, None, frag.in_axes))
+            if not same:
+                return _NOT_REPEATED
+        given = dict(arguments)
+        for pname, value in given.items():
+            if isinstance(value, (Versioned, VersionedView)):
+                arguments[pname] = self._read_state(rec, frag, pname, value, window, None)
+        for edge in rep.edges:
+            edge.crossings[window] += 1
+        self._effects(rec, frag, window)
+        try:
+            out = frag.fn(*bound.args, **bound.kwargs)
+        except FragflowError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
+            raise
+        self._count_events(frag, out)
+        leaves = self._output_leaves(rec, frag, out, None)
+        if [(path, spec_of(leaf)) for _, path, leaf in leaves] == rec.out_specs:
+            self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
+            return out
+        # its outputs changed: recorded in full, as the first call of a new kind
+        for edge in rep.edges:
+            edge.crossings[window] -= 1
+        rec.repeat = None
+        where = user_callsite()
+        self._input_ids, self._input_backends, self._inputs, self._loop_made = set(), set(), [], []
+        for pname, value in given.items():
+            if not isinstance(value, (Versioned, VersionedView)) and not is_static(value):
+                self._record_inputs(rec, pname, value, window, where, frag.in_axes, [])
+        if self._loop_made and frag.in_axes is None:
+            loop_rows(self._inputs, self._loop_made)
+        self._record_outputs(rec, frag, out, where, [])
         return out
 
     def _probed(self, name: str, out: Any) -> Any:
@@ -388,8 +477,39 @@ class Tracer:
         new = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
         return (new, *out[1:]) if isinstance(out, tuple) else new
 
-    def _record_inputs(self, rec: _NodeRec, pname: str, value: Any, window: int,
-                       where: SourceLoc | None, in_axes: Callable[[str], tuple[str, int] | None] | None = None) -> None:
+    def _record_inputs(self, rec: _NodeRec, pname: str, value: Any, window: int, where: SourceLoc | None,
+                       in_axes: Callable[[str], tuple[str, int] | None] | None,
+                       crossed: list[_EdgeRec]) -> tuple[tuple[Any, ...], ...]:
+        """Record an argument's leaves on the data edges they came by (``crossed``: the edges this
+        call crossed); returns where each leaf came from."""
+        sources = self._sources(rec, pname, value, where, in_axes)
+        touched: set[tuple[str, str]] = set()
+        recorded = []
+        for path, leaf, src, port, src_path, axis in sources:
+            spec = spec_of(leaf)
+            recorded.append((path, spec, src, port, src_path, axis))
+            self._input_backends.add(spec.backend)
+            edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
+            if edge.where is None:
+                edge.where = where
+            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
+            edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
+            if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
+                # which of the learner's calls in this update it came from (see graph)
+                self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
+                                           set()).add(self.window.ordinal(src))
+            if src == LOOP and axis is None:
+                self._loop_made.append((len(self._inputs), edge))
+            self._inputs.append(leaf_spec)
+            if (src, port) not in touched:
+                touched.add((src, port))
+                edge.crossings[window] += 1
+                crossed.append(edge)
+        return tuple(recorded)
+
+    def _sources(self, rec: _NodeRec, pname: str, value: Any, where: SourceLoc | None,
+                 in_axes: Callable[[str], tuple[str, int] | None] | None) -> list[tuple[Any, ...]]:
+        """(path, leaf, source node, its port, the path there, batch axis) of each leaf of an argument."""
         try:
             leaves = leaf_paths(value)
         except NotAnArray as bad:
@@ -411,14 +531,12 @@ class Tracer:
                 where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
                                  "Python numbers and configuration (a frozen dataclass, a string); keep other "
                                  "objects in the loop or inside the fragment") from None
-        touched: set[tuple[str, str]] = set()
         container = next(((node, port, axes) for (node, port), (obj, _, axes) in self._containers.items()
                           if obj is value), None)
+        out = []
         for path, leaf in leaves:
             self._input_ids.add(id(leaf))
             origin = self._origin(leaf)
-            spec = spec_of(leaf)
-            self._input_backends.add(spec.backend)
             if container is not None:
                 src, port = container[0], container[1]
                 src_path = f"{port}{path}"
@@ -434,21 +552,8 @@ class Tracer:
                 axis = hint[0] if hint is not None and hint[1]() is leaf else None
             if axis is None and in_axes is not None and getattr(leaf, "ndim", 0) >= 1:
                 axis = in_axes(f"{pname}{path}")   # the loop made it, the fragment declares its rows
-            edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
-            if edge.where is None:
-                edge.where = where
-            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
-            edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
-            if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
-                # which of the learner's calls in this update it came from (see graph)
-                self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
-                                           set()).add(self.window.ordinal(src))
-            if src == LOOP and axis is None:
-                self._loop_made.append((len(self._inputs), edge))
-            self._inputs.append(leaf_spec)
-            if (src, port) not in touched:
-                touched.add((src, port))
-                edge.crossings[window] += 1
+            out.append((path, leaf, src, port, src_path, axis))
+        return out
 
     def _origin(self, leaf: Any) -> _Origin | None:
         origin = self._origins.get(id(leaf))
@@ -463,23 +568,11 @@ class Tracer:
         return None
 
     def _record_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None,
-                        written_specs: list[TensorSpec]) -> None:
-        first = 1 if frag.writes is not None else 0   # a learner's new state is not data
+                        written_specs: list[TensorSpec]) -> Any:
+        """Record a call's outputs (their specs, batch axes and backends) and know each leaf as this
+        call's output; returns the outputs' axes."""
         rec.arity = len(out) if isinstance(out, tuple) else 0
-        if frag.writes is not None and not isinstance(out, tuple):
-            out = ()   # the new state alone: no data output
-        try:
-            if isinstance(out, tuple):
-                leaves = [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
-                          for p, x in leaf_paths(item)]
-            else:
-                leaves = [("", p, x) for p, x in leaf_paths(out)]
-        except NotAnArray as bad:
-            raise NotArrayPytreeError(
-                f"fragment '{rec.name}' returned a value whose leaf {bad.path or '<root>'} is a "
-                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
-                where=rec.defined_at or where,
-                fix="fragments return pytrees (dict/list/tuple) of numpy, torch or jax arrays") from None
+        leaves = self._output_leaves(rec, frag, out, where)
         specs = [(p, spec_of(x)) for _, p, x in leaves]
         rows = env_rows(self._inputs)
         if rec.out_specs is None:
@@ -507,16 +600,41 @@ class Tracer:
         if rec.out_axes is None:
             known = [(path, axes(path)) for _, path, _ in leaves] if axes is not None else []
             rec.out_axes = tuple((path, a[0], a[1]) for path, a in known if a is not None)
+        self._know_outputs(rec, frag, out, leaves, axes, axes)
+        return axes
+
+    def _output_leaves(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None) -> list[tuple[str, str, Any]]:
+        """(port, path, leaf) of a call's outputs (a learner's new state is not data)."""
+        first = 1 if frag.writes is not None else 0
+        if frag.writes is not None and not isinstance(out, tuple):
+            return []   # the new state alone: no data output
+        try:
+            if isinstance(out, tuple):
+                return [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
+                        for p, x in leaf_paths(item)]
+            return [("", p, x) for p, x in leaf_paths(out)]
+        except NotAnArray as bad:
+            raise NotArrayPytreeError(
+                f"fragment '{rec.name}' returned a value whose leaf {bad.path or '<root>'} is a "
+                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
+                where=rec.defined_at or where,
+                fix="fragments return pytrees (dict/list/tuple) of numpy, torch or jax arrays") from None
+
+    def _know_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, leaves: list[tuple[str, str, Any]],
+                      axes: Any, axis_of: Callable[[str], tuple[str, int] | None] | None) -> None:
+        """Know each output leaf as this call's (its origin), and the output's containers."""
         # The output's containers: passed on whole (``learn(state, buffer.collect(...))``), every leaf
         # in one comes from this fragment, what it passed through included: placed elsewhere, the
         # fragment's process resolves the whole container.
-        items = [(f"[{i}]", x) for i, x in enumerate(out) if i >= first] if isinstance(out, tuple) else [("", out)]
-        for port, item in items:
-            if isinstance(item, (dict, list)):
-                self._containers[(rec.name, port)] = (item, rec.role, axes)
+        if frag.writes is None or isinstance(out, tuple):
+            first = 1 if frag.writes is not None else 0
+            items = [(f"[{i}]", x) for i, x in enumerate(out) if i >= first] if isinstance(out, tuple) else [("", out)]
+            for port, item in items:
+                if isinstance(item, (dict, list)):
+                    self._containers[(rec.name, port)] = (item, rec.role, axes)
         registered: set[int] = set()
         for port, path, leaf in leaves:
-            axis = axes(path) if axes is not None else None
+            axis = axis_of(path) if axis_of is not None else None
             if axis is not None and id(leaf) in self._input_ids:
                 # what a fragment passes through keeps its producer, but the batch axis is the
                 # declaring fragment's (a rollout's last observation is [num_envs, ...])
@@ -589,6 +707,14 @@ class Tracer:
     def close(self) -> None:
         for resource in self._resources:
             resource.close()
+
+
+_NOT_REPEATED = object()
+
+
+def _state_param(pname: str, value: Versioned | VersionedView) -> tuple[str, str, str, str]:
+    handle = value if isinstance(value, Versioned) else value.handle
+    return ("state", pname, handle.name, "" if isinstance(value, Versioned) else value.path_str)
 
 
 def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
