@@ -96,3 +96,16 @@ def test_small_key_arrays_mix_to_the_same_numbers_as_the_vectorized_path():
         assert np.array_equal(mixed, vectorized(z))
     top = np.array([2**64 - 1, 0], np.uint64)
     assert np.array_equal(R._mix(top), vectorized(top))
+
+
+def test_split_and_uniform_draw_the_same_numbers_for_a_few_keys_as_for_many():
+    # a process stepping 2 of 40 environments takes the small-key path, one stepping all 40 the
+    # vectorized one: environment i must draw the same numbers in both
+    many = ffr.keys(3, np.arange(40))
+    for _ in range(3):
+        many, sub = ffr.split(many)
+        few, few_sub = ffr.split(many[5:7].copy())
+        assert np.array_equal(ffr.split(many)[0][5:7], few) and np.array_equal(ffr.split(many)[1][5:7], few_sub)
+        for shape in [(), (1,), (2,), (3, 2), (9,)]:
+            u = ffr.uniform(sub[5:7].copy(), shape)
+            assert u.dtype == np.float64 and np.array_equal(ffr.uniform(sub, shape)[5:7], u)

@@ -84,10 +84,16 @@ def keys(seed: int, ids: np.ndarray) -> np.ndarray:
 
 
 _SPLIT = np.array([[_SPLIT_A], [_SPLIT_B]], dtype=np.uint64)
+_SPLIT_A_INT, _SPLIT_B_INT = int(_SPLIT_A), int(_SPLIT_B)
 
 
 def split(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent key arrays from one: ``key, sub = split(key)``."""
+    if key.size <= _SMALL:   # the same numbers with Python's integers (a step of one env: a few microseconds)
+        ints = key.ravel().tolist()
+        a = np.array([_mix_int(k ^ _SPLIT_A_INT) for k in ints], dtype=np.uint64).reshape(key.shape)
+        b = np.array([_mix_int(k ^ _SPLIT_B_INT) for k in ints], dtype=np.uint64).reshape(key.shape)
+        return _per_env(a), _per_env(b)
     both = _mix(key.reshape(1, -1) ^ _SPLIT)
     return _per_env(both[0].reshape(key.shape)), _per_env(both[1].reshape(key.shape))
 
@@ -106,8 +112,18 @@ def bits(key: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return out.reshape(key.shape + tuple(shape))
 
 
+@functools.lru_cache(maxsize=64)
+def _counter_ints(n: int) -> tuple[int, ...]:
+    return tuple(_counters(n).ravel().tolist())
+
+
 def uniform(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
     """Floats in the open interval (0, 1), float64, shape ``key.shape + shape``."""
+    n = math.prod(shape)
+    if key.size * n <= _SMALL:   # as below, with Python's integers (53 bits: exact as floats)
+        counters = _counter_ints(n)
+        top = [_mix_int(k ^ c) >> 11 for k in key.ravel().tolist() for c in counters]
+        return ((np.array(top, dtype=np.float64) + 0.5) * _TWO_M53).reshape(key.shape + tuple(shape))
     return ((bits(key, shape) >> _SHIFT).astype(np.float64) + 0.5) * _TWO_M53
 
 
