@@ -45,6 +45,7 @@ import json, time, torch
 torch.set_num_threads(1)
 import fragflow as ff
 from fragflow.algorithms import {algo}
+torch.optim.Adam([torch.zeros(1, requires_grad=True)])   # torch's one-time imports (SB3's happen as it builds its model)
 t = time.perf_counter()
 r = ff.run({algo}.train, {args}, policy={policy!r})
 dt = time.perf_counter() - t

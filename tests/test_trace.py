@@ -566,15 +566,45 @@ def train():
 """
 
 
-def test_a_long_warm_up_is_traced_to_the_same_graph_as_when_every_call_is_recorded(write_algo, monkeypatch):
+SIZED_LATER = """
+import numpy as np
+import fragflow as ff
+
+class MyEnv:
+    def __init__(self, n):
+        self.ids = ff.envs.ids(n)
+
+    @ff.fragment("env")
+    def reset(self):
+        return np.zeros((len(self.ids), 4), np.float32), np.zeros((3,), np.float32)
+
+@ff.fragment("actor")
+def use(extra):
+    return extra * 2
+
+def train():
+    env = MyEnv(2)
+    for i in range(5):
+        obs, extra = env.reset()
+    ff.envs.ids(3)          # another number of environments asked for: outputs of 3 rows are env rows now
+    obs, extra = env.reset()
+    y = use(extra)
+"""
+
+
+@pytest.mark.parametrize("program", [WARM_UP, SIZED_LATER], ids=["warm_up", "sized_later"])
+def test_a_long_warm_up_is_traced_to_the_same_graph_as_when_every_call_is_recorded(write_algo, monkeypatch, program):
     # calls like the previous one are counted without being recorded again: the graph must not change,
     # the edges the loop's own arrays make now and then included
-    path, marks = write_algo(WARM_UP)
+    path, marks = write_algo(program)
     graph = trace_file(path)
     from fragflow.compiler import tracer
 
     monkeypatch.setattr(tracer.Tracer, "_repeated", lambda self, *a: tracer._NOT_REPEATED)
     assert graph == trace_file(path)
+    if program is SIZED_LATER:
+        assert graph.node("use").output_axes == (("", "env", 0),)
+        return
     loop_obs = [e for e in graph.edges_of(EdgeKind.DATA) if e.src == "loop" and e.dst == "act"]
     assert len(loop_obs) == 1 and loop_obs[0].where.line == marks["loop"] + 1
     assert any(e.src == "loop" and e.dst == "replay.add" for e in graph.edges)
@@ -596,4 +626,25 @@ def test_a_fragment_whose_output_changes_after_many_calls_is_refused_as_at_its_s
                 x = act(np.zeros((1 if step < 40 else 2, 4)))
     """)
     with pytest.raises(ShapeChangedError, match=rf"'act' changed its output between calls:\n    before: out: f64\[1,4\]\n    now:    out: f64\[2,2\]\n  at {relpath(path)}:{marks['def']}"):
+        trace_file(path)
+
+
+def test_a_bad_argument_after_many_calls_is_refused_at_its_line(write_algo):
+    path, marks = write_algo("""
+        import fragflow as ff
+        import numpy as np
+
+        @ff.fragment("actor")
+        def act(x):
+            return np.zeros(2, np.int64)
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            obs = env.reset()
+            for step in range(20):
+                x = obs if step < 10 else {"a": obs, "b": object()}
+                action = act(x)  # @call
+                obs, reward, terminated, truncated, info = env.step(action)
+    """)
+    with pytest.raises(NotArrayPytreeError, match=rf"leaf x\['b'\] is a builtins.object\n  at {relpath(path)}:{marks['call']}"):
         trace_file(path)

@@ -177,6 +177,9 @@ class Tracer:
 
     def asked_ids(self, num_envs: int) -> None:
         self.sized_by_ids = True
+        if num_envs not in self.env_counts:   # outputs of that size are env rows from now on: record calls again
+            for rec in self._nodes.values():
+                rec.repeat = None
         self.env_counts.add(num_envs)
 
     def replica(self) -> tuple[int, int]:
@@ -352,9 +355,12 @@ class Tracer:
             elif is_static(value):
                 same = param == ("static", pname)
             else:
+                try:
+                    sources = self._sources(rec, pname, value, None, frag.in_axes)
+                except FragflowError:
+                    return _NOT_REPEATED   # refused by the full recording, at the user's line
                 same = param[:2] == ("data", pname) and param[2] == tuple(
-                    (path, spec_of(leaf), src, port, src_path, axis)
-                    for path, leaf, src, port, src_path, axis in self._sources(rec, pname, value, None, frag.in_axes))
+                    (path, spec_of(leaf), src, port, src_path, axis) for path, leaf, src, port, src_path, axis in sources)
             if not same:
                 return _NOT_REPEATED
         given = dict(arguments)
@@ -372,9 +378,16 @@ class Tracer:
             exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
             raise
         self._count_events(frag, out)
-        leaves = self._output_leaves(rec, frag, out, None)
+        rec.arity = len(out) if isinstance(out, tuple) else 0
+        try:
+            leaves = self._output_leaves(rec, frag, out, None)
+        except FragflowError:
+            leaves = self._output_leaves(rec, frag, out, user_callsite())   # raises again, with the user's line
         if [(path, spec_of(leaf)) for _, path, leaf in leaves] == rec.out_specs:
-            self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
+            if frag.axes is not None:   # declared (a buffer's may change as it learns its keys): asked again
+                self._know_outputs(rec, frag, out, leaves, frag.axes, frag.axes)
+            else:
+                self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
             return out
         # its outputs changed: recorded in full, as the first call of a new kind
         for edge in rep.edges:
