@@ -3,8 +3,8 @@
 The loop runs on real data inside a tracing context until the steady-state pattern is seen (two
 learner updates, in whole trips of the loop: see :mod:`fragflow.compiler.window`; a loop without a
 learner runs to its end). Every fragment call is executed and
-recorded: which fragment, where the user called it, the specs of what it took and returned.
-Data edges are found by identity: an array a fragment returned that later reaches another
+recorded (:mod:`fragflow.compiler.recording`): which fragment, where the user called it, the specs
+of what it took and returned. Data edges are found by identity: an array a fragment returned that later reaches another
 fragment's argument is an edge between the two; arrays fragflow did not produce come from the
 loop itself (the ``loop`` node). Mistakes that would break a distributed run fail here, with the
 user's ``file:line``.
@@ -19,19 +19,18 @@ import dataclasses
 import inspect
 import random as _pyrandom
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fragflow import context
-from fragflow.api.events import EventSources, default_axes
+from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler import probes
-from fragflow.compiler.axes import address, env_rows, inherited_axes, loop_rows, sized_by_ids
+from fragflow.compiler.axes import loop_rows
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import (
@@ -51,19 +50,18 @@ from fragflow.compiler.reach import (
     handles_as_values,
     objects_of,
 )
+from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
     FragflowError,
     NoFragmentError,
     NotArrayPytreeError,
-    ShapeChangedError,
     TraceError,
     VersionedStateError,
 )
 from fragflow.source import SourceLoc, definition_of, user_callsite
 
-LOOP = "loop"
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
@@ -76,69 +74,17 @@ class _StopTracing(BaseException):
 
 
 @dataclass
-class _NodeRec:
-    name: str
-    role: str
-    defined_at: SourceLoc | None
-    instance: str | None
-    called_at: SourceLoc | None = None
-    calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
-    out_specs: list[tuple[str, TensorSpec]] | None = None
-    out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
-    arity: int = 0
-    inputs: list[LeafSpec] | None = None
-    backends: set[str] = field(default_factory=set)
-    static: tuple[str, ...] = ()
-    mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
-    captures: str = ""  # ... or reaches an object versioned state holds (a module) through a global or closure
-    reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure
-    rows: int | None = None   # the environments its first call acted on (its inputs' env rows)
-    other_rows: str = ""      # it was also called on another number of environments (an evaluation env): where
-    repeat: _Repeat | None = None   # its last call, where the next one like it need not be recorded again
-
-
-@dataclass
-class _Repeat:
-    """What a call recorded, for a later call with the same inputs from the same places: it is
-    counted on the same edges and its outputs are known by the same axes, without recording it
-    again (a warm-up of thousands of steps is traced at a fraction of the cost)."""
-
-    params: tuple[tuple[Any, ...], ...]   # per parameter: ("state", name, handle, path) | ("static", name) | ("data", name, sources)
-    edges: tuple[_EdgeRec, ...]           # the data edges the call crossed
-    axes: Any                             # its outputs' axes (a callable, or None)
-    out_axes: dict[str, tuple[str, int] | None]
-
-
-@dataclass
-class _EdgeRec:
-    kind: EdgeKind
-    leaves: dict[tuple[str, str], LeafSpec] = field(default_factory=dict)
-    crossings: list[int] = field(default_factory=lambda: [0, 0])
-    where: SourceLoc | None = None
-    read_version: int = -1   # a state read edge: the version whose leaves it holds
-
-
-@dataclass
 class _StateRec:
     created_at: SourceLoc | None
     versions: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class _Origin:
-    node: str
-    role: str
-    port: str        # "[i]" for element i of a tuple output, "" for a whole non-tuple output
-    path: str
-    axis: tuple[str, int] | None
-    ref: Callable[[], Any]
-
-
-class Tracer:
+class Tracer(Recording):
     """The tracing interpreter (see :mod:`fragflow.context`)."""
 
     def __init__(self, max_updates: int = 2, expected: tuple[Fragment, ...] = (),
                  on_progress: Callable[[int, int], None] | None = None) -> None:
+        super().__init__()
         self.max_updates = max_updates
         self.on_progress = on_progress   # (env steps, updates) so far, every quarter second
         self._reported = time.monotonic()
@@ -146,26 +92,15 @@ class Tracer:
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
         self.window = TraceWindow(max_updates, MAX_TRACE_UPDATES)
         self.remade_state: SourceLoc | None = None   # a line that made versioned state more than once
-        self._log_calls: dict[tuple[str, str, str, str, str, str], set[int]] = {}
         self.events = EventSources()
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
-        self._nodes: dict[int, _NodeRec] = {}
-        self._edges: dict[tuple[str, str, EdgeKind, str, str], _EdgeRec] = {}
         self._states: dict[str, _StateRec] = {}
         self._state_objects: dict[int, tuple[str, Any]] = {}   # id -> (state, object): what versioned state holds
-        self._origins: dict[int, _Origin] = {}
-        self._by_address: dict[tuple[int, tuple[int, ...], int], _Origin] = {}   # outputs by memory (see _origin)
-        self._input_ids: set[int] = set()
-        self._input_backends: set[str] = set()
-        self._inputs: list[LeafSpec] = []
-        self._loop_made: list[tuple[int, _EdgeRec]] = []   # the call's inputs the loop made (index, edge)
-        self._axis_hint: dict[int, tuple[tuple[str, int], Callable[[], Any]]] = {}
         self.fragments: dict[str, Fragment] = {}
         self._resources: list[Any] = []
         self._instances: dict[int, str] = {}
-        self._containers: dict[tuple[str, str], tuple[Any, str, Any]] = {}   # (node, port) -> its last output container
         self.env_steps = 0
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
         self.env_counts: set[int] = set()   # ... of how many
@@ -188,7 +123,7 @@ class Tracer:
     def hint_axis(self, leaf: Any, axis: tuple[str, int]) -> None:
         """A value made in the loop whose batch axis is known (per-environment random keys)."""
         if getattr(leaf, "ndim", 0) >= 1:
-            self._axis_hint[id(leaf)] = (axis, _strong(leaf))
+            self._axis_hint[id(leaf)] = (axis, strong(leaf))
 
     def adopt(self, resource: Any) -> None:
         self._resources.append(resource)
@@ -240,7 +175,7 @@ class Tracer:
             where = user_callsite()
         written: Versioned | None = None
         params: list[tuple[Any, ...]] = []
-        crossed: list[_EdgeRec] = []
+        crossed: list[EdgeRec] = []
         self._input_ids = set()
         self._input_backends = set()
         self._inputs = []
@@ -312,7 +247,7 @@ class Tracer:
         axes = self._record_outputs(rec, frag, out, where, written_specs)
         if frag.role not in ("learner", "logger") and sum(rec.calls) >= 3 and not rec.reads_captured:
             # from its third call on (the first two are checked for in-place writes to state)
-            rec.repeat = _Repeat(tuple(params), tuple(crossed), axes,
+            rec.repeat = Repeat(tuple(params), tuple(crossed), axes,
                                  {path: axes(path) if axes is not None else None for path, _ in rec.out_specs or ()})
         if frag.role == "learner":
             out = self._probed(rec.name, out)
@@ -322,7 +257,7 @@ class Tracer:
                 raise _StopTracing
         return out
 
-    def _effects(self, rec: _NodeRec, frag: Fragment, window: int) -> None:
+    def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
         """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
         if frag.instance is not None:
             last = self._last_on_instance.get(id(frag.instance))
@@ -338,7 +273,7 @@ class Tracer:
                 self._reported = time.monotonic()
                 self.on_progress(self.env_steps, self.window.updates)
 
-    def _repeated(self, rec: _NodeRec, frag: Fragment, bound: inspect.BoundArguments, window: int) -> Any:
+    def _repeated(self, rec: NodeRec, frag: Fragment, bound: inspect.BoundArguments, window: int) -> Any:
         """Run a call whose arguments come from the places its last recorded call's came from, with
         the same specs, and count it where that one was counted, without recording it again. Returns
         ``_NOT_REPEATED``, having run nothing, where an argument differs; where its outputs differ,
@@ -416,7 +351,7 @@ class Tracer:
             for (_, new), old in zip(_leaf_list(items[i]), before):
                 origin = self._origin(old)
                 if origin is not None and new is not old:   # the strong ref keeps the probe (and its id) alive
-                    self._origins[id(new)] = dataclasses.replace(origin, ref=_strong(new))
+                    self._origins[id(new)] = dataclasses.replace(origin, ref=strong(new))
         return tuple(items) if isinstance(out, tuple) else items[0]
 
     def _check_scalars(self, tree: Any, where: SourceLoc | None) -> None:
@@ -433,7 +368,7 @@ class Tracer:
                                                   "elements under names of their own")
 
     # -- recording ------------------------------------------------------------------------
-    def _node(self, frag: Fragment) -> _NodeRec:
+    def _node(self, frag: Fragment) -> NodeRec:
         rec = self._nodes.get(id(frag))
         if rec is None:
             instance = None
@@ -443,19 +378,12 @@ class Tracer:
                     instance = self._instances.get(id(frag.instance))
                     if instance is None:
                         instance = self._instances[id(frag.instance)] = self._names(type(frag.instance).__name__.lower())
-            rec = _NodeRec(self._names(frag.name), frag.role, frag.defined_at, instance)
+            rec = NodeRec(self._names(frag.name), frag.role, frag.defined_at, instance)
             self._nodes[id(frag)] = rec
             self.fragments[rec.name] = frag
         return rec
 
-    def _edge(self, src: str, dst: str, kind: EdgeKind, src_port: str, dst_port: str) -> _EdgeRec:
-        key = (src, dst, kind, src_port, dst_port)
-        rec = self._edges.get(key)
-        if rec is None:
-            rec = self._edges[key] = _EdgeRec(kind)
-        return rec
-
-    def _read_state(self, rec: _NodeRec, frag: Fragment, pname: str, value: Versioned | VersionedView,
+    def _read_state(self, rec: NodeRec, frag: Fragment, pname: str, value: Versioned | VersionedView,
                     window: int, where: SourceLoc | None) -> Any:
         handle = value if isinstance(value, Versioned) else value.handle
         path = "" if isinstance(value, Versioned) else value.path_str
@@ -468,7 +396,7 @@ class Tracer:
                 edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
         return resolved
 
-    def _write_state(self, rec: _NodeRec, handle: Versioned, out: Any, where: SourceLoc | None, window: int) -> Any:
+    def _write_state(self, rec: NodeRec, handle: Versioned, out: Any, where: SourceLoc | None, window: int) -> Any:
         if isinstance(out, tuple) and not out:
             raise VersionedStateError(
                 f"learner '{rec.name}' writes '{handle.name}' but returned an empty tuple",
@@ -489,182 +417,6 @@ class Tracer:
         self._states[handle.name].versions += 1
         new = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
         return (new, *out[1:]) if isinstance(out, tuple) else new
-
-    def _record_inputs(self, rec: _NodeRec, pname: str, value: Any, window: int, where: SourceLoc | None,
-                       in_axes: Callable[[str], tuple[str, int] | None] | None,
-                       crossed: list[_EdgeRec]) -> tuple[tuple[Any, ...], ...]:
-        """Record an argument's leaves on the data edges they came by (``crossed``: the edges this
-        call crossed); returns where each leaf came from."""
-        sources = self._sources(rec, pname, value, where, in_axes)
-        touched: set[tuple[str, str]] = set()
-        recorded = []
-        for path, leaf, src, port, src_path, axis in sources:
-            spec = spec_of(leaf)
-            recorded.append((path, spec, src, port, src_path, axis))
-            self._input_backends.add(spec.backend)
-            edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
-            if edge.where is None:
-                edge.where = where
-            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
-            edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
-            if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
-                # which of the learner's calls in this update it came from (see graph)
-                self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
-                                           set()).add(self.window.ordinal(src))
-            if src == LOOP and axis is None:
-                self._loop_made.append((len(self._inputs), edge))
-            self._inputs.append(leaf_spec)
-            if (src, port) not in touched:
-                touched.add((src, port))
-                edge.crossings[window] += 1
-                crossed.append(edge)
-        return tuple(recorded)
-
-    def _sources(self, rec: _NodeRec, pname: str, value: Any, where: SourceLoc | None,
-                 in_axes: Callable[[str], tuple[str, int] | None] | None) -> list[tuple[Any, ...]]:
-        """(path, leaf, source node, its port, the path there, batch axis) of each leaf of an argument."""
-        try:
-            leaves = leaf_paths(value)
-        except NotAnArray as bad:
-            if isinstance(bad.value, (Versioned, VersionedView)):
-                frag = self.fragments[rec.name]
-                param = frag.signature.parameters.get(pname)
-                if param is not None and param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                    star = "*" if param.kind == param.VAR_POSITIONAL else "**"
-                    raise VersionedStateError(
-                        f"versioned state {bad.value!r} reached fragment '{rec.name}' through its {star}{pname}",
-                        where=where, fix=f"give '{rec.name}' a named parameter for each state or view it reads "
-                                         "(def f(obs, w0, w1)), or pass the whole state and index it inside") from None
-                raise VersionedStateError(
-                    f"versioned state reached fragment '{rec.name}' nested inside argument '{pname}' at {bad.path}",
-                    where=where, fix="pass versioned state (or a view such as state['params']) as an argument of its own") from None
-            raise NotArrayPytreeError(
-                f"fragment '{rec.name}' was given argument '{pname}' whose leaf {pname}{bad.path} is a "
-                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
-                where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
-                                 "Python numbers and configuration (a frozen dataclass, a string); keep other "
-                                 "objects in the loop or inside the fragment") from None
-        container = next(((node, port, axes) for (node, port), (obj, _, axes) in self._containers.items()
-                          if obj is value), None)
-        out = []
-        for path, leaf in leaves:
-            self._input_ids.add(id(leaf))
-            origin = self._origin(leaf)
-            if container is not None:
-                src, port = container[0], container[1]
-                src_path = f"{port}{path}"
-                axis = container[2](src_path) if container[2] is not None else None
-                if axis is None and origin is not None:
-                    axis = origin.axis
-            elif origin is None:
-                src, port, src_path, axis = LOOP, "", "", None
-            else:
-                src, port, src_path, axis = origin.node, origin.port, origin.path, origin.axis
-            if axis is None:
-                hint = self._axis_hint.get(id(leaf))
-                axis = hint[0] if hint is not None and hint[1]() is leaf else None
-            if axis is None and in_axes is not None and getattr(leaf, "ndim", 0) >= 1:
-                axis = in_axes(f"{pname}{path}")   # the loop made it, the fragment declares its rows
-            out.append((path, leaf, src, port, src_path, axis))
-        return out
-
-    def _origin(self, leaf: Any) -> _Origin | None:
-        origin = self._origins.get(id(leaf))
-        if origin is not None and origin.ref() is leaf:
-            return origin
-        # the same memory seen through another library (torch.as_tensor(obs), np.asarray(tensor)): the
-        # array it views is still alive, so the address is not a reused one
-        at = address(leaf)
-        origin = self._by_address.get(at) if at is not None else None
-        if origin is not None and origin.ref() is not None:
-            return origin
-        return None
-
-    def _record_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None,
-                        written_specs: list[TensorSpec]) -> Any:
-        """Record a call's outputs (their specs, batch axes and backends) and know each leaf as this
-        call's output; returns the outputs' axes."""
-        rec.arity = len(out) if isinstance(out, tuple) else 0
-        leaves = self._output_leaves(rec, frag, out, where)
-        specs = [(p, spec_of(x)) for _, p, x in leaves]
-        rows = env_rows(self._inputs)
-        if rec.out_specs is None:
-            rec.out_specs, rec.rows = specs, rows
-        elif specs != rec.out_specs and rec.rows is not None and rows is not None and rows != rec.rows \
-                and _rows_differ(rec.out_specs, specs, rec.rows, rows):
-            # the same policy acting on an evaluation env of another size: the first call's specs size
-            # the channels; a policy that serves this fragment through them refuses it
-            if not rec.other_rows:
-                rec.other_rows = f"{rows} environments at {where} as well as {rec.rows} at {rec.called_at}"
-        elif specs != rec.out_specs:
-            raise ShapeChangedError(
-                f"fragment '{rec.name}' changed its output between calls:\n"
-                f"    before: {_describe(rec.out_specs)}\n    now:    {_describe(specs)}",
-                where=rec.defined_at or where,
-                fix="a fragment must return the same pytree with the same shapes and dtypes every call "
-                    "(pad or bucket variable-size data; channels are sized from the traced specs)")
-        rec.backends.update(s.backend for _, s in specs if s.backend != "python")
-        if not rec.backends and written_specs:
-            rec.backends.update(s.backend for s in written_specs if s.backend != "python")
-        if not rec.backends:
-            rec.backends.update(b for b in self._input_backends if b != "python")
-        axes = frag.axes or default_axes(frag.role, out) or sized_by_ids(frag, leaves, self.env_counts) or \
-            inherited_axes(self._inputs, leaves)
-        if rec.out_axes is None:
-            known = [(path, axes(path)) for _, path, _ in leaves] if axes is not None else []
-            rec.out_axes = tuple((path, a[0], a[1]) for path, a in known if a is not None)
-        self._know_outputs(rec, frag, out, leaves, axes, axes)
-        return axes
-
-    def _output_leaves(self, rec: _NodeRec, frag: Fragment, out: Any, where: SourceLoc | None) -> list[tuple[str, str, Any]]:
-        """(port, path, leaf) of a call's outputs (a learner's new state is not data)."""
-        first = 1 if frag.writes is not None else 0
-        if frag.writes is not None and not isinstance(out, tuple):
-            return []   # the new state alone: no data output
-        try:
-            if isinstance(out, tuple):
-                return [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
-                        for p, x in leaf_paths(item)]
-            return [("", p, x) for p, x in leaf_paths(out)]
-        except NotAnArray as bad:
-            raise NotArrayPytreeError(
-                f"fragment '{rec.name}' returned a value whose leaf {bad.path or '<root>'} is a "
-                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
-                where=rec.defined_at or where,
-                fix="fragments return pytrees (dict/list/tuple) of numpy, torch or jax arrays") from None
-
-    def _know_outputs(self, rec: _NodeRec, frag: Fragment, out: Any, leaves: list[tuple[str, str, Any]],
-                      axes: Any, axis_of: Callable[[str], tuple[str, int] | None] | None) -> None:
-        """Know each output leaf as this call's (its origin), and the output's containers."""
-        # The output's containers: passed on whole (``learn(state, buffer.collect(...))``), every leaf
-        # in one comes from this fragment, what it passed through included: placed elsewhere, the
-        # fragment's process resolves the whole container.
-        if frag.writes is None or isinstance(out, tuple):
-            first = 1 if frag.writes is not None else 0
-            items = [(f"[{i}]", x) for i, x in enumerate(out) if i >= first] if isinstance(out, tuple) else [("", out)]
-            for port, item in items:
-                if isinstance(item, (dict, list)):
-                    self._containers[(rec.name, port)] = (item, rec.role, axes)
-        registered: set[int] = set()
-        for port, path, leaf in leaves:
-            axis = axis_of(path) if axis_of is not None else None
-            if axis is not None and id(leaf) in self._input_ids:
-                # what a fragment passes through keeps its producer, but the batch axis is the
-                # declaring fragment's (a rollout's last observation is [num_envs, ...])
-                self._axis_hint[id(leaf)] = (axis, _strong(leaf))
-            # A leaf the fragment passed through keeps its producer; when one array appears twice
-            # in an output (final_obs is obs when no episode ended) the first place names it.
-            if id(leaf) in self._input_ids or id(leaf) in registered or isinstance(leaf, (bool, int)):
-                continue   # Python ints and bools are shared singletons: their identity says nothing
-            registered.add(id(leaf))
-            try:
-                ref: Callable[[], Any] = weakref.ref(leaf)
-            except TypeError:
-                ref = _strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
-            self._origins[id(leaf)] = origin = _Origin(rec.name, rec.role, port, path, axis, ref)
-            at = address(leaf)
-            if at is not None:
-                self._by_address[at] = origin
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
@@ -694,7 +446,7 @@ class Tracer:
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.window.updates, self.env_steps)
 
-    def _calls_logged(self, src: str, dst: str, port: str, pname: str, edge: _EdgeRec) -> tuple[LeafSpec, ...]:
+    def _calls_logged(self, src: str, dst: str, port: str, pname: str, edge: EdgeRec) -> tuple[LeafSpec, ...]:
         """An edge's leaves; where a learner called several times in every update has an output
         logged, which of its calls the log took it from (a service running the learner logs those
         calls' outputs only; a log of every call, or an update whose calls vary in number, logs every
@@ -709,7 +461,7 @@ class Tracer:
             out.append(leaf if some else dataclasses.replace(leaf, call=(tuple(sorted(calls)), period)))
         return tuple(out)
 
-    def _splittable(self, rec: _NodeRec) -> bool:
+    def _splittable(self, rec: NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked
         ff.envs.ids for its slice (an evaluation env is never split)."""
         if rec.role != "env":
@@ -737,27 +489,8 @@ def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
         return []
 
 
-def _strong(x: Any) -> Callable[[], Any]:
-    return lambda: x
-
-
 def _per(count: int, updates: int) -> float:
     return round(count / updates, 4)
-
-
-def _rows_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]], rows: int,
-                 now_rows: int) -> bool:
-    """Whether two calls' outputs differ only in their leading size, the number of environments
-    each call acted on."""
-    if [p for p, _ in before] != [p for p, _ in now]:
-        return False
-    return all(a == b or (a.dtype == b.dtype and a.backend == b.backend and a.shape[1:] == b.shape[1:]
-                          and a.shape[:1] == (rows,) and b.shape[:1] == (now_rows,))
-               for (_, a), (_, b) in zip(before, now))
-
-
-def _describe(specs: list[tuple[str, TensorSpec]]) -> str:
-    return ", ".join(f"{p or 'out'}: {s.short()}" for p, s in specs) or "nothing"
 
 
 def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs: Any) -> Graph:
