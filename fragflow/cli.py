@@ -163,8 +163,8 @@ def run(
         raise _fail(exc, debug) from None
     s = result.summary
     ret = s.get("final_return_mean")
-    line = (f"done: {s['env_steps']} env steps in {s['wall_seconds']:.1f}s ({s['steps_per_second']:,.0f} steps/s), "
-            f"final return {'-' if ret is None else f'{ret:.1f}'}")
+    line = (f"done: {s['env_steps']} env steps in {s['wall_seconds']:.1f}s ({s['steps_per_second']:,.0f} steps/s; "
+            f"traced first in {s['trace_seconds']:.1f}s), final return {'-' if ret is None else f'{ret:.1f}'}")
     if target_return is not None:
         solved = s.get("solved_at_seconds")
         line += f", target {target_return:g} " + ("not reached" if solved is None else f"reached at {solved:.1f}s / {s['solved_at_steps']} steps")

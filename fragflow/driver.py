@@ -12,6 +12,7 @@ import os
 import platform
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class Compiled:
     checks: dict[str, Any]
     program: bytes | None     # None: one group in one process, run by the serial executor
     train: Callable[..., Any] | None = None   # the training function as compiled (loops report trips)
+    seconds: float = 0.0      # how long tracing, placing and lowering took (a warm-up is traced through)
 
     @property
     def serial(self) -> bool:
@@ -120,6 +122,7 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     it; every configuration error surfaces here, before a run writes anything. ``on_trace(env_steps,
     updates)`` hears how far the trace has run, a few times a second (a warm-up before the first
     update, as DQN's, is run through while tracing)."""
+    started = time.perf_counter()
     spec, options = policies.resolve(policy, train)
     from fragflow.compiler.resumable import resumable
 
@@ -160,7 +163,7 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
         from fragflow.api.envs import registered_by_user
 
         program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
-    return Compiled(placed, fragments, lowered, checks, program, train)
+    return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
 
 
 def _refuse_unsendable_views(placed: PlacedGraph) -> None:
@@ -268,6 +271,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     finally:
         monitor.close()
         summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local")
+        summary["trace_seconds"] = compiled.seconds
         if checkpoints is not None:
             summary["checkpoints"] = [str(p) for p in checkpoints.written]
             if start is not None:

@@ -36,6 +36,8 @@ def test_run_writes_metrics_tensorboard_summary_and_plot(tmp_path):
         assert key in summary, key
     assert summary["policy"] == "single_process" and summary["env_steps"] == 2048
     assert summary["args"]["num_envs"] == 8
+    assert summary["trace_seconds"] > 0   # the trace ran first, and is reported
+    assert f"traced first in {summary['trace_seconds']:.1f}s" in res.stdout
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert len(rows) == 4 and float(rows[-1]["env_steps"]) == 2048
     assert {"steps_per_second", "episode_return_mean", "value_loss", "approx_kl"} <= set(rows[0])
