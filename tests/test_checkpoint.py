@@ -175,6 +175,29 @@ def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
     assert steps[0] > m["counters"]["env_steps"] - 1 and steps == sorted(steps)
 
 
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined"])
+def test_one_actor_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy):
+    """The learner saves its states at the actor's cut: every update of the calls the actor made
+    before it saved its part, none after, so the resumed run does each update exactly once."""
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=12 * 256, num_steps=32, num_envs=8)
+    first = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", checkpoint_every=3)
+    assert first.summary["updates"] == 12
+    mids = [p for p in ckpt.listing(tmp_path / "run" / "checkpoints")
+            if not json.loads((p / "manifest.json").read_text())["complete"]]
+    assert mids
+    for mid in mids:
+        m = json.loads((mid / "manifest.json").read_text())
+        version = ckpt.merged_states(ckpt.find(mid))[0]["state"]["version"]
+        trip = m["loop"]["positions"]["loop0"]["trip"]
+        assert m["counters"]["updates"] == version == trip, (mid.name, m["counters"], version, trip)
+        assert m["counters"]["env_steps"] == trip * args.num_steps * args.num_envs
+    for i, mid in enumerate(mids):
+        again = driver.run(ppo.train, args, policy=policy, out=tmp_path / f"again{i}", resume=mid)
+        assert again.summary["updates"] == 12 and again.summary["env_steps"] == args.total_timesteps
+
+
 def test_a_resumed_learner_process_starts_from_the_saved_state(program, tmp_path):
     from fragflow.program import load
 

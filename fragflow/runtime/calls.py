@@ -61,16 +61,27 @@ def _split(x: Any, out: list[Any], path: str) -> Skeleton:
 
 
 _SID_BITS = 20
+_CALL_BITS = 36
+CUT_MARKS = 127
 
 
-def pack_aux(sid: int, call: int) -> int:
-    """A remote call's word for the service: its skeleton id and the fragment's call number in
-    this loop (which call of an update it is, for the outputs logged from one of several)."""
-    return sid | (call << _SID_BITS)
+def pack_aux(sid: int, call: int, cut: int = 0) -> int:
+    """A remote call's word for the service: its skeleton id, the fragment's call number in this
+    loop (which call of an update it is, for the outputs logged from one of several), and the mark
+    of the last checkpoint the loop had saved its part of when it made the call (the service saves
+    its states at that cut, so that the two parts agree)."""
+    return sid | (call << _SID_BITS) | (cut << (_SID_BITS + _CALL_BITS))
 
 
-def unpack_aux(aux: int) -> tuple[int, int]:
-    return aux & ((1 << _SID_BITS) - 1), aux >> _SID_BITS
+def unpack_aux(aux: int) -> tuple[int, int, int]:
+    """``(sid, call, cut)`` of :func:`pack_aux`."""
+    return (aux & ((1 << _SID_BITS) - 1), (aux >> _SID_BITS) & ((1 << _CALL_BITS) - 1),
+            aux >> (_SID_BITS + _CALL_BITS))
+
+
+def cut_mark(seq: int) -> int:
+    """Checkpoint ``seq``'s mark in :func:`pack_aux` (1..127; 0 is before any checkpoint)."""
+    return (seq - 1) % CUT_MARKS + 1
 
 
 def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], Any] | None) -> Any:

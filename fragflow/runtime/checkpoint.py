@@ -443,12 +443,21 @@ class RunCheckpoints:
     def missing(self) -> set[str]:
         return set() if self.staged is None else self.staged[2] - set(self.staged[3])
 
-    def complete(self, counters: dict[str, Any], replicas: int) -> Path:
-        """Commit the staged checkpoint: the parts are all written."""
+    def complete(self, counters: dict[str, Any], replicas: int, base: tuple[int, int] = (0, 0)) -> Path:
+        """Commit the staged checkpoint: the parts are all written. The run went on while they
+        were: the counters are those of the parts (the updates of the saved states, the steps the
+        loops had made when they saved theirs), where the parts tell them; ``base``: the steps and
+        updates of the run this one resumed."""
         assert self.staged is not None
         seq, tmp, _, parts, infos = self.staged
         self.staged = None
         positions = {k: infos[k] for k in sorted(infos) if k.startswith("loop")}
+        counters = dict(counters)
+        versions = {info["version"] for k, info in infos.items() if k.startswith("states.") and "version" in info}
+        if len(versions) == 1:
+            counters["updates"] = counters["version"] = base[1] + versions.pop()
+        if positions and all("steps" in p for p in positions.values()):
+            counters["env_steps"] = base[0] + sum(int(p["steps"]) for p in positions.values())
         path = finish(self.root, tmp, str(counters["updates"]), self.manifest(counters, {"replicas": replicas, "positions": positions}, False),
                       parts, self.keep)
         if self.schedule is not None:

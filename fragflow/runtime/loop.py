@@ -85,6 +85,7 @@ class LoopInterpreter:
         self._final: dict[tuple[str, int], int] = {}
         self._states: dict[str, Versioned] = {}
         self._seq = 0
+        self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
         self._shipped: set[str] = set()
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
@@ -294,7 +295,7 @@ class LoopInterpreter:
             version = self._last_version if self._replies else UNVERSIONED
         call = self._calls_of[name] = self._calls_of.get(name, -1) + 1
         if self._seq >= self.skip_until:
-            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call), order=self._ticket)
+            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut), order=self._ticket)
         self._seq += 1
         if route.primary:
             for state in self.program.reads:

@@ -238,7 +238,8 @@ class Driver:
             _, seq, part, meta, info = msg
             ck = self.checkpoints
             if ck is not None and ck.arrived(seq, part, meta, info):
-                ck.complete(self.monitor.counters(), self.lowered.loop.replicas)
+                ck.complete(self.monitor.counters(), self.lowered.loop.replicas,
+                            (self.monitor.base_steps, self.monitor.base_updates))
                 if ck.stop_after:
                     raise KeyboardInterrupt
         elif kind == "error":

@@ -44,11 +44,12 @@ IDLE_WAIT = 0.05
 
 
 class _Piece:
-    __slots__ = ("replica", "version", "tag", "sid", "call", "leaves", "ring", "arrived")
+    __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived")
 
     def __init__(self, replica: int, version: int, tag: int, aux: int, leaves: list[Any], ring: Any) -> None:
         self.replica, self.version, self.tag, self.leaves, self.ring = replica, version, tag, leaves, ring
-        self.sid, self.call = calls.unpack_aux(aux)   # its skeleton; the fragment's call number in its loop
+        # its skeleton; the fragment's call number in its loop; the loop's last checkpoint mark
+        self.sid, self.call, self.cut = calls.unpack_aux(aux)
         self.arrived = time.monotonic()
 
 
@@ -185,8 +186,25 @@ class ServiceRunner:
             self.finished[k] = True
         return None
 
+    def _save_due(self) -> bool:
+        return bool(self.saving.get("root")) and self.admission.checkpoint_request() > self.saved_seq
+
+    def _saved_where_loop_is(self, aux: int | None) -> bool:
+        """Whether this group's part of the requested checkpoint is saved now. One loop replica
+        marks its calls after it saved its part (``calls.cut_mark``): the states are saved just
+        before its first marked call is taken, so they hold every update of the calls it made
+        before its part and none after, and a resumed run does each update once. Calls of
+        several replicas interleave, each cut at its own trip: their states are saved as they stand."""
+        if self.program.producers != 1 or self.finished[0]:
+            return True
+        if aux is None:
+            return False
+        return calls.unpack_aux(aux)[2] == calls.cut_mark(self.admission.checkpoint_request())
+
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
+        if self._save_due() and self._saved_where_loop_is(meta[2]):
+            self._save(self.admission.checkpoint_request())
         item = ring.try_get()
         if item is None:   # the producer moved the head but has not released the semaphore yet
             item = ring.get()
@@ -208,7 +226,7 @@ class ServiceRunner:
         while True:
             while self._take_definition(block=False):
                 pass
-            if self.saving.get("root") and self.admission.checkpoint_request() > self.saved_seq:
+            if self._save_due() and self._saved_where_loop_is(None):
                 self._save(self.admission.checkpoint_request())
             if self.program.ordered:
                 # strictly round the replicas in order: the run does not depend on scheduling

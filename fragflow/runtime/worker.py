@@ -214,7 +214,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     """A loop replica's trip tracker: its part of each checkpoint the driver asks for, where it
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
-    from fragflow.runtime import checkpoint, trips
+    from fragflow.runtime import calls, checkpoint, trips
 
     tracker = trips.Trips()
     ckpt = checkpoint.resumed(saving)
@@ -246,7 +246,9 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if root and seq > seen[0]:
             seen[0] = seq
             position, part = checkpoint.loop_part(snapshot)
+            position["steps"] = reporter.total_steps
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
+            interp.cut = calls.cut_mark(seq)   # the calls after it: the service saves before the first
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
