@@ -31,7 +31,7 @@ from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime import calls, serial
-from fragflow.runtime.checkpoint import Checkpoint, Every, RunCheckpoints
+from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import Monitor, StopRun
@@ -227,11 +227,11 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         identity: dict[str, Any] = {"algorithm": placed.graph.name, "fragments": sorted(n.name for n in placed.graph.fragments()),
                     "program": program_ref, "checkpoint_every": None if every is None else
                     (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
-                    "policy_options": dict(placed.options), "fragflow": __version__}
+                    "policy_options": dict(placed.options), "fragflow": __version__, "loops": loop_headers(train)}
         if start is not None:
             start = start.with_parts()   # a damaged file is refused now, before the run starts
         checkpoints = RunCheckpoints(Path(out), every, identity, start)
-        checkpoints.check_fits(identity["fragments"], compiled.lowered.loop.replicas)
+        checkpoints.check_fits(identity["fragments"], compiled.lowered.loop.replicas, identity["loops"])
         if every is not None and not loop_lines(train):
             raise ConfigError("this training function cannot be checkpointed: fragflow found no top-level loop in its "
                               "source", where=placed.graph.fragments()[0].called_at if placed.graph.fragments() else None,
@@ -244,7 +244,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                       stop_on_target=stop_on_target)
     if start is not None:
         monitor.resume(start.counters)
-    if outputs is not None:
+    if outputs is not None and start is None:
         outputs.write_text("graph.txt", format_placed(placed))
     status = "failed"
     value = None
@@ -276,7 +276,12 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
             summary["checkpoints"] = [str(p) for p in checkpoints.written]
             if start is not None:
                 summary["resumed_from"] = str(start.path)
-        if outputs is not None:
+        refused = start is not None and isinstance(sys.exc_info()[1], CheckpointError)
+        if outputs is not None and refused and not outputs.begun:
+            outputs.close()   # the checkpoint does not fit: the run directory stays as it was
+        elif outputs is not None:
+            if start is not None:
+                outputs.write_text("graph.txt", format_placed(placed))
             outputs.write_json("summary.json", summary)
             outputs.plot_returns(monitor.episodes, target_return)
             outputs.close()

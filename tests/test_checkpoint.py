@@ -118,6 +118,38 @@ def test_resume_in_a_new_process_equals_the_uninterrupted_run_bit_for_bit(progra
     assert json.loads((b / "checkpoints" / "8" / "manifest.json").read_text())["complete"]
 
 
+def test_a_resume_follows_lines_moved_by_an_edit_and_refuses_changed_loops(program, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
+    source = program.read_text()
+    program.write_text("# a comment\n# and another: every line below moves\n" + source)
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--out", str(b), "-q")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((b / "summary.json").read_text())["updates"] == 8   # not 4 + a whole run again
+    end_a, end_b = tensors(a / "checkpoints" / "8"), tensors(b / "checkpoints" / "8")
+    assert all(np.array_equal(end_a[k], end_b[k]) for k in end_a)
+    # a loop added before the saved one: refused, and the run directory is left as it was
+    loop = "    for update in range(args.num_updates):"
+    assert loop in source
+    program.write_text(source.replace(loop, "    for warm in range(2):\n        pass\n" + loop))
+    before = {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()}
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "-q")
+    assert res.returncode == 2 and "top-level loops" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert "for warm in range(2):" in res.stderr
+    assert {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()} == before
+
+
+def test_a_resume_refused_when_its_loop_loads_leaves_the_run_directory_as_it_was(program, tmp_path):
+    a = tmp_path / "a"
+    assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
+    before = {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()}
+    events = sorted(p.name for p in (a / "tensorboard").iterdir())
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--set", "hidden=5", "-q")
+    assert res.returncode == 2 and "does not fit this program" in res.stderr
+    assert {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in (a / "tensorboard").iterdir()) == events
+
+
 def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_path, write_algo):
     a = tmp_path / "a"
     assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
@@ -196,6 +228,23 @@ def test_one_actor_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy
     for i, mid in enumerate(mids):
         again = driver.run(ppo.train, args, policy=policy, out=tmp_path / f"again{i}", resume=mid)
         assert again.summary["updates"] == 12 and again.summary["env_steps"] == args.total_timesteps
+
+
+def test_env_workers_stepped_together_save_at_one_trip_and_resume(tmp_path):
+    """Under central_inference every env worker waits for the others' requests: saved a trip
+    apart, a resumed run would wait forever. The first worker to see the request names the trip."""
+    a = tmp_path / "a"
+    res = cli("run", "dqn", "--policy", "central_inference(env_workers=2)", "--set", "total_timesteps=8000",
+              "--set", "learning_starts=500", "--set", "num_envs=2", "--checkpoint-every", "10", "--out", str(a), "-q")
+    assert res.returncode == 0, res.stderr
+    mids = [p for p in ckpt.listing(a / "checkpoints") if not json.loads((p / "manifest.json").read_text())["complete"]]
+    assert len(mids) == 2
+    for mid in mids:
+        positions = json.loads((mid / "manifest.json").read_text())["loop"]["positions"]
+        assert positions["loop0"]["trip"] == positions["loop1"]["trip"], (mid.name, positions)
+    res = cli("run", "--resume", str(mids[0]), "--out", str(tmp_path / "b"), "-q", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["env_steps"] == 8000
 
 
 def test_a_resumed_learner_process_starts_from_the_saved_state(program, tmp_path):

@@ -12,7 +12,8 @@ Broadcast      a versioned latest-value store of one state's views: ``publish(le
                ``read(version)``, ``wait_for(version)``, ``latest``; readers never block the writer
 Admission      the balance controller: ``admit(replica, max_lag) -> version``, ``produced()``,
                ``set_busy(flag)``, the learner's wait/busy counters, and the run's checkpoint request
-               (``request_checkpoint(seq)`` in the driver, ``checkpoint_request()`` everywhere)
+               (``request_checkpoint(seq)`` in the driver, ``checkpoint_request()`` everywhere,
+               ``cut_trip(seq, trip)``: the trip every loop replica saves its part at)
 Endpoints      what one process holds: rings, broadcasts, admission, the report queue, the queue
                of definitions (fragments, call structures, initial states), the stop event
 Backend        ``wire(lowered) -> Wiring`` (creates everything, in the driver), ``start(target, args,
@@ -73,6 +74,7 @@ class Admission(Protocol):
     def counters(self) -> dict[str, float]: ...
     def request_checkpoint(self, seq: int) -> None: ...
     def checkpoint_request(self) -> int: ...
+    def cut_trip(self, seq: int, trip: int) -> int: ...
 
 
 class Endpoints(Protocol):

@@ -474,11 +474,14 @@ class RunCheckpoints:
     def resumed_states(self) -> tuple[Any, dict[str, np.ndarray]] | None:
         return merged_states(self.resume) if self.resume is not None else None
 
-    def check_fits(self, fragments: list[str], replicas: int) -> None:
-        """Refuse a checkpoint another algorithm wrote, or a loop split another way."""
+    def check_fits(self, fragments: list[str], replicas: int, loops: list[list[Any]] | None = None) -> None:
+        """Refuse a checkpoint another algorithm wrote, or a loop split another way; ``loops``: the
+        training function's top-level loops now (``[line, source]`` each, see :func:`loop_headers`)."""
         if self.resume is None:
             return
         m = self.resume.manifest
+        if loops is not None and m.get("loops") is not None:
+            self._follow_loops(m["loops"], loops)
         if m.get("complete"):
             raise CheckpointError(f"checkpoint {self.resume.path} is the end of a completed run: there is nothing to resume",
                                   fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
@@ -491,6 +494,41 @@ class RunCheckpoints:
         if loops is not None and loops != replicas:
             raise CheckpointError(f"checkpoint {self.resume.path} holds {loops} loop replica(s) (policy {m.get('policy')}), "
                                   f"this placement runs {replicas}", fix=f"resume with --policy {m.get('policy_spec') or m.get('policy')}")
+
+
+    def _follow_loops(self, saved: list[list[Any]], loops: list[list[Any]]) -> None:
+        """The saved loop positions name their loop by its line: a program edited above or inside
+        the training function (a comment) moved it. The loops are matched in order by their source
+        line; the positions are moved to the lines they are on now. Loops added, removed or changed
+        since the checkpoint are refused: no saved position would mean the same trip of them."""
+        assert self.resume is not None
+        path = self.resume.path
+        if [s for _, s in saved] != [s for _, s in loops]:
+            def show(ls: list[list[Any]]) -> str:
+                return "; ".join(f"line {line}: {src}" for line, src in ls) or "none"
+
+            raise CheckpointError(
+                f"checkpoint {path} was written when the training function's top-level loops were "
+                f"[{show(saved)}]; they are now [{show(loops)}]: its loop position does not fit them",
+                fix="resume with the program as it was when the checkpoint was written (only lines moved "
+                    "by edits elsewhere are followed), or start a new run")
+        moved = {int(a[0]): int(b[0]) for a, b in zip(saved, loops) if a[0] != b[0]}
+        if not moved or self.resume.loaded is None:
+            return
+        for name, (meta, _) in self.resume.loaded.items():
+            if name.startswith("loop") and isinstance(meta, dict) and "line" in meta:
+                meta["line"] = moved.get(int(meta["line"]), meta["line"])
+
+
+def loop_headers(fn: Any) -> list[list[Any]]:
+    """``[line, source of that line]`` of each top-level loop of a resumable training function."""
+    import linecache
+
+    from fragflow.compiler.resumable import loop_lines
+
+    file = getattr(getattr(fn, "__code__", None), "co_filename", "")
+    linecache.checkcache(file)
+    return [[line, linecache.getline(file, line).strip()] for line in loop_lines(fn)]
 
 
 def encode_states(states: dict[str, tuple[int, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -34,12 +34,31 @@ class RunOutputs:
     def __init__(self, directory: str | os.PathLike[str], resumed_at: tuple[int, int] | None = None) -> None:
         """``resumed_at`` (updates, env steps of its checkpoint): a resumed run adds to the directory's
         ``metrics.csv`` (same columns) and TensorBoard, after dropping what the interrupted run wrote
-        past the checkpoint (the resumed run writes it again)."""
+        past the checkpoint (the resumed run writes it again). Nothing is touched before the first
+        row or episode of a resumed run: one refused when its loop loads the checkpoint leaves the directory as it was."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._csv_file: IO[str] | None = None
         self._csv: csv.DictWriter[str] | None = None
         self._columns: list[str] | None = None
+        self._resumed_at = resumed_at
+        self._tb_writer: Any = None
+        if resumed_at is None:
+            self._begin()
+
+    @property
+    def begun(self) -> bool:
+        """Whether the run wrote anything yet (a row, an episode)."""
+        return self._tb_writer is not None
+
+    @property
+    def _tb(self) -> Any:
+        if self._tb_writer is None:
+            self._begin()
+        return self._tb_writer
+
+    def _begin(self) -> None:
+        resumed_at = self._resumed_at
         metrics = self.dir / "metrics.csv"
         if resumed_at is not None and metrics.is_file():
             with open(metrics, newline="") as f:
@@ -53,9 +72,11 @@ class RunOutputs:
 
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
         purge = resumed_at[1] + 1 if resumed_at is not None else None
-        self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
+        self._tb_writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
 
     def write_row(self, row: dict[str, float]) -> None:
+        if self._tb_writer is None:
+            self._begin()
         if self._csv is None:
             if self._columns is not None:
                 self._open_csv("a")
@@ -134,7 +155,8 @@ class RunOutputs:
     def close(self) -> None:
         if self._csv_file is not None:
             self._csv_file.close()
-        self._tb.close()
+        if self._tb_writer is not None:
+            self._tb_writer.close()
 
 
 def _tb_tag(key: str) -> str:

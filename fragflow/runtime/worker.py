@@ -232,6 +232,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             tracker.resume = checkpoint.resume_point((meta, arrays))
     root = saving.get("root")
     admission = endpoints.admission
+    replicas = interp.program.replicas
     seen = [admission.checkpoint_request()]
     snapshots = bool(saving.get("snapshots"))
     next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
@@ -243,7 +244,9 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     def capture(snapshot: trips.Snapshot) -> None:
         part = None
         seq = admission.checkpoint_request()
-        if root and seq > seen[0]:
+        # several replicas save at one trip (the first to see the request names its next one):
+        # under a policy that steps them together a resumed run finds them where they wait for each other
+        if root and seq > seen[0] and (replicas == 1 or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
             seen[0] = seq
             position, part = checkpoint.loop_part(snapshot)
             position["steps"] = reporter.total_steps

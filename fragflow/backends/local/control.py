@@ -15,8 +15,8 @@ import numpy as np
 from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryChannel
 from fragflow.backends.local.shm import Segment
 
-BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT = range(8)
-WORDS = 8
+BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT, CUT_SEQ, CUT_TRIP = range(10)
+WORDS = 10
 
 
 class Control:
@@ -113,6 +113,14 @@ class Control:
     def checkpoint_request(self) -> int:
         """The newest checkpoint asked for (0: none yet)."""
         return int(self.words[CHECKPOINT])
+
+    def cut_trip(self, seq: int, trip: int) -> int:
+        """The trip at which every loop replica saves its part of checkpoint ``seq``: the first
+        replica to ask sets it (``trip``), the others get it."""
+        with self.lock:
+            if int(self.words[CUT_SEQ]) != seq:
+                self.words[CUT_SEQ], self.words[CUT_TRIP] = seq, trip
+            return int(self.words[CUT_TRIP])
 
     def counters(self) -> dict[str, float]:
         w = self.words

@@ -244,6 +244,9 @@ class RayAdmission:
             self._request = (now, int(_get(self.hub.checkpoint_request.remote())))
         return self._request[1]
 
+    def cut_trip(self, seq: int, trip: int) -> int:
+        return int(_get(self.hub.cut_trip.remote(seq, trip)))
+
 
 class RayQueue:
     """A queue of the hub (reports, definitions): ``put``, ``get(timeout)``, ``get_nowait``."""

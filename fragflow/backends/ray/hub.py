@@ -59,6 +59,7 @@ class Hub:
         self.tickets = 0
         self.wait_ns = self.learn_ns = self.updates = self.admit_wait_ns = 0
         self.checkpoint = 0
+        self.cut = (0, 0)   # (checkpoint, the trip its loop replicas save their parts at)
 
     # -- rings ---------------------------------------------------------------------------------------
     async def put(self, name: str, leaves: list[Any], version: int, tag: int, aux: int, order: int, nbytes: int,
@@ -255,6 +256,11 @@ class Hub:
 
     def checkpoint_request(self) -> int:
         return self.checkpoint
+
+    def cut_trip(self, seq: int, trip: int) -> int:
+        if self.cut[0] != seq:
+            self.cut = (seq, trip)
+        return self.cut[1]
 
     # -- queues and the stop flag ---------------------------------------------------------------------
     def qput(self, name: str, obj: Any) -> None:
