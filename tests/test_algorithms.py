@@ -45,6 +45,27 @@ def test_sac_reproduces_single_process_bit_for_bit(sac_reference, policy, envs):
     assert shm_leftovers() == []
 
 
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined"])
+def test_sac_writes_one_metrics_row_per_update_with_both_learners_metrics(tmp_path, policy):
+    """learn_actor's metrics (every other step) join learn_q's row of the same update, as under
+    single_process, though the actor's steps reach the driver between the two."""
+    def rows(run_policy: str, out: str) -> list[dict[str, str]]:
+        ff.run(sac.train, sac.Args(**SAC_SMALL), policy=run_policy, out=tmp_path / out)
+        with open(tmp_path / out / "metrics.csv", newline="") as f:
+            return list(csv.DictReader(f))
+
+    one, other = rows("single_process", "one"), rows(policy, "other")
+    learner = [k for k in one[0] if "loss" in k or k in ("alpha", "updates")]
+    assert {"updates", "qf_loss", "actor_loss"} <= set(learner), learner
+    assert [float(r["updates"]) for r in other] == list(range(1, len(other) + 1))
+    exact = policy.endswith("max_lag=0)")   # the same losses, bit for bit; pipelined learns a version behind
+    assert len(other) == len(one) == 199
+    for a, b in zip(one, other):
+        assert (a["actor_loss"] == "") == (b["actor_loss"] == ""), (a, b)
+        if exact:
+            assert {k: a[k] for k in learner} == {k: b[k] for k in learner}
+
+
 def test_sac_transitions_from_two_actors_reach_one_learner_side_buffer(sac_reference):
     """The warm-up actions are made in the loop (uniform noise from per-env keys): the replay
     buffer's add declares its arguments as rows, so the policy splits and merges them per env."""

@@ -49,6 +49,10 @@ class Monitor:
         self._start = time.perf_counter()
         self._next_refresh = 0.0
         self._pending: dict[str, float] | None = None
+        # one process runs loop and learners: an update's row is complete when env steps come again.
+        # Under several, another learner's metrics of the same update may come after the actors'
+        # steps: the row waits for the next update.
+        self.rows_end_at_steps = True
         self.stop_requested = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
         self._last_channel: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -70,7 +74,7 @@ class Monitor:
 
     def env_step(self, n: int, finished: list[tuple[float, int]]) -> None:
         self.env_steps += n
-        if self._pending is not None:
+        if self._pending is not None and self.rows_end_at_steps:
             self._flush()
         for ret, length in finished:
             self.episodes.append((self.env_steps, ret, length))

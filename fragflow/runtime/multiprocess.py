@@ -339,5 +339,6 @@ class Driver:
 
 def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None, max_restarts: int = 3,
             backend: str = "local", address: str | None = None) -> Any:
+    monitor.rows_end_at_steps = False
     return Driver(lowered, program, monitor, backend, checkpoints=checkpoints, max_restarts=max_restarts,
                   address=address).run()
