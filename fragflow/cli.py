@@ -53,6 +53,13 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
         err.print(f"[bold red]error:[/] {type(exc).__name__}: ", end="", highlight=False)
         err.print(str(exc), markup=False, highlight=False)
         return typer.Exit(code=exc.exit_code)
+    died = sys.modules.get("fragflow.runtime.multiprocess")
+    if died is not None and isinstance(exc, died.WorkerDied):   # no code of the user's raised: nothing to show of it
+        if debug:
+            traceback.print_exception(exc)
+        err.print("[bold red]error:[/] a worker process died: ", end="", highlight=False)
+        err.print(str(exc), markup=False, highlight=False)
+        return typer.Exit(code=1)
     # An exception from the user's own code: show the user's frames (all frames with --debug).
     tb = exc.__traceback__
     if not debug:
@@ -151,7 +158,7 @@ def run(
         result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
                             stop_on_target=stop_on_target, progress=not quiet, description=program.name,
                             compiled=compiled, checkpoint_every=every, resume=start,
-                            program_ref=algorithm or DEFAULT_ALGORITHM, max_restarts=max_restarts,
+                            program_ref=_program_ref(algorithm or DEFAULT_ALGORITHM), max_restarts=max_restarts,
                             backend=backend, address=address)
     except KeyboardInterrupt as exc:
         from fragflow.driver import Terminated
@@ -174,6 +181,13 @@ def run(
         out.print(f"restarts: {s['restarts']} (see summary.json notes)", highlight=False)
     if s.get("checkpoints"):
         out.print(f"checkpoints: {len(s['checkpoints'])} written, newest {s['checkpoints'][-1]}", highlight=False)
+
+
+def _program_ref(algorithm: str) -> str:
+    """What a checkpoint records to load the algorithm again: a file's absolute path (the run may
+    be resumed from another directory), or the built-in algorithm's name."""
+    path = Path(algorithm)
+    return str(path.resolve()) if path.suffix == ".py" or path.is_file() else algorithm
 
 
 def _from_checkpoint(start: Any, algorithm: str | None, policy: str | None) -> tuple[str, str | None, Any]:

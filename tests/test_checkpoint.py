@@ -139,6 +139,16 @@ def test_a_resume_follows_lines_moved_by_an_edit_and_refuses_changed_loops(progr
     assert {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()} == before
 
 
+def test_a_run_started_with_a_relative_path_resumes_from_another_directory(program, tmp_path):
+    res = subprocess.run([EXE, "run", program.name, "--policy", "single_process", "--checkpoint-every", "2",
+                          "--out", "a", "-q"], capture_output=True, text=True, cwd=program.parent, timeout=120)
+    assert res.returncode == 0, res.stderr
+    mid = program.parent / "a" / "checkpoints" / "4"
+    assert json.loads((mid / "manifest.json").read_text())["program"] == str(program.resolve())
+    res = cli("run", "--resume", str(mid), "--out", str(tmp_path / "b"), "-q")   # run from the project's root
+    assert res.returncode == 0, res.stderr
+
+
 def test_a_resume_refused_when_its_loop_loads_leaves_the_run_directory_as_it_was(program, tmp_path):
     a = tmp_path / "a"
     assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0

@@ -237,6 +237,18 @@ def test_max_restarts_zero_stops_the_run_when_an_actor_dies():
     assert shm_leftovers() == []
 
 
+def test_a_killed_learner_is_named_not_the_peer_that_lost_its_connection():
+    """Under multi_learner the other learner fails on its collective with the dead one (a gloo
+    connection error): the run names the learner that was killed."""
+    killer = kill_actor_later(name="fragflow-learner.0-0", after=1.5)
+    with pytest.raises(WorkerDied, match="learner.0 process was killed by signal 9"):
+        ff.run(ppo.train, ppo.Args(total_timesteps=400 * 256, num_envs=4, num_steps=64),
+               policy="multi_learner(learners=2, actors=1)")
+    killer.join()
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
 def children_of(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -256,6 +268,28 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_the_cli_reports_a_killed_worker_as_a_death_not_as_the_programs_error(tmp_path):
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("fragflow")
+    proc = subprocess.Popen([str(exe), "run", "ppo", "--policy", "pipelined", "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [p for p in children_of(proc.pid) if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
+        assert workers
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "a worker process died:" in err and "was killed by signal 9" in err, err
+    assert "Traceback" not in err and "the training program raised" not in err
+    assert shm_leftovers(proc.pid) == []
 
 
 @pytest.mark.parametrize("sig, code, status", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])

@@ -253,7 +253,24 @@ class Driver:
                     cause = None
             if isinstance(cause, FragflowError):
                 raise cause
+            dead = self._killed_peer(role, index)
+            if dead is not None:   # its peers fail on their connections to it: the death is the cause
+                first = (tb.strip().splitlines() or [""])[-1]
+                raise WorkerDied(f"{dead} without reporting an error; {exc.args[0].splitlines()[0]} {first}") from None
             raise exc from cause
+
+    def _killed_peer(self, role: str, index: int, wait: float = 0.5) -> str | None:
+        """Another process that a signal ended (a peer of a failed process, which may have failed
+        only because that one died): ``"<who> process was killed by signal N"``, or None."""
+        deadline = time.monotonic() + wait
+        while True:
+            for r, k, p in self.procs:
+                if (r, k) != (role, index) and (r, k) not in self.finished and p.exitcode is not None and p.exitcode < 0:
+                    who = f"actor {k}" if r == "actor" else r
+                    return f"{who} process was killed by signal {-p.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _checkpoint_due(self) -> None:
         """Ask every process for its part of a checkpoint when one is due (or Ctrl-C asked for one)."""
