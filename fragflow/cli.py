@@ -261,6 +261,7 @@ def list_policies() -> None:
     for name, spec in policies.items():
         label = name + (" (default)" if name == default else "")
         sys.stdout.write(f"{label:<{width}}  mirrors {spec.mirrors}: {spec.summary}\n")
+        sys.stdout.write(f"{'':<{width}}  options: {spec.signature() or 'none'}\n")
 
 
 def main() -> None:

@@ -183,6 +183,11 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"))
     assert res.returncode == 2 and "cannot be read" in res.stderr and "Traceback" not in res.stderr
     assert "started" not in res.stdout + res.stderr and not (tmp_path / "w" / "summary.json").exists()   # refused first
+    m = json.loads((good / "manifest.json").read_text())
+    m["counters"]["updates"] = "abc"
+    (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+    res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
+    assert res.returncode == 2 and "counts updates='abc'" in res.stderr and "Traceback" not in res.stderr
     (bad / "checkpoints" / "4" / "manifest.json").write_text("{not json")
     res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
     assert res.returncode == 2 and "is corrupt" in res.stderr

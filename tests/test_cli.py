@@ -78,13 +78,15 @@ def test_graph_with_a_distributed_policy_prints_groups_and_channels():
     assert "parameters  parameter  learner -> actors" in out and "state['params'] -> act.params" in out
 
 
-def test_policies_lists_one_line_each_with_what_it_mirrors():
+def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     res = invoke("policies")
     assert res.exit_code == 0
-    line = [ln for ln in res.stdout.splitlines() if ln.startswith("pipelined")][0]
-    assert "mirrors" in line
-    assert sum("(default)" in ln for ln in res.stdout.splitlines()) == 1
-    assert len([ln for ln in res.stdout.splitlines() if ln.strip()]) == len(ff.policies())
+    lines = res.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("pipelined"))
+    assert "mirrors" in lines[at]
+    assert lines[at + 1].split() == ["options:", "actors=1,", "envs_per_actor=0,", "max_lag=1"]
+    assert sum("(default)" in ln for ln in lines) == 1
+    assert len([ln for ln in lines if ln.strip()]) == 2 * len(ff.policies())
 
 
 @pytest.mark.parametrize("args, message", [
@@ -97,6 +99,8 @@ def test_policies_lists_one_line_each_with_what_it_mirrors():
     (["graph", "ppo", "--image", "g.gif"], "give a path ending in .png or .svg"),
     (["run", "ppo", "--policy", "pipelined(actors=3)"], "puts 1 environments on each of 3 actors, but the loop steps 4"),
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "policy 'pipelined' has no option 'actor'"),
+    (["run", "ppo", "--policy", "pipelined(actor=2)"], "fix: write pipelined(actors=1, envs_per_actor=0, max_lag=1)"),
+    (["run", "ppo", "--policy", "pipelined", "--set", "total_timesteps=100"], "without calling learner 'learn'"),
 ])
 def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"

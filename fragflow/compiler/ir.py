@@ -141,6 +141,7 @@ class Graph:
     loops: tuple[LoopSpec, ...] = ()    # the training function's loops, outermost first
     loop_reads: tuple[LoopRead, ...] = ()   # fragment outputs the loop itself reads (first read of each)
     remade_state: SourceLoc | None = None   # a line that ran ff.versioned(...) again after a learner wrote its state
+    uncalled_learners: tuple[tuple[str, SourceLoc | None], ...] = ()   # the module's learners the loop never called
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -538,7 +538,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 "and step environments made with ff.envs.make(...)")
     graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
     graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
-                                remade_state=tracer.remade_state, _index={})
+                                remade_state=tracer.remade_state, _index={},
+                                uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
+                                                        if f.role == "learner" and id(f) in tracer._expected))
     return graph.verify(), tracer.fragments
 
 

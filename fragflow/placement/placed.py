@@ -175,6 +175,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
     if not any(n.name in writers for n in learners):
         found = ", ".join(n.name for n in learners) or "none"
+        if not learners and graph.uncalled_learners:
+            name, at = graph.uncalled_learners[0]
+            raise PlacementError(
+                f"policy '{policy}' needs a learner, but the loop ran to its end ({graph.env_steps_traced} env "
+                f"steps) without calling learner '{name}'" + (f" (defined at {at})" if at is not None else "")
+                + ": no update is made", where=graph.defined_at,
+                fix="give the run a budget of at least one update (e.g. --set total_timesteps=...), "
+                    "or run with --policy single_process")
         raise PlacementError(f"policy '{policy}' needs a learner fragment that writes versioned state; found: {found}",
                              where=graph.defined_at,
                              fix="mark the update function @ff.fragment('learner') and give it the state from "

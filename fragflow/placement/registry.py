@@ -44,6 +44,12 @@ class PolicySpec:
     options: type
     place: Callable[[Graph, Any], PlacedGraph]
 
+    def signature(self) -> str:
+        """The options with their defaults, as written on the command line: ``actors=1, max_lag=1``."""
+        import dataclasses
+
+        return ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(self.options))
+
     def make_options(self, values: dict[str, Any]) -> Any:
         fields = field_types(self.options)
         problems = []
@@ -57,7 +63,8 @@ class PolicySpec:
             except ValueError as exc:
                 problems.append(f"option '{key}' of policy '{self.name}': {exc}")
         if problems:
-            raise ConfigError("; ".join(problems), fix=f"see `fragflow policies` for the options of '{self.name}'")
+            takes = f"{self.name}({self.signature()})" if self.signature() else f"'{self.name}' (it takes no options)"
+            raise ConfigError("; ".join(problems), fix=f"write {takes}, changing what you need (`fragflow policies` lists every policy's)")
         return self.options(**kwargs)
 
 

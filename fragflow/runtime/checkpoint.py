@@ -309,6 +309,14 @@ def find(target: str | os.PathLike[str]) -> Checkpoint:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "parts" not in manifest:
         raise CheckpointError(f"checkpoint {path} is not a fragflow checkpoint of format {FORMAT}",
                               fix="resume from a checkpoint this version of fragflow wrote")
+    counters = manifest.get("counters")
+    bad = [k for k in ("env_steps", "updates", "version", "episodes")
+           if isinstance(counters, dict) and k in counters and (isinstance(counters[k], bool) or not isinstance(counters[k], int))]
+    if not isinstance(counters, dict) or bad:
+        what = "has no counters" if not isinstance(counters, dict) else \
+            "counts " + ", ".join(f"{k}={counters[k]!r}" for k in bad) + " (whole numbers expected)"
+        raise CheckpointError(f"checkpoint {path} is corrupt: its {MANIFEST} {what}",
+                              fix="resume from another checkpoint of the run")
     return Checkpoint(path, manifest)
 
 
