@@ -180,7 +180,7 @@ def run(
     if s.get("restarts"):
         out.print(f"restarts: {s['restarts']} (see summary.json notes)", highlight=False)
     if s.get("checkpoints"):
-        out.print(f"checkpoints: {len(s['checkpoints'])} written, newest {s['checkpoints'][-1]}", highlight=False)
+        out.print(f"checkpoints: newest {s['checkpoints'][-1]} ({len(s['checkpoints'])} kept)", highlight=False)
 
 
 def _program_ref(algorithm: str) -> str:

@@ -481,3 +481,5 @@ def test_a_run_resumed_in_its_own_directory_writes_each_update_once(program, tmp
     assert res.returncode == 0, res.stderr
     after = [row["updates"] for row in csv.DictReader((a / "metrics.csv").open())]
     assert [float(u) for u in before] == [float(u) for u in after] == [float(u) for u in range(1, 9)]
+    walls = [float(row["wall_seconds"]) for row in csv.DictReader((a / "metrics.csv").open())]
+    assert walls == sorted(walls)   # the resumed run's rows continue the checkpoint's clock

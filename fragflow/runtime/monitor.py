@@ -179,7 +179,7 @@ class Monitor:
         wall = self.wall_seconds
         nan = math.nan
         row = {
-            "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": wall,
+            "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": self.base_wall + wall,
             "steps_per_second": (self.env_steps - self.base_steps) / wall if wall > 0 else 0.0,
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
