@@ -94,3 +94,32 @@ def test_multi_learner_on_ray_equals_one_learner(ray_cluster, write_algo):
     two = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)", backend="ray")
     for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_sigterm_stops_a_ray_run_as_terminated(tmp_path):
+    """Ray puts a native handler on SIGTERM in the driver (it aborts): the run's is put back, so
+    the workers are stopped and summary.json says terminated, as on the local backend."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("fragflow")
+    proc = subprocess.Popen([str(exe), "run", "ppo", "--backend", "ray", "--policy", "actor_learner",
+                             "--set", "total_timesteps=400000", "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.csv"
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.2)   # a row: Ray is up and the run is under way
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "SIGTERM received" not in err
+    assert json.loads((out / "summary.json").read_text())["status"] == "terminated"

@@ -24,6 +24,7 @@ import itertools
 import os
 import queue
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -416,6 +417,10 @@ def connect(address: str | None = None) -> None:
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS") or None
+    # Ray's core worker puts a native handler of its own on SIGTERM (it aborts the process): the
+    # run's handler, which stops the workers and writes summary.json, is put back after it
+    main = threading.current_thread() is threading.main_thread()
+    term = signal.getsignal(signal.SIGTERM) if main else None
     try:
         if address:
             ray.init(address=address, log_to_driver=True)
@@ -424,6 +429,9 @@ def connect(address: str | None = None) -> None:
     except ConnectionError as exc:
         raise ConfigError(f"cannot reach a Ray cluster at {address}: {exc}",
                           fix="start one with `ray start --head` and pass its address (ray start prints it)") from None
+    finally:
+        if main and term is not None:
+            signal.signal(signal.SIGTERM, term)
 
 
 _SERIAL = itertools.count()
