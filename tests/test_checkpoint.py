@@ -222,10 +222,11 @@ def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
     assert steps[0] > m["counters"]["env_steps"] - 1 and steps == sorted(steps)
 
 
-@pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined"])
-def test_one_actor_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy):
-    """The learner saves its states at the actor's cut: every update of the calls the actor made
-    before it saved its part, none after, so the resumed run does each update exactly once."""
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined", "pipelined(actors=2)",
+                                    "central_inference(env_workers=2)"])
+def test_the_actors_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy):
+    """The learner saves its states at the actors' cut (one trip): every update of the calls they
+    made before their parts, none after, so the resumed run does each update exactly once."""
     from fragflow.algorithms import ppo
 
     args = ppo.Args(total_timesteps=12 * 256, num_steps=32, num_envs=8)
@@ -237,7 +238,9 @@ def test_one_actor_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy
     for mid in mids:
         m = json.loads((mid / "manifest.json").read_text())
         version = ckpt.merged_states(ckpt.find(mid))[0]["state"]["version"]
-        trip = m["loop"]["positions"]["loop0"]["trip"]
+        trips = {pos["trip"] for pos in m["loop"]["positions"].values()}
+        assert len(trips) == 1, (mid.name, m["loop"]["positions"])
+        trip = trips.pop()
         assert m["counters"]["updates"] == version == trip, (mid.name, m["counters"], version, trip)
         assert m["counters"]["env_steps"] == trip * args.num_steps * args.num_envs
     for i, mid in enumerate(mids):

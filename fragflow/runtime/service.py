@@ -190,12 +190,14 @@ class ServiceRunner:
         return bool(self.saving.get("root")) and self.admission.checkpoint_request() > self.saved_seq
 
     def _saved_where_loop_is(self, aux: int | None) -> bool:
-        """Whether this group's part of the requested checkpoint is saved now. One loop replica
-        marks its calls after it saved its part (``calls.cut_mark``): the states are saved just
-        before its first marked call is taken, so they hold every update of the calls it made
-        before its part and none after, and a resumed run does each update once. Calls of
-        several replicas interleave, each cut at its own trip: their states are saved as they stand."""
-        if self.program.producers != 1 or self.finished[0]:
+        """Whether this group's part of the requested checkpoint is saved now. A loop replica
+        marks its calls after it saved its part (``calls.cut_mark``), and the replicas save at one
+        trip: the states are saved just before the first marked call is taken, so they hold every
+        update of the calls made before the parts and none after, and a resumed run does each
+        update once. That holds where calls are taken round the replicas in order (one replica,
+        or ``max_lag=0``, or ordered gathering): by the first marked call every earlier one is in.
+        Calls gathered as they arrive interleave across the cut: the states are saved as they stand."""
+        if (self.program.producers != 1 and not self.program.ordered) or any(self.finished):
             return True
         if aux is None:
             return False
