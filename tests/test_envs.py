@@ -138,3 +138,37 @@ def test_an_env_step_given_another_number_of_actions_than_environments_is_refuse
         assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
     env.step([0, 1, 0, 1])   # a list with a row per environment is an action batch
     env.close()
+
+
+class _Structured(gym.Env):
+    """Adds up its action's parts: a Dict or a Tuple space of a discrete and a continuous part."""
+
+    def __init__(self, kind: str = "dict") -> None:
+        parts = (gym.spaces.Discrete(3), gym.spaces.Box(0.0, 1.0, (1,), np.float32))
+        self.kind = kind
+        self.action_space = gym.spaces.Dict({"move": parts[0], "power": parts[1]}) if kind == "dict" else gym.spaces.Tuple(parts)
+        self.observation_space = gym.spaces.Box(-100, 100, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        move, power = (action["move"], action["power"]) if self.kind == "dict" else action
+        assert isinstance(power, np.ndarray) and power.dtype == np.float32 and power.shape == (1,)
+        return np.array([int(move) + float(power[0])], np.float32), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_dict_and_tuple_action_spaces_step_with_a_batch_per_part(kind):
+    env = ff.envs.make(_Structured, num_envs=2, seed=0, kind=kind)
+    env.reset()
+    move, power = np.array([0, 2]), np.array([[0.5], [0.25]], np.float64)   # cast to the space's float32
+    obs, *_ = env.step({"move": move, "power": power} if kind == "dict" else (move, power))
+    assert obs[:, 0].tolist() == [0.5, 2.25]
+    from fragflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="action space is a" if kind == "dict" else "Tuple of 2"):
+        env.step({"move": move} if kind == "dict" else (move,))
+    with pytest.raises(ConfigError, match="of shape \\(3,\\) for the 2 environments"):
+        env.step({"move": np.zeros(3, int), "power": power} if kind == "dict" else (np.zeros(3, int), power))

@@ -51,6 +51,12 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.add called {self._t + 1} times before collect, but num_steps={self.num_steps}",
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
+            nested = [k for k, v in step.items() if isinstance(v, (tuple, list))]
+            if nested:
+                raise TraceError(f"{self.name}.add got '{nested[0]}' as a {type(step[nested[0]]).__name__} (a Tuple "
+                                 "action or observation?): a rollout buffer stores arrays and dicts of arrays",
+                                 where=user_callsite(), fix=f"add each entry under a key of its own ({nested[0]}_0=..., "
+                                 f"{nested[0]}_1=...), or give it as a dict")
             sizes = {k: np.shape(v)[0] for k, v in step.items() if not isinstance(v, dict) and np.ndim(v) >= 1}
             if len(set(sizes.values())) > 1:
                 raise TraceError(f"{self.name}.add got leaves with different numbers of rows: "

@@ -262,8 +262,10 @@ class VectorEnv:
         return obs
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        if isinstance(self.single_action_space, (gym.spaces.Dict, gym.spaces.Tuple)):
+            return self._finish(self._env.step(self._structured(actions, self.single_action_space, "actions")))
         a = to_numpy(actions)
-        if a.dtype != object and (a.ndim == 0 or a.shape[0] != self.num_envs):   # (a Dict action: dicts)
+        if a.dtype != object and (a.ndim == 0 or a.shape[0] != self.num_envs):
             raise ConfigError(
                 f"{self.name}.step got {'one action' if a.ndim == 0 else f'{a.shape[0]} actions'} (shape "
                 f"{a.shape}) for the {self.num_envs} environments this process steps",
@@ -272,7 +274,34 @@ class VectorEnv:
                 "environments can split: return an array (np.asarray(...), a tensor)")
         if self._action_dtype is not None and a.dtype != self._action_dtype:
             a = a.astype(self._action_dtype)
-        obs, reward, terminated, truncated, info = self._env.step(a)
+        return self._finish(self._env.step(a))
+
+    def _structured(self, actions: Any, space: Any, path: str) -> Any:
+        """A Dict or Tuple space's actions as gymnasium's vector env takes them: a dict (tuple) of
+        batches, one row per environment, each leaf cast to its space's dtype."""
+        if isinstance(space, gym.spaces.Dict):
+            if not isinstance(actions, dict) or set(actions) != set(space.spaces):
+                raise ConfigError(f"{self.name}.step got {path} of type {type(actions).__name__}"
+                                  + (f" with keys {sorted(actions)}" if isinstance(actions, dict) else "")
+                                  + f", but the action space is a Dict with keys {sorted(space.spaces)}",
+                                  where=user_callsite(), fix="give a dict with one batch (a leading axis of "
+                                  "env.num_envs) per key of the action space")
+            return {k: self._structured(actions[k], s, f"{path}[{k!r}]") for k, s in space.spaces.items()}
+        if isinstance(space, gym.spaces.Tuple):
+            if not isinstance(actions, (tuple, list)) or len(actions) != len(space.spaces):
+                raise ConfigError(f"{self.name}.step got {path} of type {type(actions).__name__}, but the action "
+                                  f"space is a Tuple of {len(space.spaces)}", where=user_callsite(),
+                                  fix="give a tuple with one batch (a leading axis of env.num_envs) per entry of the space")
+            return tuple(self._structured(a, s, f"{path}[{i}]") for i, (a, s) in enumerate(zip(actions, space.spaces)))
+        a = to_numpy(actions)
+        if a.ndim == 0 or a.shape[0] != self.num_envs:
+            raise ConfigError(f"{self.name}.step got {path} of shape {a.shape} for the {self.num_envs} environments "
+                              "this process steps", where=user_callsite(),
+                              fix="give each leaf of the action a leading axis of env.num_envs")
+        return a.astype(space.dtype) if space.dtype is not None and a.dtype != space.dtype else a
+
+    def _finish(self, stepped: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = stepped
         final = obs
         if "_final_obs" in info:
             mask = info["_final_obs"]
