@@ -65,6 +65,9 @@ def _import_file(path: Path) -> ModuleType:
         raise UnknownFileError(f"cannot import {path}", fix="give the path of a Python source file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:   # as `python FILE`: modules beside the file import (and so do the workers,
+        sys.path.insert(0, folder)   # which start with this process's path)
     spec.loader.exec_module(module)
     return module
 

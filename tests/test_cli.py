@@ -156,3 +156,19 @@ def test_checkpoint_backend_and_restart_flags_are_checked(tmp_path):
     assert res.exit_code == 2 and "unknown backend 'slurm'" in res.stderr
     res = invoke("run", "ppo", "--max-restarts", "-1")
     assert res.exit_code == 2
+
+
+def test_an_algorithm_file_imports_the_modules_beside_it_in_every_process(tmp_path):
+    """As `python FILE` does: the file's folder is on the path, the workers' too (the actor calls
+    a function of the module beside it)."""
+    from tests.test_checkpoint import PROGRAM
+
+    (tmp_path / "mylib.py").write_text("def scale(x):\n    return x * 0.5\n")
+    source = PROGRAM.replace("import fragflow as ff\n", "import fragflow as ff\nfrom mylib import scale\n", 1)
+    source = source.replace("    return y.numpy(), noise\n", "    return scale(y.numpy()), noise\n", 1)
+    assert "from mylib import scale" in source and "scale(y.numpy())" in source
+    (tmp_path / "algo.py").write_text(source)
+    exe = Path(sys.executable).with_name("fragflow")
+    res = subprocess.run([str(exe), "run", str(tmp_path / "algo.py"), "--policy", "pipelined", "--out",
+                          str(tmp_path / "run"), "-q"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
