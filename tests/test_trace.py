@@ -315,6 +315,54 @@ def train():
         compile(program.train, policy="pipelined")
 
 
+@pytest.mark.parametrize("holder", ["OPT", "SCHED[0]"])
+def test_a_learner_reaching_the_states_optimizer_through_a_global_is_refused_over_several_processes(write_algo, holder):
+    path, marks = write_algo("""
+import numpy as np
+import torch
+import fragflow as ff
+
+OPT = None
+SCHED = []
+
+@ff.fragment("actor")
+def act(model, obs):
+    with torch.no_grad():
+        return model(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")  # @def
+def learn(state, batch):
+    loss = state["model"](torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+    HOLDER.zero_grad() if HOLDER is OPT else HOLDER.optimizer.zero_grad()
+    loss.backward()
+    HOLDER.step()
+    return state, {"loss": loss.detach()}
+
+def train():
+    global OPT
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    OPT = opt
+    SCHED[:] = [torch.optim.lr_scheduler.StepLR(opt, step_size=1)]
+    state = ff.versioned({"model": model, "opt": opt})
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act(state["model"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+""".replace("HOLDER", holder))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # one process: the global is the state's optimizer
+    name = holder.split("[")[0]
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' reaches an object of the versioned state "
+                                             rf"'state' through the global '{name}' .*runs it in the learner's process"
+                                             rf".*\n  at {relpath(path)}:{marks['def']}\n  fix: reach it through"):
+        compile(program.train, policy="pipelined")
+
+
 def test_learner_given_plain_state(write_algo):
     path, marks = write_algo(HEADER + """
 def train():

@@ -176,8 +176,21 @@ def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str,
     reaches through a closure or a global: (kind, variable, state); None when there is none."""
     if not objects:
         return None
+    def owner(value: Any) -> str | None:
+        try:   # (a learning-rate scheduler of the state's optimizer; read past any __getattr__ of the object)
+            held = object.__getattribute__(value, "__dict__").get("optimizer")
+        except (AttributeError, TypeError):
+            held = None
+        for x in (value, held):
+            hit = objects.get(id(x)) if x is not None else None
+            if hit is not None and hit[1] is x:
+                return hit[0]
+        return None
+
     for kind, name, value, _ in _holders(fn):
-        hit = objects.get(id(value))
-        if hit is not None and hit[1] is value:
-            return kind, name, hit[0]
+        inside = list(value.values()) if isinstance(value, dict) else list(value) if isinstance(value, (list, tuple)) else []
+        for x in [value, *inside[:64]]:   # the variable, or what a list or dict it names holds
+            state = owner(x)
+            if state is not None:
+                return kind, name, state
     return None

@@ -214,7 +214,7 @@ class Tracer(Recording):
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
         first = sum(rec.calls) == 1
-        if first and frag.role != "learner":
+        if first:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
                 rec.captures = f"'{shared[2]}' through the {shared[0]} '{shared[1]}'"

@@ -269,6 +269,16 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 where=n.defined_at,
                 fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the "
                     "call, or run with --policy single_process")
+        if n.name in service and n.captures_state:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' reaches an object of the versioned state {n.captures_state} instead "
+                f"of receiving the state as an argument, but policy '{policy}' runs it in the learner's process, "
+                "which is given the state apart from the program: the object the variable names there is a copy "
+                "of it as it was at the start, which the learner's updates never reach (an optimizer stepping "
+                "stale parameters, a scheduler of another optimizer)", where=n.defined_at,
+                fix=f"reach it through the state '{n.name}' is given (state['opt']); for a learning-rate schedule, "
+                    "compute the rate in the loop, pass it to the learner and set it there (for g in "
+                    "opt.param_groups: g['lr'] = lr); or run with --policy single_process")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):
             src, dst = graph.node(e.src), graph.node(e.dst)
