@@ -796,6 +796,7 @@ import fragflow as ff
 class Args:
     updates: int = 4
     read: str = "float"
+    spec: str = ""
 
 @ff.fragment("actor")
 def act(params, obs):
@@ -818,7 +819,9 @@ def train(args: Args):
             buf.add(obs=obs)
         state, metrics = learn(state, buf.collect())
         ff.log({"m": metrics["float"]})                           # passing on is not a read
-        print(f"{metrics[args.read]}")                             # nor is printing
+        print(f"{metrics[args.read]}", metrics[args.read])         # nor is printing
+        if args.spec:
+            print(f"{metrics[args.read]:{args.spec}}")             # @format
         if np.asarray(metrics[args.read] > 1e9).any():             # @read
             break
     return state
@@ -838,6 +841,14 @@ def test_a_learner_output_read_in_the_loop_is_refused_at_placement_where_the_lea
                                                              r"compared with > in the training loop") as err:
         compile(program.train, args, policy="pipelined")
     assert err.value.where is not None and err.value.where.line == marks["read"]
+    # a format spec needs the number, which the loop does not have where the learner runs apart
+    args = program.args_cls(read=read, spec=".3f" if read != "array" else "")
+    if read != "array":   # (numpy formats no array with a spec)
+        assert ff.run(program.train, args, policy="single_process").summary["updates"] == 4
+        with pytest.raises(LearnerOutputOnActingSideError, match=rf"output \[1\]\['{read}'\] of learner 'learn' is "
+                                                                 r"formatted with a spec") as err:
+            compile(program.train, args, policy="pipelined")
+        assert err.value.where is not None and err.value.where.line == marks["format"]
 
 
 SOMETIMES_LOGGED = """

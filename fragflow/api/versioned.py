@@ -49,6 +49,11 @@ class _NoLoopUse:
     def __float__(self) -> float:
         raise _misuse("converted to a number")
 
+    def __format__(self, spec: str) -> str:
+        if not spec:   # printed: the placeholder (see __repr__)
+            return repr(self)
+        raise _misuse("formatted with a spec (an f-string such as {x:.3f}, format())")
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)

@@ -42,6 +42,9 @@ _USES = {
     "__truediv__": "used in arithmetic", "__rtruediv__": "used in arithmetic", "__neg__": "used in arithmetic",
     "__abs__": "used in arithmetic", "__round__": "rounded",
 }
+# printing a learner output is not a read (the loop prints a placeholder where it runs apart), but a
+# format spec (f"{loss:.3f}") needs the number
+_FORMATTED = "formatted with a spec (an f-string such as {x:.3f}, format())"
 
 
 @contextlib.contextmanager
@@ -71,6 +74,12 @@ def _scalar_probe(base: type) -> type:
         return use
 
     ns: dict[str, Any] = {name: method(name, what) for name, what in _USES.items() if hasattr(base, name)}
+
+    def formatted(self: Any, spec: str) -> str:
+        if spec:
+            _note(self, _FORMATTED)
+        return format(self._ff_value, spec)
+    ns["__format__"] = formatted
     ns["__hash__"] = base.__hash__
     ns["__reduce__"] = lambda self: (base, (self._ff_value,))
     return type(f"Probe{base.__name__.title()}", (base,), ns)
@@ -138,11 +147,16 @@ class ProbeArray(np.ndarray):
         _note(self, "converted to a number")
         return self.view(np.ndarray).item(*args)
 
+    def __format__(self, spec: str) -> str:
+        if spec:
+            _note(self, _FORMATTED)
+        return format(self.view(np.ndarray), spec)
+
 
 _UFUNC_USES = {"greater": "compared with >", "less": "compared with <", "greater_equal": "compared with >=",
                "less_equal": "compared with <=", "equal": "compared with ==", "not_equal": "compared with !="}
 
-_TENSOR_FREE = frozenset({"__getitem__", "__repr__", "__format__", "__str__", "__reduce_ex__", "__deepcopy__"})
+_TENSOR_FREE = frozenset({"__getitem__", "__repr__", "__str__", "__reduce_ex__", "__deepcopy__"})
 _tensor_probe: Any = None   # the tensor probe class, once torch is used
 
 
@@ -156,11 +170,14 @@ def _torch_probe() -> type:
             @classmethod
             def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 name = getattr(func, "__name__", "")
-                if name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
+                if name == "__format__" and not (len(args) > 1 and args[1]):
+                    pass   # printed, no spec: not a read
+                elif name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
                     for a in args:
                         if isinstance(a, cls):
                             op = name.strip("_")
-                            _note(a, _USES.get(name) or _USES.get(f"__{op}__") or f"used in a torch operation ({op})")
+                            _note(a, _FORMATTED if name == "__format__" else
+                                  _USES.get(name) or _USES.get(f"__{op}__") or f"used in a torch operation ({op})")
                             break
                 return func(*_plain(tuple(args)), **{k: _plain(v) for k, v in (kwargs or {}).items()})
 
