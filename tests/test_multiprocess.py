@@ -318,3 +318,25 @@ def test_signal_stops_every_process_and_leaves_no_shared_memory(tmp_path, sig, c
     assert [p for p in workers if alive(p)] == []
     assert shm_leftovers(proc.pid) == []
     assert json.loads((out / "summary.json").read_text())["status"] == status
+
+
+def test_a_learner_drawing_from_the_global_generators_draws_the_same_numbers_every_run(write_algo, tmp_path):
+    """The learner's process starts with the loop's random states as the loop made its state
+    (after the program's seeding): a learner that shuffles with torch.randperm or numpy's global
+    generator draws the same numbers in every run (each a new process) under a deterministic policy."""
+    from tests.test_checkpoint import PROGRAM
+
+    source = PROGRAM.replace("    return state, {\"loss\": loss.detach()}\n",
+                             "    return state, {\"loss\": loss.detach(), \"draw\": float(np.random.permutation(1000)[0])"
+                             " + float(torch.rand(()))}\n", 1)
+    source = source.replace("    torch.manual_seed(args.seed)\n", "    torch.manual_seed(args.seed)\n    np.random.seed(args.seed)\n", 1)
+    assert "np.random.permutation" in source and "np.random.seed" in source
+    path, _ = write_algo(source, "drawing.py")
+    exe = Path(sys.executable).with_name("fragflow")
+    draws = []
+    for run in ("a", "b"):
+        res = subprocess.run([str(exe), "run", str(path), "--policy", "pipelined", "--out", str(tmp_path / run), "-q"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert res.returncode == 0, res.stderr
+        draws.append([row["draw"] for row in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+    assert len(draws[0]) == 8 and draws[0] == draws[1]

@@ -129,11 +129,16 @@ class LoopInterpreter:
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
         if self.index == 0 and not self.restarted:
+            from fragflow.runtime.checkpoint import global_random
+
             blob = cloudpickle.dumps(value)
+            # the process's random states as the state is made (after the program's torch.manual_seed):
+            # a learner that draws from them (torch.randperm, dropout) draws the same numbers every run
+            rng = global_random()
             # the group that publishes (first in the list) last: a replicated learner's other processes
             # then hold the state before any actor, waiting for its first broadcast, can feed them
             for group in reversed(self.program.ship.get(handle.name, ())):
-                self.endpoints.definitions(group).put(("state", handle.name, blob))
+                self.endpoints.definitions(group).put(("state", handle.name, blob, rng))
         return handle
 
     # -- dispatch --------------------------------------------------------------------------

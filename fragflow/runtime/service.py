@@ -100,6 +100,7 @@ class ServiceRunner:
         self.saving = saving or {}
         self.driver = driver
         self.saved_seq = 0
+        self._seeded = False
         self.resume_objects: tuple[Any, Any] | None = None
         if self.saving.get("resume"):
             from fragflow.runtime import checkpoint
@@ -141,6 +142,11 @@ class ServiceRunner:
         elif kind == "skeleton":
             self.skeletons[(msg[1] - self.program.first, msg[2])] = msg[3]
         elif kind == "state":
+            if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
+                from fragflow.runtime.checkpoint import set_global_random
+
+                set_global_random(*msg[3])
+                self._seeded = True
             self.states[msg[1]] = cloudpickle.loads(msg[2])
             if self.program.world > 1:
                 self.reducer.watch(self.states[msg[1]], msg[1])
