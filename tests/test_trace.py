@@ -363,6 +363,51 @@ def train():
         compile(program.train, policy="pipelined")
 
 
+@pytest.mark.parametrize("change", ["opt.param_groups[0]['lr'] = 0.1 * (1 - update / 6)",   # CleanRL's annealing
+                                    "sched.step()"])
+def test_a_loop_changing_the_states_optimizer_is_refused_where_the_learner_runs_apart(write_algo, change):
+    path, marks = write_algo("""
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(model, obs):
+    with torch.no_grad():
+        return model(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = state["model"](torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {"lr": state["opt"].param_groups[0]["lr"]}
+
+def train():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)   # a change every 10 steps: after the trace
+    state = ff.versioned({"model": model, "opt": opt})
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for update in range(6):
+        BEFORE
+        for _ in range(2):
+            obs, *_ = env.step(act(state["model"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())  # @learn
+        AFTER
+""".replace("BEFORE" if "lr" in change else "AFTER", change).replace("BEFORE", "pass").replace("AFTER", "pass"))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # one process: the learner's optimizer is the loop's
+    with pytest.raises(PlacementError, match=r"the training loop changes the optimizer of versioned state 'state' "
+                                             r"between calls of learner 'learn' .*runs 'learn' in another process"
+                                             rf".*\n  at {relpath(path)}:{marks['learn']}\n  fix: compute the rate"):
+        compile(program.train, policy="pipelined")
+
+
 def test_learner_given_plain_state(write_algo):
     path, marks = write_algo(HEADER + """
 def train():

@@ -142,6 +142,8 @@ class Graph:
     loop_reads: tuple[LoopRead, ...] = ()   # fragment outputs the loop itself reads (first read of each)
     remade_state: SourceLoc | None = None   # a line that ran ff.versioned(...) again after a learner wrote its state
     uncalled_learners: tuple[tuple[str, SourceLoc | None], ...] = ()   # the module's learners the loop never called
+    # (state, learner, its call, what) where the loop changed the hyper-parameters of a state's optimizer
+    changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

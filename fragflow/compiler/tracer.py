@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random as _pyrandom
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
-from fragflow.source import SourceLoc, definition_of, user_callsite
+from fragflow.source import SourceLoc, definition_of, is_internal, user_callsite
 
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
 # training function's module defines has been called once: a target-network sync every 500 steps
@@ -93,6 +94,10 @@ class Tracer(Recording):
         self.window = TraceWindow(max_updates, MAX_TRACE_UPDATES)
         self.remade_state: SourceLoc | None = None   # a line that made versioned state more than once
         self.events = EventSources()
+        # optimizers in learners' state: their hyper-parameters as the last learner call left them, and
+        # (state, learner, its call, what changed) where the loop changed them between two calls
+        self._hyper: dict[int, tuple[Any, Any]] = {}
+        self.changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -207,6 +212,19 @@ class Tracer(Recording):
                 f"learner '{rec.name}' writes '{frag.writes}', but that argument is not versioned state",
                 where=where, fix=f"create it with state = ff.versioned(initial_value) and pass it as '{frag.writes}'")
         self._effects(rec, frag, window)
+        optimizers = _optimizers(bound.arguments[frag.writes]) if written is not None and frag.writes else []
+        schedulers = _schedulers(optimizers) if optimizers else []
+        if optimizers and self.changed_optimizer is None:
+            assert written is not None
+            for opt in optimizers:
+                after = self._hyper.get(id(opt))
+                if after is not None and after[0] is opt and after[1] != _hyper(opt):
+                    self.changed_optimizer = (written.name, rec.name, where, _hyper_change(after[1], _hyper(opt)))
+            for sched in schedulers:   # a schedule may change the rate only every so many steps: its steps
+                after = self._hyper.get(id(sched))
+                if after is not None and after[0] is sched and after[1] != sched.last_epoch:
+                    self.changed_optimizer = (written.name, rec.name, where,
+                                              f"its scheduler {type(sched).__name__} stepped")
 
         read: list[tuple[str, str, Any]] = []
         if frag.role != "learner" and not rec.mutates and sum(rec.calls) <= 2:
@@ -237,6 +255,10 @@ class Tracer(Recording):
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:
                 rec.mutates = f"'{state}' (argument '{pname}')"
+        for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
+            self._hyper[id(opt)] = (opt, _hyper(opt))
+        for sched in schedulers:
+            self._hyper[id(sched)] = (sched, sched.last_epoch)
         self._count_events(frag, out)
         if rec.inputs is None:
             rec.inputs = self._inputs
@@ -539,9 +561,49 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
     graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
                                 remade_state=tracer.remade_state, _index={},
+                                changed_optimizer=tracer.changed_optimizer,
                                 uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                         if f.role == "learner" and id(f) in tracer._expected))
     return graph.verify(), tracer.fragments
+
+
+def _optimizers(value: Any) -> list[Any]:
+    """The torch optimizers a learner's state holds."""
+    return [x for x in objects_of(value) if hasattr(x, "param_groups") and hasattr(x, "step")
+            and type(x).__module__.startswith("torch.optim")] if "torch" in sys.modules else []
+
+
+def _schedulers(optimizers: list[Any]) -> list[Any]:
+    """Learning-rate schedulers of ``optimizers`` that the training function (a frame up the
+    stack from the learner's call) holds in its variables."""
+    ids = {id(o) for o in optimizers}
+    found: dict[int, Any] = {}
+    frame = sys._getframe(2)
+    while frame is not None:
+        if not is_internal(frame.f_code.co_filename):
+            for v in list(frame.f_locals.values()):
+                try:
+                    held = object.__getattribute__(v, "__dict__").get("optimizer")
+                except (AttributeError, TypeError):
+                    continue
+                if id(held) in ids and isinstance(getattr(v, "last_epoch", None), int):
+                    found[id(v)] = v
+        frame = frame.f_back   # type: ignore[assignment]
+    return list(found.values())
+
+
+def _hyper(opt: Any) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """An optimizer's hyper-parameters (learning rate, betas...): what a schedule changes."""
+    return tuple(tuple(sorted((k, v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))))
+                 for g in opt.param_groups)
+
+
+def _hyper_change(before: Any, after: Any) -> str:
+    for i, (b, a) in enumerate(zip(before, after)):
+        for (k, v0), (_, v1) in zip(b, a):
+            if v0 != v1:
+                return f"param_groups[{i}]['{k}'] {v0!r} -> {v1!r}"
+    return "its param_groups"
 
 
 def _rng_state() -> tuple[Any, ...]:

@@ -279,6 +279,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 fix=f"reach it through the state '{n.name}' is given (state['opt']); for a learning-rate schedule, "
                     "compute the rate in the loop, pass it to the learner and set it there (for g in "
                     "opt.param_groups: g['lr'] = lr); or run with --policy single_process")
+    if graph.changed_optimizer is not None:
+        state, learner, at, what = graph.changed_optimizer
+        raise PlacementError(
+            f"the training loop changes the optimizer of versioned state '{state}' between calls of learner "
+            f"'{learner}' ({what}: a learning-rate schedule?), but policy '{policy}' runs '{learner}' in "
+            "another process, whose optimizer the change never reaches", where=at,
+            fix=f"compute the rate in the loop, pass it to '{learner}' and set it there (for g in "
+                "opt.param_groups: g['lr'] = lr), or run with --policy single_process")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):
             src, dst = graph.node(e.src), graph.node(e.dst)
