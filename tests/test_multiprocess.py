@@ -292,6 +292,88 @@ def test_the_cli_reports_a_killed_worker_as_a_death_not_as_the_programs_error(tm
     assert shm_leftovers(proc.pid) == []
 
 
+LEARN_ON_DATA = """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    num_envs: int = 4
+    num_steps: int = 16
+    updates: int = 60
+    lr: float = 0.01
+    seed: int = 0
+
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    logits = obs @ w
+    return np.argmax(logits + ff.random.gumbel(key, (logits.shape[-1],)), axis=-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, lr):
+    obs, action, reward = batch["obs"], batch["action"], batch["reward"]
+    ret = np.cumsum(reward[::-1], axis=0)[::-1]
+    adv = (ret - ret.mean()) / (ret.std() + 1e-8)
+    logits = obs @ state["w"]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    grad = np.einsum("tei,tej,te->ij", obs, np.eye(2)[action] - p, adv) / adv.size
+    return {"w": state["w"] + lr * grad}, {"mean_reward": float(reward.mean())}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=args.num_envs, seed=args.seed)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(args.num_steps)
+    key = ff.random.keys(args.seed, env.ids)
+    obs = env.reset()
+    for update in range(args.updates):
+        for _ in range(args.num_steps):
+            key, sub = ff.random.split(key)
+            action = act(state["w"], obs, sub)
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            buf.add(obs=obs, action=action, reward=reward)
+            obs = next_obs
+        batch = buf.collect()
+        if (terminated | truncated).any():       # learn only when an episode ended on the last step (data-dependent)
+            state, metrics = learn(state, batch, args.lr)
+            ff.log(metrics)
+    return state
+"""
+
+
+def test_replicas_that_wait_for_each_other_for_good_are_named_in_a_warning(write_algo, tmp_path):
+    """A learner called under an `if` on data: the two env workers make different calls, and the
+    learner's process, which gathers one call from each, waits for good; the run says so."""
+    path, _ = write_algo(LEARN_ON_DATA, "learn_on_data.py")
+    exe = Path(sys.executable).with_name("fragflow")
+    proc = subprocess.Popen([str(exe), "run", str(path), "--policy", "central_inference", "--out", str(tmp_path / "run"),
+                             "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "FRAGFLOW_STALL_WARN": "2"})
+    try:
+        err = ""
+        deadline = time.monotonic() + 90
+        while "warning:" not in err and time.monotonic() < deadline and proc.poll() is None:
+            err += proc.stderr.readline() if proc.stderr else ""
+        proc.send_signal(signal.SIGINT)
+        rest, more = proc.communicate(timeout=30)
+        err += more
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "wait for each other for good" in err and "'learn' by loop replica" in err, err
+    assert proc.returncode == 130
+    assert shm_leftovers(proc.pid) == []
+
+
 @pytest.mark.parametrize("sig, code, status", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_signal_stops_every_process_and_leaves_no_shared_memory(tmp_path, sig, code, status):
     import json

@@ -131,6 +131,16 @@ class Monitor:
         self._last_channel = (now, stats)
         self.channel_stats = stats
 
+    def warn(self, message: str) -> None:
+        """Something the run should say while it goes on (summary.json's notes keep it)."""
+        self.notes.append(message)
+        if self.progress is not None:
+            self.progress.note(message)
+        else:
+            import sys
+
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
     def restarted(self, message: str) -> None:
         """A worker process was started again after it died."""
         self.restarts += 1

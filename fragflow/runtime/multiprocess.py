@@ -212,6 +212,8 @@ class Driver:
                 self.monitor.log_scalars(msg[2])
         elif kind == "log":
             self.monitor.log_scalars(msg[1])
+        elif kind == "warn":
+            self.monitor.warn(msg[1])
         elif kind == "return":
             self.value = cloudpickle.loads(msg[1]) if msg[1] is not None else None
             self.returned = True

@@ -18,6 +18,7 @@ outputs the graph sends to ``ff.log`` are reported with the update.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ from fragflow.runtime import calls
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
 
 IDLE_WAIT = 0.05
+STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
 
 
 class _Piece:
@@ -101,6 +103,9 @@ class ServiceRunner:
         self.driver = driver
         self.saved_seq = 0
         self._seeded = False
+        self._stalled_since = time.monotonic()
+        self._stall_warned = False
+        self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
         self.resume_objects: tuple[Any, Any] | None = None
         if self.saving.get("resume"):
             from fragflow.runtime import checkpoint
@@ -209,6 +214,31 @@ class ServiceRunner:
             return False
         return calls.unpack_aux(aux)[2] == calls.cut_mark(self.admission.checkpoint_request())
 
+    def _watch_stall(self) -> None:
+        """Warn once when a call has waited long for the other replicas' share: a loop that calls a
+        learner under an ``if`` on data (an episode ending) calls it different numbers of times
+        in different replicas, and under a policy that gathers one call per replica they then wait
+        for each other for good."""
+        now = time.monotonic()
+        partial = [(f, pieces) for f, pieces in self.pools.items() if pieces and len(pieces) < self.program.producers]
+        if not partial:
+            self._stalled_since = now
+            return
+        if self._stall_warned or now - self._stalled_since < self._stall_warn:
+            return
+        self._stall_warned = True
+        calls = []
+        for fragment, pieces in partial:
+            have = sorted({p.replica for p in pieces})
+            missing = [k for k in range(self.program.producers) if k not in have]
+            calls.append(f"'{fragment}' by loop replica {', '.join(map(str, have))}, not {', '.join(map(str, missing))}")
+        self.results.put(("warn", (
+            f"the learner's process has waited {now - self._stalled_since:.0f} s for calls that gather one from each "
+            f"loop replica; it holds {'; '.join(calls)}. If the loop calls a fragment under an `if` on data (an "
+            "episode that ended), the replicas make different calls and wait for each other for good: call it on "
+            "a schedule every replica shares (every N trips), or run with one replica (actors=1, env_workers=1) "
+            "or --policy single_process")))
+
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
         if self._save_due() and self._saved_where_loop_is(meta[2]):
@@ -246,6 +276,7 @@ class ServiceRunner:
                     if self.finished[k]:
                         self._cursor = (k + 1) % producers
                     else:
+                        self._watch_stall()
                         self.endpoints.wait_any(self.program.group, IDLE_WAIT)
                     continue
             else:
@@ -257,6 +288,7 @@ class ServiceRunner:
                         return due
                     if all(self.finished):
                         return None
+                    self._watch_stall()
                     self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
                     continue
                 if any(h[3][3] for _, h in heads):
