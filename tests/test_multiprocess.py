@@ -422,3 +422,43 @@ def test_a_learner_drawing_from_the_global_generators_draws_the_same_numbers_eve
         assert res.returncode == 0, res.stderr
         draws.append([row["draw"] for row in csv.DictReader((tmp_path / run / "metrics.csv").open())])
     assert len(draws[0]) == 8 and draws[0] == draws[1]
+
+
+SERVED_EXTRAS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1), None, {}, {"logits": obs @ w}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    seen = []
+    for _ in range(3):
+        for _ in range(4):
+            action, nothing, empty, more = act(state["w"], obs)
+            seen.append((nothing, empty, sorted(more), more["logits"].shape))
+            obs, *_ = env.step(action)
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return seen
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "central_inference(env_workers=2)"])
+def test_a_served_actors_outputs_come_back_whole_with_what_has_no_array(write_algo, policy):
+    """None and an empty dict among an actor's outputs are not sent (no array): the loop gets them
+    back from the traced output's skeleton, in place."""
+    path, _ = write_algo(SERVED_EXTRAS, "extras.py")
+    program = load(str(path))
+    seen = ff.run(program.train, policy=policy).value
+    rows = 4 if policy == "single_process" else 2
+    assert seen == [(None, {}, ["logits"], (rows, 2))] * 12

@@ -243,6 +243,47 @@ def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
         out.append((path, tree))
 
 
+class _Leaf:
+    """Where an array leaf goes in an output's skeleton (see :func:`skeleton_of`)."""
+
+    def __repr__(self) -> str:
+        return "<leaf>"
+
+
+def skeleton_of(tree: Any) -> Any:
+    """``tree`` with each array leaf replaced by a marker, and what has no leaf kept (``None``, an
+    empty dict or list): :func:`fill_skeleton` rebuilds the whole value from the leaves, in
+    :func:`leaf_paths`'s order. None where a module is in it (its leaves are its tensors).
+
+    >>> fill_skeleton(skeleton_of((np.zeros(1), None, {})), iter([5]))
+    (5, None, {})
+    """
+    if tree is None:
+        return None
+    if isinstance(tree, dict):
+        out = {k: skeleton_of(v) for k, v in tree.items()}
+        return None if any(v is None and tree[k] is not None for k, v in out.items()) else out
+    if isinstance(tree, (list, tuple)):
+        kids = [skeleton_of(v) for v in tree]
+        if any(k is None and v is not None for k, v in zip(kids, tree)):
+            return None
+        return type(tree)(*kids) if hasattr(tree, "_fields") else type(tree)(kids)
+    if _torch_kind(tree) is not None:
+        return None
+    return _Leaf()
+
+
+def fill_skeleton(skel: Any, leaves: Any) -> Any:
+    if isinstance(skel, _Leaf):
+        return next(leaves)
+    if isinstance(skel, dict):
+        return {k: fill_skeleton(v, leaves) for k, v in skel.items()}
+    if isinstance(skel, (list, tuple)):
+        kids = [fill_skeleton(v, leaves) for v in skel]
+        return type(skel)(*kids) if hasattr(skel, "_fields") else type(skel)(kids)
+    return skel
+
+
 def is_static(x: Any) -> bool:
     """Configuration rather than data: a frozen dataclass instance (an algorithm's ``Args``) or a
     string. A fragment may take it as an argument; a runtime sends it once, not with every call.

@@ -19,7 +19,7 @@ from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler.axes import address, env_rows, inherited_axes, sized_by_ids
 from fragflow.compiler.ir import EdgeKind, LeafSpec
-from fragflow.compiler.pytree import NotAnArray, TensorSpec, leaf_paths, spec_of
+from fragflow.compiler.pytree import NotAnArray, TensorSpec, leaf_paths, skeleton_of, spec_of
 from fragflow.compiler.window import TraceWindow
 from fragflow.errors import NotArrayPytreeError, ShapeChangedError, VersionedStateError
 from fragflow.source import SourceLoc
@@ -36,6 +36,7 @@ class NodeRec:
     called_at: SourceLoc | None = None
     calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
     out_specs: list[tuple[str, TensorSpec]] | None = None
+    out_skeleton: Any = None   # the first call's output without its leaves (what has none: None, {})
     out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None
@@ -208,6 +209,7 @@ class Recording:
         rows = env_rows(self._inputs)
         if rec.out_specs is None:
             rec.out_specs, rec.rows = specs, rows
+            rec.out_skeleton = skeleton_of(out)
         elif specs != rec.out_specs and rec.rows is not None and rows is not None and rows != rec.rows \
                 and _rows_differ(rec.out_specs, specs, rec.rows, rows):
             # the same policy acting on an evaluation env of another size: the first call's specs size

@@ -456,6 +456,7 @@ class Tracer(Recording):
                               defined_at=rec.defined_at, called_at=rec.called_at,
                               rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                               arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
+                              out_skeleton=rec.out_skeleton,
                               output_axes=rec.out_axes or (),
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,

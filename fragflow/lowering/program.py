@@ -78,6 +78,7 @@ class Remote:
     primary: bool                     # its calls are the service's updates (the version clock)
     sync: bool = False                # the loop uses its outputs: it waits for the reply
     outputs: tuple[tuple[Any, ...], ...] = ()   # keys of each output leaf (sync calls), to rebuild them
+    skeleton: Any = None              # ... and the output without its leaves (None, {} kept), where known
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,8 @@ def lower(placed: PlacedGraph) -> Lowered:
             consumers = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src == name}
             sync = bool(consumers & in_loop) or (node.role == "actor" and bool(node.outputs) and not consumers)
             keys = tuple(parse_path(path) for path, _ in node.outputs) if sync else ()
-            remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys)
+            remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys,
+                                  node.out_skeleton if sync else None)
             if sync:
                 out_axis = {leaf.src_path: leaf for e in graph.edges_of(EdgeKind.DATA) if e.src == name
                             for leaf in e.leaves}

@@ -25,7 +25,7 @@ import numpy as np
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView
-from fragflow.compiler.pytree import ordered_like, unflatten_into
+from fragflow.compiler.pytree import fill_skeleton, ordered_like, unflatten_into
 from fragflow.compiler.reach import handles_as_values
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
@@ -337,6 +337,8 @@ class LoopInterpreter:
         if not self.program.reads and self.rollout_version is None:
             # acting is served elsewhere: the rollout's version is that of its first answer
             self.rollout_version = self._last_version = item[0]
+        if route.skeleton is not None:
+            return fill_skeleton(route.skeleton, iter(leaves))
         return from_keys(route.outputs, leaves)
 
     # -- logging -----------------------------------------------------------------------------
