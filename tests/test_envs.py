@@ -172,3 +172,48 @@ def test_dict_and_tuple_action_spaces_step_with_a_batch_per_part(kind):
         env.step({"move": move} if kind == "dict" else (move,))
     with pytest.raises(ConfigError, match="of shape \\(3,\\) for the 2 environments"):
         env.step({"move": np.zeros(3, int), "power": power} if kind == "dict" else (np.zeros(3, int), power))
+
+
+EVAL_EVERY = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    eval_every: int = 3
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    eval_env = ff.envs.make("CartPole-v1", num_envs=2, seed=100, evaluation=True)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    eobs = eval_env.reset()
+    for update in range(1, 10):
+        for _ in range(8):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+        if update % args.eval_every == 0:   # the evaluation env is first stepped after two updates
+            for _ in range(40):
+                eobs, *_ = eval_env.step(act(state["w"], eobs))
+    return state
+"""
+
+
+def test_an_evaluation_env_first_stepped_after_some_updates_is_traced(write_algo):
+    from fragflow.program import load
+
+    path, _ = write_algo(EVAL_EVERY, "eval_every.py")
+    program = load(str(path))
+    result = ff.run(program.train, program.args_cls(), policy="pipelined")
+    assert result.summary["updates"] == 9 and result.summary.get("eval_episodes", 0) > 0

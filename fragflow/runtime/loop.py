@@ -161,8 +161,9 @@ class LoopInterpreter:
                 f"fragment '{name}' was first called after tracing ended, so the placement has no process "
                 "for it", where=user_callsite(),
                 fix="make sure the loop calls it within its first learner updates (the tracer runs until every "
-                    "fragment of the training module has been called, for up to 200 updates), or run with "
-                    "--policy single_process")
+                    "fragment of the training module and every evaluation env has been called, for up to 200 "
+                    "updates: call it within them, e.g. an evaluation at update 0 and every N after), or run "
+                    "with --policy single_process")
         return self._local(frag, name, args, kwargs)
 
     # -- here ------------------------------------------------------------------------------
