@@ -509,7 +509,9 @@ def test_an_env_that_does_not_ask_for_its_slice_is_refused_where_the_policy_spli
         compile(program.train, args, policy="actor_learner(actors=2)")
     text = str(err.value)
     assert "does not know which of them it steps" in text and str(err.value.where).endswith(f"algo.py:{marks['reset']}")
-    assert "ff.envs.ids(num_envs)" in text
+    assert "ff.envs.ids(num_envs)" in text and "run with actor_learner(actors=1)" in text
+    with pytest.raises(PlacementError, match=r"across 2 env worker processes(.|\n)*run with central_inference\(env_workers=1\)"):
+        compile(program.train, args, policy="central_inference")
 
 
 def test_replay_buffer_samples_uniformly_and_by_priority():
@@ -1304,3 +1306,35 @@ def test_a_rollout_converted_to_torch_in_the_loop_keeps_its_environment_axis(wri
     result = ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
     assert same_tree(result.value, expected.value)
     assert shm_leftovers() == []
+
+
+def test_a_learner_called_inside_another_fragment_is_named_where_a_policy_needs_a_learner(write_algo):
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act_and_learn(state, batch):
+    return learn(state, batch)  # @inner
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(np.zeros(2, np.int64))
+            buf.add(obs=obs)
+        state, _ = act_and_learn(state, buf.collect())
+    return state
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=r"learner 'learn' is called inside fragment 'act_and_learn'") as err:
+        compile(program.train, policy="pipelined")
+    assert err.value.where is not None and err.value.where.line == marks["inner"]

@@ -136,6 +136,9 @@ class Fragment:
                                  "hands it, and a fragment may run in another process",
                                  where=user_callsite(),
                                  fix=f"return the values from '{outer.name}' and ff.log them in the loop")
+            nested = getattr(interp, "nested", None)
+            if nested is not None and self.role == "learner":
+                nested(self, outer)
             return self.fn(*args, **kwargs)
         _calling.fragment = self
         try:

@@ -145,6 +145,7 @@ class Graph:
     uncalled_learners: tuple[tuple[str, SourceLoc | None], ...] = ()   # the module's learners the loop never called
     # (state, learner, its call, what) where the loop changed the hyper-parameters of a state's optimizer
     changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
+    nested_learner: tuple[str, str, SourceLoc | None] | None = None   # (learner, the fragment it ran inside, where)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

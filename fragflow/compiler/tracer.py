@@ -98,6 +98,7 @@ class Tracer(Recording):
         # (state, learner, its call, what changed) where the loop changed them between two calls
         self._hyper: dict[int, tuple[Any, Any]] = {}
         self.changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
+        self.nested_learner: tuple[str, str, SourceLoc | None] | None = None
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -129,6 +130,11 @@ class Tracer(Recording):
         """A value made in the loop whose batch axis is known (per-environment random keys)."""
         if getattr(leaf, "ndim", 0) >= 1:
             self._axis_hint[id(leaf)] = (axis, strong(leaf))
+
+    def nested(self, frag: Fragment, outer: Fragment) -> None:
+        """A learner called inside another fragment (it runs as part of that one's work)."""
+        if self.nested_learner is None:
+            self.nested_learner = (frag.name, outer.name, user_callsite())
 
     def adopt(self, resource: Any) -> None:
         self._resources.append(resource)
@@ -566,7 +572,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
     graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
                                 remade_state=tracer.remade_state, _index={},
-                                changed_optimizer=tracer.changed_optimizer,
+                                changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                 uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                         if f.role == "learner" and id(f) in tracer._expected))
     return graph.verify(), tracer.fragments

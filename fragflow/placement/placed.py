@@ -175,6 +175,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     writers = {e.src for e in graph.edges_of(EdgeKind.STATE_WRITE)}
     if not any(n.name in writers for n in learners):
         found = ", ".join(n.name for n in learners) or "none"
+        if not learners and graph.nested_learner is not None:
+            name, outer, at = graph.nested_learner
+            raise PlacementError(
+                f"policy '{policy}' needs a learner called by the training loop, but learner '{name}' is called "
+                f"inside fragment '{outer}', whose work it then is: it would run where '{outer}' runs, not as "
+                "the learner", where=at,
+                fix=f"call '{name}' from the training loop, passing it what '{outer}' returns, or run with "
+                    "--policy single_process")
         if not learners and graph.uncalled_learners:
             name, at = graph.uncalled_learners[0]
             raise PlacementError(
@@ -298,14 +306,18 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     fix="run with env_workers=1, or evaluate under a policy that acts in its actor processes "
                         "(actor_learner, pipelined, async_relaxed)")
     if actors > 1:
+        opts = dict(options)
+        who = "env worker" if "env_workers" in opts else "actor"
+        one = (f"{policy}(env_workers=1)" if "env_workers" in opts else
+               "a policy with one acting process (pipelined)" if "learners" in opts else f"{policy}(actors=1)")
         for n in graph.fragments("env"):
             if n.name in acting and not n.splittable:
                 raise PlacementError(
-                    f"policy '{policy}' splits the environments across {actors} actor processes, but env fragment "
-                    f"'{n.name}' does not know which of them it steps: every actor would step all of them",
+                    f"policy '{policy}' splits the environments across {actors} {who} processes, but env fragment "
+                    f"'{n.name}' does not know which of them it steps: every {who} would step all of them",
                     where=n.defined_at,
                     fix="size your env with n = len(ff.envs.ids(num_envs)) and seed environment i with seed + i "
-                        "(or build it with ff.envs.make(YourEnv, ...)), or run with actors=1")
+                        f"(or build it with ff.envs.make(YourEnv, ...)), or run with {one}")
     ordered_service = tuple(n.name for n in graph.fragments() if n.name in service)
     calls = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
                   if e.dst in service and e.src not in service)
