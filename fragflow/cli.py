@@ -53,11 +53,16 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
         err.print(f"[bold red]error:[/] {type(exc).__name__}: ", end="", highlight=False)
         err.print(str(exc), markup=False, highlight=False)
         return typer.Exit(code=exc.exit_code)
-    died = sys.modules.get("fragflow.runtime.multiprocess")
-    if died is not None and isinstance(exc, died.WorkerDied):   # no code of the user's raised: nothing to show of it
+    workers = sys.modules.get("fragflow.runtime.multiprocess")
+    if workers is not None and isinstance(exc, workers.WorkerDied):   # no code of the user's raised: nothing to show
         if debug:
             traceback.print_exception(exc)
         err.print("[bold red]error:[/] a worker process died: ", end="", highlight=False)
+        err.print(str(exc), markup=False, highlight=False)
+        return typer.Exit(code=1)
+    if workers is not None and isinstance(exc, workers.WorkerFailed) and not debug:
+        # the user's code raised in a worker: its traceback (the user's frames) is the message
+        err.print("[bold red]error:[/] the training program raised in a worker process: ", end="", highlight=False)
         err.print(str(exc), markup=False, highlight=False)
         return typer.Exit(code=1)
     # An exception from the user's own code: show the user's frames (all frames with --debug).

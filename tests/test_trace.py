@@ -104,19 +104,21 @@ def train():
         trace_file(path)
 
 
-def test_fragment_returning_a_non_array(write_algo):
+@pytest.mark.parametrize("out, leaf", [('{"action": obs, "note": object()}', r"\['note'\]"),
+                                       ('obs, {"note": object()}', r"\[1\]\['note'\]")])
+def test_fragment_returning_a_non_array(write_algo, out, leaf):
     path, marks = write_algo("""
         import fragflow as ff
         import numpy as np
 
         @ff.fragment("actor")  # @def
         def act(obs):
-            return {"action": obs, "note": object()}
+            return OUT
 
         def train():
             act(np.zeros(2))
-    """)
-    with pytest.raises(NotArrayPytreeError, match=rf"returned a value whose leaf \['note'\] is a builtins.object\n  at {relpath(path)}:{marks['def']}\n  fix: fragments return pytrees"):
+    """.replace("OUT", out))
+    with pytest.raises(NotArrayPytreeError, match=rf"returned a value whose leaf {leaf} is a builtins.object\n  at {relpath(path)}:{marks['def']}\n  fix: fragments return pytrees"):
         trace_file(path)
 
 

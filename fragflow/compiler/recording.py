@@ -243,8 +243,8 @@ class Recording:
             return []   # the new state alone: no data output
         try:
             if isinstance(out, tuple):
-                return [(f"[{i}]", f"[{i}]{p}", x) for i, item in enumerate(out) if i >= first
-                        for p, x in leaf_paths(item)]
+                return [(f"[{i}]", p, x) for i, item in enumerate(out) if i >= first
+                        for p, x in leaf_paths(item, f"[{i}]")]
             return [("", p, x) for p, x in leaf_paths(out)]
         except NotAnArray as bad:
             raise NotArrayPytreeError(
