@@ -1338,3 +1338,32 @@ def train():
     with pytest.raises(PlacementError, match=r"learner 'learn' is called inside fragment 'act_and_learn'") as err:
         compile(program.train, policy="pipelined")
     assert err.value.where is not None and err.value.where.line == marks["inner"]
+
+
+def test_a_rollout_buffer_keeps_its_first_key_order_whatever_order_later_adds_use(write_algo):
+    path, _ = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + batch["obs"].mean() + batch["reward"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(1)})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for update in range(4):
+        for _ in range(2):
+            obs, reward, *_ = env.step(np.zeros(2, np.int64))
+            if update % 2:
+                buf.add(reward=reward, obs=obs)
+            else:
+                buf.add(obs=obs, reward=reward)
+        state, _ = learn(state, buf.collect())
+    return state
+""")
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process").value
+    assert same_tree(one, ff.run(program.train, policy="pipelined").value)

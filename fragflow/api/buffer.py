@@ -40,6 +40,7 @@ class RolloutBuffer:
         self.num_steps = num_steps
         self._storage: dict[str, Any] | None = None
         self._step_keys: frozenset[str] = frozenset()
+        self._order: tuple[str, ...] | None = None
         self._views: dict[str, Any] = {}
         self._t = 0
         self.add = Fragment(self._add, "buffer", name=f"{self.name}.add", instance=self, in_axes=rows)
@@ -64,7 +65,11 @@ class RolloutBuffer:
                                  fix="give every leaf one row per environment this process steps (size "
                                      "per-environment arrays with env.num_envs, which is this process's share "
                                      "where a policy splits the environments)")
-            self._storage = {k: _alloc(self.num_steps, v) for k, v in step.items()}
+            # the keys in the order of the first rollout's first add, however later adds order them: the
+            # collected batch is the same pytree every rollout
+            order = self._order if self._order is not None and set(self._order) == set(step) else tuple(step)
+            self._order = order
+            self._storage = {k: _alloc(self.num_steps, step[k]) for k in order}
             self._views = {k: _view(s) for k, s in self._storage.items()}
         elif step.keys() != self._storage.keys():
             raise TraceError(f"{self.name}.add got keys {sorted(step)}, earlier {sorted(self._storage)}",
