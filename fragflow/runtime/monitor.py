@@ -114,6 +114,8 @@ class Monitor:
 
     def log_scalars(self, scalars: dict[str, float]) -> None:
         """Already flattened scalars (see :func:`flat_scalars`) into the current row."""
+        if self._pending is not None and not self.rows_end_at_steps and any(k in self._pending for k in scalars):
+            self._flush()   # the row waits for the next update, but a value logged again is a later one's
         row = self._pending if self._pending is not None else self._runtime_row()
         row.update(scalars)
         self._pending = row
