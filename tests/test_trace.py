@@ -743,3 +743,40 @@ def test_a_bad_argument_after_many_calls_is_refused_at_its_line(write_algo):
     """)
     with pytest.raises(NotArrayPytreeError, match=rf"leaf x\['b'\] is a builtins.object\n  at {relpath(path)}:{marks['call']}"):
         trace_file(path)
+
+
+def test_data_one_fragment_changes_and_another_reads_is_refused_where_they_run_apart(write_algo):
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+VISITS = np.zeros(2)
+
+@ff.fragment("actor")  # @def
+def act(w, obs):
+    a = np.argmax(obs @ w, axis=-1)
+    np.add.at(VISITS, a, 1)
+    return a
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 / np.sqrt(1 + VISITS)}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return state
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # one process: the learner sees the actor's counts
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act' changes the global 'VISITS' in place and learner "
+                                             rf"fragment 'learn' reads it, but policy 'pipelined' runs them in different "
+                                             rf"processes.*\n  at {relpath(path)}:{marks['def']}\n  fix: return what"):
+        compile(program.train, policy="pipelined")

@@ -99,6 +99,8 @@ class Node:
     mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
     captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)
     reads_captured: str = ""       # reaches versioned state itself (a handle) through a global or closure (which)
+    changes_data: tuple[str, ...] = ()   # module data (a global array, list, dict) it changes in place
+    names_data: tuple[str, ...] = ()     # module data its code reaches that some fragment changes
     other_rows: str = ""           # also called on another number of environments (an evaluation env): where
 
 

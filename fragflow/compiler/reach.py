@@ -114,6 +114,20 @@ def _holders(fn: Any) -> Iterator[tuple[str, str, Any, Any]]:
             yield "global", name, scope[name], scope
 
 
+def mutable_data(fn: Any) -> list[tuple[str, Any]]:
+    """(``"global 'NAME'"`` or ``"closure variable 'NAME'"``, value) for the arrays, tensors, lists
+    and dicts a fragment's code reaches without its arguments: data it could change in place, or
+    read after another fragment changed it (versioned state and its objects are checked apart)."""
+    out = []
+    for kind, name, value, _ in _holders(fn):
+        if isinstance(value, (Versioned, VersionedView)) or _handles(value):
+            continue
+        if isinstance(value, np.ndarray) or type(value).__name__ == "Tensor" or \
+                (type(value) in (list, dict) and len(value) <= 4096):
+            out.append((f"{kind} '{name}'", value))
+    return out
+
+
 def _handles(value: Any) -> list[Versioned]:
     """The handles a value is or holds directly (a handle, a view, or a dict/list/tuple of them)."""
     if isinstance(value, Versioned):

@@ -37,6 +37,8 @@ class NodeRec:
     calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
     out_specs: list[tuple[str, TensorSpec]] | None = None
     out_skeleton: Any = None   # the first call's output without its leaves (what has none: None, {})
+    names_data: dict[int, str] = field(default_factory=dict)     # module data its code reaches (id -> label)
+    changes_data: dict[int, str] = field(default_factory=dict)   # ... and of it, what it changed in place
     out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None

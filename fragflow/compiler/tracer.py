@@ -49,6 +49,7 @@ from fragflow.compiler.reach import (
     check_new_state,
     fingerprint,
     handles_as_values,
+    mutable_data,
     objects_of,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
@@ -99,6 +100,7 @@ class Tracer(Recording):
         self._hyper: dict[int, tuple[Any, Any]] = {}
         self.changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
         self.nested_learner: tuple[str, str, SourceLoc | None] | None = None
+        self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -242,6 +244,10 @@ class Tracer(Recording):
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
         first = sum(rec.calls) == 1
+        watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
+        if first:
+            rec.names_data = {id(v): label for label, v in watched}
+        watched_before = [fingerprint(v) for _, v in watched]
         if first:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
@@ -265,6 +271,10 @@ class Tracer(Recording):
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:
                 rec.mutates = f"'{state}' (argument '{pname}')"
+        for (label, value), before in zip(watched, watched_before):
+            if fingerprint(value) != before:   # changed data the module holds: who else reads it?
+                rec.changes_data[id(value)] = label
+                self._changed_data[id(value)] = label
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
             self._hyper[id(opt)] = (opt, _hyper(opt))
         for sched in schedulers:
@@ -471,7 +481,10 @@ class Tracer(Recording):
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
                               mutates_state=rec.mutates, captures_state=rec.captures,
-                              reads_captured=rec.reads_captured, other_rows=rec.other_rows))
+                              reads_captured=rec.reads_captured, other_rows=rec.other_rows,
+                              changes_data=tuple(sorted(set(rec.changes_data.values()))),
+                              names_data=tuple(sorted({label for i, label in rec.names_data.items()
+                                                       if i in self._changed_data}))))
         edges = [
             Edge(src, dst, kind, src_port, dst_port, self._calls_logged(src, dst, src_port, dst_port, er),
                  _per(er.crossings[steady], per), er.where)

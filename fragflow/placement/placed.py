@@ -287,6 +287,16 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 fix=f"reach it through the state '{n.name}' is given (state['opt']); for a learning-rate schedule, "
                     "compute the rate in the loop, pass it to the learner and set it there (for g in "
                     "opt.param_groups: g['lr'] = lr); or run with --policy single_process")
+    for n in graph.fragments():
+        for m in graph.fragments():
+            shared = sorted(set(n.changes_data) & set(m.names_data)) if m.name != n.name else []
+            if shared and (n.name in service) != (m.name in service):
+                raise PlacementError(
+                    f"{n.role} fragment '{n.name}' changes the {shared[0]} in place and {m.role} fragment "
+                    f"'{m.name}' reads it, but policy '{policy}' runs them in different processes, each with a "
+                    f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
+                    fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
+                        "versioned state a learner writes), or run with --policy single_process")
     if graph.changed_optimizer is not None:
         state, learner, at, what = graph.changed_optimizer
         raise PlacementError(
