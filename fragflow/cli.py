@@ -138,7 +138,10 @@ def run(
         if checkpoint_every is None and start is not None:
             checkpoint_every = start.manifest.get("checkpoint_every")   # a resumed run keeps checkpointing as it did
         every = ckpt.Every.parse(checkpoint_every) if checkpoint_every is not None else None
-        spec, _ = policies.resolve(policy, program.train)
+        spec, _ = policies.resolve(policy, program.train)   # a bad policy or option fails here, before tracing
+        from fragflow import backends
+
+        backends.get(backend)   # ... and so does an unknown backend
         if stop_on_target and target_return is None:
             from fragflow.errors import ConfigError
 

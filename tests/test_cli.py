@@ -101,6 +101,8 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "policy 'pipelined' has no option 'actor'"),
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "fix: write pipelined(actors=1, envs_per_actor=0, max_lag=1)"),
     (["run", "ppo", "--policy", "pipelined", "--set", "total_timesteps=100"], "without calling learner 'learn'"),
+    (["run", "ppo", "--policy", "actor_learner(actors=0)"], "option 'actors' of policy 'actor_learner' is 0"),
+    (["run", "ppo", "--backend", "nosuch"], "unknown backend 'nosuch'"),
 ])
 def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"

@@ -62,6 +62,12 @@ class PolicySpec:
                 kwargs[key] = coerce(raw, fields[key])
             except ValueError as exc:
                 problems.append(f"option '{key}' of policy '{self.name}': {exc}")
+                continue
+            if key in ("actors", "env_workers", "learners") and kwargs[key] < 1:
+                problems.append(f"option '{key}' of policy '{self.name}' is {kwargs[key]}: it counts processes, 1 or more")
+            elif key == "max_lag" and kwargs[key] < 0:
+                problems.append(f"option 'max_lag' of policy '{self.name}' is {kwargs[key]}: a staleness bound is a "
+                                "number of versions, 0 (sequential semantics) or more")
         if problems:
             takes = f"{self.name}({self.signature()})" if self.signature() else f"'{self.name}' (it takes no options)"
             raise ConfigError("; ".join(problems), fix=f"write {takes}, changing what you need (`fragflow policies` lists every policy's)")
