@@ -173,8 +173,8 @@ def train():
 
 @pytest.mark.parametrize("policy, message", [
     ("actor_learner(overflow=bogus)", "expected one of drop, deliver, block, got 'bogus'"),
-    ("pipelined(max_lag=-1)", "got max_lag=-1; a staleness bound is a number of versions"),
-    ("pipelined(actors=0)", "needs actors >= 1, got 0"),
+    ("pipelined(max_lag=-1)", "option 'max_lag' of policy 'pipelined' is -1: a staleness bound is a number of versions"),
+    ("pipelined(actors=0)", "option 'actors' of policy 'pipelined' is 0: it counts processes, 1 or more"),
 ])
 def test_bad_policy_options_are_configuration_errors(program, policy, message):
     prog, _, _ = program

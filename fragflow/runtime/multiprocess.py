@@ -145,6 +145,9 @@ class Driver:
                 # parts go through the report queue where workers may not share this machine's files
                 "ship": not getattr(self.backend, "shares_files", True),
                 "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0,
+                # loop replicas whose calls a service takes round them in order save at one trip (see
+                # worker._loop_saving); others each at their next one, nearest the learner's save
+                "cut_together": any(s.ordered for s in self.lowered.services),
                 "rendezvous": rendezvous}
 
     def _restart(self, k: int, how: str) -> None:

@@ -233,6 +233,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     root = saving.get("root")
     admission = endpoints.admission
     replicas = interp.program.replicas
+    together = bool(saving.get("cut_together"))
     seen = [admission.checkpoint_request()]
     snapshots = bool(saving.get("snapshots"))
     next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
@@ -244,9 +245,11 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     def capture(snapshot: trips.Snapshot) -> None:
         part = None
         seq = admission.checkpoint_request()
-        # several replicas save at one trip (the first to see the request names its next one):
-        # under a policy that steps them together a resumed run finds them where they wait for each other
-        if root and seq > seen[0] and (replicas == 1 or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
+        # replicas a service takes calls from in order save at one trip (the first to see the request
+        # names its next one): under a policy that steps them together a resumed run finds them where
+        # they wait for each other, and the service saves where the calls before that trip are in
+        if root and seq > seen[0] and (replicas == 1 or not together
+                                       or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
             seen[0] = seq
             position, part = checkpoint.loop_part(snapshot)
             position["steps"] = reporter.total_steps
