@@ -230,7 +230,9 @@ def test_the_actors_and_the_learner_save_the_same_cut_of_the_run(tmp_path, polic
     from fragflow.algorithms import ppo
 
     args = ppo.Args(total_timesteps=12 * 256, num_steps=32, num_envs=8)
-    first = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", checkpoint_every=3)
+    # a duration: asked at any moment, not right after an update (when the replicas are level)
+    every = "0.3s" if "actors=2" in policy else 3
+    first = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", checkpoint_every=every)
     assert first.summary["updates"] == 12
     mids = [p for p in ckpt.listing(tmp_path / "run" / "checkpoints")
             if not json.loads((p / "manifest.json").read_text())["complete"]]
@@ -486,3 +488,30 @@ def test_a_run_resumed_in_its_own_directory_writes_each_update_once(program, tmp
     assert [float(u) for u in before] == [float(u) for u in after] == [float(u) for u in range(1, 9)]
     walls = [float(row["wall_seconds"]) for row in csv.DictReader((a / "metrics.csv").open())]
     assert walls == sorted(walls)   # the resumed run's rows continue the checkpoint's clock
+
+
+def test_ctrl_c_during_a_warm_up_without_learner_calls_writes_a_checkpoint_promptly(tmp_path):
+    """The learner's process saves once it has every call the actor made before its part, even
+    when no call comes after it (DQN's warm-up makes none)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([EXE, "run", "dqn", "--policy", "actor_learner(actors=1)", "--set", "total_timesteps=400000",
+                             "--set", "learning_starts=30000", "--checkpoint-every", "100000", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        err = ""
+        deadline = time.monotonic() + 120
+        while "started" not in err and time.monotonic() < deadline and proc.poll() is None:
+            err += proc.stderr.readline() if proc.stderr else ""
+        time.sleep(1.0)   # well inside the run's warm-up (30000 steps)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, more = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err + more
+    written = ckpt.listing(out / "checkpoints")
+    assert len(written) == 1 and waited < 20
+    m = json.loads((written[0] / "manifest.json").read_text())
+    assert m["counters"]["updates"] == 0 and 0 < m["counters"]["env_steps"] < 30000

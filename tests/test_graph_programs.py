@@ -1367,3 +1367,14 @@ def train():
     program = load(str(path))
     one = ff.run(program.train, policy="single_process").value
     assert same_tree(one, ff.run(program.train, policy="pipelined").value)
+
+
+def test_a_rollout_buffer_stores_a_list_of_numbers_and_refuses_a_tuple_of_arrays():
+    buf = ff.RolloutBuffer(2)
+    for t in range(2):
+        buf.add(reward=[float(t), 2.0 * t])
+    assert buf.collect()["reward"].tolist() == [[0.0, 0.0], [1.0, 2.0]]
+    from fragflow.errors import TraceError
+
+    with pytest.raises(TraceError, match="'action' as a tuple"):
+        ff.RolloutBuffer(2).add(action=(np.zeros(2), np.ones((2, 1))))

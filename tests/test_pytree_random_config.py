@@ -109,3 +109,16 @@ def test_split_and_uniform_draw_the_same_numbers_for_a_few_keys_as_for_many():
         for shape in [(), (1,), (2,), (3, 2), (9,)]:
             u = ffr.uniform(sub[5:7].copy(), shape)
             assert u.dtype == np.float64 and np.array_equal(ffr.uniform(sub, shape)[5:7], u)
+
+
+def test_an_outputs_skeleton_keeps_what_has_no_array_and_leaves_other_sequences_to_their_paths():
+    import collections
+
+    import torch
+
+    from fragflow.compiler.pytree import fill_skeleton, skeleton_of
+
+    Pair = collections.namedtuple("Pair", "a b")
+    out = (np.zeros(2), None, {}, {"x": [np.ones(1), Pair(np.ones(1), None)]})
+    assert fill_skeleton(skeleton_of(out), iter([1, 2, 3])) == (1, None, {}, {"x": [2, Pair(3, None)]})
+    assert skeleton_of({"shape": torch.Size([2, 3])}) is None   # torch.Size holds no markers

@@ -52,7 +52,8 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.add called {self._t + 1} times before collect, but num_steps={self.num_steps}",
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
-            nested = [k for k, v in step.items() if isinstance(v, (tuple, list))]
+            nested = [k for k, v in step.items() if isinstance(v, (tuple, list))
+                      and any(getattr(x, "ndim", 0) >= 1 or isinstance(x, (tuple, list, dict)) for x in v)]
             if nested:
                 raise TraceError(f"{self.name}.add got '{nested[0]}' as a {type(step[nested[0]]).__name__} (a Tuple "
                                  "action or observation?): a rollout buffer stores arrays and dicts of arrays",

@@ -264,6 +264,8 @@ def skeleton_of(tree: Any) -> Any:
         out = {k: skeleton_of(v) for k, v in tree.items()}
         return None if any(v is None and tree[k] is not None for k, v in out.items()) else out
     if isinstance(tree, (list, tuple)):
+        if type(tree) not in (list, tuple) and not hasattr(tree, "_fields"):
+            return None   # another sequence type (torch.Size): rebuilt from its leaves' paths
         kids = [skeleton_of(v) for v in tree]
         if any(k is None and v is not None for k, v in zip(kids, tree)):
             return None

@@ -192,7 +192,8 @@ def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str,
         return None
     def owner(value: Any) -> str | None:
         try:   # (a learning-rate scheduler of the state's optimizer; read past any __getattr__ of the object)
-            held = object.__getattribute__(value, "__dict__").get("optimizer")
+            attrs = object.__getattribute__(value, "__dict__")
+            held = attrs.get("optimizer") if isinstance(attrs.get("last_epoch"), int) else None
         except (AttributeError, TypeError):
             held = None
         for x in (value, held):

@@ -157,8 +157,10 @@ class Driver:
 
         endpoints = self.endpoints
         ck = self.checkpoints
-        if ck is not None and ck.staged is not None and f"loop{k}" in ck.missing():
-            ck.abort()   # its part will not come: the next one is asked for when due
+        if ck is not None and ck.staged is not None:
+            # its part will not come, or its marked calls after it (which the learner saves before): the
+            # next one is asked for when due
+            ck.abort()
         puts = 0
         for name in self.lowered.loop.remote:
             ring = endpoints.rings[f"{name}[{k}]"]
@@ -243,6 +245,14 @@ class Driver:
             _, seq, part, meta, info = msg
             ck = self.checkpoints
             if ck is not None and ck.arrived(seq, part, meta, info):
+                assert ck.staged is not None
+                cuts = {(i.get("line"), i.get("trip")) for k, i in ck.staged[4].items() if k.startswith("loop")}
+                if self.saving.get("cut_together") and len(cuts) > 1:
+                    # replicas that wait for each other saved at different trips (one was past the trip
+                    # named, or in another loop): a resumed run could not go on; ask again at once
+                    ck.abort()
+                    ck.requested = True
+                    return
                 ck.complete(self.monitor.counters(), self.lowered.loop.replicas,
                             (self.monitor.base_steps, self.monitor.base_updates))
                 if ck.stop_after:

@@ -102,6 +102,7 @@ class ServiceRunner:
         self.saving = saving or {}
         self.driver = driver
         self.saved_seq = 0
+        self.cuts: dict[int, dict[int, int]] = {}   # checkpoint -> replica -> its calls before its part
         self._seeded = False
         self._stalled_since = time.monotonic()
         self._stall_warned = False
@@ -144,6 +145,10 @@ class ServiceRunner:
         kind = msg[0]
         if kind == "fragment":
             self.fragments.setdefault(msg[1], self._bind(cloudpickle.loads(msg[2])))
+        elif kind == "cut":   # a loop replica saved its part of checkpoint msg[2] after its call msg[3] - 1
+            k = msg[1] - self.program.first
+            if 0 <= k < self.program.producers:
+                self.cuts.setdefault(msg[2], {})[k] = msg[3]
         elif kind == "skeleton":
             self.skeletons[(msg[1] - self.program.first, msg[2])] = msg[3]
         elif kind == "state":
@@ -210,9 +215,12 @@ class ServiceRunner:
         Calls gathered as they arrive interleave across the cut: the states are saved as they stand."""
         if (self.program.producers != 1 and not self.program.ordered) or any(self.finished):
             return True
-        if aux is None:
-            return False
-        return calls.unpack_aux(aux)[2] == calls.cut_mark(self.admission.checkpoint_request())
+        request = self.admission.checkpoint_request()
+        if aux is None:   # nothing to take: saved where every replica's calls before its cut are in
+            cuts = self.cuts.get(request, {})   # (a loop that makes no call of this group for a while)
+            return (len(cuts) == self.program.producers and not any(self.pools.values())
+                    and all(self.next_tag[k] >= tag for k, tag in cuts.items()))
+        return calls.unpack_aux(aux)[2] == calls.cut_mark(request)
 
     def _watch_stall(self) -> None:
         """Warn once when a call has waited long for the other replicas' share: a loop that calls a
@@ -241,6 +249,7 @@ class ServiceRunner:
 
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
+        self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
         if self._save_due() and self._saved_where_loop_is(meta[2]):
             self._save(self.admission.checkpoint_request())
         item = ring.try_get()
@@ -520,6 +529,8 @@ class ServiceRunner:
         from fragflow.runtime import checkpoint
 
         self.saved_seq = seq
+        for old in [s for s in self.cuts if s <= seq]:
+            del self.cuts[old]
         group = self.program.group
         objects: dict[str, Any] = {}
         arrays: dict[str, Any] = {}

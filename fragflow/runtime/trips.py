@@ -43,6 +43,7 @@ class Trips:
         self.resume = resume
         self.pending = False           # a checkpoint is wanted at the next trip start
         self.poll: Callable[[], bool] | None = None   # asked at every trip start when set (a shared request)
+        self.on_start: Callable[[int], None] | None = None   # told each trip as it starts, before ``poll``
         self.position: tuple[int, int] | None = None
         self._whiles: dict[int, int] = {}
 
@@ -91,6 +92,8 @@ class Trips:
 
     def _start(self, frame: FrameType, line: int, trip: int) -> None:
         self.position = (line, trip)
+        if self.on_start is not None:
+            self.on_start(trip)
         if self.pending or (self.poll is not None and self.poll()):
             self.pending = False
             if self.capture is not None:

@@ -234,7 +234,9 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     admission = endpoints.admission
     replicas = interp.program.replicas
     together = bool(saving.get("cut_together"))
-    seen = [admission.checkpoint_request()]
+    # a restarted replica saves its part of the checkpoint being asked for (its dead process's part,
+    # if it had sent it, is given up with the checkpoint): it may have been asked just before it started
+    seen = [0 if restart is not None else admission.checkpoint_request()]
     snapshots = bool(saving.get("snapshots"))
     next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
 
@@ -255,6 +257,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             position["steps"] = reporter.total_steps
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
             interp.cut = calls.cut_mark(seq)   # the calls after it: the service saves before the first
+            for group in {r.group for r in interp.program.remote.values()}:   # ... or once it has every earlier one
+                endpoints.definitions(group).put(("cut", index, seq, interp._seq))
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
@@ -268,6 +272,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
 
     tracker.poll = poll
     tracker.capture = capture
+    if together and replicas > 1:
+        tracker.on_start = lambda trip: admission.at_trip(index, trip)
     trips.install(tracker)
     return tracker
 

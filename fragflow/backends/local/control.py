@@ -34,11 +34,13 @@ class Control:
         self.clock_rings = clock_rings or []
         self.params = params
         self.last_ticket = 0   # the admission order of this process's last admitted rollout
+        self._replicas = max((len(self.words) - WORDS) // 2, 1)
 
     @staticmethod
     def create(replicas: int = 1) -> Segment:
-        """The run's words, then one per loop replica: rollouts it was admitted and has not produced."""
-        seg = Segment.create((WORDS + max(replicas, 1)) * 8)
+        """The run's words, then two per loop replica: rollouts it was admitted and has not produced,
+        and the trip it last started (of the top-level loop it is in)."""
+        seg = Segment.create((WORDS + 2 * max(replicas, 1)) * 8)
         seg.buf[:].fill(0)
         return seg
 
@@ -114,12 +116,18 @@ class Control:
         """The newest checkpoint asked for (0: none yet)."""
         return int(self.words[CHECKPOINT])
 
+    def at_trip(self, replica: int, trip: int) -> None:
+        """Loop replica ``replica`` starts ``trip`` (before it asks whether a checkpoint is wanted)."""
+        self.words[WORDS + self._replicas + replica] = trip
+
     def cut_trip(self, seq: int, trip: int) -> int:
         """The trip at which every loop replica saves its part of checkpoint ``seq``: the first
-        replica to ask sets it (``trip``), the others get it."""
+        replica to ask sets it, past ``trip`` and past every trip a replica has started (one may be
+        ahead of it), the others get it."""
         with self.lock:
             if int(self.words[CUT_SEQ]) != seq:
-                self.words[CUT_SEQ], self.words[CUT_TRIP] = seq, trip
+                ahead = int(self.words[WORDS + self._replicas:WORDS + 2 * self._replicas].max(initial=0)) + 1
+                self.words[CUT_SEQ], self.words[CUT_TRIP] = seq, max(trip, ahead)
             return int(self.words[CUT_TRIP])
 
     def counters(self) -> dict[str, float]:
