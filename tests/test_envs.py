@@ -210,7 +210,7 @@ def train(args: Args):
 """
 
 
-def test_an_evaluation_env_first_stepped_after_some_updates_is_traced(write_algo):
+def test_an_evaluation_env_first_stepped_after_the_trace_steps_where_the_loop_runs(write_algo):
     from fragflow.program import load
 
     path, _ = write_algo(EVAL_EVERY, "eval_every.py")

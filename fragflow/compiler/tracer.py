@@ -140,10 +140,6 @@ class Tracer(Recording):
 
     def adopt(self, resource: Any) -> None:
         self._resources.append(resource)
-        step = getattr(resource, "step", None)
-        if isinstance(step, Fragment) and getattr(resource, "evaluation", False):
-            # an evaluation env stepped every N updates: the trace goes on until it is (up to its limit)
-            self._expected.add(id(step))
 
     def versioned(self, value: Any, name: str, where: SourceLoc | None) -> Versioned:
         try:

@@ -156,14 +156,15 @@ class LoopInterpreter:
         route = self.program.remote.get(name)
         if route is not None:
             return self._remote(frag, name, route, args, kwargs)
-        if self.program.remote and name not in self.program.local:
+        # an evaluation env first stepped after the trace (every N updates, after the loop) is stepped
+        # whole by every acting process, where the loop runs: here
+        if self.program.remote and name not in self.program.local and not frag.evaluation:
             raise UntracedFragmentError(
                 f"fragment '{name}' was first called after tracing ended, so the placement has no process "
                 "for it", where=user_callsite(),
                 fix="make sure the loop calls it within its first learner updates (the tracer runs until every "
-                    "fragment of the training module and every evaluation env has been called, for up to 200 "
-                    "updates: call it within them, e.g. an evaluation at update 0 and every N after), or run "
-                    "with --policy single_process")
+                    "fragment of the training module has been called, for up to 200 updates: call it within "
+                    "them, e.g. at update 0 and every N after), or run with --policy single_process")
         return self._local(frag, name, args, kwargs)
 
     # -- here ------------------------------------------------------------------------------
