@@ -462,3 +462,56 @@ def test_a_served_actors_outputs_come_back_whole_with_what_has_no_array(write_al
     seen = ff.run(program.train, policy=policy).value
     rows = 4 if policy == "single_process" else 2
     assert seen == [(None, {}, ["logits"], (rows, 2))] * 12
+
+
+STATIC_ARGS_WITH_JAX = """
+from dataclasses import dataclass
+
+import jax  # noqa: F401  -- only imported, never used
+import numpy as np
+
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+    lr: float = 0.01
+
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, args: Args):
+    return {"w": state["w"] + args.lr * batch["obs"].mean()}, {"m": float(batch["obs"].mean())}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(8):
+            action = act(state["w"], obs)
+            obs, *_ = env.step(action)
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect(), args)
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_an_args_dataclass_of_the_users_file_reaches_workers_started_from_a_fork_server(write_algo, tmp_path):
+    """Importing jax makes fragflow start workers from a fork server, which has not imported the
+    user's file: a static argument (the Args dataclass) travels by value, not by its module's name
+    (the queue's own pickling failed in its feeder thread and the run waited for good)."""
+    path, _ = write_algo(STATIC_ARGS_WITH_JAX, "static_jax.py")
+    exe = Path(sys.executable).with_name("fragflow")
+    res = subprocess.run([str(exe), "run", str(path), "--policy", "pipelined", "--out", str(tmp_path / "run"), "-q"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "PicklingError" not in res.stderr

@@ -293,7 +293,9 @@ class LoopInterpreter:
         sid = self._skeletons.get((name, skeleton))
         if sid is None:
             sid = self._skeletons[(name, skeleton)] = len(self._skeletons)
-            group.put(("skeleton", self.index, sid, skeleton))
+            # cloudpickled: its static arguments (an Args dataclass of the user's file) go by value; the
+            # queue's own pickling names their module, which a worker started from a fork server lacks
+            group.put(("skeleton", self.index, sid, cloudpickle.dumps(skeleton)))
         ring = self._rings[name]
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite(), self.program.replicas)
         if self.program.reads:

@@ -150,7 +150,7 @@ class ServiceRunner:
             if 0 <= k < self.program.producers:
                 self.cuts.setdefault(msg[2], {})[k] = msg[3]
         elif kind == "skeleton":
-            self.skeletons[(msg[1] - self.program.first, msg[2])] = msg[3]
+            self.skeletons[(msg[1] - self.program.first, msg[2])] = cloudpickle.loads(msg[3])
         elif kind == "state":
             if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
                 from fragflow.runtime.checkpoint import set_global_random
