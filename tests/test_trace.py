@@ -780,3 +780,39 @@ def train():
                                              rf"fragment 'learn' reads it, but policy 'pipelined' runs them in different "
                                              rf"processes.*\n  at {relpath(path)}:{marks['def']}\n  fix: return what"):
         compile(program.train, policy="pipelined")
+
+
+def test_a_loop_passing_on_a_state_a_learner_has_written_since_is_refused_where_the_learner_runs_apart(write_algo):
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {"m": float(batch["obs"].mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act(state["w"], obs))  # @act
+            buf.add(obs=obs)
+        batch = buf.collect()
+        state, _ = learn(state, batch)
+        _, metrics = learn(state, batch)   # a dry run for its metrics: the new state is dropped
+        ff.log(metrics)
+    return state
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")   # as eagerly: the state advances once per update
+    with pytest.raises(PlacementError, match=r"passes version 1 of versioned state 'state' to 'act' after a learner "
+                                             r"wrote version 2 .*policy 'pipelined'"
+                                             rf".*\n  at {relpath(path)}:{marks['act']}\n  fix: assign every"):
+        compile(program.train, policy="pipelined")

@@ -100,6 +100,8 @@ class Tracer(Recording):
         self._hyper: dict[int, tuple[Any, Any]] = {}
         self.changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
         self.nested_learner: tuple[str, str, SourceLoc | None] | None = None
+        # (state, version passed, newest version, fragment, its call) where the loop passed an old version
+        self.stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
@@ -425,6 +427,10 @@ class Tracer(Recording):
                     window: int, where: SourceLoc | None) -> Any:
         handle = value if isinstance(value, Versioned) else value.handle
         path = "" if isinstance(value, Versioned) else value.path_str
+        state = self._states.get(handle.name)
+        if state is not None and handle.version < state.versions - 1 and self.stale_state is None:
+            # a version a learner has written since: the loop kept the old handle (``_, m = learn(state)``)
+            self.stale_state = (handle.name, handle.version, state.versions - 1, rec.name, where)
         edge = self._edge(handle.name, rec.name, EdgeKind.STATE_READ, path, pname)
         edge.crossings[window] += 1
         resolved = handle.value if isinstance(value, Versioned) else value.resolve(handle.value)
@@ -582,6 +588,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
                                 remade_state=tracer.remade_state, _index={},
                                 changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
+                                stale_state=tracer.stale_state,
                                 uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                         if f.role == "learner" and id(f) in tracer._expected))
     return graph.verify(), tracer.fragments

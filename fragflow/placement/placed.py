@@ -297,6 +297,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
                         "versioned state a learner writes), or run with --policy single_process")
+    if graph.stale_state is not None:
+        state, old, new, fragment, at = graph.stale_state
+        raise PlacementError(
+            f"the training loop passes version {old} of versioned state '{state}' to '{fragment}' after a learner "
+            f"wrote version {new} (a learner's new state was dropped, as in `_, metrics = learn(state, ...)`, or an "
+            f"old handle kept), but policy '{policy}' runs the learner in another process, which keeps every "
+            "write: the fragment would get the newest version", where=at,
+            fix="assign every learner call's new state (state, metrics = learn(state, ...)); to compute metrics "
+                "without an update, use a fragment that does not write the state; or run with --policy single_process")
     if graph.changed_optimizer is not None:
         state, learner, at, what = graph.changed_optimizer
         raise PlacementError(
