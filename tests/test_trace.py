@@ -811,7 +811,9 @@ def train():
     return state
 """)
     program = load(str(path))
-    ff.run(program.train, policy="single_process")   # as eagerly: the state advances once per update
+    eager = program.train()
+    one = ff.run(program.train, policy="single_process").value   # as eagerly: the state advances once per update
+    assert np.array_equal(one["w"], eager["w"])
     with pytest.raises(PlacementError, match=r"passes version 1 of versioned state 'state' to 'act' after a learner "
                                              r"wrote version 2 .*policy 'pipelined'"
                                              rf".*\n  at {relpath(path)}:{marks['act']}\n  fix: assign every"):

@@ -430,7 +430,8 @@ class Tracer(Recording):
         state = self._states.get(handle.name)
         if state is not None and handle.version < state.versions - 1 and self.stale_state is None:
             # a version a learner has written since: the loop kept the old handle (``_, m = learn(state)``)
-            self.stale_state = (handle.name, handle.version, state.versions - 1, rec.name, where)
+            self.stale_state = (handle.name, handle.version, state.versions - 1, rec.name,
+                                where or user_callsite())
         edge = self._edge(handle.name, rec.name, EdgeKind.STATE_READ, path, pname)
         edge.crossings[window] += 1
         resolved = handle.value if isinstance(value, Versioned) else value.resolve(handle.value)

@@ -240,7 +240,9 @@ class LoopInterpreter:
         local = self._states.get(handle.name, handle)
         b = self.program.reads.get(handle.name) if self.endpoints is not None else None
         if b is None:
-            value = local.value
+            # as eagerly: a version the loop kept after a learner wrote a newer one is that version
+            # (`_, metrics = learn(state, batch)` leaves `state` as it was)
+            value = (handle if handle.version < local.version else local).value
             for k in path:
                 value = value[k]
             return value
