@@ -515,3 +515,47 @@ def test_an_args_dataclass_of_the_users_file_reaches_workers_started_from_a_fork
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "PicklingError" not in res.stderr
+
+
+UNEVEN_END = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    updates = 0
+    while True:
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+        updates += 1
+        if updates >= (3 if 0 in env.ids else 6):   # each replica on its own environments' ids
+            break
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(actors=2)", "actor_learner(actors=2, max_lag=0)"])
+def test_replicas_leaving_the_loop_at_different_trips_stop_the_run_with_the_reason(write_algo, policy):
+    from fragflow.errors import ConfigError
+
+    path, _ = write_algo(UNEVEN_END, "uneven_end.py")
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(ConfigError, match=r"loop replica\(s\) 0 ended the training loop while replica\(s\) 1 still "
+                                          r"called 'learn'"):
+        ff.run(program.train, policy=policy)
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
