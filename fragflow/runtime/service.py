@@ -233,15 +233,15 @@ class ServiceRunner:
             self._stalled_since = now
             return
         for fragment, pieces in partial:
-            have = {p.replica for p in pieces}
-            missing = [k for k in range(self.program.producers) if k not in have]
+            sent = {p.replica for p in pieces}
+            missing = [k for k in range(self.program.producers) if k not in sent]
             if missing and all(self.finished[k] for k in missing):
                 from fragflow.errors import ConfigError
 
                 where = self.checks.get("called_at", {}).get(fragment)
                 raise ConfigError(
                     f"loop replica(s) {', '.join(map(str, missing))} ended the training loop while replica(s) "
-                    f"{', '.join(map(str, sorted(have)))} still called '{fragment}', whose calls gather one from "
+                    f"{', '.join(map(str, sorted(sent)))} still called '{fragment}', whose calls gather one from "
                     "each replica: the replicas left the loop at different trips (a break on data of their own "
                     "environments?)", where=where,
                     fix="end the loop on a count every replica shares (updates, the configured total of steps), "
