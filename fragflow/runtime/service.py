@@ -235,7 +235,8 @@ class ServiceRunner:
         for fragment, pieces in partial:
             sent = {p.replica for p in pieces}
             missing = [k for k in range(self.program.producers) if k not in sent]
-            if missing and all(self.finished[k] for k in missing):
+            if self.program.ordered and missing and all(self.finished[k] for k in missing):
+                # (gathered on arrival, a call a finished replica leaves unpaired at the end is dropped)
                 from fragflow.errors import ConfigError
 
                 where = self.checks.get("called_at", {}).get(fragment)
