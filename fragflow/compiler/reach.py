@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
 import zlib
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import numpy as np
 from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler.pytree import NotAnArray, leaf_paths, spec_of
 from fragflow.errors import VersionedStateError
-from fragflow.source import SourceLoc
+from fragflow.source import SourceLoc, is_internal
 
 
 def fingerprint(tree: Any) -> list[int]:
@@ -209,3 +210,42 @@ def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str,
             if state is not None:
                 return kind, name, state
     return None
+
+
+def optimizers_of(value: Any) -> list[Any]:
+    """The torch optimizers a learner's state holds."""
+    return [x for x in objects_of(value) if hasattr(x, "param_groups") and hasattr(x, "step")
+            and type(x).__module__.startswith("torch.optim")] if "torch" in sys.modules else []
+
+
+def schedulers_of(optimizers: list[Any]) -> list[Any]:
+    """Learning-rate schedulers of ``optimizers`` that the training function (a frame up the
+    stack from the learner's call) holds in its variables."""
+    ids = {id(o) for o in optimizers}
+    found: dict[int, Any] = {}
+    frame = sys._getframe(2)
+    while frame is not None:
+        if not is_internal(frame.f_code.co_filename):
+            for v in list(frame.f_locals.values()):
+                try:
+                    held = object.__getattribute__(v, "__dict__").get("optimizer")
+                except (AttributeError, TypeError):
+                    continue
+                if id(held) in ids and isinstance(getattr(v, "last_epoch", None), int):
+                    found[id(v)] = v
+        frame = frame.f_back   # type: ignore[assignment]
+    return list(found.values())
+
+
+def hyper_of(opt: Any) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """An optimizer's hyper-parameters (learning rate, betas...): what a schedule changes."""
+    return tuple(tuple(sorted((k, v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))))
+                 for g in opt.param_groups)
+
+
+def hyper_change(before: Any, after: Any) -> str:
+    for i, (b, a) in enumerate(zip(before, after)):
+        for (k, v0), (_, v1) in zip(b, a):
+            if v0 != v1:
+                return f"param_groups[{i}]['{k}'] {v0!r} -> {v1!r}"
+    return "its param_groups"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random as _pyrandom
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +48,12 @@ from fragflow.compiler.reach import (
     check_new_state,
     fingerprint,
     handles_as_values,
+    hyper_change,
+    hyper_of,
     mutable_data,
     objects_of,
+    optimizers_of,
+    schedulers_of,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
 from fragflow.compiler.window import TraceWindow
@@ -62,7 +65,7 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
-from fragflow.source import SourceLoc, definition_of, is_internal, user_callsite
+from fragflow.source import SourceLoc, definition_of, user_callsite
 
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
 # training function's module defines has been called once: a target-network sync every 500 steps
@@ -222,14 +225,14 @@ class Tracer(Recording):
                 f"learner '{rec.name}' writes '{frag.writes}', but that argument is not versioned state",
                 where=where, fix=f"create it with state = ff.versioned(initial_value) and pass it as '{frag.writes}'")
         self._effects(rec, frag, window)
-        optimizers = _optimizers(bound.arguments[frag.writes]) if written is not None and frag.writes else []
-        schedulers = _schedulers(optimizers) if optimizers else []
+        optimizers = optimizers_of(bound.arguments[frag.writes]) if written is not None and frag.writes else []
+        schedulers = schedulers_of(optimizers) if optimizers else []
         if optimizers and self.changed_optimizer is None:
             assert written is not None
             for opt in optimizers:
                 after = self._hyper.get(id(opt))
-                if after is not None and after[0] is opt and after[1] != _hyper(opt):
-                    self.changed_optimizer = (written.name, rec.name, where, _hyper_change(after[1], _hyper(opt)))
+                if after is not None and after[0] is opt and after[1] != hyper_of(opt):
+                    self.changed_optimizer = (written.name, rec.name, where, hyper_change(after[1], hyper_of(opt)))
             for sched in schedulers:   # a schedule may change the rate only every so many steps: its steps
                 after = self._hyper.get(id(sched))
                 if after is not None and after[0] is sched and after[1] != sched.last_epoch:
@@ -274,7 +277,7 @@ class Tracer(Recording):
                 rec.changes_data[id(value)] = label
                 self._changed_data[id(value)] = label
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
-            self._hyper[id(opt)] = (opt, _hyper(opt))
+            self._hyper[id(opt)] = (opt, hyper_of(opt))
         for sched in schedulers:
             self._hyper[id(sched)] = (sched, sched.last_epoch)
         self._count_events(frag, out)
@@ -593,45 +596,6 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                 uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                         if f.role == "learner" and id(f) in tracer._expected))
     return graph.verify(), tracer.fragments
-
-
-def _optimizers(value: Any) -> list[Any]:
-    """The torch optimizers a learner's state holds."""
-    return [x for x in objects_of(value) if hasattr(x, "param_groups") and hasattr(x, "step")
-            and type(x).__module__.startswith("torch.optim")] if "torch" in sys.modules else []
-
-
-def _schedulers(optimizers: list[Any]) -> list[Any]:
-    """Learning-rate schedulers of ``optimizers`` that the training function (a frame up the
-    stack from the learner's call) holds in its variables."""
-    ids = {id(o) for o in optimizers}
-    found: dict[int, Any] = {}
-    frame = sys._getframe(2)
-    while frame is not None:
-        if not is_internal(frame.f_code.co_filename):
-            for v in list(frame.f_locals.values()):
-                try:
-                    held = object.__getattribute__(v, "__dict__").get("optimizer")
-                except (AttributeError, TypeError):
-                    continue
-                if id(held) in ids and isinstance(getattr(v, "last_epoch", None), int):
-                    found[id(v)] = v
-        frame = frame.f_back   # type: ignore[assignment]
-    return list(found.values())
-
-
-def _hyper(opt: Any) -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """An optimizer's hyper-parameters (learning rate, betas...): what a schedule changes."""
-    return tuple(tuple(sorted((k, v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))))
-                 for g in opt.param_groups)
-
-
-def _hyper_change(before: Any, after: Any) -> str:
-    for i, (b, a) in enumerate(zip(before, after)):
-        for (k, v0), (_, v1) in zip(b, a):
-            if v0 != v1:
-                return f"param_groups[{i}]['{k}'] {v0!r} -> {v1!r}"
-    return "its param_groups"
 
 
 def _rng_state() -> tuple[Any, ...]:
