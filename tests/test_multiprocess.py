@@ -559,3 +559,63 @@ def test_replicas_leaving_the_loop_at_different_trips_stop_the_run_with_the_reas
         ff.run(program.train, policy=policy)
     assert mp.active_children() == []
     assert shm_leftovers() == []
+
+
+LOGGED = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["w"] + 1e-3 * batch["obs"].mean()
+    metrics = {"loss": float(np.abs(w).sum()), "parts": {"a": float(w[0, 0]), "b": [float(w[1, 1])]}}
+    if state["n"] >= 2:   # a metric first returned after the trace
+        metrics["late"] = float(state["n"])
+    return {"w": w, "n": state["n"] + 1}, metrics, w[0]
+
+def train(element=False):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "n": 0})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(4):
+            obs, *_ = env.step(np.zeros_like(obs[:, 0], np.int64))
+            buf.add(obs=obs)
+        state, m, row = learn(state, buf.collect())
+        ff.log(m)
+        ff.log({"again": m["parts"], "b0": m["parts"]["b"][0]})
+        if element:
+            ff.log({"v0": row[0]})   # @element
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_logged_learner_outputs_reach_metrics_with_keys_returned_after_the_trace(write_algo, tmp_path, policy):
+    """ff.log(metrics) logs every key the learner returns, the ones it starts returning after the
+    trace too, by the names single_process gives them (a nested list's items as 'b/0')."""
+    path, _ = write_algo(LOGGED, "logged.py")
+    program = load(str(path))
+    columns = []
+    for run, pol in (("one", "single_process"), ("other", policy)):
+        ff.run(program.train, policy=pol, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        columns.append({k: [r[k] for r in rows] for k in rows[0] if k in ("loss", "late") or "/" in k or k == "b0"})
+    assert set(columns[0]) == {"loss", "parts/a", "parts/b/0", "again/a", "again/b/0", "b0", "late"}
+    assert columns[0]["late"] == ["", "", "2.0", "3.0", "4.0", "5.0"]
+    assert columns[1] == columns[0]
+
+
+def test_an_element_of_a_learner_output_logged_in_the_loop_is_refused_not_lost(write_algo):
+    """An element of a metric array, indexed in the loop, is a value of the loop's own while tracing:
+    where the learner runs apart it would never reach the metrics. Refused at the line."""
+    path, marks = write_algo(LOGGED, "logged_element.py")
+    program = load(str(path))
+    assert ff.run(program.train, dict(element=True), policy="single_process").summary["updates"] == 6
+    with pytest.raises(ff.errors.LearnerOutputOnActingSideError,
+                       match=rf"ff.log got output \[2\]\[0\] of fragment 'learn' as 'v0', which the "
+                             rf"trace did not see logged(.|\n)*logged_element.py:{marks['element']}"):
+        ff.run(program.train, dict(element=True), policy="pipelined")
+    assert mp.active_children() == []
+    assert shm_leftovers() == []

@@ -83,7 +83,8 @@ class Remote:
 
 @dataclass(frozen=True)
 class Logged:
-    """A scalar a service logs after a call: its name and where it is in the call's output."""
+    """What a service logs after a call: the part of the call's output at ``index``/``keys``, a
+    scalar named ``name`` or a subtree whose scalars' names ``name`` prefixes (see flat_scalars)."""
 
     name: str
     index: int
@@ -104,6 +105,7 @@ class LoopProgram:
     max_lag: int
     restartable: str | None = None    # None: a replica whose process dies is started again; else why not
     routes: dict[str, tuple[str, ...]] | None = None   # a replicated service group: its instance per loop replica
+    logged: frozenset[tuple[str, int, tuple[Any, ...], str]] = frozenset()   # (fragment, index, keys, name) services log
 
     def service_for(self, group: str, replica: int) -> str:
         """The service instance loop replica ``replica`` sends ``group``'s calls to."""
@@ -242,16 +244,35 @@ def _reads(graph: Graph, state: str, readers: set[str], depth: int) -> Broadcast
 
 
 def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
+    """What the service logs after each call of ``fragment``: each part of its output the loop sent
+    to ``ff.log``, as the widest subtree logged whole under one name, so that a metric the learner
+    first returns after the trace is logged too (``ff.log(metrics)`` logs every key it has)."""
+    produced = [parse_path(path) for path, _ in graph.node(fragment).outputs]
     out = []
     for e in graph.edges_of(EdgeKind.DATA):
-        if e.src == fragment and e.dst in group and graph.node(e.dst).role == "logger":
-            for leaf in e.leaves:
-                keys = parse_path(leaf.src_path)
-                index = keys[0] if e.src_port else -1
-                rest = keys[1:] if e.src_port else keys
-                param = leaf.dst_path.split("[", 1)[0]
-                name = "/".join(str(k) for k in parse_path(leaf.dst_path[len(param):])) or "value"
-                out.append(Logged(name, int(index), tuple(rest), leaf.call))
+        if not (e.src == fragment and e.dst in group and graph.node(e.dst).role == "logger"):
+            continue
+        pairs: dict[tuple[tuple[Any, ...], tuple[Any, ...]], Any] = {}
+        for leaf in e.leaves:
+            param = leaf.dst_path.split("[", 1)[0]
+            pairs[(parse_path(leaf.src_path), parse_path(leaf.dst_path[len(param):]))] = leaf.call
+        done: set[tuple[tuple[Any, ...], tuple[Any, ...]]] = set()
+        for (src, dst), call in pairs.items():
+            if (src, dst) in done:
+                continue
+            common = 0
+            while common < min(len(src), len(dst)) and src[len(src) - 1 - common] == dst[len(dst) - 1 - common]:
+                common += 1
+            for n in range(common, -1, -1):   # the widest subtree whose every leaf went to ff.log, by the same path
+                root, name = src[:len(src) - n], dst[:len(dst) - n]
+                if e.src_port and not root:
+                    continue   # a tuple output: its parts are logged, not the tuple
+                members = {(p, name + p[len(root):]) for p in produced if p[:len(root)] == root} | {(src, dst)}
+                if all(pairs.get(m, "missing") == call for m in members):
+                    break
+            done |= members
+            index, keys = (int(root[0]), root[1:]) if e.src_port else (-1, root)
+            out.append(Logged("/".join(str(k) for k in name), index, tuple(keys), call))
     return tuple(out)
 
 
@@ -377,5 +398,7 @@ def lower(placed: PlacedGraph) -> Lowered:
                                     publish=base.publish if j == 0 else ()))
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
                           {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice, loop.restart),
-                          routes or None)
+                          routes or None,
+                          frozenset((f, item.index, item.keys, item.name) for s in services
+                                    for f, items in s.logs.items() for item in items))
     return Lowered(placed, program, tuple(services))

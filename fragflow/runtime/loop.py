@@ -28,7 +28,13 @@ from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.compiler.pytree import fill_skeleton, ordered_like, unflatten_into
 from fragflow.compiler.reach import handles_as_values
 from fragflow.context import InstanceNames
-from fragflow.errors import ConfigError, FragflowError, UntracedFragmentError, VersionedStateError
+from fragflow.errors import (
+    ConfigError,
+    FragflowError,
+    LearnerOutputOnActingSideError,
+    UntracedFragmentError,
+    VersionedStateError,
+)
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
 from fragflow.runtime import calls
@@ -351,10 +357,33 @@ class LoopInterpreter:
     def _log(self, tree: Any) -> None:
         if self.index != 0:
             return None
+        self._check_logged(tree, "")
         scalars = flat_scalars(_without_pending(tree))   # what is Pending is logged where it is computed
         if scalars:
             self.reporter.log(scalars)
         return None
+
+
+    def _check_logged(self, tree: Any, name: str) -> None:
+        """Each output of another process's fragment sent to ff.log must be one its process logs
+        (the parts of its outputs the trace saw logged, by the same names): others would be lost."""
+        if isinstance(tree, Pending):
+            if (tree.fragment, tree.index, tree.keys, name) not in self.program.logged:
+                what = f"{'' if tree.index < 0 else f'[{tree.index}]'}{tree.path}"
+                raise LearnerOutputOnActingSideError(
+                    f"ff.log got output {what} of fragment '{tree.fragment}' as {name or 'its value'!r}, which "
+                    "the trace did not see logged: that fragment runs in another process under this policy and "
+                    "logs there the parts of its outputs that ff.log got while tracing, so this value would be lost",
+                    where=user_callsite(),
+                    fix="log the fragment's outputs as it returns them (ff.log(metrics) or "
+                        "ff.log({'name': metrics['key']})) from the first call on; to log an element of an array, "
+                        "return it as a metric of its own; or run with --policy single_process")
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                self._check_logged(v, f"{name}/{k}" if name else str(k))
+        elif isinstance(tree, (list, tuple)):
+            for k, v in zip(tree._fields if hasattr(tree, "_fields") else range(len(tree)), tree):
+                self._check_logged(v, f"{name}/{k}" if name else str(k))
 
 
 def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:

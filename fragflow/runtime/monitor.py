@@ -9,20 +9,36 @@ import time
 from collections import deque
 from typing import Any
 
-from fragflow.compiler.pytree import leaf_paths, to_numpy
+from fragflow.compiler.pytree import to_numpy
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime.outputs import RunOutputs
 
 RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes reaches the target
 
 
-def flat_scalars(tree: Any) -> dict[str, float]:
-    """``{"loss": 0.5, "x": {"y": 1}}`` -> ``{"loss": 0.5, "x/y": 1.0}``."""
-    out = {}
-    for path, leaf in leaf_paths(tree):
-        key = path.strip("[]'").replace("']['", "/") if path else "value"
-        out[key] = float(leaf) if isinstance(leaf, (int, float)) else float(to_numpy(leaf))
+def flat_scalars(tree: Any, name: str = "") -> dict[str, float]:
+    """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}``; ``name``
+    prefixes every key (a lone scalar is ``name``, or ``"value"``)."""
+    out: dict[str, float] = {}
+    _flat(tree, name, out)
     return out
+
+
+def _flat(tree: Any, name: str, out: dict[str, float]) -> None:
+    items: Any
+    if tree is None:
+        return
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        items = zip(tree._fields, tree)
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        out[name or "value"] = float(tree) if isinstance(tree, (int, float)) else float(to_numpy(tree))
+        return
+    for k, v in items:
+        _flat(v, f"{name}/{k}" if name else str(k), out)
 
 
 class StopRun(BaseException):

@@ -40,6 +40,7 @@ from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
+from fragflow.runtime.monitor import flat_scalars
 
 IDLE_WAIT = 0.05
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
@@ -525,7 +526,7 @@ class ServiceRunner:
             value = out if item.index < 0 else out[item.index]
             for k in item.keys:
                 value = value[k]
-            scalars[item.name] = float(value) if isinstance(value, (int, float)) else float(to_numpy(value))
+            scalars.update(flat_scalars(value, item.name))
         return scalars
 
     def _publish(self, state: str) -> None:
