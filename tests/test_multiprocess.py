@@ -63,6 +63,21 @@ def test_max_lag_zero_reproduces_single_process_exactly(reference, policy, args)
     assert shm_leftovers() == []
 
 
+NORMALIZED = ppo.Args(env_id="Pendulum-v1", total_timesteps=1024, num_envs=4, num_steps=64, seed=2,
+                      invariant_acting=True)
+
+
+@pytest.mark.parametrize("policy", ["central_inference(env_workers=2, max_lag=0)", "pipelined(actors=2, max_lag=0)"])
+def test_normalised_environments_split_across_processes_reproduce_single_process(policy):
+    """normalize_obs / normalize_reward keep statistics per environment, as gymnasium's wrappers
+    on each environment do: splitting the environments across processes changes no observation."""
+    expected = ff.run(ppo.train, NORMALIZED, policy="single_process")
+    result = ff.run(ppo.train, NORMALIZED, policy=policy)
+    assert same_tree(result.value, expected.value)
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+    assert result.summary["updates"] == 4 and shm_leftovers() == []
+
+
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_workers_started_by_a_fork_server_or_spawned_run_and_reproduce_single_process(reference, monkeypatch, method):
     """Once JAX is imported workers start from a fork server, whose process (not the driver) is

@@ -113,40 +113,45 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
 
 
 class _RunningMeanStd:
-    """Running mean and variance over batches (Chan et al.'s parallel update)."""
+    """Running mean and variance of each environment's own values, one new value per environment
+    per update (Chan et al.'s parallel update for a batch of one), as a gymnasium normalisation
+    wrapper on each environment keeps them."""
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.mean = np.zeros(shape, np.float64)
-        self.var = np.ones(shape, np.float64)
-        self.count = 1e-4
+    def __init__(self, num_envs: int, shape: tuple[int, ...]) -> None:
+        self.mean = np.zeros((num_envs, *shape), np.float64)
+        self.var = np.ones((num_envs, *shape), np.float64)
+        self.count = np.full(num_envs, 1e-4)
 
     def update(self, x: np.ndarray) -> None:
-        mean, var, n = x.mean(axis=0), x.var(axis=0), x.shape[0]
-        delta, total = mean - self.mean, self.count + n
-        self.mean = self.mean + delta * n / total
-        self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
-        self.count = total
+        count = self.count.reshape(-1, *([1] * (self.mean.ndim - 1)))
+        delta, total = x - self.mean, count + 1.0
+        self.mean = self.mean + delta / total
+        self.var = (self.var * count + delta**2 * count / total) / total
+        self.count = self.count + 1.0
 
 
 class _Normalize(gym.vector.VectorWrapper):
-    """Observation and reward normalisation as CleanRL's continuous PPO applies it (running
-    statistics, clipped to +-10), for same-step autoreset: gymnasium's own normalisation
-    wrappers refuse that mode because they would leave ``final_obs`` unnormalised; here the final
-    observation is normalised with the same statistics."""
+    """Observation and reward normalisation as CleanRL's continuous PPO applies it: running
+    statistics of each environment's own observations and discounted returns (its gymnasium
+    wrappers wrap each environment), clipped to +-10, so that where the environments are stepped
+    changes nothing. Written for same-step autoreset: gymnasium's own normalisation wrappers refuse
+    that mode because they would leave ``final_obs`` unnormalised; here the final observation is
+    normalised with its environment's statistics."""
 
     def __init__(self, env: gym.vector.VectorEnv, obs: bool, reward: bool, gamma: float, clip: float = 10.0) -> None:
         super().__init__(env)
-        self.obs_rms = _RunningMeanStd(env.single_observation_space.shape or ()) if obs else None
-        self.ret_rms = _RunningMeanStd(()) if reward else None
-        self.returns = np.zeros(env.num_envs)
+        n = env.num_envs
+        self.obs_rms = _RunningMeanStd(n, env.single_observation_space.shape or ()) if obs else None
+        self.ret_rms = _RunningMeanStd(n, ()) if reward else None
+        self.returns = np.zeros(n)
         self.gamma, self.clip = gamma, clip
 
-    def _obs(self, obs: np.ndarray, update: bool) -> np.ndarray:
+    def _obs(self, obs: np.ndarray, update: bool, rows: Any = slice(None)) -> np.ndarray:
         if self.obs_rms is None:
             return obs
         if update:
             self.obs_rms.update(obs)
-        z = (obs - self.obs_rms.mean) / np.sqrt(self.obs_rms.var + 1e-8)
+        z = (obs - self.obs_rms.mean[rows]) / np.sqrt(self.obs_rms.var[rows] + 1e-8)
         return np.clip(z, -self.clip, self.clip).astype(obs.dtype)
 
     def reset(self, **kwargs: Any) -> Any:
@@ -160,11 +165,11 @@ class _Normalize(gym.vector.VectorWrapper):
             mask = info["_final_obs"]
             info = dict(info, final_obs=info["final_obs"].copy())
             for i in np.flatnonzero(mask):
-                info["final_obs"][i] = self._obs(info["final_obs"][i][None], False)[0]
+                info["final_obs"][i] = self._obs(info["final_obs"][i][None], False, slice(i, i + 1))[0]
         obs = self._obs(obs, True)
         if self.ret_rms is not None:
             self.returns = self.returns * self.gamma * (1 - terminated) + reward
-            self.ret_rms.update(self.returns[:, None].reshape(-1))
+            self.ret_rms.update(self.returns)
             reward = np.clip(reward / np.sqrt(self.ret_rms.var + 1e-8), -self.clip, self.clip)
         return obs, reward, terminated, truncated, info
 
@@ -210,7 +215,7 @@ class VectorEnv:
         if isinstance(norm, _Normalize):
             for key, rms in (("obs_rms", norm.obs_rms), ("ret_rms", norm.ret_rms)):
                 if rms is not None:
-                    out[key] = {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": float(rms.count)}
+                    out[key] = {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,10 +227,13 @@ class VectorEnv:
                                  "(normalize_obs / normalize_reward differ)")
             if rms is not None:
                 saved = state[key]
-                if np.shape(saved["mean"]) != np.shape(rms.mean):
-                    raise ValueError(f"{key} was saved for observations of shape {np.shape(saved['mean'])}, "
-                                     f"these have {np.shape(rms.mean)}")
-                rms.mean, rms.var, rms.count = np.asarray(saved["mean"]), np.asarray(saved["var"]), float(saved["count"])
+                if np.shape(saved["mean"]) != np.shape(rms.mean) or np.shape(saved["count"]) != np.shape(rms.count):
+                    raise ValueError(f"{key} was saved for {np.shape(saved['count'])[:1] or 'all'} environments with "
+                                     f"values of shape {np.shape(saved['mean'])[1:]}, these are "
+                                     f"{np.shape(rms.count)[0]} with {np.shape(rms.mean)[1:]} (one set of statistics "
+                                     "per environment)")
+                rms.mean, rms.var = np.asarray(saved["mean"]), np.asarray(saved["var"])
+                rms.count = np.asarray(saved["count"], np.float64)
 
     def _identify(self, label: str, num_envs: int, seed: int, ids: np.ndarray, name: str) -> None:
         self.env_id = label
@@ -435,7 +443,8 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
 
     ``clip_actions`` clips continuous actions to the action space; ``normalize_obs`` and
     ``normalize_reward`` normalise with running statistics and clip to +-10, as CleanRL's
-    continuous-action PPO does. The statistics belong to this process's environments.
+    continuous-action PPO does, with statistics of each environment's own (so where the
+    environments are stepped, in one process or split across several, changes nothing).
     """
     where = user_callsite()
     if num_envs < 1:
