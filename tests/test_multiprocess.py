@@ -634,3 +634,43 @@ def test_an_element_of_a_learner_output_logged_in_the_loop_is_refused_not_lost(w
         ff.run(program.train, dict(element=True), policy="pipelined")
     assert mp.active_children() == []
     assert shm_leftovers() == []
+
+
+ACTION_BIAS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, bias):
+    return np.argmax(obs @ w + bias, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-2 * batch["obs"].mean(axis=(0, 1))[:, None]}, {"m": float(batch["obs"].mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    bias = np.array([0.0, 0.01])   # one per action: CartPole has as many as there are environments
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(8):
+            obs, *_ = env.step(act(state["w"], obs, bias))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_loop_constant_as_long_as_the_environments_reaches_a_served_actor_whole(write_algo, tmp_path):
+    """While tracing, one process steps every environment, so a loop constant with as many rows
+    (a bias over CartPole's two actions, two envs) is taken for per-environment rows; each worker
+    holds it whole and sends its rows, and the server's merged call gets it back whole."""
+    path, _ = write_algo(ACTION_BIAS, "bias.py")
+    program = load(str(path))
+    expected = ff.run(program.train, policy="single_process")
+    result = ff.run(program.train, policy="central_inference(env_workers=2)")
+    assert same_tree(result.value, expected.value) and result.summary["updates"] == 6
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)

@@ -79,6 +79,10 @@ class Remote:
     sync: bool = False                # the loop uses its outputs: it waits for the reply
     outputs: tuple[tuple[Any, ...], ...] = ()   # keys of each output leaf (sync calls), to rebuild them
     skeleton: Any = None              # ... and the output without its leaves (None, {} kept), where known
+    # (leaf, axis, rows per replica) of the leaves the loop made, batched by their size beside the
+    # environments: a replica holding the whole (a constant of that size, the same in every
+    # replica: a mask over as many actions) sends its rows
+    whole: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,10 @@ def lower(placed: PlacedGraph) -> Lowered:
             capacity = (traj.capacity if traj is not None else lag + 2) * per_update
             specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in crossing)
             axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in crossing)
+            whole = tuple((i, axis, specs[i].shape[axis]) for i, (leaf, axis) in enumerate(zip(crossing, axes))
+                          if axis is not None and leaf.axis_name == "env" and source.get(leaf.dst_path, LOOP) == LOOP)
+            if whole:
+                remote[name] = replace(remote[name], whole=whole)
             for k in range(loop.replicas):
                 rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity))
         publish = []

@@ -273,6 +273,17 @@ class LoopInterpreter:
         raise ConfigError(f"the loop read {handle.name}{''.join(f'[{k!r}]' for k in path)}, which was not traced",
                           where=user_callsite(), fix="read the same state views on every call")
 
+    def _own_rows(self, leaves: list[Any], whole: tuple[tuple[int, int, int], ...]) -> list[Any]:
+        """A leaf the loop made with as many rows as there are environments in all (while tracing,
+        one process stepped them all) is batched along them; where this replica holds it whole, not
+        its share (a constant of that size: a mask over as many actions), its rows are its part."""
+        out = list(leaves)
+        for i, axis, per in whole:
+            shape = getattr(out[i], "shape", None)
+            if shape is not None and len(shape) > axis and shape[axis] == per * self.program.replicas:
+                out[i] = out[i][(slice(None),) * axis + (slice(self.index * per, (self.index + 1) * per),)]
+        return out
+
     def _stamp(self, state: str, version: int) -> int | None:
         """Under an exact version choice, the writes ``version`` of ``state`` must include: all
         those issued before the next clock call (a second learner writing the state after the
@@ -305,6 +316,8 @@ class LoopInterpreter:
             # queue's own pickling names their module, which a worker started from a fork server lacks
             group.put(("skeleton", self.index, sid, cloudpickle.dumps(skeleton)))
         ring = self._rings[name]
+        if route.whole:
+            leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite(), self.program.replicas)
         if self.program.reads:
             version = self._version()
