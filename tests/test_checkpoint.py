@@ -516,3 +516,15 @@ def test_ctrl_c_during_a_warm_up_without_learner_calls_writes_a_checkpoint_promp
     assert len(written) == 1 and waited < 20
     m = json.loads((written[0] / "manifest.json").read_text())
     assert m["counters"]["updates"] == 0 and 0 < m["counters"]["env_steps"] < 30000
+
+
+def test_a_resume_whose_budget_ends_at_the_checkpoint_is_refused_and_changes_nothing(program, tmp_path):
+    """Resumed from update 4 with a budget of 3 updates, the loop makes no trip: refused with exit 2,
+    the checkpoint not rewritten as the end of a completed run, the run directory as it was."""
+    a = tmp_path / "a"
+    assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
+    before = {p.relative_to(a): p.read_bytes() for p in a.rglob("*") if p.is_file()}
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--set", "num_updates=3", "-q")
+    assert res.returncode == 2 and "ended where that checkpoint is (update 4" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert {p.relative_to(a): p.read_bytes() for p in a.rglob("*") if p.is_file()} == before

@@ -425,6 +425,13 @@ class RunCheckpoints:
 
     def commit(self, counters: dict[str, Any], loop: dict[str, Any] | None,
                parts: dict[str, tuple[Any, dict[str, np.ndarray]]], complete: bool = False) -> Path:
+        if complete and self.resume is not None and all(
+                int(counters.get(k, 0)) == int(self.resume.counters.get(k, 0)) for k in ("updates", "env_steps")):
+            raise CheckpointError(
+                f"the run resumed from {self.resume.path} ended where that checkpoint is (update "
+                f"{counters.get('updates', 0)}, {counters.get('env_steps', 0)} env steps): the budget of these args "
+                "ends there or before, so there is nothing to run (the checkpoint is left as it was)",
+                fix="resume with a larger budget (e.g. --set total_timesteps=...), or resume an earlier checkpoint")
         path = write(self.root, str(counters["updates"]), self.manifest(counters, loop, complete), parts, self.keep)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
