@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -674,3 +675,22 @@ def test_a_loop_constant_as_long_as_the_environments_reaches_a_served_actor_whol
     result = ff.run(program.train, policy="central_inference(env_workers=2)")
     assert same_tree(result.value, expected.value) and result.summary["updates"] == 6
     assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+
+
+@pytest.mark.parametrize("policy", ["pipelined(actors=1, max_lag=0)", "actor_learner(actors=2, max_lag=0)",
+                                    "central_inference(env_workers=2)"])
+def test_metrics_rows_and_episodes_equal_single_processs_at_max_lag_zero(tmp_path, policy):
+    """Each update's row counts the env steps and episodes the loops had made at their calls of that
+    update, and episodes are in the order single_process finishes them: every column but the clock
+    and channel ones is single_process's, and so are the episodes and the final return."""
+    def run(name: str, pol: str) -> tuple[Any, list[dict[str, str]]]:
+        result = ff.run(ppo.train, INVARIANT, policy=pol, out=tmp_path / name)
+        with open(tmp_path / name / "metrics.csv", newline="") as f:
+            rows = [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
+                    for r in csv.DictReader(f)]
+        return result, rows
+
+    (one, one_rows), (other, other_rows) = run("one", "single_process"), run("other", policy)
+    assert len(one_rows) == 16 and other_rows == one_rows
+    assert other.episodes == one.episodes
+    assert other.summary["final_return_mean"] == one.summary["final_return_mean"]

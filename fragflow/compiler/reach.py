@@ -55,7 +55,9 @@ def check_new_state(learner: str, handle: Versioned, leaves: list[tuple[str, Any
         raise VersionedStateError(
             f"learner '{learner}' returned, as the next version of '{handle.name}', a value that is not shaped "
             f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
-            where=where, fix=f"return the new state first, with the same structure: return {handle.name}, metrics")
+            where=where, fix=f"return the new state first, with the same structure: return {handle.name}, metrics; a "
+                             f"learner that only reads '{handle.name}' (it computes metrics, changes nothing) "
+                             "is declared @ff.fragment(\"learner\", writes=None)")
     for p, leaf in leaves:
         was, now = spec_of(before[p]), spec_of(leaf)
         if (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):

@@ -51,6 +51,7 @@ class Reporter(Protocol):
     def update(self) -> None: ...
     def log(self, scalars: dict[str, float]) -> None: ...
     def flush(self) -> None: ...
+    def mark(self, update: int) -> None: ...
 
 
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
@@ -338,7 +339,7 @@ class LoopInterpreter:
                 self.endpoints.admission.produced(self.index)
             self.update += 1
             self.rollout_version = None
-            self.reporter.flush()
+            self.reporter.mark(self.update)
         if route.sync:
             return self._reply(name, route)
         rest = [Pending(name, i) for i in range(1, route.arity)] if route.writes else \

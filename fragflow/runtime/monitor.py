@@ -41,6 +41,11 @@ def _flat(tree: Any, name: str, out: dict[str, float]) -> None:
         _flat(v, f"{name}/{k}" if name else str(k), out)
 
 
+def _by_step(episode: tuple[int, int, float, int]) -> tuple[int, int]:
+    """(the replica's env steps when it ended, the replica): a stable sort keeps the environments' order."""
+    return episode[0], episode[1]
+
+
 class StopRun(BaseException):
     """Unwinds the training loop when the run is done early (target reached with stop_on_target)."""
 
@@ -69,6 +74,15 @@ class Monitor:
         # Under several, another learner's metrics of the same update may come after the actors'
         # steps: the row waits for the next update.
         self.rows_end_at_steps = True
+        # where each update takes one call of each of ``marked_replicas`` loop replicas, an update's
+        # row counts the env steps and episodes those replicas had made at their calls (marks), as
+        # single_process's row does, not what had reached the driver when the update ended
+        self.marked_replicas = 0
+        self._tagged: dict[int, list[tuple[int, float, int]]] = {}   # replica -> (its steps then, return, length)
+        self._marks: dict[int, dict[int, tuple[int, int]]] = {}     # replica -> its update -> (steps, episodes)
+        self._first_mark: dict[int, int] = {}
+        self._waiting: list[dict[str, float]] = []
+        self._resumed_recent: list[tuple[float, int]] = []
         self.stop_requested = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
         self._last_channel: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -88,7 +102,10 @@ class Monitor:
         if self.progress is not None:
             self.progress.start()
 
-    def env_step(self, n: int, finished: list[tuple[float, int]]) -> None:
+    def env_step(self, n: int, finished: list[tuple[float, int]], replica: int = 0,
+                 tagged: list[tuple[int, float, int]] | None = None) -> None:
+        if tagged:
+            self._tagged.setdefault(replica, []).extend(tagged)
         self.env_steps += n
         if self._pending is not None and self.rows_end_at_steps:
             self._flush()
@@ -110,6 +127,38 @@ class Monitor:
             self._refresh(now)
         if self.stop_requested:
             raise StopRun
+
+    def mark(self, replica: int, update: int, steps: int) -> None:
+        """Loop replica ``replica`` made its ``update``-th clock call having stepped ``steps`` env
+        steps (as heard from it) and finished every episode heard from it so far."""
+        self._first_mark.setdefault(replica, update)
+        self._marks.setdefault(replica, {}).setdefault(update, (steps, len(self._tagged.get(replica, ()))))
+        self._drain()
+
+    def _marked(self, row: dict[str, float]) -> bool:
+        """Set the row's step and episode columns from its update's marks, if they are all in."""
+        j = int(row["updates"]) - self.base_updates
+        at = []
+        for r in range(self.marked_replicas):
+            mark = self._marks.get(r, {}).get(self._first_mark.get(r, 1) - 1 + j)
+            if mark is None:
+                return False
+            at.append(mark)
+        row["env_steps"] = float(self.base_steps + sum(steps for steps, _ in at))
+        row["episodes"] = float(self.base_episodes + sum(n for _, n in at))
+        tail = sorted(((t, r, ret, length) for r, (_, n) in enumerate(at)
+                       for t, ret, length in self._tagged.get(r, [])[max(0, n - RETURN_WINDOW):n]), key=_by_step)
+        recent = (self._resumed_recent + [(ret, length) for _, _, ret, length in tail])[-RETURN_WINDOW:]
+        if recent:
+            row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent)
+            row["episode_length_mean"] = sum(length for _, length in recent) / len(recent)
+        return True
+
+    def _drain(self, force: bool = False) -> None:
+        while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > 64):
+            if self.outputs is not None:
+                self.outputs.write_row(self._waiting[0])
+            self._waiting.pop(0)
 
     def eval_episode(self, ret: float, length: int) -> None:
         """An episode of an evaluation env: reported apart, never mixed into the training returns."""
@@ -191,6 +240,7 @@ class Monitor:
         self.restarts = int(counters.get("restarts", 0))
         self.recent.extend(counters.get("recent_returns", []))
         self.recent_lengths.extend(counters.get("recent_lengths", []))
+        self._resumed_recent = list(zip(self.recent, self.recent_lengths))
         self.eval_recent.extend(counters.get("eval_recent", []))
         self.solved_at_steps = counters.get("solved_at_steps")
 
@@ -224,7 +274,10 @@ class Monitor:
         return row
 
     def _flush(self) -> None:
-        if self._pending is not None and self.outputs is not None:
+        if self._pending is not None and self.marked_replicas:
+            self._waiting.append(self._pending)
+            self._drain()
+        elif self._pending is not None and self.outputs is not None:
             self.outputs.write_row(self._pending)
         self._pending = None
 
@@ -266,6 +319,17 @@ class Monitor:
 
     def close(self) -> None:
         self._flush()
+        self._drain(force=True)
+        if self.marked_replicas and self._tagged:
+            # replicas stepped in step: their episodes in single_process's order (by the step that
+            # ended them, then the replica's environments), not in the order they reached the driver,
+            # at the env steps they ended at, not those the driver had heard of then
+            merged = sorted(((t, r, ret, length) for r, eps in self._tagged.items() for t, ret, length in eps),
+                            key=_by_step)
+            self.episodes = [(self.base_steps + t * self.marked_replicas, ret, length) for t, _, ret, length in merged]
+            recent = (self._resumed_recent + [(ret, length) for *_, ret, length in merged])[-RETURN_WINDOW:]
+            self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
+            self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
         if self.progress is not None:
             self._refresh(time.perf_counter())
             self.progress.stop()

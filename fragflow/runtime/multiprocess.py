@@ -203,12 +203,14 @@ class Driver:
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "steps":
-            _, k, steps, episodes, finished, evaluated = msg
+            _, k, steps, episodes, finished, evaluated, marks = msg
             heard_steps, heard_episodes = self.heard.get(k, (0, 0))
             new = finished[max(0, len(finished) - (episodes - heard_episodes)):] if episodes > heard_episodes else []
             if steps > heard_steps or new:
-                self.monitor.env_step(max(0, steps - heard_steps), new)
+                self.monitor.env_step(max(0, steps - heard_steps), [(ret, length) for _, ret, length in new], k, new)
             self.heard[k] = (max(steps, heard_steps), max(episodes, heard_episodes))
+            for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
+                self.monitor.mark(k, update, self.heard[k][0])
             for ret, length in evaluated:
                 self.monitor.eval_episode(ret, length)
         elif kind == "update":
@@ -372,5 +374,9 @@ class Driver:
 def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any = None, max_restarts: int = 3,
             backend: str = "local", address: str | None = None) -> Any:
     monitor.rows_end_at_steps = False
+    clock = {r.group for r in lowered.loop.remote.values() if r.primary}
+    services = [s for s in lowered.services if s.group in clock]
+    if len(services) == 1 and (lowered.loop.replicas == 1 or services[0].ordered):
+        monitor.marked_replicas = lowered.loop.replicas   # each update takes one call of every replica
     return Driver(lowered, program, monitor, backend, checkpoints=checkpoints, max_restarts=max_restarts,
                   address=address).run()

@@ -41,6 +41,9 @@ class MonitorReporter:
     def flush(self) -> None:
         pass
 
+    def mark(self, update: int) -> None:
+        pass
+
 
 _OWN: dict[str, Any] = {}
 

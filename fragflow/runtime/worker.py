@@ -80,7 +80,8 @@ class QueueReporter:
         self.replica = replica
         self.total_steps = 0
         self.total_episodes = 0
-        self.episodes: list[tuple[float, int]] = []
+        self.episodes: list[tuple[int, float, int]] = []   # (this replica's env steps at its end, return, length)
+        self.marks: list[tuple[int, int, int]] = []
         self.eval: list[tuple[float, int]] = []
         self.dirty = False
         self.next = time.monotonic() + REPORT_EVERY
@@ -92,7 +93,7 @@ class QueueReporter:
         else:
             self.total_steps += n
             self.total_episodes += len(episodes)
-            self.episodes.extend(episodes)
+            self.episodes.extend((self.total_steps, ret, length) for ret, length in episodes)
         self.dirty = True
         if time.monotonic() >= self.next:
             self.flush()
@@ -103,10 +104,18 @@ class QueueReporter:
     def log(self, scalars: dict[str, float]) -> None:
         self.results.put(("log", scalars))
 
+    def mark(self, update: int) -> None:
+        """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
+        driver's metrics row of that update says what single_process's says (not what had arrived)."""
+        self.marks.append((update, self.total_steps, self.total_episodes))
+        self.dirty = True
+        self.flush()
+
     def flush(self) -> None:
         if self.dirty:
-            self.results.put(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes, self.eval))
-            self.episodes, self.eval, self.dirty = [], [], False
+            self.results.put(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes, self.eval,
+                              self.marks))
+            self.episodes, self.eval, self.marks, self.dirty = [], [], [], False
         self.next = time.monotonic() + REPORT_EVERY
 
 
