@@ -58,6 +58,11 @@ def load(target: str) -> Program:
     return from_module(module, path.stem)
 
 
+# the folders of the algorithm files imported here: their sibling modules import in every worker
+# (local workers start with this process's path; Ray workers are given them, see backends.ray)
+USER_FOLDERS: list[str] = []
+
+
 def _import_file(path: Path) -> ModuleType:
     name = f"fragflow_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path.resolve())
@@ -66,8 +71,10 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     folder = str(path.resolve().parent)
-    if folder not in sys.path:   # as `python FILE`: modules beside the file import (and so do the workers,
-        sys.path.insert(0, folder)   # which start with this process's path)
+    if folder not in sys.path:   # as `python FILE`: modules beside the file import (and so do the workers)
+        sys.path.insert(0, folder)
+    if folder not in USER_FOLDERS:
+        USER_FOLDERS.append(folder)
     spec.loader.exec_module(module)
     return module
 

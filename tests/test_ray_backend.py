@@ -123,3 +123,20 @@ def test_sigterm_stops_a_ray_run_as_terminated(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     assert "SIGTERM received" not in err
     assert json.loads((out / "summary.json").read_text())["status"] == "terminated"
+
+
+def test_an_algorithm_files_sibling_modules_import_in_ray_workers(ray_cluster, tmp_path):
+    """Ray starts its workers itself: they are given the algorithm file's folder, as local workers
+    inherit it (the actor calls a function of the module beside the file)."""
+    from fragflow.program import load
+    from tests.test_checkpoint import PROGRAM
+
+    (tmp_path / "raylib.py").write_text("def scale(x):\n    return x * 0.5\n")
+    source = PROGRAM.replace("import fragflow as ff\n", "import fragflow as ff\nfrom raylib import scale\n", 1)
+    source = source.replace("    return y.numpy(), noise\n", "    return scale(y.numpy()), noise\n", 1)
+    assert "from raylib import scale" in source and "scale(y.numpy())" in source
+    (tmp_path / "algo_ray.py").write_text(source)
+    prog = load(str(tmp_path / "algo_ray.py"))
+    one = ff.run(prog.train, prog.args_cls(), policy="single_process")
+    on_ray = ff.run(prog.train, prog.args_cls(), policy="pipelined(max_lag=0)", backend="ray")
+    assert on_ray.summary["updates"] == one.summary["updates"] == 8

@@ -24,6 +24,7 @@ import itertools
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -404,7 +405,10 @@ class _Worker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, target: Any, args: tuple[Any, ...]) -> int:
+    def run(self, target: Any, args: tuple[Any, ...], folders: tuple[str, ...] = ()) -> int:
+        for folder in reversed(folders):   # the algorithm file's folder: its sibling modules import here too
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
         ray = _ray()
         args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         try:
@@ -496,7 +500,9 @@ class RayBackend:
             if self._program is None or self._program[0] is not blob:
                 self._program = (blob, ray.put(blob))
             args = (*args[:3], self._program[1], *args[4:])
-        ref = actor.run.remote(target, args)
+        from fragflow.program import USER_FOLDERS
+
+        ref = actor.run.remote(target, args, tuple(USER_FOLDERS))
         wiring_arg = next((a for a in args if isinstance(a, RayWiring)), None)
         if wiring_arg is not None:
             wiring_arg.actors.append(actor)
