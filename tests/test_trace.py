@@ -277,6 +277,42 @@ def act_and_nudge(params, obs):
         compile(program.train, policy="pipelined")
 
 
+def test_an_actor_changing_a_torch_state_in_place_to_the_same_values_is_refused_where_it_runs_apart(write_algo):
+    """The values do not change (a product on zeros), the tensor's version counter does."""
+    path, marks = write_algo("""
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")  # @def
+def act_scaled(params, obs):
+    with torch.no_grad():
+        params["w"].mul_(1.01)   # in place, on zeros: only this process would see it
+        return (torch.as_tensor(obs) @ params["w"]).argmax(-1).numpy()
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"w": state["w"] + float(batch["obs"].mean())}, {"m": batch["obs"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    state = ff.versioned({"w": torch.zeros((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act_scaled(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act_scaled' changes the versioned state 'state' "
+                                             rf"\(argument 'params'\) in place, but policy 'pipelined' runs it apart "
+                                             rf"from the learner.*\n  at {relpath(path)}:{marks['def']}"):
+        compile(program.train, policy="pipelined")
+
+
 def test_an_actor_reaching_a_module_of_the_state_through_a_global_is_refused_where_it_runs_apart(write_algo):
     path, marks = write_algo("""
 import numpy as np

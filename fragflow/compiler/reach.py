@@ -28,7 +28,9 @@ from fragflow.source import SourceLoc, is_internal
 
 
 def fingerprint(tree: Any) -> list[int]:
-    """A checksum of each array leaf's bytes: whether a fragment changed what it read in place."""
+    """A checksum of each array leaf's bytes, and of a torch tensor its version counter too (any
+    in-place operation moves it, one that leaves the values as they were included: ``w.mul_(1)``,
+    a step on zeros): whether a fragment changed what it read in place."""
     try:
         leaves = leaf_paths(tree)
     except NotAnArray:
@@ -36,6 +38,7 @@ def fingerprint(tree: Any) -> list[int]:
     out = []
     for _, leaf in leaves:
         if hasattr(leaf, "detach"):
+            out.append(int(getattr(leaf, "_version", 0)))
             leaf = leaf.detach().cpu().numpy()
         out.append(zlib.crc32(np.ascontiguousarray(leaf).data))
     return out
