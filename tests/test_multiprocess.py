@@ -585,54 +585,60 @@ import fragflow as ff
 def learn(state, batch):
     w = state["w"] + 1e-3 * batch["obs"].mean()
     metrics = {"loss": float(np.abs(w).sum()), "parts": {"a": float(w[0, 0]), "b": [float(w[1, 1])]}}
-    if state["n"] >= 2:   # a metric first returned after the trace
+    if state["n"] >= 4:   # a metric first returned after the trace
         metrics["late"] = float(state["n"])
     return {"w": w, "n": state["n"] + 1}, metrics, w[0]
 
-def train(element=False):
+def train(named=False):
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2)), "n": 0})
     buf = ff.RolloutBuffer(4)
     obs = env.reset()
-    for _ in range(6):
+    for u in range(6):
         for _ in range(4):
             obs, *_ = env.step(np.zeros_like(obs[:, 0], np.int64))
             buf.add(obs=obs)
         state, m, row = learn(state, buf.collect())
         ff.log(m)
-        ff.log({"again": m["parts"], "b0": m["parts"]["b"][0]})
-        if element:
-            ff.log({"v0": row[0]})   # @element
+        ff.log({"again": m["parts"], "b0": m["parts"]["b"][0], "v0": row[0]})   # an element of an array output
+        if u % 2 == 1:
+            ff.log({"odd": m["loss"]})   # logged after some of the learner's calls only
+        if named:
+            ff.log({f"loss{u}": m["loss"]})   # @named
     return state
 """
 
 
 @pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
-def test_logged_learner_outputs_reach_metrics_with_keys_returned_after_the_trace(write_algo, tmp_path, policy):
-    """ff.log(metrics) logs every key the learner returns, the ones it starts returning after the
-    trace too, by the names single_process gives them (a nested list's items as 'b/0')."""
+def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(write_algo, tmp_path, policy):
+    """Where the learner runs apart, what the loop logs of its outputs reaches the same rows as under
+    single_process: every key of ff.log(metrics), those first returned after the trace too, nested
+    lists as 'b/0', an element of an array output taken in the loop, and a value logged after some
+    of the learner's calls only (in those rows, not in every one)."""
     path, _ = write_algo(LOGGED, "logged.py")
     program = load(str(path))
     columns = []
     for run, pol in (("one", "single_process"), ("other", policy)):
         ff.run(program.train, policy=pol, out=tmp_path / run)
         rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
-        columns.append({k: [r[k] for r in rows] for k in rows[0] if k in ("loss", "late") or "/" in k or k == "b0"})
-    assert set(columns[0]) == {"loss", "parts/a", "parts/b/0", "again/a", "again/b/0", "b0", "late"}
-    assert columns[0]["late"] == ["", "", "2.0", "3.0", "4.0", "5.0"]
+        columns.append({k: [r[k] for r in rows] for k in rows[0]
+                        if k in ("loss", "late", "b0", "v0", "odd") or k.startswith(("parts/", "again/"))})
+    assert set(columns[0]) == {"loss", "parts/a", "parts/b/0", "again/a", "again/b/0", "b0", "v0", "late", "odd"}
+    assert columns[0]["late"] == ["", "", "", "", "4.0", "5.0"]
+    assert [v != "" for v in columns[0]["odd"]] == [False, True] * 3
     assert columns[1] == columns[0]
 
 
-def test_an_element_of_a_learner_output_logged_in_the_loop_is_refused_not_lost(write_algo):
-    """An element of a metric array, indexed in the loop, is a value of the loop's own while tracing:
-    where the learner runs apart it would never reach the metrics. Refused at the line."""
-    path, marks = write_algo(LOGGED, "logged_element.py")
+def test_a_learner_output_logged_under_a_name_the_trace_did_not_see_is_refused_not_lost(write_algo):
+    """Logged under a name the trace never saw (one made from the update number), the value would
+    never reach the metrics where the learner runs apart: refused at the line."""
+    path, marks = write_algo(LOGGED, "logged_named.py")
     program = load(str(path))
-    assert ff.run(program.train, dict(element=True), policy="single_process").summary["updates"] == 6
+    assert ff.run(program.train, dict(named=True), policy="single_process").summary["updates"] == 6
     with pytest.raises(ff.errors.LearnerOutputOnActingSideError,
-                       match=rf"ff.log got output \[2\]\[0\] of fragment 'learn' as 'v0', which the "
-                             rf"trace did not see logged(.|\n)*logged_element.py:{marks['element']}"):
-        ff.run(program.train, dict(element=True), policy="pipelined")
+                       match=rf"ff.log got output \[1\]\['loss'\] of fragment 'learn' as 'loss\d', "
+                             rf"(.|\n)*logged_named.py:{marks['named']}"):
+        ff.run(program.train, dict(named=True), policy="pipelined")
     assert mp.active_children() == []
     assert shm_leftovers() == []
 
@@ -694,3 +700,43 @@ def test_metrics_rows_and_episodes_equal_single_processs_at_max_lag_zero(tmp_pat
     assert len(one_rows) == 16 and other_rows == one_rows
     assert other.episodes == one.episodes
     assert other.summary["final_return_mean"] == one.summary["final_return_mean"]
+
+
+SEVERAL_CALLS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, i):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean(), "calls": state["calls"] + 1}, {"i": i}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "calls": np.int64(0)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(8):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        batch = buf.collect()
+        for i in range(3):   # three steps on one rollout
+            state, m = learn(state, batch, i)
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_learner_called_several_times_on_one_rollout_is_not_stale_by_its_own_updates(write_algo):
+    """Served inference keeps its staleness bound, but the updates a rollout's own earlier learner
+    calls made are the algorithm's steps, not staleness: the third call is learned from (it was
+    dropped, 1 of 3, under max_lag=1)."""
+    path, _ = write_algo(SEVERAL_CALLS, "several.py")
+    program = load(str(path))
+    result = ff.run(program.train, policy="central_inference(env_workers=1, max_lag=1)")
+    assert int(result.value["calls"]) == 24 and result.summary["updates"] == 24
+    assert result.summary["channels"]["trajectory"]["drops"] == 0

@@ -144,18 +144,20 @@ class Pending(_NoLoopUse):
     It may be passed on, to ``ff.log`` or to another fragment of that process (``learn(state,
     batch)`` with ``batch`` from a replay buffer's ``sample`` on the learner), which resolves it
     there; any read in the loop raises, naming the fragment and the way out. ``index`` is the
-    output's place in a tuple output (-1: the whole output), ``keys`` the path into it.
+    output's place in a tuple output (-1: the whole output), ``keys`` the path into it, ``call``
+    which of the fragment's calls in this loop made it (-1: unknown).
     """
 
-    __slots__ = ("fragment", "index", "keys")
+    __slots__ = ("fragment", "index", "keys", "call")
 
-    def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = ()) -> None:
+    def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1) -> None:
         self.fragment = fragment
         self.index = index
         self.keys = keys
+        self.call = call
 
     def __getitem__(self, key: Any) -> Pending:
-        return Pending(self.fragment, self.index, self.keys + (key,))
+        return Pending(self.fragment, self.index, self.keys + (key,), self.call)
 
     @property
     def path(self) -> str:

@@ -71,8 +71,6 @@ class LeafSpec:
     spec: TensorSpec
     axis: int | None = None        # the leaf's named batch axis, where known ...
     axis_name: str | None = None   # ... and its name: env, sample, time or agent
-    call: tuple[tuple[int, ...], int] | None = None   # a logged learner output: which of its producer's
-                                          # calls in each update ((calls), calls per update), where it has several
 
 
 @dataclass(frozen=True, slots=True)

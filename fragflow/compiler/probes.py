@@ -105,10 +105,12 @@ class ProbeArray(np.ndarray):
 
     _ff_fragment = ""
     _ff_path = ""
+    _ff_element = False
 
     def __array_finalize__(self, obj: Any) -> None:
         self._ff_fragment = getattr(obj, "_ff_fragment", "")
         self._ff_path = getattr(obj, "_ff_path", "")
+        self._ff_element = False
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         _note(self, _UFUNC_USES.get(ufunc.__name__, "used in arithmetic"))
@@ -152,6 +154,16 @@ class ProbeArray(np.ndarray):
             _note(self, _FORMATTED)
         return format(self.view(np.ndarray), spec)
 
+    def __getitem__(self, key: Any) -> Any:
+        if _sink is not None and _element_key(key):   # the loop takes an element: a probe of its own
+            return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, f"{self._ff_path}[{key!r}]")
+        return super().__getitem__(key)
+
+
+def _element_key(key: Any) -> bool:
+    """An element's index (``v[0]``, ``m[1, 2]``): what ``Pending`` follows too, a key at a time."""
+    return isinstance(key, int) and not isinstance(key, bool)
+
 
 _UFUNC_USES = {"greater": "compared with >", "less": "compared with <", "greater_equal": "compared with >=",
                "less_equal": "compared with <=", "equal": "compared with ==", "not_equal": "compared with !="}
@@ -170,6 +182,9 @@ def _torch_probe() -> type:
             @classmethod
             def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 name = getattr(func, "__name__", "")
+                if name == "__getitem__" and _sink is not None and len(args) == 2 and _element_key(args[1]):
+                    # the loop takes an element: a probe of its own (ff.log of it is logged as such)
+                    return element(func(*_plain(tuple(args))), args[0]._ff_fragment, f"{args[0]._ff_path}[{args[1]!r}]")
                 if name == "__format__" and not (len(args) > 1 and args[1]):
                     pass   # printed, no spec: not a read
                 elif name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
@@ -200,6 +215,15 @@ def probe(leaf: Any, fragment: str, path: str) -> Any:
     else:
         return leaf
     out._ff_fragment, out._ff_path = fragment, path
+    return out
+
+
+def element(leaf: Any, fragment: str, path: str) -> Any:
+    """An element the loop took out of a learner output (``metrics["v"][0]``): a probe whose path
+    goes on into the output, so that the tracer knows where it came from (see Recording._origin)."""
+    out = probe(leaf, fragment, path)
+    if out is not leaf:
+        out._ff_element = True
     return out
 
 

@@ -93,7 +93,6 @@ class Recording:
     def __init__(self) -> None:
         self._nodes: dict[int, NodeRec] = {}
         self._edges: dict[tuple[str, str, EdgeKind, str, str], EdgeRec] = {}
-        self._log_calls: dict[tuple[str, str, str, str, str, str], set[int]] = {}
         self._origins: dict[int, Origin] = {}
         self._by_address: dict[tuple[int, tuple[int, ...], int], Origin] = {}   # outputs by memory (see _origin)
         self._containers: dict[tuple[str, str], tuple[Any, str, Any]] = {}   # (node, port) -> its last output container
@@ -128,10 +127,6 @@ class Recording:
                 edge.where = where
             leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
             edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
-            if rec.role == "logger" and src != LOOP and self.fragments[src].role == "learner":
-                # which of the learner's calls in this update it came from (see graph)
-                self._log_calls.setdefault((src, rec.name, port, pname, src_path, f"{pname}{path}"),
-                                           set()).add(self.window.ordinal(src))
             if src == LOOP and axis is None:
                 self._loop_made.append((len(self._inputs), edge))
             self._inputs.append(leaf_spec)
@@ -193,6 +188,12 @@ class Recording:
         origin = self._origins.get(id(leaf))
         if origin is not None and origin.ref() is leaf:
             return origin
+        if getattr(leaf, "_ff_element", False):   # an element the loop took out of a learner output (probes)
+            rec = next((r for r in self._nodes.values() if r.name == leaf._ff_fragment), None)
+            if rec is not None:
+                path = leaf._ff_path
+                port = path[:path.index("]") + 1] if rec.arity and path.startswith("[") else ""
+                return Origin(rec.name, rec.role, port, path, None, strong(leaf))
         # the same memory seen through another library (torch.as_tensor(obs), np.asarray(tensor)): the
         # array it views is still alive, so the address is not a reused one
         at = address(leaf)

@@ -492,26 +492,11 @@ class Tracer(Recording):
                               names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                        if i in self._changed_data}))))
         edges = [
-            Edge(src, dst, kind, src_port, dst_port, self._calls_logged(src, dst, src_port, dst_port, er),
+            Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()),
                  _per(er.crossings[steady], per), er.where)
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.window.updates, self.env_steps)
-
-    def _calls_logged(self, src: str, dst: str, port: str, pname: str, edge: EdgeRec) -> tuple[LeafSpec, ...]:
-        """An edge's leaves; where a learner called several times in every update has an output
-        logged, which of its calls the log took it from (a service running the learner logs those
-        calls' outputs only; a log of every call, or an update whose calls vary in number, logs every
-        call's)."""
-        period = self.window.period(src)
-        if period is None or period < 2:
-            return tuple(edge.leaves.values())
-        out = []
-        for (src_path, dst_path), leaf in edge.leaves.items():
-            calls = self._log_calls.get((src, dst, port, pname, src_path, dst_path), set())
-            some = not calls or min(calls) < 0 or len(calls) == period
-            out.append(leaf if some else dataclasses.replace(leaf, call=(tuple(sorted(calls)), period)))
-        return tuple(out)
 
     def _splittable(self, rec: NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked

@@ -16,8 +16,8 @@ its updates are per-update rates.
 ...         break
 ...     for _ in range(2):                                   # the learner twice per trip
 ...         _ = w.call("learn", "learner", False), w.learned("learn", primary=True)
->>> stops, w.updates, w.window_updates, w.period("learn")
-([False, False, True], 4, [2, 2], 2)
+>>> stops, w.updates, w.window_updates
+([False, False, True], 4, [2, 2])
 """
 
 from __future__ import annotations
@@ -68,15 +68,6 @@ class TraceWindow:
             self._tail[name] += 1
             self._after_update = True
         return self._phase() if self._phase_role is None else False
-
-    def ordinal(self, name: str) -> int:
-        """Which of ``name``'s calls in the current trip ran last (0-based; -1: not counted)."""
-        return self._tail[name] - 1 if self._after_update else -1
-
-    def period(self, name: str) -> int | None:
-        """How many times ``name`` runs from one phase point to the next, where every trip agrees."""
-        periods = {tail[name] for tail in self._tails}
-        return periods.pop() if len(periods) == 1 else None
 
     def _phase(self) -> bool:
         self._after_update = False

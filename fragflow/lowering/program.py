@@ -93,7 +93,6 @@ class Logged:
     name: str
     index: int
     keys: tuple[Any, ...]
-    call: tuple[tuple[int, ...], int] | None = None   # logged from these of the fragment's calls in each update (LeafSpec)
 
 
 @dataclass(frozen=True)
@@ -256,12 +255,12 @@ def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
     for e in graph.edges_of(EdgeKind.DATA):
         if not (e.src == fragment and e.dst in group and graph.node(e.dst).role == "logger"):
             continue
-        pairs: dict[tuple[tuple[Any, ...], tuple[Any, ...]], Any] = {}
+        pairs: dict[tuple[tuple[Any, ...], tuple[Any, ...]], None] = {}   # (source, name) of each leaf, in order
         for leaf in e.leaves:
             param = leaf.dst_path.split("[", 1)[0]
-            pairs[(parse_path(leaf.src_path), parse_path(leaf.dst_path[len(param):]))] = leaf.call
+            pairs[(parse_path(leaf.src_path), parse_path(leaf.dst_path[len(param):]))] = None
         done: set[tuple[tuple[Any, ...], tuple[Any, ...]]] = set()
-        for (src, dst), call in pairs.items():
+        for src, dst in pairs:
             if (src, dst) in done:
                 continue
             common = 0
@@ -272,11 +271,11 @@ def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
                 if e.src_port and not root:
                     continue   # a tuple output: its parts are logged, not the tuple
                 members = {(p, name + p[len(root):]) for p in produced if p[:len(root)] == root} | {(src, dst)}
-                if all(pairs.get(m, "missing") == call for m in members):
+                if members <= pairs.keys():
                     break
             done |= members
             index, keys = (int(root[0]), root[1:]) if e.src_port else (-1, root)
-            out.append(Logged("/".join(str(k) for k in name), index, tuple(keys), call))
+            out.append(Logged("/".join(str(k) for k in name), index, tuple(keys)))
     return tuple(out)
 
 

@@ -61,22 +61,30 @@ def _split(x: Any, out: list[Any], path: str) -> Skeleton:
 
 
 _SID_BITS = 20
-_CALL_BITS = 36
+_CALL_BITS = 35
+_AGAIN_BIT = _SID_BITS + _CALL_BITS
+_CUT_SHIFT = _AGAIN_BIT + 1
 CUT_MARKS = 127
 
 
-def pack_aux(sid: int, call: int, cut: int = 0) -> int:
+def pack_aux(sid: int, call: int, cut: int = 0, again: bool = False) -> int:
     """A remote call's word for the service: its skeleton id, the fragment's call number in this
-    loop (which call of an update it is, for the outputs logged from one of several), and the mark
-    of the last checkpoint the loop had saved its part of when it made the call (the service saves
-    its states at that cut, so that the two parts agree)."""
-    return sid | (call << _SID_BITS) | (cut << (_SID_BITS + _CALL_BITS))
+    loop (the driver writes what the loop logged of which call), whether no environment was stepped
+    since the loop's previous call of it (another learner step on the same rollout), and the mark of
+    the last checkpoint the loop had saved its part of when it made the call (the service saves its
+    states at that cut, so that the two parts agree)."""
+    return sid | (call << _SID_BITS) | (int(again) << _AGAIN_BIT) | (cut << _CUT_SHIFT)
 
 
 def unpack_aux(aux: int) -> tuple[int, int, int]:
     """``(sid, call, cut)`` of :func:`pack_aux`."""
-    return (aux & ((1 << _SID_BITS) - 1), (aux >> _SID_BITS) & ((1 << _CALL_BITS) - 1),
-            aux >> (_SID_BITS + _CALL_BITS))
+    return aux & ((1 << _SID_BITS) - 1), (aux >> _SID_BITS) & ((1 << _CALL_BITS) - 1), aux >> _CUT_SHIFT
+
+
+def again_of(aux: int) -> bool:
+    """Whether the call was made with no environment stepped since the loop's previous call of the
+    fragment (see :func:`pack_aux`)."""
+    return bool((aux >> _AGAIN_BIT) & 1)
 
 
 def cut_mark(seq: int) -> int:

@@ -49,9 +49,10 @@ class Reporter(Protocol):
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None: ...
     def update(self) -> None: ...
-    def log(self, scalars: dict[str, float]) -> None: ...
+    def log(self, scalars: dict[str, float], update: int | None = None) -> None: ...
     def flush(self) -> None: ...
     def mark(self, update: int) -> None: ...
+    def logged(self, requests: list[tuple[str, int, str, str]]) -> None: ...
 
 
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
@@ -82,6 +83,7 @@ class LoopInterpreter:
         self.resources: list[Any] = []
         self.current = "(loop)"
         self.update = 0                       # remote clock calls made (this replica's updates)
+        self._stepped = True                  # an environment stepped since the last clock call
         self.rollout_version: int | None = None
         self._last_version = 0
         self._ticket = 0
@@ -204,6 +206,8 @@ class LoopInterpreter:
         if events is not None:
             n, finished = events(out)
             self.reporter.env_step(n, finished, frag.evaluation)
+            if not frag.evaluation:
+                self._stepped = True
         if written is not None:
             new_value = ordered_like(self._states.get(written.name, written).value,
                                      out[0] if isinstance(out, tuple) else out)
@@ -326,7 +330,8 @@ class LoopInterpreter:
             version = self._last_version if self._replies else UNVERSIONED
         call = self._calls_of[name] = self._calls_of.get(name, -1) + 1
         if self._seq >= self.skip_until:
-            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut), order=self._ticket)
+            again = route.primary and not self._stepped   # another learner step on the rollout it last took
+            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket)
         self._seq += 1
         if route.primary:
             for state in self.program.reads:
@@ -335,6 +340,7 @@ class LoopInterpreter:
         if handle is not None:
             self._writes[handle.name] = self._writes.get(handle.name, 0) + 1
         if route.primary:
+            self._stepped = False
             if self.rollout_version is not None and getattr(self.program.choice, "admits", False):
                 self.endpoints.admission.produced(self.index)
             self.update += 1
@@ -342,14 +348,14 @@ class LoopInterpreter:
             self.reporter.mark(self.update)
         if route.sync:
             return self._reply(name, route)
-        rest = [Pending(name, i) for i in range(1, route.arity)] if route.writes else \
-            [Pending(name, i) for i in range(route.arity)]
+        rest = [Pending(name, i, call=call) for i in range(1, route.arity)] if route.writes else \
+            [Pending(name, i, call=call) for i in range(route.arity)]
         if handle is not None:
             new = Versioned(handle.name, handle.version + 1, self._states.get(handle.name, handle).value,
                             handle.created_at)
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
-        return tuple(rest) if route.arity else Pending(name, -1)
+        return tuple(rest) if route.arity else Pending(name, -1, call=call)
 
     def _reply(self, name: str, route: Any) -> Any:
         """Wait for the answer to a request (an inference call served by another group): its
@@ -371,18 +377,27 @@ class LoopInterpreter:
     def _log(self, tree: Any) -> None:
         if self.index != 0:
             return None
-        self._check_logged(tree, "")
-        scalars = flat_scalars(_without_pending(tree))   # what is Pending is logged where it is computed
+        requests: list[tuple[str, int, str, str]] = []
+        self._check_logged(tree, "", requests)
+        if requests:   # logged where they are computed: the driver writes those of the calls the loop logged
+            self.reporter.logged(requests)
+        scalars = flat_scalars(_without_pending(tree))
         if scalars:
-            self.reporter.log(scalars)
+            self.reporter.log(scalars, self.update)
         return None
 
 
-    def _check_logged(self, tree: Any, name: str) -> None:
-        """Each output of another process's fragment sent to ff.log must be one its process logs
-        (the parts of its outputs the trace saw logged, by the same names): others would be lost."""
+    def _check_logged(self, tree: Any, name: str, requests: list[tuple[str, int, str, str]]) -> None:
+        """Each output of another process's fragment sent to ff.log must be in a part its process
+        logs (the parts of its outputs the trace saw logged, by the same names): others would be
+        lost. ``requests`` gets (fragment, its call, the part's name, this output's name) of each."""
         if isinstance(tree, Pending):
-            if (tree.fragment, tree.index, tree.keys, name) not in self.program.logged:
+            part = next((entry for fragment, index, keys, entry in self.program.logged
+                         if fragment == tree.fragment and index == tree.index and tree.keys[:len(keys)] == keys
+                         and name == "/".join([entry] * bool(entry) + [str(k) for k in tree.keys[len(keys):]])), None)
+            if part is not None:
+                requests.append((tree.fragment, tree.call, part, name))
+            else:
                 what = f"{'' if tree.index < 0 else f'[{tree.index}]'}{tree.path}"
                 raise LearnerOutputOnActingSideError(
                     f"ff.log got output {what} of fragment '{tree.fragment}' as {name or 'its value'!r}, which "
@@ -394,10 +409,10 @@ class LoopInterpreter:
                         "return it as a metric of its own; or run with --policy single_process")
         elif isinstance(tree, dict):
             for k, v in tree.items():
-                self._check_logged(v, f"{name}/{k}" if name else str(k))
+                self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
         elif isinstance(tree, (list, tuple)):
             for k, v in zip(tree._fields if hasattr(tree, "_fields") else range(len(tree)), tree):
-                self._check_logged(v, f"{name}/{k}" if name else str(k))
+                self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
 
 
 def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:

@@ -82,6 +82,7 @@ class Monitor:
         self._marks: dict[int, dict[int, tuple[int, int]]] = {}     # replica -> its update -> (steps, episodes)
         self._first_mark: dict[int, int] = {}
         self._waiting: list[dict[str, float]] = []
+        self._ended: set[int] = set()   # loop replicas whose loop has ended
         self._resumed_recent: list[tuple[float, int]] = []
         self.stop_requested = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
@@ -135,12 +136,32 @@ class Monitor:
         self._marks.setdefault(replica, {}).setdefault(update, (steps, len(self._tagged.get(replica, ()))))
         self._drain()
 
+    def loop_ended(self, replica: int) -> None:
+        self._ended.add(replica)
+        self._drain()
+
+    def log_at(self, update: int | None, scalars: dict[str, float]) -> None:
+        """Scalars computed at this run's ``update``-th update (or by the loop after it): into its
+        row where the row is still held (rows wait for their marks), else into the current one."""
+        if update is not None and self.marked_replicas:
+            for row in (*self._waiting, *([self._pending] if self._pending is not None else [])):
+                if int(row["updates"]) - self.base_updates == update:
+                    row.update(scalars)
+                    return
+        self.log_scalars(scalars)
+
+    def _mark_of(self, replica: int, update: int) -> tuple[int, int] | None:
+        return self._marks.get(replica, {}).get(self._first_mark.get(replica, 1) - 1 + update)
+
     def _marked(self, row: dict[str, float]) -> bool:
-        """Set the row's step and episode columns from its update's marks, if they are all in."""
+        """Set the row's step and episode columns from its update's marks, if they are all in and
+        replica 0, which logs, has gone on to its next update (what it logs of this one is in)."""
         j = int(row["updates"]) - self.base_updates
+        if 0 not in self._ended and self._mark_of(0, j + 1) is None:
+            return False
         at = []
         for r in range(self.marked_replicas):
-            mark = self._marks.get(r, {}).get(self._first_mark.get(r, 1) - 1 + j)
+            mark = self._mark_of(r, j)
             if mark is None:
                 return False
             at.append(mark)

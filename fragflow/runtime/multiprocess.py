@@ -74,6 +74,9 @@ class Driver:
         self.restarts: dict[int, int] = {}
         self.points: dict[int, tuple[Any, ...]] = {}     # replica -> where it last said it stood
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
+        # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
+        self._computed_logs: dict[tuple[str, int], tuple[int, dict[str, dict[str, float]]]] = {}
+        self._asked_for: dict[tuple[str, int], list[tuple[str, str]]] = {}
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -200,6 +203,45 @@ class Driver:
         finally:
             self.monitor.channels(self.channel_stats())
 
+    # A service reports the scalars of every call of a fragment whose outputs the loop logs, by the
+    # parts of the output the loop logs; the loop (replica 0) says which of its calls it logged, and
+    # what of them: those are written, into the row of the update that computed them (where the
+    # monitor still holds it: rows wait for the loop's word, see Monitor.mark).
+    _KEEP_CALLS = 256   # calls of a fragment kept for the other side's word
+
+    def _computed(self, fragment: str, call: int | None, logged: dict[str, dict[str, float]]) -> None:
+        update = self.monitor.updates - self.monitor.base_updates
+        if call is None or not self.monitor.marked_replicas:
+            # gathered on arrival from several replicas: an update's row cannot wait for replica 0's
+            # word on calls it may have no part in; logged after every call, as the trace saw it
+            for scalars in logged.values():
+                self.monitor.log_at(update, scalars)
+            return
+        for part, prefix in self._asked_for.pop((fragment, call), ()):
+            self._write_logged(update, logged.get(part, {}), prefix)
+        self._computed_logs[(fragment, call)] = (update, logged)   # a later ff.log of the call may ask again
+        self._forget_logs(fragment, call)
+
+    def _asked(self, fragment: str, call: int, part: str, prefix: str) -> None:
+        computed = self._computed_logs.get((fragment, call))
+        if computed is not None:
+            self._write_logged(computed[0], computed[1].get(part, {}), prefix)
+        else:
+            self._asked_for.setdefault((fragment, call), []).append((part, prefix))
+            self._forget_logs(fragment, call)
+
+    def _write_logged(self, update: int, scalars: dict[str, float], prefix: str) -> None:
+        chosen = {k: v for k, v in scalars.items() if not prefix or k == prefix or k.startswith(prefix + "/")}
+        if chosen:
+            self.monitor.log_at(update, chosen)
+
+    def _forget_logs(self, fragment: str, call: int) -> None:
+        store: dict[tuple[str, int], Any]
+        for store in (self._computed_logs, self._asked_for):
+            if len(store) > 4 * self._KEEP_CALLS:
+                for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS]:
+                    del store[key]
+
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "steps":
@@ -215,10 +257,14 @@ class Driver:
                 self.monitor.eval_episode(ret, length)
         elif kind == "update":
             self.monitor.update()
-            if msg[2]:
-                self.monitor.log_scalars(msg[2])
-        elif kind == "log":
-            self.monitor.log_scalars(msg[1])
+            self._computed(*msg[2:])
+        elif kind == "logs":
+            self._computed(*msg[1:])
+        elif kind == "logged" and self.monitor.marked_replicas:
+            for fragment, call, part, prefix in msg[1]:
+                self._asked(fragment, call, part, prefix)
+        elif kind == "log":   # the loop's own values, after its update-th update
+            self.monitor.log_at(msg[2], msg[1])
         elif kind == "warn":
             self.monitor.warn(msg[1])
         elif kind == "return":
@@ -229,6 +275,8 @@ class Driver:
             self.finals += 1
         elif kind in ("done", "stopped"):
             self.finished.add((msg[1], msg[2]))
+            if msg[1] == "actor":
+                self.monitor.loop_ended(msg[2])
             ck = self.checkpoints
             if ck is not None and ck.staged is not None and f"loop{msg[2]}" in ck.missing() and msg[1] == "actor":
                 ck.abort()   # that replica's loop has ended: no trip of it is left to save

@@ -35,13 +35,16 @@ class MonitorReporter:
     def update(self) -> None:
         self.monitor.update()
 
-    def log(self, scalars: dict[str, float]) -> None:
+    def log(self, scalars: dict[str, float], update: int | None = None) -> None:
         self.monitor.log_scalars(scalars)
 
     def flush(self) -> None:
         pass
 
     def mark(self, update: int) -> None:
+        pass
+
+    def logged(self, requests: list[tuple[str, int, str, str]]) -> None:
         pass
 
 

@@ -47,10 +47,14 @@ STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share befo
 
 
 class _Piece:
-    __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived")
+    __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived", "own")
 
-    def __init__(self, replica: int, version: int, tag: int, aux: int, leaves: list[Any], ring: Any) -> None:
+    def __init__(self, replica: int, version: int, tag: int, aux: int, leaves: list[Any], ring: Any,
+                 own: int = 0) -> None:
         self.replica, self.version, self.tag, self.leaves, self.ring = replica, version, tag, leaves, ring
+        # updates its replica's earlier calls of the clock on the same rollout made (a learner called
+        # several times on one rollout): not staleness, the algorithm's own steps
+        self.own = own
         # its skeleton; the fragment's call number in its loop; the loop's last checkpoint mark
         self.sid, self.call, self.cut = calls.unpack_aux(aux)
         self.arrived = time.monotonic()
@@ -105,6 +109,7 @@ class ServiceRunner:
         self.saved_seq = 0
         self.cuts: dict[int, dict[int, int]] = {}   # checkpoint -> replica -> its calls before its part
         self._seeded = False
+        self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
         self._stalled_since = time.monotonic()
         self._stall_warned = False
         self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
@@ -276,10 +281,15 @@ class ServiceRunner:
         version, leaves = item
         if version == UNVERSIONED:   # acted on no state: as fresh as the version that takes it
             version = self.version
-        if not self._accept(fragment, self.version - version):
+        again, own = calls.again_of(meta[2]), 0
+        if fragment == self.program.clock:
+            own = self._own.get(k, 0) if again else 0
+        if not self._accept(fragment, self.version - version - own):
             ring.release(dropped=True)
             return None
-        piece = _Piece(k, version, tag, meta[2], leaves, ring)
+        if fragment == self.program.clock:
+            self._own[k] = own + 1
+        piece = _Piece(k, version, tag, meta[2], leaves, ring, own)
         self.pools.setdefault(fragment, []).append(piece)
         return piece
 
@@ -434,7 +444,7 @@ class ServiceRunner:
         bound = inspect.BoundArguments(frag.signature, arguments)
         self.current = fragment
         # a request is answered with the newest parameters: it is never stale, whatever its stamp
-        lags = [0 if fragment in self.replies else self.version - p.version for p in pieces]
+        lags = [0 if fragment in self.replies else self.version - p.version - p.own for p in pieces]
         self.delivered = [(p.version, lag) for p, lag in zip(pieces, lags)]
         t0 = time.perf_counter_ns()
         clock = fragment == self.program.clock
@@ -471,12 +481,14 @@ class ServiceRunner:
             p.ring.release(lag=lag)
         if clock and not self.program.ordered and self.replies:   # served inference, bounded (see _held)
             self._expire(fragment)
-        logged = self._logged(fragment, out, pieces[0].call)
+        logged = self._logged(fragment, out)
+        # the call's number in loop replica 0, which logs: the driver writes what it logged of it
+        call = next((p.call for p in pieces if p.replica == 0), None)
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
-            self.results.put(("update", self.version, logged))
+            self.results.put(("update", self.version, fragment, call, logged))
         elif logged and lead:
-            self.results.put(("log", logged))
+            self.results.put(("logs", fragment, call, logged))
 
     def _accept(self, fragment: str, lag: int) -> bool:
         """Whether a piece ``lag`` versions behind is learned from. Served inference with a bound keeps
@@ -496,7 +508,7 @@ class ServiceRunner:
             return
         keep = []
         for p in pool:
-            if self._accept(fragment, self.version - p.version):
+            if self._accept(fragment, self.version - p.version - p.own):
                 keep.append(p)
             else:
                 p.ring.release(dropped=True)
@@ -518,16 +530,15 @@ class ServiceRunner:
             if self.started[p.replica] is None:
                 self.started[p.replica] = self.version
 
-    def _logged(self, fragment: str, out: Any, call: int) -> dict[str, float]:
-        scalars: dict[str, float] = {}
+    def _logged(self, fragment: str, out: Any) -> dict[str, dict[str, float]]:
+        """The scalars of each part of the call's output that the loop logs (by its name)."""
+        logged: dict[str, dict[str, float]] = {}
         for item in self.program.logs.get(fragment, ()):
-            if item.call is not None and call % item.call[1] not in item.call[0]:
-                continue   # logged from another of the fragment's calls in an update
             value = out if item.index < 0 else out[item.index]
             for k in item.keys:
                 value = value[k]
-            scalars.update(flat_scalars(value, item.name))
-        return scalars
+            logged[item.name] = flat_scalars(value, item.name)
+        return logged
 
     def _publish(self, state: str) -> None:
         b = next(b for b in self.program.publish if b.state == state)

@@ -101,8 +101,11 @@ class QueueReporter:
     def update(self) -> None:
         pass
 
-    def log(self, scalars: dict[str, float]) -> None:
-        self.results.put(("log", scalars))
+    def log(self, scalars: dict[str, float], update: int | None = None) -> None:
+        self.results.put(("log", scalars, update))
+
+    def logged(self, requests: list[tuple[str, int, str, str]]) -> None:
+        self.results.put(("logged", requests))
 
     def mark(self, update: int) -> None:
         """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
