@@ -309,6 +309,9 @@ class ServiceRunner:
                     if all(self.finished):
                         return None
                     if self.finished[k]:
+                        # a call the others made that this finished replica never will: stop with the
+                        # reason now (taking the next replica's next piece would pair two of its calls)
+                        self._watch_stall()
                         self._cursor = (k + 1) % producers
                     else:
                         self._watch_stall()
