@@ -44,7 +44,10 @@ def _display(filename: str, cwd: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def is_internal(filename: str) -> bool:
-    """True for frames inside fragflow's compiler and runtime (not algorithms, not user code)."""
+    """True for frames inside fragflow's compiler and runtime (not algorithms, not user code), and
+    Python's own import machinery (``<frozen importlib._bootstrap>``, importing the user's file)."""
+    if filename.startswith("<frozen "):
+        return True
     path = os.path.abspath(filename)
     if path.startswith(_USER_SUBDIRS):
         return False

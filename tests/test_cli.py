@@ -97,12 +97,16 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--set", "env_id=CartPole-v9"], "unknown environment id 'CartPole-v9'"),
     (["run", "ppo", "--stop-on-target"], "--stop-on-target needs --target-return"),
     (["graph", "ppo", "--image", "g.gif"], "give a path ending in .png or .svg"),
-    (["run", "ppo", "--policy", "pipelined(actors=3)"], "puts 1 environments on each of 3 actors, but the loop steps 4"),
+    (["run", "ppo", "--policy", "pipelined(actors=3)"], "splits the loop's 4 environments across 3 processes (actors=3): they do not divide evenly"),
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "policy 'pipelined' has no option 'actor'"),
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "fix: write pipelined(actors=1, envs_per_actor=0, max_lag=1)"),
     (["run", "ppo", "--policy", "pipelined", "--set", "total_timesteps=100"], "without calling learner 'learn'"),
     (["run", "ppo", "--policy", "actor_learner(actors=0)"], "option 'actors' of policy 'actor_learner' is 0"),
     (["run", "ppo", "--backend", "nosuch"], "unknown backend 'nosuch'"),
+    (["run", "dqn", "--policy", "actor_learner(actors=2)", "--set", "total_timesteps=600", "--set", "learning_starts=200"],
+     "splits the loop's 1 environments across 2 processes (actors=2): they do not divide evenly\n  at algorithms/dqn.py:"),
+    (["run", "dqn", "--policy", "central_inference(env_workers=2)", "--set", "total_timesteps=600", "--set",
+      "learning_starts=200"], "processes (env_workers=2): they do not divide evenly"),
 ])
 def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"
@@ -174,3 +178,16 @@ def test_an_algorithm_file_imports_the_modules_beside_it_in_every_process(tmp_pa
     res = subprocess.run([str(exe), "run", str(tmp_path / "algo.py"), "--policy", "pipelined", "--out",
                           str(tmp_path / "run"), "-q"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_an_error_importing_the_algorithm_file_shows_only_the_users_frames(tmp_path):
+    """A syntax error or a failing import in the user's file: the user's line, none of Python's
+    import machinery (its frozen frames were shown)."""
+    exe = Path(sys.executable).with_name("fragflow")
+    (tmp_path / "syntax.py").write_text("import fragflow as ff\ndef train():\n    x = (1,\n    return x\n")
+    (tmp_path / "imports.py").write_text("import fragflow as ff\nimport no_such_module_here\ndef train():\n    pass\n")
+    for name, error in (("syntax.py", "SyntaxError"), ("imports.py", "ModuleNotFoundError")):
+        res = subprocess.run([str(exe), "run", str(tmp_path / name), "-q", "--out", str(tmp_path / "run")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert res.returncode == 1 and error in res.stderr and f'{tmp_path / name}", line' in res.stderr, res.stderr
+        assert "<frozen" not in res.stderr and "Traceback" not in res.stderr

@@ -102,7 +102,7 @@ def test_multi_learner_runs_ppo_and_refuses_indivisible_actors(program):
     assert np.isfinite(result.summary["final_return_mean"] or 0.0)
     from fragflow.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="puts 1 environments on each of 3 actors, but the loop steps 4"):
+    with pytest.raises(ConfigError, match=r"splits the loop's 4 environments across 3 processes \(learners=3 x actors=1\): they do not divide evenly"):
         ff.run(program.train, program.args_cls(), policy="multi_learner(learners=3, actors=1)")
 
 

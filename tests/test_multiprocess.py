@@ -136,7 +136,7 @@ def test_spawned_workers_give_the_same_run_as_forked_ones(monkeypatch):
 
 
 def test_actors_must_divide_the_environments():
-    with pytest.raises(ConfigError, match="puts 1 environments on each of 3 actors, but the loop steps 4"):
+    with pytest.raises(ConfigError, match=r"splits the loop's 4 environments across 3 processes \(actors=3\): they do not divide evenly"):
         ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")
 
 

@@ -211,21 +211,55 @@ def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: P
         return leaf.spec
     shape = list(leaf.spec.shape)
     total = shape[leaf.axis]
-    options = dict(placed.options)
-    asked = int(options.get("envs_per_actor", 0) or options.get("envs_per_worker", 0) or 0)
-    if total % replicas or (leaf.axis_name == "env" and asked and asked * replicas != total):
+    if total % replicas or (leaf.axis_name == "env" and _asked_per(placed) and _asked_per(placed) * replicas != total):
         if leaf.axis_name == "env":
-            per = asked or total // replicas
-            raise ConfigError(f"policy '{placed.policy}' puts {per} environments on each of {replicas} actors, "
-                              f"but the loop steps {total}",
-                              fix=f"choose actors dividing num_envs={total} and envs_per_actor = num_envs / actors "
-                                  "(or --set num_envs=...)")
+            _refuse_env_split(placed, total, replicas, graph.node(fragment).called_at)
         raise ConfigError(f"policy '{placed.policy}' splits '{leaf.dst_path}' of '{fragment}' ({total} along its "
                           f"{leaf.axis_name} axis) across {replicas} replicas, which does not divide it",
                           where=graph.node(fragment).called_at,
                           fix=f"use a size divisible by {replicas}, or another number of actors")
     shape[leaf.axis] = total // replicas
     return replace(leaf.spec, shape=tuple(shape))
+
+
+def _asked_per(placed: PlacedGraph) -> int:
+    options = dict(placed.options)
+    return int(options.get("envs_per_actor", 0) or options.get("envs_per_worker", 0) or 0)
+
+
+def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any) -> None:
+    """The policy's processes cannot each step an equal share of the loop's ``total`` environments."""
+    options = dict(placed.options)
+    unit, per_unit = ("env_workers", "envs_per_worker") if "env_workers" in options else ("actors", "envs_per_actor")
+    given = (f"learners={options['learners']} x actors={options.get('actors', 1)}" if "learners" in options
+             else f"{unit}={replicas}")
+    asked = _asked_per(placed)
+    each = f", {per_unit}={asked}" if asked else ""
+    raise ConfigError(f"policy '{placed.policy}' splits the loop's {total} environments across {replicas} processes "
+                      f"({given}{each}): they do not divide evenly", where=where,
+                      fix=f"choose {unit} dividing num_envs={total} (and {per_unit} = num_envs / {unit}), or "
+                          "--set num_envs=... to a multiple of it")
+
+
+def _check_env_split(placed: PlacedGraph, loop: Group) -> None:
+    """Every training env the loop steps is split evenly across its replicas (checked here, before
+    any process starts, rather than where an env is made in each)."""
+    if loop.replicas == 1:
+        return
+    graph = placed.graph
+    for name in loop.nodes:
+        node = graph.node(name)
+        if node.role != "env" or node.evaluation or not node.splittable:
+            continue
+        specs = dict(node.outputs)
+        for path, axis_name, axis in node.output_axes:
+            spec = specs.get(path)
+            if axis_name == "env" and spec is not None and len(spec.shape) > axis:
+                total = spec.shape[axis]
+                per = _asked_per(placed)
+                if total % loop.replicas or (per and per * loop.replicas != total):
+                    _refuse_env_split(placed, total, loop.replicas, node.called_at)
+                break
 
 
 def _reads(graph: Graph, state: str, readers: set[str], depth: int) -> Broadcast | None:
@@ -287,6 +321,7 @@ def lower(placed: PlacedGraph) -> Lowered:
         raise PlacementError(f"policy '{placed.policy}' produced {len(loops)} loop groups; one group runs the loop",
                              where=graph.defined_at, fix="fix the policy's place(): exactly one group has program='loop'")
     loop = loops[0]
+    _check_env_split(placed, loop)
     in_loop = set(loop.nodes)
     processes = sum(g.replicas for g in placed.groups)
     services: list[ServiceProgram] = []
