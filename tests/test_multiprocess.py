@@ -585,8 +585,10 @@ import fragflow as ff
 def learn(state, batch):
     w = state["w"] + 1e-3 * batch["obs"].mean()
     metrics = {"loss": float(np.abs(w).sum()), "parts": {"a": float(w[0, 0]), "b": [float(w[1, 1])]}}
-    if state["n"] >= 4:   # a metric first returned after the trace
+    if state["n"] >= 2:   # a metric first returned after the first calls (within the trace or after it)
         metrics["late"] = float(state["n"])
+    if state["n"] % 3 == 0:   # one returned now and then
+        metrics["now_and_then"] = float(state["n"])
     return {"w": w, "n": state["n"] + 1}, metrics, w[0]
 
 def train(named=False):
@@ -612,7 +614,8 @@ def train(named=False):
 @pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
 def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(write_algo, tmp_path, policy):
     """Where the learner runs apart, what the loop logs of its outputs reaches the same rows as under
-    single_process: every key of ff.log(metrics), those first returned after the trace too, nested
+    single_process: every key of ff.log(metrics), those it returns only from some call on or now and
+    then too (the trace lets a learner's metrics gain and lose keys), nested
     lists as 'b/0', an element of an array output taken in the loop, and a value logged after some
     of the learner's calls only (in those rows, not in every one)."""
     path, _ = write_algo(LOGGED, "logged.py")
@@ -622,9 +625,11 @@ def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(wri
         ff.run(program.train, policy=pol, out=tmp_path / run)
         rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
         columns.append({k: [r[k] for r in rows] for k in rows[0]
-                        if k in ("loss", "late", "b0", "v0", "odd") or k.startswith(("parts/", "again/"))})
-    assert set(columns[0]) == {"loss", "parts/a", "parts/b/0", "again/a", "again/b/0", "b0", "v0", "late", "odd"}
-    assert columns[0]["late"] == ["", "", "", "", "4.0", "5.0"]
+                        if k in ("loss", "late", "now_and_then", "b0", "v0", "odd") or k.startswith(("parts/", "again/"))})
+    assert set(columns[0]) == {"loss", "parts/a", "parts/b/0", "again/a", "again/b/0", "b0", "v0", "late", "odd",
+                               "now_and_then"}
+    assert columns[0]["late"] == ["", "", "2.0", "3.0", "4.0", "5.0"]
+    assert columns[0]["now_and_then"] == ["0.0", "", "", "3.0", "", ""]
     assert [v != "" for v in columns[0]["odd"]] == [False, True] * 3
     assert columns[1] == columns[0]
 

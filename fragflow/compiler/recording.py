@@ -219,6 +219,11 @@ class Recording:
             # the channels; a policy that serves this fragment through them refuses it
             if not rec.other_rows:
                 rec.other_rows = f"{rows} environments at {where} as well as {rec.rows} at {rec.called_at}"
+        elif specs != rec.out_specs and rec.role == "learner" and _only_keys_differ(rec.out_specs, specs):
+            # a learner's metrics may gain or lose keys (a value it reports only now and then): no
+            # channel carries them, its process logs what each call returns
+            seen = {p for p, _ in rec.out_specs}
+            rec.out_specs = rec.out_specs + [(p, s) for p, s in specs if p not in seen]
         elif specs != rec.out_specs:
             raise ShapeChangedError(
                 f"fragment '{rec.name}' changed its output between calls:\n"
@@ -288,6 +293,12 @@ class Recording:
             at = address(leaf)
             if at is not None:
                 self._by_address[at] = origin
+
+
+def _only_keys_differ(before: list[tuple[str, Any]], now: list[tuple[str, Any]]) -> bool:
+    """The outputs differ in which leaves they have, not in the shape of any leaf both have."""
+    known = dict(before)
+    return all(known.get(path, spec) == spec for path, spec in now)
 
 
 def strong(x: Any) -> Callable[[], Any]:

@@ -538,8 +538,11 @@ class ServiceRunner:
         logged: dict[str, dict[str, float]] = {}
         for item in self.program.logs.get(fragment, ()):
             value = out if item.index < 0 else out[item.index]
-            for k in item.keys:
-                value = value[k]
+            try:
+                for k in item.keys:
+                    value = value[k]
+            except (KeyError, IndexError):
+                continue   # a metric this call did not return (the learner reports it now and then)
             logged[item.name] = flat_scalars(value, item.name)
         return logged
 
