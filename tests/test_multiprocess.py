@@ -745,3 +745,45 @@ def test_a_learner_called_several_times_on_one_rollout_is_not_stale_by_its_own_u
     result = ff.run(program.train, policy="central_inference(env_workers=1, max_lag=1)")
     assert int(result.value["calls"]) == 24 and result.summary["updates"] == 24
     assert result.summary["channels"]["trajectory"]["drops"] == 0
+
+
+LEARN_WHEN_DONE = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for step in range(400):
+        obs, r, term, trunc, info = env.step(act(state["w"], obs))
+        buf.add(obs=obs)
+        if (step + 1) % 4 == 0:
+            batch = buf.collect()
+            if (term | trunc).any():   # a rollout where an episode ended
+                state, _ = learn(state, batch)   # @learn
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(actors=2)", "actor_learner(actors=2, max_lag=0)"])
+def test_calls_gathered_one_per_replica_from_different_moments_are_refused(write_algo, policy):
+    """Each replica calls the learner when an episode of its own environments ended: the calls
+    paired into one update came after different numbers of env steps (silently mixed before)."""
+    path, marks = write_algo(LEARN_WHEN_DONE, "learn_when_done.py")
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] > 0
+    with pytest.raises(ConfigError, match=rf"'learn' is called by the loop replicas after different numbers of env "
+                                          rf"steps \(replica 0 after \d+, replica 1 after \d+\)(.|\n)*"
+                                          rf"learn_when_done.py:{marks['learn']}"):
+        ff.run(program.train, policy=policy)
+    assert mp.active_children() == [] and shm_leftovers() == []

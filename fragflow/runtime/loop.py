@@ -331,7 +331,8 @@ class LoopInterpreter:
         call = self._calls_of[name] = self._calls_of.get(name, -1) + 1
         if self._seq >= self.skip_until:
             again = route.primary and not self._stepped   # another learner step on the rollout it last took
-            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket)
+            ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket,
+                     steps=int(getattr(self.reporter, "total_steps", 0)))
         self._seq += 1
         if route.primary:
             for state in self.program.reads:

@@ -47,11 +47,12 @@ STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share befo
 
 
 class _Piece:
-    __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived", "own")
+    __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived", "own", "steps")
 
     def __init__(self, replica: int, version: int, tag: int, aux: int, leaves: list[Any], ring: Any,
-                 own: int = 0) -> None:
+                 own: int = 0, steps: int = 0) -> None:
         self.replica, self.version, self.tag, self.leaves, self.ring = replica, version, tag, leaves, ring
+        self.steps = steps   # the env steps its replica had made when it made the call
         # updates its replica's earlier calls of the clock on the same rollout made (a learner called
         # several times on one rollout): not staleness, the algorithm's own steps
         self.own = own
@@ -197,7 +198,7 @@ class ServiceRunner:
             self._take_definition(block=True)
 
     # -- gathering ---------------------------------------------------------------------------------
-    def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int, int]] | None:
+    def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int, int, int]] | None:
         """Replica ``k``'s next call, if it has arrived: (tag, fragment, ring, meta)."""
         want = self.next_tag[k]
         for fragment, ring in self.rings[k].items():
@@ -227,6 +228,21 @@ class ServiceRunner:
             return (len(cuts) == self.program.producers and not any(self.pools.values())
                     and all(self.next_tag[k] >= tag for k, tag in cuts.items()))
         return calls.unpack_aux(aux)[2] == calls.cut_mark(request)
+
+    def _refuse_unpaired(self, fragment: str, pieces: list[_Piece]) -> None:
+        """Calls gathered one per replica, made after different numbers of env steps: the replicas
+        call ``fragment`` under a condition on data of their own environments (an episode that
+        ended), so this call would join different moments of the run (and single_process, stepping
+        every environment, would call it at other times still)."""
+        where = self.checks.get("called_at", {}).get(fragment)
+        steps = ", ".join(f"replica {p.replica} after {p.steps}" for p in pieces)
+        raise ConfigError(
+            f"'{fragment}' is called by the loop replicas after different numbers of env steps ({steps}), and "
+            "this policy gathers one call of each replica into one: the loop calls it under a condition on data of "
+            "each replica's own environments (an episode that ended, a reward), which the replicas see differently",
+            where=where,
+            fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted in "
+                "trips), or run with one replica (actors=1, env_workers=1) or --policy single_process")
 
     def _watch_stall(self) -> None:
         """Warn once when a call has waited long for the other replicas' share: a loop that calls a
@@ -268,7 +284,7 @@ class ServiceRunner:
             "a schedule every replica shares (every N trips), or run with one replica (actors=1, env_workers=1) "
             "or --policy single_process")))
 
-    def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int]]) -> _Piece | None:
+    def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
         self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
         if self._save_due() and self._saved_where_loop_is(meta[2]):
@@ -289,7 +305,7 @@ class ServiceRunner:
             return None
         if fragment == self.program.clock:
             self._own[k] = own + 1
-        piece = _Piece(k, version, tag, meta[2], leaves, ring, own)
+        piece = _Piece(k, version, tag, meta[2], leaves, ring, own, meta[4])
         self.pools.setdefault(fragment, []).append(piece)
         return piece
 
@@ -437,6 +453,8 @@ class ServiceRunner:
                 pieces = pieces[:self.program.producers]
         else:
             pieces.sort(key=lambda p: p.replica)
+            if len({p.steps for p in pieces}) > 1:
+                self._refuse_unpaired(fragment, pieces)
         self._wait_for(lambda: fragment in self.fragments and
                        all((p.replica, p.sid) in self.skeletons for p in pieces) and
                        all(st in self.states for st in self.program.states))

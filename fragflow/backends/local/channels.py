@@ -42,8 +42,9 @@ _HEAD, _TAIL, _PUTS, _GETS, _DROPS, _BYTES, _CLOSED, _PUT_WAIT_NS, _TAKEN = rang
 _LAGS = 9
 _SLOT_OF = _LAGS + LAG_BINS      # then capacity words: slot of item i at [i % capacity]
 # then capacity words: per slot, 1 + the number of the item last released from it (0: never used)
-_SLOT_WORDS = 5           # version, item number, tag (the producer's call number), aux (a word for the producer),
-                          # order (the producer's admission ticket: the consumer's first-come order across producers)
+_SLOT_WORDS = 6           # version, item number, tag (the producer's call number), aux (a word for the producer),
+                          # order (the producer's admission ticket: the consumer's first-come order across producers),
+                          # steps (the environment steps the producer had made)
 _SLOT_META = 64           # the leaves start one cache line into the slot, 64-byte aligned
 
 
@@ -159,7 +160,7 @@ class TrajectoryChannel:
 
     # -- producer ----------------------------------------------------------------------
     def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0,
-            order: int = 0) -> bool:
+            order: int = 0, steps: int = 0) -> bool:
         """Copy ``leaves`` into the next free slot; blocks while the ring is full (False on timeout).
         ``tag`` travels with the item (a producer numbers its calls across all its rings)."""
         t0 = time.perf_counter_ns()
@@ -175,6 +176,7 @@ class TrajectoryChannel:
         meta[2] = tag
         meta[3] = aux
         meta[4] = order
+        meta[5] = steps
         self.header[_HEAD] = head + 1
         self.header[_PUTS] += 1
         self.header[_BYTES] += self.layout.nbytes
@@ -260,12 +262,12 @@ class TrajectoryChannel:
             return None
         return int(self._slot(self._next)[0][0])
 
-    def peek(self) -> tuple[int, int, int, int] | None:
-        """(version, tag, aux, order) of the next item this consumer would take, or None if there is none."""
+    def peek(self) -> tuple[int, int, int, int, int] | None:
+        """(version, tag, aux, order, steps) of the next item this consumer would take, or None if there is none."""
         if int(self.header[_HEAD]) == self._next:
             return None
         meta = self._slot(self._next)[0]
-        return int(meta[0]), int(meta[2]), int(meta[3]), int(meta[4])
+        return int(meta[0]), int(meta[2]), int(meta[3]), int(meta[4]), int(meta[5])
 
     @property
     def available(self) -> int:

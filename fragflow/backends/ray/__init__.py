@@ -95,20 +95,20 @@ class RayRing:
         self._peeked: tuple[bool, int, int, int] | None = None
 
     def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0,
-            order: int = 0) -> bool:
+            order: int = 0, steps: int = 0) -> bool:
         if self.epoch is None:
             self.epoch = int(_get(self.hub.epoch_of.remote(self.name)))
         return bool(_get(self.hub.put.remote(self.name, _pack(self.layout, leaves), version, tag, aux, order,
-                                             self.nbytes, timeout, self.epoch)))
+                                             self.nbytes, timeout, self.epoch, steps)))
 
     def close(self) -> None:
         _get(self.hub.close.remote(self.name))
 
-    def peek(self) -> tuple[int, int, int, int] | None:
+    def peek(self) -> tuple[int, int, int, int, int] | None:
         out, state = _get(self.hub.peek.remote(self.name))
         if out is not None:
             self._peeked = None
-            return (int(out[0]), int(out[1]), int(out[2]), int(out[3]))
+            return (int(out[0]), int(out[1]), int(out[2]), int(out[3]), int(out[4]))
         self._peeked = (bool(state[0]), int(state[1]), int(state[2]), int(state[3]))
         return None
 

@@ -27,7 +27,7 @@ class _Ring:
 
     def __init__(self, capacity: int, group: str | None) -> None:
         self.capacity = capacity
-        self.items: collections.deque[tuple[int, int, int, int, list[Any], int]] = collections.deque()
+        self.items: collections.deque[tuple[int, int, int, int, list[Any], int, int]] = collections.deque()
         self.taken = 0                  # items at the front the consumer has taken and not released
         self.puts = self.gets = self.drops = self.bytes = self.put_wait_ns = 0
         self.lags = [0] * LAG_BINS
@@ -63,7 +63,7 @@ class Hub:
 
     # -- rings ---------------------------------------------------------------------------------------
     async def put(self, name: str, leaves: list[Any], version: int, tag: int, aux: int, order: int, nbytes: int,
-                  timeout: float | None, epoch: int = 0) -> Any:
+                  timeout: float | None, epoch: int = 0, steps: int = 0) -> Any:
         ring = self.rings[name]
         if epoch != ring.epoch:
             return True   # sent by a producer that has died since (it may still be in flight when it is fenced)
@@ -79,7 +79,7 @@ class Hub:
                 return STOPPED
             if epoch != ring.epoch:
                 return True
-            ring.items.append((version, tag, aux, order, leaves, nbytes))
+            ring.items.append((version, tag, aux, order, leaves, nbytes, steps))
             ring.puts += 1
             ring.bytes += nbytes
             ring.put_wait_ns += int((loop.time() - t0) * 1e9)
@@ -107,15 +107,15 @@ class Hub:
         if ring.group is not None:
             self.ready[ring.group].set()
 
-    def peek(self, name: str) -> tuple[tuple[int, int, int, int] | None, tuple[bool, int, int, int]]:
-        """The next item's (version, tag, aux, order), or None; and the ring's state (see ``ring_state``),
+    def peek(self, name: str) -> tuple[tuple[int, int, int, int, int] | None, tuple[bool, int, int, int]]:
+        """The next item's (version, tag, aux, order, steps), or None; and the ring's state (see ``ring_state``),
         which a consumer asks next when there is nothing to take."""
         ring = self.rings[name]
         state = self.ring_state(name)
         if ring.taken >= len(ring.items):
             return None, state
-        v, tag, aux, order, _, _ = ring.items[ring.taken]
-        return (v, tag, aux, order), state
+        v, tag, aux, order, _, _, steps = ring.items[ring.taken]
+        return (v, tag, aux, order, steps), state
 
     def try_get(self, name: str) -> tuple[int, list[Any]] | None:
         ring = self.rings[name]
