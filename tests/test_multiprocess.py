@@ -366,11 +366,39 @@ def train(args: Args):
 """
 
 
-def test_replicas_that_wait_for_each_other_for_good_are_named_in_a_warning(write_algo, tmp_path):
-    """A learner called under an `if` on data: the two env workers make different calls, and the
-    learner's process, which gathers one call from each, waits for good; the run says so."""
-    path, _ = write_algo(LEARN_ON_DATA, "learn_on_data.py")
+ACT_ON_DATA = LEARN_ON_DATA.replace("""
+        batch = buf.collect()
+        if (terminated | truncated).any():       # learn only when an episode ended on the last step (data-dependent)
+            state, metrics = learn(state, batch, args.lr)
+            ff.log(metrics)""", """
+        batch = buf.collect()
+        state, metrics = learn(state, batch, args.lr)
+        ff.log(metrics)""").replace("""
+            action = act(state["w"], obs, sub)""", """
+            if update > 0 and (terminated | truncated).any():   # acts greedily after an episode ended (data)
+                action = act_greedy(state["w"], obs)
+            else:
+                action = act(state["w"], obs, sub)""").replace("""
+@ff.fragment("learner", writes="state")""", """
+@ff.fragment("actor")
+def act_greedy(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+
+@ff.fragment("learner", writes="state")""")
+
+
+def test_replicas_calling_a_learner_on_their_own_data_stop_at_once_or_are_named_when_they_wait(write_algo, tmp_path):
+    """A learner called under an `if` on data: the two env workers' calls come from different
+    moments, refused at once; an actor chosen on data: each worker waits for the other's other
+    request for good, and the run says so."""
     exe = Path(sys.executable).with_name("fragflow")
+    path, _ = write_algo(LEARN_ON_DATA, "learn_on_data.py")
+    res = subprocess.run([str(exe), "run", str(path), "--policy", "central_inference", "--out", str(tmp_path / "a"),
+                          "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "is called by the loop replicas after different numbers of env steps" in res.stderr
+    assert "act_greedy(state" in ACT_ON_DATA and "def act_greedy" in ACT_ON_DATA and "learn only when" not in ACT_ON_DATA
+    path, _ = write_algo(ACT_ON_DATA, "act_on_data.py")
     proc = subprocess.Popen([str(exe), "run", str(path), "--policy", "central_inference", "--out", str(tmp_path / "run"),
                              "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "FRAGFLOW_STALL_WARN": "2"})
@@ -385,7 +413,7 @@ def test_replicas_that_wait_for_each_other_for_good_are_named_in_a_warning(write
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "wait for each other for good" in err and "'learn' by loop replica" in err, err
+    assert "wait for each other for good" in err and "by loop replica" in err, err
     assert proc.returncode == 130
     assert shm_leftovers(proc.pid) == []
 
