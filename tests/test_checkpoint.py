@@ -245,6 +245,9 @@ def test_the_actors_and_the_learner_save_the_same_cut_of_the_run(tmp_path, polic
         trip = trips.pop()
         assert m["counters"]["updates"] == version == trip, (mid.name, m["counters"], version, trip)
         assert m["counters"]["env_steps"] == trip * args.num_steps * args.num_envs
+        # the episodes the run had finished by the cut, not as many as had reached the driver
+        ended = [ret for steps, ret, _ in first.episodes if steps <= m["counters"]["env_steps"]]
+        assert m["counters"]["episodes"] == len(ended) and m["counters"]["recent_returns"] == ended[-20:]
     for i, mid in enumerate(mids):
         again = driver.run(ppo.train, args, policy=policy, out=tmp_path / f"again{i}", resume=mid)
         assert again.summary["updates"] == 12 and again.summary["env_steps"] == args.total_timesteps

@@ -250,6 +250,18 @@ class Monitor:
                 "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
                 "solved_at_steps": self.solved_at_steps}
 
+    def counters_at(self, steps: dict[int, int]) -> dict[str, Any]:
+        """:meth:`counters` with the episodes as they stood where each loop replica had made
+        ``steps[replica]`` env steps (a checkpoint's cut), not as many as have reached the driver."""
+        out = self.counters()
+        ended = sorted(((t, r, ret, length) for r, at in steps.items() for t, ret, length in self._tagged.get(r, [])
+                        if t <= at), key=_by_step)
+        recent = (self._resumed_recent + [(ret, length) for *_, ret, length in ended])[-RETURN_WINDOW:]
+        out["episodes"] = self.base_episodes + len(ended)
+        out["recent_returns"] = [ret for ret, _ in recent]
+        out["recent_lengths"] = [length for _, length in recent]
+        return out
+
     def resume(self, counters: dict[str, Any]) -> None:
         """Continue the counters a checkpoint recorded."""
         self.env_steps = self.base_steps = int(counters.get("env_steps", 0))

@@ -303,8 +303,11 @@ class Driver:
                     ck.abort()
                     ck.requested = True
                     return
-                ck.complete(self.monitor.counters(), self.lowered.loop.replicas,
-                            (self.monitor.base_steps, self.monitor.base_updates))
+                at = {int(part[4:]): int(info["steps"]) for part, info in ck.staged[4].items()
+                      if part.startswith("loop") and "steps" in info}
+                counters = (self.monitor.counters_at(at) if len(at) == self.lowered.loop.replicas
+                            else self.monitor.counters())
+                ck.complete(counters, self.lowered.loop.replicas, (self.monitor.base_steps, self.monitor.base_updates))
                 if ck.stop_after:
                     raise KeyboardInterrupt
         elif kind == "error":
