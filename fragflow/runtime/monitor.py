@@ -83,6 +83,7 @@ class Monitor:
         self._first_mark: dict[int, int] = {}
         self._waiting: list[dict[str, float]] = []
         self._ended: set[int] = set()   # loop replicas whose loop has ended
+        self._early: dict[int, dict[str, float]] = {}   # values of updates the driver has not heard of yet
         self._resumed_recent: list[tuple[float, int]] = []
         self.stop_requested = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
@@ -148,6 +149,9 @@ class Monitor:
                 if int(row["updates"]) - self.base_updates == update:
                     row.update(scalars)
                     return
+            if update > self.updates - self.base_updates:   # its update has not reached the driver yet
+                self._early.setdefault(update, {}).update(scalars)
+                return
         self.log_scalars(scalars)
 
     def _mark_of(self, replica: int, update: int) -> tuple[int, int] | None:
@@ -157,6 +161,8 @@ class Monitor:
         """Set the row's step and episode columns from its update's marks, if they are all in and
         replica 0, which logs, has gone on to its next update (what it logs of this one is in)."""
         j = int(row["updates"]) - self.base_updates
+        if j <= 0:
+            return True   # the loop's values before this run's first update: as they came
         if 0 not in self._ended and self._mark_of(0, j + 1) is None:
             return False
         at = []
@@ -193,6 +199,9 @@ class Monitor:
         if self._pending is not None:
             self._flush()
         self._pending = self._runtime_row()
+        early = self._early.pop(self.updates - self.base_updates, None)
+        if early:
+            self._pending.update(early)
 
     def log(self, scalars: Any) -> None:
         """Scalars from ``ff.log`` (a pytree of 0-d arrays or numbers) into the current row."""
@@ -351,6 +360,8 @@ class Monitor:
         return out
 
     def close(self) -> None:
+        for update in sorted(self._early):   # values of updates that never came (the run stopped first)
+            self.log_scalars(self._early.pop(update))
         self._flush()
         self._drain(force=True)
         if self.marked_replicas and self._tagged:
