@@ -156,13 +156,13 @@ class ProbeArray(np.ndarray):
 
     def __getitem__(self, key: Any) -> Any:
         if _sink is not None and _element_key(key):   # the loop takes an element: a probe of its own
-            return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, f"{self._ff_path}[{key!r}]")
+            return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, f"{self._ff_path}[{int(key)!r}]")
         return super().__getitem__(key)
 
 
 def _element_key(key: Any) -> bool:
-    """An element's index (``v[0]``, ``m[1, 2]``): what ``Pending`` follows too, a key at a time."""
-    return isinstance(key, int) and not isinstance(key, bool)
+    """An element's index (``v[0]``, ``v[np.int64(1)]``): what ``Pending`` follows too, a key at a time."""
+    return isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_))
 
 
 _UFUNC_USES = {"greater": "compared with >", "less": "compared with <", "greater_equal": "compared with >=",
@@ -184,7 +184,7 @@ def _torch_probe() -> type:
                 name = getattr(func, "__name__", "")
                 if name == "__getitem__" and _sink is not None and len(args) == 2 and _element_key(args[1]):
                     # the loop takes an element: a probe of its own (ff.log of it is logged as such)
-                    return element(func(*_plain(tuple(args))), args[0]._ff_fragment, f"{args[0]._ff_path}[{args[1]!r}]")
+                    return element(func(*_plain(tuple(args))), args[0]._ff_fragment, f"{args[0]._ff_path}[{int(args[1])!r}]")
                 if name == "__format__" and not (len(args) > 1 and args[1]):
                     pass   # printed, no spec: not a read
                 elif name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):

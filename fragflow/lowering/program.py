@@ -393,7 +393,10 @@ def lower(placed: PlacedGraph) -> Lowered:
             axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in crossing)
             whole = tuple((i, axis, specs[i].shape[axis]) for i, (leaf, axis) in enumerate(zip(crossing, axes))
                           if axis is not None and leaf.axis_name == "env" and source.get(leaf.dst_path, LOOP) == LOOP)
-            if whole:
+            # only where a call merges one piece of every replica, in order: a batch of the replicas
+            # that have arrived (arrival gathering) or of a learner's own (several) would miss rows
+            in_order = lag == 0 or (traj.discipline if traj is not None else "ordered") == "ordered"
+            if whole and in_order and group.replicas == 1:
                 remote[name] = replace(remote[name], whole=whole)
             for k in range(loop.replicas):
                 rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity))

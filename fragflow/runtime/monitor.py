@@ -133,6 +133,8 @@ class Monitor:
     def mark(self, replica: int, update: int, steps: int) -> None:
         """Loop replica ``replica`` made its ``update``-th clock call having stepped ``steps`` env
         steps (as heard from it) and finished every episode heard from it so far."""
+        if not self.marked_replicas:
+            return
         self._first_mark.setdefault(replica, update)
         self._marks.setdefault(replica, {}).setdefault(update, (steps, len(self._tagged.get(replica, ()))))
         self._drain()
@@ -153,6 +155,13 @@ class Monitor:
                 self._early.setdefault(update, {}).update(scalars)
                 return
         self.log_scalars(scalars)
+
+    def log_latest(self, scalars: dict[str, float]) -> None:
+        """Scalars of the update in progress, a later call's replacing an earlier one's (a learner
+        called several times in an update, its outputs logged as the trace saw them)."""
+        row = self._pending if self._pending is not None else self._runtime_row()
+        row.update(scalars)
+        self._pending = row
 
     def _mark_of(self, replica: int, update: int) -> tuple[int, int] | None:
         return self._marks.get(replica, {}).get(self._first_mark.get(replica, 1) - 1 + update)
@@ -185,7 +194,10 @@ class Monitor:
         while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > 64):
             if self.outputs is not None:
                 self.outputs.write_row(self._waiting[0])
-            self._waiting.pop(0)
+            written = int(self._waiting.pop(0)["updates"]) - self.base_updates
+            for replica, marks in self._marks.items():   # rows after it need marks from its next update on
+                for u in [u for u in marks if u < self._first_mark.get(replica, 1) + written]:
+                    del marks[u]
 
     def eval_episode(self, ret: float, length: int) -> None:
         """An episode of an evaluation env: reported apart, never mixed into the training returns."""

@@ -213,9 +213,9 @@ class Driver:
         update = self.monitor.updates - self.monitor.base_updates
         if call is None or not self.monitor.marked_replicas:
             # gathered on arrival from several replicas: an update's row cannot wait for replica 0's
-            # word on calls it may have no part in; logged after every call, as the trace saw it
+            # word on calls it may have no part in; logged as the trace saw it, the update's last call's
             for scalars in logged.values():
-                self.monitor.log_at(update, scalars)
+                self.monitor.log_latest(scalars)
             return
         for part, prefix in self._asked_for.pop((fragment, call), ()):
             self._write_logged(update, logged.get(part, {}), prefix)

@@ -299,9 +299,12 @@ class ServiceRunner:
             version = self.version
         again, own = calls.again_of(meta[2]), 0
         if fragment == self.program.clock:
-            own = self._own.get(k, 0) if again else 0
+            # (at most the updates since its version: a loop that steps no counted env has every call "again")
+            own = min(self._own.get(k, 0), max(self.version - version, 0)) if again else 0
         if not self._accept(fragment, self.version - version - own):
             ring.release(dropped=True)
+            if fragment == self.program.clock:
+                self._own[k] = own
             return None
         if fragment == self.program.clock:
             self._own[k] = own + 1
