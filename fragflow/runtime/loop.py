@@ -376,8 +376,8 @@ class LoopInterpreter:
 
     # -- logging -----------------------------------------------------------------------------
     def _log(self, tree: Any) -> None:
-        if self.index != 0:
-            return None
+        if self.index != 0 or self._seq < self.skip_until:
+            return None   # (a restarted replica re-running trips its dead process had made: reported then)
         requests: list[tuple[str, int, str, str]] = []
         self._check_logged(tree, "", requests)
         if requests:   # logged where they are computed: the driver writes those of the calls the loop logged

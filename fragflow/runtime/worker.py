@@ -240,7 +240,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if restart["point"] is not None:
             meta, arrays, seq, update, counts = restart["point"]
             interp._seq, interp.update = seq, update
-            reporter.total_steps, reporter.total_episodes = counts
+            reporter.total_steps, reporter.total_episodes = counts[0], counts[1]
+            interp._calls_of = dict(counts[2])   # the calls' numbers go on (what the loop logged names them)
             tracker.resume = checkpoint.resume_point((meta, arrays))
     root = saving.get("root")
     admission = endpoints.admission
@@ -278,7 +279,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             # copies: the queue pickles later, in its own thread, while the loop goes on writing
             arrays = {key: np.array(a) for key, a in arrays.items()}
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
-                                   (reporter.total_steps, reporter.total_episodes)))
+                                   (reporter.total_steps, reporter.total_episodes, dict(interp._calls_of))))
             cost = time.monotonic() - t0
             next_snapshot[0] = time.monotonic() + max(SNAPSHOT_EVERY, SNAPSHOT_COST * cost)
 
