@@ -619,7 +619,8 @@ def learn(state, batch):
         metrics["now_and_then"] = float(state["n"])
     return {"w": w, "n": state["n"] + 1}, metrics, w[0]
 
-def train(named=False):
+def train(opts=None):   # ff.run(train, {"named": True}) passes the dict
+    named, late_element = bool(opts and opts.get("named")), bool(opts and opts.get("late_element"))
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2)), "n": 0})
     buf = ff.RolloutBuffer(4)
@@ -634,7 +635,9 @@ def train(named=False):
         if u % 2 == 1:
             ff.log({"odd": m["loss"]})   # logged after some of the learner's calls only
         if named:
-            ff.log({f"loss{u}": m["loss"]})   # @named
+            ff.log({f"loss{u}": m["loss"]})   # a name made from the update number
+        if late_element and u == 5:
+            ff.log({"v1": row[1]})   # @late
     return state
 """
 
@@ -662,16 +665,24 @@ def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(wri
     assert columns[1] == columns[0]
 
 
-def test_a_learner_output_logged_under_a_name_the_trace_did_not_see_is_refused_not_lost(write_algo):
-    """Logged under a name the trace never saw (one made from the update number), the value would
-    never reach the metrics where the learner runs apart: refused at the line."""
+def test_learner_outputs_logged_under_names_of_the_loops_making_reach_the_rows_and_unseen_parts_are_refused(
+        write_algo, tmp_path):
+    """A learner output logged under a name the loop makes (from the update number) is logged by
+    it; an element of an array output first taken after the trace is not among the parts the
+    learner's process reports, and would never reach the metrics: refused at the line."""
     path, marks = write_algo(LOGGED, "logged_named.py")
     program = load(str(path))
-    assert ff.run(program.train, dict(named=True), policy="single_process").summary["updates"] == 6
+    columns = []
+    for run, pol in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
+        ff.run(program.train, dict(named=True), policy=pol, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        columns.append({k: [r[k] for r in rows] for k in rows[0] if k.startswith("loss")})
+    assert sorted(columns[0]) == ["loss", *(f"loss{u}" for u in range(6))] and columns[1] == columns[0]
+    assert ff.run(program.train, dict(late_element=True), policy="single_process").summary["updates"] == 6
     with pytest.raises(ff.errors.LearnerOutputOnActingSideError,
-                       match=rf"ff.log got output \[1\]\['loss'\] of fragment 'learn' as 'loss\d', "
-                             rf"(.|\n)*logged_named.py:{marks['named']}"):
-        ff.run(program.train, dict(named=True), policy="pipelined")
+                       match=rf"ff.log got output \[2\]\[1\] of fragment 'learn' as 'v1', "
+                             rf"(.|\n)*logged_named.py:{marks['late']}"):
+        ff.run(program.train, dict(late_element=True), policy="pipelined")
     assert mp.active_children() == []
     assert shm_leftovers() == []
 

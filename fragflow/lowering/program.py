@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from fragflow.compiler.ir import EdgeKind, Graph, LeafSpec
 from fragflow.compiler.pytree import TensorSpec
 from fragflow.compiler.tracer import LOOP
@@ -87,12 +89,13 @@ class Remote:
 
 @dataclass(frozen=True)
 class Logged:
-    """What a service logs after a call: the part of the call's output at ``index``/``keys``, a
-    scalar named ``name`` or a subtree whose scalars' names ``name`` prefixes (see flat_scalars)."""
+    """A part of a fragment's output its service reports after each call: the scalars of the
+    subtree at ``index``/``keys``; ``names``: the (path in it, name) pairs the trace saw it logged
+    by, written where calls are gathered on arrival (elsewhere the loop says what it logs)."""
 
-    name: str
     index: int
     keys: tuple[Any, ...]
+    names: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class LoopProgram:
     max_lag: int
     restartable: str | None = None    # None: a replica whose process dies is started again; else why not
     routes: dict[str, tuple[str, ...]] | None = None   # a replicated service group: its instance per loop replica
-    logged: frozenset[tuple[str, int, tuple[Any, ...], str]] = frozenset()   # (fragment, index, keys, name) services log
+    logged: tuple[tuple[str, int, int, tuple[Any, ...]], ...] = ()   # (fragment, part, index, keys) services report
 
     def service_for(self, group: str, replica: int) -> str:
         """The service instance loop replica ``replica`` sends ``group``'s calls to."""
@@ -281,11 +284,15 @@ def _reads(graph: Graph, state: str, readers: set[str], depth: int) -> Broadcast
 
 
 def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
-    """What the service logs after each call of ``fragment``: each part of its output the loop sent
-    to ``ff.log``, as the widest subtree logged whole under one name, so that a metric the learner
-    first returns after the trace is logged too (``ff.log(metrics)`` logs every key it has)."""
-    produced = [parse_path(path) for path, _ in graph.node(fragment).outputs]
-    out = []
+    """The parts of ``fragment``'s outputs its service reports after each call, for the loop to log
+    what it logs of them: each part the loop sent to ``ff.log`` while tracing, as the widest subtree
+    logged whole (``ff.log(metrics)``: every key the learner returns, keys first returned later
+    included), with the names it was logged by (where calls are gathered on arrival the service's
+    reports are written by those names); and of a learner every output that holds scalars only, or
+    nothing (a metrics dict empty while tracing), which the loop may log from some call on."""
+    node = graph.node(fragment)
+    produced = [parse_path(path) for path, _ in node.outputs]
+    parts: dict[tuple[int, tuple[Any, ...]], list[tuple[str, str]]] = {}
     for e in graph.edges_of(EdgeKind.DATA):
         if not (e.src == fragment and e.dst in group and graph.node(e.dst).role == "logger"):
             continue
@@ -308,9 +315,22 @@ def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
                 if members <= pairs.keys():
                     break
             done |= members
-            index, keys = (int(root[0]), root[1:]) if e.src_port else (-1, root)
-            out.append(Logged("/".join(str(k) for k in name), index, tuple(keys)))
-    return tuple(out)
+            index, keys = (int(root[0]), tuple(root[1:])) if e.src_port else (-1, tuple(root))
+            names = parts.setdefault((index, keys), [])
+            if ("", _name(name)) not in names:
+                names.append(("", _name(name)))
+    if node.role == "learner":
+        first = 1 if any(e.src == fragment for e in graph.edges_of(EdgeKind.STATE_WRITE)) else 0
+        scalar = {parse_path(path): int(np.prod(spec.shape)) == 1 for path, spec in node.outputs}
+        for index in (range(first, node.arity) if node.arity else [-1]):
+            under = [ok for p, ok in scalar.items() if index < 0 or p[:1] == (index,)]
+            if all(under):
+                parts.setdefault((index, ()), [])
+    return tuple(Logged(index, keys, tuple(names)) for (index, keys), names in parts.items())
+
+
+def _name(keys: tuple[Any, ...]) -> str:
+    return "/".join(str(k) for k in keys)
 
 
 def lower(placed: PlacedGraph) -> Lowered:
@@ -444,6 +464,6 @@ def lower(placed: PlacedGraph) -> Lowered:
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
                           {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice, loop.restart),
                           routes or None,
-                          frozenset((f, item.index, item.keys, item.name) for s in services
-                                    for f, items in s.logs.items() for item in items))
+                          tuple((f, part, item.index, item.keys) for s in services if s.rank == 0
+                                for f, items in s.logs.items() for part, item in enumerate(items)))
     return Lowered(placed, program, tuple(services))

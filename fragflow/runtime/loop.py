@@ -52,7 +52,7 @@ class Reporter(Protocol):
     def log(self, scalars: dict[str, float], update: int | None = None) -> None: ...
     def flush(self) -> None: ...
     def mark(self, update: int) -> None: ...
-    def logged(self, requests: list[tuple[str, int, str, str]]) -> None: ...
+    def logged(self, requests: list[tuple[str, int, int, str, str]]) -> None: ...
 
 
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
@@ -378,7 +378,7 @@ class LoopInterpreter:
     def _log(self, tree: Any) -> None:
         if self.index != 0 or self._seq < self.skip_until:
             return None   # (a restarted replica re-running trips its dead process had made: reported then)
-        requests: list[tuple[str, int, str, str]] = []
+        requests: list[tuple[str, int, int, str, str]] = []
         self._check_logged(tree, "", requests)
         if requests:   # logged where they are computed: the driver writes those of the calls the loop logged
             self.reporter.logged(requests)
@@ -388,16 +388,17 @@ class LoopInterpreter:
         return None
 
 
-    def _check_logged(self, tree: Any, name: str, requests: list[tuple[str, int, str, str]]) -> None:
+    def _check_logged(self, tree: Any, name: str, requests: list[tuple[str, int, int, str, str]]) -> None:
         """Each output of another process's fragment sent to ff.log must be in a part its process
-        logs (the parts of its outputs the trace saw logged, by the same names): others would be
-        lost. ``requests`` gets (fragment, its call, the part's name, this output's name) of each."""
+        reports (see lowering's _logged): others would be lost. ``requests`` gets (fragment, its
+        call, the part, the output's path in the part, the name it is logged by) of each."""
         if isinstance(tree, Pending):
-            part = next((entry for fragment, index, keys, entry in self.program.logged
-                         if fragment == tree.fragment and index == tree.index and tree.keys[:len(keys)] == keys
-                         and name == "/".join([entry] * bool(entry) + [str(k) for k in tree.keys[len(keys):]])), None)
+            part = max(((p, keys) for fragment, p, index, keys in self.program.logged
+                        if fragment == tree.fragment and index == tree.index and tree.keys[:len(keys)] == keys),
+                       key=lambda pk: len(pk[1]), default=None)
             if part is not None:
-                requests.append((tree.fragment, tree.call, part, name))
+                rest = "/".join(str(k) for k in tree.keys[len(part[1]):])
+                requests.append((tree.fragment, tree.call, part[0], rest, name))
             else:
                 what = f"{'' if tree.index < 0 else f'[{tree.index}]'}{tree.path}"
                 raise LearnerOutputOnActingSideError(

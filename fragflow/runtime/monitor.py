@@ -46,6 +46,39 @@ def _by_step(episode: tuple[int, int, float, int]) -> tuple[int, int]:
     return episode[0], episode[1]
 
 
+def scalars_in(tree: Any) -> dict[str, float]:
+    """The scalar leaves of ``tree`` by their path in it, named as :func:`flat_scalars` names them
+    ("" for ``tree`` itself a scalar); leaves that are not one number are left out."""
+    out: dict[str, float] = {}
+    _scalars(tree, "", out)
+    return out
+
+
+def _scalars(tree: Any, name: str, out: dict[str, float]) -> None:
+    items: Any
+    if tree is None:
+        return
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        items = zip(tree._fields, tree)
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        if isinstance(tree, (int, float)):
+            out[name] = float(tree)
+        elif getattr(tree, "size", None) == 1 or getattr(tree, "numel", lambda: 0)() == 1:
+            out[name] = float(to_numpy(tree))
+        return
+    for k, v in items:
+        _scalars(v, f"{name}/{k}" if name else str(k), out)
+
+
+def logged_name(name: str, rest: str) -> str:
+    """The column of a scalar at ``rest`` in a value the loop logged as ``name`` (flat_scalars' names)."""
+    return "/".join(x for x in (name, rest) if x) or "value"
+
+
 class StopRun(BaseException):
     """Unwinds the training loop when the run is done early (target reached with stop_on_target)."""
 
@@ -185,9 +218,8 @@ class Monitor:
         tail = sorted(((t, r, ret, length) for r, (_, n) in enumerate(at)
                        for t, ret, length in self._tagged.get(r, [])[max(0, n - RETURN_WINDOW):n]), key=_by_step)
         recent = (self._resumed_recent + [(ret, length) for _, _, ret, length in tail])[-RETURN_WINDOW:]
-        if recent:
-            row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent)
-            row["episode_length_mean"] = sum(length for _, length in recent) / len(recent)
+        row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent) if recent else math.nan
+        row["episode_length_mean"] = sum(length for _, length in recent) / len(recent) if recent else math.nan
         return True
 
     def _drain(self, force: bool = False) -> None:

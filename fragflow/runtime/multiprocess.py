@@ -21,7 +21,7 @@ import cloudpickle
 from fragflow import backends
 from fragflow.errors import FragflowError
 from fragflow.lowering import Lowered
-from fragflow.runtime.monitor import Monitor, StopRun
+from fragflow.runtime.monitor import Monitor, StopRun, logged_name
 from fragflow.runtime.serial import unwrap
 
 JOIN_TIMEOUT = 3.0
@@ -75,8 +75,10 @@ class Driver:
         self.points: dict[int, tuple[Any, ...]] = {}     # replica -> where it last said it stood
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
-        self._computed_logs: dict[tuple[str, int], tuple[int, dict[str, dict[str, float]]]] = {}
-        self._asked_for: dict[tuple[str, int], list[tuple[str, str]]] = {}
+        self._computed_logs: dict[tuple[str, int], tuple[int, dict[int, dict[str, float]]]] = {}
+        self._asked_for: dict[tuple[str, int], list[tuple[int, str, str]]] = {}
+        # each reporting service's parts (see lowering's _logged), by fragment
+        self.parts = {f: items for s in lowered.services if s.rank == 0 for f, items in s.logs.items()}
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -209,30 +211,40 @@ class Driver:
     # monitor still holds it: rows wait for the loop's word, see Monitor.mark).
     _KEEP_CALLS = 256   # calls of a fragment kept for the other side's word
 
-    def _computed(self, fragment: str, call: int | None, logged: dict[str, dict[str, float]]) -> None:
+    def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float]]) -> None:
         update = self.monitor.updates - self.monitor.base_updates
         if call is None or not self.monitor.marked_replicas:
             # gathered on arrival from several replicas: an update's row cannot wait for replica 0's
-            # word on calls it may have no part in; logged as the trace saw it, the update's last call's
-            for scalars in logged.values():
-                self.monitor.log_latest(scalars)
+            # word on calls it may have no part in; logged by the names the trace saw, the update's
+            # last call's values
+            parts = self.parts.get(fragment, ())
+            for part, scalars in logged.items():
+                for rest, name in parts[part].names if part < len(parts) else ():
+                    self._write_logged(None, scalars, rest, name)
             return
-        for part, prefix in self._asked_for.pop((fragment, call), ()):
-            self._write_logged(update, logged.get(part, {}), prefix)
+        for part, rest, name in self._asked_for.pop((fragment, call), ()):
+            self._write_logged(update, logged.get(part, {}), rest, name)
         self._computed_logs[(fragment, call)] = (update, logged)   # a later ff.log of the call may ask again
         self._forget_logs(fragment, call)
 
-    def _asked(self, fragment: str, call: int, part: str, prefix: str) -> None:
+    def _asked(self, fragment: str, call: int, part: int, rest: str, name: str) -> None:
         computed = self._computed_logs.get((fragment, call))
         if computed is not None:
-            self._write_logged(computed[0], computed[1].get(part, {}), prefix)
+            self._write_logged(computed[0], computed[1].get(part, {}), rest, name)
         else:
-            self._asked_for.setdefault((fragment, call), []).append((part, prefix))
+            self._asked_for.setdefault((fragment, call), []).append((part, rest, name))
             self._forget_logs(fragment, call)
 
-    def _write_logged(self, update: int, scalars: dict[str, float], prefix: str) -> None:
-        chosen = {k: v for k, v in scalars.items() if not prefix or k == prefix or k.startswith(prefix + "/")}
-        if chosen:
+    def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str) -> None:
+        """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
+        update in progress, a later call's replacing an earlier one's)."""
+        chosen = {}
+        for path, value in scalars.items():
+            if not rest or path == rest or path.startswith(rest + "/"):
+                chosen[logged_name(name, path[len(rest):].lstrip("/"))] = value
+        if chosen and update is None:
+            self.monitor.log_latest(chosen)
+        elif chosen:
             self.monitor.log_at(update, chosen)
 
     def _forget_logs(self, fragment: str, call: int) -> None:
@@ -261,8 +273,8 @@ class Driver:
         elif kind == "logs":
             self._computed(*msg[1:])
         elif kind == "logged" and self.monitor.marked_replicas:
-            for fragment, call, part, prefix in msg[1]:
-                self._asked(fragment, call, part, prefix)
+            for fragment, call, part, rest, name in msg[1]:
+                self._asked(fragment, call, part, rest, name)
         elif kind == "log":   # the loop's own values, after its update-th update
             self.monitor.log_at(msg[2], msg[1])
         elif kind == "warn":

@@ -44,7 +44,7 @@ class MonitorReporter:
     def mark(self, update: int) -> None:
         pass
 
-    def logged(self, requests: list[tuple[str, int, str, str]]) -> None:
+    def logged(self, requests: list[tuple[str, int, int, str, str]]) -> None:
         pass
 
 

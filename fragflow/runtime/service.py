@@ -40,7 +40,7 @@ from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
-from fragflow.runtime.monitor import flat_scalars
+from fragflow.runtime.monitor import scalars_in
 
 IDLE_WAIT = 0.05
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
@@ -554,17 +554,18 @@ class ServiceRunner:
             if self.started[p.replica] is None:
                 self.started[p.replica] = self.version
 
-    def _logged(self, fragment: str, out: Any) -> dict[str, dict[str, float]]:
-        """The scalars of each part of the call's output that the loop logs (by its name)."""
-        logged: dict[str, dict[str, float]] = {}
-        for item in self.program.logs.get(fragment, ()):
+    def _logged(self, fragment: str, out: Any) -> dict[int, dict[str, float]]:
+        """The scalars of each part of the call's output the loop may log (see lowering's _logged),
+        by their path in the part ("" for a part that is one scalar)."""
+        logged: dict[int, dict[str, float]] = {}
+        for part, item in enumerate(self.program.logs.get(fragment, ())):
             value = out if item.index < 0 else out[item.index]
             try:
                 for k in item.keys:
                     value = value[k]
-            except (KeyError, IndexError):
+            except (KeyError, IndexError, TypeError):
                 continue   # a metric this call did not return (the learner reports it now and then)
-            logged[item.name] = flat_scalars(value, item.name)
+            logged[part] = scalars_in(value)
         return logged
 
     def _publish(self, state: str) -> None:

@@ -104,7 +104,7 @@ class QueueReporter:
     def log(self, scalars: dict[str, float], update: int | None = None) -> None:
         self.results.put(("log", scalars, update))
 
-    def logged(self, requests: list[tuple[str, int, str, str]]) -> None:
+    def logged(self, requests: list[tuple[str, int, int, str, str]]) -> None:
         self.results.put(("logged", requests))
 
     def mark(self, update: int) -> None:
