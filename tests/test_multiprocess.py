@@ -826,3 +826,71 @@ def test_calls_gathered_one_per_replica_from_different_moments_are_refused(write
                                           rf"learn_when_done.py:{marks['learn']}"):
         ff.run(program.train, policy=policy)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+TWO_METRICS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["w"] + 1e-3 * batch["obs"].mean()
+    m1 = {"loss": float(np.abs(w).sum()), "x": float(w[0, 0])}
+    m2 = {"ent": float(w[1, 1]), "y": 2.0}
+    return {"w": w}, m1, m2
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(4):
+        for _ in range(4):
+            obs, *_ = env.step(np.zeros_like(obs[:, 0], np.int64))
+            buf.add(obs=obs)
+        state, m1, m2 = learn(state, buf.collect())
+        ff.log(m1)
+        ff.log(m2)
+    return state
+"""
+
+METRICS_FILLED_LATER = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["w"] + 1e-3 * batch["obs"].mean()
+    m = {}
+    if state["n"] >= 4:
+        m["late"] = float(state["n"])
+    return {"w": w, "n": state["n"] + 1}, m
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "n": 0})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(8):
+        for _ in range(4):
+            obs, *_ = env.step(np.zeros_like(obs[:, 0], np.int64))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("source", [TWO_METRICS, METRICS_FILLED_LATER], ids=["two_outputs", "empty_while_tracing"])
+def test_learner_outputs_logged_whole_reach_the_rows_whatever_the_trace_saw_of_them(write_algo, tmp_path, source):
+    """Two outputs logged whole (both 'named' the root) each reach their columns; a metrics dict
+    empty while tracing is logged once the learner fills it."""
+    path, _ = write_algo(source, "whole.py")
+    program = load(str(path))
+    rows = []
+    for run, pol in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
+        ff.run(program.train, policy=pol, out=tmp_path / run)
+        rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
+                     for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+    assert rows[1] == rows[0]
+    assert ({"loss", "x", "ent", "y"} <= set(rows[0][0])) if source is TWO_METRICS else rows[0][-1]["late"] == "7.0"
