@@ -894,3 +894,62 @@ def test_learner_outputs_logged_whole_reach_the_rows_whatever_the_trace_saw_of_t
                      for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
     assert rows[1] == rows[0]
     assert ({"loss", "x", "ent", "y"} <= set(rows[0][0])) if source is TWO_METRICS else rows[0][-1]["late"] == "7.0"
+
+
+LOOP_LOGS = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    seed: int = 0
+    steps: int = 60
+
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return (ff.random.uniform(key, ()) < 0.5).astype(np.int64)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1.0}, {"loss": float(batch["reward"].sum()) + float(state["w"][0])}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=args.seed)
+    state = ff.versioned({"w": np.zeros(3)})
+    rb = ff.ReplayBuffer(1000, seed=args.seed)
+    key = ff.random.keys(args.seed, env.ids)
+    obs = env.reset()
+    for step in range(args.steps):
+        eps = 1.0 - step / args.steps
+        key, sub = ff.random.split(key)
+        a = act(state["w"], obs, sub)
+        nobs, r, term, trunc, info = env.step(a)
+        rb.add(obs=obs, reward=r)
+        obs = nobs
+        if step % 5 == 0:
+            ff.log({"epsilon": eps})
+        if step >= 20 and step % 4 == 0:
+            state, m = learn(state, rb.sample(8))
+            ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "learner_replay(max_lag=0)"])
+def test_the_loops_own_values_make_the_rows_single_process_makes(write_algo, tmp_path, policy):
+    """Values the loop logs itself (epsilon every 5 steps, from the warm-up on) make a row each after
+    an env step, between the updates' rows, with the steps and updates of then, as single_process
+    writes them (a warm-up's collapsed into one row, later ones joined the previous update's)."""
+    path, _ = write_algo(LOOP_LOGS, "loop_logs.py")
+    program = load(str(path))
+    rows = []
+    for run, pol in (("one", "single_process"), ("other", policy)):
+        ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
+        rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
+                     for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+    assert len(rows[0]) == 22 and rows[1] == rows[0]

@@ -144,29 +144,38 @@ class Pending(_NoLoopUse):
     It may be passed on, to ``ff.log`` or to another fragment of that process (``learn(state,
     batch)`` with ``batch`` from a replay buffer's ``sample`` on the learner), which resolves it
     there; any read in the loop raises, naming the fragment and the way out. ``index`` is the
-    output's place in a tuple output (-1: the whole output), ``keys`` the path into it, ``call``
+    output's place in a tuple output (-1: the whole output), ``path_keys`` the path into it, ``call``
     which of the fragment's calls in this loop made it (-1: unknown).
     """
 
-    __slots__ = ("fragment", "index", "keys", "call")
+    __slots__ = ("fragment", "index", "path_keys", "call")
 
     def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1) -> None:
         self.fragment = fragment
         self.index = index
-        self.keys = keys
+        self.path_keys = keys
         self.call = call
 
     def __getitem__(self, key: Any) -> Pending:
-        return Pending(self.fragment, self.index, self.keys + (key,), self.call)
+        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call)
+
+    def keys(self) -> Any:
+        """Unpacking it (``{**metrics, "x": x}``) would need its keys, which are in the other process."""
+        raise VersionedStateError(
+            f"output {'' if self.index < 0 else f'[{self.index}]'}{self.path} of fragment '{self.fragment}' was "
+            "unpacked (**) or asked for its keys in the loop, but that fragment runs in another process under this "
+            "policy", where=user_callsite(2),
+            fix="log it as it is returned and the loop's values in a call of their own: ff.log(metrics); "
+                "ff.log({'x': x}) (or run with --policy single_process)")
 
     @property
     def path(self) -> str:
-        return "".join(f"[{k!r}]" for k in self.keys)
+        return "".join(f"[{k!r}]" for k in self.path_keys)
 
     def resolve(self, out: Any) -> Any:
         """This output's value, given the whole output of its fragment's call."""
         value = out if self.index < 0 else out[self.index]
-        for k in self.keys:
+        for k in self.path_keys:
             value = value[k]
         return value
 

@@ -41,7 +41,7 @@ def _split(x: Any, out: list[Any], path: str) -> Skeleton:
     if x is None:
         return ("none",)
     if isinstance(x, Pending):
-        return ("ref", x.fragment, x.index, x.keys)
+        return ("ref", x.fragment, x.index, x.path_keys)
     if isinstance(x, Versioned):
         return ("state", x.name, ())
     if isinstance(x, VersionedView):

@@ -49,10 +49,11 @@ class Reporter(Protocol):
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None: ...
     def update(self) -> None: ...
-    def log(self, scalars: dict[str, float], update: int | None = None) -> None: ...
+    def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
+            new_row: bool = False) -> None: ...
     def flush(self) -> None: ...
     def mark(self, update: int) -> None: ...
-    def logged(self, requests: list[tuple[str, int, int, str, str]]) -> None: ...
+    def logged(self, requests: list[tuple[str, int, int, str, str, int]]) -> None: ...
 
 
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
@@ -84,6 +85,7 @@ class LoopInterpreter:
         self.current = "(loop)"
         self.update = 0                       # remote clock calls made (this replica's updates)
         self._stepped = True                  # an environment stepped since the last clock call
+        self._log_stepped = False             # ... since the last clock call or ff.log (a row of its own)
         self.rollout_version: int | None = None
         self._last_version = 0
         self._ticket = 0
@@ -207,7 +209,7 @@ class LoopInterpreter:
             n, finished = events(out)
             self.reporter.env_step(n, finished, frag.evaluation)
             if not frag.evaluation:
-                self._stepped = True
+                self._stepped = self._log_stepped = True
         if written is not None:
             new_value = ordered_like(self._states.get(written.name, written).value,
                                      out[0] if isinstance(out, tuple) else out)
@@ -341,7 +343,7 @@ class LoopInterpreter:
         if handle is not None:
             self._writes[handle.name] = self._writes.get(handle.name, 0) + 1
         if route.primary:
-            self._stepped = False
+            self._stepped = self._log_stepped = False
             if self.rollout_version is not None and getattr(self.program.choice, "admits", False):
                 self.endpoints.admission.produced(self.index)
             self.update += 1
@@ -378,27 +380,29 @@ class LoopInterpreter:
     def _log(self, tree: Any) -> None:
         if self.index != 0 or self._seq < self.skip_until:
             return None   # (a restarted replica re-running trips its dead process had made: reported then)
-        requests: list[tuple[str, int, int, str, str]] = []
+        requests: list[tuple[str, int, int, str, str, int]] = []
         self._check_logged(tree, "", requests)
         if requests:   # logged where they are computed: the driver writes those of the calls the loop logged
             self.reporter.logged(requests)
         scalars = flat_scalars(_without_pending(tree))
-        if scalars:
-            self.reporter.log(scalars, self.update)
+        if scalars:   # after an env step, a row of its own (single_process's row ends at the next step)
+            self.reporter.log(scalars, self.update, int(getattr(self.reporter, "total_steps", 0)), self._log_stepped)
+            self._log_stepped = False
         return None
 
 
-    def _check_logged(self, tree: Any, name: str, requests: list[tuple[str, int, int, str, str]]) -> None:
+    def _check_logged(self, tree: Any, name: str, requests: list[tuple[str, int, int, str, str, int]]) -> None:
         """Each output of another process's fragment sent to ff.log must be in a part its process
         reports (see lowering's _logged): others would be lost. ``requests`` gets (fragment, its
-        call, the part, the output's path in the part, the name it is logged by) of each."""
+        call, the part, the output's path in the part, the name it is logged by, the loop's update: the
+        row it joins, as under single_process) of each."""
         if isinstance(tree, Pending):
             part = max(((p, keys) for fragment, p, index, keys in self.program.logged
-                        if fragment == tree.fragment and index == tree.index and tree.keys[:len(keys)] == keys),
+                        if fragment == tree.fragment and index == tree.index and tree.path_keys[:len(keys)] == keys),
                        key=lambda pk: len(pk[1]), default=None)
             if part is not None:
-                rest = "/".join(str(k) for k in tree.keys[len(part[1]):])
-                requests.append((tree.fragment, tree.call, part[0], rest, name))
+                rest = "/".join(str(k) for k in tree.path_keys[len(part[1]):])
+                requests.append((tree.fragment, tree.call, part[0], rest, name, self.update))
             else:
                 what = f"{'' if tree.index < 0 else f'[{tree.index}]'}{tree.path}"
                 raise LearnerOutputOnActingSideError(

@@ -117,6 +117,7 @@ class Monitor:
         self._waiting: list[dict[str, float]] = []
         self._ended: set[int] = set()   # loop replicas whose loop has ended
         self._early: dict[int, dict[str, float]] = {}   # values of updates the driver has not heard of yet
+        self._loop_rows: dict[int, list[tuple[int, dict[str, float]]]] = {}   # update -> (steps, the loop's values)
         self._resumed_recent: list[tuple[float, int]] = []
         self.stop_requested = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
@@ -176,9 +177,20 @@ class Monitor:
         self._ended.add(replica)
         self._drain()
 
-    def log_at(self, update: int | None, scalars: dict[str, float]) -> None:
+    def log_at(self, update: int | None, scalars: dict[str, float], steps: int | None = None,
+               new_row: bool = False) -> None:
         """Scalars computed at this run's ``update``-th update (or by the loop after it): into its
-        row where the row is still held (rows wait for their marks), else into the current one."""
+        row where the row is still held (rows wait for their marks), else into the current one.
+        The loop's own values after it stepped an env (``new_row``, at replica 0's ``steps``) are a
+        row of their own after the update's, as single_process writes them."""
+        if update is not None and self.marked_replicas and steps is not None:
+            rows = self._loop_rows.get(update)
+            if new_row or rows:
+                if new_row and (not rows or rows[-1][0] != steps):
+                    self._loop_rows.setdefault(update, []).append((steps, dict(scalars)))
+                else:
+                    rows[-1][1].update(scalars)  # type: ignore[index]
+                return
         if update is not None and self.marked_replicas:
             for row in (*self._waiting, *([self._pending] if self._pending is not None else [])):
                 if int(row["updates"]) - self.base_updates == update:
@@ -188,6 +200,22 @@ class Monitor:
                 self._early.setdefault(update, {}).update(scalars)
                 return
         self.log_scalars(scalars)
+
+    def _write_loop_rows(self, before: int) -> None:
+        """The loop's own rows of the updates before ``before`` (see log_at), in order."""
+        for update in sorted(u for u in self._loop_rows if u < before):
+            for steps, scalars in self._loop_rows.pop(update):
+                at = {r: steps for r in range(self.marked_replicas)}   # replicas step together
+                row = self._runtime_row()
+                counters = self.counters_at(at)
+                recent = counters["recent_returns"]
+                row.update(env_steps=float(self.base_steps + steps * self.marked_replicas),
+                           updates=float(self.base_updates + update), episodes=float(counters["episodes"]),
+                           episode_return_mean=sum(recent) / len(recent) if recent else math.nan,
+                           episode_length_mean=(sum(counters["recent_lengths"]) / len(recent)) if recent else math.nan)
+                row.update(scalars)
+                if self.outputs is not None:
+                    self.outputs.write_row(row)
 
     def log_latest(self, scalars: dict[str, float]) -> None:
         """Scalars of the update in progress, a later call's replacing an earlier one's (a learner
@@ -224,6 +252,7 @@ class Monitor:
 
     def _drain(self, force: bool = False) -> None:
         while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > 64):
+            self._write_loop_rows(int(self._waiting[0]["updates"]) - self.base_updates)
             if self.outputs is not None:
                 self.outputs.write_row(self._waiting[0])
             written = int(self._waiting.pop(0)["updates"]) - self.base_updates
@@ -408,6 +437,7 @@ class Monitor:
             self.log_scalars(self._early.pop(update))
         self._flush()
         self._drain(force=True)
+        self._write_loop_rows(self.updates - self.base_updates + 1)
         if self.marked_replicas and self._tagged:
             # replicas stepped in step: their episodes in single_process's order (by the step that
             # ended them, then the replica's environments), not in the order they reached the driver,

@@ -76,7 +76,7 @@ class Driver:
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
         self._computed_logs: dict[tuple[str, int], tuple[int, dict[int, dict[str, float]]]] = {}
-        self._asked_for: dict[tuple[str, int], list[tuple[int, str, str]]] = {}
+        self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int]]] = {}
         # each reporting service's parts (see lowering's _logged), by fragment
         self.parts = {f: items for s in lowered.services if s.rank == 0 for f, items in s.logs.items()}
         self.lowered = lowered
@@ -222,17 +222,18 @@ class Driver:
                 for rest, name in parts[part].names if part < len(parts) else ():
                     self._write_logged(None, scalars, rest, name)
             return
-        for part, rest, name in self._asked_for.pop((fragment, call), ()):
-            self._write_logged(update, logged.get(part, {}), rest, name)
+        for part, rest, name, asked_at in self._asked_for.pop((fragment, call), ()):
+            self._write_logged(asked_at, logged.get(part, {}), rest, name)
         self._computed_logs[(fragment, call)] = (update, logged)   # a later ff.log of the call may ask again
         self._forget_logs(fragment, call)
 
-    def _asked(self, fragment: str, call: int, part: int, rest: str, name: str) -> None:
+    def _asked(self, fragment: str, call: int, part: int, rest: str, name: str, update: int) -> None:
+        """The loop logged ``part`` of ``fragment``'s call ``call`` after its ``update``-th update."""
         computed = self._computed_logs.get((fragment, call))
         if computed is not None:
-            self._write_logged(computed[0], computed[1].get(part, {}), rest, name)
+            self._write_logged(update, computed[1].get(part, {}), rest, name)
         else:
-            self._asked_for.setdefault((fragment, call), []).append((part, rest, name))
+            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update))
             self._forget_logs(fragment, call)
 
     def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str) -> None:
@@ -273,10 +274,10 @@ class Driver:
         elif kind == "logs":
             self._computed(*msg[1:])
         elif kind == "logged" and self.monitor.marked_replicas:
-            for fragment, call, part, rest, name in msg[1]:
-                self._asked(fragment, call, part, rest, name)
-        elif kind == "log":   # the loop's own values, after its update-th update
-            self.monitor.log_at(msg[2], msg[1])
+            for fragment, call, part, rest, name, update in msg[1]:
+                self._asked(fragment, call, part, rest, name, update)
+        elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
+            self.monitor.log_at(msg[2], msg[1], msg[3], msg[4])
         elif kind == "warn":
             self.monitor.warn(msg[1])
         elif kind == "return":

@@ -35,7 +35,8 @@ class MonitorReporter:
     def update(self) -> None:
         self.monitor.update()
 
-    def log(self, scalars: dict[str, float], update: int | None = None) -> None:
+    def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
+            new_row: bool = False) -> None:
         self.monitor.log_scalars(scalars)
 
     def flush(self) -> None:
@@ -44,7 +45,7 @@ class MonitorReporter:
     def mark(self, update: int) -> None:
         pass
 
-    def logged(self, requests: list[tuple[str, int, int, str, str]]) -> None:
+    def logged(self, requests: list[tuple[str, int, int, str, str, int]]) -> None:
         pass
 
 

@@ -101,10 +101,11 @@ class QueueReporter:
     def update(self) -> None:
         pass
 
-    def log(self, scalars: dict[str, float], update: int | None = None) -> None:
-        self.results.put(("log", scalars, update))
+    def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
+            new_row: bool = False) -> None:
+        self.results.put(("log", scalars, update, steps, new_row))
 
-    def logged(self, requests: list[tuple[str, int, int, str, str]]) -> None:
+    def logged(self, requests: list[tuple[str, int, int, str, str, int]]) -> None:
         self.results.put(("logged", requests))
 
     def mark(self, update: int) -> None:
