@@ -953,3 +953,73 @@ def test_the_loops_own_values_make_the_rows_single_process_makes(write_algo, tmp
         rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
                      for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
     assert len(rows[0]) == 22 and rows[1] == rows[0]
+
+
+EVALUATED = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    seed: int = 0
+    updates: int = 30
+
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return (ff.random.uniform(key, ()) < 0.5).astype(np.int64)
+
+
+@ff.fragment("actor", name="act_eval")
+def act_eval(w, obs):
+    return (obs[:, 2] > 0).astype(np.int64) + 0 * w.astype(np.int64)[:1]
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1.0}, {"loss": float(batch["reward"].sum()) + float(state["w"][0])}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=args.seed)
+    eval_env = ff.envs.make("CartPole-v1", num_envs=2, seed=args.seed + 100, evaluation=True)
+    state = ff.versioned({"w": np.zeros(3)})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(args.seed, env.ids)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            obs, r, term, trunc, info = env.step(act(state["w"], obs, sub))
+            buf.add(reward=r)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+        if u % 2 == 0:
+            eo = eval_env.reset()
+            for _ in range(60):
+                eo, _, _, _, _ = eval_env.step(act_eval(state["w"], eo))
+    return state
+"""
+
+
+def test_evaluation_columns_and_tensorboard_episodes_are_single_processs(write_algo, tmp_path):
+    """Evaluation episodes (every other update, stepped by every replica, reported by replica 0) join
+    the rows single_process puts them in, and TensorBoard gets the training and evaluation episodes
+    in single_process's order at its steps (they came in arrival order at the driver's count)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path, _ = write_algo(EVALUATED, "evaluated.py")
+    program = load(str(path))
+    rows, board = [], []
+    for run, pol in (("one", "single_process"), ("other", "actor_learner(actors=2, max_lag=0)")):
+        ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
+        rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
+                     for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+        events = EventAccumulator(str(tmp_path / run / "tensorboard"), size_guidance={"scalars": 0})
+        events.Reload()
+        board.append({tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+                      if tag.startswith(("charts/episodic", "eval/"))})
+    assert rows[1] == rows[0] and {r["eval_episodes"] for r in rows[0]} != {"0.0"}
+    assert board[1] == board[0] and len(board[0]) >= 2

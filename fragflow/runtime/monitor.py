@@ -118,6 +118,9 @@ class Monitor:
         self._ended: set[int] = set()   # loop replicas whose loop has ended
         self._early: dict[int, dict[str, float]] = {}   # values of updates the driver has not heard of yet
         self._loop_rows: dict[int, list[tuple[int, dict[str, float]]]] = {}   # update -> (steps, the loop's values)
+        self._eval_tagged: list[tuple[int, int, float, int]] = []   # (replica 0's updates and steps then, return, length)
+        self._episodes_out: dict[int, int] = {}   # replica -> its tagged episodes written to TensorBoard
+        self._eval_out = 0
         self._resumed_recent: list[tuple[float, int]] = []
         self.stop_requested = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
@@ -149,7 +152,7 @@ class Monitor:
             self.episodes.append((self.env_steps, ret, length))
             self.recent.append(ret)
             self.recent_lengths.append(length)
-            if self.outputs is not None:
+            if self.outputs is not None and not self.marked_replicas:   # else when its row is written
                 self.outputs.write_episode(self.env_steps, ret, length)
             if (self.target_return is not None and self.solved_at_steps is None
                     and len(self.recent) == RETURN_WINDOW and sum(self.recent) / RETURN_WINDOW >= self.target_return):
@@ -248,7 +251,30 @@ class Monitor:
         recent = (self._resumed_recent + [(ret, length) for _, _, ret, length in tail])[-RETURN_WINDOW:]
         row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent) if recent else math.nan
         row["episode_length_mean"] = sum(length for _, length in recent) / len(recent) if recent else math.nan
+        # replica 0 steps and reports them; the row holds those ended before the update's call, as
+        # single_process's row is made when the update ends
+        before = self._first_mark.get(0, 1) - 1 + j
+        evals = [e for e in self._eval_tagged if e[0] < before]
+        eval_recent = [ret for _, _, ret, _ in evals][-RETURN_WINDOW:]
+        row["eval_episodes"] = float(len(evals))
+        row["eval_return_mean"] = sum(eval_recent) / len(eval_recent) if eval_recent else math.nan
+        self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, len(evals))
         return True
+
+    def _episodes_to_board(self, upto: dict[int, int], evals: int) -> None:
+        """Write to TensorBoard, in single_process's order and at its steps, each replica's episodes
+        up to ``upto[replica]`` and the evaluation episodes up to ``evals``, not written yet."""
+        if self.outputs is None:
+            return
+        new = sorted(((t, r, ret, length) for r, n in upto.items()
+                      for t, ret, length in self._tagged.get(r, [])[self._episodes_out.get(r, 0):n]), key=_by_step)
+        for t, _, ret, length in new:
+            self.outputs.write_episode(self.base_steps + t * self.marked_replicas, ret, length)
+        for r, n in upto.items():
+            self._episodes_out[r] = max(self._episodes_out.get(r, 0), n)
+        for _, t, ret, length in self._eval_tagged[self._eval_out:evals]:
+            self.outputs.write_eval_episode(self.base_steps + t * self.marked_replicas, ret, length)
+        self._eval_out = max(self._eval_out, evals)
 
     def _drain(self, force: bool = False) -> None:
         while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > 64):
@@ -260,12 +286,18 @@ class Monitor:
                 for u in [u for u in marks if u < self._first_mark.get(replica, 1) + written]:
                     del marks[u]
 
-    def eval_episode(self, ret: float, length: int) -> None:
-        """An episode of an evaluation env: reported apart, never mixed into the training returns."""
-        self.eval_episodes.append((self.env_steps, ret, length))
+    def eval_episode(self, ret: float, length: int, at: tuple[int, int] | None = None) -> None:
+        """An episode of an evaluation env: reported apart, never mixed into the training returns;
+        ``at``: the updates and training env steps loop replica 0 (which reports them) had made then."""
+        if at is not None and self.marked_replicas:   # rows and TensorBoard take it when its row is written
+            self._eval_tagged.append((at[0], at[1], ret, length))
+            steps = self.base_steps + at[1] * self.marked_replicas
+        else:
+            steps = self.env_steps
+            if self.outputs is not None:
+                self.outputs.write_eval_episode(steps, ret, length)
+        self.eval_episodes.append((steps, ret, length))
         self.eval_recent.append(ret)
-        if self.outputs is not None:
-            self.outputs.write_eval_episode(self.env_steps, ret, length)
 
     def update(self) -> None:
         self.updates += 1
@@ -438,6 +470,8 @@ class Monitor:
         self._flush()
         self._drain(force=True)
         self._write_loop_rows(self.updates - self.base_updates + 1)
+        if self.marked_replicas:   # what no row took
+            self._episodes_to_board({r: len(eps) for r, eps in self._tagged.items()}, len(self._eval_tagged))
         if self.marked_replicas and self._tagged:
             # replicas stepped in step: their episodes in single_process's order (by the step that
             # ended them, then the replica's environments), not in the order they reached the driver,

@@ -266,8 +266,8 @@ class Driver:
             self.heard[k] = (max(steps, heard_steps), max(episodes, heard_episodes))
             for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
                 self.monitor.mark(k, update, self.heard[k][0])
-            for ret, length in evaluated:
-                self.monitor.eval_episode(ret, length)
+            for update, at, ret, length in evaluated:
+                self.monitor.eval_episode(ret, length, (update, at))
         elif kind == "update":
             self.monitor.update()
             self._computed(*msg[2:])

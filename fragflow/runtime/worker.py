@@ -82,14 +82,15 @@ class QueueReporter:
         self.total_episodes = 0
         self.episodes: list[tuple[int, float, int]] = []   # (this replica's env steps at its end, return, length)
         self.marks: list[tuple[int, int, int]] = []
-        self.eval: list[tuple[float, int]] = []
+        self.eval: list[tuple[int, int, float, int]] = []   # (updates, env steps made then, return, length)
+        self.updates_made = 0
         self.dirty = False
         self.next = time.monotonic() + REPORT_EVERY
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
         if evaluation:   # every acting replica steps the whole evaluation env: the first one reports it
             if self.replica == 0:
-                self.eval.extend(episodes)
+                self.eval.extend((self.updates_made, self.total_steps, ret, length) for ret, length in episodes)
         else:
             self.total_steps += n
             self.total_episodes += len(episodes)
@@ -112,6 +113,7 @@ class QueueReporter:
         """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
         driver's metrics row of that update says what single_process's says (not what had arrived)."""
         self.marks.append((update, self.total_steps, self.total_episodes))
+        self.updates_made = update
         self.dirty = True
         self.flush()
 
