@@ -531,3 +531,62 @@ def test_a_resume_whose_budget_ends_at_the_checkpoint_is_refused_and_changes_not
     assert res.returncode == 2 and "ended where that checkpoint is (update 4" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert {p.relative_to(a): p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
+
+
+SCHEDULED = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(net, obs):
+    with torch.no_grad():
+        return net(torch.as_tensor(obs)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = state["net"](torch.as_tensor(batch["obs"])).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    state["sched"].step()   # the scheduler, part of the state, stepped where the optimizer is
+    return state, {"lr": state["opt"].param_groups[0]["lr"], "loss": loss.detach()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=8)
+    state = ff.versioned({"net": net, "opt": opt, "sched": sched})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(8):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["net"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_learning_rate_scheduler_in_the_state_steps_with_the_learner_and_resumes(write_algo, tmp_path):
+    """A torch lr_scheduler in the versioned state (refused before) travels with its optimizer to the
+    learner's process, is stepped there, and is saved and loaded with checkpoints."""
+    import csv
+
+    from fragflow.program import load
+
+    path, _ = write_algo(SCHEDULED, "scheduled.py")
+    program = load(str(path))
+    lrs = []
+    for run, pol in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
+        driver.run(program.train, policy=pol, out=tmp_path / run, checkpoint_every=4)
+        lrs.append([float(r["lr"]) for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+    assert lrs[1] == lrs[0] and lrs[0][0] > lrs[0][-1] and len(lrs[0]) == 8
+    mid = next(p for p in ckpt.listing(tmp_path / "other" / "checkpoints")
+               if not json.loads((p / "manifest.json").read_text())["complete"])
+    driver.run(program.train, policy="pipelined(max_lag=0)", out=tmp_path / "again", resume=mid)
+    resumed = [float(r["lr"]) for r in csv.DictReader((tmp_path / "again" / "metrics.csv").open())]
+    assert resumed == lrs[0][len(lrs[0]) - len(resumed):] and 0 < len(resumed) < 8

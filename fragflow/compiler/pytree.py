@@ -67,7 +67,8 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], TreeDef]:
 
 
 def _torch_kind(x: Any) -> str | None:
-    """'module' or 'optimizer' for the torch objects that are pytree nodes; None otherwise."""
+    """'module', 'optimizer' or 'scheduler' (a ``torch.optim.lr_scheduler``: numbers only, no
+    tensor, held beside its optimizer) for the torch objects that are pytree nodes; None otherwise."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -75,13 +76,24 @@ def _torch_kind(x: Any) -> str | None:
         return "module"
     if isinstance(x, torch.optim.Optimizer):
         return "optimizer"
+    schedulers = tuple(getattr(torch.optim.lr_scheduler, name) for name in ("LRScheduler", "ReduceLROnPlateau")
+                       if hasattr(torch.optim.lr_scheduler, name))
+    if isinstance(x, schedulers):
+        return "scheduler"
     return None
 
 
+def is_scheduler(x: Any) -> bool:
+    """A ``torch.optim.lr_scheduler`` scheduler (a node of versioned state, like its optimizer)."""
+    return _torch_kind(x) == "scheduler"
+
+
 def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
-    """(key, tensor) pairs of a module or optimizer, in a fixed order."""
+    """(key, tensor) pairs of a module or optimizer, in a fixed order (a scheduler has none)."""
     if kind == "module":
         return list(x.state_dict(keep_vars=True).items())
+    if kind == "scheduler":
+        return []
     out: list[tuple[Any, Any]] = []
     params = [p for group in x.param_groups for p in group["params"]]
     for i, p in enumerate(params):
@@ -140,8 +152,8 @@ def ordered_like(template: Any, value: Any) -> Any:
 
 
 def without_optimizers(tree: Any) -> Any:
-    """``tree`` with every ``torch.optim`` optimizer in it replaced by None (containers rebuilt,
-    modules and arrays kept): what a version broadcast to the acting side carries. An actor never
+    """``tree`` with every ``torch.optim`` optimizer (and learning-rate scheduler) in it replaced by
+    None (containers rebuilt, modules and arrays kept): what a version broadcast to the acting side carries. An actor never
     steps an optimizer, and Adam's state only exists after its first step, so a broadcast sized
     from it would not fit version 0."""
     if isinstance(tree, (dict, list, tuple)):
@@ -151,7 +163,7 @@ def without_optimizers(tree: Any) -> Any:
         if isinstance(tree, tuple) and hasattr(tree, "_fields"):
             return type(tree)(*kids)
         return kids if isinstance(tree, list) else tuple(kids)
-    return None if _torch_kind(tree) == "optimizer" else tree
+    return None if _torch_kind(tree) in ("optimizer", "scheduler") else tree
 
 
 def unflatten_into(template: Any, leaves: list[Any], optimizers: bool = True) -> Any:
@@ -177,7 +189,7 @@ def _into(tree: Any, it: Iterator[Any], optimizers: bool = True) -> Any:
     if tree is None:
         return None
     kind = _torch_kind(tree) if not isinstance(tree, (dict, list, tuple, np.ndarray)) else None
-    if kind == "optimizer" and not optimizers:
+    if kind in ("optimizer", "scheduler") and not optimizers:
         return tree
     if kind is not None:
         import torch
@@ -207,7 +219,7 @@ def _unflatten(td: TreeDef, it: Iterator[Any]) -> Any:
         return {k: _unflatten(c, it) for k, c in zip(td[1], td[2])}
     if kind == "namedtuple":
         return td[1](*[_unflatten(c, it) for c in td[2]])
-    if kind in ("module", "optimizer"):
+    if kind in ("module", "optimizer", "scheduler"):
         raise TypeError(f"a {kind} cannot be rebuilt from leaves alone; use unflatten_into with a template")
     kids = [_unflatten(c, it) for c in td[1]]
     return kids if kind == "list" else tuple(kids)

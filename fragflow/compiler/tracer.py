@@ -153,9 +153,8 @@ class Tracer(Recording):
             raise NotArrayPytreeError(
                 f"ff.versioned(...) got a value whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
                 where=where, fix="versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
-                                 "torch modules and torch.optim optimizers; keep anything else out of it (a "
-                                 "learning-rate schedule: compute the rate in the loop, pass it to the learner "
-                                 "and set it there, for g in opt.param_groups: g['lr'] = lr)",
+                                 "torch modules, torch.optim optimizers and their learning-rate schedulers; keep "
+                                 "anything else out of it",
             ) from None
         if where is not None and any(rec.created_at == where and rec.versions > 1 for rec in self._states.values()):
             self.remade_state = where   # run again at the line that made a state a learner has written: in the loop

@@ -284,9 +284,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 "which is given the state apart from the program: the object the variable names there is a copy "
                 "of it as it was at the start, which the learner's updates never reach (an optimizer stepping "
                 "stale parameters, a scheduler of another optimizer)", where=n.defined_at,
-                fix=f"reach it through the state '{n.name}' is given (state['opt']); for a learning-rate schedule, "
-                    "compute the rate in the loop, pass it to the learner and set it there (for g in "
-                    "opt.param_groups: g['lr'] = lr); or run with --policy single_process")
+                fix=f"reach it through the state '{n.name}' is given (state['opt'], state['sched']: a scheduler may be "
+                    "part of the state and stepped in the learner); or run with --policy single_process")
     for n in graph.fragments():
         for m in graph.fragments():
             shared = sorted(set(n.changes_data) & set(m.names_data)) if m.name != n.name else []
@@ -312,7 +311,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
             f"the training loop changes the optimizer of versioned state '{state}' between calls of learner "
             f"'{learner}' ({what}: a learning-rate schedule?), but policy '{policy}' runs '{learner}' in "
             "another process, whose optimizer the change never reaches", where=at,
-            fix=f"compute the rate in the loop, pass it to '{learner}' and set it there (for g in "
+            fix=f"keep the scheduler in the versioned state and step it in '{learner}' (state['sched'].step()), or "
+                f"compute the rate in the loop, pass it to '{learner}' and set it there (for g in "
                 "opt.param_groups: g['lr'] = lr), or run with --policy single_process")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from fragflow.compiler.pytree import is_scheduler
+
 _NO = object()
 
 
@@ -62,6 +64,8 @@ def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
             return {"t": "module", "v": _enc(x.state_dict(), key, out)}
         if isinstance(x, torch.optim.Optimizer):
             return {"t": "optimizer", "v": _enc(x.state_dict(), key, out)}
+        if is_scheduler(x):
+            return {"t": "scheduler", "v": _enc(x.state_dict(), key, out)}
     if type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "shape"):
         out[key] = np.ascontiguousarray(np.asarray(x))
         return {"t": "jax", "k": key, "shape": list(x.shape)}
@@ -112,12 +116,16 @@ def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path:
             _same(path, tuple(t.shape), meta["dtype"], tuple(template.shape), str(template.dtype).removeprefix("torch."))
             return t.to(template.device)
         return t.to(meta.get("device", "cpu")) if meta.get("device", "cpu") != "cpu" else t
-    if kind in ("module", "optimizer"):
+    if kind in ("module", "optimizer", "scheduler"):
         sd = decode(meta["v"], tensors, path=path)
         if template is _NO:
             return sd
         live = template.state_dict()
-        if kind == "module":
+        if kind == "scheduler":
+            if set(sd) != set(live):
+                raise Mismatch(f"{path}: the saved learning-rate scheduler had {sorted(sd)}, this one {sorted(live)}")
+            template.load_state_dict(sd)
+        elif kind == "module":
             _check_tree(path, sd, live)
             try:
                 template.load_state_dict(sd, strict=True)
