@@ -273,7 +273,8 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local")
         summary["trace_seconds"] = compiled.seconds
         if checkpoints is not None:
-            summary["checkpoints"] = [str(p) for p in checkpoints.written if p.exists()]   # the last ones kept
+            # the last ones kept, each once (a final checkpoint may rewrite the one written at its update)
+            summary["checkpoints"] = list(dict.fromkeys(str(p) for p in checkpoints.written if p.exists()))
             if start is not None:
                 summary["resumed_from"] = str(start.path)
         refused = start is not None and isinstance(sys.exc_info()[1], CheckpointError)
