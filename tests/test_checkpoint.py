@@ -586,8 +586,9 @@ def test_a_learning_rate_scheduler_in_the_state_steps_with_the_learner_and_resum
         lrs.append([float(r["lr"]) for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
     assert lrs[1] == lrs[0] and lrs[0][0] > lrs[0][-1] and len(lrs[0]) == 8
     # every checkpoint kept is listed once (the final one rewrites the one written at update 8)
-    kept = json.loads((tmp_path / "one" / "summary.json").read_text())["checkpoints"]
-    assert len(kept) == len(set(kept)) == len(ckpt.listing(tmp_path / "one" / "checkpoints"))
+    for run in ("one", "other"):
+        kept = json.loads((tmp_path / run / "summary.json").read_text())["checkpoints"]
+        assert len(kept) == len(set(kept)) == len(ckpt.listing(tmp_path / run / "checkpoints")), (run, kept)
     mid = next(p for p in ckpt.listing(tmp_path / "other" / "checkpoints")
                if not json.loads((p / "manifest.json").read_text())["complete"])
     driver.run(program.train, policy="pipelined(max_lag=0)", out=tmp_path / "again", resume=mid)
