@@ -442,7 +442,7 @@ def train():
     ff.run(program.train, policy="single_process")   # one process: the learner's optimizer is the loop's
     with pytest.raises(PlacementError, match=r"the training loop changes the optimizer of versioned state 'state' "
                                              r"between calls of learner 'learn' .*runs 'learn' in another process"
-                                             rf".*\n  at {relpath(path)}:{marks['learn']}\n  fix: compute the rate"):
+                                             rf".*\n  at {relpath(path)}:{marks['learn']}\n  fix: keep the scheduler in the versioned state"):
         compile(program.train, policy="pipelined")
 
 
