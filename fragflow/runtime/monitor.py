@@ -16,11 +16,11 @@ from fragflow.runtime.outputs import RunOutputs
 RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes reaches the target
 
 
-def flat_scalars(tree: Any, name: str = "") -> dict[str, float]:
-    """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}``; ``name``
-    prefixes every key (a lone scalar is ``name``, or ``"value"``)."""
+def flat_scalars(tree: Any) -> dict[str, float]:
+    """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}`` (a lone
+    scalar is ``"value"``)."""
     out: dict[str, float] = {}
-    _flat(tree, name, out)
+    _flat(tree, "", out)
     return out
 
 

@@ -75,7 +75,7 @@ class Driver:
         self.points: dict[int, tuple[Any, ...]] = {}     # replica -> where it last said it stood
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
-        self._computed_logs: dict[tuple[str, int], tuple[int, dict[int, dict[str, float]]]] = {}
+        self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
         self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int]]] = {}
         # each reporting service's parts (see lowering's _logged), by fragment
         self.parts = {f: items for s in lowered.services if s.rank == 0 for f, items in s.logs.items()}
@@ -205,14 +205,14 @@ class Driver:
         finally:
             self.monitor.channels(self.channel_stats())
 
-    # A service reports the scalars of every call of a fragment whose outputs the loop logs, by the
-    # parts of the output the loop logs; the loop (replica 0) says which of its calls it logged, and
-    # what of them: those are written, into the row of the update that computed them (where the
-    # monitor still holds it: rows wait for the loop's word, see Monitor.mark).
+    # A service reports the scalars of the parts of a fragment's outputs the loop may log, after
+    # every call, with the call's number in loop replica 0; the loop (replica 0) says which of its
+    # calls it logged, which part, the path in it, the name, and the update it had made: those values
+    # are written into that update's row, as single_process writes them (rows wait for replica 0's
+    # next update, see Monitor.mark), whichever message reaches the driver first.
     _KEEP_CALLS = 256   # calls of a fragment kept for the other side's word
 
     def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float]]) -> None:
-        update = self.monitor.updates - self.monitor.base_updates
         if call is None or not self.monitor.marked_replicas:
             # gathered on arrival from several replicas: an update's row cannot wait for replica 0's
             # word on calls it may have no part in; logged by the names the trace saw, the update's
@@ -224,14 +224,14 @@ class Driver:
             return
         for part, rest, name, asked_at in self._asked_for.pop((fragment, call), ()):
             self._write_logged(asked_at, logged.get(part, {}), rest, name)
-        self._computed_logs[(fragment, call)] = (update, logged)   # a later ff.log of the call may ask again
+        self._computed_logs[(fragment, call)] = logged   # a later ff.log of the call may ask again
         self._forget_logs(fragment, call)
 
     def _asked(self, fragment: str, call: int, part: int, rest: str, name: str, update: int) -> None:
         """The loop logged ``part`` of ``fragment``'s call ``call`` after its ``update``-th update."""
         computed = self._computed_logs.get((fragment, call))
         if computed is not None:
-            self._write_logged(update, computed[1].get(part, {}), rest, name)
+            self._write_logged(update, computed.get(part, {}), rest, name)
         else:
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update))
             self._forget_logs(fragment, call)
