@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from fragflow.compiler.pytree import to_numpy
@@ -19,12 +21,11 @@ RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes r
 def flat_scalars(tree: Any) -> dict[str, float]:
     """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}`` (a lone
     scalar is ``"value"``)."""
-    out: dict[str, float] = {}
-    _flat(tree, "", out)
-    return out
+    return {name or "value": _number(leaf) for name, leaf in _named_leaves(tree, "")}
 
 
-def _flat(tree: Any, name: str, out: dict[str, float]) -> None:
+def _named_leaves(tree: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """(name, leaf) of each leaf of ``tree``: dict keys, namedtuple fields and list indices joined by "/"."""
     items: Any
     if tree is None:
         return
@@ -35,10 +36,14 @@ def _flat(tree: Any, name: str, out: dict[str, float]) -> None:
     elif isinstance(tree, (list, tuple)):
         items = enumerate(tree)
     else:
-        out[name or "value"] = float(tree) if isinstance(tree, (int, float)) else float(to_numpy(tree))
+        yield name, tree
         return
     for k, v in items:
-        _flat(v, f"{name}/{k}" if name else str(k), out)
+        yield from _named_leaves(v, f"{name}/{k}" if name else str(k))
+
+
+def _number(leaf: Any) -> float:
+    return float(leaf) if isinstance(leaf, (int, float)) else float(to_numpy(leaf))
 
 
 def _by_step(episode: tuple[int, int, float, int]) -> tuple[int, int]:
@@ -49,29 +54,9 @@ def _by_step(episode: tuple[int, int, float, int]) -> tuple[int, int]:
 def scalars_in(tree: Any) -> dict[str, float]:
     """The scalar leaves of ``tree`` by their path in it, named as :func:`flat_scalars` names them
     ("" for ``tree`` itself a scalar); leaves that are not one number are left out."""
-    out: dict[str, float] = {}
-    _scalars(tree, "", out)
-    return out
-
-
-def _scalars(tree: Any, name: str, out: dict[str, float]) -> None:
-    items: Any
-    if tree is None:
-        return
-    if isinstance(tree, dict):
-        items = tree.items()
-    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        items = zip(tree._fields, tree)
-    elif isinstance(tree, (list, tuple)):
-        items = enumerate(tree)
-    else:
-        if isinstance(tree, (int, float)):
-            out[name] = float(tree)
-        elif getattr(tree, "size", None) == 1 or getattr(tree, "numel", lambda: 0)() == 1:
-            out[name] = float(to_numpy(tree))
-        return
-    for k, v in items:
-        _scalars(v, f"{name}/{k}" if name else str(k), out)
+    return {name: _number(leaf) for name, leaf in _named_leaves(tree, "")
+            if isinstance(leaf, (int, float)) or getattr(leaf, "size", None) == 1
+            or getattr(leaf, "numel", lambda: 0)() == 1}
 
 
 def logged_name(name: str, rest: str) -> str:
@@ -208,14 +193,10 @@ class Monitor:
         """The loop's own rows of the updates before ``before`` (see log_at), in order."""
         for update in sorted(u for u in self._loop_rows if u < before):
             for steps, scalars in self._loop_rows.pop(update):
-                at = {r: steps for r in range(self.marked_replicas)}   # replicas step together
                 row = self._runtime_row()
-                counters = self.counters_at(at)
-                recent = counters["recent_returns"]
                 row.update(env_steps=float(self.base_steps + steps * self.marked_replicas),
-                           updates=float(self.base_updates + update), episodes=float(counters["episodes"]),
-                           episode_return_mean=sum(recent) / len(recent) if recent else math.nan,
-                           episode_length_mean=(sum(counters["recent_lengths"]) / len(recent)) if recent else math.nan)
+                           updates=float(self.base_updates + update))
+                self._episode_columns(row, self._ended_by({r: steps for r in range(self.marked_replicas)}))
                 row.update(scalars)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
@@ -245,12 +226,7 @@ class Monitor:
                 return False
             at.append(mark)
         row["env_steps"] = float(self.base_steps + sum(steps for steps, _ in at))
-        row["episodes"] = float(self.base_episodes + sum(n for _, n in at))
-        tail = sorted(((t, r, ret, length) for r, (_, n) in enumerate(at)
-                       for t, ret, length in self._tagged.get(r, [])[max(0, n - RETURN_WINDOW):n]), key=_by_step)
-        recent = (self._resumed_recent + [(ret, length) for _, _, ret, length in tail])[-RETURN_WINDOW:]
-        row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent) if recent else math.nan
-        row["episode_length_mean"] = sum(length for _, length in recent) / len(recent) if recent else math.nan
+        self._episode_columns(row, {r: n for r, (_, n) in enumerate(at)})
         # replica 0 steps and reports them; the row holds those ended before the update's call, as
         # single_process's row is made when the update ends
         before = self._first_mark.get(0, 1) - 1 + j
@@ -368,13 +344,31 @@ class Monitor:
         """:meth:`counters` with the episodes as they stood where each loop replica had made
         ``steps[replica]`` env steps (a checkpoint's cut), not as many as have reached the driver."""
         out = self.counters()
-        ended = sorted(((t, r, ret, length) for r, at in steps.items() for t, ret, length in self._tagged.get(r, [])
-                        if t <= at), key=_by_step)
-        recent = (self._resumed_recent + [(ret, length) for *_, ret, length in ended])[-RETURN_WINDOW:]
-        out["episodes"] = self.base_episodes + len(ended)
+        ended = self._ended_by(steps)
+        recent = self._recent(ended)
+        out["episodes"] = self.base_episodes + sum(ended.values())
         out["recent_returns"] = [ret for ret, _ in recent]
         out["recent_lengths"] = [length for _, length in recent]
         return out
+
+    def _ended_by(self, steps: dict[int, int]) -> dict[int, int]:
+        """How many of each replica's episodes had ended by its ``steps[replica]``-th env step (its
+        episodes are tagged with its steps, in order)."""
+        return {r: bisect_right(self._tagged.get(r, []), at, key=lambda e: e[0]) for r, at in steps.items()}
+
+    def _recent(self, ended: dict[int, int]) -> list[tuple[float, int]]:
+        """(return, length) of the last episodes among each replica's first ``ended[replica]``, in
+        single_process's order (by the step that ended them, then the replica)."""
+        tail = sorted(((t, r, ret, length) for r, n in ended.items()
+                       for t, ret, length in self._tagged.get(r, [])[max(0, n - RETURN_WINDOW):n]), key=_by_step)
+        return (self._resumed_recent + [(ret, length) for _, _, ret, length in tail])[-RETURN_WINDOW:]
+
+    def _episode_columns(self, row: dict[str, float], ended: dict[int, int]) -> None:
+        """A row's episode columns with each replica's first ``ended[replica]`` episodes."""
+        recent = self._recent(ended)
+        row["episodes"] = float(self.base_episodes + sum(ended.values()))
+        row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent) if recent else math.nan
+        row["episode_length_mean"] = sum(length for _, length in recent) / len(recent) if recent else math.nan
 
     def resume(self, counters: dict[str, Any]) -> None:
         """Continue the counters a checkpoint recorded."""
