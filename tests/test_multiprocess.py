@@ -1023,3 +1023,37 @@ def test_evaluation_columns_and_tensorboard_episodes_are_single_processs(write_a
                       if tag.startswith(("charts/episodic", "eval/"))})
     assert rows[1] == rows[0] and {r["eval_episodes"] for r in rows[0]} != {"0.0"}
     assert board[1] == board[0] and len(board[0]) >= 2
+
+
+ONE_ELEMENT = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + batch["obs"].mean()}, {"m": np.ones(1) * batch["obs"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            obs, *_ = env.step(np.zeros(2, np.int64))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_a_one_element_array_logged_is_a_scalar(write_algo, tmp_path, policy):
+    """The trace takes an array of one element as a scalar for ff.log; the run logs it (numpy's
+    float() refuses a 1-d array: the run crashed at the first row)."""
+    path, _ = write_algo(ONE_ELEMENT, "one_element.py")
+    program = load(str(path))
+    ff.run(program.train, policy=policy, out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert len(rows) == 4 and all(np.isfinite(float(r["m"])) for r in rows)

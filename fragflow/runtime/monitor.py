@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from fragflow.compiler.pytree import to_numpy
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime.outputs import RunOutputs
@@ -43,7 +45,9 @@ def _named_leaves(tree: Any, name: str) -> Iterator[tuple[str, Any]]:
 
 
 def _number(leaf: Any) -> float:
-    return float(leaf) if isinstance(leaf, (int, float)) else float(to_numpy(leaf))
+    """A scalar leaf as a float: a number, or an array or tensor of one element (any shape: the
+    trace lets ff.log take ``np.ones(1) * x``, which numpy's float() refuses)."""
+    return float(leaf) if isinstance(leaf, (int, float)) else float(np.asarray(to_numpy(leaf)).reshape(()))
 
 
 def _by_step(episode: tuple[int, int, float, int]) -> tuple[int, int]:
