@@ -33,6 +33,14 @@ def same_tree(a, b) -> bool:
         np.array_equal(to_numpy(x), to_numpy(y)) for (_, x), (_, y) in zip(pa, pb))
 
 
+def unclocked_rows(run_dir: Path) -> list[dict[str, str]]:
+    """A run's metrics.csv rows without the clock (wall_seconds, steps_per_second) and channel columns:
+    what a run under another policy at max_lag=0 must reproduce."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
+                for r in csv.DictReader(f)]
+
+
 def shm_leftovers(driver: int | None = None) -> list[str]:
     """Segments a run driven by ``driver`` (default: this test process) left behind. Segment names
     carry the driver's pid, so another fragflow run on the machine does not count."""
@@ -735,10 +743,7 @@ def test_metrics_rows_and_episodes_equal_single_processs_at_max_lag_zero(tmp_pat
     and channel ones is single_process's, and so are the episodes and the final return."""
     def run(name: str, pol: str) -> tuple[Any, list[dict[str, str]]]:
         result = ff.run(ppo.train, INVARIANT, policy=pol, out=tmp_path / name)
-        with open(tmp_path / name / "metrics.csv", newline="") as f:
-            rows = [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
-                    for r in csv.DictReader(f)]
-        return result, rows
+        return result, unclocked_rows(tmp_path / name)
 
     (one, one_rows), (other, other_rows) = run("one", "single_process"), run("other", policy)
     assert len(one_rows) == 16 and other_rows == one_rows
@@ -890,8 +895,7 @@ def test_learner_outputs_logged_whole_reach_the_rows_whatever_the_trace_saw_of_t
     rows = []
     for run, pol in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
         ff.run(program.train, policy=pol, out=tmp_path / run)
-        rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
-                     for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+        rows.append(unclocked_rows(tmp_path / run))
     assert rows[1] == rows[0]
     assert ({"loss", "x", "ent", "y"} <= set(rows[0][0])) if source is TWO_METRICS else rows[0][-1]["late"] == "7.0"
 
@@ -950,8 +954,7 @@ def test_the_loops_own_values_make_the_rows_single_process_makes(write_algo, tmp
     rows = []
     for run, pol in (("one", "single_process"), ("other", policy)):
         ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
-        rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
-                     for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+        rows.append(unclocked_rows(tmp_path / run))
     assert len(rows[0]) == 22 and rows[1] == rows[0]
 
 
@@ -1015,8 +1018,7 @@ def test_evaluation_columns_and_tensorboard_episodes_are_single_processs(write_a
     rows, board = [], []
     for run, pol in (("one", "single_process"), ("other", "actor_learner(actors=2, max_lag=0)")):
         ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
-        rows.append([{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second") and "/" not in k}
-                     for r in csv.DictReader((tmp_path / run / "metrics.csv").open())])
+        rows.append(unclocked_rows(tmp_path / run))
         events = EventAccumulator(str(tmp_path / run / "tensorboard"), size_guidance={"scalars": 0})
         events.Reload()
         board.append({tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]
