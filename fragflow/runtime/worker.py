@@ -250,9 +250,10 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     admission = endpoints.admission
     replicas = interp.program.replicas
     together = bool(saving.get("cut_together"))
-    # a restarted replica saves its part of the checkpoint being asked for (its dead process's part,
-    # if it had sent it, is given up with the checkpoint): it may have been asked just before it started
-    seen = [0 if restart is not None else admission.checkpoint_request()]
+    # a replica saves its part of the checkpoint being asked for when it starts: the driver may have
+    # asked before this process came up (a loaded machine, a schedule of seconds), and a restarted
+    # replica's dead process's part, if it had sent it, is given up with the checkpoint
+    seen = [0]
     snapshots = bool(saving.get("snapshots"))
     next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
 
