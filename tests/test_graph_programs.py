@@ -1378,3 +1378,54 @@ def test_a_rollout_buffer_stores_a_list_of_numbers_and_refuses_a_tuple_of_arrays
 
     with pytest.raises(TraceError, match="'action' as a tuple"):
         ff.RolloutBuffer(2).add(action=(np.zeros(2), np.ones((2, 1))))
+
+
+SEVERAL_STEPS_PER_TRIP = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"]).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, i):
+    n = state["calls"] + 1
+    return {"w": state["w"] + 0.01 * batch["obs"].mean() * (i + 1), "calls": n}, {"calls": n}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2)), "calls": np.int64(0)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        batch = buf.collect()
+        for i in range(3):
+            state, m = learn(state, batch, i)   # @again
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["async_relaxed(actors=2, max_lag=1)", "central_inference(env_workers=2, max_lag=1)"])
+def test_a_learner_called_again_without_an_env_step_is_refused_where_replicas_calls_are_gathered_as_they_arrive(
+        write_algo, policy):
+    # arrival gathering takes any two pieces for an update: a process's second call on its rollout
+    # was merged with its first (one process's data twice, 75-87 updates of 90 in a run of 30 trips)
+    path, marks = write_algo(SEVERAL_STEPS_PER_TRIP)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert int(expected.value["calls"]) == 18
+    with pytest.raises(PlacementError, match=rf"learner 'learn' is called again with no environment step.*"
+                                             rf"as they arrive \(max_lag=1\).*\n  at {path}:{marks['again']}\n  fix: "):
+        compile(program.train, program.args_cls(), policy=policy)
+    ordered = policy.replace("max_lag=1", "max_lag=0")   # one call of each process per update, in order
+    assert same_tree(ff.run(program.train, program.args_cls(), policy=ordered).value, expected.value)

@@ -97,6 +97,10 @@ class Tracer(Recording):
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
         self.window = TraceWindow(max_updates, MAX_TRACE_UPDATES)
         self.remade_state: SourceLoc | None = None   # a line that made versioned state more than once
+        # the first update made with no env step since the previous one (several learner steps on one
+        # rollout or trip); the env steps at the last update
+        self.learner_again: SourceLoc | None = None
+        self._steps_at_update: int | None = None
         self.events = EventSources()
         # optimizers in learners' state: their hyper-parameters as the last learner call left them, and
         # (state, learner, its call, what changed) where the loop changed them between two calls
@@ -295,6 +299,10 @@ class Tracer(Recording):
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
+            if self._primary == id(frag):
+                if self.learner_again is None and self.env_steps and self._steps_at_update == self.env_steps:
+                    self.learner_again = where
+                self._steps_at_update = self.env_steps
             if self.window.learned(rec.name, self._primary == id(frag)):
                 raise _StopTracing
         return out
@@ -574,7 +582,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 "and step environments made with ff.envs.make(...)")
     graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
     graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
-                                remade_state=tracer.remade_state, _index={},
+                                remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
                                 changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                 stale_state=tracer.stale_state,
                                 uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
