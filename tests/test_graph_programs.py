@@ -1419,7 +1419,7 @@ def train(args):
 def test_a_learner_called_again_without_an_env_step_is_refused_where_replicas_calls_are_gathered_as_they_arrive(
         write_algo, policy):
     # arrival gathering takes any two pieces for an update: a process's second call on its rollout
-    # was merged with its first (one process's data twice, 75-87 updates of 90 in a run of 30 trips)
+    # was merged with its first (one process's data twice: 87 updates of 90 in a run of 30 trips)
     path, marks = write_algo(SEVERAL_STEPS_PER_TRIP)
     program = load(str(path))
     expected = ff.run(program.train, program.args_cls(), policy="single_process")
