@@ -12,7 +12,7 @@ from fragflow.algorithms import dqn
 from fragflow.driver import compile
 from fragflow.errors import LearnerOutputOnActingSideError, PlacementError
 from fragflow.program import load
-from tests.test_multiprocess import same_tree, shm_leftovers
+from tests.test_multiprocess import same_tree, shm_leftovers, unclocked_rows
 
 SMALL = dict(total_timesteps=1600, learning_starts=400, target_network_frequency=60, buffer_size=1000, batch_size=32)
 
@@ -1429,3 +1429,54 @@ def test_a_learner_called_again_without_an_env_step_is_refused_where_replicas_ca
         compile(program.train, program.args_cls(), policy=policy)
     ordered = policy.replace("max_lag=1", "max_lag=0")   # one call of each process per update, in order
     assert same_tree(ff.run(program.train, program.args_cls(), policy=ordered).value, expected.value)
+
+
+OUTPUT_PASSED_BACK = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 5
+    first: float = 0.1
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, roll, step, extra):
+    new = {"w": state["w"] - step * roll["obs"].mean(0).mean(0)[:, None] + extra["b"].sum()}
+    return new, float(step * 0.9), {"b": extra["b"] * 0.5}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    step, extra = args.first, {"b": np.full(3, 0.01)}   # the loop's first values, the learner's after
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, step, extra = learn(state, buf.collect(), step, extra)
+        ff.log({"step": step})
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)",
+                                    "central_inference(env_workers=2)"])
+def test_a_learner_output_passed_back_to_it_after_a_first_value_from_the_loop_runs_in_every_placement(
+        write_algo, policy, tmp_path):
+    # the first call's value was a ring leaf the placement had no slot for (its later calls pass a
+    # reference to the learner's own output): "called with 4 array leaves, but it was traced with 2"
+    path, _ = write_algo(OUTPUT_PASSED_BACK)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "a")
+    got = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "b")
+    assert same_tree(got.value, expected.value)
+    steps = [float(r["step"]) for r in unclocked_rows(tmp_path / "b")]
+    assert unclocked_rows(tmp_path / "b") == unclocked_rows(tmp_path / "a")
+    assert steps == pytest.approx([0.1 * 0.9 ** (i + 1) for i in range(5)])

@@ -85,6 +85,9 @@ class Remote:
     # environments: a replica holding the whole (a constant of that size, the same in every
     # replica: a mask over as many actions) sends its rows
     whole: tuple[tuple[int, int, int], ...] = ()
+    # argument leaves the loop passes at some calls, an output of the service's at others: sent with
+    # the call (``("given", ...)``) where the loop passes them
+    given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -404,8 +407,20 @@ def lower(placed: PlacedGraph) -> Lowered:
             # (an action served to it and passed back as the next call's previous action)
             answered = {n for n in group.nodes
                         if any(e.src == n and e.dst in in_loop for e in graph.edges_of(EdgeKind.DATA))}
+            loop_side = in_loop | answered | {LOOP}
+            sources: dict[str, set[str]] = {}
+            for e in graph.edges_of(EdgeKind.DATA):
+                if e.dst == name:
+                    for leaf in e.leaves:
+                        sources.setdefault(leaf.dst_path, set()).add(e.src)
+            # an argument the loop passes at some calls and an output of this group at others (a
+            # learner's step size, its own output passed back, given its first value by the loop):
+            # the loop's values travel with the call's definitions, not in the ring
+            given = tuple(sorted(path for path, srcs in sources.items() if srcs & loop_side and srcs - loop_side))
             crossing = [leaf for leaf in node.inputs
-                        if source.get(leaf.dst_path, LOOP) in in_loop | answered | {LOOP}]
+                        if source.get(leaf.dst_path, LOOP) in loop_side and leaf.dst_path not in given]
+            if given:
+                remote[name] = replace(remote[name], given=frozenset(given))
             rate = graph.rate_of(name)   # from the loops where they say (a trace window may be atypical)
             per_update = max(1, math.ceil(rate / clock_rate)) if rate else 1
             capacity = (traj.capacity if traj is not None else lag + 2) * per_update

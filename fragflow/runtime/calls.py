@@ -34,8 +34,23 @@ def split(value: Any, leaves: list[Any] | None = None, path: str = "") -> tuple[
     return _split(value, out, path), out
 
 
-def _split(x: Any, out: list[Any], path: str) -> Skeleton:
+def split_arguments(arguments: dict[str, Any], given: frozenset[str] = frozenset()
+                    ) -> tuple[Skeleton, list[Any], dict[str, Any]]:
+    """A call's bound arguments: its skeleton, its leaves, and the values of the leaves at ``given``
+    paths (``roll['obs']``), which the skeleton names ``("given", path)`` instead."""
+    leaves: list[Any] = []
+    gifts: dict[str, Any] = {}
+    keys = tuple(arguments)
+    skel = ("dict", keys, tuple(_split(arguments[k], leaves, str(k), given, gifts) for k in keys))
+    return skel, leaves, gifts
+
+
+def _split(x: Any, out: list[Any], path: str, given: frozenset[str] = frozenset(),
+           gifts: dict[str, Any] | None = None) -> Skeleton:
     if backend_of(x) is not None:
+        if path in given and gifts is not None:
+            gifts[path] = x
+            return ("given", path)
         out.append(x)
         return ("leaf",)
     if x is None:
@@ -50,11 +65,13 @@ def _split(x: Any, out: list[Any], path: str) -> Skeleton:
         return ("static", x)
     if isinstance(x, dict):
         keys = tuple(x)
-        return ("dict", keys, tuple(_split(x[k], out, f"{path}[{k!r}]") for k in keys))
+        return ("dict", keys, tuple(_split(x[k], out, f"{path}[{k!r}]", given, gifts) for k in keys))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return ("namedtuple", type(x), tuple(_split(v, out, f"{path}.{f}") for f, v in zip(x._fields, x)))
+        return ("namedtuple", type(x), tuple(_split(v, out, f"{path}.{f}", given, gifts)
+                                             for f, v in zip(x._fields, x)))
     if isinstance(x, (list, tuple)):
-        return ("list" if isinstance(x, list) else "tuple", tuple(_split(v, out, f"{path}[{i}]") for i, v in enumerate(x)))
+        return ("list" if isinstance(x, list) else "tuple",
+                tuple(_split(v, out, f"{path}[{i}]", given, gifts) for i, v in enumerate(x)))
     raise NotArrayPytreeError(f"argument leaf {path or '<root>'} is a {type(x).__module__}.{type(x).__qualname__}",
                               fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
                                   "Python numbers, and configuration (a frozen dataclass, a string)")
@@ -100,7 +117,7 @@ def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], A
         return None
     if kind == "static":
         return skel[1]
-    if kind in ("ref", "state"):
+    if kind in ("ref", "state", "given"):
         assert resolve is not None
         return resolve(skel)
     if kind == "dict":

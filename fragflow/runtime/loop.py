@@ -311,7 +311,7 @@ class LoopInterpreter:
                 raise VersionedStateError(
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
-        skeleton, leaves = calls.split(bound.arguments)
+        skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given)
         group = self._defs[route.group]
         if name not in self._shipped:
             group.put(("fragment", name, cloudpickle.dumps(frag)))
@@ -332,6 +332,8 @@ class LoopInterpreter:
             version = self._last_version if self._replies else UNVERSIONED
         call = self._calls_of[name] = self._calls_of.get(name, -1) + 1
         if self._seq >= self.skip_until:
+            if gifts:   # (the service waits for them before it runs the call)
+                group.put(("given", self.index, name, call, cloudpickle.dumps(gifts)))
             again = route.primary and not self._stepped   # another learner step on the rollout it last took
             ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket,
                      steps=int(getattr(self.reporter, "total_steps", 0)))

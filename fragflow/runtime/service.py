@@ -111,6 +111,8 @@ class ServiceRunner:
         self.cuts: dict[int, dict[int, int]] = {}   # checkpoint -> replica -> its calls before its part
         self._seeded = False
         self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
+        self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
+        self._gifts: dict[str, Any] = {}   # the current call's
         self._stalled_since = time.monotonic()
         self._stall_warned = False
         self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
@@ -158,6 +160,8 @@ class ServiceRunner:
                 self.cuts.setdefault(msg[2], {})[k] = msg[3]
         elif kind == "skeleton":
             self.skeletons[(msg[1] - self.program.first, msg[2])] = cloudpickle.loads(msg[3])
+        elif kind == "given":   # the leaves a call names ("given", path): (replica, fragment, call) -> values
+            self.given[(msg[1] - self.program.first, msg[2], msg[3])] = cloudpickle.loads(msg[4])
         elif kind == "state":
             if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
                 from fragflow.runtime.checkpoint import set_global_random
@@ -432,6 +436,8 @@ class ServiceRunner:
         return out
 
     def _resolve(self, skel: Any) -> Any:
+        if skel[0] == "given":
+            return self._gifts[skel[1]]
         if skel[0] == "state":
             name = skel[1]
             while name not in self.states:
@@ -463,6 +469,13 @@ class ServiceRunner:
                        all(st in self.states for st in self.program.states))
         frag = self.fragments[fragment]
         skel = self.skeletons[(pieces[0].replica, pieces[0].sid)]
+        self._gifts = {}
+        if _names_given(skel):   # (the same in every replica, as a leaf without a batch axis)
+            key = (pieces[0].replica, fragment, pieces[0].call)
+            self._wait_for(lambda: key in self.given)
+            self._gifts = self.given[key]
+        for p in pieces:
+            self.given.pop((p.replica, fragment, p.call), None)
         leaves = self._merge(fragment, pieces)
         arguments = calls.build(skel, iter(leaves), self._resolve)
         bound = inspect.BoundArguments(frag.signature, arguments)
@@ -625,6 +638,18 @@ class ServiceRunner:
                 p.ring.release(dropped=True)
         self.results.put(("final", self.program.group,
                           {name: cloudpickle.dumps(value) for name, value in self.states.items()}))
+
+
+def _names_given(skel: Any) -> bool:
+    """Whether a call's skeleton names leaves the loop sent with the call (``("given", path)``)."""
+    kind = skel[0]
+    if kind == "given":
+        return True
+    if kind == "dict" or kind == "namedtuple":
+        return any(_names_given(c) for c in skel[2])
+    if kind in ("list", "tuple"):
+        return any(_names_given(c) for c in skel[1])
+    return False
 
 
 def skel_state_name(skel: Any, param: str) -> str:
