@@ -1059,3 +1059,69 @@ def test_a_one_element_array_logged_is_a_scalar(write_algo, tmp_path, policy):
     ff.run(program.train, policy=policy, out=tmp_path / "run")
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     assert len(rows) == 4 and all(np.isfinite(float(r["m"])) for r in rows)
+
+
+LEARNER_LOGS_AFTER_STEPS = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    pre: int = 4
+    steps: int = 6
+
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def pretrain(state, obs):
+    return {"w": state["w"] + 0.01 * obs.mean()}, {"pre_loss": obs.sum()}
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, target, obs):
+    return {"w": state["w"] - 0.01 * obs.mean() + 0.0 * target["w"]}, {"loss": obs.sum()}
+
+
+@ff.fragment("learner", writes="target")
+def sync(target, state, tau):
+    return {"w": (1 - tau) * target["w"] + tau * state["w"]}
+
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    target = ff.versioned({"w": np.zeros((4, 2))}, name="target")
+    obs = env.reset()
+    for _ in range(args.pre):   # a first phase: a learner that is not the clock, logged after steps
+        obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+        state, m = pretrain(state, obs)
+        ff.log(m)
+    target = sync(target, state, 1.0)   # one call more than learn's: the clock
+    for _ in range(args.steps):
+        obs, *_ = env.step(act(state["w"], obs))
+        state, m = learn(state, target, obs)
+        ff.log(m)
+        target = sync(target, state, 0.1)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_learner_outputs_logged_after_an_env_step_make_rows_of_their_own(write_algo, tmp_path, policy):
+    """A learner's output the loop logs after an env step starts a row (with the steps and updates
+    of then), as single_process writes it: a first phase's metrics were one row (the last value) and
+    a learner called before the clock had its metrics joined to the previous update's row."""
+    path, _ = write_algo(LEARNER_LOGS_AFTER_STEPS, "learner_logs.py")
+    program = load(str(path))
+    rows = []
+    for run, pol in (("one", "single_process"), ("other", policy)):
+        ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
+        rows.append(unclocked_rows(tmp_path / run))
+    assert len(rows[0]) == 4 + 1 + 2 * 6 and rows[1] == rows[0]
+    assert [r["pre_loss"] != "" for r in rows[0][:4]] == [True] * 4

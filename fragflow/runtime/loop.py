@@ -53,7 +53,8 @@ class Reporter(Protocol):
             new_row: bool = False) -> None: ...
     def flush(self) -> None: ...
     def mark(self, update: int) -> None: ...
-    def logged(self, requests: list[tuple[str, int, int, str, str, int]]) -> None: ...
+    def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
+               new_row: bool = False) -> None: ...
 
 
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
@@ -384,11 +385,14 @@ class LoopInterpreter:
             return None   # (a restarted replica re-running trips its dead process had made: reported then)
         requests: list[tuple[str, int, int, str, str, int]] = []
         self._check_logged(tree, "", requests)
+        # after an env step, a row of its own (single_process's row ends at the next step)
+        steps, new_row = int(getattr(self.reporter, "total_steps", 0)), self._log_stepped
         if requests:   # logged where they are computed: the driver writes those of the calls the loop logged
-            self.reporter.logged(requests)
+            self.reporter.logged(requests, steps, new_row)
         scalars = flat_scalars(_without_pending(tree))
-        if scalars:   # after an env step, a row of its own (single_process's row ends at the next step)
-            self.reporter.log(scalars, self.update, int(getattr(self.reporter, "total_steps", 0)), self._log_stepped)
+        if scalars:
+            self.reporter.log(scalars, self.update, steps, new_row)
+        if scalars or requests:
             self._log_stepped = False
         return None
 

@@ -178,8 +178,14 @@ class Monitor:
         if update is not None and self.marked_replicas and steps is not None:
             rows = self._loop_rows.get(update)
             if new_row or rows:
-                if new_row and (not rows or rows[-1][0] != steps):
-                    self._loop_rows.setdefault(update, []).append((steps, dict(scalars)))
+                # (a learner's output the loop logged may come after the loop's later rows: by steps)
+                at = next((r for r in rows or () if r[0] == steps), None)
+                if at is not None:
+                    at[1].update(scalars)
+                elif new_row:
+                    rows = self._loop_rows.setdefault(update, [])
+                    rows.append((steps, dict(scalars)))
+                    rows.sort(key=lambda r: r[0])
                 else:
                     rows[-1][1].update(scalars)  # type: ignore[index]
                 return

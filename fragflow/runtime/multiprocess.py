@@ -76,7 +76,7 @@ class Driver:
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
         self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
-        self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int]]] = {}
+        self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int, int, bool]]] = {}
         # each reporting service's parts (see lowering's _logged), by fragment
         self.parts = {f: items for s in lowered.services if s.rank == 0 for f, items in s.logs.items()}
         self.lowered = lowered
@@ -222,21 +222,24 @@ class Driver:
                 for rest, name in parts[part].names if part < len(parts) else ():
                     self._write_logged(None, scalars, rest, name)
             return
-        for part, rest, name, asked_at in self._asked_for.pop((fragment, call), ()):
-            self._write_logged(asked_at, logged.get(part, {}), rest, name)
+        for part, rest, name, asked_at, steps, new_row in self._asked_for.pop((fragment, call), ()):
+            self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row)
         self._computed_logs[(fragment, call)] = logged   # a later ff.log of the call may ask again
         self._forget_logs(fragment, call)
 
-    def _asked(self, fragment: str, call: int, part: int, rest: str, name: str, update: int) -> None:
-        """The loop logged ``part`` of ``fragment``'s call ``call`` after its ``update``-th update."""
+    def _asked(self, fragment: str, call: int, part: int, rest: str, name: str, update: int, steps: int,
+               new_row: bool) -> None:
+        """The loop logged ``part`` of ``fragment``'s call ``call`` after its ``update``-th update and
+        ``steps``-th env step (``new_row``: after an env step, a row of its own, as the loop's own values)."""
         computed = self._computed_logs.get((fragment, call))
         if computed is not None:
-            self._write_logged(update, computed.get(part, {}), rest, name)
+            self._write_logged(update, computed.get(part, {}), rest, name, steps, new_row)
         else:
-            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update))
+            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update, steps, new_row))
             self._forget_logs(fragment, call)
 
-    def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str) -> None:
+    def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str,
+                      steps: int | None = None, new_row: bool = False) -> None:
         """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
         update in progress, a later call's replacing an earlier one's)."""
         chosen = {}
@@ -246,7 +249,7 @@ class Driver:
         if chosen and update is None:
             self.monitor.log_latest(chosen)
         elif chosen:
-            self.monitor.log_at(update, chosen)
+            self.monitor.log_at(update, chosen, steps, new_row)
 
     def _forget_logs(self, fragment: str, call: int) -> None:
         store: dict[tuple[str, int], Any]
@@ -275,7 +278,7 @@ class Driver:
             self._computed(*msg[1:])
         elif kind == "logged" and self.monitor.marked_replicas:
             for fragment, call, part, rest, name, update in msg[1]:
-                self._asked(fragment, call, part, rest, name, update)
+                self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
         elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
             self.monitor.log_at(msg[2], msg[1], msg[3], msg[4])
         elif kind == "warn":

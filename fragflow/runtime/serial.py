@@ -45,7 +45,8 @@ class MonitorReporter:
     def mark(self, update: int) -> None:
         pass
 
-    def logged(self, requests: list[tuple[str, int, int, str, str, int]]) -> None:
+    def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
+               new_row: bool = False) -> None:
         pass
 
 

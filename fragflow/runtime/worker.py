@@ -106,8 +106,9 @@ class QueueReporter:
             new_row: bool = False) -> None:
         self.results.put(("log", scalars, update, steps, new_row))
 
-    def logged(self, requests: list[tuple[str, int, int, str, str, int]]) -> None:
-        self.results.put(("logged", requests))
+    def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
+               new_row: bool = False) -> None:
+        self.results.put(("logged", requests, steps, new_row))
 
     def mark(self, update: int) -> None:
         """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
