@@ -149,3 +149,65 @@ def test_a_learner_that_computes_no_torch_gradient_is_refused(write_algo, librar
         with pytest.raises(ConfigError, match="averages the gradients 'learn' computes, and it computed none"):
             ff.run(prog.train, prog.args_cls(library=library), policy="multi_learner(learners=2, actors=1)")
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+LOOP_LOGS = '''
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 5
+
+
+@ff.fragment("actor")
+def act(net, obs):
+    with torch.no_grad():
+        return net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, roll):
+    net, opt = state["net"], state["opt"]
+    loss = net(torch.as_tensor(roll["obs"], dtype=torch.float32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return state, {"loss": loss.detach()}
+
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["net"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+        ff.log({"trip": u})
+    return state
+'''
+
+
+def test_multi_learner_rows_count_what_the_loops_had_made_at_each_update(write_algo, tmp_path):
+    """Each update takes one call of every loop replica: its row has the steps, episodes and loop
+    values single_process's has (they were counted as they arrived: the loop's values a row early,
+    two extra rows, the last value lost). The learner's metrics are learner 0's, on its share."""
+    from tests.test_multiprocess import unclocked_rows
+
+    path, _ = write_algo(LOOP_LOGS, "loop_logs.py")
+    program = load(str(path))
+    rows = []
+    for run, pol in (("one", "single_process"), ("other", "multi_learner(learners=2, actors=1, max_lag=0)")):
+        ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
+        rows.append([{k: v for k, v in r.items() if k != "loss"} for r in unclocked_rows(tmp_path / run)])
+    assert [r["trip"] for r in rows[0]] == ["0.0", "1.0", "2.0", "3.0", "4.0"] and rows[1] == rows[0]

@@ -442,8 +442,11 @@ def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any
             backend: str = "local", address: str | None = None) -> Any:
     monitor.rows_end_at_steps = False
     clock = {r.group for r in lowered.loop.remote.values() if r.primary}
-    services = [s for s in lowered.services if s.group in clock]
-    if len(services) == 1 and (lowered.loop.replicas == 1 or services[0].ordered):
+    # (the instances of a replicated learner, multi_learner's learner.0, learner.1, ..., update together)
+    services = [s for s in lowered.services if s.group in clock or s.group.rsplit(".", 1)[0] in clock]
+    if services and sum(s.producers for s in services) == lowered.loop.replicas and all(
+            s.producers == 1 or s.ordered for s in services) and (len(services) == 1 or all(
+            s.world == len(services) for s in services)):
         monitor.marked_replicas = lowered.loop.replicas   # each update takes one call of every replica
     return Driver(lowered, program, monitor, backend, checkpoints=checkpoints, max_restarts=max_restarts,
                   address=address).run()
