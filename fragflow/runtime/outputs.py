@@ -89,10 +89,18 @@ class RunOutputs:
         self._csv.writerow(row)
         assert self._csv_file is not None
         self._csv_file.flush()
-        step = int(row["env_steps"])
-        for key, value in row.items():
-            if key != "env_steps" and value == value:   # skip NaN (no episode finished yet)
-                self._tb.add_scalar(_tb_tag(key), value, step)
+        # skip NaN (no episode finished yet)
+        self._scalars(((_tb_tag(key), value) for key, value in row.items() if key != "env_steps" and value == value),
+                      int(row["env_steps"]))
+
+    def _scalars(self, values: Any, step: int) -> None:
+        """Scalars at one step, as one TensorBoard event (an event per scalar, as ``add_scalar``
+        writes them, cost DQN's row per update a sixth of its step time)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values])
+        if summary.value:
+            self._tb._get_file_writer().add_summary(summary, step)   # (opens the file, honouring purge_step)
 
     def _open_csv(self, mode: str) -> None:
         assert self._columns is not None
@@ -114,12 +122,10 @@ class RunOutputs:
         self._open_csv("a")
 
     def write_episode(self, env_steps: int, ret: float, length: int) -> None:
-        self._tb.add_scalar("charts/episodic_return", ret, env_steps)
-        self._tb.add_scalar("charts/episodic_length", length, env_steps)
+        self._scalars((("charts/episodic_return", ret), ("charts/episodic_length", length)), env_steps)
 
     def write_eval_episode(self, env_steps: int, ret: float, length: int) -> None:
-        self._tb.add_scalar("eval/episodic_return", ret, env_steps)
-        self._tb.add_scalar("eval/episodic_length", length, env_steps)
+        self._scalars((("eval/episodic_return", ret), ("eval/episodic_length", length)), env_steps)
 
     def write_text(self, name: str, text: str) -> None:
         (self.dir / name).write_text(text)
