@@ -188,7 +188,10 @@ def run(
     if s.get("restarts"):
         out.print(f"restarts: {s['restarts']} (see summary.json notes)", highlight=False)
     if s.get("checkpoints"):
-        out.print(f"checkpoints: newest {s['checkpoints'][-1]} ({len(s['checkpoints'])} kept)", highlight=False)
+        from fragflow.runtime.checkpoint import listing
+
+        newest = Path(s["checkpoints"][-1])   # (a run resumed into its directory keeps the earlier run's too)
+        out.print(f"checkpoints: newest {newest} ({len(listing(newest.parent))} kept)", highlight=False)
 
 
 def _program_ref(algorithm: str) -> str:

@@ -490,6 +490,9 @@ def test_a_run_resumed_in_its_own_directory_writes_each_update_once(program, tmp
     before = [row["updates"] for row in csv.DictReader((a / "metrics.csv").open())]
     res = cli("run", "--resume", str(a / "checkpoints" / "4"), "-q")   # into the same directory
     assert res.returncode == 0, res.stderr
+    # the directory's, the earlier run's included (it said "1 kept": what this run wrote)
+    kept = len(ckpt.listing(a / "checkpoints"))
+    assert kept > 1 and f"({kept} kept)" in res.stdout
     after = [row["updates"] for row in csv.DictReader((a / "metrics.csv").open())]
     assert [float(u) for u in before] == [float(u) for u in after] == [float(u) for u in range(1, 9)]
     walls = [float(row["wall_seconds"]) for row in csv.DictReader((a / "metrics.csv").open())]
