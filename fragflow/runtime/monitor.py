@@ -176,18 +176,17 @@ class Monitor:
         The loop's own values after it stepped an env (``new_row``, at replica 0's ``steps``) are a
         row of their own after the update's, as single_process writes them."""
         if update is not None and self.marked_replicas and steps is not None:
+            # the row the loop made after that env step (a learner's output the loop logged may
+            # come after the loop's later rows: found by its steps), a new one, or the update's
             rows = self._loop_rows.get(update)
-            if new_row or rows:
-                # (a learner's output the loop logged may come after the loop's later rows: by steps)
-                at = next((r for r in rows or () if r[0] == steps), None)
-                if at is not None:
-                    at[1].update(scalars)
-                elif new_row:
-                    rows = self._loop_rows.setdefault(update, [])
-                    rows.append((steps, dict(scalars)))
-                    rows.sort(key=lambda r: r[0])
-                else:
-                    rows[-1][1].update(scalars)  # type: ignore[index]
+            at = next((r for r in rows or () if r[0] == steps), None)
+            if at is not None:
+                at[1].update(scalars)
+                return
+            if new_row:
+                rows = self._loop_rows.setdefault(update, [])
+                rows.append((steps, dict(scalars)))
+                rows.sort(key=lambda r: r[0])
                 return
         if update is not None and self.marked_replicas:
             for row in (*self._waiting, *([self._pending] if self._pending is not None else [])):
