@@ -223,7 +223,7 @@ def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined", "pipelined(actors=2)",
-                                    "central_inference(env_workers=2)"])
+                                    "central_inference(env_workers=2)", "multi_learner(learners=2, actors=1, max_lag=0)"])
 def test_the_actors_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy):
     """The learner saves its states at the actors' cut (one trip): every update of the calls they
     made before their parts, none after, so the resumed run does each update exactly once."""

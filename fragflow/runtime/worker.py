@@ -275,8 +275,9 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             position["steps"] = reporter.total_steps
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
             interp.cut = calls.cut_mark(seq)   # the calls after it: the service saves before the first
-            for group in {r.group for r in interp.program.remote.values()}:   # ... or once it has every earlier one
-                endpoints.definitions(group).put(("cut", index, seq, interp._seq))
+            # ... or once it has every earlier one (its own instance of a replicated group: multi_learner's)
+            for group in {r.group for r in interp.program.remote.values()}:
+                interp._defs[group].put(("cut", index, seq, interp._seq))
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
