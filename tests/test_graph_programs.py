@@ -1480,3 +1480,57 @@ def test_a_learner_output_passed_back_to_it_after_a_first_value_from_the_loop_ru
     steps = [float(r["step"]) for r in unclocked_rows(tmp_path / "b")]
     assert unclocked_rows(tmp_path / "b") == unclocked_rows(tmp_path / "a")
     assert steps == pytest.approx([0.1 * 0.9 ** (i + 1) for i in range(5)])
+
+
+METHODS_AS_FRAGMENTS = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+class Actor:
+    def __init__(self, scale):
+        self.scale = scale
+
+    @ff.fragment("actor")
+    def act(self, w, obs):
+        return (self.scale * obs @ w).argmax(-1)
+
+class Trainer:
+    def __init__(self, scale):
+        self.scale = scale
+
+    @ff.fragment("learner", writes="state")
+    def learn(self, state, roll):
+        return {"w": state["w"] - 0.01 * self.scale * roll["obs"].mean()}, {"m": roll["obs"].mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    actor, trainer = Actor(2.0), Trainer(0.5)
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(actor.act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = trainer.learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"])
+def test_methods_of_a_users_class_as_fragments_run_where_a_group_takes_several_replicas_calls(
+        write_algo, policy, tmp_path):
+    # each replica's calls bring their own copy of the object; the group keeps the first and used
+    # to look its fragment up among the object's attributes, where a method is not: StopIteration
+    path, _ = write_algo(METHODS_AS_FRAGMENTS)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "a")
+    got = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "b")
+    assert same_tree(got.value, expected.value)
+    assert unclocked_rows(tmp_path / "b") == unclocked_rows(tmp_path / "a")

@@ -193,7 +193,15 @@ class ServiceRunner:
                     raise CheckpointError(f"the checkpoint does not fit this program: {key!r}: {exc}",
                                           fix="resume with the algorithm and arguments that wrote it") from None
             return frag
-        return next(v for v in vars(held).values() if isinstance(v, Fragment) and v.name == frag.name)
+        # an object's own fragments (a buffer's), or its class's methods bound to it (a user's class)
+        for v in vars(held).values():
+            if isinstance(v, Fragment) and v.name == frag.name:
+                return v
+        for klass in type(held).__mro__:
+            for v in vars(klass).values():
+                if isinstance(v, Fragment) and (bound := v.__get__(held, type(held))).name == frag.name:
+                    return bound
+        return frag   # (not found on the first copy: this copy's own)
 
     def _wait_for(self, ready: Any) -> None:
         """Take definitions from the loop until ``ready()``: a call's fragment and skeleton are sent
