@@ -1534,3 +1534,48 @@ def test_methods_of_a_users_class_as_fragments_run_where_a_group_takes_several_r
     got = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "b")
     assert same_tree(got.value, expected.value)
     assert unclocked_rows(tmp_path / "b") == unclocked_rows(tmp_path / "a")
+
+
+STATE_MADE_AGAIN_AFTER_THE_TRACE = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"]).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, roll):
+    return {"w": state["w"] - 0.01 * roll["obs"].mean()}, {"m": roll["obs"].mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        if u == 3:
+            state = ff.versioned({"w": np.ones((4, 2))})   # @again
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "central_inference(env_workers=2)"])
+def test_versioned_state_made_again_after_the_trace_is_refused_at_its_line_not_waited_for(write_algo, policy):
+    # the learner's process waited for good for a state only the loop had (the run hung)
+    path, marks = write_algo(STATE_MADE_AGAIN_AFTER_THE_TRACE)
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 6
+    with pytest.raises(PlacementError, match=rf"made new state in the loop after tracing.*\n  at {path}:{marks['again']}\n"
+                                             "  fix: make versioned state once, before the loop"):
+        ff.run(program.train, program.args_cls(), policy=policy)
+    assert not shm_leftovers()

@@ -32,6 +32,7 @@ from fragflow.errors import (
     ConfigError,
     FragflowError,
     LearnerOutputOnActingSideError,
+    PlacementError,
     UntracedFragmentError,
     VersionedStateError,
 )
@@ -312,6 +313,16 @@ class LoopInterpreter:
                 raise VersionedStateError(
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
+        for value in bound.arguments.values():
+            held = value if isinstance(value, Versioned) else value.handle if isinstance(value, VersionedView) else None
+            if held is not None and route.group not in self.program.ship.get(held.name, ()):
+                # made after the trace (ff.versioned(...) run again in the loop): the group never gets it
+                raise PlacementError(
+                    f"ff.versioned(...) made new state in the loop after tracing, and '{name}' was given it, but "
+                    f"this policy runs '{name}' in another process, which holds the states the trace saw: the new "
+                    "state would never reach it", where=held.created_at or user_callsite(),
+                    fix="make versioned state once, before the loop, and let the learner return its next value (to "
+                        "start it afresh, return the fresh value from the learner), or run with --policy single_process")
         skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given)
         group = self._defs[route.group]
         if name not in self._shipped:
