@@ -1579,3 +1579,46 @@ def test_versioned_state_made_again_after_the_trace_is_refused_at_its_line_not_w
                                              "  fix: make versioned state once, before the loop"):
         ff.run(program.train, program.args_cls(), policy=policy)
     assert not shm_leftovers()
+
+
+OBJECT_ARRAY_CROSSING = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(state, obs):
+    a = (obs @ state["w"]).argmax(-1)
+    return a, np.array([{"a": int(v)} for v in a], dtype=object)
+
+@ff.fragment("learner", writes="state")
+def learn(state, roll):
+    return {"w": state["w"] - 0.01 * roll["obs"].mean()}, {"n": float(len(roll["tags"]))}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            a, tags = act(state, obs)
+            obs, *_ = env.step(a)
+            buf.add(obs=obs, tags=tags)
+        state, m = learn(state, buf.collect())   # @learn
+    return state
+"""
+
+
+def test_an_array_of_python_objects_crossing_processes_is_refused_at_placement_with_the_line(write_algo):
+    # it reached the shared-memory ring: "cannot create an OBJECT array from memory buffer" at run time
+    path, marks = write_algo(OBJECT_ARRAY_CROSSING)
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 3
+    with pytest.raises(PlacementError, match=rf"'roll\['tags'\]' of 'learn' is a numpy array of Python objects "
+                                             rf"\(object\[4,2\]\).*\n  at {path}:{marks['learn']}\n  fix: send numbers"):
+        compile(program.train, program.args_cls(), policy="pipelined")

@@ -213,6 +213,13 @@ def _clock(graph: Graph, group: Group) -> str:
 
 
 def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: PlacedGraph) -> TensorSpec:
+    if str(leaf.spec.dtype) == "object":
+        raise PlacementError(
+            f"'{leaf.dst_path}' of '{fragment}' is a numpy array of Python objects ({leaf.spec.short()}), and policy "
+            f"'{placed.policy}' sends it between processes through shared memory, where only numbers travel",
+            where=graph.node(fragment).called_at,
+            fix="send numbers instead (a code per object, or an array per field), keep the objects in the loop, "
+                "or run with --policy single_process")
     if leaf.axis is None or replicas == 1:
         return leaf.spec
     shape = list(leaf.spec.shape)
