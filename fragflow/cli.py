@@ -152,6 +152,12 @@ def run(
             raise ConfigError("--address names a Ray cluster, but the backend is local", fix="add --backend ray")
         run_dir = out_dir or (start.run_dir if start is not None else
                               Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+        if blocked is not None:   # before tracing: nothing could be written
+            from fragflow.errors import ConfigError
+
+            raise ConfigError(f"--out {run_dir}: {blocked} is a file, not a directory",
+                              fix="give a directory for the run's outputs (it is made if missing)")
         if not err.is_terminal:   # (a terminal shows the spinner)
             err.print(f"{program.name}: tracing", highlight=False)
         with err.status(f"tracing {program.name} ...", spinner="dots") as status:

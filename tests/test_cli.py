@@ -118,6 +118,17 @@ def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, 
     assert not out.exists()
 
 
+def test_an_out_that_is_a_file_is_a_usage_error_before_tracing(tmp_path):
+    # it traced, then failed writing with an internal FileExistsError (exit 1)
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    for out in (taken, taken / "run"):
+        res = invoke("run", "ppo", "--out", str(out))
+        assert res.exit_code == 2, res.output
+        assert f"{taken} is a file, not a directory" in res.stderr and "tracing" not in res.stderr
+        assert "Traceback" not in res.output and taken.read_text() == "x"
+
+
 def test_unknown_env_error_points_at_the_users_line():
     res = invoke("run", "algorithms/ppo.py", "--set", "env_id=CartPole-v9")
     assert res.exit_code == 2
