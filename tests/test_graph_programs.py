@@ -10,7 +10,7 @@ import pytest
 import fragflow as ff
 from fragflow.algorithms import dqn
 from fragflow.driver import compile
-from fragflow.errors import LearnerOutputOnActingSideError, PlacementError
+from fragflow.errors import LearnerOutputOnActingSideError, PlacementError, SpecChangedError
 from fragflow.program import load
 from tests.test_multiprocess import same_tree, shm_leftovers, unclocked_rows
 
@@ -1622,3 +1622,46 @@ def test_an_array_of_python_objects_crossing_processes_is_refused_at_placement_w
     with pytest.raises(PlacementError, match=rf"'roll\['tags'\]' of 'learn' is a numpy array of Python objects "
                                              rf"\(object\[4,2\]\).*\n  at {path}:{marks['learn']}\n  fix: send numbers"):
         compile(program.train, program.args_cls(), policy="pipelined")
+
+
+SERVED_OUTPUT_CHANGES_SHAPE = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 8
+
+@ff.fragment("actor")
+def act(state, obs, u):
+    logits = obs @ state["w"]
+    return logits.argmax(-1), (logits if u < 5 else logits[:, :1])
+
+@ff.fragment("learner", writes="state")
+def learn(state, roll):
+    return {"w": state["w"] - 0.01 * roll["obs"].mean()}, {"m": roll["logits"].mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            a, logits = act(state, obs, u)   # @act
+            obs, *_ = env.step(a)
+            buf.add(obs=obs, logits=logits)
+        state, m = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_served_actors_output_changing_shape_names_the_actors_line(write_algo):
+    # the reply channel refused it with no line: "an array of shape (2, 1) was sent through a channel ..."
+    path, marks = write_algo(SERVED_OUTPUT_CHANGES_SHAPE)
+    program = load(str(path))
+    with pytest.raises(SpecChangedError, match=rf"fragment 'act' returned output leaf 1 as f64\[4,1\] numpy, but it "
+                                               rf"was traced as f64\[4,2\] numpy\n  at {path}:{marks['act']}\n  fix: "):
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
+    assert not shm_leftovers()

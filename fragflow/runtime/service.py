@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import cloudpickle
@@ -32,11 +33,12 @@ from fragflow.compiler.pytree import (
     from_numpy,
     leaf_paths,
     ordered_like,
+    spec_of,
     to_numpy,
     without_optimizers,
 )
 from fragflow.context import InstanceNames
-from fragflow.errors import ConfigError
+from fragflow.errors import ConfigError, SpecChangedError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
@@ -562,6 +564,7 @@ class ServiceRunner:
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
         """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
         leaves = [leaf for _, leaf in leaf_paths(out)]
+        self._check_answer(fragment, leaves, self.replies[fragment][pieces[0].replica][0], len(pieces))
         for i, p in enumerate(pieces):   # the batch holds the pieces' rows in this order (see _merge)
             ring_spec, ring = self.replies[fragment][p.replica]
             part = []
@@ -574,6 +577,25 @@ class ServiceRunner:
             ring.put(part, self.version)
             if self.started[p.replica] is None:
                 self.started[p.replica] = self.version
+
+    def _check_answer(self, fragment: str, leaves: list[Any], ring_spec: Any, pieces: int) -> None:
+        """The outputs of a request must match the traced specs the replies were sized for (with the
+        batch of ``pieces`` requests along their batch axes), or the loop's line is named."""
+        where = self.checks.get("called_at", {}).get(fragment)
+        fix = "keep every output's shape and dtype fixed across calls (pad or bucket variable-size data)"
+        if len(leaves) != len(ring_spec.specs):
+            raise SpecChangedError(f"fragment '{fragment}' returned {len(leaves)} array leaves, but it was traced "
+                                   f"returning {len(ring_spec.specs)}", where=where, fix=fix)
+        for j, (leaf, axis, spec) in enumerate(zip(leaves, ring_spec.axes, ring_spec.specs)):
+            shape = list(spec.shape)
+            if axis is not None:
+                shape[axis] *= pieces
+            got = spec_of(leaf)
+            if got.shape != tuple(shape) or (got.dtype != spec.dtype and spec.backend != "python"):
+                want = replace(spec, shape=tuple(shape))
+                raise SpecChangedError(f"fragment '{fragment}' returned output leaf {j} as {got.short()} "
+                                       f"{got.backend}, but it was traced as {want.short()} {want.backend}",
+                                       where=where, fix=fix)
 
     def _logged(self, fragment: str, out: Any) -> dict[int, dict[str, float]]:
         """The scalars of each part of the call's output the loop may log (see lowering's _logged),
