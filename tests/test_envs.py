@@ -6,7 +6,7 @@ import pytest
 
 import fragflow as ff
 from fragflow.api.envs import VectorEnv
-from fragflow.errors import TraceError, UnknownEnvError
+from fragflow.errors import ConfigError, TraceError, UnknownEnvError
 
 
 def test_same_step_autoreset_keeps_the_final_observation():
@@ -217,3 +217,70 @@ def test_an_evaluation_env_first_stepped_after_the_trace_steps_where_the_loop_ru
     program = load(str(path))
     result = ff.run(program.train, program.args_cls(), policy="pipelined")
     assert result.summary["updates"] == 9 and result.summary.get("eval_episodes", 0) > 0
+
+
+class _Counts(gym.Env):
+    """Integer observations (a count per cell); ``wrong`` returns one of another shape than its space."""
+
+    def __init__(self, wrong: bool = False, dtype: type = np.uint8) -> None:
+        self.observation_space = gym.spaces.Box(0, 255, (2, 2), dtype)
+        self.action_space = gym.spaces.Discrete(2)
+        self.wrong, self.t, self.dtype = wrong, 0, dtype
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.integers(0, 255, (2, 2), dtype=np.uint8).astype(self.dtype), {}
+
+    def step(self, action):
+        self.t += 1
+        obs = self.np_random.integers(0, 255, (1,) if self.wrong else (2, 2), dtype=np.uint8).astype(self.dtype)
+        return obs, 1.0, False, self.t >= 5, {}
+
+
+def test_normalised_integer_observations_are_float_z_scores_as_gymnasiums():
+    # they were cast back to uint8: z-scores of 0.18 and -1.8 became 0 and 255. The reference: the same
+    # counts as float64 (gymnasium's own wrapper keeps uint8 statistics of uint8 observations)
+    env = ff.envs.make(_Counts, num_envs=2, seed=0, normalize_obs=True)
+    ref = gym.wrappers.NormalizeObservation(_Counts(dtype=np.float64))
+    ref.reset(seed=0)
+    obs = env.reset()
+    assert obs.dtype == np.float32 and env.single_observation_space.dtype == np.float32
+    for _ in range(6):
+        obs, _, _, trunc, info = env.step(np.zeros(2, np.int64))
+        want, *_ = ref.step(0)
+        if trunc[0]:
+            ref.reset()
+        assert np.allclose(info["final_obs"][0] if trunc[0] else obs[0], want, atol=1e-5)
+        assert info["final_obs"].dtype == np.float32
+
+
+def test_an_observation_of_another_shape_than_the_space_is_refused_at_the_step():
+    # assigned into the batch, a (1,) observation was broadcast to the space's (2, 2)
+    env = ff.envs.make(lambda: _Counts(wrong=True), num_envs=2, seed=0)
+    env.reset()
+    with pytest.raises(ConfigError, match=r"environment 0 returned an observation of shape \(1,\), but its observation "
+                                          r"space .* has shape \(2, 2\)"):
+        env.step(np.zeros(2, np.int64))
+
+
+def test_options_make_cannot_apply_and_factories_of_the_wrong_kind_are_refused_at_the_make_line():
+    from pettingzoo.classic import tictactoe_v3
+
+    cases = [
+        (lambda: ff.envs.make(lambda: gym.make_vec("CartPole-v1", 2), num_envs=2, seed=0), "returns a vector env"),
+        (lambda: ff.envs.make(tictactoe_v3.env, num_envs=2, seed=0), "PettingZoo AEC environment"),
+        (lambda: ff.envs.make(lambda: gym.make("Blackjack-v1"), num_envs=2, seed=0, normalize_obs=True),
+         "normalize_obs keeps running statistics of one array"),
+    ]
+    for make, message in cases:
+        with pytest.raises(UnknownEnvError, match=message) as info:
+            make()
+        assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+
+
+def test_an_ale_id_without_its_module_prefix_finds_the_game_when_ale_py_is_installed():
+    # it was refused with 'pip install "fragflow[atari]"' although ale-py was installed
+    env = ff.envs.make("ALE/Pong-v5", num_envs=1, seed=0)
+    assert env.reset().shape == (1, 210, 160, 3)
+    env.close()

@@ -12,7 +12,9 @@ environments that did not finish). No transition is ever made of an action the e
 ignored, unlike gymnasium's default next-step mode, where the step after an episode's end
 ignores its action and a naive buffer stores that phantom transition.
 
-Episode returns and lengths are measured on the raw rewards, before any reward wrapper.
+Episode returns and lengths are measured on the environment's rewards before ``clip_rewards`` and
+``normalize_reward``; wrappers passed in ``wrappers=`` are part of the environment (a TimeLimit
+there ends its episodes, a reward wrapper there changes the returns reported).
 
 PettingZoo parallel environments (``ff.envs.make("mpe2:simple_spread_v3", num_envs=8)``, the
 ``multiagent`` extra) become a :class:`~fragflow.api.multiagent.MultiAgentVectorEnv`: the same fragments, with an ``agent``
@@ -107,6 +109,11 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
                 info["final_obs"][i] = o
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
+            if np.shape(o) != obs.shape[1:]:   # (assigning would broadcast it silently)
+                raise ConfigError(f"environment {i} returned an observation of shape {np.shape(o)}, but its "
+                                  f"observation space {self.single_observation_space} has shape {obs.shape[1:]}",
+                                  where=user_callsite(),
+                                  fix="return observations of the space's shape, or declare the space the env returns")
             obs[i] = o
             rewards[i], terminated[i], truncated[i] = r, te, tr
         return obs, rewards, terminated, truncated, info
@@ -122,12 +129,14 @@ class _RunningMeanStd:
         self.var = np.ones((num_envs, *shape), np.float64)
         self.count = np.full(num_envs, 1e-4)
 
-    def update(self, x: np.ndarray) -> None:
-        count = self.count.reshape(-1, *([1] * (self.mean.ndim - 1)))
-        delta, total = x - self.mean, count + 1.0
-        self.mean = self.mean + delta / total
-        self.var = (self.var * count + delta**2 * count / total) / total
-        self.count = self.count + 1.0
+    def update(self, x: np.ndarray, rows: Any = slice(None)) -> None:
+        """One new value of each environment in ``rows`` (all of them by default)."""
+        mean, var = self.mean[rows], self.var[rows]
+        count = self.count[rows].reshape(-1, *([1] * (self.mean.ndim - 1)))
+        delta, total = x - mean, count + 1.0
+        self.mean[rows] = mean + delta / total
+        self.var[rows] = (var * count + delta**2 * count / total) / total
+        self.count[rows] = self.count[rows] + 1.0
 
 
 class _Normalize(gym.vector.VectorWrapper):
@@ -135,8 +144,9 @@ class _Normalize(gym.vector.VectorWrapper):
     statistics of each environment's own observations and discounted returns (its gymnasium
     wrappers wrap each environment), clipped to +-10, so that where the environments are stepped
     changes nothing. Written for same-step autoreset: gymnasium's own normalisation wrappers refuse
-    that mode because they would leave ``final_obs`` unnormalised; here the final observation is
-    normalised with its environment's statistics."""
+    that mode because they would leave ``final_obs`` unnormalised; here an environment's final
+    observation updates its statistics and is normalised with them, then its reset observation, as a
+    wrapper on the environment does."""
 
     def __init__(self, env: gym.vector.VectorEnv, obs: bool, reward: bool, gamma: float, clip: float = 10.0) -> None:
         super().__init__(env)
@@ -145,14 +155,21 @@ class _Normalize(gym.vector.VectorWrapper):
         self.ret_rms = _RunningMeanStd(n, ()) if reward else None
         self.returns = np.zeros(n)
         self.gamma, self.clip = gamma, clip
+        space = env.single_observation_space
+        # z-scores of integer observations (images, counts) are floats: as gymnasium's NormalizeObservation
+        floating = isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
+        self._dtype = space.dtype if floating else np.dtype(np.float32)
+        if obs and isinstance(space, gym.spaces.Box):   # (another space is refused by make)
+            self.single_observation_space = gym.spaces.Box(-clip, clip, space.shape, self._dtype)
+            self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, n)
 
     def _obs(self, obs: np.ndarray, update: bool, rows: Any = slice(None)) -> np.ndarray:
         if self.obs_rms is None:
             return obs
         if update:
-            self.obs_rms.update(obs)
+            self.obs_rms.update(obs, rows)
         z = (obs - self.obs_rms.mean[rows]) / np.sqrt(self.obs_rms.var[rows] + 1e-8)
-        return np.clip(z, -self.clip, self.clip).astype(obs.dtype)
+        return np.clip(z, -self.clip, self.clip).astype(self._dtype)
 
     def reset(self, **kwargs: Any) -> Any:
         obs, info = self.env.reset(**kwargs)
@@ -164,8 +181,8 @@ class _Normalize(gym.vector.VectorWrapper):
         if "final_obs" in info:
             mask = info["_final_obs"]
             info = dict(info, final_obs=info["final_obs"].copy())
-            for i in np.flatnonzero(mask):
-                info["final_obs"][i] = self._obs(info["final_obs"][i][None], False, slice(i, i + 1))[0]
+            for i in np.flatnonzero(mask):   # as a wrapper on the env: its step's observation, then its reset's
+                info["final_obs"][i] = self._obs(info["final_obs"][i][None], True, slice(i, i + 1))[0]
         obs = self._obs(obs, True)
         if self.ret_rms is not None:
             self.returns = self.returns * self.gamma * (1 - terminated) + reward
@@ -409,6 +426,13 @@ def _registered(env_id: str, where: Any) -> Any:
         if module is not None and _parallel_factory(module) is not None:
             return module
     prefix = env_id.split("/", 1)[0]
+    if prefix == "ALE":   # ale-py registers its games when imported ("ale_py:ALE/Pong-v5" in gymnasium)
+        try:
+            importlib.import_module("ale_py")
+        except ImportError:
+            pass
+        if env_id in gym.registry:
+            return env_id
     hint = _EXTRA_HINT.get(prefix) if "/" in env_id else None
     raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
                           fix=hint or did_you_mean(env_id, gym.registry.keys()))
@@ -466,11 +490,24 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     first: Any = None
     if parallel is None and not isinstance(env_id, str) and not (isinstance(env_id, type) and issubclass(env_id, gym.Env)):
         first = env_id(**env_kwargs)           # a factory: of a gymnasium env or of a PettingZoo parallel env?
+        if hasattr(first, "agent_iter"):        # PettingZoo's AEC API: agents act in turn
+            first.close()
+            raise UnknownEnvError(f"ff.envs.make got a PettingZoo AEC environment ({type(first).__name__}), whose "
+                                  "agents act one at a time; it steps parallel environments, where all agents act "
+                                  "together", where=where,
+                                  fix="pass the module's parallel_env where it has one, or a function that wraps the "
+                                      "AEC env with pettingzoo.utils.conversions.aec_to_parallel (for games whose "
+                                      "agents all act at every step)")
         if hasattr(first, "possible_agents"):
             parallel = env_id
         else:
+            vector = isinstance(first, gym.vector.VectorEnv)
             first.close()
             first = None
+            if vector:
+                raise UnknownEnvError(f"ff.envs.make got a function that returns a vector env, where it makes the "
+                                      "vector env itself", where=where,
+                                      fix="pass a function that returns one environment (num_envs says how many)")
     if parallel is not None:
         given = [name for name, on in (("clip_actions", clip_actions), ("normalize_obs", normalize_obs),
                                        ("normalize_reward", normalize_reward), ("clip_rewards", clip_rewards),
@@ -506,6 +543,13 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         family = "mujoco" if "mujoco" in text else "ale_py" if ("atari" in text or "opencv" in text) else None
         raise UnknownEnvError(f"environment {env_id!r} needs a package that is not installed: {exc}", where=where,
                               fix=_EXTRA_HINT[family] if family else "install the package the message names") from None
+    space = env._stats.single_observation_space
+    if normalize_obs and not isinstance(space, gym.spaces.Box):
+        env.close()
+        raise UnknownEnvError(f"normalize_obs keeps running statistics of one array of observations, but this "
+                              f"environment's observation space is {space}", where=where,
+                              fix="normalise the parts you need in a wrapper of your own (wrappers=[...]), or leave "
+                                  "normalize_obs out")
     if interp is not None:
         interp.adopt(env)
     return env

@@ -152,6 +152,7 @@ class MultiAgentVectorEnv(VectorEnv):
             self._refuse(a)
         obs, final = [], []
         reward = np.zeros((n, k), np.float32)
+        raw = np.zeros((n, k), np.float64)   # episode returns add the env's rewards as given, not rounded
         terminated = np.zeros((n, k), bool)
         truncated = np.zeros((n, k), bool)
         cut = self._action_cut
@@ -161,12 +162,12 @@ class MultiAgentVectorEnv(VectorEnv):
                                         for j, agent in enumerate(self.agents) if agent in live})
             for j, agent in enumerate(self.agents):
                 if agent in live:
-                    reward[i, j] = r.get(agent, 0.0)
+                    raw[i, j] = reward[i, j] = r.get(agent, 0.0)
                     terminated[i, j], truncated[i, j] = bool(te.get(agent, False)), bool(tr.get(agent, False))
                 else:
                     terminated[i, j] = True       # it left the episode earlier
             step_obs = self._obs(o)
-            self._returns[i] += reward[i]
+            self._returns[i] += raw[i]
             self._lengths[i] += np.array([agent in live for agent in self.agents])
             if not env.agents:                    # every agent is done: the episode ends here
                 self._finished.extend((float(ret), int(length)) for ret, length in zip(self._returns[i], self._lengths[i]))
