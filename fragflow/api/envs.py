@@ -505,7 +505,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
             first.close()
             first = None
             if vector:
-                raise UnknownEnvError(f"ff.envs.make got a function that returns a vector env, where it makes the "
+                raise UnknownEnvError("ff.envs.make got a function that returns a vector env, where it makes the "
                                       "vector env itself", where=where,
                                       fix="pass a function that returns one environment (num_envs says how many)")
     if parallel is not None:
