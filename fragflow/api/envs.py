@@ -158,9 +158,10 @@ class _Normalize(gym.vector.VectorWrapper):
         space = env.single_observation_space
         # z-scores of integer observations (images, counts) are floats: as gymnasium's NormalizeObservation
         floating = isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
-        self._dtype = space.dtype if floating else np.dtype(np.float32)
+        dtype: Any = space.dtype if floating else np.dtype(np.float32)
+        self._dtype = dtype
         if obs and isinstance(space, gym.spaces.Box):   # (another space is refused by make)
-            self.single_observation_space = gym.spaces.Box(-clip, clip, space.shape, self._dtype)
+            self.single_observation_space = gym.spaces.Box(-clip, clip, space.shape, dtype)
             self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, n)
 
     def _obs(self, obs: np.ndarray, update: bool, rows: Any = slice(None)) -> np.ndarray:
