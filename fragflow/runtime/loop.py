@@ -315,7 +315,8 @@ class LoopInterpreter:
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
         for value in bound.arguments.values():
             held = value if isinstance(value, Versioned) else value.handle if isinstance(value, VersionedView) else None
-            if held is not None and route.group not in self.program.ship.get(held.name, ()):
+            if held is not None and self.program.service_for(route.group, self.index) not in self.program.ship.get(
+                    held.name, ()):
                 # made after the trace (ff.versioned(...) run again in the loop): the group never gets it
                 raise PlacementError(
                     f"ff.versioned(...) made new state in the loop after tracing, and '{name}' was given it, but "
