@@ -55,6 +55,10 @@ def test_tensorboard_events_hold_the_scalars(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"charts/episodic_return", "charts/steps_per_second", "losses/value_loss"} <= tags
+    # the run's own columns are not filed among the losses (restarts and the evaluation columns were)
+    assert {"charts/restarts"} <= tags and not {t for t in tags if t.startswith("losses/")} - {
+        f"losses/{k}" for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+                                "explained_variance", "learning_rate")}
     assert len(acc.Scalars("losses/value_loss")) == 8
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import IO, Any
 
 RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
-                   "episode_return_mean", "episode_length_mean", "episodes")
+                   "episode_return_mean", "episode_length_mean", "episodes", "restarts")
+EVAL_COLUMNS = ("eval_return_mean", "eval_episodes")
 
 
 def _updates(row: dict[str, str]) -> float:
@@ -168,4 +169,6 @@ class RunOutputs:
 def _tb_tag(key: str) -> str:
     if key in RUNTIME_COLUMNS:
         return f"charts/{key}"
+    if key in EVAL_COLUMNS:   # beside eval/episodic_return, not among the losses
+        return f"eval/{key}"
     return key if "/" in key else f"losses/{key}"
