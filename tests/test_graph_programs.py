@@ -1665,3 +1665,50 @@ def test_a_served_actors_output_changing_shape_names_the_actors_line(write_algo)
                                                rf"was traced as f64\[4,2\] numpy\n  at {path}:{marks['act']}\n  fix: "):
         ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
     assert not shm_leftovers()
+
+
+LEARNER_IN_AN_INNER_LOOP = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+    steps: int = 6
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"]).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, roll):
+    return {"w": state["w"] + 0.01 * roll["obs"].mean()}, {"m": roll["obs"].mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(args.steps)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(args.steps):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+            state, m = learn(state, {"obs": np.repeat(obs[None], args.steps, 0)})   # an update every step
+            ff.log(m)
+        state, m = learn(state, buf.collect())   # and one per outer trip, after the inner loop
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_trace_whose_updates_start_in_an_inner_loop_goes_on_until_the_outer_loops_body_has_run(write_algo, tmp_path):
+    # tracing stopped after two updates of the inner loop: 'buffer.collect was first called after
+    # tracing ended' refused the program under every policy over several processes
+    path, _ = write_algo(LEARNER_IN_AN_INNER_LOOP)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "a")
+    got = ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=0)", out=tmp_path / "b")
+    assert same_tree(got.value, expected.value)
+    assert unclocked_rows(tmp_path / "b") == unclocked_rows(tmp_path / "a")
+    assert "buffer.collect" in {n.name for n in got.graph.fragments()}

@@ -95,6 +95,13 @@ class Tracer(Recording):
         self._reported = time.monotonic()
         self._expected = {id(f) for f in expected}
         self._primary: int | None = None     # the first learner fragment called: its calls are updates
+        # the training function's loops ((first line, last line), its file), and, where the first update
+        # is inside a loop nested in another, those two: tracing goes on until a call in the outer
+        # loop's body outside the inner one has run after it (a buffer collected and learned from
+        # once per outer trip, after an inner loop that learns every step)
+        self.loop_ranges: list[tuple[int, int]] = []
+        self.loop_file = ""
+        self._nested: tuple[tuple[int, int], tuple[int, int]] | None = None
         self.window = TraceWindow(max_updates, MAX_TRACE_UPDATES)
         self.remade_state: SourceLoc | None = None   # a line that made versioned state more than once
         # the first update made with no env step since the previous one (several learner steps on one
@@ -180,7 +187,12 @@ class Tracer(Recording):
         self._expected.discard(id(frag))
         if frag.role == "logger":
             self._check_scalars(args[0] if args else kwargs, where)
-        self.window.unseen = bool(self._expected)
+        if self._nested is not None:
+            here = where or user_callsite()
+            (o0, o1), (i0, i1) = self._nested
+            if here is not None and here.file == self.loop_file and o0 <= here.line <= o1 and not i0 <= here.line <= i1:
+                self._nested = None
+        self.window.unseen = bool(self._expected) or self._nested is not None
         if self.window.call(rec.name, frag.role, frag.evaluation):
             raise _StopTracing
         window = self.window.window
@@ -299,6 +311,10 @@ class Tracer(Recording):
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
+                around = [r for r in self.loop_ranges if where is not None and where.file == self.loop_file
+                          and r[0] <= where.line <= r[1]]
+                if len(around) > 1:
+                    self._nested = (min(around), max(around))
             if self._primary == id(frag):
                 if self.learner_again is None and self.env_steps and self._steps_at_update == self.env_steps:
                     self.learner_again = where
@@ -555,6 +571,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                              if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
     tracer = Tracer(max_updates=max_updates, expected=module_fragments, on_progress=on_progress)
     watcher = LoopWatcher(train)
+    tracer.loop_file = watcher.file
+    tracer.loop_ranges = [(line, last) for line, (_, last, _) in watcher.loops.items()]
     saved = _rng_state()
     import torch
 
