@@ -599,3 +599,15 @@ def test_a_learning_rate_scheduler_in_the_state_steps_with_the_learner_and_resum
     driver.run(program.train, policy="pipelined(max_lag=0)", out=tmp_path / "again", resume=mid)
     resumed = [float(r["lr"]) for r in csv.DictReader((tmp_path / "again" / "metrics.csv").open())]
     assert resumed == lrs[0][len(lrs[0]) - len(resumed):] and 0 < len(resumed) < 8
+
+
+def test_checkpoints_every_n_updates_are_n_apart_where_the_loop_runs_ahead(tmp_path):
+    """Under pipelined the cut is the loop's next trip, an update after the one the driver asked at:
+    the schedule counts from its asks, so the checkpoints are N apart (they were N+1: 4, 8, 12)."""
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=20 * 256, num_steps=32, num_envs=8)
+    driver.run(ppo.train, args, policy="pipelined", out=tmp_path / "run", checkpoint_every=3)
+    mids = sorted(int(p.name) for p in ckpt.listing(tmp_path / "run" / "checkpoints")
+                  if not json.loads((p / "manifest.json").read_text())["complete"])
+    assert len(mids) == 2 and mids[1] - mids[0] == 3, mids

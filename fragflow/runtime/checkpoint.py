@@ -176,14 +176,22 @@ class Schedule:
         self.every = every
         self.last_updates = updates
         self.last_time = time.monotonic()
+        self._asked: int | None = None
 
     def due(self, updates: int) -> bool:
         if self.every.updates is not None:
             return updates - self.last_updates >= self.every.updates
         return self.every.seconds is not None and time.monotonic() - self.last_time >= self.every.seconds
 
+    def asked(self, updates: int | None) -> None:
+        """A checkpoint was asked for, on schedule, at ``updates``. Across processes it is the cut at the
+        loops' next trip, an update or two later: the next one is due N updates after this ask, not
+        after that cut, so that they are N apart (they were N+1 under pipelined)."""
+        self._asked = updates
+
     def written(self, updates: int) -> None:
-        self.last_updates = updates
+        self.last_updates = updates if self._asked is None else self._asked
+        self._asked = None
         self.last_time = time.monotonic()
 
 
@@ -484,6 +492,8 @@ class RunCheckpoints:
         if self.staged is not None:
             shutil.rmtree(self.staged[1], ignore_errors=True)
             self.staged = None
+        if self.schedule is not None:
+            self.schedule.asked(None)   # (given up: the next is asked again, when due)
 
     # -- resuming ------------------------------------------------------------------------------
     def resumed_states(self) -> tuple[Any, dict[str, np.ndarray]] | None:

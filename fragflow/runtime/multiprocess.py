@@ -376,6 +376,8 @@ class Driver:
             if ck.stop_after:
                 raise KeyboardInterrupt
             return
+        if not ck.requested and ck.schedule is not None:
+            ck.schedule.asked(self.monitor.updates)
         ck.requested = False
         expected = {f"states.{s.group}" for s in self.lowered.services} | {f"loop{k}" for k in loops}
         seq = ck.begin(expected)
