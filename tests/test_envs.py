@@ -284,3 +284,11 @@ def test_an_ale_id_without_its_module_prefix_finds_the_game_when_ale_py_is_insta
     env = ff.envs.make("ALE/Pong-v5", num_envs=1, seed=0)
     assert env.reset().shape == (1, 210, 160, 3)
     env.close()
+
+
+def test_keyword_arguments_the_environment_does_not_take_are_refused_at_the_make_line():
+    # gymnasium's TypeError came through with its frames
+    with pytest.raises(UnknownEnvError, match=r"environment 'CartPole-v1' does not take the keyword arguments given "
+                                              r"to ff.envs.make \(horizon\)") as info:
+        ff.envs.make("CartPole-v1", num_envs=2, seed=0, horizon=3)
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")

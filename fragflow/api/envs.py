@@ -539,6 +539,14 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                         normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
                         evaluation=evaluation, env_kwargs=env_kwargs, wrappers=tuple(wrappers),
                         clip_rewards=clip_rewards)
+    except TypeError as exc:
+        if not env_kwargs or "keyword argument" not in str(exc):
+            raise
+        raise UnknownEnvError(f"environment {env_id!r} does not take the keyword arguments given to ff.envs.make "
+                              f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
+                              fix="pass only arguments the environment's constructor takes (options of "
+                                  "ff.envs.make itself: clip_actions, normalize_obs, normalize_reward, gamma, "
+                                  "clip_rewards, wrappers, evaluation)") from None
     except gym.error.DependencyNotInstalled as exc:
         text = str(exc).lower()
         family = "mujoco" if "mujoco" in text else "ale_py" if ("atari" in text or "opencv" in text) else None
