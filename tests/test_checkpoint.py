@@ -611,3 +611,21 @@ def test_checkpoints_every_n_updates_are_n_apart_where_the_loop_runs_ahead(tmp_p
     mids = sorted(int(p.name) for p in ckpt.listing(tmp_path / "run" / "checkpoints")
                   if not json.loads((p / "manifest.json").read_text())["complete"])
     assert len(mids) == 2 and mids[1] - mids[0] == 3, mids
+
+
+def test_the_newest_checkpoint_is_the_last_written_even_in_a_copy_that_reordered_file_times(tmp_path):
+    """A run directory copied with ``cp -r`` gets new file times, in copy order: the newest checkpoint
+    is the one its manifest says was written last (it was chosen by file time)."""
+    import os
+    import shutil
+
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=8 * 256, num_steps=32, num_envs=8)
+    driver.run(ppo.train, args, policy="single_process", out=tmp_path / "run", checkpoint_every=2)
+    written = ckpt.listing(tmp_path / "run" / "checkpoints")
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "run", copy, copy_function=shutil.copyfile)   # file times of the copy
+    for age, path in enumerate(reversed(sorted((copy / "checkpoints").iterdir()))):
+        os.utime(path / "manifest.json", ns=(10**18 + age, 10**18 + age))    # the newest looks oldest
+    assert [p.name for p in ckpt.listing(copy / "checkpoints")] == [p.name for p in written]

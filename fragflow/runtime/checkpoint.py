@@ -256,7 +256,17 @@ def listing(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, int(p.name)))
+    return sorted(found, key=lambda p: (_written_ns(p), int(p.name)))
+
+
+def _written_ns(path: Path) -> int:
+    """When a checkpoint was written: its manifest says (a copy made with ``cp -r`` keeps that, not
+    the files' times), else its manifest file's time."""
+    try:
+        written = json.loads((path / MANIFEST).read_text()).get("written_ns")
+    except (OSError, ValueError):
+        written = None
+    return int(written) if isinstance(written, int) else (path / MANIFEST).stat().st_mtime_ns
 
 
 @dataclass
@@ -428,7 +438,7 @@ class RunCheckpoints:
 
     def manifest(self, counters: dict[str, Any], loop: dict[str, Any] | None, complete: bool) -> dict[str, Any]:
         return {**self.identity, "counters": counters, "loop": loop, "complete": complete,
-                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "written_ns": time.time_ns(),
                 "resumed_from": str(self.resume.path) if self.resume is not None else None}
 
     def commit(self, counters: dict[str, Any], loop: dict[str, Any] | None,
