@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -629,3 +630,15 @@ def test_the_newest_checkpoint_is_the_last_written_even_in_a_copy_that_reordered
     for age, path in enumerate(reversed(sorted((copy / "checkpoints").iterdir()))):
         os.utime(path / "manifest.json", ns=(10**18 + age, 10**18 + age))    # the newest looks oldest
     assert [p.name for p in ckpt.listing(copy / "checkpoints")] == [p.name for p in written]
+
+
+def test_a_resume_whose_loop_locals_do_not_fit_names_the_loop(tmp_path):
+    """Another number of environments changes the loop's own arrays (its keys): refused at the loop
+    the checkpoint resumes, with its line (the message had none)."""
+    a = tmp_path / "a"
+    small = ["--set", "total_timesteps=2048", "--set", "num_envs=4", "--set", "num_steps=64"]
+    assert cli("run", "ppo", "--policy", "single_process", *small, "--checkpoint-every", "2", "--out", str(a),
+               "-q").returncode == 0
+    res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--set", "num_envs=8", "--out", str(tmp_path / "b"), "-q")
+    assert res.returncode == 2 and "does not fit this program" in res.stderr and "Traceback" not in res.stderr
+    assert re.search(r"\n  at (\S*/)?algorithms/ppo\.py:\d+\n", res.stderr), res.stderr

@@ -612,8 +612,11 @@ def resume_point(part: tuple[Any, dict[str, np.ndarray]]) -> Any:
         set_global_random(meta["random"], arrays)
         try:
             return restore_locals(meta["locals"], arrays, frame.f_locals)
-        except Mismatch as exc:
+        except Mismatch as exc:   # named at the loop the checkpoint resumes
+            from fragflow.source import SourceLoc, display_path
+
             raise CheckpointError(f"the checkpoint does not fit this program: {exc}",
+                                  where=SourceLoc(display_path(frame.f_code.co_filename), int(meta["line"])),
                                   fix="resume with the algorithm and arguments that wrote it") from None
 
     return Resume(int(meta["line"]), int(meta["trip"]), restore)
