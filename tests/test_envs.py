@@ -292,3 +292,37 @@ def test_keyword_arguments_the_environment_does_not_take_are_refused_at_the_make
                                               r"to ff.envs.make \(horizon\)") as info:
         ff.envs.make("CartPole-v1", num_envs=2, seed=0, horizon=3)
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+
+
+def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
+    # they were summed from float32 rewards: 3 x 0.1 was reported as 0.30000000447034836
+    from gymnasium import spaces
+    from pettingzoo import ParallelEnv
+
+    class Tenths(ParallelEnv):
+        metadata = {"name": "tenths_v0"}
+        possible_agents = ["a", "b"]
+
+        def observation_space(self, agent):
+            return spaces.Box(-1, 1, (1,), np.float32)
+
+        def action_space(self, agent):
+            return spaces.Discrete(2)
+
+        def reset(self, seed=None, options=None):
+            self.agents, self.t = list(self.possible_agents), 0
+            return {a: np.zeros(1, np.float32) for a in self.agents}, {a: {} for a in self.agents}
+
+        def step(self, actions):
+            self.t += 1
+            done = self.t >= 3
+            obs = {a: np.zeros(1, np.float32) for a in self.agents}
+            if done:
+                self.agents = []
+            return obs, {"a": 0.1, "b": 16777217.0 / 3}, {a: done for a in obs}, {a: False for a in obs}, {a: {} for a in obs}
+
+    env = ff.envs.make(Tenths, num_envs=1, seed=0)
+    env.reset()
+    for _ in range(3):
+        env.step(np.zeros((1, 2), np.int64))
+    assert sorted(r for r, _ in env.finished_episodes) == [0.1 + 0.1 + 0.1, 16777217.0 / 3 * 3]
