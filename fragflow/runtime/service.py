@@ -115,6 +115,7 @@ class ServiceRunner:
         self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
         self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
         self._gifts: dict[str, Any] = {}   # the current call's
+        self._names_given: dict[tuple[int, int], bool] = {}   # (replica, skeleton) -> whether it names any
         self._stalled_since = time.monotonic()
         self._stall_warned = False
         self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
@@ -480,12 +481,16 @@ class ServiceRunner:
         frag = self.fragments[fragment]
         skel = self.skeletons[(pieces[0].replica, pieces[0].sid)]
         self._gifts = {}
-        if _names_given(skel):   # (the same in every replica, as a leaf without a batch axis)
+        sid = (pieces[0].replica, pieces[0].sid)
+        names = self._names_given.get(sid)
+        if names is None:
+            names = self._names_given[sid] = _names_given(skel)
+        if names:   # (the same in every replica, as a leaf without a batch axis)
             key = (pieces[0].replica, fragment, pieces[0].call)
             self._wait_for(lambda: key in self.given)
             self._gifts = self.given[key]
-        for p in pieces:
-            self.given.pop((p.replica, fragment, p.call), None)
+            for p in pieces:
+                self.given.pop((p.replica, fragment, p.call), None)
         leaves = self._merge(fragment, pieces)
         arguments = calls.build(skel, iter(leaves), self._resolve)
         bound = inspect.BoundArguments(frag.signature, arguments)
