@@ -313,24 +313,14 @@ class LoopInterpreter:
                 raise VersionedStateError(
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
-        for value in bound.arguments.values():
-            held = value if isinstance(value, Versioned) else value.handle if isinstance(value, VersionedView) else None
-            if held is not None and self.program.service_for(route.group, self.index) not in self.program.ship.get(
-                    held.name, ()):
-                # made after the trace (ff.versioned(...) run again in the loop): the group never gets it
-                raise PlacementError(
-                    f"ff.versioned(...) made new state in the loop after tracing, and '{name}' was given it, but "
-                    f"this policy runs '{name}' in another process, which holds the states the trace saw: the new "
-                    "state would never reach it", where=held.created_at or user_callsite(),
-                    fix="make versioned state once, before the loop, and let the learner return its next value (to "
-                        "start it afresh, return the fresh value from the learner), or run with --policy single_process")
         skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given)
         group = self._defs[route.group]
         if name not in self._shipped:
             group.put(("fragment", name, cloudpickle.dumps(frag)))
             self._shipped.add(name)
         sid = self._skeletons.get((name, skeleton))
-        if sid is None:
+        if sid is None:   # (a state made after the trace is a new skeleton: its name is new)
+            self._refuse_untraced_state(name, route, bound.arguments)
             sid = self._skeletons[(name, skeleton)] = len(self._skeletons)
             # cloudpickled: its static arguments (an Args dataclass of the user's file) go by value; the
             # queue's own pickling names their module, which a worker started from a fork server lacks
@@ -390,6 +380,20 @@ class LoopInterpreter:
         if route.skeleton is not None:
             return fill_skeleton(route.skeleton, iter(leaves))
         return from_keys(route.outputs, leaves)
+
+    def _refuse_untraced_state(self, name: str, route: Any, arguments: dict[str, Any]) -> None:
+        """Versioned state made after the trace (ff.versioned(...) run again in the loop) given to a
+        fragment of another process, which holds only the states the trace saw: it would wait for it."""
+        for value in arguments.values():
+            held = value if isinstance(value, Versioned) else value.handle if isinstance(value, VersionedView) else None
+            if held is not None and self.program.service_for(route.group, self.index) not in self.program.ship.get(
+                    held.name, ()):
+                raise PlacementError(
+                    f"ff.versioned(...) made new state in the loop after tracing, and '{name}' was given it, but "
+                    f"this policy runs '{name}' in another process, which holds the states the trace saw: the new "
+                    "state would never reach it", where=held.created_at or user_callsite(),
+                    fix="make versioned state once, before the loop, and let the learner return its next value (to "
+                        "start it afresh, return the fresh value from the learner), or run with --policy single_process")
 
     # -- logging -----------------------------------------------------------------------------
     def _log(self, tree: Any) -> None:

