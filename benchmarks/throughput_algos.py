@@ -4,10 +4,11 @@ For each algorithm, fragflow under ``single_process`` and under the default poli
 and SB3 train the same configuration on the same env for the same number of steps; runs alternate,
 each in a fresh process with one torch thread (``FRAGFLOW_THREADS=1`` for fragflow), and the median
 steps/s of each is compared; since the VM's speed drifts between reps, each rep's own ratio (its
-three runs back to back) is recorded too, with their median. fragflow's steps/s is over training
-only (after its trace), SB3's over ``learn``; fragflow's steps/s over the whole ``ff.run`` call,
-the trace that compiles the program included, is recorded beside it (a warm-up before the first
-update, as DQN's 10k steps, is run through while tracing).
+three runs back to back) is recorded too, with their median. fragflow's steps/s is its run's
+(``summary.json``), SB3's over ``learn``: under ``single_process`` the trace is the run's beginning
+(a warm-up before the first update, as DQN's 10k steps, is run through while tracing, and counts),
+under ``pipelined`` the run that follows the trace; fragflow's steps/s over the whole ``ff.run``
+call, tracing, placing and lowering included, is recorded beside it.
 
 =========  =============  ==========================================================================
 algorithm  env            configuration (both sides)

@@ -160,20 +160,29 @@ def run(
                               fix="give a directory for the run's outputs (it is made if missing)")
         if not err.is_terminal:   # (a terminal shows the spinner)
             err.print(f"{program.name}: tracing", highlight=False)
-        with err.status(f"tracing {program.name} ...", spinner="dots") as status:
-            compiled = driver.compile(program.train, args, policy=policy, on_trace=_tracing(program.name, status))
-        placed = compiled.placed
-        err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy [bold]{placed.policy}[/], "
-                  f"writing to {run_dir}", highlight=False)
-        if start is not None:
-            c = start.counters
-            err.print(f"resuming from {start.path}: update {c.get('updates')}, {c.get('env_steps')} env steps "
-                      "(environments are reset)", highlight=False)
-        result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
-                            stop_on_target=stop_on_target, progress=not quiet, description=program.name,
-                            compiled=compiled, checkpoint_every=every, resume=start,
-                            program_ref=_program_ref(algorithm or DEFAULT_ALGORITHM), max_restarts=max_restarts,
-                            backend=backend, address=address)
+        status = err.status(f"tracing {program.name} ...", spinner="dots")
+
+        def placed(compiled: driver.Compiled) -> None:   # traced and placed: the run's own display from here
+            status.stop()
+            placed = compiled.placed
+            err.print(f"[bold]{program.name}[/]: {len(placed.graph.fragments())} fragments, policy "
+                      f"[bold]{placed.policy}[/], writing to {run_dir}", highlight=False)
+            if start is not None:
+                c = start.counters
+                err.print(f"resuming from {start.path}: update {c.get('updates')}, {c.get('env_steps')} env steps "
+                          "(environments are reset)", highlight=False)
+
+        status.start()
+        try:
+            # under single_process the trace is the run's beginning: the run goes on from where it stops
+            result = driver.run(program.train, args, policy=policy, out=run_dir, target_return=target_return,
+                                stop_on_target=stop_on_target, progress=not quiet, description=program.name,
+                                checkpoint_every=every, resume=start,
+                                program_ref=_program_ref(algorithm or DEFAULT_ALGORITHM), max_restarts=max_restarts,
+                                backend=backend, address=address, on_trace=_tracing(program.name, status),
+                                on_compiled=placed)
+        finally:
+            status.stop()
     except KeyboardInterrupt as exc:
         from fragflow.driver import Terminated
 
@@ -184,13 +193,17 @@ def run(
         raise _fail(exc, debug) from None
     s = result.summary
     ret = s.get("final_return_mean")
+    traced = (f"the first {s['trace_seconds']:.1f}s tracing" if s.get("trace_in_run")
+              else f"traced first in {s['trace_seconds']:.1f}s")
     line = (f"done: {s['env_steps']} env steps in {s['wall_seconds']:.1f}s ({s['steps_per_second']:,.0f} steps/s; "
-            f"traced first in {s['trace_seconds']:.1f}s), final return {'-' if ret is None else f'{ret:.1f}'}")
+            f"{traced}), final return {'-' if ret is None else f'{ret:.1f}'}")
     if target_return is not None:
         solved = s.get("solved_at_seconds")
         line += f", target {target_return:g} " + ("not reached" if solved is None else f"reached at {solved:.1f}s / {s['solved_at_steps']} steps")
     out.print(line, highlight=False)
-    out.print(f"outputs: {run_dir}/{{metrics.csv, summary.json, returns.png, tensorboard/}}", highlight=False)
+    written = [name for name in ("metrics.csv", "summary.json", "returns.png") if (run_dir / name).is_file()]
+    written += ["tensorboard/"] if any((run_dir / "tensorboard").glob("events.out.tfevents.*")) else []
+    out.print(f"outputs: {run_dir}/{{{', '.join(written)}}}", highlight=False)
     if s.get("restarts"):
         out.print(f"restarts: {s['restarts']} (see summary.json notes)", highlight=False)
     if s.get("checkpoints"):

@@ -59,7 +59,17 @@ def using(interp: Interpreter) -> Iterator[Interpreter]:
     try:
         yield interp
     finally:
-        _stack.remove(interp)
+        _stack.remove(_swapped.pop(id(interp), interp))
+
+
+_swapped: dict[int, Interpreter] = {}
+
+
+def swap(old: Interpreter, new: Interpreter) -> None:
+    """``new`` takes over the calls ``old`` was taking, for the rest of ``old``'s ``using`` block
+    (the tracer handing a loop it has traced to the interpreter that runs it on)."""
+    _stack[_stack.index(old)] = new
+    _swapped[id(old)] = new
 
 
 class InstanceNames:

@@ -117,18 +117,29 @@ class Compiled:
 
 
 def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
-            on_trace: Callable[[int, int], None] | None = None) -> Compiled:
+            on_trace: Callable[[int, int], None] | None = None, handover: _Handover | None = None) -> Compiled:
     """Trace ``train(args)``, place it with ``policy`` (or the decorator's, or the default) and lower
     it; every configuration error surfaces here, before a run writes anything. ``on_trace(env_steps,
     updates)`` hears how far the trace has run, a few times a second (a warm-up before the first
-    update, as DQN's, is run through while tracing)."""
+    update, as DQN's, is run through while tracing). With ``handover`` (what :func:`run` passes)
+    a placement that runs the loop in this process runs on from where the trace stops: the
+    trace is the run's beginning, and this returns once the run has ended."""
     started = time.perf_counter()
     spec, options = policies.resolve(policy, train)
     from fragflow.compiler.resumable import resumable
 
     train = resumable(train)   # its top-level loops report their trips: checkpoints, resume, restarts
     call_args = () if args is None else (args,)
-    graph, fragments = trace_program(train, *call_args, on_progress=on_trace)
+    if handover is not None:
+        handover.prepare(lambda graph, fragments: _placed(graph, fragments, spec, options, train, args, started))
+    graph, fragments = trace_program(train, *call_args, on_progress=on_trace, handover=handover)
+    if handover is not None and handover.compiled is not None:
+        return handover.compiled
+    return _placed(graph, fragments, spec, options, train, args, started)
+
+
+def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: Any, train: Callable[..., Any],
+            args: Any, started: float) -> Compiled:
     placed = spec.place(graph, options).verify()
     _refuse_unsendable_views(placed)
     lowered = lower(placed)
@@ -153,8 +164,6 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     checks["captured"] = frozenset(n.name for n in captured)
     program = None
     if lowered.services:
-        import sys
-
         import cloudpickle
 
         module = sys.modules.get(getattr(train, "__module__", ""), None)
@@ -164,6 +173,72 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
 
         program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
+
+
+class _Handover:
+    """Trace as run: where the placement runs the whole loop in this process (``single_process``),
+    the trace is the run's beginning. Where tracing stops, the graph so far is placed; if it lowers
+    to one process, a serial interpreter takes the loop over from that call on (the env steps,
+    episodes, updates and logged values of the trace go to the monitor first, at the times they
+    happened), so the loop runs once, as eagerly: its warm-up is not run twice, and what it prints
+    or writes is printed or written once. Otherwise the trace unwinds and the run starts afresh in
+    its processes."""
+
+    def __init__(self, monitor: Monitor, begin: Callable[[Compiled], None]) -> None:
+        self.monitor = monitor
+        self.begin = begin           # the run's outputs and progress, once placed
+        self.compiled: Compiled | None = None
+        self.begun = False           # the run has begun: from here on a failure is the run's
+        self.tracer: Any = None
+        self._place: Callable[[Graph, dict[str, Fragment]], Compiled] | None = None
+
+    def prepare(self, place: Callable[[Graph, dict[str, Fragment]], Compiled]) -> None:
+        self._place = place
+
+    @property
+    def finished(self) -> bool:
+        """The run ended inside the trace (whole, or taken over): nothing is left to execute."""
+        return self.tracer is not None and self.tracer.taken_by is not None
+
+    def __call__(self, tracer: Any) -> Any:
+        assert self._place is not None and tracer.traced is not None
+        self.tracer = tracer
+        compiled = self.compiled = self._place(*tracer.traced)
+        if not compiled.serial:
+            return None
+        import torch
+
+        from fragflow.runtime.worker import threads_for
+
+        interp = serial.interpreter(compiled.lowered.loop, self.monitor, compiled.checks)
+        interp.events = tracer.events
+        interp._names = interp._state_names = tracer._names
+        interp.instance_name = tracer.instance_name
+        interp._node_of = {key: (tracer.fragments[rec.name], rec.name) for key, rec in tracer._nodes.items()}
+        interp._states = dict(tracer._latest)
+        self.begun = True
+        self.begin(compiled)
+        if self.monitor.progress is not None:
+            self.monitor.progress.start()
+        journal, tracer.journal = tracer.journal, None
+        clock = compiled.checks.get("clock")
+        monitor = self.monitor
+        try:
+            for entry in journal:
+                monitor.replay_time = entry[1]
+                if entry[0] == "steps":
+                    interp.reporter.env_step(entry[2], entry[3], entry[4])
+                elif entry[0] == "learn" and entry[2] == clock:
+                    interp.update += 1
+                    monitor.update()
+                elif entry[0] == "log":
+                    monitor.log_scalars(entry[2])
+        finally:
+            monitor.replay_time = None
+        interp.resources.extend(tracer._resources)   # the environments it made: closed when the run ends
+        tracer._resources = []
+        torch.set_num_threads(threads_for(compiled.lowered.loop.threads))
+        return interp
 
 
 def _refuse_unsendable_views(placed: PlacedGraph) -> None:
@@ -191,7 +266,9 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,
         compiled: Compiled | None = None, checkpoint_every: str | int | Every | None = None,
         resume: str | os.PathLike[str] | Checkpoint | None = None, program_ref: str | None = None,
-        max_restarts: int = 3, backend: str = "local", address: str | None = None) -> RunResult:
+        max_restarts: int = 3, backend: str = "local", address: str | None = None,
+        on_trace: Callable[[int, int], None] | None = None,
+        on_compiled: Callable[[Compiled], None] | None = None) -> RunResult:
     """Compile (unless ``compiled`` is given) and run a training function under a distribution policy.
 
     ``checkpoint_every`` (updates, or a duration such as ``"5m"``) writes ``out/checkpoints/<updates>/``;
@@ -201,7 +278,12 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     ``max_restarts``: how many times each actor process that dies is started again (placements
     whose actors can be, see ``fragflow graph --policy``); beyond it the run stops. ``backend``:
     ``local`` (processes on this machine) or ``ray`` (Ray actors; ``address`` of the cluster, else
-    a local Ray instance); a one-process placement runs in this process whatever the backend."""
+    a local Ray instance); a one-process placement runs in this process whatever the backend.
+
+    Without ``compiled`` (and without checkpoints), a placement that runs the loop in this process
+    takes it over from the trace (see :class:`_Handover`): the warm-up the trace ran through is not
+    run again. ``on_trace`` hears the trace's progress (see :func:`compile`); ``on_compiled`` gets
+    the compiled program once placed, before the run's progress display starts."""
     from fragflow import backends
 
     backends.get(backend)   # an unknown name fails here, before anything runs
@@ -215,11 +297,75 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         out = start.run_dir if start is not None else None
         if out is None:
             raise ConfigError("checkpoints need a run directory", fix="pass out=... (the CLI's --out)")
-    compiled = compiled or compile(train, args, policy=policy)
-    placed = compiled.placed
-    train = compiled.train or train
-    call_args = () if args is None else (args,)
+    handover: _Handover | None = None
     total = getattr(args, "total_timesteps", None)
+    display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
+    if compiled is None and every is None and start is None:
+        monitor = Monitor(target_return=target_return, stop_on_target=stop_on_target)
+        run_dir = out
+
+        def begin(compiled: Compiled) -> None:
+            if on_compiled is not None:
+                on_compiled(compiled)
+            if run_dir is not None:
+                monitor.outputs = RunOutputs(run_dir)
+                monitor.outputs.write_text("graph.txt", format_placed(compiled.placed))
+            monitor.progress = display
+
+        handover = _Handover(monitor, begin)
+        checkpoints = None
+        monitor.start()
+    else:
+        compiled = compiled or compile(train, args, policy=policy, on_trace=on_trace)
+        if on_compiled is not None:
+            on_compiled(compiled)
+        monitor, checkpoints, start = _prepared(compiled, compiled.train or train, args, out, every, start, program_ref, display,
+                                                target_return, stop_on_target)
+    status = "failed"
+    value = None
+    try:
+        with _sigterm_as_interrupt():
+            if handover is not None:
+                compiled = compile(train, args, policy=policy, on_trace=on_trace, handover=handover)
+                if handover.finished:
+                    value = serial.unwrap(handover.tracer.value)
+                else:   # several processes: the run starts afresh, and its clock with it
+                    handover.begun = True
+                    handover.begin(compiled)
+                    monitor.start()
+            assert compiled is not None
+            if handover is None or not handover.finished:
+                with _checkpoint_on_interrupt(checkpoints):
+                    value = _execute(compiled, compiled.train or train, args, monitor, checkpoints, max_restarts,
+                                     backend, address)
+        status = "completed"
+    except StopRun:
+        status = "stopped_at_target"
+    except Terminated:
+        status = "terminated"
+        raise
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        if handover is not None and handover.finished:
+            handover.tracer.taken_by.close()
+        monitor.close()
+        compiled = compiled or (handover.compiled if handover is not None else None)
+        if compiled is not None and (handover is None or handover.begun):
+            summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
+                              handover is not None and handover.finished)
+    assert compiled is not None
+    placed = compiled.placed
+    return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
+
+
+def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str | os.PathLike[str] | None, every: Every | None,
+              start: Checkpoint | None, program_ref: str | None, display: ProgressDisplay | None,
+              target_return: float | None, stop_on_target: bool
+              ) -> tuple[Monitor, RunCheckpoints | None, Checkpoint | None]:
+    """The monitor of a run of a compiled program, its checkpoints, and the checkpoint it resumes."""
+    placed = compiled.placed
     checkpoints = None
     if every is not None or start is not None:
         assert out is not None
@@ -239,54 +385,50 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     resumed_at = (int(start.counters.get("updates", 0)), int(start.counters.get("env_steps", 0))) \
         if start is not None else None
     outputs = RunOutputs(out, resumed_at=resumed_at) if out is not None else None
-    display = ProgressDisplay(description or str(getattr(train, "__name__", "train")), total) if progress else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
     if start is not None:
         monitor.resume(start.counters)
     if outputs is not None and start is None:
         outputs.write_text("graph.txt", format_placed(placed))
-    status = "failed"
-    value = None
     monitor.start()
-    try:
-        with _sigterm_as_interrupt():
-            with _checkpoint_on_interrupt(checkpoints):
-                if compiled.program is None:
-                    value = serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks, checkpoints)
-                else:
-                    from fragflow.runtime import multiprocess
+    return monitor, checkpoints, start
 
-                    value = multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts,
-                                                 backend, address)
-        status = "completed"
-    except StopRun:
-        status = "stopped_at_target"
-    except Terminated:
-        status = "terminated"
-        raise
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        monitor.close()
-        summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local")
-        summary["trace_seconds"] = compiled.seconds
-        if checkpoints is not None:
-            # the last ones kept, each once (a final checkpoint may rewrite the one written at its update)
-            summary["checkpoints"] = list(dict.fromkeys(str(p) for p in checkpoints.written if p.exists()))
-            if start is not None:
-                summary["resumed_from"] = str(start.path)
-        refused = start is not None and isinstance(sys.exc_info()[1], CheckpointError)
-        if outputs is not None and refused and not outputs.begun:
-            outputs.close()   # the checkpoint does not fit: the run directory stays as it was
-        elif outputs is not None:
-            if start is not None:
-                outputs.write_text("graph.txt", format_placed(placed))
-            outputs.write_json("summary.json", summary)
-            outputs.plot_returns(monitor.episodes, target_return)
-            outputs.close()
-    return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
+
+def _execute(compiled: Compiled, train: Callable[..., Any], args: Any, monitor: Monitor,
+             checkpoints: RunCheckpoints | None, max_restarts: int, backend: str, address: str | None) -> Any:
+    if compiled.program is None:
+        call_args = () if args is None else (args,)
+        return serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks, checkpoints)
+    from fragflow.runtime import multiprocess
+
+    return multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts,
+                                backend, address)
+
+
+def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backend: str, start: Checkpoint | None,
+            checkpoints: RunCheckpoints | None, target_return: float | None, trace_in_run: bool) -> dict[str, Any]:
+    """The run's summary, written with its plots to the run directory."""
+    placed = compiled.placed
+    outputs = monitor.outputs
+    summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local")
+    summary["trace_seconds"] = compiled.seconds
+    summary["trace_in_run"] = trace_in_run   # the trace was the run's beginning (in its wall_seconds)
+    if checkpoints is not None:
+        # the last ones kept, each once (a final checkpoint may rewrite the one written at its update)
+        summary["checkpoints"] = list(dict.fromkeys(str(p) for p in checkpoints.written if p.exists()))
+        if start is not None:
+            summary["resumed_from"] = str(start.path)
+    refused = start is not None and isinstance(sys.exc_info()[1], CheckpointError)
+    if outputs is not None and refused and not outputs.begun:
+        outputs.close()   # the checkpoint does not fit: the run directory stays as it was
+    elif outputs is not None:
+        if start is not None:
+            outputs.write_text("graph.txt", format_placed(placed))
+        outputs.write_json("summary.json", summary)
+        outputs.plot_returns(monitor.episodes, target_return)
+        outputs.close()
+    return summary
 
 
 def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, backend: str = "local") -> dict[str, Any]:

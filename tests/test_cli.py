@@ -36,8 +36,9 @@ def test_run_writes_metrics_tensorboard_summary_and_plot(tmp_path):
         assert key in summary, key
     assert summary["policy"] == "single_process" and summary["env_steps"] == 2048
     assert summary["args"]["num_envs"] == 8
-    assert summary["trace_seconds"] > 0   # the trace ran first, and is reported
-    assert f"traced first in {summary['trace_seconds']:.1f}s" in res.stdout
+    assert summary["trace_seconds"] > 0 and summary["trace_in_run"]   # the trace was the run's beginning
+    assert f"the first {summary['trace_seconds']:.1f}s tracing" in res.stdout
+    assert summary["wall_seconds"] > summary["trace_seconds"]
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert len(rows) == 4 and float(rows[-1]["env_steps"]) == 2048
     assert {"steps_per_second", "episode_return_mean", "value_loss", "approx_kl"} <= set(rows[0])
@@ -107,6 +108,8 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--policy", "pipelined", "--set", "total_timesteps=100"], "without calling learner 'learn'"),
     (["run", "ppo", "--policy", "actor_learner(actors=0)"], "option 'actors' of policy 'actor_learner' is 0"),
     (["run", "ppo", "--backend", "nosuch"], "unknown backend 'nosuch'"),
+    (["run", "ppo", "--policy", "pipelined(envs_per_actor=3)", "--set", "num_envs=4"],
+     "splits the loop's 4 environments across 1 processes (actors=1, envs_per_actor=3)"),
     (["run", "dqn", "--policy", "actor_learner(actors=2)", "--set", "total_timesteps=600", "--set", "learning_starts=200"],
      "splits the loop's 1 environments across 2 processes (actors=2): they do not divide evenly\n  at algorithms/dqn.py:"),
     (["run", "dqn", "--policy", "central_inference(env_workers=2)", "--set", "total_timesteps=600", "--set",
@@ -206,3 +209,17 @@ def test_an_error_importing_the_algorithm_file_shows_only_the_users_frames(tmp_p
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert res.returncode == 1 and error in res.stderr and f'{tmp_path / name}", line' in res.stderr, res.stderr
         assert "<frozen" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_new_run_in_a_used_directory_replaces_its_outputs_and_writes_strict_json(tmp_path):
+    """A second run into the same --out leaves one run's TensorBoard events (both showed every point
+    twice), and summary.json is strict JSON where an argument is not finite (a bare NaN or Infinity broke jq and JS)."""
+    out = tmp_path / "x"
+    for _ in range(2):
+        res = invoke("run", "algorithms/ppo.py", "--policy", "single_process", *SMALL, "--out", str(out), "--quiet",
+                     "--set", "target_kl=inf")
+        assert res.exit_code == 0, res.output
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert summary["args"]["target_kl"] is None
+    assert f"outputs: {out}/{{metrics.csv, summary.json, returns.png, tensorboard/}}" in res.stdout

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import csv
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +104,125 @@ def test_user_exception_in_fragment_names_the_fragment(write_algo):
     with pytest.raises(ValueError, match="boom") as info:
         ff.run(program.train, policy="single_process")
     assert any("while fragflow traced fragment 'act'" in n for n in info.value.__notes__)
+
+
+ONCE = """
+    from dataclasses import dataclass
+
+    import numpy as np
+    import torch
+
+    import fragflow as ff
+
+    CALLS = {"act": 0, "loop": 0}
+
+
+    @dataclass(frozen=True)
+    class Args:
+        seed: int = 2
+        num_envs: int = 2
+        warmup: int = 60
+        steps: int = 160
+
+
+    @ff.fragment("actor")
+    def act(model, obs, key):
+        CALLS["act"] += 1
+        with torch.no_grad():
+            logits = model(torch.as_tensor(obs, dtype=torch.float32))
+        return (logits.numpy() + ff.random.gumbel(key, (2,))).argmax(-1)
+
+
+    @ff.fragment("learner", writes="state")
+    def learn(state, batch):
+        model, opt = state["model"], state["opt"]
+        q = model(torch.as_tensor(batch["obs"], dtype=torch.float32))
+        loss = (q.gather(1, torch.as_tensor(batch["action"])[:, None]) - torch.as_tensor(batch["reward"])[:, None]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return state, {"loss": loss.detach()}
+
+
+    def train(args):
+        env = ff.envs.make("CartPole-v1", num_envs=args.num_envs, seed=args.seed)
+        torch.manual_seed(args.seed)
+        model = torch.nn.Linear(4, 2)
+        state = ff.versioned({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01)})
+        rb = ff.ReplayBuffer(1000, seed=args.seed)
+        key = ff.random.keys(args.seed, env.ids)
+        obs = env.reset()
+        for step in range(args.steps):
+            CALLS["loop"] += 1
+            key, sub = ff.random.split(key)
+            action = act(state["model"], obs, sub)
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            rb.add(obs=obs, action=action, reward=reward.astype(np.float32))
+            obs = next_obs
+            if step >= args.warmup and step % 5 == 0:
+                state, metrics = learn(state, rb.sample(16))
+                ff.log(metrics)
+                ff.log({"loop": CALLS["loop"], "random": float(np.random.rand())})
+        return state, dict(CALLS)
+"""
+
+
+def test_single_process_runs_the_loop_once_from_where_the_trace_stops(write_algo, tmp_path):
+    """Under single_process the trace is the run's beginning: the loop's warm-up and first updates are
+    not run again, so what the loop and its fragments do to module data happens once, as eagerly, and
+    the run's rows, episodes and state are those of the trace-then-run path (a compiled program)."""
+    from fragflow.driver import compile
+    from fragflow.program import load
+
+    path, _ = write_algo(ONCE)
+    program = load(str(path))
+    args = program.args_cls()
+    np.random.seed(0)
+    eager_state, eager_calls = program.train(args)
+    assert eager_calls == {"act": 160, "loop": 160}
+    program.module.CALLS.update(act=0, loop=0)
+    np.random.seed(0)
+    run = ff.run(program.train, args, policy="single_process", out=tmp_path / "once")
+    state, calls = run.value
+    assert calls == eager_calls                          # each once: the trace's warm-up was the run's
+    assert_same_tree(state, eager_state)
+    assert run.summary["env_steps"] == 320 and run.summary["updates"] == 20 and run.summary["trace_seconds"] > 0
+
+    program.module.CALLS.update(act=0, loop=0)
+    np.random.seed(0)
+    compiled = compile(program.train, args, policy="single_process")
+    again = ff.run(program.train, args, compiled=compiled, out=tmp_path / "again")
+    assert_same_tree(again.value[0], eager_state)
+    assert again.value[1]["act"] > 160                   # the trace's calls, then the run's: why the run takes over
+    assert again.episodes == run.episodes
+
+    def rows(run_dir):
+        with open(run_dir / "metrics.csv", newline="") as f:
+            return [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second", "loop")}
+                    for r in csv.DictReader(f)]
+
+    assert rows(tmp_path / "once") == rows(tmp_path / "again") and len(rows(tmp_path / "once")) == 20
+    with open(tmp_path / "once" / "metrics.csv", newline="") as f:
+        logged = [(int(float(r["updates"])), int(float(r["loop"]))) for r in csv.DictReader(f)]
+    assert [loop for _, loop in logged] == [step + 1 for step in range(60, 160) if step % 5 == 0]
+
+
+def test_a_failure_after_the_trace_hands_over_is_the_runs(write_algo, tmp_path):
+    """An error the loop raises once the run has taken it over from the trace fails the run (its
+    summary written, status failed); one raised while tracing writes nothing, as a compile error."""
+    import json
+
+    from fragflow.program import load
+
+    path, _ = write_algo(ONCE.replace('''                ff.log({"loop": CALLS["loop"], "random": float(np.random.rand())})''',
+                                      '''                ff.log({"loop": CALLS["loop"], "random": float(np.random.rand())})
+                if step == args.fail_at:
+                    raise RuntimeError("loop failed")''').replace("steps: int = 160", "steps: int = 160\n        fail_at: int = -1"))
+    program = load(str(path))
+    with pytest.raises(RuntimeError, match="loop failed"):
+        ff.run(program.train, program.args_cls(fail_at=120), policy="single_process", out=tmp_path / "late")
+    summary = json.loads((tmp_path / "late" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["env_steps"] == 242 and summary["updates"] == 13
+    with pytest.raises(RuntimeError, match="loop failed"):
+        ff.run(program.train, program.args_cls(fail_at=60), policy="single_process", out=tmp_path / "early")
+    assert not (tmp_path / "early").exists()

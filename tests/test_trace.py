@@ -854,3 +854,20 @@ def train():
                                              r"wrote version 2 .*policy 'pipelined'"
                                              rf".*\n  at {relpath(path)}:{marks['act']}\n  fix: assign every"):
         compile(program.train, policy="pipelined")
+
+
+def test_a_number_probe_computes_as_its_plain_value_with_arrays():
+    """A learner's float output reaches the loop as a probe while tracing; under single_process the
+    trace is the run's beginning, so arithmetic with it must be the plain number's: NumPy took a float
+    subclass for a float64 (a float32 array times it became float64, and the run drifted from eager)."""
+    from fragflow.compiler.probes import probe, recording
+
+    a = np.ones(3, np.float32)
+    p = probe(0.1, "learn", "[1]")
+    for got, want in [(p * a, 0.1 * a), (a * p, a * 0.1), (a - p, a - 0.1), (p / a, 0.1 / a), (a < p, a < 0.1),
+                      (np.maximum(a, p), np.maximum(a, 0.1)), (probe(3, "learn", "[2]") * a, 3 * a)]:
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    reads = []
+    with recording(reads):
+        _ = a * p
+    assert [r.what for r in reads] == ["used in arithmetic"]   # still a read where the loop does it

@@ -93,6 +93,7 @@ class LoopWatcher:
         self.exits: dict[int, bool] = {}
         self.trips: dict[int, int | None] = {}
         self._previous: Any = None
+        self.value: Any = None
         self.file = ""
         try:
             lines, start = inspect.getsourcelines(self.fn)
@@ -142,17 +143,23 @@ class LoopWatcher:
         return None
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[LoopSpec]:
-        """Call ``fn`` watching the training function's loops; the loops, outermost first."""
+        """Call ``fn`` watching the training function's loops (its value: ``self.value``); the
+        loops, outermost first."""
         if self.code is None or not self.loops:
-            fn(*args, **kwargs)
+            self.value = fn(*args, **kwargs)
             return self.specs()
         previous = self._previous = sys.gettrace()
         sys.settrace(self._global)
         try:
-            fn(*args, **kwargs)
+            self.value = fn(*args, **kwargs)
         finally:
             sys.settrace(previous)
         return self.specs()
+
+    def stop(self) -> None:
+        """Stop watching (a loop not started yet keeps an unknown bound)."""
+        if sys.gettrace() is self._global:
+            sys.settrace(self._previous)
 
     def specs(self) -> list[LoopSpec]:
         return [LoopSpec(SourceLoc(self.file, line), header, self.trips.get(line), line, last,

@@ -7,7 +7,8 @@ tracer hands the loop each learner output leaf as a probe: a subclass of the lea
 (``float``, ``int``, ``numpy.ndarray``, ``torch.Tensor``) that behaves exactly like it and, when
 the loop (not a fragment) tests, converts, compares or computes with it, records the first such
 use. Passing a probe on to a fragment or ``ff.log`` is not a read. Probes exist only during the
-trace; the run that follows starts from scratch with plain values.
+trace: a run that follows it starts afresh with plain values, and one that takes the loop over
+from the trace (``single_process``) gets plain values from its learners from then on.
 
 >>> reads = []
 >>> with recording(reads):
@@ -21,6 +22,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,17 +65,38 @@ def _note(x: Any, what: str) -> None:
         _sink.append(LoopRead(x._ff_fragment, x._ff_path, what, user_callsite(3)))
 
 
+# operators on a scalar probe are those of its plain value, so that an operand of another type (a
+# numpy array) sees a Python number: a float32 array times a probe is float32, as eagerly (NumPy
+# treats a float subclass as a float64, not as a Python number, which changed what the trace computed)
+_OPERATORS = {"__eq__": operator.eq, "__ne__": operator.ne, "__lt__": operator.lt, "__le__": operator.le,
+              "__gt__": operator.gt, "__ge__": operator.ge, "__add__": operator.add, "__sub__": operator.sub,
+              "__mul__": operator.mul, "__truediv__": operator.truediv}
+_REFLECTED = {"__radd__": operator.add, "__rsub__": operator.sub, "__rmul__": operator.mul,
+              "__rtruediv__": operator.truediv}
+
+
 def _scalar_probe(base: type) -> type:
     def method(name: str, what: str) -> Any:
         plain = getattr(base, name)
+        op = _OPERATORS.get(name)
+        reflected = _REFLECTED.get(name)
 
         def use(self: Any, *args: Any) -> Any:
             _note(self, what)
+            if op is not None:
+                return op(self._ff_value, *args)
+            if reflected is not None:
+                return reflected(args[0], self._ff_value)
             return plain(self._ff_value, *args)
         use.__name__ = name
         return use
 
     ns: dict[str, Any] = {name: method(name, what) for name, what in _USES.items() if hasattr(base, name)}
+
+    def array_ufunc(self: Any, ufunc: Any, how: str, *inputs: Any, **kwargs: Any) -> Any:
+        _note(self, _UFUNC_USES.get(ufunc.__name__, "used in arithmetic"))
+        return getattr(ufunc, how)(*(_plain(x) for x in inputs), **{k: _plain(v) for k, v in kwargs.items()})
+    ns["__array_ufunc__"] = array_ufunc
 
     def formatted(self: Any, spec: str) -> str:
         if spec:
@@ -90,7 +113,9 @@ ProbeInt = _scalar_probe(int)
 
 
 def _plain(x: Any) -> Any:
-    """``x`` with the array and tensor probes in it as plain arrays and tensors."""
+    """``x`` with the probes in it as plain numbers, arrays and tensors."""
+    if isinstance(x, (ProbeFloat, ProbeInt)):
+        return getattr(x, "_ff_value")   # noqa: B009 - the scalar probes' classes are made at run time
     if isinstance(x, ProbeArray):
         return x.view(np.ndarray)
     if _tensor_probe is not None and isinstance(x, _tensor_probe):

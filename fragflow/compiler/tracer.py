@@ -7,7 +7,8 @@ recorded (:mod:`fragflow.compiler.recording`): which fragment, where the user ca
 of what it took and returned. Data edges are found by identity: an array a fragment returned that later reaches another
 fragment's argument is an edge between the two; arrays fragflow did not produce come from the
 loop itself (the ``loop`` node). Mistakes that would break a distributed run fail here, with the
-user's ``file:line``.
+user's ``file:line``. Where the run is one process, it takes the loop over where tracing stops
+(see ``trace_program``'s ``handover``): the trace is the run's beginning.
 
 >>> from fragflow.algorithms import ppo                                 # doctest: +SKIP
 >>> graph = trace(ppo.train, ppo.Args(num_envs=2, num_steps=8))          # doctest: +SKIP
@@ -129,6 +130,20 @@ class Tracer(Recording):
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
         self.env_counts: set[int] = set()   # ... of how many
         self.loop_reads: list[LoopRead] = []   # learner outputs the loop itself reads (see probes)
+        # trace as run (one process): what the run's monitor would have heard, with when ("steps", t, n,
+        # episodes, evaluation), ("learn", t, fragment), ("log", t, scalars); and, at the point tracing
+        # would stop, the interpreter that goes on running the loop where the trace leaves it (None:
+        # the trace unwinds, the run starts again), or the error placing the graph raised (raised
+        # after unwinding, outside the user's code)
+        self.journal: list[tuple[Any, ...]] | None = None
+        self.handover: Callable[[Tracer], Any] | None = None
+        self.taken_by: Any = None
+        self.failed: BaseException | None = None
+        self.on_taken: Callable[[], None] | None = None
+        self._latest: dict[str, Versioned] = {}   # each state's newest handle
+        self.traced: tuple[Graph, dict[str, Fragment]] | None = None
+        self.value: Any = None
+        self.finished = False
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
@@ -173,7 +188,8 @@ class Tracer(Recording):
         self._states[unique] = _StateRec(where)
         for obj in objects_of(value):
             self._state_objects.setdefault(id(obj), (unique, obj))
-        return Versioned(unique, 0, value, where)
+        handle = self._latest[unique] = Versioned(unique, 0, value, where)
+        return handle
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with probes.recording(None):   # what a fragment does with a probe is not the loop's read
@@ -194,9 +210,18 @@ class Tracer(Recording):
                 self._nested = None
         self.window.unseen = bool(self._expected) or self._nested is not None
         if self.window.call(rec.name, frag.role, frag.evaluation):
-            raise _StopTracing
+            interp = self._take_over()
+            if interp is None:
+                raise _StopTracing
+            return interp.call(frag, args, kwargs)
         window = self.window.window
         rec.calls[window] += 1
+        if frag.role == "logger" and self.journal is not None:
+            from fragflow.runtime.monitor import flat_scalars
+
+            scalars = flat_scalars(args[0] if args else kwargs)
+            if scalars:
+                self.journal.append(("log", time.perf_counter(), scalars))
         try:
             bound = frag.signature.bind(*args, **kwargs)
         except TypeError:
@@ -308,6 +333,9 @@ class Tracer(Recording):
             rec.repeat = Repeat(tuple(params), tuple(crossed), axes,
                                  {path: axes(path) if axes is not None else None for path, _ in rec.out_specs or ()})
         if frag.role == "learner":
+            plain = out
+            if self.journal is not None:
+                self.journal.append(("learn", time.perf_counter(), rec.name))
             out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
@@ -320,8 +348,27 @@ class Tracer(Recording):
                     self.learner_again = where
                 self._steps_at_update = self.env_steps
             if self.window.learned(rec.name, self._primary == id(frag)):
-                raise _StopTracing
+                if self._take_over() is None:
+                    raise _StopTracing
+                return plain   # the run goes on from here, with the values themselves
         return out
+
+    def _take_over(self) -> Any:
+        """Where tracing would stop: hand the loop to the interpreter the handover makes of the
+        graph traced so far, which runs it from this call on (None: unwind)."""
+        if self.handover is None:
+            return None
+        try:
+            interp = self.handover(self)
+        except BaseException as exc:   # raised by trace_program once the user's loop is unwound
+            self.failed = exc
+            return None
+        if interp is not None:
+            self.taken_by = interp
+            context.swap(self, interp)
+            if self.on_taken is not None:
+                self.on_taken()
+        return interp
 
     def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
         """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
@@ -333,8 +380,14 @@ class Tracer(Recording):
 
     def _count_events(self, frag: Fragment, out: Any) -> None:
         events = self.events.of(frag)
-        if events is not None and not frag.evaluation:
+        if events is not None and self.journal is not None:
+            n, finished = events(out)
+            self.journal.append(("steps", time.perf_counter(), n, finished, frag.evaluation))
+            if not frag.evaluation:
+                self.env_steps += n
+        elif events is not None and not frag.evaluation:
             self.env_steps += events(out)[0]
+        if events is not None and not frag.evaluation:
             if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
                 self._reported = time.monotonic()
                 self.on_progress(self.env_steps, self.window.updates)
@@ -486,7 +539,7 @@ class Tracer(Recording):
         for p, leaf in leaves:
             edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
         self._states[handle.name].versions += 1
-        new = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
+        new = self._latest[handle.name] = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
         return (new, *out[1:]) if isinstance(out, tuple) else new
 
     # -- result ---------------------------------------------------------------------------
@@ -564,8 +617,16 @@ def trace(train: Callable[..., Any], *args: Any, max_updates: int = 2, **kwargs:
 
 def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                   on_progress: Callable[[int, int], None] | None = None,
+                  handover: Callable[[Tracer], Any] | None = None,
                   **kwargs: Any) -> tuple[Graph, dict[str, Fragment]]:
-    """:func:`trace`, also returning the fragment objects by node name (what executors call)."""
+    """:func:`trace`, also returning the fragment objects by node name (what executors call).
+
+    With ``handover`` the trace is the start of the run (one process): ``handover(tracer)`` is
+    called where tracing would stop, with the graph so far in ``tracer.traced``; the interpreter
+    it returns runs the rest of the loop from that call on, in the user's frames (random states
+    are not restored, environments stay open: its resources). Returning None unwinds as without
+    it. The run's outcome is then in ``tracer.taken_by`` / ``tracer.value``; a loop that ends
+    before tracing would stop has run whole (``tracer.finished``)."""
     train = getattr(train, "__fragflow_train__", train)
     module_fragments = tuple(v for v in getattr(train, "__globals__", {}).values()
                              if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
@@ -573,6 +634,33 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     watcher = LoopWatcher(train)
     tracer.loop_file = watcher.file
     tracer.loop_ranges = [(line, last) for line, (_, last, _) in watcher.loops.items()]
+    defined_at = definition_of(train)
+
+    def finish() -> tuple[Graph, dict[str, Fragment]]:
+        if not tracer._nodes:
+            raise NoFragmentError(
+                f"the training loop '{getattr(train, '__name__', train)}' ran to its end without calling a fragment",
+                where=defined_at,
+                fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
+                    "and step environments made with ff.envs.make(...)")
+        graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
+        graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
+                                    remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
+                                    changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
+                                    stale_state=tracer.stale_state,
+                                    uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
+                                                            if f.role == "learner" and id(f) in tracer._expected))
+        return graph.verify(), tracer.fragments
+
+    if handover is not None:
+        tracer.journal = []
+
+        def take(t: Tracer) -> Any:
+            t.traced = finish()
+            return handover(t)
+
+        tracer.handover = take
+        tracer.on_taken = watcher.stop
     saved = _rng_state()
     import torch
 
@@ -585,27 +673,26 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             try:
                 with probes.recording(tracer.loop_reads):
                     watcher.run(train, *args, **kwargs)
+                tracer.value = watcher.value
+                tracer.finished = tracer.taken_by is None
             except _StopTracing:
                 pass
+        if tracer.finished and tracer.handover is not None:   # the loop ran whole while traced: the run, if one process runs it
+            try:
+                tracer.taken_by = tracer.handover(tracer)
+            except BaseException as exc:
+                tracer.failed = exc
+            tracer.finished = tracer.taken_by is not None
     finally:
-        tracer.close()
-        _set_rng_state(saved)
+        if tracer.taken_by is None:
+            tracer.close()
+            _set_rng_state(saved)
         torch.set_num_threads(threads)
-    defined_at = definition_of(train)
-    if not tracer._nodes:
-        raise NoFragmentError(
-            f"the training loop '{getattr(train, '__name__', train)}' ran to its end without calling a fragment",
-            where=defined_at,
-            fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
-                "and step environments made with ff.envs.make(...)")
-    graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
-    graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
-                                remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
-                                changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
-                                stale_state=tracer.stale_state,
-                                uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
-                                                        if f.role == "learner" and id(f) in tracer._expected))
-    return graph.verify(), tracer.fragments
+    if tracer.failed is not None:
+        raise tracer.failed
+    if tracer.traced is not None:
+        return tracer.traced
+    return finish()
 
 
 def _rng_state() -> tuple[Any, ...]:

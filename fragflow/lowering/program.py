@@ -257,7 +257,7 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
 def _check_env_split(placed: PlacedGraph, loop: Group) -> None:
     """Every training env the loop steps is split evenly across its replicas (checked here, before
     any process starts, rather than where an env is made in each)."""
-    if loop.replicas == 1:
+    if loop.replicas == 1 and not _asked_per(placed):   # (one process asked for 3 of 4 envs is refused too)
         return
     graph = placed.graph
     for name in loop.nodes:

@@ -90,6 +90,7 @@ class Monitor:
         self.solved_at_seconds: float | None = None
         self.solved_at_steps: int | None = None
         self._start = time.perf_counter()
+        self.replay_time: float | None = None   # events of a trace told afterwards: when they happened
         self._next_refresh = 0.0
         self._pending: dict[str, float] | None = None
         # one process runs loop and learners: an update's row is complete when env steps come again.
@@ -145,7 +146,7 @@ class Monitor:
                 self.outputs.write_episode(self.env_steps, ret, length)
             if (self.target_return is not None and self.solved_at_steps is None
                     and len(self.recent) == RETURN_WINDOW and sum(self.recent) / RETURN_WINDOW >= self.target_return):
-                self.solved_at_seconds = time.perf_counter() - self._start
+                self.solved_at_seconds = self.wall_seconds
                 self.solved_at_steps = self.env_steps
                 if self.stop_on_target:
                     self.stop_requested = True
@@ -397,7 +398,7 @@ class Monitor:
     # -- derived figures ---------------------------------------------------------------
     @property
     def wall_seconds(self) -> float:
-        return time.perf_counter() - self._start
+        return (time.perf_counter() if self.replay_time is None else self.replay_time) - self._start
 
     @property
     def recent_return(self) -> float | None:

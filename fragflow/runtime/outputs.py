@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -69,6 +70,9 @@ class RunOutputs:
                 self._columns = list(header)
                 if any(_updates(r) > resumed_at[0] for r in rows):
                     _rewrite(metrics, self._columns, [r for r in rows if _updates(r) <= resumed_at[0]])
+        if resumed_at is None:   # a new run in a directory used before: the last run's outputs go
+            for old in (metrics, self.dir / "returns.png", *(self.dir / "tensorboard").glob("events.out.tfevents.*")):
+                old.unlink(missing_ok=True)
         from torch.utils.tensorboard import SummaryWriter
 
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
@@ -132,7 +136,9 @@ class RunOutputs:
         (self.dir / name).write_text(text)
 
     def write_json(self, name: str, data: dict[str, Any]) -> None:
-        (self.dir / name).write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        """As strict JSON: a NaN or infinite number (an argument set to nan) is written as null."""
+        (self.dir / name).write_text(json.dumps(_finite(data), indent=2, sort_keys=True, default=str,
+                                                allow_nan=False) + "\n")
 
     def plot_returns(self, episodes: list[tuple[int, float, int]], target: float | None) -> None:
         if not episodes:
@@ -172,3 +178,13 @@ def _tb_tag(key: str) -> str:
     if key in EVAL_COLUMNS:   # beside eval/episodic_return, not among the losses
         return f"eval/{key}"
     return key if "/" in key else f"losses/{key}"
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x

@@ -73,6 +73,11 @@ def unwrap(value: Any, final: dict[str, Any] = _OWN) -> Any:
     return value
 
 
+def interpreter(program: LoopProgram, monitor: Monitor, checks: dict[str, Any]) -> LoopInterpreter:
+    """The interpreter that runs a loop here, every fragment served in this process."""
+    return LoopInterpreter(program, MonitorReporter(monitor), checks=checks)
+
+
 def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, program: LoopProgram,
             checks: dict[str, Any], checkpoints: RunCheckpoints | None = None) -> Any:
     """Run the loop here, every fragment served in this process; envs it made are closed however it ends.
@@ -85,7 +90,7 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads_for(program.threads))
-    interp = LoopInterpreter(program, MonitorReporter(monitor), checks=checks)
+    interp = interpreter(program, monitor, checks)
     tracker = _checkpointing(interp, monitor, checkpoints) if checkpoints is not None else None
     previous = trips.install(tracker) if tracker is not None else None
     try:
