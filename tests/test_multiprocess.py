@@ -1125,3 +1125,28 @@ def test_learner_outputs_logged_after_an_env_step_make_rows_of_their_own(write_a
         rows.append(unclocked_rows(tmp_path / run))
     assert len(rows[0]) == 4 + 1 + 2 * 6 and rows[1] == rows[0]
     assert [r["pre_loss"] != "" for r in rows[0][:4]] == [True] * 4
+
+
+def test_rows_wait_for_the_loops_marks_however_far_the_learners_updates_run_ahead(tmp_path):
+    """The driver hears the learner's updates and the loop's marks on one queue, in arrival order; on a
+    loaded machine the loop's messages came 64+ updates late, rows were then written without their
+    marks (env steps of the wrong update, going backwards) and without the learner's values, whose late
+    arrival made rows of their own: 1632 rows for 1500 updates in a pipelined run of a while loop."""
+    from fragflow.runtime.monitor import Monitor
+    from fragflow.runtime.outputs import RunOutputs
+
+    monitor = Monitor(outputs=RunOutputs(tmp_path))
+    monitor.rows_end_at_steps, monitor.marked_replicas = False, 1
+    monitor.start()
+    for u in range(1, 201):   # every update and its values first, as the learner's process sends them
+        monitor.update()
+        monitor.log_at(u, {"loss": float(u)}, steps=64 * u)
+    for u in range(1, 201):   # then the loop's steps and marks
+        monitor.env_step(64, [(10.0, 10)] if u % 5 == 0 else [], 0, [(64 * u, 10.0, 10)] if u % 5 == 0 else None)
+        monitor.mark(0, u, 64 * u)
+    monitor.loop_ended(0)
+    monitor.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(float(r["updates"]), float(r["env_steps"]), float(r["loss"])) for r in rows] == \
+        [(u, 64 * u, u) for u in range(1, 201)]
+    assert [float(r["episodes"]) for r in rows] == [u // 5 for u in range(1, 201)]

@@ -68,6 +68,9 @@ def logged_name(name: str, rest: str) -> str:
     return "/".join(x for x in (name, rest) if x) or "value"
 
 
+MAX_WAITING_ROWS = 100_000   # metrics rows held for their updates' marks (a few hundred bytes each)
+
+
 class StopRun(BaseException):
     """Unwinds the training loop when the run is done early (target reached with stop_on_target)."""
 
@@ -263,7 +266,10 @@ class Monitor:
         self._eval_out = max(self._eval_out, evals)
 
     def _drain(self, force: bool = False) -> None:
-        while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > 64):
+        # rows wait as long as the loop's messages lag the learner's (they share the driver's queue,
+        # and a busy machine delays the loop's): a row written before its marks had another update's
+        # steps and lost its values; the bound only guards memory against marks that never come
+        while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > MAX_WAITING_ROWS):
             self._write_loop_rows(int(self._waiting[0]["updates"]) - self.base_updates)
             if self.outputs is not None:
                 self.outputs.write_row(self._waiting[0])
