@@ -25,7 +25,7 @@ from fragflow.compiler.ir import EdgeKind, Graph
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
 from fragflow.compiler.tracer import trace_program
-from fragflow.errors import ConfigError, PlacementError
+from fragflow.errors import ConfigError, PlacementError, VersionedStateError
 from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
@@ -150,6 +150,14 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             "was given: state made again in the loop never reaches it", where=graph.remade_state,
             fix="make versioned state once, before the loop, and let the learner return its next value (to start "
                 "it afresh, return the fresh value from the learner), or run with --policy single_process")
+    if lowered.services and graph.state_read is not None:
+        what, where = graph.state_read
+        raise VersionedStateError(
+            f"versioned state was {what} in the training loop, but policy '{placed.policy}' runs the learner that "
+            "writes it in another process: the loop holds no value of it", where=where,
+            fix="pass the versioned state (or a view of it such as state['params']) to a fragment and compute with "
+                "it there, returning what the loop needs; or run with --policy single_process, where the loop "
+                "reads it as eagerly")
     captured = [n for n in graph.fragments() if n.reads_captured]
     if lowered.services and captured:
         n = captured[0]

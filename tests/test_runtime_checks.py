@@ -4,15 +4,18 @@ thread counts, traced specs, non-finite learners, misuse of versioned state, pol
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import fragflow as ff
+from fragflow.driver import compile
 from fragflow.errors import ConfigError, NonFiniteError, SpecChangedError, TraceError, VersionedStateError
 from fragflow.program import load
 from tests.conftest import ROOT, relpath
@@ -131,25 +134,49 @@ def test_every_process_runs_torch_with_the_placements_thread_count(program, poli
     ('if int(state["n"]) > 0:', "converted to an int"),
     ('x = np.asarray(state["n"])', "converted to an array"),
     ('x = state["n"] + 1', "used in arithmetic"),
+    ('x = state["n"].sum()', "read as attribute '.sum'"),
 ])
-def test_versioned_state_read_in_the_loop_is_refused_at_the_users_line(write_algo, line, what):
+def test_versioned_state_read_in_the_loop_runs_in_one_process_and_is_refused_at_its_line_elsewhere(
+        write_algo, line, what):
+    """Eagerly the loop holds the state's value, so under single_process it reads it as eagerly (it
+    was refused there too, after the whole run where the read followed the loop); a placement over
+    several processes, where the loop holds no value of it, refuses the read before running."""
     path, marks = write_algo(f"""
 import numpy as np
 import fragflow as ff
 
-@ff.fragment("learner")
-def learn(state):
-    return state
+SEEN = []
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    return {{"n": state["n"] + obs.mean()}}
 
 def train():
-    state = ff.versioned({{"n": np.zeros(1)}})
-    {line}  # @misuse
-        pass
-    learn(state)
-""".replace("        pass\n", "        pass\n" if line.startswith("if") else ""))
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({{"n": np.zeros(())}})
+    obs = env.reset()
+    for _ in range(4):
+        obs, *_ = env.step(act(state, obs))
+        state = learn(state, obs)
+        {line}  # @misuse
+            pass
+        SEEN.append(float(np.asarray(state["n"])))
+    return state
+""".replace("            pass\n", "            pass\n" if line.startswith("if") else ""))
     prog = load(str(path))
-    with pytest.raises(VersionedStateError, match=rf"was {what} in the training loop\n  at {relpath(path)}:{marks['misuse']}"):
-        ff.trace(prog.train)
+    eager = prog.train()
+    eager_seen, prog.module.SEEN[:] = list(prog.module.SEEN), []
+    result = ff.run(prog.train, policy="single_process")
+    assert prog.module.SEEN == eager_seen and len(eager_seen) == 4
+    assert np.array_equal(result.value["n"], eager["n"])
+    with pytest.raises(VersionedStateError, match=rf"versioned state was {re.escape(what)} in the training loop, but "
+                                                  rf"policy 'pipelined' runs the learner that writes it in another "
+                                                  rf"process: the loop holds no value of it\n  at {relpath(path)}:"):
+        compile(prog.train, policy="pipelined")
 
 
 def test_logging_a_non_scalar_is_refused_at_trace_time(write_algo):

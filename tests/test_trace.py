@@ -166,15 +166,29 @@ def train():
         compile(program.train, policy="pipelined")
 
 
-def test_versioned_state_read_in_the_loop(write_algo):
+def test_versioned_state_read_in_the_loop_is_noted_where_first_read(write_algo):
+    """The trace runs the read as eagerly (single_process runs it); placement refuses it elsewhere
+    (tests/test_runtime_checks.py)."""
     path, marks = write_algo(HEADER + """
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
 def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
-    if state["w"]:  # @misuse
-        pass
+    obs = env.reset()
+    for _ in range(2):
+        obs, *_ = env.step(act(state["w"], obs))
+        if state["w"].any():  # @misuse
+            pass
+        if state["w"].all():
+            pass
 """)
-    with pytest.raises(VersionedStateError, match=rf"versioned state was tested for truth in the training loop\n  at {relpath(path)}:{marks['misuse']}"):
-        trace_file(path)
+    graph = trace_file(path)
+    assert graph.state_read is not None
+    what, where = graph.state_read
+    assert what == "read as attribute '.any'" and (relpath(path), where.line) == (relpath(path), marks["misuse"])
 
 
 @pytest.mark.parametrize("how", ["global", "closure"])

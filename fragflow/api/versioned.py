@@ -4,7 +4,8 @@
 state. Every learner call that writes it produces the next version. Fragments receive it as an
 argument, whole or as a view (``state["params"]``), and the runtime hands them the value of the
 version their placement allows: under ``single_process`` the latest, on a distributed policy the
-newest one broadcast to that process. Versioned values are never read in the loop itself.
+newest one broadcast to that process. The loop itself reads a versioned value only under
+``single_process`` (as eagerly); a placement over several processes refuses such a read.
 
 >>> v = Versioned("state", 0, {"params": {"w": 1.0}}, None)
 >>> v["params"].resolve(v.value)
@@ -13,6 +14,7 @@ newest one broadcast to that process. Versioned values are never read in the loo
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from fragflow import context
@@ -29,56 +31,76 @@ def _misuse(what: str) -> VersionedStateError:
     )
 
 
+def _loop_value(x: Any, what: str) -> Any:
+    """The value a read of versioned state in the loop sees where the interpreter allows it: one
+    process running the loop and every learner (``single_process``, as eagerly; the trace, which
+    notes the read so that a placement over several processes refuses it before running); the
+    read is refused everywhere else."""
+    read = getattr(context.current(), "read_state", None)
+    if read is None or not isinstance(x, (Versioned, VersionedView)):
+        raise _misuse(what)
+    found, value = read(x, what)
+    if not found:
+        raise _misuse(what)
+    return value
+
+
 class _NoLoopUse:
-    """Refuse every way plain loop code could read a versioned value."""
+    """Refuse every way plain loop code could read a versioned value (but see ``_loop_value``)."""
 
     __slots__ = ()
 
     def __bool__(self) -> bool:
-        raise _misuse("tested for truth")
+        return bool(_loop_value(self, "tested for truth"))
 
     def __iter__(self) -> Any:
-        raise _misuse("iterated")
+        return iter(_loop_value(self, "iterated"))
 
     def __len__(self) -> int:
-        raise _misuse("asked for its length")
+        return len(_loop_value(self, "asked for its length"))
 
     def __array__(self, *a: Any, **k: Any) -> Any:
-        raise _misuse("converted to an array")
+        import numpy as np
+
+        return np.asarray(_loop_value(self, "converted to an array"), *a, **k)
 
     def __float__(self) -> float:
-        raise _misuse("converted to a number")
+        return float(_loop_value(self, "converted to a number"))
 
     def __format__(self, spec: str) -> str:
         if not spec:   # printed: the placeholder (see __repr__)
             return repr(self)
-        raise _misuse("formatted with a spec (an f-string such as {x:.3f}, format())")
+        return format(_loop_value(self, "formatted with a spec (an f-string such as {x:.3f}, format())"), spec)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise _misuse(f"read as attribute '.{name}'")
+        return getattr(_loop_value(self, f"read as attribute '.{name}'"), name)
 
     __hash__ = object.__hash__
 
 
-def _refuse(what: str) -> Any:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise _misuse(what)
+def _read(what: str, op: Any, reflected: bool = False) -> Any:
+    def method(self: Any, *args: Any) -> Any:
+        value = _loop_value(self, what)
+        return op(args[0], value) if reflected else op(value, *args)
     return method
 
 
 # Comparisons and arithmetic would otherwise fall back to identity (``state["n"] == 1`` is silently
 # False) or raise Python's own TypeError far from the cause.
-for _dunder, _what in (("__eq__", "compared with =="), ("__ne__", "compared with !="), ("__lt__", "compared with <"),
-                       ("__le__", "compared with <="), ("__gt__", "compared with >"), ("__ge__", "compared with >="),
-                       ("__int__", "converted to an int"), ("__index__", "used as an index"),
-                       ("__add__", "used in arithmetic"), ("__radd__", "used in arithmetic"),
-                       ("__sub__", "used in arithmetic"), ("__rsub__", "used in arithmetic"),
-                       ("__mul__", "used in arithmetic"), ("__rmul__", "used in arithmetic"),
-                       ("__truediv__", "used in arithmetic"), ("__rtruediv__", "used in arithmetic"),
-                       ("__mod__", "used in arithmetic"), ("__neg__", "used in arithmetic")):
-    setattr(_NoLoopUse, _dunder, _refuse(_what))
+for _dunder, _what, _op, _reflected in (
+        ("__eq__", "compared with ==", operator.eq, False), ("__ne__", "compared with !=", operator.ne, False),
+        ("__lt__", "compared with <", operator.lt, False), ("__le__", "compared with <=", operator.le, False),
+        ("__gt__", "compared with >", operator.gt, False), ("__ge__", "compared with >=", operator.ge, False),
+        ("__int__", "converted to an int", int, False), ("__index__", "used as an index", operator.index, False),
+        ("__add__", "used in arithmetic", operator.add, False), ("__radd__", "used in arithmetic", operator.add, True),
+        ("__sub__", "used in arithmetic", operator.sub, False), ("__rsub__", "used in arithmetic", operator.sub, True),
+        ("__mul__", "used in arithmetic", operator.mul, False), ("__rmul__", "used in arithmetic", operator.mul, True),
+        ("__truediv__", "used in arithmetic", operator.truediv, False),
+        ("__rtruediv__", "used in arithmetic", operator.truediv, True),
+        ("__mod__", "used in arithmetic", operator.mod, False), ("__neg__", "used in arithmetic", operator.neg, False)):
+    setattr(_NoLoopUse, _dunder, _read(_what, _op, _reflected))
 
 
 class Versioned(_NoLoopUse):

@@ -148,6 +148,7 @@ class Graph:
     changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None
     nested_learner: tuple[str, str, SourceLoc | None] | None = None   # (learner, the fragment it ran inside, where)
     stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None   # an old version passed to a fragment
+    state_read: tuple[str, SourceLoc | None] | None = None   # the loop read versioned state: how, where
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

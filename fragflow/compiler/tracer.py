@@ -117,6 +117,7 @@ class Tracer(Recording):
         self.nested_learner: tuple[str, str, SourceLoc | None] | None = None
         # (state, version passed, newest version, fragment, its call) where the loop passed an old version
         self.stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None
+        self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
@@ -148,6 +149,13 @@ class Tracer(Recording):
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
         return np.arange(num_envs)
+
+    def read_state(self, x: Versioned | VersionedView, what: str) -> tuple[bool, Any]:
+        """The loop reads versioned state: as eagerly (the run may be one process), noted for placement."""
+        if self.state_read is None:
+            self.state_read = (what, user_callsite())
+        handle = x if isinstance(x, Versioned) else x.handle
+        return True, handle.value if isinstance(x, Versioned) else x.resolve(handle.value)
 
     def asked_ids(self, num_envs: int) -> None:
         self.sized_by_ids = True
@@ -647,7 +655,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
                                     remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
-                                    stale_state=tracer.stale_state,
+                                    stale_state=tracer.stale_state, state_read=tracer.state_read,
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

@@ -124,6 +124,13 @@ class LoopInterpreter:
     def replica(self) -> tuple[int, int]:
         return self.index, self.program.replicas
 
+    def read_state(self, x: Versioned | VersionedView, what: str) -> tuple[bool, Any]:
+        """The loop reads versioned state: its value where this process runs every fragment (as
+        eagerly), else refused (the state is written in another process)."""
+        if self.program.remote:
+            return False, None
+        return True, self._resolve(x)
+
     def adopt(self, resource: Any) -> None:
         self.resources.append(resource)
 
