@@ -1431,6 +1431,21 @@ def test_a_learner_called_again_without_an_env_step_is_refused_where_replicas_ca
     assert same_tree(ff.run(program.train, program.args_cls(), policy=ordered).value, expected.value)
 
 
+def test_a_second_learner_called_again_without_an_env_step_is_refused_too(write_algo):
+    # only the first learner the loop called was looked at: a value learner stepped 3 times a trip
+    # after the policy's one step ran, its calls merged across processes (59 of 60 updates mixed)
+    path, marks = write_algo(SEVERAL_STEPS_PER_TRIP.replace(
+        "        batch = buf.collect()\n", "        batch = buf.collect()\n        first = first_learner(first, batch)\n").replace(
+        "    state = ff.versioned(", "    first = ff.versioned({'n': np.zeros(())}, name='first')\n    state = ff.versioned(").replace(
+        "def train(args):", "@ff.fragment('learner', writes='first')\ndef first_learner(first, batch):\n"
+                           "    return {'n': first['n'] + batch['obs'].mean()}\n\ndef train(args):"))
+    program = load(str(path))
+    assert int(ff.run(program.train, program.args_cls(), policy="single_process").value["calls"]) == 18
+    with pytest.raises(PlacementError, match=rf"learner 'learn' is called again with no environment step.*"
+                                             rf"\n  at {path}:{marks['again']}\n  fix: "):
+        compile(program.train, program.args_cls(), policy="actor_learner(actors=2)")
+
+
 OUTPUT_PASSED_BACK = """
 from dataclasses import dataclass
 import numpy as np

@@ -142,7 +142,7 @@ class Graph:
     loops: tuple[LoopSpec, ...] = ()    # the training function's loops, outermost first
     loop_reads: tuple[LoopRead, ...] = ()   # fragment outputs the loop itself reads (first read of each)
     remade_state: SourceLoc | None = None   # a line that ran ff.versioned(...) again after a learner wrote its state
-    learner_again: SourceLoc | None = None   # an update made with no env step since the one before it
+    learner_again: tuple[str, SourceLoc | None] | None = None   # a learner called with no env step since its last call
     uncalled_learners: tuple[tuple[str, SourceLoc | None], ...] = ()   # the module's learners the loop never called
     # (state, learner, its call, what) where the loop changed the hyper-parameters of a state's optimizer
     changed_optimizer: tuple[str, str, SourceLoc | None, str] | None = None

@@ -107,8 +107,8 @@ class Tracer(Recording):
         self.remade_state: SourceLoc | None = None   # a line that made versioned state more than once
         # the first update made with no env step since the previous one (several learner steps on one
         # rollout or trip); the env steps at the last update
-        self.learner_again: SourceLoc | None = None
-        self._steps_at_update: int | None = None
+        self.learner_again: tuple[str, SourceLoc | None] | None = None
+        self._steps_at_update: dict[str, int] = {}
         self.events = EventSources()
         # optimizers in learners' state: their hyper-parameters as the last learner call left them, and
         # (state, learner, its call, what changed) where the loop changed them between two calls
@@ -351,10 +351,11 @@ class Tracer(Recording):
                           and r[0] <= where.line <= r[1]]
                 if len(around) > 1:
                     self._nested = (min(around), max(around))
-            if self._primary == id(frag):
-                if self.learner_again is None and self.env_steps and self._steps_at_update == self.env_steps:
-                    self.learner_again = where
-                self._steps_at_update = self.env_steps
+            # any learner, not only the clock: a second learner called several times a trip (a value
+            # function's steps after the policy's) is gathered on arrival the same way
+            if self.learner_again is None and self.env_steps and self._steps_at_update.get(rec.name) == self.env_steps:
+                self.learner_again = (rec.name, where or user_callsite())
+            self._steps_at_update[rec.name] = self.env_steps
             if self.window.learned(rec.name, self._primary == id(frag)):
                 if self._take_over() is None:
                     raise _StopTracing

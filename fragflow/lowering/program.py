@@ -463,14 +463,15 @@ def lower(placed: PlacedGraph) -> Lowered:
         if gather == "balanced":
             gather = "arrival"
         overflow = disciplines.OVERFLOW[traj.overflow.value]() if traj is not None else disciplines.Deliver()
-        if clock is not None and loop.replicas > 1 and gather != "ordered" and lag > 0 and graph.learner_again:
+        again = graph.learner_again
+        if again is not None and again[0] in members and loop.replicas > 1 and gather != "ordered" and lag > 0:
             raise PlacementError(
-                f"learner '{clock}' is called again with no environment step since its previous call (several "
+                f"learner '{again[0]}' is called again with no environment step since its previous call (several "
                 f"learner steps on one rollout, or on several samples of one trip), but policy '{placed.policy}' "
                 f"gathers the calls of its {loop.replicas} loop processes as they arrive (max_lag={lag}): a "
                 "process's second call could be merged with its first into one update, and the run would make "
                 "fewer updates, each on one process's data twice, than the program does",
-                where=graph.learner_again,
+                where=again[1],
                 fix="take those steps inside the learner (loop over the epochs or samples in the learner fragment "
                     "and call it once per trip), or run with max_lag=0 (one call of each process per update, in "
                     "order), with one acting process (actors=1 or env_workers=1), or with --policy pipelined")
