@@ -642,3 +642,46 @@ def test_a_resume_whose_loop_locals_do_not_fit_names_the_loop(tmp_path):
     res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--set", "num_envs=8", "--out", str(tmp_path / "b"), "-q")
     assert res.returncode == 2 and "does not fit this program" in res.stderr and "Traceback" not in res.stderr
     assert re.search(r"\n  at (\S*/)?algorithms/ppo\.py:\d+\n", res.stderr), res.stderr
+
+
+RAW_TENSOR_PARAMETER = """
+from dataclasses import dataclass
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 20
+
+@ff.fragment("learner", writes="state")
+def learn(state):
+    loss = (state["w"] - 3.0).pow(2).sum()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train(args):
+    w = torch.zeros(1, requires_grad=True)   # a parameter outside any module (SAC's log_alpha)
+    state = ff.versioned({"w": w, "opt": torch.optim.Adam([w], lr=0.1)})
+    for _ in range(args.updates):
+        state, m = learn(state)
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_resumed_tensor_parameter_stays_its_optimizers_and_keeps_its_gradient(write_algo, tmp_path):
+    # a saved tensor was loaded as a new tensor: no requires_grad, not the optimizer's parameter, and
+    # the first backward after a resume failed ("element 0 of tensors does not require grad")
+    from fragflow.program import load
+
+    path, _ = write_algo(RAW_TENSOR_PARAMETER)
+    program = load(str(path))
+    whole = driver.run(program.train, program.args_cls(), policy="single_process")
+    driver.run(program.train, program.args_cls(updates=10), policy="single_process", out=tmp_path / "run",
+               checkpoint_every=5)
+    resumed = driver.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "run",
+                         resume=tmp_path / "run" / "checkpoints" / "5")
+    assert resumed.summary["updates"] == 20 and resumed.value["w"].requires_grad
+    assert torch.equal(resumed.value["w"], whole.value["w"])

@@ -114,7 +114,11 @@ def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path:
             t = t.view(torch.bfloat16)
         if template is not _NO and isinstance(template, torch.Tensor):
             _same(path, tuple(t.shape), meta["dtype"], tuple(template.shape), str(template.dtype).removeprefix("torch."))
-            return t.to(template.device)
+            # loaded in place: a tensor an optimizer steps (SAC's log_alpha) stays its parameter, with
+            # requires_grad (a new tensor had neither: the first backward after a resume failed)
+            with torch.no_grad():
+                template.copy_(t)
+            return template
         return t.to(meta.get("device", "cpu")) if meta.get("device", "cpu") != "cpu" else t
     if kind in ("module", "optimizer", "scheduler"):
         sd = decode(meta["v"], tensors, path=path)
