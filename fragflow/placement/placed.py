@@ -244,8 +244,10 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 "in the learner's process through channels sized for one number of environments",
                 where=n.defined_at,
                 fix=f"give the evaluation its own fragment ({n.name}_eval = ff.fragment('{n.role}', "
-                    f"name='{n.name}_eval')({n.name}.fn)), or run with a policy that acts where the envs step "
-                    "(actor_learner, single_process)")
+                    f"name='{n.name}_eval')({n.name}.fn))"
+                    + (" and run with env_workers=1 (each worker steps the evaluation env whole, which one answer "
+                       "cannot serve)" if inference_with_learner and actors > 1 else "")
+                    + ", or run with a policy that acts where the envs step (actor_learner, single_process)")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
     sides: dict[str, Any] = {}
     for n in graph.fragments():
