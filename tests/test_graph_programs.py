@@ -372,6 +372,13 @@ def test_central_inference_refuses_to_batch_an_evaluation_envs_inference_across_
         compile(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
     result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
     assert result.summary["eval_episodes"] >= 1
+    # with one actor fragment for both envs, the first refusal's fix names both steps (its first half
+    # alone, an act_eval, was refused next)
+    path, _ = write_algo(HEADER_EVAL.replace("act_eval(state, eval_obs)", "act(state, eval_obs)"), "one_actor.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=r"fix: give the evaluation its own fragment \(act_eval = .*\) and run with "
+                                             r"env_workers=1"):
+        compile(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
 
 
 HEADER_EVAL = """
