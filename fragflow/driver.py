@@ -59,6 +59,22 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 @contextmanager
+def _shielded() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored while a run's outputs are closed and its summary written (the main
+    thread only): the run is over either way, and its outputs are whole."""
+    try:
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:   # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
 def _checkpoint_on_interrupt(checkpoints: RunCheckpoints | None) -> Iterator[None]:
     """With checkpointing on, the first Ctrl-C writes a checkpoint at the loop's next trip and then
     stops the run; a second Ctrl-C stops it at once."""
@@ -356,13 +372,14 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         status = "interrupted"
         raise
     finally:
-        if handover is not None and handover.finished:
-            handover.tracer.taken_by.close()
-        monitor.close()
-        compiled = compiled or (handover.compiled if handover is not None else None)
-        if compiled is not None and (handover is None or handover.begun):
-            summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
-                              handover is not None and handover.finished)
+        with _shielded():   # a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
+            if handover is not None and handover.finished:
+                handover.tracer.taken_by.close()
+            monitor.close()
+            compiled = compiled or (handover.compiled if handover is not None else None)
+            if compiled is not None and (handover is None or handover.begun):
+                summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
+                                  handover is not None and handover.finished)
     assert compiled is not None
     placed = compiled.placed
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)

@@ -252,3 +252,20 @@ def test_ctrl_c_stops_a_run_started_with_sigint_ignored(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_summary_is_written_through_a_second_interrupt(program, monkeypatch, tmp_path):
+    """A signal sent to the CLI's process group reached the run twice (once from `timeout`): the second
+    Ctrl-C, arriving while the first one's summary was written, left the run without summary.json."""
+    from fragflow import driver
+
+    real = driver._finish
+
+    def interrupted_again(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)   # what a second Ctrl-C does here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "_finish", interrupted_again)
+    prog, _, _ = program
+    result = ff.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "run")
+    assert result.summary["status"] == "completed" and (tmp_path / "run" / "summary.json").exists()
