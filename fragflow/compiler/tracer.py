@@ -231,7 +231,7 @@ class Tracer(Recording):
             if scalars:
                 self.journal.append(("log", time.perf_counter(), scalars))
         try:
-            bound = frag.signature.bind(*args, **kwargs)
+            bound = _bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
         if rec.repeat is not None:
@@ -597,6 +597,32 @@ class Tracer(Recording):
 
 
 _NOT_REPEATED = object()
+
+
+class _Positional:
+    """What ``Signature.bind`` gives for a call passing every parameter by position (most calls),
+    without its cost (a tenth of a traced call's)."""
+
+    __slots__ = ("arguments",)
+    kwargs: dict[str, Any] = {}
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = arguments
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return tuple(self.arguments.values())
+
+
+def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    names = frag.__dict__.get("_ff_positional", False)
+    if names is False:   # the parameter names, where every parameter may be passed by position
+        params = frag.signature.parameters.values()
+        names = frag.__dict__["_ff_positional"] = tuple(p.name for p in params) if all(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) else None
+    if names is not None and not kwargs and len(args) == len(names):
+        return _Positional(dict(zip(names, args)))
+    return frag.signature.bind(*args, **kwargs)
 
 
 def _state_param(pname: str, value: Versioned | VersionedView) -> tuple[str, str, str, str]:
