@@ -1453,6 +1453,55 @@ def test_a_second_learner_called_again_without_an_env_step_is_refused_too(write_
         compile(program.train, program.args_cls(), policy="actor_learner(actors=2)")
 
 
+ONE_LEARNER_TWO_STATES = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    steps: int = 12
+
+@ff.fragment("actor")
+def act(qa, qb, obs):
+    return (obs @ (qa["w"] + qb["w"])).argmax(-1)
+
+@ff.fragment("learner", writes="mine")
+def learn(mine, other, batch):
+    return {"w": mine["w"] + 0.01 * batch["obs"].mean() - 0.001 * other["w"]}, {"m": batch["obs"].mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    qa = ff.versioned({"w": np.ones((4, 2))}, name="qa")
+    qb = ff.versioned({"w": np.zeros((4, 2))}, name="qb")
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for step in range(args.steps):
+        for _ in range(2):
+            obs, *_ = env.step(act(qa, qb, obs))
+            buf.add(obs=obs)
+        if step % 2 == 0:
+            qa, m = learn(qa, qb, buf.collect())   # @learn
+        else:
+            qb, m = learn(qb, qa, buf.collect())
+        ff.log(m)
+    return qa, qb
+"""
+
+
+def test_one_learner_for_two_states_is_refused_where_calls_are_gathered_as_they_arrive(write_algo):
+    # double Q-learning's learn(qa, qb) / learn(qb, qa): an update merged one process's call on qa with
+    # another's on qb (16 of 30 updates under actor_learner(actors=2))
+    path, marks = write_algo(ONE_LEARNER_TWO_STATES)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    with pytest.raises(PlacementError, match=rf"learner 'learn' writes 'qa' at some calls and 'qb' at others.*"
+                                             rf"\n  at {path}:{marks['learn']}\n  fix: make a fragment per state"):
+        compile(program.train, program.args_cls(), policy="actor_learner(actors=2)")
+    ordered = ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
+    assert same_tree(ordered.value, expected.value)
+
+
 OUTPUT_PASSED_BACK = """
 from dataclasses import dataclass
 import numpy as np
