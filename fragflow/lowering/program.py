@@ -464,21 +464,21 @@ def lower(placed: PlacedGraph) -> Lowered:
             gather = "arrival"
         overflow = disciplines.OVERFLOW[traj.overflow.value]() if traj is not None else disciplines.Deliver()
         arrival = loop.replicas > 1 and gather != "ordered" and lag > 0
-        writes: dict[str, list[str]] = {}
+        written: dict[str, list[str]] = {}
         for e in graph.edges_of(EdgeKind.STATE_WRITE):
             if e.src in members:
-                writes.setdefault(e.src, []).append(e.dst)
-        two = next(((name, states) for name, states in writes.items() if len(states) > 1), None)
+                written.setdefault(e.src, []).append(e.dst)
+        two = next(((who, states) for who, states in written.items() if len(states) > 1), None)
         if two is not None and arrival:
-            name, states = two
+            who, states = two
             raise PlacementError(
-                f"learner '{name}' writes '{states[0]}' at some calls and '{states[1]}' at others (one fragment "
+                f"learner '{who}' writes '{states[0]}' at some calls and '{states[1]}' at others (one fragment "
                 f"for several states, as double Q-learning's learn(qa, qb) / learn(qb, qa)), but policy "
                 f"'{placed.policy}' gathers the calls of its {loop.replicas} loop processes as they arrive "
                 f"(max_lag={lag}): one process's call on '{states[0]}' could be merged with another's on "
-                f"'{states[1]}' into one update", where=graph.node(name).called_at,
-                fix=f"make a fragment per state (learn_b = ff.fragment('learner', writes=..., name='{name}_b')"
-                    f"({name}.fn)) and call each on its own state, or run with max_lag=0 (one call of each process "
+                f"'{states[1]}' into one update", where=graph.node(who).called_at,
+                fix=f"make a fragment per state (learn_b = ff.fragment('learner', writes=..., name='{who}_b')"
+                    f"({who}.fn)) and call each on its own state, or run with max_lag=0 (one call of each process "
                     "per update, in order), with one acting process, or with --policy pipelined")
         again = graph.learner_again
         if again is not None and again[0] in members and loop.replicas > 1 and gather != "ordered" and lag > 0:
