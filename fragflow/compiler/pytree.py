@@ -346,11 +346,19 @@ class TensorSpec:
 _DTYPE_NAMES: dict[Any, str] = {}   # dtype object -> its name (str() of a numpy dtype is slow)
 
 
+_BY_ID: dict[int, tuple[Any, str]] = {}   # id -> (the dtype, kept alive so its id stays its own; its name)
+
+
 def _dtype_name(dtype: Any) -> str:
+    hit = _BY_ID.get(id(dtype))   # hashing a numpy dtype costs more than the rest of spec_of
+    if hit is not None and hit[0] is dtype:
+        return hit[1]
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.") if "torch" in type(dtype).__module__ else \
             str(np.dtype(dtype))
+    if len(_BY_ID) < 1024:
+        _BY_ID[id(dtype)] = (dtype, name)
     return name
 
 

@@ -58,7 +58,7 @@ class Repeat:
     counted on the same edges and its outputs are known by the same axes, without recording it
     again (a warm-up of thousands of steps is traced at a fraction of the cost)."""
 
-    params: tuple[tuple[Any, ...], ...]   # per parameter: ("state", name, handle, path) | ("static", name) | ("data", name, sources)
+    params: tuple[tuple[Any, ...], ...]   # per parameter: ("state", name, handle, keys) | ("static", name) | ("data", name, sources)
     edges: tuple[EdgeRec, ...]           # the data edges the call crossed
     axes: Any                             # its outputs' axes (a callable, or None)
     out_axes: dict[str, tuple[str, int] | None]

@@ -625,9 +625,9 @@ def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return frag.signature.bind(*args, **kwargs)
 
 
-def _state_param(pname: str, value: Versioned | VersionedView) -> tuple[str, str, str, str]:
-    handle = value if isinstance(value, Versioned) else value.handle
-    return ("state", pname, handle.name, "" if isinstance(value, Versioned) else value.path_str)
+def _state_param(pname: str, value: Versioned | VersionedView) -> tuple[str, str, str, tuple[Any, ...]]:
+    handle = value if isinstance(value, Versioned) else value.handle   # (a view's keys: its path, unformatted)
+    return ("state", pname, handle.name, () if isinstance(value, Versioned) else value.path)
 
 
 def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
