@@ -10,7 +10,12 @@ import pytest
 import fragflow as ff
 from fragflow.algorithms import dqn
 from fragflow.driver import compile
-from fragflow.errors import LearnerOutputOnActingSideError, PlacementError, SpecChangedError
+from fragflow.errors import (
+    LearnerOutputOnActingSideError,
+    PlacementError,
+    SpecChangedError,
+    UntracedFragmentError,
+)
 from fragflow.program import load
 from tests.test_multiprocess import same_tree, shm_leftovers, unclocked_rows
 
@@ -1500,6 +1505,53 @@ def test_one_learner_for_two_states_is_refused_where_calls_are_gathered_as_they_
         compile(program.train, program.args_cls(), policy="actor_learner(actors=2)")
     ordered = ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
     assert same_tree(ordered.value, expected.value)
+
+
+TWO_PHASES = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean()}, {"m": batch["obs"].mean()}
+
+def train(args):
+    phase(args)
+    return phase(args)
+
+def phase(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()   # @reset
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_an_env_made_after_the_trace_is_refused_with_the_fix_for_it(write_algo):
+    # a second phase of training making its own env: the fix said to call the fragment within the first
+    # updates, which does not apply
+    path, marks = write_algo(TWO_PHASES)
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 6
+    with pytest.raises(UntracedFragmentError, match=rf"fragment 'env_1.reset' was first called after tracing ended.*"
+                                                    rf"\n  at {path}:{marks['reset']}\n  fix: make every environment "
+                                                    rf"and buffer once, before the training loop"):
+        ff.run(program.train, program.args_cls(), policy="pipelined")
 
 
 OUTPUT_PASSED_BACK = """

@@ -179,12 +179,17 @@ class LoopInterpreter:
         # an evaluation env first stepped after the trace (every N updates, after the loop) is stepped
         # whole by every acting process, where the loop runs: here
         if self.program.remote and name not in self.program.local and not frag.evaluation:
+            made_later = frag.instance is not None and frag.role in ("env", "buffer")
             raise UntracedFragmentError(
                 f"fragment '{name}' was first called after tracing ended, so the placement has no process "
                 "for it", where=user_callsite(),
-                fix="make sure the loop calls it within its first learner updates (the tracer runs until every "
-                    "fragment of the training module has been called, for up to 200 updates: call it within "
-                    "them, e.g. at update 0 and every N after), or run with --policy single_process")
+                fix="make every environment and buffer once, before the training loop, and use them throughout "
+                    "(one made later, as by a second phase of training that makes its own, was not seen by the "
+                    "trace, which stops after the first learner updates), or run with --policy single_process"
+                if made_later else
+                "make sure the loop calls it within its first learner updates (the tracer runs until every "
+                "fragment of the training module has been called, for up to 200 updates: call it within "
+                "them, e.g. at update 0 and every N after), or run with --policy single_process")
         return self._local(frag, name, args, kwargs)
 
     # -- here ------------------------------------------------------------------------------
