@@ -174,6 +174,12 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             fix="pass the versioned state (or a view of it such as state['params']) to a fragment and compute with "
                 "it there, returning what the loop needs; or run with --policy single_process, where the loop "
                 "reads it as eagerly")
+    if lowered.services and graph.star_state is not None:
+        what, who, where = graph.star_state
+        raise VersionedStateError(
+            f"{what}, but policy '{placed.policy}' sends versions to other processes by parameter", where=where,
+            fix=f"give '{who}' a named parameter for each state or view it reads (def f(obs, w0, w1)), or pass the "
+                "whole state and index it inside, or run with --policy single_process")
     captured = [n for n in graph.fragments() if n.reads_captured]
     if lowered.services and captured:
         n = captured[0]

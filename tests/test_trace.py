@@ -629,22 +629,35 @@ def train():
         ff.run(program.train, policy="actor_learner(actors=2)")
 
 
-def test_versioned_views_passed_through_star_args_are_refused_with_named_parameters_as_the_fix(write_algo):
+def test_versioned_views_passed_through_star_args_run_in_one_process_and_are_refused_elsewhere(write_algo):
+    """Eagerly a fragment may take state through *ws (it was refused under single_process too); a
+    placement over several processes, which sends versions by parameter, refuses it at the call."""
     path, marks = write_algo(HEADER + """
 @ff.fragment("actor")
 def act_many(obs, *ws):
-    return np.argmax(obs @ ws[0], axis=-1)
+    return np.argmax(obs @ (ws[0] + ws[1]), axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn_w(state, obs):
+    return {"w": state["w"] + obs.mean()}
 
 def train():
-    env = ff.envs.make("CartPole-v1", num_envs=2)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
     obs = env.reset()
-    obs, *_ = env.step(act_many(obs, state["w"]))  # @misuse
+    for _ in range(6):
+        obs, *_ = env.step(act_many(obs, state["w"], np.ones((4, 2), np.float32)))  # @misuse
+        state = learn_w(state, obs)
+    return state
 """)
+    program = load(str(path))
+    eager = program.train()
+    assert np.array_equal(ff.run(program.train, policy="single_process").value["w"], eager["w"])
     with pytest.raises(VersionedStateError, match=rf"versioned state Versioned\('state', v0\)\['w'\] reached fragment "
-                                                  rf"'act_many' through its \*ws\n  at {relpath(path)}:{marks['misuse']}"
+                                                  rf"'act_many' through its \*ws, but policy 'pipelined' sends versions "
+                                                  rf"to other processes by parameter\n  at {relpath(path)}:{marks['misuse']}"
                                                   rf"\n  fix: give 'act_many' a named parameter"):
-        trace_file(path)
+        compile(program.train, policy="pipelined")
 
 
 def test_actor_and_learner_methods_of_one_object_are_refused_where_a_policy_would_split_them(write_algo):

@@ -149,6 +149,7 @@ class Graph:
     nested_learner: tuple[str, str, SourceLoc | None] | None = None   # (learner, the fragment it ran inside, where)
     stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None   # an old version passed to a fragment
     state_read: tuple[str, SourceLoc | None] | None = None   # the loop read versioned state: how, where
+    star_state: tuple[str, str, SourceLoc | None] | None = None   # state through a fragment's *args: what, who, where
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -118,6 +118,7 @@ class Tracer(Recording):
         # (state, version passed, newest version, fragment, its call) where the loop passed an old version
         self.stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
+        self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
@@ -263,6 +264,17 @@ class Tracer(Recording):
             if is_static(value):
                 params.append(("static", pname))
                 static.append(pname)
+                continue
+            resolved = _star_state(frag, pname, value)
+            if resolved is not None:   # state through *args or **kwargs: as eagerly, noted for placement
+                bound.arguments[pname] = resolved
+                params.append(("star", pname))
+                if self.star_state is None:
+                    star = "*" if isinstance(value, tuple) else "**"
+                    shown = next(v for v in (value if isinstance(value, tuple) else value.values())
+                                 if isinstance(v, (Versioned, VersionedView)))
+                    self.star_state = (f"versioned state {shown!r} reached fragment '{rec.name}' through its "
+                                       f"{star}{pname}", rec.name, where or user_callsite())
                 continue
             params.append(("data", pname, self._record_inputs(rec, pname, value, window, where, frag.in_axes, crossed)))
         if self._loop_made and frag.in_axes is None:
@@ -599,6 +611,25 @@ class Tracer(Recording):
 _NOT_REPEATED = object()
 
 
+def _star_state(frag: Fragment, pname: str, value: Any) -> Any:
+    """The value of a ``*args`` or ``**kwargs`` parameter with the versioned state in it resolved,
+    where it holds some (None where it holds none, or is another parameter)."""
+    param = frag.signature.parameters.get(pname)
+    if param is None or param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        return None
+    items = list(value) if isinstance(value, tuple) else list(value.values()) if isinstance(value, dict) else []
+    if not any(isinstance(v, (Versioned, VersionedView)) for v in items):
+        return None
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, Versioned):
+            return v.value
+        if isinstance(v, VersionedView):
+            return v.resolve(v.handle.value)
+        return v
+    return tuple(plain(v) for v in value) if isinstance(value, tuple) else {k: plain(v) for k, v in value.items()}
+
+
 class _Positional:
     """What ``Signature.bind`` gives for a call passing every parameter by position (most calls),
     without its cost (a tenth of a traced call's)."""
@@ -683,6 +714,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
+                                    star_state=tracer.star_state,
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments
