@@ -898,3 +898,22 @@ def test_a_number_probe_computes_as_its_plain_value_with_arrays():
     with recording(reads):
         _ = a * p
     assert [r.what for r in reads] == ["used in arithmetic"]   # still a read where the loop does it
+
+
+def test_an_array_probe_prints_as_its_plain_value_and_its_element_is_a_dict_key():
+    """The trace is single_process's first updates: what the loop prints of a learner output, or an
+    element used as a dict key, must be as eagerly ("ProbeArray(...)" was printed; an element of a
+    probed array was an unhashable 0-d array where eagerly it is a numpy scalar)."""
+    from fragflow.compiler.probes import probe, recording
+
+    plain = np.array([1.5, 2.0], np.float32)
+    p = probe(plain.copy(), "learn", "[1]['vals']")
+    assert repr(p) == repr(plain) and str(p) == str(plain)
+    reads = []
+    with recording(reads):
+        e = p[0]
+        seen = {e: 1}
+    assert repr(e) == repr(plain[0]) and seen == {plain[0]: 1}
+    assert [r.what for r in reads] == ["used as a dict key"]
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(p)

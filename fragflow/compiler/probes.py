@@ -179,6 +179,17 @@ class ProbeArray(np.ndarray):
             _note(self, _FORMATTED)
         return format(self.view(np.ndarray), spec)
 
+    def __repr__(self) -> str:   # as the plain value prints (printing is not a read)
+        plain = self.view(np.ndarray)
+        return repr(plain[()] if self._ff_element and plain.ndim == 0 else plain)
+
+    def __hash__(self) -> int:   # an element is a numpy scalar eagerly: a dict key
+        plain = self.view(np.ndarray)
+        if plain.ndim:
+            raise TypeError("unhashable type: 'numpy.ndarray'")
+        _note(self, "used as a dict key")
+        return hash(plain[()])
+
     def __getitem__(self, key: Any) -> Any:
         if _sink is not None and _element_key(key):   # the loop takes an element: a probe of its own
             return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, f"{self._ff_path}[{int(key)!r}]")
