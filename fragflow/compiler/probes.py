@@ -183,7 +183,7 @@ class ProbeArray(np.ndarray):
         plain = self.view(np.ndarray)
         return repr(plain[()] if self._ff_element and plain.ndim == 0 else plain)
 
-    def __hash__(self) -> int:   # an element is a numpy scalar eagerly: a dict key
+    def __hash__(self) -> int:  # type: ignore[override]  # an element is a numpy scalar eagerly: a dict key
         plain = self.view(np.ndarray)
         if plain.ndim:
             raise TypeError("unhashable type: 'numpy.ndarray'")
