@@ -267,7 +267,8 @@ class _Handover:
             monitor.replay_time = None
         interp.resources.extend(tracer._resources)   # the environments it made: closed when the run ends
         tracer._resources = []
-        torch.set_num_threads(threads_for(compiled.lowered.loop.threads))
+        if torch.get_num_threads() == threads_for(1):   # as the trace set them: the run's; else the program's own
+            torch.set_num_threads(threads_for(compiled.lowered.loop.threads))
         return interp
 
 
@@ -385,7 +386,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
             compiled = compiled or (handover.compiled if handover is not None else None)
             if compiled is not None and (handover is None or handover.begun):
                 summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
-                                  handover is not None and handover.finished)
+                                  handover is not None and handover.begun and compiled.serial)
     assert compiled is not None
     placed = compiled.placed
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)

@@ -81,6 +81,16 @@ def test_a_nan_learner_stops_the_run_naming_fragment_and_update(program, policy)
 
 
 @pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+def test_a_nan_written_while_tracing_is_refused_then(program, policy, tmp_path):
+    # single_process's first updates are the trace's: a NaN there went unchecked (the run went on and
+    # named a later update, or never reported one that a later update overwrote)
+    prog, path, marks = program
+    with pytest.raises(NonFiniteError, match=r"learner 'learn' produced a non-finite value .* in update 1\n"):
+        ff.run(prog.train, prog.args_cls(bad_at=0, how="nan"), policy=policy, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()   # before anything ran but the trace
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
 def test_after_the_first_updates_every_16th_is_checked_and_the_message_says_so(program, policy, monkeypatch):
     prog, path, marks = program
     with pytest.raises(NonFiniteError, match=r"non-finite value .* by update 32 \(after the first 16 updates, every "

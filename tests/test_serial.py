@@ -226,3 +226,93 @@ def test_a_failure_after_the_trace_hands_over_is_the_runs(write_algo, tmp_path):
     with pytest.raises(RuntimeError, match="loop failed"):
         ff.run(program.train, program.args_cls(fail_at=60), policy="single_process", out=tmp_path / "early")
     assert not (tmp_path / "early").exists()
+
+
+EAGER_CASES = {
+    # a learner called on a version the loop kept, its result dropped: the loop's state is unaffected
+    "old_handle": """
+        first = state
+        for u in range(5):
+            obs, *_ = env.step(act(np.zeros(1), obs))
+            state, _ = learn(state, obs, 1.0, True)
+            _, _ = learn(first, obs, 100.0, True)
+            seen.append(float(state["w"][0]))
+    """,
+    # range()'s bound draws a number: evaluated once, as eagerly (the loop watcher evaluated it again)
+    "range_bound": """
+        rng = np.random.default_rng(0)
+        for u in range(4):
+            for _ in range(int(rng.integers(3, 8))):
+                obs, *_ = env.step(act(state["w"], obs))
+            state, _ = learn(state, obs, 1.0, False)
+            seen.append(float(rng.random()))
+    """,
+    # an element of the state kept by the loop is that element then, and the state can be printed or called
+    "kept_element": """
+        kept = []
+        for u in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            state, _ = learn(state, obs, 1.0, False)
+            kept.append(state["w"][0])
+            seen.append(str(state["w"]))
+            seen.append(float(state["f"](torch.ones(1))))
+        seen.extend(float(k) for k in kept)
+    """,
+    # the program's own torch thread count stays its own
+    "threads": """
+        torch.set_num_threads(3)
+        for u in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            state, _ = learn(state, obs, 1.0, False)
+            seen.append(torch.get_num_threads())
+    """,
+}
+
+EAGER_PROGRAM = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ np.resize(w, 4) > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, x, fresh):
+    if fresh:   # a new value
+        return {"w": state["w"] + x, "f": state["f"]}, {"s": float(obs.sum())}
+    state["w"] = state["w"] + x   # in place, as torch code updates its state dict
+    return state, {"s": float(obs.sum())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    torch.manual_seed(0)
+    state = ff.versioned({"w": np.zeros(1), "f": torch.nn.Linear(1, 1)})
+    obs = env.reset()
+    seen = []
+BODY
+    return seen
+"""
+
+
+@pytest.mark.parametrize("case", sorted(EAGER_CASES))
+def test_single_process_is_eager_where_the_trace_and_the_run_meet(write_algo, case):
+    """Each case is something the trace's first updates did otherwise than eagerly, which the trace, now
+    single_process's first updates, must not (helper round 21)."""
+    import textwrap
+
+    import torch
+
+    from fragflow.program import load
+
+    body = textwrap.indent(textwrap.dedent(EAGER_CASES[case]).strip("\n"), "    ")
+    path, _ = write_algo(EAGER_PROGRAM.replace("BODY", body), f"{case}.py")
+    program = load(str(path))
+    threads = torch.get_num_threads()
+    try:
+        eager = program.train()
+        torch.set_num_threads(threads)
+        run = ff.run(program.train, policy="single_process")
+        assert run.value == eager and run.summary["trace_in_run"] and run.summary["trace_seconds"] > 0
+    finally:
+        torch.set_num_threads(threads)

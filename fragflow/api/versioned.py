@@ -31,18 +31,33 @@ def _misuse(what: str) -> VersionedStateError:
     )
 
 
-def _loop_value(x: Any, what: str) -> Any:
+def _loop_value(x: Any, what: str | None) -> Any:
     """The value a read of versioned state in the loop sees where the interpreter allows it: one
     process running the loop and every learner (``single_process``, as eagerly; the trace, which
     notes the read so that a placement over several processes refuses it before running); the
-    read is refused everywhere else."""
+    read is refused everywhere else. A view reads what it named when it was made, as eagerly
+    ``state["w"][0]`` is that element then, whatever the learner writes later. ``what`` None:
+    printed (not a read); returns ``_UNSEEN`` where it may not be read."""
     read = getattr(context.current(), "read_state", None)
-    if read is None or not isinstance(x, (Versioned, VersionedView)):
-        raise _misuse(what)
-    found, value = read(x, what)
+    found, value = (False, None) if read is None or not isinstance(x, (Versioned, VersionedView)) else read(x, what)
     if not found:
+        if what is None:
+            return _UNSEEN
         raise _misuse(what)
-    return value
+    return x.seen if isinstance(x, VersionedView) and x.seen is not _UNSEEN else value
+
+
+_UNSEEN: Any = object()
+
+
+def _index(value: Any, key: Any) -> Any:
+    """``value[key]`` where it can be taken (what a view names when made), else ``_UNSEEN``."""
+    if value is None or value is _UNSEEN:
+        return _UNSEEN
+    try:
+        return value[key]
+    except Exception:
+        return _UNSEEN
 
 
 class _NoLoopUse:
@@ -68,9 +83,16 @@ class _NoLoopUse:
         return float(_loop_value(self, "converted to a number"))
 
     def __format__(self, spec: str) -> str:
-        if not spec:   # printed: the placeholder (see __repr__)
-            return repr(self)
+        if not spec:   # printed: the value where the loop may read it, else the placeholder (see __repr__)
+            return str(self)
         return format(_loop_value(self, "formatted with a spec (an f-string such as {x:.3f}, format())"), spec)
+
+    def __str__(self) -> str:
+        value = _loop_value(self, None)
+        return repr(self) if value is _UNSEEN else str(value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:   # a module the state holds, called in the loop
+        return _loop_value(self, "called")(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -115,7 +137,7 @@ class Versioned(_NoLoopUse):
         self.created_at = created_at
 
     def __getitem__(self, key: Any) -> VersionedView:
-        return VersionedView(self, (key,))
+        return VersionedView(self, (key,), _index(self.value, key))
 
     def __repr__(self) -> str:
         return f"Versioned({self.name!r}, v{self.version})"
@@ -124,14 +146,15 @@ class Versioned(_NoLoopUse):
 class VersionedView(_NoLoopUse):
     """A sub-tree of a versioned state (``state["params"]``): what an actor usually reads."""
 
-    __slots__ = ("handle", "path")
+    __slots__ = ("handle", "path", "seen")
 
-    def __init__(self, handle: Versioned, path: tuple[Any, ...]) -> None:
+    def __init__(self, handle: Versioned, path: tuple[Any, ...], seen: Any = _UNSEEN) -> None:
         self.handle = handle
         self.path = path
+        self.seen = seen   # what it named when made (see _loop_value), if its handle held a value
 
     def __getitem__(self, key: Any) -> VersionedView:
-        return VersionedView(self.handle, self.path + (key,))
+        return VersionedView(self.handle, self.path + (key,), _index(self.seen, key))
 
     @property
     def path_str(self) -> str:
@@ -222,7 +245,7 @@ for _name, _what in (("__bool__", "tested for truth"), ("__iter__", "iterated"),
                      ("__le__", "compared with <="), ("__gt__", "compared with >"), ("__ge__", "compared with >="),
                      ("__add__", "used in arithmetic"), ("__radd__", "used in arithmetic"),
                      ("__sub__", "used in arithmetic"), ("__mul__", "used in arithmetic"),
-                     ("__rmul__", "used in arithmetic"), ("__truediv__", "used in arithmetic")):
+                     ("__rmul__", "used in arithmetic"), ("__truediv__", "used in arithmetic"), ("__call__", "called")):
     def _raiser(self: Pending, *a: Any, _what: str = _what, **k: Any) -> Any:
         raise _pending_misuse(self, _what)
     setattr(Pending, _name, _raiser)

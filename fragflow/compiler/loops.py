@@ -110,7 +110,7 @@ class LoopWatcher:
                     bound = None
                     it = node.iter
                     if (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
-                            and not it.keywords):
+                            and not it.keywords and _pure(it.args)):
                         bound = ast.unparse(it)
                 else:
                     header, bound = f"while {ast.unparse(node.test)}", None
@@ -165,6 +165,21 @@ class LoopWatcher:
         return [LoopSpec(SourceLoc(self.file, line), header, self.trips.get(line), line, last,
                          self.guards.get(line, ()), self.exits.get(line, False))
                 for line, (header, last, _) in sorted(self.loops.items())]
+
+
+_PURE_CALLS = frozenset({"len", "int", "min", "max", "abs", "round"})
+
+
+def _pure(args: list[ast.expr]) -> bool:
+    """Whether ``range``'s arguments can be evaluated again without effects: names, attributes,
+    constants, arithmetic, indexing and a few builtins (``range(rng.integers(3, 8))`` draws a number:
+    evaluated a second time, the run, which the trace begins, would draw one more than eagerly)."""
+    for node in (n for a in args for n in ast.walk(a)):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _PURE_CALLS):
+            return False
+        if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom, ast.Lambda)):
+            return False
+    return True
 
 
 def _exits(loop: ast.For | ast.While) -> bool:

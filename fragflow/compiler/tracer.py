@@ -151,9 +151,10 @@ class Tracer(Recording):
     def env_ids(self, num_envs: int) -> np.ndarray:
         return np.arange(num_envs)
 
-    def read_state(self, x: Versioned | VersionedView, what: str) -> tuple[bool, Any]:
-        """The loop reads versioned state: as eagerly (the run may be one process), noted for placement."""
-        if self.state_read is None:
+    def read_state(self, x: Versioned | VersionedView, what: str | None) -> tuple[bool, Any]:
+        """The loop reads versioned state: as eagerly (the run may be one process), noted for placement
+        (``what`` None: printed, not a read)."""
+        if self.state_read is None and what is not None:
             self.state_read = (what, user_callsite())
         handle = x if isinstance(x, Versioned) else x.handle
         return True, handle.value if isinstance(x, Versioned) else x.resolve(handle.value)
@@ -556,11 +557,19 @@ class Tracer(Recording):
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         if not edge.leaves:   # its first write
             check_new_state(rec.name, handle, leaves, rec.defined_at)
+        from fragflow.runtime.calls import check_finite
+        from fragflow.runtime.loop import allow_nonfinite
+
+        if not allow_nonfinite():   # as the run checks it (the trace is single_process's first updates)
+            check_finite(new_value, rec.name, sum(rec.calls), where or user_callsite(), leaves)
         edge.crossings[window] += 1
         for p, leaf in leaves:
             edge.leaves[(p, p)] = LeafSpec(p, p, spec_of(leaf))
         self._states[handle.name].versions += 1
-        new = self._latest[handle.name] = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
+        new = Versioned(handle.name, handle.version + 1, new_value, handle.created_at)
+        latest = self._latest.get(handle.name)
+        if latest is None or handle.version >= latest.version:   # (not a call on a version the loop kept)
+            self._latest[handle.name] = new
         return (new, *out[1:]) if isinstance(out, tuple) else new
 
     # -- result ---------------------------------------------------------------------------

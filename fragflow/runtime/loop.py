@@ -124,7 +124,7 @@ class LoopInterpreter:
     def replica(self) -> tuple[int, int]:
         return self.index, self.program.replicas
 
-    def read_state(self, x: Versioned | VersionedView, what: str) -> tuple[bool, Any]:
+    def read_state(self, x: Versioned | VersionedView, what: str | None) -> tuple[bool, Any]:
         """The loop reads versioned state: its value where this process runs every fragment (as
         eagerly), else refused (the state is written in another process)."""
         if self.program.remote:
@@ -229,7 +229,11 @@ class LoopInterpreter:
                                      out[0] if isinstance(out, tuple) else out)
             self._check_write(name, written.name, new_value)
             new = Versioned(written.name, written.version + 1, new_value, written.created_at)
-            self._states[new.name] = new
+            latest = self._states.get(new.name)
+            if latest is None or written.version >= latest.version:
+                self._states[new.name] = new
+            # else a learner called on a version the loop kept (`_, m = learn(first, x)`): eagerly the
+            # value it returns is that call's alone, never the state's newest
             if name == self.checks.get("clock"):
                 self.update += 1
                 self.reporter.update()
