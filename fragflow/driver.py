@@ -43,27 +43,11 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated
-
+def _handling(handlers: dict[int, Any]) -> Iterator[None]:
+    """These signal handlers for the block, the previous ones after (in the main thread only: signals
+    are left alone elsewhere)."""
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:   # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def _shielded() -> Iterator[None]:
-    """SIGINT and SIGTERM ignored while a run's outputs are closed and its summary written (the main
-    thread only): the run is over either way, and its outputs are whole."""
-    try:
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     except ValueError:   # not the main thread
         yield
         return
@@ -72,6 +56,19 @@ def _shielded() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _sigterm_as_interrupt() -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    return _handling({signal.SIGTERM: handler})
+
+
+def _shielded() -> Any:
+    """SIGINT and SIGTERM ignored while a run's outputs are closed and its summary written: the run
+    is over either way, and its outputs are whole."""
+    return _handling({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
 
 
 @contextmanager
@@ -90,15 +87,8 @@ def _checkpoint_on_interrupt(checkpoints: RunCheckpoints | None) -> Iterator[Non
         sys.stderr.write("\ninterrupted: writing a checkpoint at the loop's next trip, then stopping "
                          "(Ctrl-C again stops now)\n")
 
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:   # not the main thread
+    with _handling({signal.SIGINT: handler}):
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @dataclass
