@@ -200,7 +200,7 @@ def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
     from fragflow.algorithms import ppo
 
     args = ppo.Args(total_timesteps=12 * 512, num_steps=64, num_envs=8)
-    policy = "actor_learner(actors=2)"
+    policy = "actor_learner(actors=2, overflow=block)"   # no piece dropped: the update count is not the machine's load
     first = driver.run(ppo.train, args, policy=policy, out=tmp_path / "run", checkpoint_every=4)
     written = ckpt.listing(tmp_path / "run" / "checkpoints")
     assert written and json.loads((written[-1] / "manifest.json").read_text())["complete"]
