@@ -60,6 +60,11 @@ def _index(value: Any, key: Any) -> Any:
         return _UNSEEN
 
 
+def own_value(x: Versioned | VersionedView) -> Any:
+    """The value a handle holds, or a view names in its handle's value (no version chosen)."""
+    return x.value if isinstance(x, Versioned) else x.resolve(x.handle.value)
+
+
 class _NoLoopUse:
     """Refuse every way plain loop code could read a versioned value (but see ``_loop_value``)."""
 

@@ -29,7 +29,7 @@ import numpy as np
 from fragflow import context
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
-from fragflow.api.versioned import Versioned, VersionedView
+from fragflow.api.versioned import Versioned, VersionedView, own_value
 from fragflow.compiler import probes
 from fragflow.compiler.axes import loop_rows
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
@@ -145,7 +145,6 @@ class Tracer(Recording):
         self._latest: dict[str, Versioned] = {}   # each state's newest handle
         self.traced: tuple[Graph, dict[str, Fragment]] | None = None
         self.value: Any = None
-        self.finished = False
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
@@ -156,8 +155,7 @@ class Tracer(Recording):
         (``what`` None: printed, not a read)."""
         if self.state_read is None and what is not None:
             self.state_read = (what, user_callsite())
-        handle = x if isinstance(x, Versioned) else x.handle
-        return True, handle.value if isinstance(x, Versioned) else x.resolve(handle.value)
+        return True, own_value(x)
 
     def asked_ids(self, num_envs: int) -> None:
         self.sized_by_ids = True
@@ -402,14 +400,13 @@ class Tracer(Recording):
 
     def _count_events(self, frag: Fragment, out: Any) -> None:
         events = self.events.of(frag)
-        if events is not None and self.journal is not None:
-            n, finished = events(out)
+        if events is None or (frag.evaluation and self.journal is None):
+            return   # (an evaluation env's episodes count only where the trace is the run's beginning)
+        n, finished = events(out)
+        if self.journal is not None:
             self.journal.append(("steps", time.perf_counter(), n, finished, frag.evaluation))
-            if not frag.evaluation:
-                self.env_steps += n
-        elif events is not None and not frag.evaluation:
-            self.env_steps += events(out)[0]
-        if events is not None and not frag.evaluation:
+        if not frag.evaluation:
+            self.env_steps += n
             if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
                 self._reported = time.monotonic()
                 self.on_progress(self.env_steps, self.window.updates)
@@ -631,11 +628,7 @@ def _star_state(frag: Fragment, pname: str, value: Any) -> Any:
         return None
 
     def plain(v: Any) -> Any:
-        if isinstance(v, Versioned):
-            return v.value
-        if isinstance(v, VersionedView):
-            return v.resolve(v.handle.value)
-        return v
+        return own_value(v) if isinstance(v, (Versioned, VersionedView)) else v
     return tuple(plain(v) for v in value) if isinstance(value, tuple) else {k: plain(v) for k, v in value.items()}
 
 
@@ -700,8 +693,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     called where tracing would stop, with the graph so far in ``tracer.traced``; the interpreter
     it returns runs the rest of the loop from that call on, in the user's frames (random states
     are not restored, environments stay open: its resources). Returning None unwinds as without
-    it. The run's outcome is then in ``tracer.taken_by`` / ``tracer.value``; a loop that ends
-    before tracing would stop has run whole (``tracer.finished``)."""
+    it. The run's outcome is then in ``tracer.taken_by`` / ``tracer.value`` (a loop that ends
+    before tracing would stop has run whole, and is handed over then)."""
     train = getattr(train, "__fragflow_train__", train)
     module_fragments = tuple(v for v in getattr(train, "__globals__", {}).values()
                              if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
@@ -745,20 +738,20 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
     try:
+        ran_whole = False   # the loop ended while traced
         with context.using(tracer):
             try:
                 with probes.recording(tracer.loop_reads):
                     watcher.run(train, *args, **kwargs)
                 tracer.value = watcher.value
-                tracer.finished = tracer.taken_by is None
+                ran_whole = tracer.taken_by is None
             except _StopTracing:
                 pass
-        if tracer.finished and tracer.handover is not None:   # the loop ran whole while traced: the run, if one process runs it
+        if ran_whole and tracer.handover is not None:   # that was the run, if one process runs it
             try:
                 tracer.taken_by = tracer.handover(tracer)
             except BaseException as exc:
                 tracer.failed = exc
-            tracer.finished = tracer.taken_by is not None
     finally:
         if tracer.taken_by is None:
             tracer.close()
