@@ -33,4 +33,5 @@ POLICY = PolicySpec(
     summary="everything in one process, in order: the source of truth every other policy must reproduce",
     options=Options,
     place=place,
+    one_process=True,
 )

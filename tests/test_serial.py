@@ -229,6 +229,14 @@ def test_a_failure_after_the_trace_hands_over_is_the_runs(write_algo, tmp_path):
 
 
 EAGER_CASES = {
+    # a learner's outputs are the values it returned, of their own types (the trace's probes were
+    # subclasses: type(x) is float was False during the trace's updates)
+    "output_types": """
+        for u in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            state, m = learn(state, obs, 1.0, False)
+            seen.append((type(m["s"]).__name__, type(m["s"]) is float))
+    """,
     # a learner called on a version the loop kept, its result dropped: the loop's state is unaffected
     "old_handle": """
         first = state
@@ -316,3 +324,137 @@ def test_single_process_is_eager_where_the_trace_and_the_run_meet(write_algo, ca
         assert run.value == eager and run.summary["trace_in_run"] and run.summary["trace_seconds"] > 0
     finally:
         torch.set_num_threads(threads)
+
+
+QUICK = """
+    from collections import deque
+    from dataclasses import dataclass
+
+    import numpy as np
+    import torch
+
+    import fragflow as ff
+
+
+    @dataclass(frozen=True)
+    class Args:
+        seed: int = 3
+        warmup: int = 300
+        steps: int = 400
+
+
+    @ff.fragment("actor")
+    def act(model, obs, key):
+        with torch.no_grad():
+            logits = model(torch.as_tensor(obs, dtype=torch.float32))
+        return (logits.numpy() + ff.random.gumbel(key, (2,))).argmax(-1)
+
+
+    @ff.fragment("learner", writes="state")
+    def learn(state, batch, older):
+        model, opt = state["model"], state["opt"]
+        q = model(torch.as_tensor(batch["obs"], dtype=torch.float32) + torch.as_tensor(older).mean())
+        loss = (q.gather(1, torch.as_tensor(batch["action"])[:, None]) - torch.as_tensor(batch["reward"])[:, None]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return state, {"loss": loss.item()}
+
+
+    def train(args):
+        env = ff.envs.make("CartPole-v1", num_envs=2, seed=args.seed)
+        torch.manual_seed(args.seed)
+        model = torch.nn.Linear(4, 2)
+        state = ff.versioned({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01)})
+        rb = ff.ReplayBuffer(1000, seed=args.seed)
+        key = ff.random.keys(args.seed, env.ids)
+        obs = env.reset()
+        recent = deque(maxlen=3)   # observations of the last three steps, the oldest passed to the learner
+        losses = []
+        for step in range(args.steps):
+            key, sub = ff.random.split(key)
+            action = act(state["model"], obs, sub)
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            rb.add(obs=obs, action=action, reward=reward.astype(np.float32))
+            recent.append(next_obs)
+            obs = next_obs
+            if step % 100 == 0:
+                ff.log({"step": step})
+            if step >= args.warmup and step % 4 == 0:
+                state, metrics = learn(state, rb.sample(16), recent[0])
+                ff.log(metrics)
+                losses.append(metrics["loss"])
+        return state, losses
+"""
+
+
+def test_a_repeating_warm_up_runs_unrecorded_and_the_graph_is_the_same(write_algo, tmp_path, monkeypatch):
+    """Under single_process a warm-up's trips, once they repeat, run without being recorded (a
+    DQN's 10k-step warm-up at near eager cost): the run is the eager loop's, and the graph it places
+    is the one a full trace records, edges and rates, a value the loop kept from three steps back
+    included."""
+    from fragflow.compiler import tracer as tracer_module
+    from fragflow.driver import compile
+    from fragflow.program import load
+
+    path, _ = write_algo(QUICK)
+    program = load(str(path))
+    args = program.args_cls()
+    eager_state, eager_losses = program.train(args)
+    recorded = {"calls": 0}
+    repeated = tracer_module.Tracer._repeated
+
+    def counting(self, *a):
+        recorded["calls"] += 1
+        return repeated(self, *a)
+
+    monkeypatch.setattr(tracer_module.Tracer, "_repeated", counting)
+    placed = []
+    run = ff.run(program.train, args, policy="single_process", on_compiled=lambda c: placed.append(c.placed.graph))
+    quick_calls, recorded["calls"] = recorded["calls"], 0
+    state, losses = run.value
+    assert_same_tree(state, eager_state)
+    assert losses == eager_losses and run.summary["env_steps"] == 800 and run.summary["trace_in_run"]
+    full = compile(program.train, args, policy="single_process").placed.graph
+    assert recorded["calls"] > 800 and quick_calls < 100   # 3 calls a step through the warm-up, or a few
+
+    def shape(graph):
+        edges = sorted((e.src, e.dst, e.kind.name, e.src_port, e.dst_port, e.rate) for e in graph.edges)
+        return edges, sorted((n.name, n.rate) for n in graph.fragments())
+
+    assert shape(placed[0]) == shape(full)
+    assert any(e.dst == "learn" and e.src == "env.step" and e.dst_port == "older" for e in full.edges), \
+        sorted((e.src, e.dst, e.dst_port) for e in full.edges)
+
+
+def test_an_output_that_changes_in_an_unrecorded_warm_up_is_refused(write_algo):
+    """A fragment whose output changes shape is refused at its definition, however long the warm-up
+    it changes in has run unrecorded."""
+    from fragflow.errors import ShapeChangedError
+    from fragflow.program import load
+
+    path, marks = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")   # @act
+        def act(obs, i):
+            return np.zeros((obs.shape[0],), np.int64) if i < 150 else np.zeros((obs.shape[0], 2), np.int64)
+
+        @ff.fragment("learner", writes="s")
+        def learn(s, x):
+            return s
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            s = ff.versioned({"w": np.zeros(2)})
+            obs = env.reset()
+            for i in range(300):
+                a = act(obs, i)
+                obs, r, te, tr, info = env.step(a[:, 0] if a.ndim == 2 else a)
+            return learn(s, obs)
+    """)
+    program = load(str(path))
+    with pytest.raises(ShapeChangedError, match="'act' changed its output") as info:
+        ff.run(program.train, policy="single_process")
+    assert info.value.where is not None and info.value.where.line in (marks["act"], marks["act"] + 1)

@@ -70,17 +70,26 @@ def _torch_kind(x: Any) -> str | None:
     """'module', 'optimizer' or 'scheduler' (a ``torch.optim.lr_scheduler``: numbers only, no
     tensor, held beside its optimizer) for the torch objects that are pytree nodes; None otherwise."""
     torch = sys.modules.get("torch")
-    if torch is None:
+    if torch is None or isinstance(x, (torch.Tensor, int, float)):   # the common leaves first
         return None
     if isinstance(x, torch.nn.Module):
         return "module"
     if isinstance(x, torch.optim.Optimizer):
         return "optimizer"
-    schedulers = tuple(getattr(torch.optim.lr_scheduler, name) for name in ("LRScheduler", "ReduceLROnPlateau")
-                       if hasattr(torch.optim.lr_scheduler, name))
-    if isinstance(x, schedulers):
+    if isinstance(x, _schedulers(torch)):
         return "scheduler"
     return None
+
+
+_SCHEDULERS: list[tuple[type, ...]] = []
+
+
+def _schedulers(torch: Any) -> tuple[type, ...]:
+    """The scheduler base classes this torch has (looked up once)."""
+    if not _SCHEDULERS:
+        _SCHEDULERS.append(tuple(getattr(torch.optim.lr_scheduler, name) for name in ("LRScheduler", "ReduceLROnPlateau")
+                                 if hasattr(torch.optim.lr_scheduler, name)))
+    return _SCHEDULERS[0]
 
 
 def is_scheduler(x: Any) -> bool:
@@ -234,6 +243,9 @@ def leaf_paths(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
     if tree is None:
+        return
+    if type(tree) is np.ndarray:   # the common leaf first
+        out.append((path, tree))
         return
     kind = _torch_kind(tree) if not isinstance(tree, (dict, list, tuple, np.ndarray)) else None
     if kind is not None:

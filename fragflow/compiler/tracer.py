@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import random as _pyrandom
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,11 @@ from fragflow.source import SourceLoc, definition_of, user_callsite
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
 MAX_TRACE_UPDATES = 200
+# A quick warm-up (see Tracer.quick) starts after this many identical trips, each fragment in them
+# called more often than that, and knows the outputs of this many of its last calls when it ends.
+QUICK_AFTER = 3
+QUICK_KEPT = 64
+QUICK_CHECK_EVERY = 16   # ... and checks every this many calls of a fragment that its outputs keep their specs
 
 
 class _StopTracing(BaseException):
@@ -145,6 +151,18 @@ class Tracer(Recording):
         self._latest: dict[str, Versioned] = {}   # each state's newest handle
         self.traced: tuple[Graph, dict[str, Fragment]] | None = None
         self.value: Any = None
+        # Quick warm-up (the trace is a single_process run's beginning): before the first update, once
+        # the loop's trips (from one training env step to the next) have repeated, each a call of
+        # fragments already recorded as repeating, the trips that follow run without recording their
+        # arguments or outputs, counted as their last recorded one was; any other call (the first
+        # learner's, a log, a fragment called now and then) ends that, and the outputs of the calls
+        # run so, still alive in the loop, are known as those fragments' before it is recorded.
+        self.quick = False
+        self._trip: list[Fragment] = []
+        self._trips: list[tuple[Fragment, ...]] = []
+        self._cycle: tuple[Fragment, ...] | None = None
+        self._pos = 0
+        self._unrecorded: deque[tuple[NodeRec, Fragment, dict[str, Any], Any]] = deque(maxlen=QUICK_KEPT)
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
@@ -234,6 +252,18 @@ class Tracer(Recording):
             bound = _bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
+        if self.quick and self.window.updates == 0:
+            if self._cycle is not None:
+                if self._cycle[self._pos] is frag and rec.repeat is not None:
+                    self._pos = (self._pos + 1) % len(self._cycle)
+                    return self._unrecorded_call(rec, frag, bound, window)
+                self._record_again()
+            self._follow(frag)
+            if self._cycle is not None:
+                self._pos = 1 % len(self._cycle)
+                return self._unrecorded_call(rec, frag, bound, window)
+        elif self._cycle is not None:
+            self._record_again()
         if rec.repeat is not None:
             repeated = self._repeated(rec, frag, bound, window)
             if repeated is not _NOT_REPEATED:
@@ -355,7 +385,8 @@ class Tracer(Recording):
             plain = out
             if self.journal is not None:
                 self.journal.append(("learn", time.perf_counter(), rec.name))
-            out = self._probed(rec.name, out)
+            if not self.quick:   # one process: the loop reads its learners' outputs as eagerly, nothing to note
+                out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
                 around = [r for r in self.loop_ranges if where is not None and where.file == self.loop_file
@@ -410,6 +441,68 @@ class Tracer(Recording):
             if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
                 self._reported = time.monotonic()
                 self.on_progress(self.env_steps, self.window.updates)
+
+    def _follow(self, frag: Fragment) -> None:
+        """Follow the warm-up's trips; start running them unrecorded once they repeat (the call
+        ``frag`` then begins the first of them)."""
+        if frag.role != "env" or frag.evaluation:
+            self._trip.append(frag)
+            return
+        trip, self._trip = tuple(self._trip), [frag]
+        self._trips = [*self._trips[-(QUICK_AFTER - 1):], trip]
+        if len(self._trips) < QUICK_AFTER or any(t != trip for t in self._trips) or not trip or trip[0] is not frag:
+            return
+        recs = [self._nodes.get(id(f)) for f in trip]
+        if all(r is not None and r.repeat is not None and r.role not in ("learner", "logger") and
+               not r.reads_captured and sum(r.calls) > QUICK_AFTER for r in recs):
+            self._cycle = trip
+
+    def _unrecorded_call(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> Any:
+        """A call of a repeating warm-up trip: run and counted as the last recorded one, not recorded."""
+        rep = rec.repeat
+        assert rep is not None
+        given = dict(bound.arguments)
+        for pname, value in given.items():
+            if isinstance(value, (Versioned, VersionedView)):
+                bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, None)
+        for edge in rep.edges:
+            edge.crossings[window] += 1
+        self._effects(rec, frag, window)
+        try:
+            out = frag.fn(*bound.args, **bound.kwargs)
+        except FragflowError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
+            raise
+        self._count_events(frag, out)
+        self._unrecorded.append((rec, frag, given, out))
+        if sum(rec.calls) % QUICK_CHECK_EVERY == 0:   # its outputs keep their specs (a change is recorded, or refused)
+            leaves = self._output_leaves(rec, frag, out, None)
+            if [(path, spec_of(leaf)) for _, path, leaf in leaves] != rec.out_specs:
+                self._record_again()
+                rec.repeat = None
+                self._record_outputs(rec, frag, out, user_callsite(), [])
+        return out
+
+    def _record_again(self) -> None:
+        """Leave the unrecorded trips: the outputs of their last calls (what the loop may still hold)
+        are known as their fragments', as a recorded call would have left them."""
+        self._cycle, self._trips, self._trip = None, [], []
+        for rec, frag, given, out in self._unrecorded:
+            rep = rec.repeat
+            if rep is None:
+                continue
+            self._input_ids = {id(leaf) for value in given.values()
+                               if not isinstance(value, (Versioned, VersionedView)) and not is_static(value)
+                               for _, leaf in _leaf_list(value)}
+            leaves = self._output_leaves(rec, frag, out, None)
+            if frag.axes is not None:
+                self._know_outputs(rec, frag, out, leaves, frag.axes, frag.axes)
+            else:
+                self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
+        self._unrecorded.clear()
+        self._input_ids = set()
 
     def _repeated(self, rec: NodeRec, frag: Fragment, bound: inspect.BoundArguments, window: int) -> Any:
         """Run a call whose arguments come from the places its last recorded call's came from, with
@@ -729,6 +822,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             return handover(t)
 
         tracer.handover = take
+        tracer.quick = bool(getattr(handover, "quick", False))
         tracer.on_taken = watcher.stop
     saved = _rng_state()
     import torch

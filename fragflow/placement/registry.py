@@ -43,6 +43,7 @@ class PolicySpec:
     summary: str
     options: type
     place: Callable[[Graph, Any], PlacedGraph]
+    one_process: bool = False   # places every fragment in the loop's process, whatever the graph
 
     def signature(self) -> str:
         """The options with their defaults, as written on the command line: ``actors=1, max_lag=1``."""
