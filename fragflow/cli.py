@@ -296,3 +296,7 @@ def list_policies() -> None:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":   # python -m fragflow.cli, as python -m fragflow
+    main()

@@ -685,3 +685,206 @@ def test_a_resumed_tensor_parameter_stays_its_optimizers_and_keeps_its_gradient(
                          resume=tmp_path / "run" / "checkpoints" / "5")
     assert resumed.summary["updates"] == 20 and resumed.value["w"].requires_grad
     assert torch.equal(resumed.value["w"], whole.value["w"])
+
+
+# -- helper round 22: what a resume lost ----------------------------------------------------------
+def test_an_empty_prioritized_replay_buffer_loads_its_saved_state():
+    """A loop's unused copy of a prioritized buffer (learner_replay fills the learner's) is saved
+    empty; loading it crashed the resumed run (the priority tree indexed an empty array)."""
+    import fragflow as ff
+
+    empty = ff.ReplayBuffer(8, prioritized=True)
+    again = ff.ReplayBuffer(8, prioritized=True)
+    again.load_state_dict(empty.state_dict())
+    full = ff.ReplayBuffer(8, prioritized=True, seed=1)
+    for i in range(5):
+        full.add(x=np.full((1, 2), i, np.float32))
+    full.update_priorities(np.arange(5), np.arange(1, 6, dtype=np.float64))
+    again.load_state_dict(full.state_dict())
+    assert np.array_equal(again.sample(64)["x"], full.sample(64)["x"])
+
+
+def test_a_rollout_under_way_is_saved_and_loaded_in_its_library():
+    import fragflow as ff
+
+    buf = ff.RolloutBuffer(4)
+    for t in range(3):
+        buf.add(obs={"pos": np.full((2, 3), t, np.float32)}, value=torch.full((2,), float(t)), n=np.arange(2) + t)
+    again = ff.RolloutBuffer(4)
+    again.load_state_dict(buf.state_dict())
+    for b in (buf, again):
+        b.add(obs={"pos": np.full((2, 3), 3, np.float32)}, value=torch.full((2,), 3.0), n=np.arange(2) + 3)
+    a, b = buf.collect(), again.collect()
+    assert isinstance(b["value"], torch.Tensor) and b["obs"]["pos"].dtype == np.float32
+    assert np.array_equal(a["obs"]["pos"], b["obs"]["pos"]) and torch.equal(a["value"], b["value"])
+    assert np.array_equal(a["n"], b["n"]) and ff.RolloutBuffer(4).state_dict() == {"t": 0}
+
+
+FLAT_ROLLOUT = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    num_steps: int = 16
+    total_steps: int = 640
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return (ff.random.uniform(key, (1,))[:, 0] * 2).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1}, {"r": batch["reward"].mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(1)})
+    buf = ff.RolloutBuffer(args.num_steps)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for step in range(args.total_steps):          # one flat loop: a checkpoint's trip may be mid-rollout
+        key, sub = ff.random.split(key)
+        obs, r, te, tr, _ = env.step(act(state["w"], obs, sub))
+        buf.add(obs=obs, reward=r)
+        if (step + 1) % args.num_steps == 0:
+            state, m = learn(state, buf.collect())
+            ff.log(m)
+    return state
+"""
+
+
+def test_a_flat_loop_checkpointed_mid_rollout_resumes(tmp_path, write_algo):
+    """pipelined's actor saves its part at its next trip, part way through a rollout: the resumed
+    run went on with an empty buffer and was refused at its collect ('called after 15 adds')."""
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo(FLAT_ROLLOUT)
+    program = load(str(path))
+    out = tmp_path / "run"
+    ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=1)", out=out, checkpoint_every=8)
+
+    def trip(p):
+        loop = json.loads((p / "manifest.json").read_text())["loop"]
+        return loop["positions"]["loop0"]["trip"] if loop else 0
+
+    inside = [p for p in (out / "checkpoints").iterdir() if p.name.isdigit() and trip(p) % 16]
+    assert inside, "no checkpoint cut inside a rollout"
+    saved = inside[0]
+    run = ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=1)", out=out, resume=saved)
+    assert run.summary["status"] == "completed" and run.summary["env_steps"] == 1280 and run.summary["updates"] == 40, \
+        (saved.name, run.summary)
+
+
+def test_a_learner_replay_buffer_resumes_where_the_loop_holds_it(tmp_path, write_algo):
+    """learner_replay saves its replay buffer in the learner's part; resumed under a placement whose
+    loop holds the buffer, the loop loaded its own copy, which learner_replay never filled."""
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        from dataclasses import dataclass
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            steps: int = 240
+
+        @ff.fragment("actor")
+        def act(q, obs, key):
+            return (ff.random.uniform(key, (1,))[:, 0] * 2).astype(np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            q, opt = state["q"], state["opt"]
+            v = q(torch.as_tensor(batch["obs"], dtype=torch.float32)).gather(1, torch.as_tensor(batch["action"])[:, None])
+            loss = ((torch.as_tensor(batch["reward"], dtype=torch.float32) - v.squeeze(1)) ** 2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            return state, {"sampled_step": float(np.mean(batch["step"]))}
+
+        def train(args):
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            torch.manual_seed(0)
+            q = torch.nn.Linear(4, 2)
+            state = ff.versioned({"q": q, "opt": torch.optim.SGD(q.parameters(), lr=1e-3)})
+            rb = ff.ReplayBuffer(1000, seed=0)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            for step in range(args.steps):
+                key, sub = ff.random.split(key)
+                action = act(state["q"], obs, sub)
+                next_obs, reward, terminated, truncated, info = env.step(action)
+                rb.add(obs=obs, action=action, reward=reward, step=np.full(1, step, np.int64))
+                obs = next_obs
+                if step > 50 and step % 4 == 0:
+                    state, metrics = learn(state, rb.sample(32))
+                    ff.log(metrics)
+            return state
+    """)
+    program = load(str(path))
+
+    def sampled(run_dir):
+        with open(run_dir / "metrics.csv", newline="") as f:
+            return {int(float(r["updates"])): float(r["sampled_step"]) for r in csv.DictReader(f) if r.get("sampled_step")}
+
+    out = tmp_path / "run"
+    ff.run(program.train, program.args_cls(), policy="learner_replay(max_lag=0)", out=out, checkpoint_every=20)
+    before = sampled(out)
+    first = min(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    ff.run(program.train, program.args_cls(), policy="single_process", out=out, resume=out / "checkpoints" / str(first))
+    after = sampled(out)
+    assert after[first + 1] == before[first + 1] and after[first + 5] == before[first + 5], (first, before, after)
+
+
+def test_evaluation_episodes_continue_from_the_checkpoint(tmp_path, write_algo):
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            updates: int = 10
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return (ff.random.uniform(key, (1,))[:, 0] * 2).astype(np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1}, {"r": batch["reward"].mean()}
+
+        def train(args):
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            ev = ff.envs.make("CartPole-v1", num_envs=2, seed=100, max_episode_steps=5, evaluation=True)
+            state = ff.versioned({"w": np.zeros(1)})
+            buf = ff.RolloutBuffer(8)
+            key, ekey = ff.random.keys(0, env.ids), ff.random.keys(7, ev.ids)
+            obs, eobs = env.reset(), ev.reset()
+            for u in range(args.updates):
+                for s in range(8):
+                    key, sub = ff.random.split(key)
+                    obs, r, te, tr, _ = env.step(act(state["w"], obs, sub))
+                    buf.add(reward=r)
+                state, m = learn(state, buf.collect())
+                for s in range(5):   # one 5-step evaluation episode per environment
+                    ekey, esub = ff.random.split(ekey)
+                    eobs, *_ = ev.step(act(state["w"], eobs, esub))
+            return state
+    """)
+    program = load(str(path))
+    out = tmp_path / "run"
+    whole = ff.run(program.train, program.args_cls(), policy="single_process", out=out, checkpoint_every=5)
+    resumed = ff.run(program.train, program.args_cls(), policy="single_process", out=out,
+                     resume=out / "checkpoints" / "5")
+    with open(out / "metrics.csv", newline="") as f:
+        column = [float(r["eval_episodes"]) for r in csv.DictReader(f)]
+    assert column == sorted(column) and column[-1] == 18.0, column   # a row is made at its update, before its evaluation
+    assert resumed.summary["eval_episodes"] == whole.summary["eval_episodes"] == 20

@@ -326,3 +326,66 @@ def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
     for _ in range(3):
         env.step(np.zeros((1, 2), np.int64))
     assert sorted(r for r, _ in env.finished_episodes) == [0.1 + 0.1 + 0.1, 16777217.0 / 3 * 3]
+
+
+USER_ENV_RESET = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+class ThreeSteps:
+    # not a gymnasium env: each episode lasts exactly 3 steps, reward 1 per step
+    def __init__(self, num_envs):
+        self.ids = ff.envs.ids(num_envs)
+        self.t = np.zeros(len(self.ids), np.int64)
+
+    @ff.fragment("env")
+    def reset(self):
+        self.t[:] = 0
+        return self.t.astype(np.float32)[:, None]
+
+    @ff.fragment("env")
+    def step(self, action):
+        self.t += 1
+        terminated = self.t >= 3
+        self.t[terminated] = 0
+        return self.t.astype(np.float32)[:, None], np.ones(len(self.t), np.float32), terminated, np.zeros_like(terminated), {}
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.zeros(obs.shape[0], np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1}, {"r": batch["reward"].sum()}
+
+def train(args):
+    env = ThreeSteps(2)
+    state = ff.versioned({"w": np.zeros(1)})
+    buf = ff.RolloutBuffer(4)
+    for u in range(args.updates):
+        obs = env.reset()                       # every rollout starts fresh episodes: the 4th step's is abandoned
+        for s in range(4):
+            obs, r, te, tr, _ = env.step(act(state["w"], obs))
+            buf.add(reward=r)
+        state, m = learn(state, buf.collect())
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "actor_learner(actors=2, max_lag=0)"])
+def test_a_user_envs_reset_abandons_the_episodes_under_way(write_algo, policy):
+    """A user's env counted by its gymnasium step signature: its reset starts the episodes afresh, as
+    a built-in env's does (the abandoned episode's steps and reward were added to the next one)."""
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo(USER_ENV_RESET)
+    program = load(str(path))
+    run = ff.run(program.train, program.args_cls(), policy=policy)
+    assert run.episodes and {(ret, length) for _, ret, length in run.episodes} == {(3.0, 3)}
+    assert len(run.episodes) == 6 and run.summary["env_steps"] == 24

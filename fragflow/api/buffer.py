@@ -106,6 +106,30 @@ class RolloutBuffer:
         self._storage, self._t = None, 0
         return batch
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves: the steps added to the rollout under way (a loop checkpointed
+        between its adds and its ``collect``), as numpy arrays, with the library each was added in."""
+        if self._storage is None or not self._t:
+            return {"t": 0}
+        return {"t": self._t, "order": list(self._storage),
+                "steps": {k: _saved(v, self._t) for k, v in self._storage.items()},
+                "kinds": {k: _kind(v) for k, v in self._storage.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the rollout a checkpoint saved (the environments were reset: its next steps come
+        from new episodes)."""
+        t = int(state["t"])
+        if t > self.num_steps:
+            raise ValueError(f"the saved rollout holds {t} steps, more than this buffer's num_steps={self.num_steps}")
+        self._storage, self._views, self._t = None, {}, 0
+        if not t:
+            return
+        order = tuple(state["order"])
+        self._order = order
+        self._storage = {k: _restored(self.num_steps, state["steps"][k], state["kinds"][k]) for k in order}
+        self._views = {k: _view(v) for k, v in self._storage.items()}
+        self._t = t
+
     def _axes(self, path: str) -> tuple[str, int]:
         """The ``env`` axis of a collected batch's leaf: 1 for step data ``[time, env, ...]``, 0 for
         the ``last`` leaves ``[env, ...]``."""
@@ -147,6 +171,35 @@ def _alloc(num_steps: int, x: Any) -> Any:
     if backend == "jax":   # gathered in host memory, handed back as one jax array by collect
         return _JaxSteps((num_steps, *arr.shape), dtype=arr.dtype)
     return np.empty((num_steps, *arr.shape), dtype=arr.dtype)
+
+
+def _saved(storage: Any, t: int) -> Any:
+    if isinstance(storage, dict):
+        return {k: _saved(v, t) for k, v in storage.items()}
+    return np.array(_view(storage)[:t].view(np.ndarray) if isinstance(storage, np.ndarray) else
+                    storage[:t].cpu().numpy())
+
+
+def _kind(storage: Any) -> Any:
+    if isinstance(storage, dict):
+        return {k: _kind(v) for k, v in storage.items()}
+    return "jax" if isinstance(storage, _JaxSteps) else backend_of(storage) or "numpy"
+
+
+def _restored(num_steps: int, steps: Any, kind: Any) -> Any:
+    """Storage for ``num_steps`` steps of the library ``kind``, its first rows ``steps``."""
+    if isinstance(kind, dict):
+        return {k: _restored(num_steps, steps[k], kind[k]) for k in kind}
+    steps = np.asarray(steps)
+    if kind == "torch":
+        import torch
+
+        out = torch.empty((num_steps, *steps.shape[1:]), dtype=torch.from_numpy(steps[:0].copy()).dtype)
+        out[:len(steps)] = torch.from_numpy(steps.copy())
+        return out
+    arr = np.empty((num_steps, *steps.shape[1:]), dtype=steps.dtype)
+    arr[:len(steps)] = steps
+    return arr.view(_JaxSteps) if kind == "jax" else arr
 
 
 class _JaxSteps(np.ndarray):

@@ -57,17 +57,42 @@ class StepCounter:
 
 
 class EventSources:
-    """Per run: the events function of every env fragment (declared, or a counter of its own)."""
+    """Per run: the events function of every env fragment (declared, or a counter of its own).
+
+    A user's env counted here (no ``events`` of its own) is reset by an env fragment named ``reset``
+    (``reset_all``...) of the same object, or of the same module where they are plain functions:
+    its call ends the episodes under way in the counters of that object's other env fragments
+    (they are abandoned, as gymnasium's reset abandons them), so the next episode counts from its
+    first step."""
 
     def __init__(self) -> None:
         self._counters: dict[int, Events | None] = {}
+        self._resets: dict[int, object] = {}           # a reset fragment -> its group
+        self._groups: dict[object, list[StepCounter]] = {}
 
     def of(self, frag: Any) -> Events | None:
+        """What a call of ``frag`` counted, asked once it has returned (a reset takes effect here)."""
         key = id(frag)
         if key not in self._counters:
-            self._counters[key] = frag.events if frag.events is not None else (
-                StepCounter() if frag.role == "env" else None)
+            events = frag.events
+            if events is None and frag.role == "env":
+                if getattr(frag.fn, "__name__", "").lstrip("_").startswith("reset"):
+                    self._resets[key] = _group(frag)
+                else:
+                    events = StepCounter()
+                    self._groups.setdefault(_group(frag), []).append(events)
+            self._counters[key] = events
+        group = self._resets.get(key)
+        if group is not None:
+            for counter in self._groups.get(group, ()):
+                counter.returns = counter.lengths = None
         return self._counters[key]
+
+
+def _group(frag: Any) -> object:
+    """The environments a user's env fragment steps: its object's, or its module's."""
+    return ("instance", id(frag.instance)) if frag.instance is not None else \
+        ("module", getattr(frag.fn, "__module__", None))
 
 
 def default_axes(role: str, out: Any) -> Axes | None:

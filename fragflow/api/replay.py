@@ -54,6 +54,8 @@ class _SumTree:
 
     def set(self, index: np.ndarray, value: np.ndarray) -> None:
         node = np.asarray(index, np.int64) + self.size
+        if not node.size:
+            return
         self.tree[node] = value
         node = np.unique(node // 2)
         while node[0] >= 1:
@@ -128,6 +130,7 @@ class ReplayBuffer:
         self._max_priority = float(state["max_priority"])
         self._rng.bit_generator.state = state["rng"]
         if self._tree is not None and "priorities" in state:
+            self._tree.tree[:] = 0.0
             self._tree.set(np.arange(size), np.asarray(state["priorities"], np.float64))
 
     def __repr__(self) -> str:

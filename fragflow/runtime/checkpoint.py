@@ -13,8 +13,9 @@ directory, then a rename; the last ``keep`` are kept):
   statistics), and a service group's own objects.
 
 Reading uses safetensors and JSON only: loading never runs code from a checkpoint. Arrays of the
-loop that are not keys (observations, rollout storage) are not saved: environments are reset on
-resume, and the loop rebuilds them from its first lines.
+loop that are not keys (observations) are not saved: environments are reset on resume, and the
+loop rebuilds them from its first lines (a rollout under way is kept by its ``ff.RolloutBuffer``'s
+own ``state_dict``).
 
 How values become JSON and arrays is :mod:`fragflow.runtime.encoding`.
 """
@@ -601,17 +602,44 @@ def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset()) -> t
             ({"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}, arrays))
 
 
-def resume_point(part: tuple[Any, dict[str, np.ndarray]]) -> Any:
+def served_objects(ckpt: Checkpoint) -> dict[str, tuple[Any, dict[str, np.ndarray]]]:
+    """The objects service groups saved (``learner_replay``'s replay buffer), by name: where the
+    resumed placement keeps such an object in the loop, the loop loads it from there, not from its
+    own copy, which that placement never filled."""
+    out: dict[str, tuple[Any, dict[str, np.ndarray]]] = {}
+    for name in ckpt.manifest.get("parts", {}):
+        if name.startswith("objects."):
+            meta, arrays = ckpt.part(name)
+            for key, v in meta.items():
+                out[key] = (v, arrays)
+    return out
+
+
+def resume_point(part: tuple[Any, dict[str, np.ndarray]],
+                 served: dict[str, tuple[Any, dict[str, np.ndarray]]] | None = None,
+                 held_here: Any = None) -> Any:
     """A loop replica's :class:`~fragflow.runtime.trips.Resume` from its part: when the saved loop
-    starts again, the process's random states are set and the loop's locals loaded."""
+    starts again, the process's random states are set and the loop's locals loaded (an object a
+    service group saved, ``served``, from that group's part where ``held_here(name)``: the loop
+    now holds it)."""
     from fragflow.runtime.trips import Resume
 
     meta, arrays = part
 
     def restore(frame: Any) -> dict[str, Any]:
         set_global_random(meta["random"], arrays)
+        entries, found = meta["locals"], arrays
+        if served:
+            entries, found = dict(entries), dict(arrays)
+            for name, e in meta["locals"].items():
+                x = frame.f_locals.get(name)
+                key = getattr(x, "name", None) or type(x).__name__
+                if e["as"] == "component" and key in served and (held_here is None or held_here(key)):
+                    v, more = served[key]
+                    entries[name] = dict(e, v=v)
+                    found.update(more)
         try:
-            return restore_locals(meta["locals"], arrays, frame.f_locals)
+            return restore_locals(entries, found, frame.f_locals)
         except Mismatch as exc:   # named at the loop the checkpoint resumes
             from fragflow.source import SourceLoc, display_path
 

@@ -90,6 +90,7 @@ class Monitor:
         self.recent_lengths: deque[int] = deque(maxlen=RETURN_WINDOW)
         self.eval_episodes: list[tuple[int, float, int]] = []     # (env_steps then, return, length)
         self.eval_recent: deque[float] = deque(maxlen=RETURN_WINDOW)
+        self.base_eval_episodes = 0   # a resumed run's: those of the run it continues
         self.solved_at_seconds: float | None = None
         self.solved_at_steps: int | None = None
         self._start = time.perf_counter()
@@ -245,7 +246,7 @@ class Monitor:
         before = self._first_mark.get(0, 1) - 1 + j
         evals = [e for e in self._eval_tagged if e[0] < before]
         eval_recent = [ret for _, _, ret, _ in evals][-RETURN_WINDOW:]
-        row["eval_episodes"] = float(len(evals))
+        row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
         row["eval_return_mean"] = sum(eval_recent) / len(eval_recent) if eval_recent else math.nan
         self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, len(evals))
         return True
@@ -353,6 +354,7 @@ class Monitor:
                 "version": self.updates,
                 "episodes": self.base_episodes + len(self.episodes), "recent_returns": list(self.recent),
                 "recent_lengths": list(self.recent_lengths), "eval_recent": list(self.eval_recent),
+                "eval_episodes": self.base_eval_episodes + len(self.eval_episodes),
                 "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
                 "solved_at_steps": self.solved_at_steps}
 
@@ -399,6 +401,7 @@ class Monitor:
         self.recent_lengths.extend(counters.get("recent_lengths", []))
         self._resumed_recent = list(zip(self.recent, self.recent_lengths))
         self.eval_recent.extend(counters.get("eval_recent", []))
+        self.base_eval_episodes = int(counters.get("eval_episodes", 0))
         self.solved_at_steps = counters.get("solved_at_steps")
 
     # -- derived figures ---------------------------------------------------------------
@@ -420,7 +423,7 @@ class Monitor:
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
             "episodes": float(self.base_episodes + len(self.episodes)),
             "eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else nan,
-            "eval_episodes": float(len(self.eval_episodes)),
+            "eval_episodes": float(self.base_eval_episodes + len(self.eval_episodes)),
             "restarts": float(self.restarts),
         }
         for name, s in self.channel_stats.items():
@@ -463,8 +466,8 @@ class Monitor:
         if self.resumed:
             out["resumed_at"] = {"env_steps": self.base_steps, "updates": self.base_updates, "version": self.version_offset}
             out["wall_seconds_total"] = round(self.base_wall + wall, 3)
-        if self.eval_episodes:
-            out["eval_episodes"] = len(self.eval_episodes)
+        if self.eval_episodes or self.base_eval_episodes:
+            out["eval_episodes"] = self.base_eval_episodes + len(self.eval_episodes)
             out["eval_return_mean"] = sum(self.eval_recent) / len(self.eval_recent)
         if self.channel_stats:
             out["channels"] = self.channel_stats

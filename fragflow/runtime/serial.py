@@ -14,7 +14,7 @@ from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime import trips
-from fragflow.runtime.checkpoint import RunCheckpoints, encode_states, loop_part, resume_point
+from fragflow.runtime.checkpoint import RunCheckpoints, encode_states, loop_part, resume_point, served_objects
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 
@@ -114,7 +114,7 @@ def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCh
     tracker = trips.Trips()
     if checkpoints.resume is not None:
         interp.restored = checkpoints.resumed_states()
-        tracker.resume = resume_point(checkpoints.resume.part("loop0"))
+        tracker.resume = resume_point(checkpoints.resume.part("loop0"), served_objects(checkpoints.resume))
 
     def on_update(_: int) -> None:
         if checkpoints.due(monitor.updates):

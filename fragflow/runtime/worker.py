@@ -236,7 +236,10 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     ckpt = checkpoint.resumed(saving)
     if ckpt is not None:
         interp.restored = checkpoint.merged_states(ckpt)
-        tracker.resume = checkpoint.resume_point(ckpt.part(f"loop{index}"))
+        remote = interp.program.remote
+        tracker.resume = checkpoint.resume_point(
+            ckpt.part(f"loop{index}"), checkpoint.served_objects(ckpt),
+            lambda key: not any(name.startswith(f"{key}.") for name in remote))
     restart = saving.get("restart")
     if restart is not None:
         interp.restarted = True
