@@ -158,6 +158,7 @@ def run(
 
             raise ConfigError(f"--out {run_dir}: {blocked} is a file, not a directory",
                               fix="give a directory for the run's outputs (it is made if missing)")
+        _check_writable(run_dir)
         if not err.is_terminal:   # (a terminal shows the spinner)
             err.print(f"{program.name}: tracing", highlight=False)
         status = err.status(f"tracing {program.name} ...", spinner="dots")
@@ -272,7 +273,13 @@ def graph(
         if target is not None and not no_image:
             from fragflow.compiler.draw import draw
 
-            draw(placed.graph, target)
+            try:
+                draw(placed.graph, target)
+            except OSError as exc:
+                from fragflow.errors import ConfigError
+
+                raise ConfigError(f"cannot write an image to {target}: {exc.strerror or exc}",
+                                  fix="give a path in a directory you can write to") from None
     except Exception as exc:
         raise _fail(exc, debug) from None
     sys.stdout.write(text)
@@ -292,6 +299,27 @@ def list_policies() -> None:
         label = name + (" (default)" if name == default else "")
         sys.stdout.write(f"{label:<{width}}  mirrors {spec.mirrors}: {spec.summary}\n")
         sys.stdout.write(f"{'':<{width}}  options: {spec.signature() or 'none'}\n")
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run directory can be made and written (checked before tracing; nothing is left behind)."""
+    from fragflow.errors import ConfigError
+
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".fragflow-write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out {run_dir}: cannot write there ({exc.strerror or exc})",
+                          fix="give a directory you can write to for the run's outputs") from None
+    finally:
+        for p in made:   # the folders made for the check, innermost first: the run makes them again
+            try:
+                p.rmdir()
+            except OSError:
+                pass
 
 
 def main() -> None:

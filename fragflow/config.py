@@ -25,9 +25,29 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+class Unresolved(str):
+    """A field's annotation that names what the module does not define at run time (a type
+    imported under ``if TYPE_CHECKING:``): the field keeps its default, and cannot be ``--set``."""
+
+
 def field_types(cls: type) -> dict[str, Any]:
-    """Resolved annotations of a dataclass's fields (string annotations included)."""
-    hints = typing.get_type_hints(cls)
+    """Resolved annotations of a dataclass's fields (string annotations included; one that cannot
+    be resolved is :class:`Unresolved`, the rest still resolved)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:   # one field's name is not there at run time: the others still resolve
+        import sys
+
+        module = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+        hints = {}
+        for f in dataclasses.fields(cls):
+            if not isinstance(f.type, str):
+                hints[f.name] = f.type
+                continue
+            try:
+                hints[f.name] = eval(f.type, dict(module))   # the program's own annotation, in its module
+            except Exception:
+                hints[f.name] = Unresolved(f.type)
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
 
 
@@ -35,6 +55,9 @@ def coerce(raw: Any, annotation: Any) -> Any:
     """Convert a command-line string to ``annotation`` (int, float, bool, str, Optional[...])."""
     if not isinstance(raw, str):
         return raw
+    if isinstance(annotation, Unresolved):
+        raise ValueError(f"its annotation {str(annotation)!r} names something the module does not define when it "
+                         "runs (imported under `if TYPE_CHECKING:`?): import it at the top of the file to set it")
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         choices = typing.get_args(annotation)

@@ -149,15 +149,17 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             args: Any, started: float) -> Compiled:
     placed = spec.place(graph, options).verify()
     _refuse_unsendable_views(placed)
-    lowered = lower(placed)
-    if lowered.services and graph.remade_state is not None:
+    # what the program does that only one process can run: refused first, at its own line (lowering
+    # would refuse some of it for a consequence, such as a learner that seems to write two states)
+    apart = not (len(placed.groups) == 1 and placed.groups[0].program == "loop")
+    if apart and graph.remade_state is not None:
         raise PlacementError(
             f"ff.versioned(...) made new state in the loop, after a learner had written the state made there "
             f"before, but policy '{placed.policy}' runs the learner in another process, which keeps the state it "
             "was given: state made again in the loop never reaches it", where=graph.remade_state,
             fix="make versioned state once, before the loop, and let the learner return its next value (to start "
                 "it afresh, return the fresh value from the learner), or run with --policy single_process")
-    if lowered.services and graph.state_read is not None:
+    if apart and graph.state_read is not None:
         what, where = graph.state_read
         raise VersionedStateError(
             f"versioned state was {what} in the training loop, but policy '{placed.policy}' runs the learner that "
@@ -165,14 +167,14 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             fix="pass the versioned state (or a view of it such as state['params']) to a fragment and compute with "
                 "it there, returning what the loop needs; or run with --policy single_process, where the loop "
                 "reads it as eagerly")
-    if lowered.services and graph.star_state is not None:
+    if apart and graph.star_state is not None:
         what, who, where = graph.star_state
         raise VersionedStateError(
             f"{what}, but policy '{placed.policy}' sends versions to other processes by parameter", where=where,
             fix=f"give '{who}' a named parameter for each state or view it reads (def f(obs, w0, w1)), or pass the "
                 "whole state and index it inside, or run with --policy single_process")
     captured = [n for n in graph.fragments() if n.reads_captured]
-    if lowered.services and captured:
+    if apart and captured:
         n = captured[0]
         raise PlacementError(
             f"{n.role} fragment '{n.name}' reads the versioned state {n.reads_captured} instead of receiving it as "
@@ -180,6 +182,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             "version its placement gives it only through its arguments", where=n.defined_at,
             fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the call, "
                 "or run with --policy single_process")
+    lowered = lower(placed)
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["captured"] = frozenset(n.name for n in captured)

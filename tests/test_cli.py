@@ -223,3 +223,59 @@ def test_a_new_run_in_a_used_directory_replaces_its_outputs_and_writes_strict_js
     summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert summary["args"]["target_kl"] is None
     assert f"outputs: {out}/{{metrics.csv, summary.json, returns.png, tensorboard/}}" in res.stdout
+
+
+def test_an_unwritable_out_or_image_is_a_usage_error(tmp_path):
+    """An output path that cannot be written was blamed on the program (pathlib's or matplotlib's
+    frames, exit 1), the run's after its trace (helper round 22)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    blocked = Path("/proc") / "fragflow-no-such-dir"   # (root writes anywhere a mode allows)
+    res = invoke("run", "ppo", "--out", str(blocked / "run"))
+    assert res.exit_code == 2, res.output
+    assert "cannot write there" in res.stderr and "tracing" not in res.stderr and "Traceback" not in res.output
+    res = invoke("graph", "ppo", "--image", str(blocked / "g.png"))
+    assert res.exit_code == 2 and "cannot write an image to" in res.stderr and "Traceback" not in res.output
+    out = tmp_path / "new" / "run"
+    assert invoke("run", "ppo", "--out", str(out), "--set", "nope=1").exit_code == 2
+    assert not (tmp_path / "new").exists()   # the check made nothing that stays
+
+
+def test_python_m_fragflow_runs_the_cli():
+    for module in ("fragflow", "fragflow.cli"):
+        res = subprocess.run([sys.executable, "-m", module, "run", "no-such-file.py"], capture_output=True, text=True,
+                             cwd=ROOT)
+        assert res.returncode == 2 and "no such algorithm file" in res.stderr, (module, res.stderr)
+
+
+def test_args_annotated_with_a_type_checking_import_run_and_refuse_only_that_field(tmp_path, write_algo):
+    path, _ = write_algo('''
+        from __future__ import annotations
+        from dataclasses import dataclass
+        from typing import TYPE_CHECKING, Optional
+        import numpy as np
+        import fragflow as ff
+
+        if TYPE_CHECKING:
+            from collections import OrderedDict
+
+        @dataclass(frozen=True)
+        class Args:
+            steps: int = 4
+            extra: Optional[OrderedDict] = None
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], np.int64)
+
+        def train(args):
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            obs = env.reset()
+            for _ in range(args.steps):
+                obs, *_ = env.step(act(obs))
+    ''')
+    res = invoke("run", str(path), "--policy", "single_process", "--set", "steps=6", "--out", str(tmp_path / "o"), "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["env_steps"] == 6
+    res = invoke("run", str(path), "--set", "extra=x")
+    assert res.exit_code == 2 and "TYPE_CHECKING" in res.stderr, res.output

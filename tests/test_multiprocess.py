@@ -1150,3 +1150,62 @@ def test_rows_wait_for_the_loops_marks_however_far_the_learners_updates_run_ahea
     assert [(float(r["updates"]), float(r["env_steps"]), float(r["loss"])) for r in rows] == \
         [(u, 64 * u, u) for u in range(1, 201)]
     assert [float(r["episodes"]) for r in rows] == [u // 5 for u in range(1, 201)]
+
+
+STOPS_ON_TARGET = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 30
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    logits = obs @ w
+    return np.argmax(logits + ff.random.gumbel(key, (logits.shape[-1],)), axis=-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    obs, reward = batch["obs"], batch["reward"]
+    g = np.einsum("tei,te->i", obs, reward - reward.mean())[:, None] * np.array([[1.0, -1.0]])
+    return {"w": state["w"] + 0.01 * g / reward.size}, {"mean_reward": reward.mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(16)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(16):
+            key, sub = ff.random.split(key)
+            action = act(state["w"], obs, sub)
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            buf.add(obs=obs, action=action, reward=reward)
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_a_run_stopped_on_its_target_writes_each_row_at_its_own_steps(write_algo, tmp_path):
+    """Stopping on the target, the driver dropped the rest of the message that reached it (the marks
+    of the updates it held) and the later ones: the last rows were written with the steps and
+    episodes of the moment, going backwards, and differed run to run (helper round 22)."""
+    path, _ = write_algo(STOPS_ON_TARGET)
+    program = load(str(path))
+
+    def rows(policy, out):
+        ff.run(program.train, program.args_cls(), policy=policy, out=out, target_return=20, stop_on_target=True)
+        with open(out / "metrics.csv", newline="") as f:
+            return [(int(float(r["updates"])), int(float(r["env_steps"])), int(float(r["episodes"])))
+                    for r in csv.DictReader(f)]
+
+    single = {u: row for u, *row in rows("single_process", tmp_path / "single")}
+    for attempt in range(2):
+        got = rows("pipelined(max_lag=0)", tmp_path / f"pipelined{attempt}")
+        assert all(steps == 64 * u for u, steps, _ in got), got
+        assert all(single[u][1] == episodes for u, _, episodes in got if u in single), (got, single)

@@ -196,6 +196,9 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
             w = None
         elif writes is _FIRST_PARAM:
             params = list(inspect.signature(fn).parameters)
+            owner = fn.__qualname__.rsplit(".", 2)[-2] if "." in fn.__qualname__ else "<locals>"
+            if params and params[0] == "self" and owner != "<locals>":   # a method: its state comes after self
+                params = params[1:]
             if not params:
                 raise TraceError(f"learner '{fn.__name__}' takes no arguments", where=definition_of(fn),
                                  fix="a learner takes its state as first argument, or declare writes=None")

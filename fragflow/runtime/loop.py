@@ -84,7 +84,7 @@ class LoopInterpreter:
         self._node_of: dict[int, tuple[Fragment, str]] = {}
         self.events = EventSources()
         self.resources: list[Any] = []
-        self.current = "(loop)"
+        self.current: str | None = None   # the fragment being called (None: the loop's own code runs)
         self.update = 0                       # remote clock calls made (this replica's updates)
         self._stepped = True                  # an environment stepped since the last clock call
         self._log_stepped = False             # ... since the last clock call or ff.log (a row of its own)
@@ -170,7 +170,12 @@ class LoopInterpreter:
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._node(frag)
-        self.current = name
+        outer, self.current = self.current, name
+        out = self._dispatch(frag, name, args, kwargs)
+        self.current = outer   # (an exception leaves it: the fragment that raised)
+        return out
+
+    def _dispatch(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if frag.role == "logger":
             return self._log(args[0] if args else kwargs)
         route = self.program.remote.get(name)

@@ -117,6 +117,7 @@ class Monitor:
         self._eval_out = 0
         self._resumed_recent: list[tuple[float, int]] = []
         self.stop_requested = False
+        self.stopping = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
         self._last_channel: tuple[float, dict[str, dict[str, Any]]] | None = None
         self._rates: dict[str, float] = {}
@@ -158,7 +159,8 @@ class Monitor:
         if now >= self._next_refresh:
             self._next_refresh = now + 0.25
             self._refresh(now)
-        if self.stop_requested:
+        if self.stop_requested and not self.stopping:
+            self.stopping = True   # raised once: what comes in after (the rest of the run's messages) is counted
             raise StopRun
 
     def mark(self, replica: int, update: int, steps: int) -> None:

@@ -28,6 +28,7 @@ JOIN_TIMEOUT = 3.0
 STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoint may take
 CHECKPOINT_WAIT = 300.0       # a checkpoint whose parts have not all come by then is given up (and asked again)
 STATS_EVERY = 1.0
+STOP_HEAR_OUT = 5.0          # a run stopped on its target: how long its processes may take to say their last
 
 
 class WorkerFailed(Exception):
@@ -201,9 +202,24 @@ class Driver:
                     self.monitor.channels(self.channel_stats())
         except StopRun:
             self.wiring.stop.set()
+            self._hear_out()
             raise
         finally:
             self.monitor.channels(self.channel_stats())
+
+    def _hear_out(self, wait: float = STOP_HEAR_OUT) -> None:
+        """The run stops early (its target reached): take in what the processes still send until they
+        have stopped, so that the updates they made have their rows, with their own steps."""
+        deadline = time.monotonic() + wait
+        results = self.wiring.results
+        while len(self.finished) < len(self.procs) and time.monotonic() < deadline:
+            try:
+                self._handle(results.get(timeout=0.05))
+            except queue.Empty:
+                if all(p.exitcode is not None for _, _, p in self.procs):
+                    return
+            except Exception:   # a process failing as it stops: the run has its outcome already
+                return
 
     # A service reports the scalars of the parts of a fragment's outputs the loop may log, after
     # every call, with the call's number in loop replica 0; the loop (replica 0) says which of its
@@ -264,13 +280,15 @@ class Driver:
             _, k, steps, episodes, finished, evaluated, marks = msg
             heard_steps, heard_episodes = self.heard.get(k, (0, 0))
             new = finished[max(0, len(finished) - (episodes - heard_episodes)):] if episodes > heard_episodes else []
-            if steps > heard_steps or new:
-                self.monitor.env_step(max(0, steps - heard_steps), [(ret, length) for _, ret, length in new], k, new)
-            self.heard[k] = (max(steps, heard_steps), max(episodes, heard_episodes))
-            for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
-                self.monitor.mark(k, update, self.heard[k][0])
-            for update, at, ret, length in evaluated:
-                self.monitor.eval_episode(ret, length, (update, at))
+            try:   # (a target reached stops the run here: the rest of the message still counts)
+                if steps > heard_steps or new:
+                    self.monitor.env_step(max(0, steps - heard_steps), [(ret, length) for _, ret, length in new], k, new)
+            finally:
+                self.heard[k] = (max(steps, heard_steps), max(episodes, heard_episodes))
+                for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
+                    self.monitor.mark(k, update, self.heard[k][0])
+                for update, at, ret, length in evaluated:
+                    self.monitor.eval_episode(ret, length, (update, at))
         elif kind == "update":
             self.monitor.update()
             self._computed(*msg[2:])
