@@ -325,7 +325,6 @@ def test_a_learner_method_writes_the_state_after_self(write_algo):
 def test_a_failure_in_the_loops_own_code_names_no_fragment(write_algo):
     """An error in the loop's code after a fragment call was reported as that fragment's ("actor 0
     failed in fragment 'log'")."""
-    import numpy as np
 
     import fragflow as ff
     from fragflow.program import load
