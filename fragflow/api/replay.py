@@ -92,6 +92,7 @@ class ReplayBuffer:
         self.capacity = capacity
         self.prioritized = prioritized
         self.alpha, self.beta, self.eps = alpha, beta, eps
+        self._seed = seed
         self._rng = np.random.default_rng([seed, replica[0]])
         self._storage: dict[str, np.ndarray] | None = None
         self._pos = 0
@@ -102,6 +103,13 @@ class ReplayBuffer:
         self.sample = Fragment(self._sample, "buffer", name=f"{self.name}.sample", instance=self, axes=_sample_axis)
         self.update_priorities = Fragment(self._update_priorities, "buffer", name=f"{self.name}.update_priorities",
                                           instance=self)
+
+    def _ff_served(self) -> None:
+        """This copy is the one a service keeps (the buffer beside the learner, fed by every loop
+        replica): it samples as loop replica 0's copy would (as ``single_process``'s), whichever
+        replica's copy reached the service first."""
+        if self._size == 0:
+            self._rng = np.random.default_rng([self._seed, 0])
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint saves: the stored transitions (only the ``size`` filled rows), the

@@ -188,6 +188,9 @@ class ServiceRunner:
         key = getattr(inst, "name", None) or type(inst).__name__
         held = self.instances.setdefault(key, inst)
         if held is inst:
+            served = getattr(inst, "_ff_served", None)
+            if callable(served):   # the same numbers whichever replica's copy came first
+                served()
             if self.resume_objects is not None and key in self.resume_objects[0]:
                 from fragflow.runtime.checkpoint import CheckpointError, decode
 
