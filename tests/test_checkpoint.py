@@ -602,16 +602,23 @@ def test_a_learning_rate_scheduler_in_the_state_steps_with_the_learner_and_resum
     assert resumed == lrs[0][len(lrs[0]) - len(resumed):] and 0 < len(resumed) < 8
 
 
-def test_checkpoints_every_n_updates_are_n_apart_where_the_loop_runs_ahead(tmp_path):
-    """Under pipelined the cut is the loop's next trip, an update after the one the driver asked at:
-    the schedule counts from its asks, so the checkpoints are N apart (they were N+1: 4, 8, 12)."""
+def test_checkpoints_every_n_updates_are_n_apart_where_the_loop_runs_ahead(tmp_path, monkeypatch):
+    """Under pipelined the cut is the loop's next trip, an update or two after the one the driver
+    asked at: the schedule counts from its asks, so the checkpoints are N apart on average (they were
+    N+1: 4, 8, 12, 16); each cut's own distance from its ask is the machine's timing, so two cuts may
+    be N-1 or N+1 apart (the test asserted exactly N and failed now and then)."""
     from fragflow.algorithms import ppo
 
+    finish = ckpt.finish
+    monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
+                        finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
     args = ppo.Args(total_timesteps=20 * 256, num_steps=32, num_envs=8)
     driver.run(ppo.train, args, policy="pipelined", out=tmp_path / "run", checkpoint_every=3)
     mids = sorted(int(p.name) for p in ckpt.listing(tmp_path / "run" / "checkpoints")
                   if not json.loads((p / "manifest.json").read_text())["complete"])
-    assert len(mids) == 2 and mids[1] - mids[0] == 3, mids
+    gaps = [b - a for a, b in zip(mids, mids[1:])]
+    assert len(mids) >= 5 and all(2 <= g <= 4 for g in gaps), mids
+    assert (mids[-1] - mids[0]) / len(gaps) <= 3.5, mids
 
 
 def test_the_newest_checkpoint_is_the_last_written_even_in_a_copy_that_reordered_file_times(tmp_path):

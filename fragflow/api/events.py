@@ -76,10 +76,10 @@ class EventSources:
         if key not in self._counters:
             events = frag.events
             if events is None and frag.role == "env":
+                events = StepCounter()   # (a reset's: no step, no episode)
                 if getattr(frag.fn, "__name__", "").lstrip("_").startswith("reset"):
                     self._resets[key] = _group(frag)
                 else:
-                    events = StepCounter()
                     self._groups.setdefault(_group(frag), []).append(events)
             self._counters[key] = events
         group = self._resets.get(key)
