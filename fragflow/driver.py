@@ -138,7 +138,7 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     call_args = () if args is None else (args,)
     if handover is not None:
         handover.prepare(lambda graph, fragments: _placed(graph, fragments, spec, options, train, args, started))
-        handover.quick = spec.one_process
+        handover.one_process = spec.one_process
     graph, fragments = trace_program(train, *call_args, on_progress=on_trace, handover=handover)
     if handover is not None and handover.compiled is not None:
         return handover.compiled
@@ -214,7 +214,7 @@ class _Handover:
         self.compiled: Compiled | None = None
         self.begun = False           # the run has begun: from here on a failure is the run's
         self.tracer: Any = None
-        self.quick = False           # the placement is one process whatever the graph: a warm-up may run unrecorded
+        self.one_process = False     # the placement is one process whatever the graph (no probes needed)
         self._place: Callable[[Graph, dict[str, Fragment]], Compiled] | None = None
 
     def prepare(self, place: Callable[[Graph, dict[str, Fragment]], Compiled]) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 import fragflow as ff
 from fragflow.compiler.ir import EdgeKind, NodeKind
-from fragflow.compiler.printer import format_graph
+from fragflow.compiler.printer import format_graph, format_placed
 from fragflow.driver import compile
 from fragflow.errors import (
     LearnerOutputOnActingSideError,
@@ -917,3 +917,40 @@ def test_an_array_probe_prints_as_its_plain_value_and_its_element_is_a_dict_key(
     assert [r.what for r in reads] == ["used as a dict key"]
     with pytest.raises(TypeError, match="unhashable"):
         hash(p)
+
+
+
+QUICK_CASES = {
+    "dqn": ("dqn", "dict(total_timesteps=2000, learning_starts=400, batch_size=32, target_network_frequency=100)"),
+    "sac": ("sac", "dict(total_timesteps=600, learning_starts=300, batch_size=32)"),
+    "ppo": ("ppo", "dict(total_timesteps=2048, num_steps=64)"),
+}
+
+
+def graph_shape(graph):
+    """A graph's nodes and edges with every recorded spec, axis and rate."""
+    nodes = sorted((n.name, n.kind.name, n.rate, n.inputs, n.outputs, n.output_axes, n.splittable)
+                   for n in graph.nodes)
+    edges = sorted((e.src, e.dst, e.kind.name, e.src_port, e.dst_port, e.rate, e.leaves) for e in graph.edges)
+    return nodes, edges, graph.env_steps_traced
+
+
+@pytest.mark.parametrize("case", sorted(QUICK_CASES))
+def test_a_warm_up_run_unrecorded_places_the_graph_of_its_recorded_calls(case, monkeypatch):
+    """Under single_process the trips of a repeating warm-up run unrecorded: the graph the run
+    places (graph.txt) has the nodes, specs, axes and rates of a full trace's, and its edges but
+    one crossed only during those trips (SAC's final_obs at the warm-up's episode end, rate 0)."""
+    import importlib
+
+    module = importlib.import_module(f"fragflow.algorithms.{QUICK_CASES[case][0]}")
+    args = module.Args(**eval(QUICK_CASES[case][1]))
+    placed = []
+    ff.run(module.train, args, policy="single_process", on_compiled=lambda c: placed.append(c.placed.graph))
+    monkeypatch.setenv("FRAGFLOW_TRACE_EVERY_CALL", "1")
+    full = []
+    ff.run(module.train, args, policy="single_process", on_compiled=lambda c: full.append(c.placed.graph))
+    (quick_nodes, quick_edges, quick_steps), (nodes, edges, steps) = graph_shape(placed[0]), graph_shape(full[0])
+    assert quick_nodes == nodes and quick_steps == steps
+    assert set(quick_edges) <= set(edges)
+    assert all(e[5] == 0 and e[:2] == ("env.step", "replay.add") for e in set(edges) - set(quick_edges)), \
+        set(edges) - set(quick_edges)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import random as _pyrandom
 import time
 from collections import deque
@@ -151,13 +152,18 @@ class Tracer(Recording):
         self._latest: dict[str, Versioned] = {}   # each state's newest handle
         self.traced: tuple[Graph, dict[str, Fragment]] | None = None
         self.value: Any = None
-        # Quick warm-up (the trace is a single_process run's beginning): before the first update, once
-        # the loop's trips (from one training env step to the next) have repeated, each a call of
-        # fragments already recorded as repeating, the trips that follow run without recording their
-        # arguments or outputs, counted as their last recorded one was; any other call (the first
-        # learner's, a log, a fragment called now and then) ends that, and the outputs of the calls
-        # run so, still alive in the loop, are known as those fragments' before it is recorded.
+        # Quick warm-up: before the first update, once the loop's trips (from one training env step to
+        # the next) have repeated, each a call of fragments already recorded as repeating, the trips
+        # that follow run without recording their arguments or outputs, counted as their last recorded
+        # one was; any other call (the first learner's, a log, a fragment called now and then) ends
+        # that, and the outputs of the calls run so, still alive in the loop, are known as those
+        # fragments' before it is recorded. Only where the trace is a single_process run's beginning:
+        # an edge crossed only in those trips (a final_obs at an episode's end) is not recorded, which
+        # a placement over several processes must know of, and graph.txt shows without it.
+        # FRAGFLOW_TRACE_EVERY_CALL=1 records every call.
         self.quick = False
+        # learner outputs as probes (what the loop reads of them): not where one process runs the loop
+        self.probes = True
         self._trip: list[Fragment] = []
         self._trips: list[tuple[Fragment, ...]] = []
         self._cycle: tuple[Fragment, ...] | None = None
@@ -385,7 +391,7 @@ class Tracer(Recording):
             plain = out
             if self.journal is not None:
                 self.journal.append(("learn", time.perf_counter(), rec.name))
-            if not self.quick:   # one process: the loop reads its learners' outputs as eagerly, nothing to note
+            if self.probes:   # (one process: the loop reads its learners' outputs as eagerly, nothing to note)
                 out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
@@ -822,7 +828,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             return handover(t)
 
         tracer.handover = take
-        tracer.quick = bool(getattr(handover, "quick", False))
+        one_process = bool(getattr(handover, "one_process", False))
+        tracer.probes = not one_process
+        tracer.quick = one_process and os.environ.get("FRAGFLOW_TRACE_EVERY_CALL", "").lower() not in ("1", "true", "yes")
         tracer.on_taken = watcher.stop
     saved = _rng_state()
     import torch
