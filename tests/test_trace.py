@@ -7,7 +7,7 @@ import pytest
 
 import fragflow as ff
 from fragflow.compiler.ir import EdgeKind, NodeKind
-from fragflow.compiler.printer import format_graph, format_placed
+from fragflow.compiler.printer import format_graph
 from fragflow.driver import compile
 from fragflow.errors import (
     LearnerOutputOnActingSideError,
