@@ -465,6 +465,19 @@ class Tracer(Recording):
 
     def _unrecorded_call(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> Any:
         """A call of a repeating warm-up trip: run and counted as the last recorded one, not recorded."""
+        given, out = self._run_counted(rec, frag, bound, window)
+        self._unrecorded.append((rec, frag, given, out))
+        if sum(rec.calls) % QUICK_CHECK_EVERY == 0:   # its outputs keep their specs (a change is recorded, or refused)
+            leaves = self._output_leaves(rec, frag, out, None)
+            if [(path, spec_of(leaf)) for _, path, leaf in leaves] != rec.out_specs:
+                self._record_again()
+                rec.repeat = None
+                self._record_outputs(rec, frag, out, user_callsite(), [])
+        return out
+
+    def _run_counted(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> tuple[dict[str, Any], Any]:
+        """Run a call counted where its last recorded one was (its edges, its state reads and effects,
+        its env events); returns its arguments as given (state handles, not their values) and its outputs."""
         rep = rec.repeat
         assert rep is not None
         given = dict(bound.arguments)
@@ -482,14 +495,7 @@ class Tracer(Recording):
             exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
             raise
         self._count_events(frag, out)
-        self._unrecorded.append((rec, frag, given, out))
-        if sum(rec.calls) % QUICK_CHECK_EVERY == 0:   # its outputs keep their specs (a change is recorded, or refused)
-            leaves = self._output_leaves(rec, frag, out, None)
-            if [(path, spec_of(leaf)) for _, path, leaf in leaves] != rec.out_specs:
-                self._record_again()
-                rec.repeat = None
-                self._record_outputs(rec, frag, out, user_callsite(), [])
-        return out
+        return given, out
 
     def _record_again(self) -> None:
         """Leave the unrecorded trips: the outputs of their last calls (what the loop may still hold)
@@ -535,21 +541,7 @@ class Tracer(Recording):
                     (path, spec_of(leaf), src, port, src_path, axis) for path, leaf, src, port, src_path, axis in sources)
             if not same:
                 return _NOT_REPEATED
-        given = dict(arguments)
-        for pname, value in given.items():
-            if isinstance(value, (Versioned, VersionedView)):
-                arguments[pname] = self._read_state(rec, frag, pname, value, window, None)
-        for edge in rep.edges:
-            edge.crossings[window] += 1
-        self._effects(rec, frag, window)
-        try:
-            out = frag.fn(*bound.args, **bound.kwargs)
-        except FragflowError:
-            raise
-        except Exception as exc:
-            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
-            raise
-        self._count_events(frag, out)
+        given, out = self._run_counted(rec, frag, bound, window)
         rec.arity = len(out) if isinstance(out, tuple) else 0
         try:
             leaves = self._output_leaves(rec, frag, out, None)
