@@ -458,3 +458,69 @@ def test_an_output_that_changes_in_an_unrecorded_warm_up_is_refused(write_algo):
     with pytest.raises(ShapeChangedError, match="'act' changed its output") as info:
         ff.run(program.train, policy="single_process")
     assert info.value.where is not None and info.value.where.line in (marks["act"], marks["act"] + 1)
+
+
+WARM_UP_CASES = {
+    # the training actor on a one-environment evaluation env every k steps of the warm-up: the
+    # every-16th output check took its one-row output for a changed shape (helper round 23)
+    "actor_on_an_evaluation_env": """
+        ev = ff.envs.make("CartPole-v1", num_envs=1, seed=50, evaluation=True)
+        eobs = ev.reset()
+        for step in range(400):
+            obs, *_ = env.step(act(obs, state["w"]))
+            if step % 5 == 0:
+                eobs, *_ = ev.step(act(eobs, state["w"]))
+            if step >= 300 and step % 10 == 0:
+                state, m = learn(state)
+                seen.append(float(m["s"]))
+    """,
+    # the state's view through *params: the unrecorded trips gave the fragment the view itself
+    "state_through_star_args": """
+        for step in range(100):
+            obs, *_ = env.step(act_star(obs, state["w"]))
+            if step >= 50 and step % 10 == 0:
+                state, m = learn(state)
+                seen.append(float(m["s"]))
+    """,
+}
+
+WARM_UP_PROGRAM = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(obs, w):
+    return (torch.as_tensor(obs, dtype=torch.float32) @ w).argmax(-1).numpy()
+
+@ff.fragment("actor")
+def act_star(obs, *params):
+    return (torch.as_tensor(obs, dtype=torch.float32) @ params[0]).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state):
+    return {"w": state["w"] * 0.9}, {"s": state["w"].sum()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=1)
+    torch.manual_seed(1)
+    state = ff.versioned({"w": torch.randn(4, 2)})
+    obs = env.reset()
+    seen = []
+BODY
+    return seen, state
+"""
+
+
+@pytest.mark.parametrize("case", sorted(WARM_UP_CASES))
+def test_a_warm_up_run_unrecorded_is_eager(write_algo, case):
+    import textwrap
+
+    from fragflow.program import load
+
+    body = textwrap.indent(textwrap.dedent(WARM_UP_CASES[case]).strip("\n"), "    ")
+    path, _ = write_algo(WARM_UP_PROGRAM.replace("BODY", body), f"{case}.py")
+    program = load(str(path))
+    eager_seen, eager_state = program.train()
+    run = ff.run(program.train, policy="single_process")
+    assert run.value[0] == eager_seen and torch.equal(run.value[1]["w"], eager_state["w"])

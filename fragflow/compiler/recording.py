@@ -50,6 +50,7 @@ class NodeRec:
     rows: int | None = None   # the environments its first call acted on (its inputs' env rows)
     other_rows: str = ""      # it was also called on another number of environments (an evaluation env): where
     repeat: Repeat | None = None   # its last call, where the next one like it need not be recorded again
+    repeated: bool = False         # its last call was like that one (its arguments from the same places)
 
 
 @dataclass

@@ -272,7 +272,8 @@ class Tracer(Recording):
             self._record_again()
         if rec.repeat is not None:
             repeated = self._repeated(rec, frag, bound, window)
-            if repeated is not _NOT_REPEATED:
+            rec.repeated = repeated is not _NOT_REPEATED
+            if rec.repeated:
                 return repeated
             where = user_callsite()
         written: Versioned | None = None
@@ -459,7 +460,7 @@ class Tracer(Recording):
         if len(self._trips) < QUICK_AFTER or any(t != trip for t in self._trips) or not trip or trip[0] is not frag:
             return
         recs = [self._nodes.get(id(f)) for f in trip]
-        if all(r is not None and r.repeat is not None and r.role not in ("learner", "logger") and
+        if all(r is not None and r.repeat is not None and r.repeated and r.role not in ("learner", "logger") and
                not r.reads_captured and sum(r.calls) > QUICK_AFTER for r in recs):
             self._cycle = trip
 
@@ -470,9 +471,8 @@ class Tracer(Recording):
         if sum(rec.calls) % QUICK_CHECK_EVERY == 0:   # its outputs keep their specs (a change is recorded, or refused)
             leaves = self._output_leaves(rec, frag, out, None)
             if [(path, spec_of(leaf)) for _, path, leaf in leaves] != rec.out_specs:
-                self._record_again()
-                rec.repeat = None
-                self._record_outputs(rec, frag, out, user_callsite(), [])
+                self._record_again()   # (its arguments' sources are known again: it is recorded as any call)
+                return self._record_in_full(rec, frag, given, out, window)
         return out
 
     def _run_counted(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> tuple[dict[str, Any], Any]:
@@ -553,10 +553,18 @@ class Tracer(Recording):
             else:
                 self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
             return out
-        # its outputs changed: recorded in full, as the first call of a new kind
+        return self._record_in_full(rec, frag, given, out, window)
+
+    def _record_in_full(self, rec: NodeRec, frag: Fragment, given: dict[str, Any], out: Any, window: int) -> Any:
+        """A call run as its last recorded one whose outputs changed: recorded in full, as the first
+        call of a new kind (a changed output is refused as any is; the actor acting on an evaluation
+        env of another size is not)."""
+        rep = rec.repeat
+        assert rep is not None
         for edge in rep.edges:
             edge.crossings[window] -= 1
         rec.repeat = None
+        rec.repeated = False
         where = user_callsite()
         self._input_ids, self._input_backends, self._inputs, self._loop_made = set(), set(), [], []
         for pname, value in given.items():
