@@ -895,3 +895,51 @@ def test_evaluation_episodes_continue_from_the_checkpoint(tmp_path, write_algo):
         column = [float(r["eval_episodes"]) for r in csv.DictReader(f)]
     assert column == sorted(column) and column[-1] == 18.0, column   # a row is made at its update, before its evaluation
     assert resumed.summary["eval_episodes"] == whole.summary["eval_episodes"] == 20
+
+
+def test_a_scheduler_the_loop_also_names_resumes_from_the_state_not_the_loops_copy(tmp_path, write_algo):
+    """A scheduler kept in versioned state and named by a local of the loop was saved as a loop
+    component too: where the learner ran apart, the loop's copy, never stepped, was loaded over the
+    state's on a resume in one process (last_epoch back to 0; helper round 23)."""
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(net, obs):
+            with torch.no_grad():
+                return net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            net, opt, sched = state["net"], state["opt"], state["sched"]
+            loss = net(torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step(); sched.step()
+            return state, {"lr": sched.get_last_lr()[0]}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            torch.manual_seed(0)
+            net = torch.nn.Linear(4, 2)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+            state = ff.versioned({"net": net, "opt": opt, "sched": sched})
+            buf = ff.RolloutBuffer(4)
+            for update in range(12):
+                obs = env.reset()
+                for step in range(4):
+                    obs, *_ = env.step(act(state["net"], obs))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+            return state
+    """)
+    program = load(str(path))
+    whole = ff.run(program.train, policy="single_process")
+    ff.run(program.train, policy="actor_learner(actors=1, max_lag=0)", out=tmp_path / "a", checkpoint_every=5)
+    first = min(int(p.name) for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name.isdigit())
+    resumed = ff.run(program.train, policy="single_process", resume=tmp_path / "a" / "checkpoints" / str(first))
+    assert resumed.value["sched"].last_epoch == whole.value["sched"].last_epoch == 12
+    assert resumed.value["opt"].param_groups[0]["lr"] == whole.value["opt"].param_groups[0]["lr"]

@@ -593,6 +593,16 @@ def restore_state(part: tuple[Any, dict[str, np.ndarray]], name: str, value: Any
     return restored, int(meta[name]["version"])
 
 
+def held_by_state(states: dict[str, Any]) -> set[int]:
+    """Ids of the objects the loop's versioned state holds (its modules, optimizers, schedulers):
+    saved with the states, not again as the loop's locals (a scheduler the loop also names would be
+    its copy, never stepped where the learner runs apart, and a resume would load it over the
+    state's)."""
+    from fragflow.compiler.reach import objects_of
+
+    return {id(o) for handle in states.values() for o in objects_of(handle.value)}
+
+
 def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
     """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``."""
     entries, arrays, left = loop_locals(snapshot.frame_locals, skip)

@@ -14,7 +14,14 @@ from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime import trips
-from fragflow.runtime.checkpoint import RunCheckpoints, encode_states, loop_part, resume_point, served_objects
+from fragflow.runtime.checkpoint import (
+    RunCheckpoints,
+    encode_states,
+    held_by_state,
+    loop_part,
+    resume_point,
+    served_objects,
+)
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 
@@ -121,7 +128,7 @@ def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCh
             tracker.pending = True
 
     def capture(snapshot: trips.Snapshot) -> None:
-        position, part = loop_part(snapshot)
+        position, part = loop_part(snapshot, held_by_state(interp._states))
         checkpoints.commit(monitor.counters(), {"replicas": 1, **position}, {"states": _states(interp), "loop0": part})
         if checkpoints.stop_after:
             raise KeyboardInterrupt

@@ -274,7 +274,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if root and seq > seen[0] and (replicas == 1 or not together
                                        or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
             seen[0] = seq
-            position, part = checkpoint.loop_part(snapshot)
+            position, part = checkpoint.loop_part(snapshot, checkpoint.held_by_state(interp._states))
             position["steps"] = reporter.total_steps
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
             interp.cut = calls.cut_mark(seq)   # the calls after it: the service saves before the first
@@ -283,7 +283,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
                 interp._defs[group].put(("cut", index, seq, interp._seq))
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
-            meta, arrays = part if part is not None else checkpoint.loop_part(snapshot)[1]
+            meta, arrays = part if part is not None else \
+                checkpoint.loop_part(snapshot, checkpoint.held_by_state(interp._states))[1]
             meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
             # copies: the queue pickles later, in its own thread, while the loop goes on writing
             arrays = {key: np.array(a) for key, a in arrays.items()}
