@@ -68,8 +68,12 @@ def trace(train: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
 
 def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult:
     """Compile and run a training loop (see :func:`fragflow.driver.run`)."""
+    import random
+
+    drawn = random.getstate()   # importing the runtime (rich) draws from Python's random: not the program's numbers
     from fragflow.driver import run as _run
 
+    random.setstate(drawn)
     return _run(train, args, **kwargs)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import csv
+import textwrap
 
 import numpy as np
 import pytest
@@ -461,6 +462,25 @@ def test_an_output_that_changes_in_an_unrecorded_warm_up_is_refused(write_algo):
 
 
 WARM_UP_CASES = {
+    # a loop not started at the handover (a final evaluation): the trace's line tracer stayed on
+    # for the whole run (every call ~2x slower) and evaluated that loop's range() bound again
+    "a_loop_after_training": """
+        obs, *_ = env.step(act_star(obs, state["w"]))   # (every fragment of the module called: the trace stops)
+        for step in range(60):
+            obs, *_ = env.step(act(obs, state["w"]))
+            if step % 10 == 0:
+                state, m = learn(state)
+        seen.append(sys.gettrace() is None)
+        draws = np.random.default_rng(0)
+
+        class Evaluation:
+            @property
+            def n(self):
+                return int(draws.integers(10, 99))
+
+        for k in range(Evaluation().n):
+            seen.append(k)
+    """,
     # the training actor on a one-environment evaluation env every k steps of the warm-up: the
     # every-16th output check took its one-row output for a changed shape (helper round 23)
     "actor_on_an_evaluation_env": """
@@ -485,6 +505,7 @@ WARM_UP_CASES = {
 }
 
 WARM_UP_PROGRAM = """
+import sys
 import numpy as np
 import torch
 import fragflow as ff
@@ -524,3 +545,35 @@ def test_a_warm_up_run_unrecorded_is_eager(write_algo, case):
     eager_seen, eager_state = program.train()
     run = ff.run(program.train, policy="single_process")
     assert run.value[0] == eager_seen and torch.equal(run.value[1]["w"], eager_state["w"])
+
+
+def test_the_first_run_in_a_process_leaves_pythons_random_stream_to_the_program(tmp_path):
+    """Importing the runtime (rich) drew from Python's random: a program seeded before ff.run drew
+    other numbers than eagerly (helper round 23)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first.py"
+    script.write_text(textwrap.dedent("""
+        import random
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], np.int64)
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            obs = env.reset()
+            for _ in range(3):
+                obs, *_ = env.step(act(obs))
+            return random.random()
+
+        random.seed(0)
+        eager = train()
+        random.seed(0)
+        print(ff.run(train, policy="single_process").value == eager)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("True"), out.stdout + out.stderr

@@ -158,7 +158,7 @@ class LoopWatcher:
 
     def stop(self) -> None:
         """Stop watching (a loop not started yet keeps an unknown bound)."""
-        if sys.gettrace() is self._global:
+        if sys.gettrace() == self._global:   # (a bound method: equal, never the same object)
             sys.settrace(self._previous)
 
     def specs(self) -> list[LoopSpec]:
