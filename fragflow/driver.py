@@ -13,6 +13,7 @@ import platform
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from fragflow.runtime import calls, serial
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
-from fragflow.runtime.monitor import Monitor, StopRun
+from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun
 from fragflow.runtime.outputs import RunOutputs
 
 
@@ -215,10 +216,20 @@ class _Handover:
         self.begun = False           # the run has begun: from here on a failure is the run's
         self.tracer: Any = None
         self.one_process = False     # the placement is one process whatever the graph (no probes needed)
+        self._recent: deque[float] = deque(maxlen=RETURN_WINDOW)   # the trace's last training returns
         self._place: Callable[[Graph, dict[str, Fragment]], Compiled] | None = None
 
     def prepare(self, place: Callable[[Graph, dict[str, Fragment]], Compiled]) -> None:
         self._place = place
+
+    def reached(self, finished: list[tuple[float, int]]) -> bool:
+        """The training episodes heard while tracing reach the run's target, which stops it (the
+        monitor's test: the mean return of the last ``RETURN_WINDOW`` episodes)."""
+        monitor = self.monitor
+        if monitor.target_return is None or not monitor.stop_on_target:
+            return False
+        self._recent.extend(ret for ret, _ in finished)
+        return len(self._recent) == RETURN_WINDOW and sum(self._recent) / RETURN_WINDOW >= monitor.target_return
 
     @property
     def finished(self) -> bool:

@@ -577,3 +577,43 @@ def test_the_first_run_in_a_process_leaves_pythons_random_stream_to_the_program(
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("True"), out.stdout + out.stderr
+
+
+def test_a_target_reached_in_the_warm_up_stops_the_loop_there(write_algo):
+    """--stop-on-target under single_process, the target reached while the warm-up ran traced: the
+    loop ran on through the trace (its warm-up and two updates) and only the replay stopped the
+    run's record at the solved step (helper round 23)."""
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        DONE = {"steps": 0, "updates": 0}
+
+        @ff.fragment("actor")
+        def act(obs):
+            return (np.asarray(obs)[:, 2] > 0).astype(np.int64)   # episodes of ~45 steps
+
+        @ff.fragment("learner", writes="state")
+        def learn(state):
+            DONE["updates"] += 1
+            return {"w": state["w"] + 1}, {"n": state["w"].sum()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=1)
+            state = ff.versioned({"w": torch.zeros(3)})
+            obs = env.reset()
+            for step in range(1500):
+                obs, *_ = env.step(act(obs))
+                DONE["steps"] += 2
+                if step > 1000 and step % 10 == 0:      # a 1000-step warm-up
+                    state, m = learn(state)
+            return state
+    """)
+    program = load(str(path))
+    run = ff.run(program.train, policy="single_process", target_return=5.0, stop_on_target=True)
+    done = program.module.DONE
+    assert run.summary["status"] == "stopped_at_target" and run.summary["solved_at_steps"] == run.summary["env_steps"]
+    assert done["updates"] == 0 and done["steps"] == run.summary["env_steps"] - 2 < 2000, (done, run.summary)

@@ -164,6 +164,9 @@ class Tracer(Recording):
         self.quick = False
         # learner outputs as probes (what the loop reads of them): not where one process runs the loop
         self.probes = True
+        # where the trace is the run's beginning: whether the episodes just finished reach the run's
+        # target (with --stop-on-target), so that the run stops at that step, as eagerly
+        self.reached: Callable[[list[tuple[float, int]]], bool] | None = None
         self._trip: list[Fragment] = []
         self._trips: list[tuple[Fragment, ...]] = []
         self._cycle: tuple[Fragment, ...] | None = None
@@ -443,6 +446,11 @@ class Tracer(Recording):
         n, finished = events(out)
         if self.journal is not None:
             self.journal.append(("steps", time.perf_counter(), n, finished, frag.evaluation))
+            if finished and not frag.evaluation and self.reached is not None and self.reached(finished):
+                # the run's target reached while traced (--stop-on-target): the run begins here, and
+                # stops at this step as its monitor hears of it
+                if self._take_over() is None:
+                    raise _StopTracing
         if not frag.evaluation:
             self.env_steps += n
             if self.on_progress is not None and time.monotonic() - self._reported >= 0.25:
@@ -831,6 +839,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         one_process = bool(getattr(handover, "one_process", False))
         tracer.probes = not one_process
         tracer.quick = one_process and os.environ.get("FRAGFLOW_TRACE_EVERY_CALL", "").lower() not in ("1", "true", "yes")
+        tracer.reached = getattr(handover, "reached", None) if one_process else None
         tracer.on_taken = watcher.stop
     saved = _rng_state()
     import torch
