@@ -279,3 +279,51 @@ def test_args_annotated_with_a_type_checking_import_run_and_refuse_only_that_fie
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["env_steps"] == 6
     res = invoke("run", str(path), "--set", "extra=x")
     assert res.exit_code == 2 and "TYPE_CHECKING" in res.stderr, res.output
+
+
+def test_ctrl_c_in_a_single_process_warm_up_writes_the_runs_summary(tmp_path, write_algo):
+    """Under single_process the trace is the run's beginning: Ctrl-C in its warm-up stopped with
+    nothing written, no run directory, no summary (helper round 23)."""
+    path, _ = write_algo("""
+        import time
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state):
+            return {"w": state["w"] + 1}, {"n": float(state["w"].sum())}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(1)})
+            obs = env.reset()
+            for step in range(10_000_000):
+                obs, *_ = env.step(act(obs))
+                if step == 200:
+                    print("warming up", flush=True)
+                if step > 5_000_000:   # (never reached: the run is stopped in its warm-up)
+                    state, m = learn(state)
+            return state
+    """)
+    exe = Path(sys.executable).with_name("fragflow")
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([str(exe), "run", str(path), "--policy", "single_process", "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while "warming up" not in proc.stdout.readline() and time.monotonic() < deadline:
+            pass
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["env_steps"] > 400 and summary["trace_in_run"]

@@ -167,6 +167,7 @@ class Tracer(Recording):
         # where the trace is the run's beginning: whether the episodes just finished reach the run's
         # target (with --stop-on-target), so that the run stops at that step, as eagerly
         self.reached: Callable[[list[tuple[float, int]]], bool] | None = None
+        self.begins_run = False   # the trace is the run's beginning whatever the graph (single_process)
         self._trip: list[Fragment] = []
         self._trips: list[tuple[Fragment, ...]] = []
         self._cycle: tuple[Fragment, ...] | None = None
@@ -840,6 +841,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         tracer.probes = not one_process
         tracer.quick = one_process and os.environ.get("FRAGFLOW_TRACE_EVERY_CALL", "").lower() not in ("1", "true", "yes")
         tracer.reached = getattr(handover, "reached", None) if one_process else None
+        tracer.begins_run = one_process
         tracer.on_taken = watcher.stop
     saved = _rng_state()
     import torch
@@ -858,6 +860,13 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 ran_whole = tracer.taken_by is None
             except _StopTracing:
                 pass
+            except KeyboardInterrupt:   # (Ctrl-C, SIGTERM) where the trace is a single_process run's beginning,
+                if tracer.begins_run and tracer.taken_by is None and tracer.failed is None:
+                    try:   # the run has begun: it is placed, and what it did goes to its outputs
+                        tracer.taken_by = tracer.handover(tracer)
+                    except Exception:   # nothing to place yet (no fragment called): nothing was run
+                        pass
+                raise
         if ran_whole and tracer.handover is not None:   # that was the run, if one process runs it
             try:
                 tracer.taken_by = tracer.handover(tracer)
