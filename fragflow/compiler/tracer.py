@@ -861,7 +861,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             except _StopTracing:
                 pass
             except KeyboardInterrupt:   # (Ctrl-C, SIGTERM) where the trace is a single_process run's beginning,
-                if tracer.begins_run and tracer.taken_by is None and tracer.failed is None:
+                if tracer.begins_run and tracer.handover is not None and tracer.taken_by is None and tracer.failed is None:
                     try:   # the run has begun: it is placed, and what it did goes to its outputs
                         tracer.taken_by = tracer.handover(tracer)
                     except Exception:   # nothing to place yet (no fragment called): nothing was run
