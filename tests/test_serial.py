@@ -617,3 +617,55 @@ def test_a_target_reached_in_the_warm_up_stops_the_loop_there(write_algo):
     done = program.module.DONE
     assert run.summary["status"] == "stopped_at_target" and run.summary["solved_at_steps"] == run.summary["env_steps"]
     assert done["updates"] == 0 and done["steps"] == run.summary["env_steps"] - 2 < 2000, (done, run.summary)
+
+
+def test_a_warm_up_holds_no_memory_per_step(write_algo):
+    """The trace as a run's beginning kept every warm-up step: a journal entry each and each
+    ff.random key the loop split (~1.5-2 KB a step, ~2 GB for a 1M-step warm-up; helper round 23)."""
+    import tracemalloc
+
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        import tracemalloc
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        AT_FIRST_UPDATE = []
+
+        @ff.fragment("actor")
+        def act(obs, key):
+            return (ff.random.uniform(key, (1,))[:, 0] < 0.5).astype(np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state):
+            if not AT_FIRST_UPDATE:
+                AT_FIRST_UPDATE.append(tracemalloc.get_traced_memory()[0])
+            return {"w": state["w"] + 1}, {"n": state["w"].sum()}
+
+        def train(warmup):
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=1)
+            state = ff.versioned({"w": torch.zeros(3)})
+            key = ff.random.keys(1, env.ids)
+            obs = env.reset()
+            for step in range(warmup + 30):
+                key, sub = ff.random.split(key)
+                obs, *_ = env.step(act(obs, sub))
+                if step >= warmup and step % 10 == 0:
+                    state, m = learn(state)
+            return state
+    """)
+    program = load(str(path))
+    ff.run(program.train, 100, policy="single_process")   # (imports done)
+    held = {}
+    for warmup in (2_000, 8_000):
+        program.module.AT_FIRST_UPDATE.clear()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        try:
+            ff.run(program.train, warmup, policy="single_process")
+        finally:
+            tracemalloc.stop()
+        held[warmup] = program.module.AT_FIRST_UPDATE[0] - base
+    assert (held[8_000] - held[2_000]) / 6_000 < 200, held   # bytes per warm-up step

@@ -21,6 +21,7 @@ import inspect
 import os
 import random as _pyrandom
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,9 +197,14 @@ class Tracer(Recording):
         return 0, 1
 
     def hint_axis(self, leaf: Any, axis: tuple[str, int]) -> None:
-        """A value made in the loop whose batch axis is known (per-environment random keys)."""
+        """A value made in the loop whose batch axis is known (per-environment random keys): known
+        while it lives (a warm-up's keys, one per step, are not kept)."""
         if getattr(leaf, "ndim", 0) >= 1:
-            self._axis_hint[id(leaf)] = (axis, strong(leaf))
+            try:
+                ref: Callable[[], Any] = weakref.ref(leaf)
+            except TypeError:
+                ref = strong(leaf)
+            self._axis_hint[id(leaf)] = (axis, ref)
 
     def nested(self, frag: Fragment, outer: Fragment) -> None:
         """A learner called inside another fragment (it runs as part of that one's work)."""
@@ -446,7 +452,11 @@ class Tracer(Recording):
             return   # (an evaluation env's episodes count only where the trace is the run's beginning)
         n, finished = events(out)
         if self.journal is not None:
-            self.journal.append(("steps", time.perf_counter(), n, finished, frag.evaluation))
+            last = self.journal[-1] if self.journal else None
+            if not finished and last is not None and last[0] == "steps" and not last[3] and last[4] == frag.evaluation:
+                self.journal[-1] = ("steps", time.perf_counter(), last[2] + n, finished, frag.evaluation)
+            else:   # (steps without an episode's end, one after another, are one entry: a warm-up is not kept step by step)
+                self.journal.append(("steps", time.perf_counter(), n, finished, frag.evaluation))
             if finished and not frag.evaluation and self.reached is not None and self.reached(finished):
                 # the run's target reached while traced (--stop-on-target): the run begins here, and
                 # stops at this step as its monitor hears of it
