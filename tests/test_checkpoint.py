@@ -943,3 +943,53 @@ def test_a_scheduler_the_loop_also_names_resumes_from_the_state_not_the_loops_co
     resumed = ff.run(program.train, policy="single_process", resume=tmp_path / "a" / "checkpoints" / str(first))
     assert resumed.value["sched"].last_epoch == whole.value["sched"].last_epoch == 12
     assert resumed.value["opt"].param_groups[0]["lr"] == whole.value["opt"].param_groups[0]["lr"]
+
+
+def test_a_resume_from_an_older_checkpoint_writes_each_loop_row_once(tmp_path, write_algo):
+    """The loop's own rows after a checkpoint's update and before its cut have that update's number:
+    a resume kept them and wrote them again (duplicated rows, env_steps going back; helper round 23)."""
+    import collections
+
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return (ff.random.uniform(key, ()) < 0.5).astype(np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1.0}, {"loss": float(batch["reward"].sum())}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(3)})
+            buf = ff.RolloutBuffer(4)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            for step in range(160):                  # a flat loop: learn every 4 steps
+                key, sub = ff.random.split(key)
+                obs, r, term, trunc, info = env.step(act(state["w"], obs, sub))
+                buf.add(reward=r)
+                ff.log({"step": step})               # a row of its own after each env step
+                if step % 4 == 3:
+                    state, m = learn(state, buf.collect())
+                    ff.log(m)
+            return state
+    """)
+    program = load(str(path))
+    out = tmp_path / "run"
+    ff.run(program.train, policy="single_process", out=out, checkpoint_every=10)
+    with open(out / "metrics.csv", newline="") as f:
+        before = list(csv.DictReader(f))
+    oldest = min(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    ff.run(program.train, policy="single_process", resume=out / "checkpoints" / str(oldest))
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [float(r["env_steps"]) for r in rows]
+    twice = [k for k, n in collections.Counter(r["step"] for r in rows if r["step"]).items() if n > 1]
+    assert len(rows) == len(before) and not twice and steps == sorted(steps), (len(rows), len(before), twice)

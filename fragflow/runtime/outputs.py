@@ -21,6 +21,18 @@ def _updates(row: dict[str, str]) -> float:
         return 0.0
 
 
+def _before(row: dict[str, str], at: tuple[int, int]) -> bool:
+    """A row made by the checkpoint ``at`` (updates, env steps) resumes from: one of an earlier update,
+    or of its update but no later env step (the loop's own rows after the update, before the cut)."""
+    updates = _updates(row)
+    if updates != at[0]:
+        return updates < at[0]
+    try:
+        return float(row.get("env_steps") or 0) <= at[1]
+    except ValueError:
+        return True
+
+
 def _rewrite(path: Path, columns: list[str], rows: list[dict[str, str]]) -> None:
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
@@ -68,8 +80,9 @@ class RunOutputs:
                 header, rows = reader.fieldnames, list(reader)
             if header:
                 self._columns = list(header)
-                if any(_updates(r) > resumed_at[0] for r in rows):
-                    _rewrite(metrics, self._columns, [r for r in rows if _updates(r) <= resumed_at[0]])
+                kept = [r for r in rows if _before(r, resumed_at)]
+                if len(kept) < len(rows):
+                    _rewrite(metrics, self._columns, kept)
         if resumed_at is None:   # a new run in a directory used before: the last run's outputs go
             for old in (metrics, self.dir / "returns.png", *(self.dir / "tensorboard").glob("events.out.tfevents.*")):
                 old.unlink(missing_ok=True)
