@@ -1253,3 +1253,50 @@ def test_a_replay_buffer_beside_the_learner_samples_as_single_process_whichever_
     reference = sampled("single_process", tmp_path / "single")
     for attempt in range(3):   # (which copy comes first is the OS's choice: the fault showed in 1-3 runs)
         assert sampled("learner_replay(actors=2, max_lag=0)", tmp_path / f"lr{attempt}") == reference, attempt
+
+
+def test_a_learner_keeping_a_view_of_its_batch_keeps_that_batch(write_algo, tmp_path):
+    """A batch reaches a learner process as zero-copy views of a ring slot, which the actor writes
+    again once it is freed: a state holding a view (torch.as_tensor(batch["obs"])[-1]) held the next
+    rollout's data at the next update (helper round 23)."""
+    path, _ = write_algo("""
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            logits = torch.as_tensor(obs, dtype=torch.float32) @ w
+            return np.argmax(logits.numpy() + ff.random.gumbel(key, (2,)), axis=-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            prev = state["last_obs"]                    # what the previous update kept
+            obs = torch.as_tensor(batch["obs"])         # shares the batch's memory
+            w = state["w"] + 0.01 * torch.einsum("tei->i", obs)[:, None] * torch.tensor([1.0, -1.0])
+            return {"w": w, "last_obs": obs[-1]}, {"prev": float(prev.sum())}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+            state = ff.versioned({"w": torch.zeros(4, 2), "last_obs": torch.zeros(4, 4)})
+            buf = ff.RolloutBuffer(8)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            seen = []
+            for _ in range(6):
+                for _ in range(8):
+                    key, sub = ff.random.split(key)
+                    obs, r, term, trunc, _ = env.step(act(state["w"], obs, sub))
+                    buf.add(obs=obs, reward=r)
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+            return state
+    """)
+    program = load(str(path))
+
+    def kept(policy):
+        ff.run(program.train, policy=policy, out=tmp_path / policy)
+        with open(tmp_path / policy / "metrics.csv", newline="") as f:
+            return [r["prev"] for r in csv.DictReader(f)]
+
+    assert kept("pipelined(max_lag=0)") == kept("single_process")

@@ -27,6 +27,7 @@ import cloudpickle
 import numpy as np
 
 from fragflow import context
+from fragflow.compiler.axes import address
 from fragflow.api.fragment import Fragment
 from fragflow.compiler.pytree import (
     flatten,
@@ -509,6 +510,10 @@ class ServiceRunner:
                     out = frag.fn(*bound.args, **bound.kwargs)
             else:
                 out = frag.fn(*bound.args, **bound.kwargs)
+        rings = [span() for span in {id(p.ring): getattr(p.ring, "memory", None) for p in pieces}.values()
+                 if span is not None]
+        if rings:   # what the call keeps must outlive its pieces' slots (a learner's state may view its batch)
+            out = _owned(out, rings)
         writes = frag.writes
         if writes is not None:
             state = skel_state_name(skel, writes)
@@ -699,3 +704,31 @@ def skel_state_name(skel: Any, param: str) -> str:
     keys, kids = skel[1], skel[2]
     ref = kids[keys.index(param)]
     return str(ref[1])
+
+
+def _owned(tree: Any, spans: list[tuple[int, int]]) -> Any:
+    """``tree`` with each array leaf whose memory lies in one of ``spans`` (ring slots about to be
+    freed for the next piece) replaced by a copy: a batch's zero-copy views are the call's to read,
+    not to keep (``torch.as_tensor(batch["obs"])[-1]`` in the state it returns). Dicts and lists are
+    changed in place; modules and optimizers hold their own tensors and are not walked."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            new = _owned(v, spans)
+            if new is not v:
+                tree[k] = new
+        return tree
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            new = _owned(v, spans)
+            if new is not v:
+                tree[i] = new
+        return tree
+    if isinstance(tree, tuple):
+        kids = [_owned(v, spans) for v in tree]
+        if all(a is b for a, b in zip(kids, tree)):
+            return tree
+        return type(tree)(*kids) if hasattr(tree, "_fields") else tuple(kids)
+    at = address(tree)
+    if at is not None and any(lo <= at[0] < hi for lo, hi in spans):
+        return tree.copy() if isinstance(tree, np.ndarray) else tree.clone()
+    return tree

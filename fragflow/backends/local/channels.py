@@ -274,6 +274,12 @@ class TrajectoryChannel:
         """Items queued that this consumer has not taken yet."""
         return int(self.header[_HEAD]) - self._next
 
+    def memory(self) -> tuple[int, int]:
+        """The addresses of this process's mapping of the slots, ``[lo, hi)``: a value a consumer keeps
+        past ``release`` must not lie there (the producer writes the slot again)."""
+        lo = int(self.seg.buf.__array_interface__["data"][0]) + self._base
+        return lo, lo + self.capacity * self._slot_bytes
+
     def release(self, lag: int | None = None, dropped: bool = False) -> None:
         """Free the oldest slot (its views become invalid); record its lag or its drop."""
         tail = int(self.header[_TAIL])
