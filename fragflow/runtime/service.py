@@ -27,8 +27,8 @@ import cloudpickle
 import numpy as np
 
 from fragflow import context
-from fragflow.compiler.axes import address
 from fragflow.api.fragment import Fragment
+from fragflow.compiler.axes import address
 from fragflow.compiler.pytree import (
     flatten,
     from_numpy,
