@@ -993,3 +993,55 @@ def test_a_resume_from_an_older_checkpoint_writes_each_loop_row_once(tmp_path, w
     steps = [float(r["env_steps"]) for r in rows]
     twice = [k for k, n in collections.Counter(r["step"] for r in rows if r["step"]).items() if n > 1]
     assert len(rows) == len(before) and not twice and steps == sorted(steps), (len(rows), len(before), twice)
+
+
+def test_a_resumed_learner_process_draws_on_from_its_saved_random_state(tmp_path, write_algo):
+    """A learner in its own process drawing from torch's global generator: its random state was not
+    in the checkpoint, so a resumed run drew the run's first numbers again (helper round 23)."""
+    import shutil
+
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return (ff.random.uniform(key, ()) < 0.5).astype(np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            draw = float(torch.rand(()))              # the learner's global torch generator
+            return {"w": state["w"] + draw}, {"draw": draw}
+
+        def train():
+            torch.manual_seed(0)
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(1)})
+            buf = ff.RolloutBuffer(4)
+            key = ff.random.keys(0, env.ids)
+            for u in range(10):
+                obs = env.reset()
+                for t in range(4):
+                    key, sub = ff.random.split(key)
+                    obs, r, term, trunc, info = env.step(act(state["w"], obs, sub))
+                    buf.add(reward=r)
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+            return state
+    """)
+    program = load(str(path))
+
+    def draws(run_dir):
+        with open(run_dir / "metrics.csv", newline="") as f:
+            return [r["draw"] for r in csv.DictReader(f)]
+
+    whole = ff.run(program.train, policy="pipelined(max_lag=0)", out=tmp_path / "whole", checkpoint_every=4)
+    first = min(int(p.name) for p in (tmp_path / "whole" / "checkpoints").iterdir() if p.name.isdigit())
+    shutil.copytree(tmp_path / "whole", tmp_path / "again")
+    resumed = ff.run(program.train, policy="pipelined(max_lag=0)", resume=tmp_path / "again" / "checkpoints" / str(first))
+    assert draws(tmp_path / "again") == draws(tmp_path / "whole")
+    assert np.array_equal(resumed.value["w"], whole.value["w"])

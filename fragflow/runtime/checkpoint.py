@@ -41,6 +41,7 @@ from fragflow.runtime.encoding import _NO, Mismatch, Unsupported, _array, _enc, 
 __all__ = ["Checkpoint", "CheckpointError", "Every", "Mismatch", "RunCheckpoints", "Unsupported", "decode", "encode"]
 
 FORMAT = 1
+RANDOM = "__fragflow_random__"   # in a service group's states part: that process's global random states
 MANIFEST = "manifest.json"
 KEEP = 3
 

@@ -121,6 +121,7 @@ class ServiceRunner:
         self._stall_warned = False
         self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
         self.resume_objects: tuple[Any, Any] | None = None
+        self.resume_random: tuple[Any, Any] | None = None
         if self.saving.get("resume"):
             from fragflow.runtime import checkpoint
 
@@ -128,6 +129,10 @@ class ServiceRunner:
             assert ckpt is not None
             if f"objects.{program.group}" in ckpt.manifest["parts"]:
                 self.resume_objects = ckpt.part(f"objects.{program.group}")
+            if f"states.{program.group}" in ckpt.manifest["parts"]:   # (this group's random states, saved with them)
+                meta, arrays = ckpt.part(f"states.{program.group}")
+                if checkpoint.RANDOM in meta:
+                    self.resume_random = (meta[checkpoint.RANDOM], arrays)
 
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -172,6 +177,8 @@ class ServiceRunner:
                 from fragflow.runtime.checkpoint import set_global_random
 
                 set_global_random(*msg[3])
+                if self.resume_random is not None:   # a resumed run's learner draws on from where it was
+                    set_global_random(*self.resume_random)
                 self._seeded = True
             self.states[msg[1]] = cloudpickle.loads(msg[2])
             if self.program.world > 1:
@@ -661,6 +668,9 @@ class ServiceRunner:
             checkpoint.deliver(self.results, self.saving, seq, self.driver, f"objects.{group}", objects, arrays, {})
         owned = set(self.program.writes) | set(self.writes) | {b.state for b in self.program.publish}
         meta, arrays = checkpoint.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
+        rng, rng_arrays = checkpoint.global_random()   # what the learner draws next (torch.randperm, dropout)
+        meta[checkpoint.RANDOM] = rng
+        arrays.update(rng_arrays)
         checkpoint.deliver(self.results, self.saving, seq, self.driver, f"states.{group}", meta, arrays,
                            {"version": self.version})
 
