@@ -1300,3 +1300,50 @@ def test_a_learner_keeping_a_view_of_its_batch_keeps_that_batch(write_algo, tmp_
             return [r["prev"] for r in csv.DictReader(f)]
 
     assert kept("pipelined(max_lag=0)") == kept("single_process")
+
+
+def test_a_loop_failing_after_an_update_writes_that_updates_row_at_its_steps(write_algo, tmp_path):
+    """The loop's own code raising right after an update: its row waited for a mark of the next
+    update, which never came, and was forced out with the driver's counts of the moment (helper
+    round 23)."""
+    path, _ = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return (ff.random.uniform(key, ()) < 0.5).astype(np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"n": state["n"] + 1}, {"loss": float(batch["reward"].sum())}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"n": np.zeros(1)})
+            buf = ff.RolloutBuffer(16)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            for u in range(20):
+                for t in range(16):
+                    key, sub = ff.random.split(key)
+                    obs, r, term, trunc, info = env.step(act(state["n"], obs, sub))
+                    buf.add(reward=r)
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+                if u == 7:
+                    raise ValueError("the loop fails after an update")
+            return state
+    """)
+    program = load(str(path))
+
+    def rows(policy):
+        with pytest.raises((ValueError, WorkerFailed)):
+            ff.run(program.train, policy=policy, out=tmp_path / policy)
+        with open(tmp_path / policy / "metrics.csv", newline="") as f:
+            return [(r["env_steps"], r["updates"], r["episodes"]) for r in csv.DictReader(f)]
+
+    single = rows("single_process")
+    assert single[-1][:2] == ("256.0", "8.0")
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=1, max_lag=0)"):
+        assert rows(policy) == single, policy

@@ -204,12 +204,17 @@ class Driver:
             self.wiring.stop.set()
             self._hear_out()
             raise
+        except WorkerFailed:   # what the others made of the calls sent before the failure still has its rows
+            self.wiring.stop.set()
+            self._hear_out(STOP_HEAR_OUT / 5)
+            raise
         finally:
             self.monitor.channels(self.channel_stats())
 
     def _hear_out(self, wait: float = STOP_HEAR_OUT) -> None:
-        """The run stops early (its target reached): take in what the processes still send until they
-        have stopped, so that the updates they made have their rows, with their own steps."""
+        """The run stops early (its target reached, a process failed): take in what the processes
+        still send until they have stopped, so that the updates they made have their rows, with their
+        own steps."""
         deadline = time.monotonic() + wait
         results = self.wiring.results
         while len(self.finished) < len(self.procs) and time.monotonic() < deadline:
@@ -346,6 +351,8 @@ class Driver:
                     raise KeyboardInterrupt
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
+            if role == "actor":   # its loop has ended: the rows it marked are written with their own steps
+                self.monitor.loop_ended(index)
             exc = WorkerFailed(role, index, fragment, tb)
             cause = None
             if blob is not None:
