@@ -1347,3 +1347,57 @@ def test_a_loop_failing_after_an_update_writes_that_updates_row_at_its_steps(wri
     assert single[-1][:2] == ("256.0", "8.0")
     for policy in ("pipelined(max_lag=0)", "actor_learner(actors=1, max_lag=0)"):
         assert rows(policy) == single, policy
+
+
+def test_the_loops_own_rows_hold_the_evaluation_episodes_ended_by_then(write_algo, tmp_path):
+    """A loop value logged after each env step makes rows of its own between updates; their
+    evaluation columns counted every evaluation episode heard, those run after the next update
+    included, so eval_episodes went 4, 4, 6, 6, 4 (helper round 23)."""
+    path, _ = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return (ff.random.uniform(key, ()) < 0.5).astype(np.int64)
+
+        @ff.fragment("actor", name="act_eval")
+        def act_eval(w, obs):
+            return (obs[:, 2] > 0).astype(np.int64) + 0 * w.astype(np.int64)[:1]
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1.0}, {"loss": float(batch["reward"].sum())}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            ev = ff.envs.make("CartPole-v1", num_envs=2, seed=100, max_episode_steps=5, evaluation=True)
+            state = ff.versioned({"w": np.zeros(3)})
+            buf = ff.RolloutBuffer(4)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            for u in range(6):
+                for t in range(4):
+                    key, sub = ff.random.split(key)
+                    obs, r, term, trunc, info = env.step(act(state["w"], obs, sub))
+                    buf.add(reward=r)
+                    ff.log({"t": t})               # a row of its own after each env step
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+                if u % 2 == 1:
+                    eo = ev.reset()
+                    for _ in range(6):
+                        eo, _, _, _, _ = ev.step(act_eval(state["w"], eo))
+            return state
+    """)
+    program = load(str(path))
+
+    def columns(policy):
+        ff.run(program.train, policy=policy, out=tmp_path / policy)
+        with open(tmp_path / policy / "metrics.csv", newline="") as f:
+            return [(r["env_steps"], r["updates"], r["eval_episodes"], r["eval_return_mean"]) for r in csv.DictReader(f)]
+
+    single = columns("single_process")
+    assert [r[2] for r in single] == sorted(r[2] for r in single) and single[-1][2] == "4.0"
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
+        assert columns(policy) == single, policy

@@ -213,6 +213,14 @@ class Monitor:
                 row.update(env_steps=float(self.base_steps + steps * self.marked_replicas),
                            updates=float(self.base_updates + update))
                 self._episode_columns(row, self._ended_by({r: steps for r in range(self.marked_replicas)}))
+                # the evaluation episodes replica 0 had ended by then (not those it ends after the
+                # row's next update, heard already), as single_process's row holds them
+                at = self._first_mark.get(0, 1) - 1 + update
+                evals = [ret for u, t, ret, _ in self._eval_tagged if u <= at and t <= steps]
+                if self._eval_tagged or self.base_eval_episodes:
+                    recent = evals[-RETURN_WINDOW:]
+                    row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
+                    row["eval_return_mean"] = sum(recent) / len(recent) if recent else math.nan
                 row.update(scalars)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
