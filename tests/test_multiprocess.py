@@ -1401,3 +1401,56 @@ def test_the_loops_own_rows_hold_the_evaluation_episodes_ended_by_then(write_alg
     assert [r[2] for r in single] == sorted(r[2] for r in single) and single[-1][2] == "4.0"
     for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
         assert columns(policy) == single, policy
+
+
+def test_a_restarted_first_actor_logs_each_loop_value_once(write_algo, tmp_path):
+    """Loop replica 0 logs the loop's values; restarted, it re-runs the trips since its last snapshot,
+    sending none of their calls again, but the ff.log after the last call it skipped was sent again:
+    update u's value landed in update u+1's row (helper round 23)."""
+    import collections
+
+    path, _ = write_algo("""
+        import time
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(net, obs, key):
+            time.sleep(0.005)   # a run of a few seconds: the kill lands mid-run
+            logits = net(torch.as_tensor(obs, dtype=torch.float32)).detach().numpy()
+            return np.argmax(logits + ff.random.gumbel(key, (2,)), axis=-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            net, opt = state["net"], state["opt"]
+            loss = net(torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            return state, {"loss": loss.detach()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            torch.manual_seed(0)
+            net = torch.nn.Linear(4, 2)
+            state = ff.versioned({"net": net, "opt": torch.optim.Adam(net.parameters(), lr=1e-3)})
+            buf = ff.RolloutBuffer(10)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            for update in range(150):
+                for step in range(10):
+                    key, sub = ff.random.split(key)
+                    obs, r, term, trunc, info = env.step(act(state["net"], obs, sub))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+                ff.log({"u": update})
+            return state
+    """)
+    program = load(str(path))
+    killer = kill_actor_later("fragflow-actor-0", after=2.0)
+    result = ff.run(program.train, policy="actor_learner(actors=2)", out=tmp_path / "run")
+    killer.join()
+    assert result.summary["status"] == "completed" and result.summary["restarts"] == 1
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        logged = [r["u"] for r in csv.DictReader(f) if r.get("u")]
+    assert [u for u, n in collections.Counter(logged).items() if n > 1] == []

@@ -48,6 +48,8 @@ REPORT_EVERY = 0.2   # seconds between progress reports to the driver
 class Reporter(Protocol):
     """Where a loop's events go: the monitor (one process) or the driver's queue (a worker)."""
 
+    log_seq: int   # the loop's number of the ff.log call being reported
+
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None: ...
     def update(self) -> None: ...
     def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
@@ -110,6 +112,8 @@ class LoopInterpreter:
         self.restored: Any = None             # a checkpoint's states part: versioned state starts from it
         self.restarted = False                # a replica started again after its process died
         self.skip_until = 0                   # (restarted) calls its dead process already sent: not sent again
+        self.logs = 0                         # ff.log calls made (replica 0 reports them)
+        self.skip_logs = 0                    # (restarted) those its dead process had reported: not again
         self.on_update: Callable[[int], None] | None = None   # after each clock call (checkpoint schedule)
 
     # -- interpreter protocol ------------------------------------------------------------
@@ -418,8 +422,11 @@ class LoopInterpreter:
 
     # -- logging -----------------------------------------------------------------------------
     def _log(self, tree: Any) -> None:
-        if self.index != 0 or self._seq < self.skip_until:
+        n = self.logs
+        self.logs += 1
+        if self.index != 0 or n < self.skip_logs:
             return None   # (a restarted replica re-running trips its dead process had made: reported then)
+        self.reporter.log_seq = n   # (the driver counts the loop's logs it heard: a restart skips those)
         requests: list[tuple[str, int, int, str, str, int]] = []
         self._check_logged(tree, "", requests)
         # after an env step, a row of its own (single_process's row ends at the next step)

@@ -74,6 +74,7 @@ class Driver:
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}
         self.points: dict[int, tuple[Any, ...]] = {}     # replica -> where it last said it stood
+        self.logs_heard = 0   # the ff.log calls of loop replica 0 heard (a restarted replica 0 skips as many)
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
         self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
@@ -178,7 +179,8 @@ class Driver:
         endpoints.admission.forget(k)
         self.restarts[k] = self.restarts.get(k, 0) + 1
         self.monitor.restarted(f"actor {k} {how}: restarted ({self.restarts[k]} of {self.max_restarts})")
-        saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts})
+        saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts,
+                                            "skip_logs": self.logs_heard if k == 0 else 0})
         with _no_main_reimport():
             p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program, self._wiring_for("actor", k),
                                                  saving), f"fragflow-actor-{k}-r{self.restarts[k]}")
@@ -299,10 +301,13 @@ class Driver:
             self._computed(*msg[2:])
         elif kind == "logs":
             self._computed(*msg[1:])
-        elif kind == "logged" and self.monitor.marked_replicas:
-            for fragment, call, part, rest, name, update in msg[1]:
-                self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
+        elif kind == "logged":
+            self.logs_heard = max(self.logs_heard, msg[4] + 1)
+            if self.monitor.marked_replicas:
+                for fragment, call, part, rest, name, update in msg[1]:
+                    self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
         elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
+            self.logs_heard = max(self.logs_heard, msg[5] + 1)
             self.monitor.log_at(msg[2], msg[1], msg[3], msg[4])
         elif kind == "warn":
             self.monitor.warn(msg[1])

@@ -31,6 +31,7 @@ class MonitorReporter:
 
     def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
+        self.log_seq = 0
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
         if evaluation:

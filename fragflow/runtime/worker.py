@@ -79,6 +79,7 @@ class QueueReporter:
         self.results = results
         self.replica = replica
         self.total_steps = 0
+        self.log_seq = 0   # the loop's number of the ff.log call being reported
         self.total_episodes = 0
         self.episodes: list[tuple[int, float, int]] = []   # (this replica's env steps at its end, return, length)
         self.marks: list[tuple[int, int, int]] = []
@@ -104,11 +105,11 @@ class QueueReporter:
 
     def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
             new_row: bool = False) -> None:
-        self.results.put(("log", scalars, update, steps, new_row))
+        self.results.put(("log", scalars, update, steps, new_row, self.log_seq))
 
     def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
                new_row: bool = False) -> None:
-        self.results.put(("logged", requests, steps, new_row))
+        self.results.put(("logged", requests, steps, new_row, self.log_seq))
 
     def mark(self, update: int) -> None:
         """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
@@ -244,11 +245,13 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     if restart is not None:
         interp.restarted = True
         interp.skip_until = restart["skip_until"]
+        interp.skip_logs = restart.get("skip_logs", 0)
         if restart["point"] is not None:
             meta, arrays, seq, update, counts = restart["point"]
             interp._seq, interp.update = seq, update
             reporter.total_steps, reporter.total_episodes = counts[0], counts[1]
             interp._calls_of = dict(counts[2])   # the calls' numbers go on (what the loop logged names them)
+            interp.logs = counts[3]
             tracker.resume = checkpoint.resume_point((meta, arrays))
     root = saving.get("root")
     admission = endpoints.admission
@@ -289,7 +292,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             # copies: the queue pickles later, in its own thread, while the loop goes on writing
             arrays = {key: np.array(a) for key, a in arrays.items()}
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
-                                   (reporter.total_steps, reporter.total_episodes, dict(interp._calls_of))))
+                                   (reporter.total_steps, reporter.total_episodes, dict(interp._calls_of),
+                                    interp.logs)))
             cost = time.monotonic() - t0
             next_snapshot[0] = time.monotonic() + max(SNAPSHOT_EVERY, SNAPSHOT_COST * cost)
 
