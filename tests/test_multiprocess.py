@@ -231,8 +231,10 @@ def test_killed_worker_stops_a_run_whose_actors_cannot_restart(write_algo):
 
 
 @pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "actor_learner(actors=2, overflow=deliver)",
-                                    "async_relaxed(actors=2)"])
+                                    "actor_learner(actors=2, overflow=block)", "async_relaxed(actors=2)"])
 def test_a_killed_actor_is_restarted_and_no_update_or_step_is_lost(tmp_path, policy):
+    """(overflow=block hung after the restart: the learner waited for the ticket the dead actor had
+    been admitted with; helper round 23)"""
     args = ppo.Args(total_timesteps=160 * 256, num_envs=4, num_steps=64)   # about 7 s: the kill lands mid-run
     killer = kill_actor_later(after=1.5)
     result = ff.run(ppo.train, args, policy=policy, out=tmp_path / "run")

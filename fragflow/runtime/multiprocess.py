@@ -177,6 +177,9 @@ class Driver:
                 raise WorkerDied(f"actor {k} {how}; not restarted: {exc}") from None
             puts += ring.puts
         endpoints.admission.forget(k)
+        loop = self.lowered.loop
+        for group in {route.group for route in loop.remote.values()}:   # its admitted rollouts will not come
+            endpoints.definitions(loop.service_for(group, k)).put(("restarted", k))
         self.restarts[k] = self.restarts.get(k, 0) + 1
         self.monitor.restarted(f"actor {k} {how}: restarted ({self.restarts[k]} of {self.max_restarts})")
         saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts,

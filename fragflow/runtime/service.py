@@ -96,6 +96,7 @@ class ServiceRunner:
         self.next_tag = [0] * program.producers
         self._cursor = 0
         self._ticket = 1      # the next admission ticket to consume (balanced admission)
+        self._void: set[int] = set()   # replicas restarted and not heard from since: no ticket of theirs is coming
         self.finished = [False] * program.producers
         # served inference under arrival gathering: the version each replica's current rollout was
         # first answered with (None between its clock call and its next request)
@@ -163,6 +164,10 @@ class ServiceRunner:
         kind = msg[0]
         if kind == "fragment":
             self.fragments.setdefault(msg[1], self._bind(cloudpickle.loads(msg[2])))
+        elif kind == "restarted":   # (the driver) a loop replica's process died: what it was admitted to make will not come
+            k = msg[1] - self.program.first
+            if 0 <= k < self.program.producers:
+                self._void.add(k)
         elif kind == "cut":   # a loop replica saved its part of checkpoint msg[2] after its call msg[3] - 1
             k = msg[1] - self.program.first
             if 0 <= k < self.program.producers:
@@ -379,9 +384,11 @@ class ServiceRunner:
                     # admitted rollouts (the balance controller's tickets) are consumed in the order
                     # they were admitted: the controller's bound counted on it
                     ready = [kh for kh in heads if kh[1][3][3] <= self._ticket]
+                    self._void -= {k_ for k_, _ in heads}
                     if not ready:
                         held = {k_ for k_, _ in heads}
-                        if any(not self.finished[k_] and k_ not in held for k_ in range(producers)):
+                        if any(not self.finished[k_] and k_ not in held and k_ not in self._void
+                               for k_ in range(producers)):
                             self.endpoints.wait_any(self.program.group, IDLE_WAIT)   # being produced
                         else:
                             self._ticket = min(h[3][3] for _, h in heads)          # admitted, never produced
