@@ -35,7 +35,7 @@ from fragflow.runtime import calls, serial
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
-from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun
+from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 
 
@@ -224,12 +224,11 @@ class _Handover:
 
     def reached(self, finished: list[tuple[float, int]]) -> bool:
         """The training episodes heard while tracing reach the run's target, which stops it (the
-        monitor's test: the mean return of the last ``RETURN_WINDOW`` episodes)."""
-        monitor = self.monitor
-        if monitor.target_return is None or not monitor.stop_on_target:
+        monitor's test, on the returns the monitor hears only when the trace is replayed)."""
+        if not self.monitor.stop_on_target:
             return False
         self._recent.extend(ret for ret, _ in finished)
-        return len(self._recent) == RETURN_WINDOW and sum(self._recent) / RETURN_WINDOW >= monitor.target_return
+        return solves(self._recent, self.monitor.target_return)
 
     @property
     def finished(self) -> bool:

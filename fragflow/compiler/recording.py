@@ -97,7 +97,6 @@ class Recording:
         self._origins: dict[int, Origin] = {}
         self._by_address: dict[tuple[int, tuple[int, ...], int], Origin] = {}   # outputs by memory (see _origin)
         self._containers: dict[tuple[str, str], tuple[Any, str, Any]] = {}   # (node, port) -> its last output container
-        self._container_ids: dict[int, tuple[str, str]] = {}   # id of a container -> the first key holding it
         self._axis_hint: dict[int, tuple[tuple[str, int], Callable[[], Any]]] = {}
         # the current call's
         self._input_ids: set[int] = set()
@@ -162,7 +161,8 @@ class Recording:
                 where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
                                  "Python numbers and configuration (a frozen dataclass, a string); keep other "
                                  "objects in the loop or inside the fragment") from None
-        container = self._container(value)
+        container = next(((node, port, axes) for (node, port), (obj, _, axes) in self._containers.items()
+                          if obj is value), None)
         out = []
         for path, leaf in leaves:
             self._input_ids.add(id(leaf))
@@ -184,28 +184,6 @@ class Recording:
                 axis = in_axes(f"{pname}{path}")   # the loop made it, the fragment declares its rows
             out.append((path, leaf, src, port, src_path, axis))
         return out
-
-    def _container(self, value: Any) -> tuple[str, str, Any] | None:
-        """(node, port, axes) of the first output container that ``value`` is, if any."""
-        key = self._container_ids.get(id(value))
-        if key is None:
-            return None
-        obj, _, axes = self._containers[key]
-        return (key[0], key[1], axes) if obj is value else None
-
-    def _hold_container(self, key: tuple[str, str], item: Any, role: str, axes: Any) -> None:
-        """Keep ``item`` as the last output container of ``key``; each container held is found by its
-        id, under the first key (in the order the keys were made) that holds it."""
-        old = self._containers.get(key)
-        self._containers[key] = (item, role, axes)
-        if old is not None and old[0] is not item and self._container_ids.get(id(old[0])) == key:
-            del self._container_ids[id(old[0])]
-            other = next((k for k, (obj, _, _) in self._containers.items() if obj is old[0]), None)
-            if other is not None:
-                self._container_ids[id(old[0])] = other
-        first = next(k for k, (obj, _, _) in self._containers.items() if obj is item) \
-            if id(item) in self._container_ids else key
-        self._container_ids[id(item)] = first
 
     def _origin(self, leaf: Any) -> Origin | None:
         origin = self._origins.get(id(leaf))
@@ -295,7 +273,7 @@ class Recording:
             items = [(f"[{i}]", x) for i, x in enumerate(out) if i >= first] if isinstance(out, tuple) else [("", out)]
             for port, item in items:
                 if isinstance(item, (dict, list)):
-                    self._hold_container((rec.name, port), item, rec.role, axes)
+                    self._containers[(rec.name, port)] = (item, rec.role, axes)
         registered: set[int] = set()
         for port, path, leaf in leaves:
             axis = axis_of(path) if axis_of is not None else None

@@ -163,12 +163,12 @@ class Tracer(Recording):
         # a placement over several processes must know of, and graph.txt shows without it.
         # FRAGFLOW_TRACE_EVERY_CALL=1 records every call.
         self.quick = False
-        # learner outputs as probes (what the loop reads of them): not where one process runs the loop
-        self.probes = True
         # where the trace is the run's beginning: whether the episodes just finished reach the run's
         # target (with --stop-on-target), so that the run stops at that step, as eagerly
         self.reached: Callable[[list[tuple[float, int]]], bool] | None = None
-        self.begins_run = False   # the trace is the run's beginning whatever the graph (single_process)
+        # the trace is the run's beginning whatever the graph (single_process): the loop reads its
+        # learners' outputs as eagerly, no probe notes where
+        self.begins_run = False
         self._trip: list[Fragment] = []
         self._trips: list[tuple[Fragment, ...]] = []
         self._cycle: tuple[Fragment, ...] | None = None
@@ -402,7 +402,7 @@ class Tracer(Recording):
             plain = out
             if self.journal is not None:
                 self.journal.append(("learn", time.perf_counter(), rec.name))
-            if self.probes:   # (one process: the loop reads its learners' outputs as eagerly, nothing to note)
+            if not self.begins_run:
                 out = self._probed(rec.name, out)
             if self._primary is None:
                 self._primary = id(frag)
@@ -848,7 +848,6 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
 
         tracer.handover = take
         one_process = bool(getattr(handover, "one_process", False))
-        tracer.probes = not one_process
         tracer.quick = one_process and os.environ.get("FRAGFLOW_TRACE_EVERY_CALL", "").lower() not in ("1", "true", "yes")
         tracer.reached = getattr(handover, "reached", None) if one_process else None
         tracer.begins_run = one_process

@@ -8,7 +8,7 @@ import math
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,12 @@ def logged_name(name: str, rest: str) -> str:
 
 
 MAX_WAITING_ROWS = 100_000   # metrics rows held for their updates' marks (a few hundred bytes each)
+
+
+def solves(recent: Sequence[float], target: float | None) -> bool:
+    """Whether the last training returns ``recent`` reach ``target``: their mean, over a full window of
+    ``RETURN_WINDOW`` episodes (what ``solved_at_*`` and ``--stop-on-target`` go by)."""
+    return target is not None and len(recent) == RETURN_WINDOW and sum(recent) / RETURN_WINDOW >= target
 
 
 class StopRun(BaseException):
@@ -149,8 +155,7 @@ class Monitor:
             self.recent_lengths.append(length)
             if self.outputs is not None and not self.marked_replicas:   # else when its row is written
                 self.outputs.write_episode(self.env_steps, ret, length)
-            if (self.target_return is not None and self.solved_at_steps is None
-                    and len(self.recent) == RETURN_WINDOW and sum(self.recent) / RETURN_WINDOW >= self.target_return):
+            if self.solved_at_steps is None and solves(self.recent, self.target_return):
                 self.solved_at_seconds = self.wall_seconds
                 self.solved_at_steps = self.env_steps
                 if self.stop_on_target:
