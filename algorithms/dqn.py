@@ -12,6 +12,7 @@ target network in the loop. Where the buffer lives is the policy's choice::
     fragflow run algorithms/dqn.py --policy single_process
     fragflow run algorithms/dqn.py --policy "actor_learner(actors=2)" --set num_envs=2   # a buffer per actor
     fragflow run algorithms/dqn.py --policy learner_replay                              # the buffer with the learner
+    fragflow run algorithms/dqn.py --set device=cuda                                    # the networks on a GPU
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class Args:
     """steps between gradient steps"""
     prioritized: bool = False
     """prioritized replay: sample by TD error and write the new errors back"""
+    device: str = "cpu"
+    """torch device of the networks ("cuda": a GPU)"""
 
     @property
     def num_iterations(self) -> int:
@@ -83,20 +86,21 @@ def act(q, obs, key, epsilon):
     if explore.all():   # as CleanRL: no forward pass where no environment acts greedily
         return random_action
     with torch.no_grad():
-        q_values = q(torch.as_tensor(obs, dtype=torch.float32))
-    return np.where(explore, random_action, q_values.argmax(dim=-1).numpy())
+        q_values = q(torch.as_tensor(obs, dtype=torch.float32, device=q.network[-1].weight.device))
+    return np.where(explore, random_action, q_values.argmax(dim=-1).cpu().numpy())
 
 
 # LEARN: one gradient step on the TD error against the target network
 @ff.fragment("learner", writes="state")
 def learn(state, target, batch, args: Args):
     q, optimizer = state["q"], state["optimizer"]
-    obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
-    next_obs = torch.as_tensor(batch["next_obs"], dtype=torch.float32)
-    action = torch.as_tensor(batch["action"], dtype=torch.int64)
-    reward = torch.as_tensor(batch["reward"], dtype=torch.float32)
-    done = torch.as_tensor(batch["done"], dtype=torch.float32)
-    weight = torch.as_tensor(batch["weight"], dtype=torch.float32)
+    device = q.network[-1].weight.device
+    obs = torch.as_tensor(batch["obs"], dtype=torch.float32, device=device)
+    next_obs = torch.as_tensor(batch["next_obs"], dtype=torch.float32, device=device)
+    action = torch.as_tensor(batch["action"], dtype=torch.int64, device=device)
+    reward = torch.as_tensor(batch["reward"], dtype=torch.float32, device=device)
+    done = torch.as_tensor(batch["done"], dtype=torch.float32, device=device)
+    weight = torch.as_tensor(batch["weight"], dtype=torch.float32, device=device)
     with torch.no_grad():
         target_max = target["q"](next_obs).max(dim=1).values
         td_target = reward + args.gamma * target_max * (1 - done)
@@ -107,7 +111,7 @@ def learn(state, target, batch, args: Args):
     loss.backward()
     optimizer.step()
     metrics = {"td_loss": loss.detach(), "q_values": old_val.mean().detach()}
-    return state, metrics, td_error.detach().abs()
+    return state, metrics, td_error.detach().abs().cpu()
 
 
 # TARGET: soft update (tau=1 copies the Q-network)
@@ -123,7 +127,7 @@ def train(args: Args):
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
-    q = QNetwork(obs_dim, int(env.single_action_space.n))  # type: ignore[attr-defined]
+    q = QNetwork(obs_dim, int(env.single_action_space.n)).to(args.device)  # type: ignore[attr-defined]
     # foreach=True: the default update, bit for bit, in a few vectorised operations rather than a few per tensor
     state = ff.versioned({"q": q, "optimizer": torch.optim.Adam(q.parameters(), lr=args.learning_rate, foreach=True)})
     target = ff.versioned({"q": copy.deepcopy(q)}, name="target")

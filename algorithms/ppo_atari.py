@@ -9,6 +9,7 @@ returns are the game's scores. Written the way the README tells users to write t
 
     fragflow run algorithms/ppo_atari.py --set env_id=ALE/Breakout-v5
     fragflow run algorithms/ppo_atari.py --policy "actor_learner(actors=2)"
+    fragflow run algorithms/ppo_atari.py --set device=cuda                 # the network on a GPU
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Args:
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
+    device: str = "cpu"
+    """torch device of the network ("cuda": learning and acting on a GPU; every process that acts
+    holds its own copy there)"""
 
     @property
     def num_updates(self) -> int:
@@ -73,22 +77,23 @@ class Agent(nn.Module):
 @ff.fragment("actor")
 def act(model, obs, key):
     with torch.no_grad():
-        logp, value = model(torch.as_tensor(obs))
-    logp_np = logp.numpy()
+        logp, value = model(torch.as_tensor(obs, device=model.vf.weight.device))
+    logp_np = logp.cpu().numpy()
     action = (logp_np + ff.random.gumbel(key, (logp_np.shape[-1],))).argmax(-1)
-    return action, np.take_along_axis(logp_np, action[:, None], -1)[:, 0], value.numpy()
+    return action, np.take_along_axis(logp_np, action[:, None], -1)[:, 0], value.cpu().numpy()
 
 
 @ff.fragment("learner", writes="state")
 def learn(state, batch, lr, args: Args):
     model, optimizer = state["model"], state["optimizer"]
+    device = model.vf.weight.device
     for group in optimizer.param_groups:
         group["lr"] = float(lr)
     reward = np.asarray(batch["reward"], np.float32)
     value = np.asarray(batch["value"], np.float32)
     done = np.asarray(batch["done"], np.float32)
     with torch.no_grad():
-        next_value = model(torch.as_tensor(batch["next_obs"]))[1].numpy()
+        next_value = model(torch.as_tensor(batch["next_obs"], device=device))[1].cpu().numpy()
     adv = np.zeros_like(reward)
     last = np.zeros_like(next_value)
     for t in reversed(range(reward.shape[0])):   # GAE; done[t]: step t began a new episode
@@ -96,11 +101,11 @@ def learn(state, batch, lr, args: Args):
         following = next_value if t == reward.shape[0] - 1 else value[t + 1]
         last = reward[t] + args.gamma * following * nonterminal - value[t] + args.gamma * args.gae_lambda * nonterminal * last
         adv[t] = last
-    obs = torch.as_tensor(batch["obs"]).flatten(0, 1)
-    b_action = torch.as_tensor(batch["action"], dtype=torch.int64).flatten()
-    b_logp = torch.as_tensor(batch["logprob"], dtype=torch.float32).flatten()
-    b_adv = torch.from_numpy(adv).flatten()
-    b_value = torch.from_numpy(value).flatten()
+    obs = torch.as_tensor(batch["obs"], device=device).flatten(0, 1)
+    b_action = torch.as_tensor(batch["action"], dtype=torch.int64, device=device).flatten()
+    b_logp = torch.as_tensor(batch["logprob"], dtype=torch.float32, device=device).flatten()
+    b_adv = torch.from_numpy(adv).to(device).flatten()
+    b_value = torch.from_numpy(value).to(device).flatten()
     b_ret = b_adv + b_value
     n = obs.shape[0]
     size = n // args.num_minibatches
@@ -108,7 +113,7 @@ def learn(state, batch, lr, args: Args):
     clipfrac = []
     for _ in range(args.update_epochs):
         key, sub = ff.random.split(key)
-        order = torch.from_numpy(np.argsort(ff.random.uniform(sub, (n,))[0]))
+        order = torch.from_numpy(np.argsort(ff.random.uniform(sub, (n,))[0])).to(device)
         for start in range(0, n, size):
             mb = order[start:start + size]
             logp_all, newvalue = model(obs[mb])
@@ -136,7 +141,7 @@ LEARNER_KEY_ID = 1 << 40   # an id no environment has: the learner's minibatch s
 def train(args: Args):
     env = ff.envs.atari(args.env_id, num_envs=args.num_envs, seed=args.seed)
     torch.manual_seed(args.seed)
-    model = Agent(env.single_observation_space.shape[0], int(env.single_action_space.n))  # type: ignore[attr-defined,index]
+    model = Agent(env.single_observation_space.shape[0], int(env.single_action_space.n)).to(args.device)  # type: ignore[attr-defined,index]
     state = ff.versioned({"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=args.learning_rate,
                                                                         eps=1e-5),
                           "key": ff.random.keys(args.seed, np.array([LEARNER_KEY_ID]))})

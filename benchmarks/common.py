@@ -34,8 +34,11 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(terse=True),
-            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    found = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(terse=True),
+             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
 
 
 def stats(values: list[float]) -> dict[str, float]:

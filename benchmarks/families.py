@@ -24,6 +24,7 @@ run with each seed steps, ``--episodes`` per seed: the floor ``learn`` is read a
     python benchmarks/families.py speed mujoco [--steps 20000] [--reps 2]
     python benchmarks/families.py learn mujoco [--steps 200000] [--seeds 3]
     python benchmarks/families.py random atari [--seeds 3] [--episodes 100]
+    python benchmarks/families.py speed atari --device cuda        # both sides' networks on a GPU
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from common import print_rows, row, run_json, save, stats
 ARGS = {
     "mujoco": ("ppo", "ppo.Args(env_id='HalfCheetah-v5', num_envs=1, num_steps=2048, learning_rate=3e-4, "
                       "num_minibatches=32, update_epochs=10, ent_coef=0.0, total_timesteps={steps}, seed={seed})"),
-    "atari": ("ppo_atari", "ppo_atari.Args(env_id='ALE/Breakout-v5', total_timesteps={steps}, seed={seed})"),
+    "atari": ("ppo_atari", "ppo_atari.Args(env_id='ALE/Breakout-v5', total_timesteps={steps}, seed={seed}, "
+                           "device={device!r})"),
 }
 # env workers need environments to split: MuJoCo's one env becomes 2 x 1024 steps (the same batch)
 WORKER_ARGS = {"mujoco": ARGS["mujoco"][1].replace("num_envs=1, num_steps=2048", "num_envs=2, num_steps=1024"),
@@ -83,7 +85,7 @@ env = VecTransposeImage(VecFrameStack(make_atari_env("ALE/Breakout-v5", n_envs=8
                                                      env_kwargs=dict(frameskip=1)), n_stack=4))
 model = PPO("CnnPolicy", env, n_steps=128, batch_size=256, n_epochs=4, learning_rate=lambda f: 2.5e-4 * f,
             gamma=0.99, gae_lambda=0.95, clip_range=0.1, clip_range_vf=0.1, ent_coef=0.01, vf_coef=0.5,
-            max_grad_norm=0.5, seed={seed}, device="cpu", verbose=0, policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5)))
+            max_grad_norm=0.5, seed={seed}, device={device!r}, verbose=0, policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5)))
 t = time.perf_counter()
 model.learn({steps})
 print(json.dumps({{"sps": model.num_timesteps / (time.perf_counter() - t)}}))
@@ -93,25 +95,26 @@ print(json.dumps({{"sps": model.num_timesteps / (time.perf_counter() - t)}}))
 DEFAULT_STEPS = {"speed": {"mujoco": 20_000, "atari": 8_192}, "learn": {"mujoco": 200_000, "atari": 300_000}}
 
 
-def fragflow_run(family: str, steps: int, seed: int, policy: str, workers: bool = False) -> dict:
+def fragflow_run(family: str, steps: int, seed: int, policy: str, workers: bool = False, device: str = "cpu") -> dict:
     module, args = ARGS[family]
     args = WORKER_ARGS[family] if workers else args
-    return run_json(FRAGFLOW.format(module=module, args=args.format(steps=steps, seed=seed), policy=policy),
+    return run_json(FRAGFLOW.format(module=module, args=args.format(steps=steps, seed=seed, device=device), policy=policy),
                     env={"FRAGFLOW_THREADS": "1"})   # one torch thread per process, as SB3 gets
 
 
-def speed(family: str, steps: int, reps: int) -> dict:
+def speed(family: str, steps: int, reps: int, device: str = "cpu") -> dict:
     """Steps/s vs SB3 (same settings), and with env worker processes vs without (same settings)."""
     sps: dict[str, list[float]] = {p: [] for p in ("single_process", "pipelined", "sb3", "workers: single_process",
                                                    "workers: actor_learner(actors=2)")}
     for rep in range(reps):
         for policy in ("single_process", "pipelined"):
-            sps[policy].append(fragflow_run(family, steps, rep + 1, policy)["sps"])
-        sps["sb3"].append(run_json(SB3[family].format(steps=steps, seed=rep + 1))["sps"])
+            sps[policy].append(fragflow_run(family, steps, rep + 1, policy, device=device)["sps"])
+        sps["sb3"].append(run_json(SB3[family].format(steps=steps, seed=rep + 1, device=device))["sps"])
         for policy in ("single_process", "actor_learner(actors=2)"):
             same = family != "mujoco" and policy == "single_process"   # the settings are the same: reuse
             sps[f"workers: {policy}"].append(sps["single_process"][-1] if same else
-                                             fragflow_run(family, steps, rep + 1, policy, workers=True)["sps"])
+                                             fragflow_run(family, steps, rep + 1, policy, workers=True,
+                                                          device=device)["sps"])
         print(f"rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in sps.items()) + " steps/s", flush=True)
     rows = [row(f"PPO {family} steps/s, {policy} vs SB3", stats(sps[policy]), "sb3", stats(sps["sb3"]), "steps/s",
                 ">= 1.5" if policy == "single_process" else ">= 2")
@@ -121,7 +124,7 @@ def speed(family: str, steps: int, reps: int) -> dict:
                     stats(sps["workers: actor_learner(actors=2)"]), "single_process", stats(sps["workers: single_process"]),
                     "steps/s", "-"))
     print_rows(rows)
-    return {"steps": steps, "reps": reps, "rows": rows, "sps": sps}
+    return {"steps": steps, "reps": reps, "device": device, "rows": rows, "sps": sps}
 
 
 def learn(family: str, steps: int, seeds: int = 1) -> dict:
@@ -178,13 +181,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seeds", type=int, default=1, help="learn, random: seeds 1..N, one after another")
     p.add_argument("--episodes", type=int, default=100, help="random: episodes per seed")
+    p.add_argument("--device", default="cpu", help="speed, atari: the torch device of both sides' networks (cuda: a GPU)")
     p.add_argument("--out", default=None, help="results file name (default FAMILY_MODE; another keeps that one)")
     a = p.parse_args(argv)
     if a.mode == "random":
         result = random_score(a.family, a.seeds, a.episodes)
     else:
         steps = a.steps or DEFAULT_STEPS[a.mode][a.family]
-        result = speed(a.family, steps, a.reps) if a.mode == "speed" else learn(a.family, steps, a.seeds)
+        if a.device != "cpu" and (a.family != "atari" or a.mode != "speed"):
+            p.error("--device applies to speed atari (the MuJoCo PPO's network is small: it runs on the CPU)")
+        result = speed(a.family, steps, a.reps, a.device) if a.mode == "speed" else learn(a.family, steps, a.seeds)
     result["command"] = "python benchmarks/families.py " + " ".join(argv if argv is not None else sys.argv[1:])
     save(a.out or f"{a.family}_{a.mode}", result)
     return result

@@ -337,14 +337,18 @@ _SHORT = {
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """Shape, dtype and array library of one leaf. Python scalars have dtype 'int'/'float'/'bool'."""
+    """Shape, dtype, array library and device of one leaf. Python scalars have dtype
+    'int'/'float'/'bool'; a torch tensor on an accelerator has its device (``cuda:0``): what crosses
+    a process boundary through host memory is put back there."""
 
     shape: tuple[int, ...]
     dtype: str
     backend: str
+    device: str = "cpu"
 
     def short(self) -> str:
-        return f"{_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
+        where = "" if self.device == "cpu" else f"@{self.device}"
+        return f"{_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]{where}"
 
     @property
     def nbytes(self) -> int:
@@ -381,7 +385,8 @@ def spec_of(x: Any) -> TensorSpec:
     if backend == "python":   # the builtin's name, for subclasses too (the tracer's probes)
         return TensorSpec((), "bool" if isinstance(x, bool) else "int" if isinstance(x, int) else "float", "python")
     if backend == "torch":
-        return TensorSpec(tuple(x.shape), _dtype_name(x.dtype), "torch")
+        device = x.device
+        return TensorSpec(tuple(x.shape), _dtype_name(x.dtype), "torch", "cpu" if device.type == "cpu" else str(device))
     if backend is None:
         raise NotAnArray("", x)
     return TensorSpec(tuple(x.shape), _dtype_name(x.dtype), backend)
@@ -397,13 +402,14 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def from_numpy(arr: np.ndarray, backend: str) -> Any:
-    """A leaf received as numpy, in the library it was traced in (torch: the same memory; jax: a copy
-    on the default device)."""
+def from_numpy(arr: np.ndarray, backend: str, device: str = "cpu") -> Any:
+    """A leaf received as numpy, in the library it was traced in (torch: the same memory, or a copy
+    on its traced ``device``; jax: a copy on the default device)."""
     if backend == "torch":
         import torch
 
-        return torch.from_numpy(arr)
+        t = torch.from_numpy(arr)
+        return t if device == "cpu" else t.to(device, non_blocking=False)
     if backend == "jax":
         import jax.numpy as jnp
 

@@ -10,7 +10,7 @@ the learner runs (functional updates, such as the PPO here, whose Adam is hand-w
 Parameters and optimizer states then stay identical in every learner, so one of them publishes
 the weights for all.
 
-The process group is ``torch.distributed`` with gloo on CPU (nccl for parameters on a GPU),
+The process group is ``torch.distributed`` with gloo (nccl where each learner's parameters are on a GPU of its own),
 meeting at a TCP store the driver hosts. The user's update must make the same number of backward
 passes in every learner per update (no data-dependent early stop), as in DD-PPO.
 """
@@ -22,6 +22,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from fragflow.errors import ConfigError
+
+
+def group_backend(devices: set[Any], rank: int) -> str:
+    """nccl where learner ``rank``'s tensors are all on GPU number ``rank`` (a GPU each), else gloo."""
+    return "nccl" if devices and all(d.type == "cuda" and d.index == rank for d in devices) else "gloo"
 
 
 class GradientAllReduce:
@@ -41,12 +46,14 @@ class GradientAllReduce:
         self.queued = False
         self.order: dict[int, int] = {}
 
-    def _join(self, cuda: bool) -> None:
-        """Join the process group: nccl when the parameters are on a GPU, else gloo."""
+    def _join(self, devices: set[Any]) -> None:
+        """Join the process group: nccl where every learner's parameters are on a GPU of its own
+        (learner k on ``cuda:k``), else gloo, which also averages tensors on a GPU (nccl refuses two
+        learners on one GPU)."""
         assert self.rendezvous is not None
         host, port = self.rendezvous
         store = self.dist.TCPStore(host, port, self.world + 1, is_master=False)
-        self.group_backend = "nccl" if cuda else "gloo"
+        self.group_backend = group_backend(devices, self.rank)
         self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
 
     def watch(self, state: Any, name: str) -> None:
@@ -57,7 +64,7 @@ class GradientAllReduce:
 
         if self.group_backend is None:
             tensors = [x for _, x in leaf_paths(state) if isinstance(x, torch.Tensor)]
-            self._join(any(t.is_cuda for t in tensors))
+            self._join({t.device for t in tensors})
         for opt in _optimizers(state):
             for group in opt.param_groups:
                 for p in group["params"]:

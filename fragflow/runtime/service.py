@@ -462,7 +462,7 @@ class ServiceRunner:
                 out.append(first)
                 continue
             joined = np.concatenate([to_numpy(p.leaves[j]) for p in pieces], axis=axis)
-            out.append(from_numpy(joined, spec.backend))
+            out.append(from_numpy(joined, spec.backend, spec.device))
         return out
 
     def _resolve(self, skel: Any) -> Any:

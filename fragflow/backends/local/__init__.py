@@ -38,8 +38,9 @@ def start_method() -> str:
 
     Fork starts a worker in milliseconds with the driver's modules already imported; spawn starts a
     fresh interpreter (about a second per worker, to import torch) and is the only choice on
-    macOS and Windows. A process that imported JAX (multithreaded) starts its workers from a fork
-    server instead.
+    macOS and Windows. A process that imported JAX (multithreaded), or that has used CUDA (a
+    program whose state is on a GPU: a forked child cannot initialise CUDA again), starts its
+    workers from a fork server instead.
     """
     method = os.environ.get("FRAGFLOW_START_METHOD", "")
     if method:
@@ -51,7 +52,14 @@ def start_method() -> str:
         return "spawn"
     if "jax" in sys.modules:   # JAX runs threads of its own: a forked child of a JAX process may deadlock
         return "forkserver"
+    if _cuda_initialized():   # a forked child cannot use CUDA once its parent has (the program's state is on a GPU)
+        return "forkserver"
     return "fork"
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 class Reports:

@@ -129,5 +129,5 @@ class Layout:
             if spec.backend == "python":
                 out.append(view.item())
                 continue
-            out.append(from_numpy(view.copy() if copy else view, spec.backend))
+            out.append(from_numpy(view.copy() if copy else view, spec.backend, spec.device))
         return out

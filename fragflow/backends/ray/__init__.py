@@ -81,7 +81,7 @@ def _unpack(layout: Layout, items: list[Any]) -> list[Any]:
         if spec.backend == "python":
             out.append(item)
         else:   # a writable copy (object-store arrays are read-only)
-            out.append(from_numpy(np.array(item), spec.backend))
+            out.append(from_numpy(np.array(item), spec.backend, spec.device))
     return out
 
 
