@@ -61,6 +61,15 @@ def test_a_leaf_is_received_on_the_device_it_was_traced_on():
     assert from_numpy(host, "torch").data_ptr() == host.ctypes.data   # on the CPU: the same memory
 
 
+def test_a_rollout_buffer_keeps_tensors_on_their_device():
+    buffer = ff.RolloutBuffer(3)
+    for t in range(3):   # (adding a tensor on another device than the CPU failed: it was copied through numpy)
+        buffer.add(x=torch.empty(2, 4, device="meta"), y=np.full(2, t))
+    out = buffer.collect()
+    assert out["x"].device.type == "meta" and tuple(out["x"].shape) == (3, 2, 4)
+    assert out["y"].tolist() == [[0, 0], [1, 1], [2, 2]]
+
+
 # -- on a GPU ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

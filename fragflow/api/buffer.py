@@ -83,7 +83,7 @@ class RolloutBuffer:
                 _put(view, t, v)
             else:
                 try:
-                    view[t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
+                    view[t] = _host(v) if type(view) is np.ndarray else v   # (torch storage on a GPU: copied there)
                 except ValueError:
                     raise TraceError(f"{self.name}.add got '{k}' of shape {tuple(np.shape(v))}, but its storage "
                                      f"holds steps of shape {tuple(view.shape[1:])} (from the first add)",
@@ -156,7 +156,15 @@ def _put(view: dict[str, Any], t: int, step: Any) -> None:
         if type(view[k]) is dict:
             _put(view[k], t, v)
         else:
-            view[k][t] = v.numpy() if type(v) is not np.ndarray and hasattr(v, "numpy") else v
+            view[k][t] = _host(v) if type(view[k]) is np.ndarray else v
+
+
+def _host(v: Any) -> Any:
+    """``v`` for a numpy view's assignment: a torch tensor as numpy (copied from a GPU)."""
+    if type(v) is np.ndarray or not hasattr(v, "numpy"):
+        return v
+    device = getattr(v, "device", None)
+    return v.cpu().numpy() if getattr(device, "type", "cpu") != "cpu" else v.numpy()
 
 
 def _alloc(num_steps: int, x: Any) -> Any:
