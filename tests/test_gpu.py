@@ -37,13 +37,13 @@ def test_workers_start_from_a_fork_server_once_cuda_is_in_use(monkeypatch):
 
 
 def test_replicated_learners_use_nccl_only_with_a_gpu_each():
-    cuda = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert group_backend({torch.device("cpu")}, rank=0) == "gloo"
-    assert group_backend({cuda[0]}, rank=0) == "nccl"
-    assert group_backend({cuda[1]}, rank=1) == "nccl"
-    assert group_backend({cuda[0]}, rank=1) == "gloo"        # two learners on one GPU: nccl would refuse them
-    assert group_backend({cuda[0], torch.device("cpu")}, rank=0) == "gloo"
-    assert group_backend(set(), rank=0) == "gloo"
+    assert group_backend(["cpu", "cpu"]) == "gloo"
+    assert group_backend(["cuda:0", "cuda:1"]) == "nccl"
+    # two learners on one GPU: nccl would refuse them. Every learner chooses from all the learners'
+    # devices (learner 0 alone chose nccl here, learner 1 gloo, and the run waited for good)
+    assert group_backend(["cuda:0", "cuda:0"]) == "gloo"
+    assert group_backend(["cpu,cuda:0", "cpu,cuda:1"]) == "gloo"
+    assert group_backend(["cuda:0", ""]) == "gloo"
 
 
 def test_a_leaf_is_received_on_the_device_it_was_traced_on():

@@ -24,9 +24,13 @@ from typing import Any
 from fragflow.errors import ConfigError
 
 
-def group_backend(devices: set[Any], rank: int) -> str:
-    """nccl where learner ``rank``'s tensors are all on GPU number ``rank`` (a GPU each), else gloo."""
-    return "nccl" if devices and all(d.type == "cuda" and d.index == rank for d in devices) else "gloo"
+def group_backend(devices: list[str]) -> str:
+    """The process group's backend from every learner's devices (``devices[k]``: learner k's, comma
+    separated): nccl where each learner's tensors are all on a GPU of its own, else gloo (which also
+    averages tensors on a GPU). Every learner must choose the same: nccl refuses two learners on one
+    GPU, and learners that chose differently would wait for each other for good."""
+    gpus = [d for d in devices if d.startswith("cuda") and "," not in d]
+    return "nccl" if len(gpus) == len(devices) and len(set(gpus)) == len(gpus) else "gloo"
 
 
 class GradientAllReduce:
@@ -47,13 +51,14 @@ class GradientAllReduce:
         self.order: dict[int, int] = {}
 
     def _join(self, devices: set[Any]) -> None:
-        """Join the process group: nccl where every learner's parameters are on a GPU of its own
-        (learner k on ``cuda:k``), else gloo, which also averages tensors on a GPU (nccl refuses two
-        learners on one GPU)."""
+        """Join the process group, with the backend :func:`group_backend` chooses from every
+        learner's devices (each learner tells the others its own through the store)."""
         assert self.rendezvous is not None
         host, port = self.rendezvous
         store = self.dist.TCPStore(host, port, self.world + 1, is_master=False)
-        self.group_backend = group_backend(devices, self.rank)
+        store.set(f"fragflow.devices.{self.rank}", ",".join(sorted({str(d) for d in devices})))
+        seen = [store.get(f"fragflow.devices.{k}").decode() for k in range(self.world)]   # (get waits for the key)
+        self.group_backend = group_backend(seen)
         self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
 
     def watch(self, state: Any, name: str) -> None:
