@@ -845,6 +845,58 @@ def train():
         compile(program.train, policy="pipelined")
 
 
+CHANGED_ARGUMENT = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn_pi(state, batch):
+    obs = batch["obs"]
+    obs -= obs.mean(axis=(0, 1))   # in place: the loop's batch too, eagerly
+    return {"w": state["w"] + 1e-3 * obs.sum(axis=(0, 1))[:, None]}, {}
+
+@ff.fragment("learner", writes="state")
+def learn_aux(state, obs):
+    return {"w": state["w"] - 1e-3 * obs.mean()}, {"aux": float(np.abs(obs).sum())}
+
+def train(aux=True):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(3)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(3):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        batch = buf.collect()
+        state, _ = learn_pi(state, batch)  # @pi
+        if aux:
+            state, m = learn_aux(state, batch["obs"])  # @aux
+            ff.log(m)
+    return state
+"""
+
+
+def test_an_argument_changed_in_place_and_read_again_is_refused_where_the_change_is_made_apart(write_algo):
+    path, marks = write_algo(CHANGED_ARGUMENT)
+    program = load(str(path))
+    eager = program.train()
+    one = ff.run(program.train, policy="single_process")   # one process: learn_aux sees the normalised obs
+    assert np.array_equal(one.value["w"], eager["w"])
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn_pi' changes its argument batch\['obs'\] in "
+                                             rf"place, and 'learn_aux' \({relpath(path)}:{marks['aux']}\) is given "
+                                             rf"that same array afterwards, but policy 'pipelined' runs 'learn_pi' in "
+                                             rf"another process.*\n  at {relpath(path)}:{marks['pi']}\n  fix: work on a copy"):
+        compile(program.train, policy="pipelined")
+    # read by nothing afterwards (the buffer's next rollout is new data): runs wherever
+    ff.run(program.train, False, policy="pipelined")
+
+
 def test_a_loop_passing_on_a_state_a_learner_has_written_since_is_refused_where_the_learner_runs_apart(write_algo):
     path, marks = write_algo("""
 import numpy as np

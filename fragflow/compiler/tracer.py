@@ -128,6 +128,11 @@ class Tracer(Recording):
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
+        # array arguments a fragment changed in place (checked in its first two calls, where the trace is
+        # not the run's beginning): id -> (a reference to it, the fragment, which argument, its call), and
+        # the first later call given one of them again: (changer, argument, its call, reader, its call)
+        self._changed_args: dict[int, tuple[Any, str, str, SourceLoc | None]] = {}
+        self.changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None] | None = None
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -268,6 +273,8 @@ class Tracer(Recording):
             bound = _bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
+        if self._changed_args and self.changed_arg is None:
+            self._read_changed(rec, bound, where)
         if self.quick and self.window.updates == 0:
             if self._cycle is not None:
                 if self._cycle[self._pos] is frag and rec.repeat is not None:
@@ -295,6 +302,7 @@ class Tracer(Recording):
         self._loop_made = []
         static = []
         state_args: list[tuple[str, str]] = []
+        data_args: list[tuple[str, Any]] = []
         for pname, value in list(bound.arguments.items()):
             if isinstance(value, (Versioned, VersionedView)):
                 params.append(_state_param(pname, value))
@@ -323,6 +331,7 @@ class Tracer(Recording):
                                        f"{star}{pname}", rec.name, where or user_callsite())
                 continue
             params.append(("data", pname, self._record_inputs(rec, pname, value, window, where, frag.in_axes, crossed)))
+            data_args.append((pname, value))
         if self._loop_made and frag.in_axes is None:
             loop_rows(self._inputs, self._loop_made)
         rec.static = tuple(static)
@@ -355,6 +364,9 @@ class Tracer(Recording):
         if first:
             rec.names_data = {id(v): label for label, v in watched}
         watched_before = [fingerprint(v) for _, v in watched]
+        # (in one process the loop and every fragment share the arrays, as eagerly: only checked elsewhere)
+        given = _array_leaves(data_args) if sum(rec.calls) <= 2 and not self.begins_run else []
+        given_before = [fingerprint(leaf) for _, leaf in given]
         if first:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
@@ -382,6 +394,11 @@ class Tracer(Recording):
             if fingerprint(value) != before:   # changed data the module holds: who else reads it?
                 rec.changes_data[id(value)] = label
                 self._changed_data[id(value)] = label
+        for (label, leaf), before in zip(given, given_before):
+            if fingerprint(leaf) != before:   # an argument changed in place: does anything read it again?
+                self._changed_args[id(leaf)] = (_ref(leaf), rec.name, label, where or user_callsite())
+        if self._changed_args:
+            self._forget_changed(out)
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
             self._hyper[id(opt)] = (opt, hyper_of(opt))
         for sched in schedulers:
@@ -437,6 +454,25 @@ class Tracer(Recording):
             if self.on_taken is not None:
                 self.on_taken()
         return interp
+
+    def _read_changed(self, rec: NodeRec, bound: inspect.BoundArguments, where: SourceLoc | None) -> None:
+        """Note the first call given an array that an earlier call changed in place: eagerly it sees
+        the change; where the changer runs in another process (sent a copy), it would not."""
+        for key in [k for k, hit in self._changed_args.items() if hit[0]() is None]:
+            del self._changed_args[key]   # (dropped by the loop: nothing can read it again)
+        values = [(p, v) for p, v in bound.arguments.items() if not isinstance(v, (Versioned, VersionedView))
+                  and not is_static(v)]
+        for _, leaf in _array_leaves(values):
+            hit = self._changed_args.get(id(leaf))
+            if hit is not None and hit[0]() is leaf:
+                self.changed_arg = (hit[1], hit[2], hit[3], rec.name, where or user_callsite())
+                return
+
+    def _forget_changed(self, out: Any) -> None:
+        """Arrays a fragment returns are its new values (a buffer's storage collected again): whatever
+        changed them in place before is not what a later call reads."""
+        for _, leaf in _array_leaves([("", out)]):
+            self._changed_args.pop(id(leaf), None)
 
     def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
         """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
@@ -561,6 +597,8 @@ class Tracer(Recording):
             if not same:
                 return _NOT_REPEATED
         given, out = self._run_counted(rec, frag, bound, window)
+        if self._changed_args:
+            self._forget_changed(out)
         rec.arity = len(out) if isinstance(out, tuple) else 0
         try:
             leaves = self._output_leaves(rec, frag, out, None)
@@ -765,6 +803,27 @@ class _Positional:
         return tuple(self.arguments.values())
 
 
+
+def _array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(argument and path, leaf) of the numpy arrays and torch tensors in ``values``."""
+    out: list[tuple[str, Any]] = []
+    for name, value in values:
+        try:
+            leaves = leaf_paths(value)
+        except NotAnArray:
+            continue
+        out.extend((f"{name}{path}", leaf) for path, leaf in leaves
+                   if isinstance(leaf, np.ndarray) or hasattr(leaf, "_version"))
+    return out
+
+
+def _ref(x: Any) -> Callable[[], Any]:
+    """A weak reference where the object takes one (a strong one otherwise)."""
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return lambda: x
+
 def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = frag.__dict__.get("_ff_positional", False)
     if names is False:   # the parameter names, where every parameter may be passed by position
@@ -834,7 +893,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
-                                    star_state=tracer.star_state,
+                                    star_state=tracer.star_state, changed_arg=tracer.changed_arg,
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

@@ -298,6 +298,16 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
                         "versioned state a learner writes), or run with --policy single_process")
+    if graph.changed_arg is not None and graph.changed_arg[0] in service:
+        changer, label, at, reader, read_at = graph.changed_arg
+        node = graph.node(changer)
+        later = f"its next call ({read_at})" if reader == changer else f"'{reader}' ({read_at})"
+        raise PlacementError(
+            f"{node.role} fragment '{changer}' changes its argument {label} in place, and {later} is given that "
+            f"same array afterwards, but policy '{policy}' runs '{changer}' in another process, which is sent a "
+            "copy: the change would never reach the loop's array", where=at,
+            fix=f"work on a copy inside '{changer}' (x = x - mean rather than x -= mean; array.copy(), "
+                f"tensor.clone()), or return the changed value and pass that on, or run with --policy single_process")
     if graph.stale_state is not None:
         state, old, new, fragment, at = graph.stale_state
         raise PlacementError(
