@@ -1835,3 +1835,58 @@ def test_a_trace_whose_updates_start_in_an_inner_loop_goes_on_until_the_outer_lo
     assert same_tree(got.value, expected.value)
     assert unclocked_rows(tmp_path / "b") == unclocked_rows(tmp_path / "a")
     assert "buffer.collect" in {n.name for n in got.graph.fragments()}
+
+
+def test_per_environment_scores_kept_in_the_loop_reach_a_learner_merged_across_actor_processes(write_algo):
+    """Episode scores the loop keeps per environment (np.where over the env's done flags), given to
+    a learner every few updates with no rollout beside them (PBT's exploit step): rows one per
+    environment, each actor process holding its share (they were refused at the call, after the
+    updates before it, as "sliced, reshaped or flattened")."""
+    path, _ = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), -1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["w"] + 0.01 * np.einsum("tei,te->i", batch["obs"], batch["reward"])[:, None] * np.array([1.0, -1.0])
+    return dict(state, w=w), {"r": float(batch["reward"].mean())}
+
+@ff.fragment("learner", writes="state")
+def exploit(state, score):
+    return dict(state, best=np.maximum(state["best"], score)), {"score": float(score.sum())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "best": np.zeros(4)})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    running, score = np.zeros(env.num_envs), np.zeros(env.num_envs)
+    for u in range(12):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            a = act(state["w"], obs, sub)
+            nobs, r, term, trunc, _ = env.step(a)
+            buf.add(obs=obs, reward=r)
+            running = running + r
+            score = np.where(term | trunc, running, score)
+            running = np.where(term | trunc, 0.0, running)
+            obs = nobs
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+        if (u + 1) % 6 == 0:
+            state, m2 = exploit(state, score)
+            ff.log(m2)
+    return state
+""")
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    assert one.value["best"].max() > 0
+    for policy in ("actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        split = ff.run(program.train, policy=policy)
+        assert np.array_equal(split.value["best"], one.value["best"]), policy   # each environment's own score
+        assert np.array_equal(split.value["w"], one.value["w"]), policy

@@ -128,6 +128,7 @@ class Tracer(Recording):
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
+        self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place (checked in its first two calls, where the trace is
         # not the run's beginning): id -> (a reference to it, the fragment, which argument, its call), and
         # the first later call given one of them again: (changer, argument, its call, reader, its call)
@@ -333,7 +334,7 @@ class Tracer(Recording):
             params.append(("data", pname, self._record_inputs(rec, pname, value, window, where, frag.in_axes, crossed)))
             data_args.append((pname, value))
         if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made)
+            loop_rows(self._inputs, self._loop_made, self._envs())
         rec.static = tuple(static)
         if frag.writes is not None and written is None:
             raise VersionedStateError(
@@ -474,6 +475,10 @@ class Tracer(Recording):
         for _, leaf in _array_leaves([("", out)]):
             self._changed_args.pop(id(leaf), None)
 
+    def _envs(self) -> int | None:
+        """How many environments the training env steps (None: none yet, or envs of several sizes)."""
+        return next(iter(self._env_sizes)) if len(self._env_sizes) == 1 else None
+
     def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
         """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
         if frag.instance is not None:
@@ -487,6 +492,8 @@ class Tracer(Recording):
         if events is None or (frag.evaluation and self.journal is None):
             return   # (an evaluation env's episodes count only where the trace is the run's beginning)
         n, finished = events(out)
+        if n and not frag.evaluation:
+            self._env_sizes.add(n)
         if self.journal is not None:
             last = self.journal[-1] if self.journal else None
             if not finished and last is not None and last[0] == "steps" and not last[3] and last[4] == frag.evaluation:
@@ -628,7 +635,7 @@ class Tracer(Recording):
             if not isinstance(value, (Versioned, VersionedView)) and not is_static(value):
                 self._record_inputs(rec, pname, value, window, where, frag.in_axes, [])
         if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made)
+            loop_rows(self._inputs, self._loop_made, self._envs())
         self._record_outputs(rec, frag, out, where, [])
         return out
 
