@@ -17,6 +17,7 @@ from fragflow.errors import (
     UntracedFragmentError,
 )
 from fragflow.program import load
+from tests.conftest import relpath
 from tests.test_multiprocess import same_tree, shm_leftovers, unclocked_rows
 
 SMALL = dict(total_timesteps=1600, learning_starts=400, target_network_frequency=60, buffer_size=1000, batch_size=32)
@@ -1890,3 +1891,63 @@ def train():
         split = ff.run(program.train, policy=policy)
         assert np.array_equal(split.value["best"], one.value["best"]), policy   # each environment's own score
         assert np.array_equal(split.value["w"], one.value["w"]), policy
+
+
+TWO_TRAINING_ENVS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")  # @act
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), -1)
+
+act_b = ff.fragment("actor", name="act_b")(act.fn)
+
+@ff.fragment("learner", writes="state")  # @learn
+def learn(state, batch):
+    return dict(state, w=state["w"] + 0.001 * batch["obs"].sum((0, 1))[:, None]), {"r": float(batch["reward"].mean())}
+
+learn_b = ff.fragment("learner", writes="state", name="learn_b")(learn.fn)
+
+def train(fixed=0):   # 1: a fragment of its own for the second env's actor, 2: for its learner too
+    second, second_learn = act_b if fixed else act, learn_b if fixed == 2 else learn
+    env_a = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    env_b = ff.envs.make("CartPole-v1", num_envs=2, seed=100)
+    sa, sb = ff.versioned({"w": np.zeros((4, 2))}, name="a"), ff.versioned({"w": np.zeros((4, 2))}, name="b")
+    ba, bb = ff.RolloutBuffer(4), ff.RolloutBuffer(4)
+    ka, kb = ff.random.keys(0, env_a.ids), ff.random.keys(100, env_b.ids)
+    oa, ob = env_a.reset(), env_b.reset()
+    for _ in range(3):
+        for _ in range(4):
+            ka, s1 = ff.random.split(ka)
+            kb, s2 = ff.random.split(kb)
+            aa, ab = act(sa["w"], oa, s1), second(sb["w"], ob, s2)
+            noa, ra, *_ = env_a.step(aa)
+            nob, rb, *_ = env_b.step(ab)
+            ba.add(obs=oa, reward=ra)
+            bb.add(obs=ob, reward=rb)
+            oa, ob = noa, nob
+        sa, m = learn(sa, ba.collect())
+        sb, m2 = second_learn(sb, bb.collect())  # @learn_b
+        ff.log({"a": m, "b": m2})
+    return sa, sb
+"""
+
+
+def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_served_with_the_fix_that_works(write_algo):
+    path, marks = write_algo(TWO_TRAINING_ENVS)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act' is called on 2 environments at .* as well as 4 at "
+                                             rf".* \(two training envs of different sizes\), but policy "
+                                             rf"'central_inference'.*\n  at {relpath(path)}:{marks['act']}\n  fix: give "
+                                             rf"the calls on the other env a fragment of their own \(act_b = "):
+        compile(program.train, policy="central_inference(env_workers=2)")
+    # the fix: the second env's calls through fragments of their own (its rollouts are another size too)
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' is given batch\['obs'\] of shape f32\[4,2,4\] "
+                                             rf"at {relpath(path)}:{marks['learn_b']} as well as f32\[4,4,4\] at .*, but "
+                                             rf"policy 'actor_learner' runs it in another process.*\n  at "
+                                             rf"{relpath(path)}:{marks['learn']}\n  fix: give the calls with the other shape"):
+        compile(program.train, 1, policy="actor_learner(actors=2)")
+    one = ff.run(program.train, 2, policy="single_process")
+    served = ff.run(program.train, 2, policy="central_inference(env_workers=2)")
+    assert all(np.array_equal(x["w"], y["w"]) for x, y in zip(one.value, served.value))

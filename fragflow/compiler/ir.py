@@ -100,6 +100,8 @@ class Node:
     changes_data: tuple[str, ...] = ()   # module data (a global array, list, dict) it changes in place
     names_data: tuple[str, ...] = ()     # module data its code reaches that some fragment changes
     other_rows: str = ""           # also called on another number of environments (an evaluation env): where
+    other_rows_evaluation: bool = True   # ... that number is no training env's (else: two training envs)
+    other_inputs: str = ""         # also given an argument of another shape: which, where
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,8 @@ class NodeRec:
     reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure
     rows: int | None = None   # the environments its first call acted on (its inputs' env rows)
     other_rows: str = ""      # it was also called on another number of environments (an evaluation env): where
+    other_rows_n: int | None = None   # ... and that number
+    other_inputs: str = ""    # it was also given an argument of another shape (two rollouts' sizes): which, where
     repeat: Repeat | None = None   # its last call, where the next one like it need not be recorded again
     repeated: bool = False         # its last call was like that one (its arguments from the same places)
 
@@ -220,6 +222,7 @@ class Recording:
             # the channels; a policy that serves this fragment through them refuses it
             if not rec.other_rows:
                 rec.other_rows = f"{rows} environments at {where} as well as {rec.rows} at {rec.called_at}"
+                rec.other_rows_n = rows
         elif specs != rec.out_specs and rec.role == "learner" and _only_keys_differ(rec.out_specs, specs):
             # a learner's metrics may gain or lose keys (a value it reports only now and then): no
             # channel carries them, its process logs what each call returns

@@ -335,6 +335,8 @@ class Tracer(Recording):
             data_args.append((pname, value))
         if self._loop_made and frag.in_axes is None:
             loop_rows(self._inputs, self._loop_made, self._envs())
+        if rec.inputs is not None and not rec.other_inputs:
+            self._other_inputs(rec, where)
         rec.static = tuple(static)
         if frag.writes is not None and written is None:
             raise VersionedStateError(
@@ -474,6 +476,17 @@ class Tracer(Recording):
         changed them in place before is not what a later call reads."""
         for _, leaf in _array_leaves([("", out)]):
             self._changed_args.pop(id(leaf), None)
+
+    def _other_inputs(self, rec: NodeRec, where: SourceLoc | None) -> None:
+        """Note an argument leaf given in another shape than at the first call (what a channel
+        between processes, sized from the first, cannot carry)."""
+        first = {leaf.dst_path: leaf.spec for leaf in rec.inputs or ()}
+        for leaf in self._inputs:
+            spec = first.get(leaf.dst_path)
+            if spec is not None and spec.shape != leaf.spec.shape:
+                rec.other_inputs = (f"{leaf.dst_path} of shape {leaf.spec.short()} at {where or user_callsite()} as "
+                                    f"well as {spec.short()} at {rec.called_at}")
+                return
 
     def _envs(self) -> int | None:
         """How many environments the training env steps (None: none yet, or envs of several sizes)."""
@@ -754,6 +767,8 @@ class Tracer(Recording):
                               evaluation=self.fragments[rec.name].evaluation,
                               mutates_state=rec.mutates, captures_state=rec.captures,
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
+                              other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
+                              other_inputs=rec.other_inputs,
                               changes_data=tuple(sorted(set(rec.changes_data.values()))),
                               names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                        if i in self._changed_data}))))

@@ -238,6 +238,21 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     for n in graph.fragments():
+        if n.name in service and n.other_inputs and not n.other_rows:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' is given {n.other_inputs}, but policy '{policy}' runs it in another "
+                "process, whose channels are sized for one shape", where=n.defined_at,
+                fix=f"give the calls with the other shape a fragment of their own: the same function under another "
+                    f"name ({n.name}_b = ff.fragment(..., name='{n.name}_b')({n.name}.fn), with the arguments of "
+                    f"'{n.name}''s decorator), or run with --policy single_process")
+        if n.name in service and n.other_rows and not n.other_rows_evaluation:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' is called on {n.other_rows} (two training envs of different sizes), "
+                f"but policy '{policy}' answers it in the learner's process through channels sized for one number "
+                "of environments", where=n.defined_at,
+                fix=f"give the calls on the other env a fragment of their own ({n.name}_b = ff.fragment('{n.role}', "
+                    f"name='{n.name}_b')({n.name}.fn)), or run with a policy that acts where the envs step "
+                    "(actor_learner, single_process)")
         if n.name in service and n.other_rows:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' is called on {n.other_rows}, but policy '{policy}' answers it "
