@@ -389,3 +389,15 @@ def test_a_user_envs_reset_abandons_the_episodes_under_way(write_algo, policy):
     run = ff.run(program.train, program.args_cls(), policy=policy)
     assert run.episodes and {(ret, length) for _, ret, length in run.episodes} == {(3.0, 3)}
     assert len(run.episodes) == 6 and run.summary["env_steps"] == 24
+
+
+def test_a_rollout_buffer_stores_torch_steps_that_require_grad_or_are_bfloat16():
+    import torch
+
+    buffer = ff.RolloutBuffer(2)
+    w = torch.ones(3, requires_grad=True)
+    for t in range(2):   # an actor computing without torch.no_grad, and a bfloat16 policy (both failed inside torch)
+        buffer.add(value=w * t, half=torch.full((3,), float(t), dtype=torch.bfloat16))
+    out = buffer.collect()
+    assert out["value"].tolist() == [[0.0] * 3, [1.0] * 3] and not out["value"].requires_grad
+    assert out["half"].dtype == torch.bfloat16 and out["half"].float().tolist() == [[0.0] * 3, [1.0] * 3]

@@ -1838,12 +1838,12 @@ def test_a_trace_whose_updates_start_in_an_inner_loop_goes_on_until_the_outer_lo
     assert "buffer.collect" in {n.name for n in got.graph.fragments()}
 
 
-def test_per_environment_scores_kept_in_the_loop_reach_a_learner_merged_across_actor_processes(write_algo):
+def test_per_environment_scores_given_alone_are_refused_at_the_call_with_the_fix_that_works(write_algo):
     """Episode scores the loop keeps per environment (np.where over the env's done flags), given to
-    a learner every few updates with no rollout beside them (PBT's exploit step): rows one per
-    environment, each actor process holding its share (they were refused at the call, after the
-    updates before it, as "sliced, reshaped or flattened")."""
-    path, _ = write_algo("""
+    a learner with nothing per-environment beside them (PBT's exploit step): nothing tells them
+    from a vector that merely has as many rows, so a run that splits the environments refuses them
+    at the call, saying so (it said "sliced, reshaped or flattened"); in the rollout they run."""
+    path, marks = write_algo("""
 import numpy as np
 import fragflow as ff
 
@@ -1858,9 +1858,10 @@ def learn(state, batch):
 
 @ff.fragment("learner", writes="state")
 def exploit(state, score):
+    score = score[-1] if score.ndim == 2 else score   # (from the rollout: [time, env])
     return dict(state, best=np.maximum(state["best"], score)), {"score": float(score.sum())}
 
-def train():
+def train(in_rollout=False):
     env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2)), "best": np.zeros(4)})
     buf = ff.RolloutBuffer(8)
@@ -1872,25 +1873,33 @@ def train():
             key, sub = ff.random.split(key)
             a = act(state["w"], obs, sub)
             nobs, r, term, trunc, _ = env.step(a)
-            buf.add(obs=obs, reward=r)
             running = running + r
             score = np.where(term | trunc, running, score)
             running = np.where(term | trunc, 0.0, running)
+            if in_rollout:
+                buf.add(obs=obs, reward=r, score=score)
+            else:
+                buf.add(obs=obs, reward=r)
             obs = nobs
-        state, m = learn(state, buf.collect())
+        batch = buf.collect()
+        state, m = learn(state, batch)
         ff.log(m)
         if (u + 1) % 6 == 0:
-            state, m2 = exploit(state, score)
+            state, m2 = exploit(state, batch["score"] if in_rollout else score)  # @exploit
             ff.log(m2)
     return state
 """)
     program = load(str(path))
     one = ff.run(program.train, policy="single_process")
     assert one.value["best"].max() > 0
-    for policy in ("actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
-        split = ff.run(program.train, policy=policy)
-        assert np.array_equal(split.value["best"], one.value["best"]), policy   # each environment's own score
-        assert np.array_equal(split.value["w"], one.value["w"]), policy
+    with pytest.raises(SpecChangedError, match=rf"or given with nothing per-environment beside it, as episode scores "
+                                               rf"kept per environment.*\n  at {relpath(path)}:{marks['exploit']}\n  "
+                                               rf"fix: pass per-environment data in the rollout.*buf.add\(..., score=score\)"):
+        ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    for policy in ("single_process", "actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        fixed = ff.run(program.train, True, policy=policy)
+        assert np.array_equal(fixed.value["best"], one.value["best"]), policy   # each environment's own score
+        assert np.array_equal(fixed.value["w"], one.value["w"]), policy
 
 
 TWO_TRAINING_ENVS = """

@@ -897,6 +897,118 @@ def test_an_argument_changed_in_place_and_read_again_is_refused_where_the_change
     ff.run(program.train, False, policy="pipelined")
 
 
+CHANGED_AGAIN = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, reward):
+    if state["n"] >= state["from_call"]:
+        obs -= obs.mean(axis=(0, 1))   # in place
+    g = np.einsum("tei,te->i", obs, reward)
+    return {"w": state["w"] + 0.01 * g[:, None], "n": state["n"] + 1, "from_call": state["from_call"]}, {}
+
+def train(mode):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "n": np.zeros(()), "from_call": np.array(2.0 if mode == "third" else 0.0)})
+    key = ff.random.keys(0, env.ids)
+    obs_buf = np.zeros((8, 2, 4), np.float32)   # allocated once, as CleanRL does
+    rew_buf = np.zeros((8, 2), np.float32)
+    obs = env.reset()
+    for _ in range(3):
+        for t in range(8):
+            key, sub = ff.random.split(key)
+            action = act(state["w"], obs, sub)
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            if mode != "refilled" or t > 0:
+                obs_buf[t] = obs   # (refilled: wholly rewritten before the learner reads it again)
+            rew_buf[t] = reward - 0.5 * action
+            obs = next_obs
+        if mode == "refilled":
+            obs_buf[0] = obs
+            state, _ = learn(state, obs_buf, rew_buf)
+        elif mode == "views":   # two epochs over minibatches, each a view of the rollout
+            for _ in range(2):
+                state, _ = learn(state, obs_buf[:4], rew_buf[:4])  # @views
+                state, _ = learn(state, obs_buf[4:], rew_buf[4:])
+        else:
+            for _ in range(2):
+                state, _ = learn(state, obs_buf, rew_buf)  # @again
+    return state
+"""
+
+
+@pytest.mark.parametrize("mode", ["views", "third", "refilled"])
+def test_memory_changed_in_place_is_followed_through_views_later_calls_and_refills(write_algo, mode):
+    """The same memory given again is refused where the changer runs apart: through another view of
+    it, and where the change begins at the learner's third call; storage the loop rewrites wholly
+    before it is read again is not (it runs, as single_process)."""
+    path, marks = write_algo(CHANGED_AGAIN)
+    program = load(str(path))
+    one = ff.run(program.train, mode, policy="single_process")
+    if mode == "refilled":
+        apart = ff.run(program.train, mode, policy="pipelined(max_lag=0)")
+        assert np.array_equal(apart.value["w"], one.value["w"])
+        return
+    line = marks["views"] if mode == "views" else marks["again"]
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' changes its argument obs in place, and its "
+                                             rf"next call \({relpath(path)}:{line}\) is given that same array"):
+        compile(program.train, mode, policy="pipelined(max_lag=0)")
+
+
+def test_a_sampled_batch_changed_and_read_again_in_the_learners_process_runs(write_algo):
+    """Made (sampled), changed and read again in one process (the buffer beside the learner): as
+    eagerly, so it runs and equals single_process; with the buffer in the loop it is refused."""
+    path, _ = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn_q(state, batch):
+    r = batch["reward"]
+    r *= 0.1   # reward scaling, in place, on the sampled batch
+    a = batch["action"]
+    err = r - (batch["obs"] @ state["w"])[np.arange(len(a)), a]
+    return {"w": state["w"] + 1e-3 * batch["obs"].T @ (err[:, None] * np.eye(2)[a]), "b": state["b"]}, {}
+
+@ff.fragment("learner", writes="state")
+def learn_b(state, batch):
+    return {"w": state["w"], "b": state["b"] + batch["reward"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "b": np.zeros(1)})
+    rb = ff.ReplayBuffer(1000, seed=0)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for step in range(300):
+        key, sub = ff.random.split(key)
+        action = act(state["w"], obs, sub)
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        rb.add(obs=obs, action=action, reward=reward)
+        obs = next_obs
+        if step >= 50 and step % 10 == 0:
+            batch = rb.sample(16)
+            state, _ = learn_q(state, batch)
+            state, _ = learn_b(state, batch)
+    return state
+""")
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    beside = ff.run(program.train, policy="learner_replay(max_lag=0)")
+    assert np.array_equal(beside.value["b"], one.value["b"]) and np.array_equal(beside.value["w"], one.value["w"])
+    with pytest.raises(PlacementError, match=r"learner fragment 'learn_q' changes its argument batch\['reward'\] in place"):
+        compile(program.train, policy="pipelined(max_lag=0)")
+
+
 def test_a_loop_passing_on_a_state_a_learner_has_written_since_is_refused_where_the_learner_runs_apart(write_algo):
     path, marks = write_algo("""
 import numpy as np

@@ -83,7 +83,7 @@ class RolloutBuffer:
                 _put(view, t, v)
             else:
                 try:
-                    view[t] = _host(v) if type(view) is np.ndarray else v   # (torch storage on a GPU: copied there)
+                    view[t] = _host(v) if type(view) is np.ndarray else _detached(v)   # (torch storage: on a GPU, bfloat16)
                 except ValueError:
                     raise TraceError(f"{self.name}.add got '{k}' of shape {tuple(np.shape(v))}, but its storage "
                                      f"holds steps of shape {tuple(view.shape[1:])} (from the first add)",
@@ -142,8 +142,8 @@ def _view(storage: Any) -> Any:
     indexing a torch tensor, and writes the same memory."""
     if isinstance(storage, dict):
         return {k: _view(v) for k, v in storage.items()}
-    if isinstance(storage, np.ndarray) or storage.device.type != "cpu":
-        return storage
+    if isinstance(storage, np.ndarray) or storage.device.type != "cpu" or str(storage.dtype) == "torch.bfloat16":
+        return storage   # (numpy has no bfloat16: written as torch)
     return storage.numpy()
 
 
@@ -156,7 +156,11 @@ def _put(view: dict[str, Any], t: int, step: Any) -> None:
         if type(view[k]) is dict:
             _put(view[k], t, v)
         else:
-            view[k][t] = _host(v) if type(view[k]) is np.ndarray else v
+            view[k][t] = _host(v) if type(view[k]) is np.ndarray else _detached(v)
+
+
+def _detached(v: Any) -> Any:
+    return v.detach() if getattr(v, "requires_grad", False) else v
 
 
 def _host(v: Any) -> Any:
@@ -164,6 +168,8 @@ def _host(v: Any) -> Any:
     if type(v) is np.ndarray or not hasattr(v, "numpy"):
         return v
     device = getattr(v, "device", None)
+    if getattr(v, "requires_grad", False):   # (an actor computing without torch.no_grad: its values are stored)
+        v = v.detach()
     return v.cpu().numpy() if getattr(device, "type", "cpu") != "cpu" else v.numpy()
 
 
@@ -191,7 +197,10 @@ def _saved(storage: Any, t: int) -> Any:
 def _kind(storage: Any) -> Any:
     if isinstance(storage, dict):
         return {k: _kind(v) for k, v in storage.items()}
-    return "jax" if isinstance(storage, _JaxSteps) else backend_of(storage) or "numpy"
+    if isinstance(storage, _JaxSteps):
+        return "jax"
+    kind = backend_of(storage) or "numpy"
+    return f"torch@{storage.device}" if kind == "torch" and storage.device.type != "cpu" else kind
 
 
 def _restored(num_steps: int, steps: Any, kind: Any) -> Any:
@@ -199,10 +208,11 @@ def _restored(num_steps: int, steps: Any, kind: Any) -> Any:
     if isinstance(kind, dict):
         return {k: _restored(num_steps, steps[k], kind[k]) for k in kind}
     steps = np.asarray(steps)
-    if kind == "torch":
+    if kind.startswith("torch"):   # ("torch@cuda:0": a rollout of tensors on a GPU goes back there)
         import torch
 
-        out = torch.empty((num_steps, *steps.shape[1:]), dtype=torch.from_numpy(steps[:0].copy()).dtype)
+        device = kind.partition("@")[2] or "cpu"
+        out = torch.empty((num_steps, *steps.shape[1:]), dtype=torch.from_numpy(steps[:0].copy()).dtype, device=device)
         out[:len(steps)] = torch.from_numpy(steps.copy())
         return out
     arr = np.empty((num_steps, *steps.shape[1:]), dtype=steps.dtype)

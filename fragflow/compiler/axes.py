@@ -37,26 +37,23 @@ def env_rows(inputs: list[LeafSpec]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]], envs: int | None = None) -> None:
+def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]]) -> None:
     """Arrays the loop made and passed beside a batch of environments on axis 0, with that many
     rows (a recurrent state carried from step to step, a mask of done environments), are rows
     one per environment too, as a fragment's outputs of that leading size are: a policy that
     splits the environments splits them, and a served call merges the workers' rows. Beside a
     rollout (``[time, env, ...]`` leaves), arrays the loop computed from it per step and environment
     (advantages, returns) start ``[time, env]``, per environment (a bootstrap value) ``[env]``.
-    With neither beside them, arrays with one row per environment of the training env (``envs``:
-    how many it steps; episode scores kept per environment, given to a learner every so many
-    updates) are rows one per environment too: where a policy splits the environments, each
-    process's loop holds its share of them (its env steps that many), and a call gathered from
-    several processes merges the rows.
+    With neither beside them, nothing tells a per-environment array (episode scores kept per
+    environment) from one that merely has as many rows (a vector of two constants with two
+    environments): such an array is taken whole, and the run refuses a per-environment one at the
+    call, with the fix.
     ``inputs`` (and each edge's leaves, ``loop_made``: (index into inputs, edge)) are updated."""
     n = env_rows(inputs)
     steps = {leaf.spec.shape[:2] for leaf in inputs
              if leaf.axis == 1 and leaf.axis_name == "env" and len(leaf.spec.shape) >= 2}
     if n is None and len(steps) == 1:
         n = next(iter(steps))[1]
-    if n is None and not steps and not any(leaf.axis_name == "env" for leaf in inputs):
-        n = envs
     if n is None:
         return
     for i, edge in loop_made:

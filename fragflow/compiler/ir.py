@@ -152,9 +152,9 @@ class Graph:
     stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None   # an old version passed to a fragment
     state_read: tuple[str, SourceLoc | None] | None = None   # the loop read versioned state: how, where
     star_state: tuple[str, str, SourceLoc | None] | None = None   # state through a fragment's *args: what, who, where
-    # a fragment changed an array argument in place and a later call was given that array again:
-    # (the changer, its argument, its call, the later fragment, its call)
-    changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None] | None = None
+    # a fragment changed an array argument in place and a later call was given that memory again:
+    # (the changer, its argument, its call, the later fragment, its call, the array's maker: None, the loop)
+    changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None, str | None] | None = None
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -79,6 +79,7 @@ MAX_TRACE_UPDATES = 200
 # called more often than that, and knows the outputs of this many of its last calls when it ends.
 QUICK_AFTER = 3
 QUICK_KEPT = 64
+CHANGED_KEPT = 16   # array arguments changed in place the trace holds (the newest), to see whether they are read again
 QUICK_CHECK_EVERY = 16   # ... and checks every this many calls of a fragment that its outputs keep their specs
 
 
@@ -129,11 +130,12 @@ class Tracer(Recording):
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
-        # array arguments a fragment changed in place (checked in its first two calls, where the trace is
-        # not the run's beginning): id -> (a reference to it, the fragment, which argument, its call), and
-        # the first later call given one of them again: (changer, argument, its call, reader, its call)
-        self._changed_args: dict[int, tuple[Any, str, str, SourceLoc | None]] = {}
-        self.changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None] | None = None
+        # array arguments a fragment changed in place (checked in a learner's every recorded call and
+        # another fragment's first two, where the trace is not the run's beginning), and the first later
+        # call given their memory again, unchanged since: (changer, argument, its call, reader, its call,
+        # the fragment that made the array, or None for the loop)
+        self._changed_args: list[_Changed] = []
+        self.changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None, str | None] | None = None
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -334,7 +336,7 @@ class Tracer(Recording):
             params.append(("data", pname, self._record_inputs(rec, pname, value, window, where, frag.in_axes, crossed)))
             data_args.append((pname, value))
         if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made, self._envs())
+            loop_rows(self._inputs, self._loop_made)
         if rec.inputs is not None and not rec.other_inputs:
             self._other_inputs(rec, where)
         rec.static = tuple(static)
@@ -368,7 +370,7 @@ class Tracer(Recording):
             rec.names_data = {id(v): label for label, v in watched}
         watched_before = [fingerprint(v) for _, v in watched]
         # (in one process the loop and every fragment share the arrays, as eagerly: only checked elsewhere)
-        given = _array_leaves(data_args) if sum(rec.calls) <= 2 and not self.begins_run else []
+        given = _array_leaves(data_args) if (sum(rec.calls) <= 2 or frag.role == "learner") and not self.begins_run else []
         given_before = [fingerprint(leaf) for _, leaf in given]
         if first:
             shared = captured_objects(frag.fn, self._state_objects)
@@ -398,10 +400,15 @@ class Tracer(Recording):
                 rec.changes_data[id(value)] = label
                 self._changed_data[id(value)] = label
         for (label, leaf), before in zip(given, given_before):
-            if fingerprint(leaf) != before:   # an argument changed in place: does anything read it again?
-                self._changed_args[id(leaf)] = (_ref(leaf), rec.name, label, where or user_callsite())
-        if self._changed_args:
-            self._forget_changed(out)
+            changed_print = fingerprint(leaf)
+            bounds = _bounds(leaf)
+            if changed_print != before and bounds is not None:   # an argument changed in place: is it read again?
+                origin = self._origin(leaf)
+                producer = None if origin is None or origin.node == LOOP else origin.node
+                # (held, so that its memory is not another array's later: a view's base stays too)
+                self._changed_args = [*self._changed_args[-(CHANGED_KEPT - 1):],
+                                      _Changed(leaf, bounds, changed_print, rec.name, label, where or user_callsite(),
+                                               producer)]
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
             self._hyper[id(opt)] = (opt, hyper_of(opt))
         for sched in schedulers:
@@ -459,23 +466,22 @@ class Tracer(Recording):
         return interp
 
     def _read_changed(self, rec: NodeRec, bound: inspect.BoundArguments, where: SourceLoc | None) -> None:
-        """Note the first call given an array that an earlier call changed in place: eagerly it sees
-        the change; where the changer runs in another process (sent a copy), it would not."""
-        for key in [k for k, hit in self._changed_args.items() if hit[0]() is None]:
-            del self._changed_args[key]   # (dropped by the loop: nothing can read it again)
+        """Note the first call given memory that an earlier call changed in place and nothing has
+        written since (the array, a view of it, a tensor sharing it): eagerly it sees the change;
+        where the changer runs in another process (sent a copy), it would not."""
         values = [(p, v) for p, v in bound.arguments.items() if not isinstance(v, (Versioned, VersionedView))
                   and not is_static(v)]
         for _, leaf in _array_leaves(values):
-            hit = self._changed_args.get(id(leaf))
-            if hit is not None and hit[0]() is leaf:
-                self.changed_arg = (hit[1], hit[2], hit[3], rec.name, where or user_callsite())
-                return
-
-    def _forget_changed(self, out: Any) -> None:
-        """Arrays a fragment returns are its new values (a buffer's storage collected again): whatever
-        changed them in place before is not what a later call reads."""
-        for _, leaf in _array_leaves([("", out)]):
-            self._changed_args.pop(id(leaf), None)
+            bounds = _bounds(leaf)
+            if bounds is None:
+                continue
+            for c in list(self._changed_args):
+                if c.bounds[0] == bounds[0] and c.bounds[1] < bounds[2] and bounds[1] < c.bounds[2]:
+                    if fingerprint(c.value) != c.after:   # written since (storage refilled): not the change
+                        self._changed_args.remove(c)
+                        continue
+                    self.changed_arg = (c.changer, c.label, c.at, rec.name, where or user_callsite(), c.producer)
+                    return
 
     def _other_inputs(self, rec: NodeRec, where: SourceLoc | None) -> None:
         """Note an argument leaf given in another shape than at the first call (what a channel
@@ -487,10 +493,6 @@ class Tracer(Recording):
                 rec.other_inputs = (f"{leaf.dst_path} of shape {leaf.spec.short()} at {where or user_callsite()} as "
                                     f"well as {spec.short()} at {rec.called_at}")
                 return
-
-    def _envs(self) -> int | None:
-        """How many environments the training env steps (None: none yet, or envs of several sizes)."""
-        return next(iter(self._env_sizes)) if len(self._env_sizes) == 1 else None
 
     def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
         """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
@@ -617,8 +619,6 @@ class Tracer(Recording):
             if not same:
                 return _NOT_REPEATED
         given, out = self._run_counted(rec, frag, bound, window)
-        if self._changed_args:
-            self._forget_changed(out)
         rec.arity = len(out) if isinstance(out, tuple) else 0
         try:
             leaves = self._output_leaves(rec, frag, out, None)
@@ -648,7 +648,7 @@ class Tracer(Recording):
             if not isinstance(value, (Versioned, VersionedView)) and not is_static(value):
                 self._record_inputs(rec, pname, value, window, where, frag.in_axes, [])
         if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made, self._envs())
+            loop_rows(self._inputs, self._loop_made)
         self._record_outputs(rec, frag, out, where, [])
         return out
 
@@ -826,6 +826,38 @@ class _Positional:
 
 
 
+
+@dataclass
+class _Changed:
+    """An array argument a fragment changed in place."""
+
+    value: Any
+    bounds: tuple[str, int, int]     # its memory: device, first byte, end
+    after: list[int]                 # its fingerprint after the change
+    changer: str
+    label: str
+    at: SourceLoc | None
+    producer: str | None             # the fragment whose output it is (None: the loop made it)
+
+
+def _bounds(x: Any) -> tuple[str, int, int] | None:
+    """The memory an array's elements span: (device, first byte, end); None where it has none."""
+    if isinstance(x, np.ndarray):
+        if x.size == 0:
+            return None
+        start, itemsize = x.__array_interface__["data"][0], x.itemsize
+        dims = list(zip(x.shape, x.strides))
+        device = "cpu"
+    else:
+        if not x.numel():
+            return None
+        itemsize = x.element_size()
+        start, dims = x.data_ptr(), [(n, st * itemsize) for n, st in zip(x.shape, x.stride())]
+        device = str(x.device)
+    low = start + sum((n - 1) * st for n, st in dims if st < 0)
+    high = start + sum((n - 1) * st for n, st in dims if st > 0) + itemsize
+    return device, low, high
+
 def _array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """(argument and path, leaf) of the numpy arrays and torch tensors in ``values``."""
     out: list[tuple[str, Any]] = []
@@ -837,14 +869,6 @@ def _array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         out.extend((f"{name}{path}", leaf) for path, leaf in leaves
                    if isinstance(leaf, np.ndarray) or hasattr(leaf, "_version"))
     return out
-
-
-def _ref(x: Any) -> Callable[[], Any]:
-    """A weak reference where the object takes one (a strong one otherwise)."""
-    try:
-        return weakref.ref(x)
-    except TypeError:
-        return lambda: x
 
 def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = frag.__dict__.get("_ff_positional", False)

@@ -313,8 +313,10 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
                         "versioned state a learner writes), or run with --policy single_process")
-    if graph.changed_arg is not None and graph.changed_arg[0] in service:
-        changer, label, at, reader, read_at = graph.changed_arg
+    changed = graph.changed_arg
+    if changed is not None and changed[0] in service and not (changed[5] in service and changed[3] in service):
+        # (made, changed and read again in one process, as a batch the learner's buffer samples: as eagerly)
+        changer, label, at, reader, read_at, _ = changed
         node = graph.node(changer)
         later = f"its next call ({read_at})" if reader == changer else f"'{reader}' ({read_at})"
         raise PlacementError(

@@ -145,11 +145,13 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
             if replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
                 message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
                             "the environments, and this leaf was made in the loop from per-environment data whose "
-                            "environment axis fragflow cannot follow (sliced, reshaped or flattened), so its size "
+                            "environment axis fragflow cannot follow (sliced, reshaped or flattened; or given with "
+                            "nothing per-environment beside it, as episode scores kept per environment), so its size "
                             "changed with the share")
-                fix = ("pass the rollout to the fragment as the buffer returns it ([time, env, ...] arrays, merged "
-                       "across processes along the env axis) and slice, reshape or flatten it inside the fragment, "
-                       "or run with one actor")
+                fix = ("pass per-environment data in the rollout, as the buffer returns it ([time, env, ...] arrays, "
+                       "merged across processes along the env axis: buf.add(..., score=score)), or beside "
+                       "per-environment data the fragment also takes, and slice, reshape or flatten it inside the "
+                       "fragment; or run with one actor")
             raise SpecChangedError(message, where=where, fix=fix)
 
 
