@@ -272,8 +272,10 @@ class _Handover:
             monitor.replay_time = None
         interp.resources.extend(tracer._resources)   # the environments it made: closed when the run ends
         tracer._resources = []
-        if torch.get_num_threads() == threads_for(1):   # as the trace set them: the run's; else the program's own
-            torch.set_num_threads(threads_for(compiled.lowered.loop.threads))
+        set_by_program = tracer.threads_set is not None and tracer.threads_set.called
+        if not set_by_program and torch.get_num_threads() == threads_for(1):   # as the trace set them: the run's
+            set_threads = tracer.threads_set.original if tracer.threads_set is not None else torch.set_num_threads
+            set_threads(threads_for(compiled.lowered.loop.threads))
         return interp
 
 

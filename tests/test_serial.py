@@ -327,6 +327,49 @@ def test_single_process_is_eager_where_the_trace_and_the_run_meet(write_algo, ca
         torch.set_num_threads(threads)
 
 
+def test_a_program_that_sets_one_thread_keeps_it_with_a_big_learner(write_algo):
+    """A big learner (state of 50k floats or more) runs with the cores the placement gives it; a
+    program that sets its own thread count keeps it: set to 1, as the trace sets them, it was taken
+    for the trace's and switched to 2 once the trace handed over (diverging from eager; helper
+    round 25)."""
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+import numpy as np
+import torch
+import fragflow as ff
+
+SEEN = []
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w[:4, :2].numpy()).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    SEEN.append(torch.get_num_threads())
+    return {"w": state["w"] + 1e-3 * float(obs.sum())}, {}
+
+def train():
+    torch.set_num_threads(1)
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    state = ff.versioned({"w": torch.zeros(300, 200)})   # 60k floats: a big learner
+    obs = env.reset()
+    SEEN.clear()
+    for _ in range(400):
+        obs, *_ = env.step(act(state["w"], obs))
+        state, _ = learn(state, obs)
+    return list(SEEN)
+""")
+    program = load(str(path))
+    threads = torch.get_num_threads()
+    try:
+        seen = ff.run(program.train, policy="single_process").value
+        assert len(seen) == 400 and set(seen) == {1}
+    finally:
+        torch.set_num_threads(threads)
+
+
 QUICK = """
     from collections import deque
     from dataclasses import dataclass

@@ -129,6 +129,7 @@ class Tracer(Recording):
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
+        self.threads_set: _ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place (checked in a learner's every recorded call and
         # another fragment's first two, where the trace is not the run's beginning), and the first later
@@ -858,6 +859,18 @@ def _bounds(x: Any) -> tuple[str, int, int] | None:
     high = start + sum((n - 1) * st for n, st in dims if st > 0) + itemsize
     return device, low, high
 
+
+class _ThreadsSet:
+    """``torch.set_num_threads`` while the program is traced: it notes that the program set them."""
+
+    def __init__(self, torch: Any) -> None:
+        self.original = torch.set_num_threads
+        self.called = False
+
+    def __call__(self, n: int) -> None:
+        self.called = True
+        self.original(n)
+
 def _array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """(argument and path, leaf) of the numpy arrays and torch tensors in ``values``."""
     out: list[tuple[str, Any]] = []
@@ -964,6 +977,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
+    tracer.threads_set = _ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
+    setattr(torch, "set_num_threads", tracer.threads_set)  # noqa: B010
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
@@ -987,6 +1002,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             except BaseException as exc:
                 tracer.failed = exc
     finally:
+        torch.set_num_threads = tracer.threads_set.original
         if tracer.taken_by is None:
             tracer.close()
             _set_rng_state(saved)
