@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import platform
@@ -136,7 +137,10 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     from fragflow.compiler.resumable import resumable
 
     train = resumable(train)   # its top-level loops report their trips: checkpoints, resume, restarts
-    call_args = () if args is None else (args,)
+    # a loop that changes its args (args.lr *= 0.5) changes the trace's copy, where the trace does
+    # not begin the run (the processes are given the args as they were)
+    traced = args if args is None or (handover is not None and spec.one_process) else _traced_copy(args)
+    call_args = () if traced is None else (traced,)
     if handover is not None:
         handover.prepare(lambda graph, fragments: _placed(graph, fragments, spec, options, train, args, started))
         handover.one_process = spec.one_process
@@ -277,6 +281,15 @@ class _Handover:
             set_threads = tracer.threads_set.original if tracer.threads_set is not None else torch.set_num_threads
             set_threads(threads_for(compiled.lowered.loop.threads))
         return interp
+
+
+def _traced_copy(args: Any) -> Any:
+    """A copy of the program's args for a trace the run does not continue: what the loop changes in
+    them while traced must not carry into the run."""
+    try:
+        return copy.deepcopy(args)
+    except Exception:   # (an object that cannot be copied: traced as it is)
+        return args
 
 
 def _refuse_unsendable_views(placed: PlacedGraph) -> None:

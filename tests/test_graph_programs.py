@@ -1960,3 +1960,45 @@ def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_serv
     one = ff.run(program.train, 2, policy="single_process")
     served = ff.run(program.train, 2, policy="central_inference(env_workers=2)")
     assert all(np.array_equal(x["w"], y["w"]) for x, y in zip(one.value, served.value))
+
+
+def test_a_loop_that_changes_its_args_runs_from_the_args_it_was_given(write_algo):
+    """A plain (not frozen) Args the loop anneals (args.lr *= 0.5): the trace a multi-process run
+    starts with changed the run's args too (its first update used the rate after two halvings)."""
+    path, _ = write_algo("""
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass
+class Args:
+    lr: float = 0.01
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, lr):
+    return {"w": state["w"] + lr * batch["obs"].sum((0, 1))[:, None] * np.array([1.0, -1.0])}, {"lr": lr}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect(), args.lr)
+        ff.log(m)
+        args.lr = args.lr * 0.5
+    return state
+""")
+    program = load(str(path))
+    one = ff.run(program.train, program.args_cls(), policy="single_process")
+    given = program.args_cls()
+    apart = ff.run(program.train, given, policy="pipelined(max_lag=0)")
+    assert np.array_equal(apart.value["w"], one.value["w"]) and given.lr == 0.01
