@@ -1118,3 +1118,39 @@ def test_a_warm_up_run_unrecorded_places_the_graph_of_its_recorded_calls(case, m
     assert set(quick_edges) <= set(edges)
     assert all(e[5] == 0 and e[:2] == ("env.step", "replay.add") for e in set(edges) - set(quick_edges)), \
         set(edges) - set(quick_edges)
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_logging_under_the_name_of_a_runtime_column_is_refused_at_the_line(write_algo, policy):
+    """ff.log({"updates": 7.0}) overwrote the column in every row (and, under pipelined, the rows'
+    bookkeeping: env steps came out 128, 128, 192, ...; helper round 25 B01)."""
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].sum((0, 1))[:, None]}, {"loss": float(batch["obs"].sum())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(3):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+        ff.log({"loss": m["loss"], "extra": {"x": 1.0}, "updates": float(u)})  # @log
+    return state
+""")
+    program = load(str(path))
+    with pytest.raises(TraceError, match=rf"ff.log got 'updates', the name of a column the run writes itself.*\n  "
+                                         rf"at {relpath(path)}:{marks['log']}\n  fix: log it under a name of its own"):
+        ff.run(program.train, policy=policy)
