@@ -1045,3 +1045,28 @@ def test_a_resumed_learner_process_draws_on_from_its_saved_random_state(tmp_path
     resumed = ff.run(program.train, policy="pipelined(max_lag=0)", resume=tmp_path / "again" / "checkpoints" / str(first))
     assert draws(tmp_path / "again") == draws(tmp_path / "whole")
     assert np.array_equal(resumed.value["w"], whole.value["w"])
+
+
+def test_saved_args_that_no_longer_fit_are_refused_not_dropped():
+    """A field renamed since the checkpoint (lr -> learning_rate) dropped the saved value without a
+    word, and a value of another type reached the user's loop (helper round 25 B04)."""
+    import dataclasses
+
+    from fragflow.runtime.checkpoint import CheckpointError, args_from
+
+    @dataclasses.dataclass(frozen=True)
+    class Args:
+        learning_rate: float = 0.01
+        updates: int = 8
+        sizes: tuple = (64, 64)
+        target: float | None = None
+
+    assert args_from(Args, {"learning_rate": 1, "updates": 3, "sizes": [32], "target": None}) == \
+        Args(1, 3, (32,), None)
+    assert args_from(Args, {"updates": 3}) == Args(updates=3)   # a field added since: its default
+    with pytest.raises(CheckpointError, match=r"hold 'lr', which Args has no field for"):
+        args_from(Args, {"lr": 0.5, "updates": 3})
+    with pytest.raises(CheckpointError, match=r"hold updates='eight', which does not fit Args.updates: int"):
+        args_from(Args, {"updates": "eight"})
+    with pytest.raises(CheckpointError, match=r"target=True"):
+        args_from(Args, {"target": True})

@@ -389,19 +389,59 @@ def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
 
     if cls is None or data is None:
         return None
+    from fragflow.config import field_types
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:   # (a field renamed or removed since: its saved value would be dropped without a word)
+        raise CheckpointError(f"the checkpoint's args hold {', '.join(map(repr, unknown))}, which {cls.__name__} has no "
+                              f"field for (its fields: {', '.join(fields)})",
+                              fix="resume with the algorithm file that wrote the checkpoint (or give the field its "
+                                  "old name back)")
+    types = field_types(cls)
     values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        v = data[f.name]
+    for name, f in fields.items():
+        if name not in data:
+            continue   # (a field added since: its default)
+        v = data[name]
         if isinstance(v, list) and isinstance(f.default, tuple):
             v = tuple(v)
-        values[f.name] = v
+        if not _fits(v, types.get(name)):
+            raise CheckpointError(f"the checkpoint's args hold {name}={v!r}, which does not fit {cls.__name__}.{name}: "
+                                  f"{getattr(types.get(name), '__name__', types.get(name))}",
+                                  fix="resume with the algorithm file that wrote the checkpoint, or repair the "
+                                      "manifest's args")
+        values[name] = v
     try:
         return cls(**values)
     except TypeError as exc:
         raise CheckpointError(f"the checkpoint's args do not fit {cls.__name__}: {exc}",
                               fix="resume with the algorithm file that wrote the checkpoint") from None
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether a saved value can be the field's (the simple annotations checked; any other passes)."""
+    import types as pytypes
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, pytypes.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if annotation is tuple or origin is tuple:
+        return isinstance(value, tuple)
+    return True
 
 
 # -- one run's checkpoints -------------------------------------------------------------------------------
