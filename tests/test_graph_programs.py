@@ -2002,3 +2002,51 @@ def train(args):
     given = program.args_cls()
     apart = ff.run(program.train, given, policy="pipelined(max_lag=0)")
     assert np.array_equal(apart.value["w"], one.value["w"]) and given.lr == 0.01
+
+
+def test_an_actor_first_called_after_the_trace_runs_where_the_loop_runs(write_algo):
+    """A final evaluation after 210 updates (past the trace's 200) with an actor fragment of its
+    own: the run trained its whole budget and then failed at that call, losing the result (helper
+    round 25 A02). It acts with the version the loop acts with, as single_process does; a learner
+    first called then is still refused."""
+    path, _ = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+act_eval = ff.fragment("actor", name="act_eval")(act.fn)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-4 * np.einsum("tei,te->i", batch["obs"], batch["reward"])[:, None]}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    eval_env = ff.envs.make("CartPole-v1", num_envs=1, seed=100, evaluation=True)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(210):
+        for _ in range(2):
+            key, sub = ff.random.split(key)
+            a = act(state["w"], obs, sub)
+            nobs, r, *_ = env.step(a)
+            buf.add(obs=obs, reward=r)
+            obs = nobs
+        state, _ = learn(state, buf.collect())
+    eobs, ekey, actions = eval_env.reset(), ff.random.keys(100, eval_env.ids), []
+    for _ in range(20):
+        ekey, esub = ff.random.split(ekey)
+        a = act_eval(state["w"], eobs, esub)
+        actions.append(int(a[0]))
+        eobs, *_ = eval_env.step(a)
+    return actions
+""")
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    apart = ff.run(program.train, policy="pipelined(max_lag=0)")
+    assert apart.summary["updates"] == 210 and apart.value == one.value

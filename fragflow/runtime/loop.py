@@ -186,12 +186,14 @@ class LoopInterpreter:
         if route is not None:
             return self._remote(frag, name, route, args, kwargs)
         # an evaluation env first stepped after the trace (every N updates, after the loop) is stepped
-        # whole by every acting process, where the loop runs: here
-        if self.program.remote and name not in self.program.local and not frag.evaluation:
-            made_later = frag.instance is not None and frag.role in ("env", "buffer")
+        # whole by every acting process, where the loop runs: here; so is an actor first called then
+        # (a final evaluation's act_eval), with the version the loop acts with
+        made_later = frag.instance is not None and frag.role in ("env", "buffer")
+        if self.program.remote and name not in self.program.local and not frag.evaluation and \
+                (made_later or frag.role not in ("actor", "env")):
             raise UntracedFragmentError(
-                f"fragment '{name}' was first called after tracing ended, so the placement has no process "
-                "for it", where=user_callsite(),
+                f"{frag.role} fragment '{name}' was first called after tracing ended, so the placement has no "
+                "process for it", where=user_callsite(),
                 fix="make every environment and buffer once, before the training loop, and use them throughout "
                     "(one made later, as by a second phase of training that makes its own, was not seen by the "
                     "trace, which stops after the first learner updates), or run with --policy single_process"
