@@ -2050,3 +2050,65 @@ def train():
     one = ff.run(program.train, policy="single_process")
     apart = ff.run(program.train, policy="pipelined(max_lag=0)")
     assert apart.summary["updates"] == 210 and apart.value == one.value
+
+
+POLYAK_EVERY_STEP = """
+import copy
+import torch
+from torch import nn
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(q, obs):
+    with torch.no_grad():
+        return q(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, target, batch):
+    q = state["q"]
+    with torch.no_grad():
+        y = torch.as_tensor(batch["reward"], dtype=torch.float32) + 0.99 * target["q"](
+            torch.as_tensor(batch["next_obs"], dtype=torch.float32)).max(1).values
+    pred = q(torch.as_tensor(batch["obs"], dtype=torch.float32)).gather(1, torch.as_tensor(batch["action"])[:, None])
+    loss = ((pred.squeeze(1) - y) ** 2).mean()
+    state["opt"].zero_grad(); loss.backward(); state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+@ff.fragment("learner", writes="target")
+def polyak(target, state, tau: float):
+    with torch.no_grad():
+        for t, p in zip(target["q"].parameters(), state["q"].parameters()):
+            t.mul_(1 - tau).add_(tau * p)
+    return target
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    torch.manual_seed(0)
+    q = nn.Linear(4, 2)
+    state = ff.versioned({"q": q, "opt": torch.optim.Adam(q.parameters(), lr=1e-3)})
+    target = ff.versioned({"q": copy.deepcopy(q)}, name="target")
+    rb = ff.ReplayBuffer(1000, seed=0)
+    obs = env.reset()
+    for step in range(400):
+        action = act(state["q"], obs)
+        next_obs, reward, terminated, truncated, info = env.step(action)
+        rb.add(obs=obs, next_obs=info["final_obs"], action=action, reward=reward)
+        obs = next_obs
+        if step >= 100:
+            if step % 4 == 0:
+                state, m = learn(state, target, rb.sample(32))
+                ff.log(m)
+            target = polyak(target, state, 0.005)   # every env step: more often than the learner
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_updates_count_the_learner_of_the_acted_with_state_not_a_target_synced_more_often(write_algo, policy):
+    """A target network Polyak-averaged every env step, a gradient step every 4: the run counted the
+    target's syncs as its updates (300 for 75 gradient steps, the loss on rows in between; helper
+    round 25 A05)."""
+    path, _ = write_algo(POLYAK_EVERY_STEP)
+    program = load(str(path))
+    r = ff.run(program.train, policy=policy)
+    assert r.summary["updates"] == 75

@@ -165,9 +165,15 @@ class Graph:
 
     def clock(self, among: tuple[str, ...] | None = None) -> str | None:
         """The fragment whose calls count versions: the state-writing fragment (of ``among``, or of
-        the whole graph) with the highest rate, the first in trace order on a tie; None if none writes."""
-        writers = {e.src for e in self.edges_of(EdgeKind.STATE_WRITE)}
+        the whole graph) with the highest rate, the first in trace order on a tie; None if none writes.
+        Writers of a state an actor reads come first: a target network synced (Polyak) every env step
+        is not what the run's updates count, the learner stepping the acted-with network is."""
+        writes = self.edges_of(EdgeKind.STATE_WRITE)
+        acted = {e.src for e in self.edges_of(EdgeKind.STATE_READ) if self.node(e.dst).role == "actor"}
+        writers = {e.src for e in writes}
         candidates = [n for n in self.fragments() if n.name in writers and (among is None or n.name in among)]
+        first = [n for n in candidates if any(e.src == n.name and e.dst in acted for e in writes)]
+        candidates = first or candidates
         return max(candidates, key=lambda n: n.rate).name if candidates else None
 
     def derived_rate(self, name: str) -> float | None:
