@@ -2112,3 +2112,49 @@ def test_updates_count_the_learner_of_the_acted_with_state_not_a_target_synced_m
     program = load(str(path))
     r = ff.run(program.train, policy=policy)
     assert r.summary["updates"] == 75
+
+
+def test_module_data_the_loop_changes_is_refused_where_a_fragment_reading_it_is_served(write_algo):
+    """An actor reading an epsilon the loop sets in a module dict after the first update: served in
+    the learner's process (central_inference), it kept the first value for the whole run, silently
+    (helper round 25 B03). Where the actor runs in the loop's process it sees the changes."""
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+CFG = {"epsilon": 1.0}
+
+@ff.fragment("actor")  # @act
+def act(w, obs, key):
+    u = ff.random.uniform(key, (2,))
+    return np.where(u[:, 0] < CFG["epsilon"], (u[:, 1] * 2).astype(np.int64), np.argmax(obs @ w, axis=-1))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.1 * batch["obs"].mean(axis=(0, 1))[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(16)
+    key = ff.random.keys(0, env.ids)
+    CFG["epsilon"] = 1.0
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(16):
+            key, sub = ff.random.split(key)
+            a = act(state["w"], obs, sub)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+        CFG["epsilon"] = 0.0   # explore during the first update only
+    return state
+""")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act' reads the global 'CFG', which the training loop "
+                                             rf"changes between its calls, but policy 'central_inference'.*\n  at "
+                                             rf"{relpath(path)}:{marks['act']}\n  fix: pass the value to 'act' as an argument"):
+        compile(program.train, policy="central_inference(env_workers=1)")
+    one = ff.run(program.train, policy="single_process")
+    here = ff.run(program.train, policy="pipelined(max_lag=0)")   # the actor runs where the loop does
+    assert np.array_equal(here.value["w"], one.value["w"])

@@ -102,6 +102,7 @@ class Node:
     other_rows: str = ""           # also called on another number of environments (an evaluation env): where
     other_rows_evaluation: bool = True   # ... that number is no training env's (else: two training envs)
     other_inputs: str = ""         # also given an argument of another shape: which, where
+    loop_changes: str = ""         # module data its code reaches that the loop changed between its calls
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,6 +134,33 @@ def mutable_data(fn: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def reached_data(fn: Any) -> list[tuple[str, Any, str, Any, list[int]]]:
+    """(label, holder, name, value, fingerprint) for the numbers, strings, arrays, lists and dicts a
+    fragment's code reaches without its arguments (versioned state apart): what the loop may change
+    between its calls."""
+    out = []
+    for kind, name, value, holder in _holders(fn):
+        if isinstance(value, (Versioned, VersionedView)) or _handles(value):
+            continue
+        if isinstance(value, (bool, int, float, str, np.ndarray)) or type(value).__name__ == "Tensor" or \
+                (type(value) in (list, dict) and len(value) <= 4096):
+            out.append((f"{kind} '{name}'", holder, name, value, fingerprint(value)))
+    return out
+
+
+_GONE = object()
+
+
+def reached_now(holder: Any, name: str) -> Any:
+    """What ``name`` holds now in ``holder`` (a globals dict or a closure cell)."""
+    if isinstance(holder, dict):
+        return holder.get(name, _GONE)
+    try:
+        return holder.cell_contents
+    except ValueError:
+        return _GONE
+
+
 def _handles(value: Any) -> list[Versioned]:
     """The handles a value is or holds directly (a handle, a view, or a dict/list/tuple of them)."""
     if isinstance(value, Versioned):

@@ -39,6 +39,10 @@ class NodeRec:
     out_skeleton: Any = None   # the first call's output without its leaves (what has none: None, {})
     names_data: dict[int, str] = field(default_factory=dict)     # module data its code reaches (id -> label)
     changes_data: dict[int, str] = field(default_factory=dict)   # ... and of it, what it changed in place
+    # what its code reaches without its arguments, as it was after its first call: (label, holder, name,
+    # the value, its fingerprint), and which of it the loop changed since (the first seen)
+    reached: list[tuple[str, Any, str, Any, list[int]]] | None = None
+    loop_changes: str = ""
     out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None

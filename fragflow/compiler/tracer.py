@@ -57,6 +57,8 @@ from fragflow.compiler.reach import (
     mutable_data,
     objects_of,
     optimizers_of,
+    reached_data,
+    reached_now,
     schedulers_of,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
@@ -279,6 +281,8 @@ class Tracer(Recording):
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
         if self._changed_args and self.changed_arg is None:
             self._read_changed(rec, bound, where)
+        if frag.role == "learner" and not self.begins_run:
+            self._loop_changed()
         if self.quick and self.window.updates == 0:
             if self._cycle is not None:
                 if self._cycle[self._pos] is frag and rec.repeat is not None:
@@ -410,6 +414,8 @@ class Tracer(Recording):
                 self._changed_args = [*self._changed_args[-(CHANGED_KEPT - 1):],
                                       _Changed(leaf, bounds, changed_print, rec.name, label, where or user_callsite(),
                                                producer)]
+        if first and not self.begins_run:
+            rec.reached = reached_data(frag.fn)
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
             self._hyper[id(opt)] = (opt, hyper_of(opt))
         for sched in schedulers:
@@ -494,6 +500,18 @@ class Tracer(Recording):
                 rec.other_inputs = (f"{leaf.dst_path} of shape {leaf.spec.short()} at {where or user_callsite()} as "
                                     f"well as {spec.short()} at {rec.called_at}")
                 return
+
+    def _loop_changed(self) -> None:
+        """Note module data a fragment's code reaches (a global dict, a closure's number) that changed
+        since its first call, where no fragment changed it: the loop did (CFG["epsilon"] = 0.0)."""
+        for rec in self._nodes.values():
+            if rec.reached and not rec.loop_changes:
+                for label, holder, name, value, before in rec.reached:
+                    if id(value) in self._changed_data or id(value) in rec.changes_data:
+                        continue   # (a fragment changes it: refused or kept by its own rule)
+                    if reached_now(holder, name) is not value or fingerprint(value) != before:
+                        rec.loop_changes = label
+                        break
 
     def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
         """Calls on one object (an env's reset and step) are ordered: an effect edge between them."""
@@ -756,6 +774,8 @@ class Tracer(Recording):
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
+        if not self.begins_run:
+            self._loop_changed()   # (changed after the last learner call traced)
         steady = 1 if self.window.window_updates[1] else 0
         per = max(self.window.window_updates[steady], 1)   # updates inside the window the rates come from
         nodes: list[Node] = []
@@ -777,7 +797,7 @@ class Tracer(Recording):
                               mutates_state=rec.mutates, captures_state=rec.captures,
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
-                              other_inputs=rec.other_inputs,
+                              other_inputs=rec.other_inputs, loop_changes=rec.loop_changes,
                               changes_data=tuple(sorted(set(rec.changes_data.values()))),
                               names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                        if i in self._changed_data}))))

@@ -313,6 +313,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
                         "versioned state a learner writes), or run with --policy single_process")
+    for n in graph.fragments():
+        if n.name in service and n.loop_changes:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' reads the {n.loop_changes}, which the training loop changes between "
+                f"its calls, but policy '{policy}' runs '{n.name}' in another process, with a copy of it as it was "
+                "when the process started: the loop's changes would never reach it", where=n.defined_at,
+                fix=f"pass the value to '{n.name}' as an argument at the call (act(..., epsilon)), or keep it in "
+                    "versioned state a learner writes, or run with --policy single_process")
     changed = graph.changed_arg
     if changed is not None and changed[0] in service and not (changed[5] in service and changed[3] in service):
         # (made, changed and read again in one process, as a batch the learner's buffer samples: as eagerly)
