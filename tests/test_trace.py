@@ -472,6 +472,12 @@ def train():
 def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
     with pytest.raises(TraceError, match="unknown fragment role 'critic'"):
         ff.fragment("critic")
+
+    def act(x):
+        return x
+
+    with pytest.raises(TraceError, match=r"@ff.fragment on 'act' has no role(.|\n)*fix: give it its role: @ff.fragment"):
+        ff.fragment(act)   # a bare @ff.fragment
     with pytest.raises(TraceError, match="declares writes='nope' but has no such parameter"):
         ff.fragment("learner", writes="nope")(lambda state: state)
 

@@ -183,6 +183,10 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
     array([2., 2.])
     """
     where = user_callsite()
+    if callable(role):   # @ff.fragment with no role, on a function
+        name = getattr(role, "__name__", "the function")
+        raise TraceError(f"@ff.fragment on '{name}' has no role", where=where,
+                         fix=f"give it its role: @ff.fragment(\"actor\") (one of: {', '.join(ROLES)})")
     if role not in ROLES:
         raise TraceError(f"unknown fragment role {role!r}", where=where,
                          fix=f"use one of: {', '.join(ROLES)}")
