@@ -391,3 +391,32 @@ def test_state_made_again_in_the_loop_is_named_as_such_under_every_placement(wri
         with pytest.raises(PlacementError, match="made new state in the loop") as info:
             ff.run(program.train, policy=policy)
         assert info.value.where.line == marks["made"], policy
+
+
+def test_a_scheduler_sent_to_the_learner_process_tracks_its_optimizer_steps_again():
+    """A scheduler in versioned state reaches the learner's process pickled, its optimizer without
+    the step wrapper the scheduler put on it: its first step warned that optimizer.step() had been
+    overridden, under every multi-process policy (helper round 25 A03)."""
+    import warnings
+
+    import cloudpickle
+    import torch
+
+    from fragflow.runtime.service import _track_scheduled_steps
+
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    state = {"net": net, "opt": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)}
+
+    def first_steps(sent):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sent["net"](torch.ones(1, 2)).sum().backward()
+            sent["opt"].step()
+            sent["sched"].step()
+        return [str(w.message) for w in seen if "overridden" in str(w.message)]
+
+    assert first_steps(cloudpickle.loads(cloudpickle.dumps(state)))   # what the learner's process got
+    sent = cloudpickle.loads(cloudpickle.dumps(state))
+    _track_scheduled_steps(sent)
+    assert first_steps(sent) == [] and sent["opt"]._opt_called

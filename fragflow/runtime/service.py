@@ -186,6 +186,7 @@ class ServiceRunner:
                     set_global_random(*self.resume_random)
                 self._seeded = True
             self.states[msg[1]] = cloudpickle.loads(msg[2])
+            _track_scheduled_steps(self.states[msg[1]])
             if self.program.world > 1:
                 self.reducer.watch(self.states[msg[1]], msg[1])
             if msg[1] in {b.state for b in self.program.publish}:
@@ -749,3 +750,29 @@ def _owned(tree: Any, spans: list[tuple[int, int]]) -> Any:
     if at is not None and any(lo <= at[0] < hi for lo, hi in spans):
         return tree.copy() if isinstance(tree, np.ndarray) else tree.clone()
     return tree
+
+
+def _track_scheduled_steps(state: Any) -> None:
+    """Wrap again the ``step`` of every optimizer a learning-rate scheduler in ``state`` steps, as
+    the scheduler did when it was made: an optimizer is sent without its instance attributes, and
+    its scheduler's first step then warned that ``optimizer.step()`` had been overridden."""
+    import functools
+    import weakref
+
+    from fragflow.compiler.pytree import is_scheduler
+    from fragflow.compiler.reach import objects_of
+
+    for sched in (x for x in objects_of(state) if is_scheduler(x)):
+        opt = getattr(sched, "optimizer", None)
+        if opt is None or hasattr(opt.step, "_wrapped_by_lr_sched"):
+            continue
+        step, ref = type(opt).step, weakref.ref(opt)
+
+        def wrapper(*args: Any, _step: Any = step, _ref: Any = ref, **kwargs: Any) -> Any:
+            held = _ref()
+            held._opt_called = True
+            return _step(held, *args, **kwargs)
+
+        wrapper = functools.wraps(step)(wrapper)
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        opt.step = wrapper
