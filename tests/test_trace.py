@@ -1160,3 +1160,35 @@ def train():
     with pytest.raises(TraceError, match=rf"ff.log got 'updates', the name of a column the run writes itself.*\n  "
                                          rf"at {relpath(path)}:{marks['log']}\n  fix: log it under a name of its own"):
         ff.run(program.train, policy=policy)
+
+
+def test_a_learner_that_writes_nothing_is_refused_by_a_placement_with_a_fix_that_fits(write_algo):
+    path, _ = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes=None)
+def learn(w, batch):
+    return {"loss": float(batch["obs"].sum())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    w = np.zeros((4, 2))
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            a = act(w, obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        ff.log(learn(w, buf.collect()))
+""")
+    program = load(str(path))
+    # (the fix said "mark the update function @ff.fragment('learner')": it already was one)
+    with pytest.raises(PlacementError, match=r"found: learn \(none writes: declared with writes=None, or given no "
+                                             r"versioned state\)(.|\n)*fix: give a learner the state it updates"):
+        compile(program.train, policy="pipelined")

@@ -191,10 +191,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 + ": no update is made", where=graph.defined_at,
                 fix="give the run a budget of at least one update (e.g. --set total_timesteps=...), "
                     "or run with --policy single_process")
-        raise PlacementError(f"policy '{policy}' needs a learner fragment that writes versioned state; found: {found}",
+        raise PlacementError(f"policy '{policy}' needs a learner fragment that writes versioned state; found: {found}"
+                             + (" (none writes: declared with writes=None, or given no versioned state)" if learners
+                                else ""),
                              where=graph.defined_at,
-                             fix="mark the update function @ff.fragment('learner') and give it the state from "
-                                 "ff.versioned(...), or run with --policy single_process")
+                             fix=("give a learner the state it updates, made with ff.versioned(...), as its first "
+                                  "parameter (or name it: @ff.fragment('learner', writes='state')), and return the "
+                                  "new state first" if learners else
+                                  "mark the update function @ff.fragment('learner') and give it the state from "
+                                  "ff.versioned(...)") + ", or run with --policy single_process")
     service = {n.name for n in learners}
     if inference_with_learner:
         service |= {n.name for n in graph.fragments("actor")}
