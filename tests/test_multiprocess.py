@@ -1104,9 +1104,9 @@ def train(args):
         obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
         state, m = pretrain(state, obs)
         ff.log(m)
-    target = sync(target, state, 1.0)   # one call more than learn's: the clock
+    target = sync(target, state, 1.0)   # one call more than learn's: the clock (the actor acts with the target)
     for _ in range(args.steps):
-        obs, *_ = env.step(act(state["w"], obs))
+        obs, *_ = env.step(act(target["w"], obs))
         state, m = learn(state, target, obs)
         ff.log(m)
         target = sync(target, state, 0.1)
