@@ -12,6 +12,7 @@ its place (:func:`handles_as_values`), as it does eagerly; placements over sever
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import sys
 import types
@@ -92,13 +93,29 @@ def objects_of(value: Any) -> list[Any]:
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names a function's code (and the functions and comprehensions nested in it) may look up."""
-    names = list(code.co_names)
+    """Globals a function's code (and the functions and comprehensions nested in it) looks up or
+    binds: its LOAD/STORE_GLOBAL (and LOAD_NAME) names, not attribute names (``np.log`` is no
+    global ``log``)."""
+    names = [ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_OPS]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.extend(_global_names(const))
     return tuple(dict.fromkeys(names))
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _bound_globals(code: types.CodeType) -> frozenset[str]:
+    """Globals a function's code (or code nested in it) binds itself (``global n; n += 1``)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _bound_globals(const)
+    return frozenset(names)
 
 
 def _holders(fn: Any) -> Iterator[tuple[str, str, Any, Any]]:
@@ -134,18 +151,50 @@ def mutable_data(fn: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def reached_data(fn: Any) -> list[tuple[str, Any, str, Any, list[int]]]:
-    """(label, holder, name, value, fingerprint) for the numbers, strings, arrays, lists and dicts a
-    fragment's code reaches without its arguments (versioned state apart): what the loop may change
-    between its calls."""
+def reached_data(fn: Any) -> list[tuple[str, Any, str, Any, Any]]:
+    """(label, holder, name, value, snapshot) for what a fragment's code reaches without its
+    arguments and could see changed by the loop between its calls: the globals and closure
+    variables it names, but for modules, functions, classes, versioned state and the globals it
+    binds itself (``global n; n += 1``: its own)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    own = _bound_globals(code) if code is not None else frozenset()
     out = []
     for kind, name, value, holder in _holders(fn):
-        if isinstance(value, (Versioned, VersionedView)) or _handles(value):
+        if kind == "global" and name in own:
             continue
-        if isinstance(value, (bool, int, float, str, np.ndarray)) or type(value).__name__ == "Tensor" or \
-                (type(value) in (list, dict) and len(value) <= 4096):
-            out.append((f"{kind} '{name}'", holder, name, value, fingerprint(value)))
+        if isinstance(value, (Versioned, VersionedView, types.ModuleType, type)) or _handles(value) or \
+                (callable(value) and not isinstance(value, (np.ndarray, dict, list))) or name.startswith("__"):
+            continue
+        out.append((f"{kind} '{name}'", holder, name, value, snapshot(value)))
     return out
+
+
+def snapshot(value: Any, depth: int = 0) -> Any:
+    """A comparable picture of a value's contents, to see whether it changed: numbers and strings as
+    they are, arrays by checksum, containers (dicts, lists, tuples, their subclasses, namespaces)
+    item by item; other objects by identity."""
+    if isinstance(value, (bool, int, float, str, bytes, type(None))):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) or type(value).__name__ == "Tensor":
+        return ("array", tuple(fingerprint(value)))
+    if depth < 3 and isinstance(value, types.SimpleNamespace):
+        value = vars(value)
+    if depth < 3 and isinstance(value, dict) and len(value) <= 4096:
+        return ("dict", tuple((k, snapshot(v, depth + 1)) for k, v in value.items()))
+    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= 4096:
+        return ("list", tuple(snapshot(v, depth + 1) for v in value))
+    return ("object", id(value))
+
+
+def changed_part(before: Any, after: Any) -> str:
+    """Which key of a dict (or item of a list) differs between two snapshots ("" where not one)."""
+    if isinstance(before, tuple) and isinstance(after, tuple) and before[:1] == after[:1] == ("dict",):
+        old, new = dict(before[1]), dict(after[1])
+        keys = [k for k in {**old, **new} if old.get(k, _GONE) != new.get(k, _GONE)]
+        return f" (its key {keys[0]!r})" if keys else ""
+    return ""
 
 
 _GONE = object()

@@ -41,8 +41,9 @@ class NodeRec:
     changes_data: dict[int, str] = field(default_factory=dict)   # ... and of it, what it changed in place
     # what its code reaches without its arguments, as it was after its first call: (label, holder, name,
     # the value, its fingerprint), and which of it the loop changed since (the first seen)
-    reached: list[tuple[str, Any, str, Any, list[int]]] | None = None
+    reached: list[tuple[str, Any, str, Any, Any]] | None = None
     loop_changes: str = ""
+    own_data: set[str] = field(default_factory=set)   # names of it the fragment changed itself while it ran
     out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None

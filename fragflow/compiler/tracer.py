@@ -49,6 +49,7 @@ from fragflow.compiler.pytree import (
 from fragflow.compiler.reach import (
     captured_objects,
     captured_state,
+    changed_part,
     check_new_state,
     fingerprint,
     handles_as_values,
@@ -60,6 +61,7 @@ from fragflow.compiler.reach import (
     reached_data,
     reached_now,
     schedulers_of,
+    snapshot,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
 from fragflow.compiler.window import TraceWindow
@@ -374,6 +376,7 @@ class Tracer(Recording):
         if first:
             rec.names_data = {id(v): label for label, v in watched}
         watched_before = [fingerprint(v) for _, v in watched]
+        reached_before = reached_data(frag.fn) if not self.begins_run and (first or frag.role == "learner") else None
         # (in one process the loop and every fragment share the arrays, as eagerly: only checked elsewhere)
         given = _array_leaves(data_args) if (sum(rec.calls) <= 2 or frag.role == "learner") and not self.begins_run else []
         given_before = [fingerprint(leaf) for _, leaf in given]
@@ -414,8 +417,12 @@ class Tracer(Recording):
                 self._changed_args = [*self._changed_args[-(CHANGED_KEPT - 1):],
                                       _Changed(leaf, bounds, changed_print, rec.name, label, where or user_callsite(),
                                                producer)]
-        if first and not self.begins_run:
-            rec.reached = reached_data(frag.fn)
+        if reached_before is not None:   # what it changed itself while it ran is its own, not the loop's
+            reached = reached_data(frag.fn)
+            own = {name for (_, _, name, value, snap), (_, _, _, old, old_snap) in zip(reached, reached_before)
+                   if value is not old or snap != old_snap} if len(reached) == len(reached_before) else set()
+            rec.own_data |= own
+            rec.reached = [r for r in reached if r[2] not in rec.own_data]
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
             self._hyper[id(opt)] = (opt, hyper_of(opt))
         for sched in schedulers:
@@ -507,10 +514,15 @@ class Tracer(Recording):
         for rec in self._nodes.values():
             if rec.reached and not rec.loop_changes:
                 for label, holder, name, value, before in rec.reached:
-                    if id(value) in self._changed_data or id(value) in rec.changes_data:
+                    if id(value) in self._changed_data or any(id(value) in r.changes_data for r in self._nodes.values()):
                         continue   # (a fragment changes it: refused or kept by its own rule)
-                    if reached_now(holder, name) is not value or fingerprint(value) != before:
+                    now = reached_now(holder, name)
+                    if now is not value:
                         rec.loop_changes = label
+                        break
+                    after = snapshot(value)
+                    if after != before:
+                        rec.loop_changes = label + changed_part(before, after)
                         break
 
     def _effects(self, rec: NodeRec, frag: Fragment, window: int) -> None:
