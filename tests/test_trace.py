@@ -1192,3 +1192,41 @@ def train():
     with pytest.raises(PlacementError, match=r"found: learn \(none writes: declared with writes=None, or given no "
                                              r"versioned state\)(.|\n)*fix: give a learner the state it updates"):
         compile(program.train, policy="pipelined")
+
+
+def test_a_container_argument_whose_entries_a_learner_replaces_is_refused_where_read_again_apart(write_algo):
+    """batch["reward"] = batch["reward"] * 0.5 in the learner, two epochs on one batch: eagerly the
+    second epoch sees the scaled rewards; apart, it did not, silently (helper round 26 D06)."""
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    batch["reward"] = batch["reward"] * 0.5   # a new entry, no array changed
+    return {"w": state["w"] + 1e-3 * batch["reward"].sum() * batch["obs"].mean((0, 1))[:, None]}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            obs, r, *_ = env.step(a)
+            buf.add(obs=obs, reward=r)
+        batch = buf.collect()
+        for _ in range(2):
+            state, _ = learn(state, batch)  # @learn
+    return state
+""")
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' changes its argument batch in place, and its "
+                                             rf"next call \({relpath(path)}:{marks['learn']}\) is given that same"):
+        compile(program.train, policy="pipelined(max_lag=0)")

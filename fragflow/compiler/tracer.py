@@ -141,6 +141,9 @@ class Tracer(Recording):
         # the fragment that made the array, or None for the loop)
         self._changed_args: list[_Changed] = []
         self.changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None, str | None] | None = None
+        # container arguments (a batch dict) a fragment replaced entries of: (it, its entries then, the
+        # fragment, which argument, its call, the fragment that made it)
+        self._changed_boxes: list[tuple[Any, Any, str, str, SourceLoc | None, str | None]] = []
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -281,7 +284,7 @@ class Tracer(Recording):
             bound = _bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
-        if self._changed_args and self.changed_arg is None:
+        if (self._changed_args or self._changed_boxes) and self.changed_arg is None:
             self._read_changed(rec, bound, where)
         if frag.role == "learner" and not self.begins_run:
             self._loop_changed()
@@ -380,6 +383,9 @@ class Tracer(Recording):
         # (in one process the loop and every fragment share the arrays, as eagerly: only checked elsewhere)
         given = _array_leaves(data_args) if (sum(rec.calls) <= 2 or frag.role == "learner") and not self.begins_run else []
         given_before = [fingerprint(leaf) for _, leaf in given]
+        boxes = _containers(data_args) if given or (not self.begins_run and frag.role == "learner") else []
+        boxes_before = [_entries(box) for _, box in boxes]
+        box_makers = [self._maker(box) for _, box in boxes]
         if first:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
@@ -417,6 +423,11 @@ class Tracer(Recording):
                 self._changed_args = [*self._changed_args[-(CHANGED_KEPT - 1):],
                                       _Changed(leaf, bounds, changed_print, rec.name, label, where or user_callsite(),
                                                producer)]
+        for (label, box), before, maker in zip(boxes, boxes_before, box_makers):
+            after_entries = _entries(box)
+            if after_entries != before:   # a container argument whose entries it replaced: is it read again?
+                self._changed_boxes = [*self._changed_boxes[-(CHANGED_KEPT - 1):],
+                                       (box, after_entries, rec.name, label, where or user_callsite(), maker)]
         if reached_before is not None:   # what it changed itself while it ran is its own, not the loop's
             reached = reached_data(frag.fn)
             own = {name for (_, _, name, value, snap), (_, _, _, old, old_snap) in zip(reached, reached_before)
@@ -485,6 +496,15 @@ class Tracer(Recording):
         where the changer runs in another process (sent a copy), it would not."""
         values = [(p, v) for p, v in bound.arguments.items() if not isinstance(v, (Versioned, VersionedView))
                   and not is_static(v)]
+        if self._changed_boxes:
+            held = {id(box) for _, box in _containers(values)}
+            for box in list(self._changed_boxes):
+                if id(box[0]) in held:
+                    if _entries(box[0]) != box[1]:   # its entries set again since: not the change
+                        self._changed_boxes.remove(box)
+                        continue
+                    self.changed_arg = (box[2], box[3], box[4], rec.name, where or user_callsite(), box[5])
+                    return
         for _, leaf in _array_leaves(values):
             bounds = _bounds(leaf)
             if bounds is None:
@@ -496,6 +516,13 @@ class Tracer(Recording):
                         continue
                     self.changed_arg = (c.changer, c.label, c.at, rec.name, where or user_callsite(), c.producer)
                     return
+
+    def _maker(self, box: Any) -> str | None:
+        """The fragment a container's leaves came from (None: the loop made them)."""
+        for _, leaf in _array_leaves([("", box)])[:1]:
+            origin = self._origin(leaf)
+            return None if origin is None or origin.node == LOOP else origin.node
+        return None
 
     def _other_inputs(self, rec: NodeRec, where: SourceLoc | None) -> None:
         """Note an argument leaf given in another shape than at the first call (what a channel
@@ -910,6 +937,26 @@ class _ThreadsSet:
     def __call__(self, n: int) -> None:
         self.called = True
         self.original(n)
+
+
+def _containers(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(argument and path, container) of the dicts and lists in ``values``, two levels down."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(label: str, x: Any, depth: int) -> None:
+        if isinstance(x, (dict, list)) and depth < 3:
+            out.append((label, x))
+            for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+                walk(f"{label}[{k!r}]", v, depth + 1)
+
+    for name, value in values:
+        walk(name, value, 0)
+    return out
+
+
+def _entries(box: Any) -> Any:
+    """What a container holds, by identity (an entry replaced, added or removed changes it)."""
+    return tuple((k, id(v)) for k, v in box.items()) if isinstance(box, dict) else tuple(map(id, box))
 
 def _array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """(argument and path, leaf) of the numpy arrays and torch tensors in ``values``."""
