@@ -2050,6 +2050,10 @@ def train():
     one = ff.run(program.train, policy="single_process")
     apart = ff.run(program.train, policy="pipelined(max_lag=0)")
     assert apart.summary["updates"] == 210 and apart.value == one.value
+    # where the loop receives no broadcast (central_inference's env workers), it would act with the
+    # parameters as its process started: refused at the call (it ran with them, silently; round 26 E01)
+    with pytest.raises(UntracedFragmentError, match=r"actor fragment 'act_eval' was first called after tracing ended"):
+        ff.run(program.train, policy="central_inference(env_workers=1)")
 
 
 POLYAK_EVERY_STEP = """
@@ -2222,3 +2226,40 @@ def test_loop_changed_data_is_seen_in_any_container_and_not_in_attribute_names_o
     with pytest.raises(PlacementError, match=rf"learner fragment 'learn' reads the global '{name}' \(its key 'scale'\), "
                                              rf"which the training loop changes between its calls"):
         compile(program.train, kind, policy="pipelined(max_lag=0)")
+
+
+def test_static_args_with_a_list_field_reach_a_remote_learner(write_algo):
+    """A frozen Args with a list field, given to the learner as configuration: its call's skeleton did
+    not hash and the actor process failed (helper round 26 E07)."""
+    path, _ = write_algo("""
+from dataclasses import dataclass, field
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    hidden_sizes: list = field(default_factory=lambda: [4, 4])
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, args: Args):
+    return {"w": state["w"] + float(sum(args.hidden_sizes))}, {}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(2):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect(), args)
+    return state
+""")
+    program = load(str(path))
+    assert (ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=0)").value["w"] == 32.0).all()

@@ -190,7 +190,7 @@ class LoopInterpreter:
         # (a final evaluation's act_eval), with the version the loop acts with
         made_later = frag.instance is not None and frag.role in ("env", "buffer")
         if self.program.remote and name not in self.program.local and not frag.evaluation and \
-                (made_later or frag.role not in ("actor", "env")):
+                (made_later or frag.role not in ("actor", "env") or not self._broadcast_here(args, kwargs)):
             raise UntracedFragmentError(
                 f"{frag.role} fragment '{name}' was first called after tracing ended, so the placement has no "
                 "process for it", where=user_callsite(),
@@ -200,8 +200,22 @@ class LoopInterpreter:
                 if made_later else
                 "make sure the loop calls it within its first learner updates (the tracer runs until every "
                 "fragment of the training module has been called, for up to 200 updates: call it within "
-                "them, e.g. at update 0 and every N after), or run with --policy single_process")
+                "them, e.g. at update 0 and every N after; an actor first called later runs where the loop "
+                "runs only with state this process receives: the views the traced actors read), or run with "
+                "--policy single_process")
         return self._local(frag, name, args, kwargs)
+
+    def _broadcast_here(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether every state an untraced fragment is given reaches this loop by broadcast, in a
+        part this loop receives (else it would act with the state as the process started)."""
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, (Versioned, VersionedView)):
+                handle = x if isinstance(x, Versioned) else x.handle
+                path = () if isinstance(x, Versioned) else x.path
+                b = self.program.reads.get(handle.name) if self.endpoints is not None else None
+                if b is None or not any(path[:len(root)] == root for root in b.paths):
+                    return False
+        return True
 
     # -- here ------------------------------------------------------------------------------
     def _local(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -345,10 +359,15 @@ class LoopInterpreter:
         if name not in self._shipped:
             group.put(("fragment", name, cloudpickle.dumps(frag)))
             self._shipped.add(name)
-        sid = self._skeletons.get((name, skeleton))
+        key: Any = (name, skeleton)
+        try:
+            sid = self._skeletons.get(key)
+        except TypeError:   # a static argument that does not hash (an Args with a list field): by its text
+            key = (name, repr(skeleton))
+            sid = self._skeletons.get(key)
         if sid is None:   # (a state made after the trace is a new skeleton: its name is new)
             self._refuse_untraced_state(name, route, bound.arguments)
-            sid = self._skeletons[(name, skeleton)] = len(self._skeletons)
+            sid = self._skeletons[key] = len(self._skeletons)
             # cloudpickled: its static arguments (an Args dataclass of the user's file) go by value; the
             # queue's own pickling names their module, which a worker started from a fork server lacks
             group.put(("skeleton", self.index, sid, cloudpickle.dumps(skeleton)))
