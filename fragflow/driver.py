@@ -38,6 +38,7 @@ from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
+from fragflow.source import definition_of
 
 
 class Terminated(KeyboardInterrupt):
@@ -200,7 +201,10 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
         from fragflow.api.envs import registered_by_user
 
-        program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
+        try:
+            program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
+        except Exception as exc:
+            raise _unsendable(args, placed.policy, train, exc) from None
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
 
 
@@ -421,7 +425,7 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
     checkpoints = None
     if every is not None or start is not None:
         assert out is not None
-        config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) and not isinstance(args, type) else None
+        config = _args_record(args)
         identity: dict[str, Any] = {"algorithm": placed.graph.name, "fragments": sorted(n.name for n in placed.graph.fragments()),
                     "program": program_ref, "checkpoint_every": None if every is None else
                     (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
@@ -483,11 +487,43 @@ def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backen
     return summary
 
 
+def _unsendable(args: Any, policy: str, train: Callable[..., Any], exc: Exception) -> ConfigError:
+    """Why the program cannot be sent to worker processes: which field of its args does not pickle."""
+    import cloudpickle
+
+    fields = [f.name for f in dataclasses.fields(args)] if dataclasses.is_dataclass(args) else []
+    for name in fields:
+        try:
+            cloudpickle.dumps(getattr(args, name))
+        except Exception as bad:
+            return ConfigError(f"policy '{policy}' sends the program's args to its worker processes, but "
+                               f"args.{name} cannot be sent ({type(bad).__name__}: {bad})",
+                               where=definition_of(train),
+                               fix="keep what cannot be pickled (a lock, an open file, a generator) out of the "
+                                   "args: make it in the training function from a field that can (a path, a "
+                                   "seed), or run with --policy single_process")
+    return ConfigError(f"policy '{policy}' sends the program to its worker processes, but it cannot be pickled "
+                       f"({type(exc).__name__}: {exc})", where=definition_of(train),
+                       fix="keep what cannot be pickled (a lock, an open file, a generator) out of the training "
+                           "function's closure and its args, or run with --policy single_process")
+
+
+def _args_record(args: Any) -> dict[str, Any] | None:
+    """An Args dataclass's fields as the run records them; a field that cannot be copied (a lock,
+    an open file) as its text, so that a run's summary is still written."""
+    if not dataclasses.is_dataclass(args) or isinstance(args, type):
+        return None
+    try:
+        return dataclasses.asdict(args)
+    except Exception:
+        return {f.name: repr(getattr(args, f.name)) for f in dataclasses.fields(args)}
+
+
 def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, backend: str = "local") -> dict[str, Any]:
     import gymnasium
     import torch
 
-    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) and not isinstance(args, type) else None
+    config = _args_record(args)
     return {
         "status": status,
         "policy": placed.policy,

@@ -1070,3 +1070,34 @@ def test_saved_args_that_no_longer_fit_are_refused_not_dropped():
         args_from(Args, {"updates": "eight"})
     with pytest.raises(CheckpointError, match=r"target=True"):
         args_from(Args, {"target": True})
+
+
+class _Color(__import__("enum").Enum):
+    RED = 1
+    BLUE = 2
+
+
+@__import__("dataclasses").dataclass(frozen=True)
+class _Net:
+    hidden: int = 64
+
+
+@__import__("dataclasses").dataclass(frozen=True)
+class _NestedArgs:
+    sizes: tuple[int, ...] = __import__("dataclasses").field(default_factory=lambda: (4, 4))
+    net: _Net = __import__("dataclasses").field(default_factory=_Net)
+    out: Path = Path("runs")
+    color: _Color = _Color.RED
+    maybe: tuple | None = None
+
+
+def test_saved_args_come_back_in_their_fields_types():
+    """A tuple field with a default_factory was refused on resume (saved as a list), and a nested
+    dataclass, a path and an enum came back as a dict and strings (helper round 26 E05, E06)."""
+    import dataclasses
+
+    from fragflow.runtime.checkpoint import args_from
+
+    given = _NestedArgs(net=_Net(8), out=Path("x/y"), color=_Color.BLUE, maybe=(1, 2))
+    saved = json.loads(json.dumps(dataclasses.asdict(given), default=str))
+    assert args_from(_NestedArgs, saved) == given

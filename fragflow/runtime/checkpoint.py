@@ -403,7 +403,7 @@ def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
     for name, f in fields.items():
         if name not in data:
             continue   # (a field added since: its default)
-        v = data[name]
+        v = _rebuilt(data[name], types.get(name))
         if isinstance(v, list) and isinstance(f.default, tuple):
             v = tuple(v)
         if not _fits(v, types.get(name)):
@@ -417,6 +417,40 @@ def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
     except TypeError as exc:
         raise CheckpointError(f"the checkpoint's args do not fit {cls.__name__}: {exc}",
                               fix="resume with the algorithm file that wrote the checkpoint") from None
+
+
+def _rebuilt(value: Any, annotation: Any) -> Any:
+    """A value as JSON saved it, back in the field's type where the annotation says (a tuple saved
+    as a list, a nested dataclass as a dict, a path or an enum as text)."""
+    import dataclasses
+    import enum
+    import pathlib
+    import types as pytypes
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, pytypes.UnionType):
+        for option in typing.get_args(annotation):
+            rebuilt = _rebuilt(value, option)
+            if _fits(rebuilt, option) and option is not type(None):
+                return rebuilt
+        return value
+    if isinstance(value, list) and (annotation is tuple or origin is tuple):
+        return tuple(value)
+    if isinstance(annotation, type):
+        if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+            return args_from(annotation, value)
+        if issubclass(annotation, pathlib.PurePath) and isinstance(value, str):
+            return annotation(value)
+        if issubclass(annotation, enum.Enum) and not isinstance(value, annotation):
+            try:
+                return annotation[str(value).rsplit(".", 1)[-1]]
+            except KeyError:
+                try:
+                    return annotation(value)
+                except ValueError:
+                    return value
+    return value
 
 
 def _fits(value: Any, annotation: Any) -> bool:
@@ -441,6 +475,13 @@ def _fits(value: Any, annotation: Any) -> bool:
         return isinstance(value, str)
     if annotation is tuple or origin is tuple:
         return isinstance(value, tuple)
+    import dataclasses
+    import enum
+    import pathlib
+
+    if isinstance(annotation, type) and (dataclasses.is_dataclass(annotation) or
+                                         issubclass(annotation, (pathlib.PurePath, enum.Enum))):
+        return isinstance(value, annotation)
     return True
 
 
