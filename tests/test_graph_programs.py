@@ -2307,3 +2307,48 @@ def train(args):  # @train
     with pytest.raises(ConfigError, match=rf"policy 'pipelined' sends the program's args to its worker processes, but "
                                           rf"args.lock cannot be sent.*\n  at {relpath(path)}:{marks['train']}"):
         ff.run(program.train, program.args_cls(), policy="pipelined")
+
+
+RECURRENT_LAYOUT = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, h):
+    h_in = h[0] if h.ndim == 3 else h   # [1, env, hidden] or [env, hidden]
+    h_new = np.tanh(obs @ w + h_in)
+    action = h_new.argmax(-1) % 2
+    return action, (h_new[None] if h.ndim == 3 else h_new)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+def train(env_first=False):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 3))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    h = np.zeros((env.num_envs, 3)) if env_first else np.zeros((1, env.num_envs, 3))   # CleanRL's layout
+    for _ in range(3):
+        for _ in range(4):
+            a, h = act(state["w"], obs, h)  # @act
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_recurrent_state_with_the_environments_second_is_refused_with_a_fix_that_fits(write_algo):
+    """A recurrent state in the [1, env, hidden] layout, served under central_inference: refused at
+    the call as if sliced or reshaped, with a fix about rollouts (helper round 25 A, noted); the
+    message now names the axis, and the fix (environments first) runs as single_process."""
+    path, marks = write_algo(RECURRENT_LAYOUT)
+    program = load(str(path))
+    with pytest.raises(SpecChangedError, match=rf"has them on axis 1, not first(.|\n)*at {relpath(path)}:{marks['act']}"
+                                               rf"\n  fix: keep the environments first"):
+        ff.run(program.train, policy="central_inference(env_workers=2)")
+    one = ff.run(program.train, True, policy="single_process")
+    served = ff.run(program.train, True, policy="central_inference(env_workers=2)")
+    assert np.array_equal(one.value["w"], served.value["w"])

@@ -142,7 +142,15 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
             message = (f"fragment '{fragment}' got argument leaf {i} as {got.short()} {got.backend}, "
                        f"but it was traced as {spec.short()} {spec.backend}")
             fix = "keep every argument's shape and dtype fixed across calls (pad or bucket variable-size data)"
-            if replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
+            inner = _shared_axis(got.shape, spec.shape, replicas) if got.dtype == spec.dtype else None
+            if inner:
+                message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
+                            f"the environments, and this leaf, made in the loop, has them on axis {inner}, not "
+                            "first: fragflow follows per-environment arrays the loop makes with the environments "
+                            "on their first axis (a recurrent state in the [1, env, hidden] layout)")
+                fix = ("keep the environments first in what the loop holds ([env, hidden]) and move the axis inside "
+                       "the fragment where the network wants it (h.transpose(0, 1), h[None]); or run with one actor")
+            elif replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
                 message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
                             "the environments, and this leaf was made in the loop from per-environment data whose "
                             "environment axis fragflow cannot follow (sliced, reshaped or flattened; or given with "
@@ -153,6 +161,15 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                        "per-environment data the fragment also takes, and slice, reshape or flatten it inside the "
                        "fragment; or run with one actor")
             raise SpecChangedError(message, where=where, fix=fix)
+
+
+def _shared_axis(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:
+    """The axis after the first along which a leaf holds this process's share of what was traced
+    (0: none, or the first)."""
+    if replicas < 2 or len(got) != len(traced) or len(got) < 2:
+        return 0
+    differ = [k for k, (g, t) in enumerate(zip(got, traced)) if g != t]
+    return differ[0] if len(differ) == 1 and differ[0] > 0 and got[differ[0]] * replicas == traced[differ[0]] else 0
 
 
 Where = SourceLoc | None | Callable[[], SourceLoc | None]
