@@ -164,12 +164,14 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
 
 
 def _shared_axis(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:
-    """The axis after the first along which a leaf holds this process's share of what was traced
-    (0: none, or the first)."""
+    """The axis, behind leading axes of one ([1, env, hidden]), along which a leaf holds this
+    process's share of what was traced (0: none, or the first)."""
     if replicas < 2 or len(got) != len(traced) or len(got) < 2:
         return 0
     differ = [k for k, (g, t) in enumerate(zip(got, traced)) if g != t]
-    return differ[0] if len(differ) == 1 and differ[0] > 0 and got[differ[0]] * replicas == traced[differ[0]] else 0
+    k = differ[0] if len(differ) == 1 else 0
+    # (only behind axes of one: a [time, env] array is better put in the rollout, as the other message says)
+    return k if k > 0 and got[k] * replicas == traced[k] and all(n == 1 for n in got[:k]) else 0
 
 
 Where = SourceLoc | None | Callable[[], SourceLoc | None]
