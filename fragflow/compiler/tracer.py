@@ -35,6 +35,7 @@ from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView, own_value
 from fragflow.compiler import probes
 from fragflow.compiler.axes import loop_rows
+from fragflow.compiler.inplace import Changed, array_leaves, containers, entries, memory_bounds, overlap
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LeafSpec, LoopRead, Node, NodeKind
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.pytree import (
@@ -135,15 +136,13 @@ class Tracer(Recording):
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self.threads_set: _ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
-        # array arguments a fragment changed in place (checked in a learner's every recorded call and
-        # another fragment's first two, where the trace is not the run's beginning), and the first later
-        # call given their memory again, unchanged since: (changer, argument, its call, reader, its call,
-        # the fragment that made the array, or None for the loop)
-        self._changed_args: list[_Changed] = []
+        # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
+        # of (checked in a learner's every recorded call and another fragment's first two, where the
+        # trace is not the run's beginning), and the first later call given their memory again,
+        # unchanged since: (changer, argument, its call, reader, its call, the fragment that made the
+        # array, or None for the loop)
+        self._changed_args: list[Changed] = []
         self.changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None, str | None] | None = None
-        # container arguments (a batch dict) a fragment replaced entries of: (it, its entries then, the
-        # fragment, which argument, its call, the fragment that made it)
-        self._changed_boxes: list[tuple[Any, Any, str, str, SourceLoc | None, str | None]] = []
         self._last_on_instance: dict[int, str] = {}
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
@@ -284,7 +283,7 @@ class Tracer(Recording):
             bound = _bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
-        if (self._changed_args or self._changed_boxes) and self.changed_arg is None:
+        if self._changed_args and self.changed_arg is None:
             self._read_changed(rec, bound, where)
         if frag.role == "learner" and not self.begins_run:
             self._loop_changed()
@@ -381,11 +380,11 @@ class Tracer(Recording):
         watched_before = [fingerprint(v) for _, v in watched]
         reached_before = reached_data(frag.fn) if not self.begins_run and (first or frag.role == "learner") else None
         # (in one process the loop and every fragment share the arrays, as eagerly: only checked elsewhere)
-        given = _array_leaves(data_args) if (sum(rec.calls) <= 2 or frag.role == "learner") and not self.begins_run else []
+        checked = (sum(rec.calls) <= 2 or frag.role == "learner") and not self.begins_run
+        given = array_leaves(data_args) if checked else []
         given_before = [fingerprint(leaf) for _, leaf in given]
-        boxes = _containers(data_args) if given or (not self.begins_run and frag.role == "learner") else []
-        boxes_before = [_entries(box) for _, box in boxes]
-        box_makers = [self._maker(box) for _, box in boxes]
+        boxes = containers(data_args) if checked else []
+        boxes_before = [(entries(box), self._maker(box)) for _, box in boxes]
         if first:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
@@ -413,21 +412,19 @@ class Tracer(Recording):
             if fingerprint(value) != before:   # changed data the module holds: who else reads it?
                 rec.changes_data[id(value)] = label
                 self._changed_data[id(value)] = label
+        changed = []   # (held, so that its memory is not another array's later: a view's base stays too)
         for (label, leaf), before in zip(given, given_before):
             changed_print = fingerprint(leaf)
-            bounds = _bounds(leaf)
+            bounds = memory_bounds(leaf)
             if changed_print != before and bounds is not None:   # an argument changed in place: is it read again?
-                origin = self._origin(leaf)
-                producer = None if origin is None or origin.node == LOOP else origin.node
-                # (held, so that its memory is not another array's later: a view's base stays too)
-                self._changed_args = [*self._changed_args[-(CHANGED_KEPT - 1):],
-                                      _Changed(leaf, bounds, changed_print, rec.name, label, where or user_callsite(),
-                                               producer)]
-        for (label, box), before, maker in zip(boxes, boxes_before, box_makers):
-            after_entries = _entries(box)
-            if after_entries != before:   # a container argument whose entries it replaced: is it read again?
-                self._changed_boxes = [*self._changed_boxes[-(CHANGED_KEPT - 1):],
-                                       (box, after_entries, rec.name, label, where or user_callsite(), maker)]
+                changed.append(Changed(leaf, bounds, changed_print, rec.name, label, where or user_callsite(),
+                                       self._maker(leaf)))
+        for (label, box), (before, maker) in zip(boxes, boxes_before):
+            after = entries(box)
+            if after != before:   # a container argument whose entries it replaced: is it read again?
+                changed.append(Changed(box, None, after, rec.name, label, where or user_callsite(), maker))
+        if changed:
+            self._changed_args = [*self._changed_args, *changed][-CHANGED_KEPT:]
         if reached_before is not None:   # what it changed itself while it ran is its own, not the loop's
             reached = reached_data(frag.fn)
             own = {name for (_, _, name, value, snap), (_, _, _, old, old_snap) in zip(reached, reached_before)
@@ -496,33 +493,22 @@ class Tracer(Recording):
         where the changer runs in another process (sent a copy), it would not."""
         values = [(p, v) for p, v in bound.arguments.items() if not isinstance(v, (Versioned, VersionedView))
                   and not is_static(v)]
-        if self._changed_boxes:
-            held = {id(box) for _, box in _containers(values)}
-            for box in list(self._changed_boxes):
-                if id(box[0]) in held:
-                    if _entries(box[0]) != box[1]:   # its entries set again since: not the change
-                        self._changed_boxes.remove(box)
-                        continue
-                    self.changed_arg = (box[2], box[3], box[4], rec.name, where or user_callsite(), box[5])
-                    return
-        for _, leaf in _array_leaves(values):
-            bounds = _bounds(leaf)
-            if bounds is None:
+        held = {id(box) for _, box in containers(values)}
+        memory = [b for b in (memory_bounds(leaf) for _, leaf in array_leaves(values)) if b is not None]
+        for c in list(self._changed_args):
+            if not (id(c.value) in held if c.bounds is None else any(overlap(c.bounds, b) for b in memory)):
                 continue
-            for c in list(self._changed_args):
-                if c.bounds[0] == bounds[0] and c.bounds[1] < bounds[2] and bounds[1] < c.bounds[2]:
-                    if fingerprint(c.value) != c.after:   # written since (storage refilled): not the change
-                        self._changed_args.remove(c)
-                        continue
-                    self.changed_arg = (c.changer, c.label, c.at, rec.name, where or user_callsite(), c.producer)
-                    return
+            if c.now() != c.after:   # written since (storage refilled, entries set again): not the change
+                self._changed_args.remove(c)
+                continue
+            self.changed_arg = (c.changer, c.label, c.at, rec.name, where or user_callsite(), c.producer)
+            return
 
-    def _maker(self, box: Any) -> str | None:
-        """The fragment a container's leaves came from (None: the loop made them)."""
-        for _, leaf in _array_leaves([("", box)])[:1]:
-            origin = self._origin(leaf)
-            return None if origin is None or origin.node == LOOP else origin.node
-        return None
+    def _maker(self, value: Any) -> str | None:
+        """The fragment an array (or a container's first array) came from (None: the loop made it)."""
+        leaves = array_leaves([("", value)])
+        origin = self._origin(leaves[0][1]) if leaves else None
+        return None if origin is None or origin.node == LOOP else origin.node
 
     def _other_inputs(self, rec: NodeRec, where: SourceLoc | None) -> None:
         """Note an argument leaf given in another shape than at the first call (what a channel
@@ -541,8 +527,8 @@ class Tracer(Recording):
         for rec in self._nodes.values():
             if rec.reached and not rec.loop_changes:
                 for label, holder, name, value, before in rec.reached:
-                    if id(value) in self._changed_data or any(id(value) in r.changes_data for r in self._nodes.values()):
-                        continue   # (a fragment changes it: refused or kept by its own rule)
+                    if id(value) in self._changed_data:   # (a fragment changes it: refused or kept by its own rule)
+                        continue
                     now = reached_now(holder, name)
                     if now is not value:
                         rec.loop_changes = label
@@ -895,37 +881,6 @@ class _Positional:
 
 
 
-@dataclass
-class _Changed:
-    """An array argument a fragment changed in place."""
-
-    value: Any
-    bounds: tuple[str, int, int]     # its memory: device, first byte, end
-    after: list[int]                 # its fingerprint after the change
-    changer: str
-    label: str
-    at: SourceLoc | None
-    producer: str | None             # the fragment whose output it is (None: the loop made it)
-
-
-def _bounds(x: Any) -> tuple[str, int, int] | None:
-    """The memory an array's elements span: (device, first byte, end); None where it has none."""
-    if isinstance(x, np.ndarray):
-        if x.size == 0:
-            return None
-        start, itemsize = x.__array_interface__["data"][0], x.itemsize
-        dims = list(zip(x.shape, x.strides))
-        device = "cpu"
-    else:
-        if not x.numel():
-            return None
-        itemsize = x.element_size()
-        start, dims = x.data_ptr(), [(n, st * itemsize) for n, st in zip(x.shape, x.stride())]
-        device = str(x.device)
-    low = start + sum((n - 1) * st for n, st in dims if st < 0)
-    high = start + sum((n - 1) * st for n, st in dims if st > 0) + itemsize
-    return device, low, high
-
 
 class _ThreadsSet:
     """``torch.set_num_threads`` while the program is traced: it notes that the program set them."""
@@ -938,37 +893,6 @@ class _ThreadsSet:
         self.called = True
         self.original(n)
 
-
-def _containers(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """(argument and path, container) of the dicts and lists in ``values``, two levels down."""
-    out: list[tuple[str, Any]] = []
-
-    def walk(label: str, x: Any, depth: int) -> None:
-        if isinstance(x, (dict, list)) and depth < 3:
-            out.append((label, x))
-            for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
-                walk(f"{label}[{k!r}]", v, depth + 1)
-
-    for name, value in values:
-        walk(name, value, 0)
-    return out
-
-
-def _entries(box: Any) -> Any:
-    """What a container holds, by identity (an entry replaced, added or removed changes it)."""
-    return tuple((k, id(v)) for k, v in box.items()) if isinstance(box, dict) else tuple(map(id, box))
-
-def _array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """(argument and path, leaf) of the numpy arrays and torch tensors in ``values``."""
-    out: list[tuple[str, Any]] = []
-    for name, value in values:
-        try:
-            leaves = leaf_paths(value)
-        except NotAnArray:
-            continue
-        out.extend((f"{name}{path}", leaf) for path, leaf in leaves
-                   if isinstance(leaf, np.ndarray) or hasattr(leaf, "_version"))
-    return out
 
 def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = frag.__dict__.get("_ff_positional", False)

@@ -22,13 +22,17 @@ How values become JSON and arrays is :mod:`fragflow.runtime.encoding`.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
+import pathlib
 import random as pyrandom
 import re
 import shutil
 import time
 import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -384,9 +388,8 @@ def merged_states(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, np.ndarra
 
 
 def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
-    """The Args dataclass a manifest recorded (lists back to tuples where the field's default is one)."""
-    import dataclasses
-
+    """The Args dataclass a manifest recorded, each value back in its field's type (a list back to a
+    tuple where the annotation or the default is one); one that does not fit is refused."""
     if cls is None or data is None:
         return None
     from fragflow.config import field_types
@@ -422,14 +425,8 @@ def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
 def _rebuilt(value: Any, annotation: Any) -> Any:
     """A value as JSON saved it, back in the field's type where the annotation says (a tuple saved
     as a list, a nested dataclass as a dict, a path or an enum as text)."""
-    import dataclasses
-    import enum
-    import pathlib
-    import types as pytypes
-    import typing
-
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, pytypes.UnionType):
+    if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(annotation):
             rebuilt = _rebuilt(value, option)
             if _fits(rebuilt, option) and option is not type(None):
@@ -455,11 +452,8 @@ def _rebuilt(value: Any, annotation: Any) -> Any:
 
 def _fits(value: Any, annotation: Any) -> bool:
     """Whether a saved value can be the field's (the simple annotations checked; any other passes)."""
-    import types as pytypes
-    import typing
-
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, pytypes.UnionType):
+    if origin in (typing.Union, types.UnionType):
         return any(_fits(value, option) for option in typing.get_args(annotation))
     if origin is typing.Literal:
         return value in typing.get_args(annotation)
@@ -475,10 +469,6 @@ def _fits(value: Any, annotation: Any) -> bool:
         return isinstance(value, str)
     if annotation is tuple or origin is tuple:
         return isinstance(value, tuple)
-    import dataclasses
-    import enum
-    import pathlib
-
     if isinstance(annotation, type) and (dataclasses.is_dataclass(annotation) or
                                          issubclass(annotation, (pathlib.PurePath, enum.Enum))):
         return isinstance(value, annotation)
