@@ -2229,6 +2229,101 @@ def test_loop_changed_data_is_seen_in_any_container_and_not_in_attribute_names_o
         compile(program.train, kind, policy="pipelined(max_lag=0)")
 
 
+REACHED_FURTHER = """
+import numpy as np
+import fragflow as ff
+import ff_test_settings as settings
+
+EPS = {"value": 1.0}
+
+def explore():
+    return EPS["value"]   # a helper the actor calls
+
+def pick(eps, w, obs, key):
+    u = ff.random.uniform(key, (2,))
+    return np.where(u[:, 0] < eps, (u[:, 1] * 2).astype(np.int64), np.argmax(obs @ w, axis=-1))
+
+class Agent:
+    def __init__(self):
+        self.epsilon = 1.0
+        self.calls = 0
+
+    @ff.fragment("actor")  # @attribute
+    def act(self, w, obs, key):
+        self.calls += 1   # its own counter: not the loop's change
+        return pick(self.epsilon, w, obs, key)
+
+    @ff.fragment("actor")  # @none
+    def act_fixed(self, w, obs, key):
+        self.calls += 1
+        return pick(0.5, w, obs, key)
+
+@ff.fragment("actor")  # @helper
+def act_helper(w, obs, key):
+    return pick(explore(), w, obs, key)
+
+@ff.fragment("actor")  # @module
+def act_module(w, obs, key):
+    return pick(settings.EPS, w, obs, key)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.1 * batch["obs"].mean(axis=(0, 1))[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train(kind):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    agent = Agent()
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            a = {"attribute": agent.act, "none": agent.act_fixed, "helper": act_helper, "module": act_module}[kind](
+                state["w"], obs, sub)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+        agent.epsilon *= 0.5          # the loop anneals the exploration rate...
+        EPS["value"] *= 0.5           # ...as a helper reads it
+        settings.EPS *= 0.5           # ...as another module holds it
+    return state
+"""
+
+
+@pytest.mark.parametrize("kind", ["attribute", "helper", "module", "none"])
+def test_loop_changed_data_is_seen_through_the_fragments_object_a_helper_and_another_module(write_algo, kind):
+    """An exploration rate the loop anneals, read by an actor served apart (central_inference)
+    through its own object (self.epsilon), a helper function or another module's attribute: the
+    served actor kept its first value for the whole run, silently (documented as not seen in stop
+    25). The actor's own counter, and data nobody changes, do not refuse it."""
+    import sys
+
+    path, marks = write_algo(REACHED_FURTHER)
+    (path.parent / "ff_test_settings.py").write_text("EPS = 1.0\n")
+    sys.path.insert(0, str(path.parent))
+    try:
+        sys.modules.pop("ff_test_settings", None)
+        program = load(str(path))
+        if kind == "none":
+            one = ff.run(program.train, kind, policy="single_process")
+            apart = ff.run(program.train, kind, policy="central_inference(env_workers=1)")
+            assert np.array_equal(one.value["w"], apart.value["w"])
+            return
+        label = {"attribute": r"attribute 'self\.epsilon'", "helper": r"global 'EPS' \(through 'explore'\) \(its key 'value'\)",
+                 "module": r"attribute 'settings\.EPS'"}[kind]
+        name = {"attribute": r"Agent\.act", "helper": "act_helper", "module": "act_module"}[kind]
+        with pytest.raises(PlacementError, match=rf"actor fragment '{name}' reads the {label}, which the training loop "
+                                                 rf"changes between its calls, but policy 'central_inference'.*\n  at "
+                                                 rf"{relpath(path)}:{marks[kind]}"):
+            compile(program.train, kind, policy="central_inference(env_workers=1)")
+        ff.run(program.train, kind, policy="pipelined(max_lag=0)")   # the actor runs where the loop does
+    finally:
+        sys.path.remove(str(path.parent))
+        sys.modules.pop("ff_test_settings", None)
+
+
 def test_static_args_with_a_list_field_reach_a_remote_learner(write_algo):
     """A frozen Args with a list field, given to the learner as configuration: its call's skeleton did
     not hash and the actor process failed (helper round 26 E07)."""

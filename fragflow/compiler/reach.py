@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import os
 import sys
+import sysconfig
 import types
 import zlib
 from collections.abc import Iterator
@@ -154,19 +156,112 @@ def mutable_data(fn: Any) -> list[tuple[str, Any]]:
 def reached_data(fn: Any) -> list[tuple[str, Any, str, Any, Any]]:
     """(label, holder, name, value, snapshot) for what a fragment's code reaches without its
     arguments and could see changed by the loop between its calls: the globals and closure
-    variables it names, but for modules, functions, classes, versioned state and the globals it
-    binds itself (``global n; n += 1``: its own)."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    own = _bound_globals(code) if code is not None else frozenset()
+    variables it names, the attributes of its own object (``self.epsilon``) and of the user's
+    modules (``cfg.EPS``) it names, and what the user's helper functions it calls reach in turn;
+    but for modules, functions, classes, versioned state and what its code binds itself
+    (``global n; n += 1``, ``self.n += 1``: its own)."""
     out = []
-    for kind, name, value, holder in _holders(fn):
-        if kind == "global" and name in own:
-            continue
+    for label, holder, name, value in _reached_holders(fn, 0, set()):
         if isinstance(value, (Versioned, VersionedView, types.ModuleType, type)) or _handles(value) or \
                 (callable(value) and not isinstance(value, (np.ndarray, dict, list))) or name.startswith("__"):
             continue
-        out.append((f"{kind} '{name}'", holder, name, value, snapshot(value)))
+        if label.startswith("attribute") and isinstance(value, np.ndarray) and value.size > ATTRIBUTE_ARRAY_MAX:
+            continue   # (an object's storage, a buffer's: fingerprinting it at every check costs too much)
+        out.append((label, holder, name, value, snapshot(value)))
     return out
+
+
+ATTRIBUTE_ARRAY_MAX = 1 << 16
+HELPER_DEPTH = 2
+
+
+def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any, str, Any]]:
+    """(label, holder, name, value): ``_holders`` of ``fn``, but for the globals its code binds
+    itself, and, in the user's code, the attributes of a method's own object and of a user module
+    that its code names, and what the user's functions it names reach (``HELPER_DEPTH`` deep)."""
+    f = getattr(fn, "__func__", fn)
+    code = getattr(f, "__code__", None)
+    if code is None or id(code) in seen:
+        return
+    seen.add(id(code))
+    via = f" (through '{f.__name__}')" if depth else ""
+    pairs, stored = _attribute_names(code)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType) and code.co_argcount and _users(code.co_filename):
+        me = code.co_varnames[0]
+        attrs = _instance_dict(owner)
+        theirs = _stored_by_fragments(type(owner))
+        for var, name in pairs:
+            if var == me and name in attrs and name not in stored and name not in theirs:
+                yield f"attribute '{me}.{name}'{via}", attrs, name, attrs[name]
+    own = _bound_globals(code)
+    for kind, name, value, holder in _holders(fn):
+        if kind == "global" and name in own:
+            continue
+        yield f"{kind} '{name}'{via}", holder, name, value
+        if kind != "global" or depth >= HELPER_DEPTH:
+            continue
+        if isinstance(value, types.ModuleType) and _users(getattr(value, "__file__", None) or "<>"):
+            attrs = vars(value)
+            for var, attr in pairs:
+                if var == name and attr in attrs and attr not in stored:
+                    yield f"attribute '{name}.{attr}'{via}", attrs, attr, attrs[attr]
+        elif isinstance(value, types.FunctionType) and _users(value.__code__.co_filename):
+            yield from _reached_holders(value, depth + 1, seen)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attribute_names(code: types.CodeType) -> tuple[tuple[tuple[str, str], ...], frozenset[str]]:
+    """(variable, attribute) for each attribute a function's code (and code nested in it) reads
+    straight off a variable (``self.epsilon``, ``cfg.EPS``), and the attribute names it sets or
+    deletes anywhere (``self.n = ...``: its own)."""
+    read: list[tuple[str, str]] = []
+    stored: set[str] = set()
+    base = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and base is not None and isinstance(ins.argval, str):
+            read.append((base, ins.argval))
+        elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
+            stored.add(ins.argval)
+        base = ins.argval if ins.opname in _VARIABLE_LOADS and isinstance(ins.argval, str) else None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            more, also = _attribute_names(const)
+            read.extend(more)
+            stored |= also
+    return tuple(dict.fromkeys(read)), frozenset(stored)
+
+
+_VARIABLE_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CLOSURE", "LOAD_FAST_CHECK"})
+
+
+def _stored_by_fragments(cls: type) -> frozenset[str]:
+    """Attributes the fragment methods of a class set: changed by its fragments, not by the loop."""
+    out: set[str] = set()
+    for value in vars(cls).values() if isinstance(cls, type) else ():
+        code = getattr(getattr(value, "fn", None), "__code__", None)
+        if code is not None and getattr(value, "role", None) is not None:
+            out |= _attribute_names(code)[1]
+    return frozenset(out)
+
+
+def _instance_dict(obj: Any) -> dict[str, Any]:
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return {}
+    return attrs if isinstance(attrs, dict) else {}
+
+
+@functools.lru_cache(maxsize=256)
+def _users(filename: str) -> bool:
+    """Whether code from ``filename`` is the user's own: not fragflow's, not Python's, not an
+    installed library's."""
+    if filename.startswith("<") or is_internal(filename):
+        return False
+    path = os.path.abspath(filename)
+    libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(path.startswith(os.path.abspath(d) + os.sep) for d in libraries if d)
 
 
 def snapshot(value: Any, depth: int = 0) -> Any:

@@ -43,7 +43,7 @@ class NodeRec:
     # the value, its fingerprint), and which of it the loop changed since (the first seen)
     reached: list[tuple[str, Any, str, Any, Any]] | None = None
     loop_changes: str = ""
-    own_data: set[str] = field(default_factory=set)   # names of it the fragment changed itself while it ran
+    own_data: set[str] = field(default_factory=set)   # labels of what it changed itself while it ran
     out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None

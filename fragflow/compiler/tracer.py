@@ -427,10 +427,10 @@ class Tracer(Recording):
             self._changed_args = [*self._changed_args, *changed][-CHANGED_KEPT:]
         if reached_before is not None:   # what it changed itself while it ran is its own, not the loop's
             reached = reached_data(frag.fn)
-            own = {name for (_, _, name, value, snap), (_, _, _, old, old_snap) in zip(reached, reached_before)
+            own = {label for (label, _, _, value, snap), (_, _, _, old, old_snap) in zip(reached, reached_before)
                    if value is not old or snap != old_snap} if len(reached) == len(reached_before) else set()
             rec.own_data |= own
-            rec.reached = [r for r in reached if r[2] not in rec.own_data]
+            rec.reached = [r for r in reached if r[0] not in rec.own_data]
         for opt in optimizers:   # as the learner left them: a change before its next call is the loop's
             self._hyper[id(opt)] = (opt, hyper_of(opt))
         for sched in schedulers:
