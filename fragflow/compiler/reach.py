@@ -187,7 +187,7 @@ def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str,
     via = f" (through '{f.__name__}')" if depth else ""
     pairs, stored = _attribute_names(code)
     owner = getattr(fn, "__self__", None)
-    if owner is not None and not isinstance(owner, types.ModuleType) and code.co_argcount and _users(code.co_filename):
+    if owner is not None and not isinstance(owner, types.ModuleType) and code.co_argcount and users_code(code.co_filename):
         me = code.co_varnames[0]
         attrs = _instance_dict(owner)
         theirs = _stored_by_fragments(type(owner))
@@ -201,12 +201,12 @@ def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str,
         yield f"{kind} '{name}'{via}", holder, name, value
         if kind != "global" or depth >= HELPER_DEPTH:
             continue
-        if isinstance(value, types.ModuleType) and _users(getattr(value, "__file__", None) or "<>"):
+        if isinstance(value, types.ModuleType) and users_code(getattr(value, "__file__", None) or "<>"):
             attrs = vars(value)
             for var, attr in pairs:
                 if var == name and attr in attrs and attr not in stored:
                     yield f"attribute '{name}.{attr}'{via}", attrs, attr, attrs[attr]
-        elif isinstance(value, types.FunctionType) and _users(value.__code__.co_filename):
+        elif isinstance(value, types.FunctionType) and users_code(value.__code__.co_filename):
             yield from _reached_holders(value, depth + 1, seen)
 
 
@@ -254,7 +254,7 @@ def _instance_dict(obj: Any) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _users(filename: str) -> bool:
+def users_code(filename: str) -> bool:
     """Whether code from ``filename`` is the user's own: not fragflow's, not Python's, not an
     installed library's."""
     if filename.startswith("<") or is_internal(filename):

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import os
 import random as _pyrandom
+import sys
 import time
 import weakref
 from collections import deque
@@ -63,6 +64,7 @@ from fragflow.compiler.reach import (
     reached_now,
     schedulers_of,
     snapshot,
+    users_code,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
 from fragflow.compiler.window import TraceWindow
@@ -893,6 +895,20 @@ class _ThreadsSet:
         self.called = True
         self.original(n)
 
+    def rebind(self) -> list[tuple[dict[str, Any], str]]:
+        """Put itself where the user's modules hold the function by name (``from torch import
+        set_num_threads``); the (globals, name) it replaced, to put back."""
+        out = []
+        for module in list(sys.modules.values()):
+            scope = getattr(module, "__dict__", None)
+            if not isinstance(scope, dict) or not users_code(getattr(module, "__file__", None) or "<>"):
+                continue
+            for name, value in list(scope.items()):
+                if value is self.original:
+                    scope[name] = self
+                    out.append((scope, name))
+        return out
+
 
 def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = frag.__dict__.get("_ff_positional", False)
@@ -988,8 +1004,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
-    tracer.threads_set = _ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
-    setattr(torch, "set_num_threads", tracer.threads_set)  # noqa: B010
+    threads_set = tracer.threads_set = _ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
+    setattr(torch, "set_num_threads", threads_set)  # noqa: B010
+    imported = threads_set.rebind()   # (and where the user's modules imported it by name)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
@@ -1013,7 +1030,10 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             except BaseException as exc:
                 tracer.failed = exc
     finally:
-        torch.set_num_threads = tracer.threads_set.original
+        torch.set_num_threads = threads_set.original
+        for scope, name in imported:
+            if scope.get(name) is threads_set:
+                scope[name] = threads_set.original
         if tracer.taken_by is None:
             tracer.close()
             _set_rng_state(saved)
