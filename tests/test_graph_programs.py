@@ -2324,6 +2324,72 @@ def test_loop_changed_data_is_seen_through_the_fragments_object_a_helper_and_ano
         sys.modules.pop("ff_test_settings", None)
 
 
+KEYS_READ = """
+import types
+import numpy as np
+import fragflow as ff
+
+CONFIG = {"gamma": 0.5, "last_mean": 0.0}
+NS = types.SimpleNamespace(gamma=0.5, last_mean=0.0)
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+def step(state, batch, gamma):
+    return {"w": state["w"] + gamma * batch["obs"].mean((0, 1))[:, None]}, {"mean": float(batch["obs"].mean())}
+
+@ff.fragment("learner", writes="state")
+def learn_key(state, batch):
+    return step(state, batch, CONFIG["gamma"])
+
+@ff.fragment("learner", writes="state")
+def learn_get(state, batch):
+    return step(state, batch, CONFIG.get("gamma", 1.0))
+
+@ff.fragment("learner", writes="state")
+def learn_attr(state, batch):
+    return step(state, batch, NS.gamma)
+
+@ff.fragment("learner", writes="state")  # @whole
+def learn_whole(state, batch):
+    return step(state, batch, min(CONFIG.values()) + 0.5)
+
+def train(kind):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = {"key": learn_key, "get": learn_get, "attr": learn_attr, "whole": learn_whole}[kind](state, buf.collect())
+        CONFIG["last_mean"] = NS.last_mean = m["mean"]   # the loop's own bookkeeping, beside the constant
+    return state
+"""
+
+
+@pytest.mark.parametrize("kind", ["key", "get", "attr", "whole"])
+def test_a_key_the_loop_writes_that_a_served_fragment_never_reads_does_not_refuse_it(write_algo, kind):
+    """A config dict (or namespace) holding a constant the learner reads by name beside a key the
+    loop writes its bookkeeping into: the learner, served apart, was refused although it never read
+    the changed key (helper round 26 D05). Where its code reads the dict whole, the change is
+    seen."""
+    path, marks = write_algo(KEYS_READ)
+    program = load(str(path))
+    if kind == "whole":
+        with pytest.raises(PlacementError, match=rf"learner fragment 'learn_whole' reads the global 'CONFIG' \(its key "
+                                                 rf"'last_mean'\), which the training loop changes.*\n  at "
+                                                 rf"{relpath(path)}:{marks['whole']}"):
+            compile(program.train, kind, policy="pipelined(max_lag=0)")
+        return
+    one = ff.run(program.train, kind, policy="single_process")
+    apart = ff.run(program.train, kind, policy="pipelined(max_lag=0)")
+    assert np.array_equal(one.value["w"], apart.value["w"]) and np.abs(one.value["w"]).sum() > 0
+
+
 def test_static_args_with_a_list_field_reach_a_remote_learner(write_algo):
     """A frozen Args with a list field, given to the learner as configuration: its call's skeleton did
     not hash and the actor process failed (helper round 26 E07)."""

@@ -161,24 +161,54 @@ def reached_data(fn: Any) -> list[tuple[str, Any, str, Any, Any]]:
     but for modules, functions, classes, versioned state and what its code binds itself
     (``global n; n += 1``, ``self.n += 1``: its own)."""
     out = []
-    for label, holder, name, value in _reached_holders(fn, 0, set()):
+    for label, holder, name, value, parts in _reached_holders(fn, 0, set()):
         if isinstance(value, (Versioned, VersionedView, types.ModuleType, type)) or _handles(value) or \
                 (callable(value) and not isinstance(value, (np.ndarray, dict, list))) or name.startswith("__"):
             continue
         if label.startswith("attribute") and isinstance(value, np.ndarray) and value.size > ATTRIBUTE_ARRAY_MAX:
             continue   # (an object's storage, a buffer's: fingerprinting it at every check costs too much)
-        out.append((label, holder, name, value, snapshot(value)))
+        out.append((label, holder, name, value, Parts(value, parts) if parts is not None else snapshot(value)))
     return out
+
+
+class Parts:
+    """A snapshot of only the keys of a dict (or attributes of a namespace) a fragment's code reads
+    by name (``CFG["gamma"]``, ``CFG.get("gamma")``, ``NS.gamma``): the loop changing another key
+    changes nothing it sees."""
+
+    __slots__ = ("parts", "picture")
+
+    def __init__(self, value: Any, parts: frozenset[tuple[str, Any]]) -> None:
+        self.parts = parts
+        named = sorted(parts, key=repr)
+        if isinstance(value, dict):
+            seen = {k: value.get(k, _GONE) for kind, k in named if kind == "key"}
+        else:
+            attrs = _instance_dict(value)
+            seen = {k: attrs.get(k, _GONE) for kind, k in named if kind == "attr"}
+        self.picture = snapshot(seen)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Parts) and other.picture == self.picture
+
+    __hash__ = None   # type: ignore[assignment]
+
+
+def again(value: Any, before: Any) -> Any:
+    """A snapshot of ``value`` now, of the same parts as ``before``."""
+    return Parts(value, before.parts) if isinstance(before, Parts) else snapshot(value)
 
 
 ATTRIBUTE_ARRAY_MAX = 1 << 16
 HELPER_DEPTH = 2
 
 
-def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any, str, Any]]:
-    """(label, holder, name, value): ``_holders`` of ``fn``, but for the globals its code binds
-    itself, and, in the user's code, the attributes of a method's own object and of a user module
-    that its code names, and what the user's functions it names reach (``HELPER_DEPTH`` deep)."""
+def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any, str, Any, frozenset[tuple[str, Any]] | None]]:
+    """(label, holder, name, value, parts): ``_holders`` of ``fn``, but for the globals its code
+    binds itself, and, in the user's code, the attributes of a method's own object and of a user
+    module that its code names, and what the user's functions it names reach (``HELPER_DEPTH``
+    deep); ``parts``: the keys or attributes of it the code reads by name, where that is all it
+    does with it (None: the whole of it)."""
     f = getattr(fn, "__func__", fn)
     code = getattr(f, "__code__", None)
     if code is None or id(code) in seen:
@@ -193,19 +223,24 @@ def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str,
         theirs = _stored_by_fragments(type(owner))
         for var, name in pairs:
             if var == me and name in attrs and name not in stored and name not in theirs:
-                yield f"attribute '{me}.{name}'{via}", attrs, name, attrs[name]
+                yield f"attribute '{me}.{name}'{via}", attrs, name, attrs[name], None
     own = _bound_globals(code)
+    named = _parts_read(code)
     for kind, name, value, holder in _holders(fn):
         if kind == "global" and name in own:
             continue
-        yield f"{kind} '{name}'{via}", holder, name, value
+        parts = named.get(name)
+        if parts is not None and not (isinstance(value, dict) and all(kind == "key" for kind, _ in parts) or
+                                      isinstance(value, types.SimpleNamespace) and all(kind == "attr" for kind, _ in parts)):
+            parts = None   # (a dict's method, a namespace subscripted, another object: the whole of it)
+        yield f"{kind} '{name}'{via}", holder, name, value, parts
         if kind != "global" or depth >= HELPER_DEPTH:
             continue
         if isinstance(value, types.ModuleType) and users_code(getattr(value, "__file__", None) or "<>"):
             attrs = vars(value)
             for var, attr in pairs:
                 if var == name and attr in attrs and attr not in stored:
-                    yield f"attribute '{name}.{attr}'{via}", attrs, attr, attrs[attr]
+                    yield f"attribute '{name}.{attr}'{via}", attrs, attr, attrs[attr], None
         elif isinstance(value, types.FunctionType) and users_code(value.__code__.co_filename):
             yield from _reached_holders(value, depth + 1, seen)
 
@@ -230,6 +265,41 @@ def _attribute_names(code: types.CodeType) -> tuple[tuple[tuple[str, str], ...],
             read.extend(more)
             stored |= also
     return tuple(dict.fromkeys(read)), frozenset(stored)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parts_read(code: types.CodeType) -> dict[str, frozenset[tuple[str, Any]] | None]:
+    """For each global or closure variable a function's code (and code nested in it) loads, the
+    parts of it read by name: ``("key", k)`` for ``X[k]`` or ``X.get(k...)`` with a constant ``k``,
+    ``("attr", a)`` for ``X.a``; None where the code does anything else with it (the whole)."""
+    out: dict[str, frozenset[tuple[str, Any]] | None] = {}
+    def note(name: str, part: tuple[str, Any] | None) -> None:
+        if name in out and out[name] is None:
+            return
+        out[name] = None if part is None else (out.get(name) or frozenset()) | {part}
+
+    ins = list(dis.get_instructions(code))
+    for i, x in enumerate(ins):
+        if x.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME") or not isinstance(x.argval, str):
+            continue
+        a = ins[i + 1] if i + 1 < len(ins) else None
+        b = ins[i + 2] if i + 2 < len(ins) else None
+        part: tuple[str, Any] | None = None
+        if a is not None and b is not None and a.opname == "LOAD_CONST" and b.opname == "BINARY_SUBSCR" \
+                and isinstance(a.argval, (str, int)):
+            part = ("key", a.argval)
+        elif a is not None and b is not None and a.opname in ("LOAD_METHOD", "LOAD_ATTR") and a.argval == "get" \
+                and b.opname == "LOAD_CONST" and isinstance(b.argval, (str, int)):
+            part = ("key", b.argval)
+        elif a is not None and a.opname == "LOAD_ATTR" and isinstance(a.argval, str) and a.argval != "get":
+            part = ("attr", a.argval)
+        note(x.argval, part)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            for name, parts in _parts_read(const).items():
+                for part in (parts or (None,)):
+                    note(name, part)
+    return out
 
 
 _VARIABLE_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CLOSURE", "LOAD_FAST_CHECK"})
@@ -285,6 +355,8 @@ def snapshot(value: Any, depth: int = 0) -> Any:
 
 def changed_part(before: Any, after: Any) -> str:
     """Which key of a dict (or item of a list) differs between two snapshots ("" where not one)."""
+    if isinstance(before, Parts) and isinstance(after, Parts):
+        before, after = before.picture, after.picture
     if isinstance(before, tuple) and isinstance(after, tuple) and before[:1] == after[:1] == ("dict",):
         old, new = dict(before[1]), dict(after[1])
         keys = [k for k in {**old, **new} if old.get(k, _GONE) != new.get(k, _GONE)]

@@ -49,6 +49,7 @@ from fragflow.compiler.pytree import (
     without_optimizers,
 )
 from fragflow.compiler.reach import (
+    again,
     captured_objects,
     captured_state,
     changed_part,
@@ -63,7 +64,6 @@ from fragflow.compiler.reach import (
     reached_data,
     reached_now,
     schedulers_of,
-    snapshot,
     users_code,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
@@ -535,7 +535,7 @@ class Tracer(Recording):
                     if now is not value:
                         rec.loop_changes = label
                         break
-                    after = snapshot(value)
+                    after = again(value, before)
                     if after != before:
                         rec.loop_changes = label + changed_part(before, after)
                         break

@@ -325,9 +325,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"its calls, but policy '{policy}' runs '{n.name}' in another process, with a copy of it as it was "
                 "when the process started: the loop's changes would never reach it", where=n.defined_at,
                 fix=f"pass the value to '{n.name}' as an argument at the call (act(..., epsilon)), or keep it in "
-                    f"versioned state a learner writes; if '{n.name}' never reads the part that changes, keep that "
-                    f"part out of what its code names (the names are checked, not the keys read); or run with "
-                    "--policy single_process")
+                    f"versioned state a learner writes; if '{n.name}' never reads the part that changes, read only "
+                    f"the keys it needs by name (CFG['gamma']: those alone are checked; the dict used otherwise is "
+                    "checked whole); or run with --policy single_process")
     changed = graph.changed_arg
     if changed is not None and changed[0] in service and not (changed[5] in service and changed[3] in service):
         # (made, changed and read again in one process, as a batch the learner's buffer samples: as eagerly)
