@@ -33,6 +33,46 @@ def test_a_pettingzoo_parallel_env_has_an_agent_axis_and_counts_every_agents_epi
     assert np.array_equal(fresh.reset(), env.reset())                  # seeded per environment
 
 
+def test_an_agent_not_in_an_episode_counts_no_episode():
+    """An agent of ``possible_agents`` the env does not spawn (a reserve): each end of an episode
+    counted it a (return 0, length 0) episode (helper round 27 G01)."""
+    from pettingzoo import ParallelEnv
+
+    class Reserve(ParallelEnv):
+        metadata = {"name": "reserve"}
+
+        def __init__(self):
+            self.possible_agents = ["a", "b", "c"]
+
+        def observation_space(self, agent):
+            return gym.spaces.Box(-1, 1, (2,), np.float32)
+
+        def action_space(self, agent):
+            return gym.spaces.Discrete(2)
+
+        def reset(self, seed=None, options=None):
+            self.t, self.agents = 0, ["a", "b"]
+            return {a: np.zeros(2, np.float32) for a in self.agents}, {a: {} for a in self.agents}
+
+        def step(self, actions):
+            self.t += 1
+            done = self.t >= 3
+            obs = {a: np.zeros(2, np.float32) for a in self.agents}
+            out = obs, {a: 1.0 for a in self.agents}, {a: False for a in self.agents}, {a: done for a in self.agents}, \
+                {a: {} for a in self.agents}
+            if done:
+                self.agents = []
+            return out
+
+    env = ff.envs.make(Reserve, num_envs=2, seed=0)
+    env.reset()
+    finished = []
+    for _ in range(6):
+        env.step(np.zeros((2, 3), np.int64))
+        finished += env.step.events(None)[1]
+    assert finished == [(3.0, 3)] * 8   # 2 envs x 2 episodes x the 2 agents that played
+
+
 def test_unlike_agents_are_padded_to_one_space_with_a_mask_of_each_agents_actions():
     from mpe2 import simple_speaker_listener_v4
 

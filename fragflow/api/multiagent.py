@@ -170,7 +170,8 @@ class MultiAgentVectorEnv(VectorEnv):
             self._returns[i] += raw[i]
             self._lengths[i] += np.array([agent in live for agent in self.agents])
             if not env.agents:                    # every agent is done: the episode ends here
-                self._finished.extend((float(ret), int(length)) for ret, length in zip(self._returns[i], self._lengths[i]))
+                self._finished.extend((float(ret), int(length)) for ret, length in zip(self._returns[i], self._lengths[i])
+                                      if length > 0)   # (an agent of possible_agents not in this episode played none)
                 self._returns[i], self._lengths[i] = 0.0, 0
                 final.append(step_obs)
                 step_obs = self._obs(env.reset()[0])
