@@ -262,6 +262,10 @@ def test_an_observation_of_another_shape_than_the_space_is_refused_at_the_step()
     with pytest.raises(ConfigError, match=r"environment 0 returned an observation of shape \(1,\), but its observation "
                                           r"space .* has shape \(2, 2\)"):
         env.step(np.zeros(2, np.int64))
+    part = VectorEnv(lambda: _Counts(wrong=True), 4, seed=0, ids=np.array([2, 3]), name="env")
+    part.reset()
+    with pytest.raises(ConfigError, match=r"environment 2 returned an observation"):   # the run's index, not this share's
+        part.step(np.zeros(2, np.int64))   # (it named environment 0: helper round 27 G04)
 
 
 def test_options_make_cannot_apply_and_factories_of_the_wrong_kind_are_refused_at_the_make_line():

@@ -87,8 +87,9 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
     the general one (space iteration, copies, merged infos), which costs several times a
     CartPole step. ``info`` holds ``final_obs`` and its mask ``_final_obs`` when an episode ended."""
 
-    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]]) -> None:
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], ids: Sequence[int]) -> None:
         super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        self.ids = [int(i) for i in ids]   # each environment's index in the whole run (what messages name)
         self._lean = isinstance(self.single_observation_space, _ARRAY_SPACES) and \
             isinstance(self.single_action_space, _ARRAY_SPACES)
 
@@ -110,7 +111,7 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
             if np.shape(o) != obs.shape[1:]:   # (assigning would broadcast it silently)
-                raise ConfigError(f"environment {i} returned an observation of shape {np.shape(o)}, but its "
+                raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
                                   f"observation space {self.single_observation_space} has shape {obs.shape[1:]}",
                                   where=user_callsite(),
                                   fix="return observations of the space's shape, or declare the space the env returns")
@@ -210,7 +211,7 @@ class VectorEnv:
                        num_envs, seed, ids, name)
         kwargs = dict(env_kwargs or {})
         factory: Callable[..., gym.Env] = functools.partial(gym.make, env_id) if isinstance(env_id, str) else env_id
-        base = _SameStepVectorEnv([functools.partial(_wrapped, factory, kwargs, wrappers)] * self.num_envs)
+        base = _SameStepVectorEnv([functools.partial(_wrapped, factory, kwargs, wrappers)] * self.num_envs, self.ids)
         self._stats = _EpisodeStats(base)
         env: gym.vector.VectorEnv = self._stats
         if clip_rewards:   # outside the episode statistics: returns are reported on the raw rewards
