@@ -109,7 +109,9 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--policy", "actor_learner(actors=0)"], "option 'actors' of policy 'actor_learner' is 0"),
     (["run", "ppo", "--backend", "nosuch"], "unknown backend 'nosuch'"),
     (["run", "ppo", "--policy", "pipelined(envs_per_actor=3)", "--set", "num_envs=4"],
-     "splits the loop's 4 environments across 1 processes (actors=1, envs_per_actor=3)"),
+     "asks for envs_per_actor=3 in each of its 1 process (actors=1): 3 environments, but the loop steps 4"),
+    (["run", "ppo", "--policy", "actor_learner(actors=2, envs_per_actor=1)", "--set", "num_envs=4"],
+     "fix: set envs_per_actor=2, or leave it out"),   # (2 actors divide 4: the share was wrong, not the split)
     (["run", "dqn", "--policy", "actor_learner(actors=2)", "--set", "total_timesteps=600", "--set", "learning_starts=200"],
      "splits the loop's 1 environments across 2 processes (actors=2): they do not divide evenly\n  at algorithms/dqn.py:"),
     (["run", "dqn", "--policy", "central_inference(env_workers=2)", "--set", "total_timesteps=600", "--set",

@@ -248,10 +248,19 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
              else f"{unit}={replicas}")
     asked = _asked_per(placed)
     each = f", {per_unit}={asked}" if asked else ""
-    raise ConfigError(f"policy '{placed.policy}' splits the loop's {total} environments across {replicas} processes "
+    if asked and total % replicas == 0:   # the processes divide them: the share asked for is what is wrong
+        raise ConfigError(f"policy '{placed.policy}' asks for {per_unit}={asked} in each of its {_processes(replicas)} "
+                          f"({given}): {asked * replicas} environments, but the loop steps {total}", where=where,
+                          fix=f"set {per_unit}={total // replicas}, or leave it out (each process then steps "
+                              f"num_envs / {unit})")
+    raise ConfigError(f"policy '{placed.policy}' splits the loop's {total} environments across {_processes(replicas)} "
                       f"({given}{each}): they do not divide evenly", where=where,
                       fix=f"choose {unit} dividing num_envs={total} (and {per_unit} = num_envs / {unit}), or "
                           "--set num_envs=... to a multiple of it")
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 def _check_env_split(placed: PlacedGraph, loop: Group) -> None:
