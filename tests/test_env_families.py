@@ -10,7 +10,7 @@ import pytest
 
 import fragflow as ff
 from fragflow.driver import compile
-from fragflow.errors import UnknownEnvError
+from fragflow.errors import ConfigError, UnknownEnvError
 from tests.test_multiprocess import same_tree, shm_leftovers
 
 
@@ -214,6 +214,9 @@ def test_atari_preprocessing_and_the_cnn_ppo():
     args = ppo_atari.Args(env_id="ALE/Pong-v5", total_timesteps=96, num_envs=2, num_steps=16, update_epochs=1)
     result = ff.run(ppo_atari.train, args, policy="single_process")
     assert result.summary["env_steps"] == 96 and result.summary["updates"] == 3
+    for option in ({"frameskip": 4}, {"wrappers": []}):   # (Python's "multiple values for keyword": round 27 G06)
+        with pytest.raises(ConfigError, match=rf"ff.envs.atari was given {next(iter(option))}=(.|\n)*test_env_families.py"):
+            ff.envs.atari("ALE/Pong-v5", num_envs=1, seed=0, **option)
 
 
 def test_a_missing_family_names_its_extra():

@@ -577,6 +577,14 @@ def atari(env_id: str, num_envs: int = 1, seed: int = 0, *, frame_stack: int = 4
     >>> env.reset().shape                                # doctest: +SKIP
     (2, 4, 84, 84)
     """
+    for option, why, fix in (("frameskip", "its preprocessing skips 4 frames itself (ALE's own frame skip stays 1)",
+                              "leave frameskip out; for another skip, make the env with ff.envs.make and your own "
+                              "AtariPreprocessing(frame_skip=...) in wrappers=[...]"),
+                             ("wrappers", "it applies its own preprocessing wrappers",
+                              "leave wrappers out, or make the env with ff.envs.make(env_id, ..., wrappers=[...]) "
+                              "and the preprocessing you want")):
+        if option in env_kwargs:
+            raise ConfigError(f"ff.envs.atari was given {option}=: {why}", where=user_callsite(), fix=fix)
     if ":" not in env_id and env_id.startswith("ALE/"):
         env_id = f"ale_py:{env_id}"    # registers the ALE/ ids
     wrappers = [lambda e: gym.wrappers.AtariPreprocessing(e, noop_max=noop_max, frame_skip=4, screen_size=84),
