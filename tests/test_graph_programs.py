@@ -230,6 +230,48 @@ def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(writ
     assert [(leaf.axis_name, leaf.axis) for leaf in graph.node("act").inputs if leaf.dst_path == "h"] == [("env", 0)]
 
 
+SIZED_BY_NUM_ENVS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, key, n):   # one action per environment, sized with env.num_envs as the README says
+    explore = ff.random.uniform(key, (1,))[:, 0] < 0.5
+    return np.where(explore, np.ones(n, np.int64), np.argmax(obs @ w, axis=-1))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            a = act(state["w"], obs, sub, env.num_envs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["central_inference(env_workers=2)", "actor_learner(actors=2, max_lag=0)"])
+def test_an_actor_sized_by_num_envs_runs_where_its_calls_are_merged(write_algo, policy):
+    """An actor given ``env.num_envs``: served with both workers' environments merged
+    (central_inference), it got one worker's count beside the merged rows and failed in the
+    learner's process with a broadcast error (helper round 27 G03). The count is the merged one."""
+    path, _ = write_algo(SIZED_BY_NUM_ENVS)
+    program = load(str(path))
+    expected = ff.run(program.train, policy="single_process")
+    result = ff.run(program.train, policy=policy)
+    assert same_tree(result.value, expected.value) and result.summary["env_steps"] == 128
+
+
 WHOLE_STATE_ACTOR = """
 from dataclasses import dataclass
 import numpy as np

@@ -87,7 +87,7 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
     the general one (space iteration, copies, merged infos), which costs several times a
     CartPole step. ``info`` holds ``final_obs`` and its mask ``_final_obs`` when an episode ended."""
 
-    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], ids: Sequence[int]) -> None:
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], ids: Any) -> None:
         super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
         self.ids = [int(i) for i in ids]   # each environment's index in the whole run (what messages name)
         self._lean = isinstance(self.single_observation_space, _ARRAY_SPACES) and \
@@ -193,6 +193,17 @@ class _Normalize(gym.vector.VectorWrapper):
         return obs, reward, terminated, truncated, info
 
 
+class EnvCount(int):
+    """A training env's ``num_envs``: the environments this process steps. Given to a fragment that
+    a policy serves with several processes' environments merged (an actor under
+    ``central_inference``), it is their sum there, as the merged rows are."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return EnvCount, (int(self),)
+
+
 class VectorEnv:
     """A batch of gymnasium environments stepped as one fragment call.
 
@@ -258,13 +269,15 @@ class VectorEnv:
         self.env_id = label
         self.seed = seed
         self.ids = np.asarray(ids, dtype=np.int64)
-        self.num_envs = len(self.ids)
+        self.num_envs: int = EnvCount(len(self.ids))
         self.total_envs = num_envs
         self.name = name
 
     def _fragments(self, evaluation: bool) -> None:
         """``reset`` and ``step`` as env fragments: rows per environment in and out, env events."""
         self.evaluation = evaluation
+        if evaluation:   # (not split across processes: a count like any other)
+            self.num_envs = int(self.num_envs)
         self.reset = Fragment(self._reset, "env", name=f"{self.name}.reset", instance=self, axes=rows,
                               evaluation=evaluation)
         self.step = Fragment(self._step, "env", name=f"{self.name}.step", instance=self, axes=rows,

@@ -70,7 +70,7 @@ class LeafSpec:
     dst_path: str
     spec: TensorSpec
     axis: int | None = None        # the leaf's named batch axis, where known ...
-    axis_name: str | None = None   # ... and its name: env, sample, time or agent
+    axis_name: str | None = None   # ... and its name: env, sample, time or agent ("count": an env's num_envs)
 
 
 @dataclass(frozen=True, slots=True)

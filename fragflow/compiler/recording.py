@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fragflow.api.envs import EnvCount
 from fragflow.api.events import default_axes
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
@@ -133,7 +134,8 @@ class Recording:
             edge = self._edge(src, rec.name, EdgeKind.DATA, port, pname)
             if edge.where is None:
                 edge.where = where
-            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None, axis[0] if axis else None)
+            leaf_spec = LeafSpec(src_path, f"{pname}{path}", spec, axis[1] if axis else None,
+                                 axis[0] if axis else "count" if src == LOOP and isinstance(leaf, EnvCount) else None)
             edge.leaves.setdefault((src_path, f"{pname}{path}"), leaf_spec)
             if src == LOOP and axis is None:
                 self._loop_made.append((len(self._inputs), edge))

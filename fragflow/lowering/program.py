@@ -56,6 +56,7 @@ class Ring:
     specs: tuple[TensorSpec, ...]     # per replica (batch axes divided by the number of replicas)
     axes: tuple[int | None, ...]      # merge axis of each leaf; None: the same in every replica
     capacity: int
+    counts: tuple[int, ...] = ()      # leaves that are a replica's number of environments: summed where merged
 
 
 @dataclass(frozen=True)
@@ -449,8 +450,9 @@ def lower(placed: PlacedGraph) -> Lowered:
             in_order = lag == 0 or (traj.discipline if traj is not None else "ordered") == "ordered"
             if whole and in_order and group.replicas == 1:
                 remote[name] = replace(remote[name], whole=whole)
+            counts = tuple(i for i, leaf in enumerate(crossing) if leaf.axis_name == "count") if loop.replicas > 1 else ()
             for k in range(loop.replicas):
-                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity))
+                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity, counts))
         publish = []
         depth = param.capacity if param is not None else lag + 3
         for state in sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src in members}):

@@ -443,6 +443,9 @@ class ServiceRunner:
         ring = self.ring_specs[fragment]
         out = []
         for j, (axis, spec) in enumerate(zip(ring.axes, ring.specs)):
+            if j in ring.counts:   # each replica's env.num_envs: the merged call has all their environments
+                out.append(sum(int(p.leaves[j]) for p in pieces))
+                continue
             if axis is None:
                 first = pieces[0].leaves[j]
                 if not self.program.ordered:
