@@ -272,6 +272,49 @@ def test_an_actor_sized_by_num_envs_runs_where_its_calls_are_merged(write_algo, 
     assert same_tree(result.value, expected.value) and result.summary["env_steps"] == 128
 
 
+OWN_MEMORY = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rng = np.random.default_rng(0)
+    memory = []
+    obs = env.reset()
+    for step in range(40):
+        next_obs, *_ = env.step(act(state["w"], obs))
+        memory.append(obs)
+        obs = next_obs
+        if step >= 3:
+            data = np.concatenate(memory)              # a replay memory of the user's own
+            state, _ = learn(state, {"obs": data[rng.integers(0, len(data), 8)]})  # @learn
+    return state
+"""
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_rows_the_loop_samples_itself_are_refused_where_replicas_would_each_send_their_own(write_algo, lag):
+    """A batch sampled in the loop from its own replay memory (no declared batch axis), under two
+    actors: where the learner gathers calls on arrival (max_lag=1) it learned one replica's rows and
+    dropped the other's, silently (helper round 27 H03); in order it was refused naming 'argument
+    leaf 0'. Both are refused, naming the argument."""
+    path, marks = write_algo(OWN_MEMORY)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"batch\['obs'\] of 'learn' \(f32\[8,4\]\) differs between the loop's replicas"
+                                          rf"(.|\n)*at {relpath(path)}:{marks['learn']}\n  fix: pass per-environment data"):
+        ff.run(program.train, policy=f"actor_learner(actors=2, max_lag={lag})")
+    assert shm_leftovers() == []
+
+
 WHOLE_STATE_ACTOR = """
 from dataclasses import dataclass
 import numpy as np

@@ -57,6 +57,7 @@ class Ring:
     axes: tuple[int | None, ...]      # merge axis of each leaf; None: the same in every replica
     capacity: int
     counts: tuple[int, ...] = ()      # leaves that are a replica's number of environments: summed where merged
+    paths: tuple[str, ...] = ()       # each leaf's place in the call's arguments (batch['obs']), for messages
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,8 @@ def lower(placed: PlacedGraph) -> Lowered:
                 remote[name] = replace(remote[name], whole=whole)
             counts = tuple(i for i, leaf in enumerate(crossing) if leaf.axis_name == "count") if loop.replicas > 1 else ()
             for k in range(loop.replicas):
-                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity, counts))
+                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity, counts,
+                                  tuple(leaf.dst_path for leaf in crossing)))
         publish = []
         depth = param.capacity if param is not None else lag + 3
         for state in sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src in members}):

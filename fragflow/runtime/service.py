@@ -448,19 +448,19 @@ class ServiceRunner:
                 continue
             if axis is None:
                 first = pieces[0].leaves[j]
-                if not self.program.ordered:
-                    # replicas at different updates send their own per-update values (a learning-rate
-                    # schedule): the call takes the oldest piece's, whose version ff.delivered() lists first
-                    out.append(first)
-                    continue
                 for p in pieces[1:]:
                     other = p.leaves[j]
                     same = first == other if spec.backend == "python" else np.array_equal(to_numpy(first), to_numpy(other))
-                    if not same:
+                    # replicas at different updates send their own per-update values (a learning-rate
+                    # schedule): where calls are gathered on arrival, the call takes the oldest piece's, whose
+                    # version ff.delivered() lists first; data with rows is never one replica's alone
+                    if not same and (self.program.ordered or spec.shape != ()):
+                        path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
                         node_where = self.checks.get("called_at", {}).get(fragment)
                         raise ConfigError(
-                            f"argument leaf {j} of '{fragment}' differs between actor replicas and has no batch axis "
-                            "to merge them along", where=node_where,
+                            f"{path} of '{fragment}' ({spec.short()}) differs between the loop's replicas, each "
+                            "stepping its share of the environments, and has no batch axis to merge them along: "
+                            "one replica's would be learned and the others' lost", where=node_where,
                             fix="pass per-environment data through an env fragment, ff.RolloutBuffer or "
                                 "ff.ReplayBuffer (which declare their batch axes), or run with one actor")
                 out.append(first)
