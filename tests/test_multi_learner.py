@@ -151,6 +151,16 @@ def test_a_learner_that_computes_no_torch_gradient_is_refused(write_algo, librar
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+def test_a_torch_learner_returning_numpy_is_a_torch_learner(write_algo):
+    """A torch learner (its state a module and an optimizer) returning its metrics as numpy was
+    refused as one that 'computes with numpy' (helper round 27 H02)."""
+    path, _ = write_algo(LOOP_LOGS.replace('{"loss": loss.detach()}', '{"loss": loss.detach().numpy()}'))
+    prog = load(str(path))
+    result = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert result.summary["updates"] == 5
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 LOOP_LOGS = '''
 from dataclasses import dataclass
 import numpy as np

@@ -243,7 +243,7 @@ class Recording:
                 fix="a fragment must return the same pytree with the same shapes and dtypes every call "
                     "(pad or bucket variable-size data; channels are sized from the traced specs)")
         rec.backends.update(s.backend for _, s in specs if s.backend != "python")
-        if not rec.backends and written_specs:
+        if written_specs:   # (a torch learner returning its TD errors as numpy computes with torch)
             rec.backends.update(s.backend for s in written_specs if s.backend != "python")
         if not rec.backends:
             rec.backends.update(b for b in self._input_backends if b != "python")
