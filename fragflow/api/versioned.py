@@ -209,6 +209,11 @@ class Pending(_NoLoopUse):
     def __getitem__(self, key: Any) -> Pending:
         return Pending(self.fragment, self.index, self.path_keys + (key,), self.call)
 
+    def __getattr__(self, name: str) -> Any:   # (a learner's output, not versioned state: td.tolist())
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _pending_misuse(self, f"read as attribute '.{name}'")
+
     def keys(self) -> Any:
         """Unpacking it (``{**metrics, "x": x}``) would need its keys, which are in the other process."""
         raise VersionedStateError(

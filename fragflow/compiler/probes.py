@@ -179,6 +179,22 @@ class ProbeArray(np.ndarray):
             _note(self, _FORMATTED)
         return format(self.view(np.ndarray), spec)
 
+    def tolist(self) -> Any:
+        _note(self, "converted with .tolist()")
+        return self.view(np.ndarray).tolist()
+
+    def tobytes(self, *args: Any, **kwargs: Any) -> bytes:
+        _note(self, "converted with .tobytes()")
+        return self.view(np.ndarray).tobytes(*args, **kwargs)
+
+    def copy(self, *args: Any, **kwargs: Any) -> Any:   # (a copy the loop keeps is data it holds)
+        _note(self, "copied with .copy()")
+        return self.view(np.ndarray).copy(*args, **kwargs)
+
+    def astype(self, *args: Any, **kwargs: Any) -> Any:
+        _note(self, "converted with .astype()")
+        return self.view(np.ndarray).astype(*args, **kwargs)
+
     def __repr__(self) -> str:   # as the plain value prints (printing is not a read)
         plain = self.view(np.ndarray)
         return repr(plain[()] if self._ff_element and plain.ndim == 0 else plain)
