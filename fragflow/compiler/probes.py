@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from fragflow.compiler.ir import LoopRead
+from fragflow.compiler.reach import users_code
 from fragflow.source import user_callsite
 
 _sink: list[LoopRead] | None = None     # where reads go while the loop (not a fragment) runs
@@ -54,10 +56,37 @@ def recording(into: list[LoopRead] | None) -> Iterator[None]:
     """Reads of probes in this block go to ``into`` (None: not the loop, nothing is recorded)."""
     global _sink
     saved, _sink = _sink, into
+    patched = into is not None and saved is None
+    if patched:   # (numpy converts an array subclass without asking it: the loop's np.asarray(td) is watched)
+        for name, _ in _CONVERSIONS:
+            setattr(np, name, _watched(name))
     try:
         yield
     finally:
         _sink = saved
+        if patched:
+            unwatch()
+
+
+def unwatch() -> None:
+    """numpy's conversions as they were (the trace hands over: the run goes on without probes)."""
+    for name, original in _CONVERSIONS:
+        setattr(np, name, original)
+
+
+_CONVERSIONS = tuple((name, getattr(np, name)) for name in ("asarray", "array", "ascontiguousarray"))
+
+
+def _watched(name: str) -> Any:
+    original = dict(_CONVERSIONS)[name]
+
+    def convert(a: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(a) is ProbeArray and users_code(sys._getframe(1).f_code.co_filename):
+            _note(a, f"converted with np.{name}()")
+        return original(a, *args, **kwargs)
+    convert.__name__ = convert.__qualname__ = name
+    convert.__doc__ = original.__doc__
+    return convert
 
 
 def _note(x: Any, what: str) -> None:

@@ -484,6 +484,7 @@ class Tracer(Recording):
             return None
         if interp is not None:
             self.taken_by = interp
+            probes.unwatch()
             context.swap(self, interp)
             if self.on_taken is not None:
                 self.on_taken()
