@@ -2436,6 +2436,56 @@ def test_loop_changed_data_is_seen_through_the_fragments_object_a_helper_and_ano
         sys.modules.pop("ff_test_settings", None)
 
 
+BASE_CLASS_STATISTIC = """
+import numpy as np
+import fragflow as ff
+
+class Base:
+    def __init__(self):
+        self.mean = np.zeros(4)
+
+    @ff.fragment("actor")
+    def observe(self, obs):
+        self.mean = 0.9 * self.mean + 0.1 * obs.mean(0)   # its own running statistic
+        return obs - self.mean
+
+class Agent(Base):
+    @ff.fragment("actor")
+    def act(self, w, obs):
+        return ((obs - self.mean) @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    agent = Agent()
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            x = agent.observe(obs)
+            a = agent.act(state["w"], obs)
+            buf.add(obs=x)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_an_attribute_a_fragment_method_of_a_base_class_sets_is_not_the_loops_change(write_algo):
+    """A running mean a base class's fragment method keeps on the object, read by the subclass's
+    actor: only the subclass's own fragment methods were taken as the object's, so the loop was
+    blamed for the change and central_inference refused it."""
+    path, _ = write_algo(BASE_CLASS_STATISTIC)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    apart = ff.run(program.train, policy="central_inference(env_workers=1)")
+    assert np.array_equal(one.value["w"], apart.value["w"])
+
+
 KEYS_READ = """
 import types
 import numpy as np

@@ -308,10 +308,11 @@ _VARIABLE_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAM
 def _stored_by_fragments(cls: type) -> frozenset[str]:
     """Attributes the fragment methods of a class set: changed by its fragments, not by the loop."""
     out: set[str] = set()
-    for value in vars(cls).values() if isinstance(cls, type) else ():
-        code = getattr(getattr(value, "fn", None), "__code__", None)
-        if code is not None and getattr(value, "role", None) is not None:
-            out |= _attribute_names(code)[1]
+    for klass in cls.__mro__ if isinstance(cls, type) else ():   # (fragment methods a base class defines too)
+        for value in vars(klass).values():
+            code = getattr(getattr(value, "fn", None), "__code__", None)
+            if code is not None and getattr(value, "role", None) is not None:
+                out |= _attribute_names(code)[1]
     return frozenset(out)
 
 
