@@ -2486,6 +2486,57 @@ def test_an_attribute_a_fragment_method_of_a_base_class_sets_is_not_the_loops_ch
     assert np.array_equal(one.value["w"], apart.value["w"])
 
 
+OWN_DECAY = """
+import numpy as np
+import fragflow as ff
+
+class Agent:
+    def __init__(self):
+        self.t, self.eps = 0, 1.0
+
+    def _decay(self):           # a helper method the actor calls: what it sets is the actor's own
+        self.t += 1
+        if self.t > 6:
+            self.eps = 0.1
+
+    @ff.fragment("actor")
+    def act(self, w, obs, key):
+        self._decay()
+        u = ff.random.uniform(key, (2,))
+        return np.where(u[:, 0] < self.eps, (u[:, 1] * 2).astype(np.int64), np.argmax(obs @ w, axis=-1))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    key = ff.random.keys(0, env.ids)
+    agent = Agent()
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            key, sub = ff.random.split(key)
+            a = agent.act(state["w"], obs, sub)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_what_a_fragment_methods_helper_method_sets_later_is_its_own(write_algo):
+    """An actor whose helper method lowers its own epsilon after a few calls: the change was blamed
+    on the loop (refused under central_inference), as only the fragment's own code was read."""
+    path, _ = write_algo(OWN_DECAY)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    apart = ff.run(program.train, policy="central_inference(env_workers=1)")
+    assert np.array_equal(one.value["w"], apart.value["w"])
+
+
 KEYS_READ = """
 import types
 import numpy as np

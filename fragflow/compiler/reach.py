@@ -221,6 +221,10 @@ def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str,
         me = code.co_varnames[0]
         attrs = _instance_dict(owner)
         theirs = _stored_by_fragments(type(owner))
+        for var, name in pairs:   # (what the methods it calls on its object set is its own too: self._decay())
+            method = getattr(type(owner), name, None) if var == me else None
+            if isinstance(method, types.FunctionType):
+                theirs = theirs | _attribute_names(method.__code__)[1]
         for var, name in pairs:
             if var == me and name in attrs and name not in stored and name not in theirs:
                 yield f"attribute '{me}.{name}'{via}", attrs, name, attrs[name], None
