@@ -847,7 +847,11 @@ def test_a_learner_replay_buffer_resumes_where_the_loop_holds_it(tmp_path, write
     assert after[first + 1] == before[first + 1] and after[first + 5] == before[first + 5], (first, before, after)
 
 
-def test_evaluation_episodes_continue_from_the_checkpoint(tmp_path, write_algo):
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_evaluation_episodes_continue_from_the_checkpoint(tmp_path, write_algo, policy):
+    """Counts and the recent returns' window: under a multi-process policy the resumed rows' mean
+    evaluation return started empty (nan) and then counted the resumed run's alone (helper round
+    27 F01)."""
     import fragflow as ff
     from fragflow.program import load
 
@@ -888,13 +892,17 @@ def test_evaluation_episodes_continue_from_the_checkpoint(tmp_path, write_algo):
     """)
     program = load(str(path))
     out = tmp_path / "run"
-    whole = ff.run(program.train, program.args_cls(), policy="single_process", out=out, checkpoint_every=5)
-    resumed = ff.run(program.train, program.args_cls(), policy="single_process", out=out,
+    whole = ff.run(program.train, program.args_cls(), policy=policy, out=out, checkpoint_every=5)
+    with open(out / "metrics.csv", newline="") as f:
+        means = [float(r["eval_return_mean"]) for r in csv.DictReader(f)]
+    resumed = ff.run(program.train, program.args_cls(), policy=policy, out=out,
                      resume=out / "checkpoints" / "5")
     with open(out / "metrics.csv", newline="") as f:
-        column = [float(r["eval_episodes"]) for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    column = [float(r["eval_episodes"]) for r in rows]
     assert column == sorted(column) and column[-1] == 18.0, column   # a row is made at its update, before its evaluation
     assert resumed.summary["eval_episodes"] == whole.summary["eval_episodes"] == 20
+    assert [float(r["eval_return_mean"]) for r in rows][-5:] == means[-5:]   # the window goes on from the checkpoint's
 
 
 def test_a_scheduler_the_loop_also_names_resumes_from_the_state_not_the_loops_copy(tmp_path, write_algo):

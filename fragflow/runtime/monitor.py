@@ -122,6 +122,7 @@ class Monitor:
         self._episodes_out: dict[int, int] = {}   # replica -> its tagged episodes written to TensorBoard
         self._eval_out = 0
         self._resumed_recent: list[tuple[float, int]] = []
+        self._resumed_eval: list[float] = []   # a resumed run's last evaluation returns, before its own
         self.stop_requested = False
         self.stopping = False
         self.channel_stats: dict[str, dict[str, Any]] = {}
@@ -223,7 +224,7 @@ class Monitor:
                 at = self._first_mark.get(0, 1) - 1 + update
                 evals = [ret for u, t, ret, _ in self._eval_tagged if u <= at and t <= steps]
                 if self._eval_tagged or self.base_eval_episodes:
-                    recent = evals[-RETURN_WINDOW:]
+                    recent = (self._resumed_eval + evals)[-RETURN_WINDOW:]
                     row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
                     row["eval_return_mean"] = sum(recent) / len(recent) if recent else math.nan
                 row.update(scalars)
@@ -260,7 +261,7 @@ class Monitor:
         # single_process's row is made when the update ends
         before = self._first_mark.get(0, 1) - 1 + j
         evals = [e for e in self._eval_tagged if e[0] < before]
-        eval_recent = [ret for _, _, ret, _ in evals][-RETURN_WINDOW:]
+        eval_recent = (self._resumed_eval + [ret for _, _, ret, _ in evals])[-RETURN_WINDOW:]
         row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
         row["eval_return_mean"] = sum(eval_recent) / len(eval_recent) if eval_recent else math.nan
         self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, len(evals))
@@ -416,6 +417,7 @@ class Monitor:
         self.recent_lengths.extend(counters.get("recent_lengths", []))
         self._resumed_recent = list(zip(self.recent, self.recent_lengths))
         self.eval_recent.extend(counters.get("eval_recent", []))
+        self._resumed_eval = list(self.eval_recent)
         self.base_eval_episodes = int(counters.get("eval_episodes", 0))
         self.solved_at_steps = counters.get("solved_at_steps")
 
