@@ -2355,15 +2355,33 @@ def pick(eps, w, obs, key):
     u = ff.random.uniform(key, (2,))
     return np.where(u[:, 0] < eps, (u[:, 1] * 2).astype(np.int64), np.argmax(obs @ w, axis=-1))
 
+class Config:      # a class as a namespace of settings
+    epsilon = 1.0
+
 class Agent:
     def __init__(self):
         self.epsilon = 1.0
         self.calls = 0
 
+    def current(self):
+        return self.epsilon
+
+    @property
+    def rate(self):
+        return self.epsilon
+
     @ff.fragment("actor")  # @attribute
     def act(self, w, obs, key):
         self.calls += 1   # its own counter: not the loop's change
         return pick(self.epsilon, w, obs, key)
+
+    @ff.fragment("actor")  # @method
+    def act_method(self, w, obs, key):
+        return pick(self.current(), w, obs, key)
+
+    @ff.fragment("actor")  # @property
+    def act_property(self, w, obs, key):
+        return pick(self.rate, w, obs, key)
 
     @ff.fragment("actor")  # @none
     def act_fixed(self, w, obs, key):
@@ -2377,6 +2395,14 @@ def act_helper(w, obs, key):
 @ff.fragment("actor")  # @module
 def act_module(w, obs, key):
     return pick(settings.EPS, w, obs, key)
+
+@ff.fragment("actor")  # @module_function
+def act_module_function(w, obs, key):
+    return pick(settings.eps(), w, obs, key)
+
+@ff.fragment("actor")  # @class
+def act_class(w, obs, key):
+    return pick(Config.epsilon, w, obs, key)
 
 @ff.fragment("learner", writes="state")
 def learn(state, batch):
@@ -2392,28 +2418,33 @@ def train(kind):
     for _ in range(4):
         for _ in range(8):
             key, sub = ff.random.split(key)
-            a = {"attribute": agent.act, "none": agent.act_fixed, "helper": act_helper, "module": act_module}[kind](
-                state["w"], obs, sub)
+            a = {"attribute": agent.act, "none": agent.act_fixed, "helper": act_helper, "module": act_module,
+                 "method": agent.act_method, "property": agent.act_property, "module_function": act_module_function,
+                 "class": act_class}[kind](state["w"], obs, sub)
             buf.add(obs=obs)
             obs, *_ = env.step(a)
         state, _ = learn(state, buf.collect())
         agent.epsilon *= 0.5          # the loop anneals the exploration rate...
         EPS["value"] *= 0.5           # ...as a helper reads it
         settings.EPS *= 0.5           # ...as another module holds it
+        settings.RATE["eps"] *= 0.5   # ...as its function reads it
+        Config.epsilon *= 0.5         # ...as a class holds it
     return state
 """
 
 
-@pytest.mark.parametrize("kind", ["attribute", "helper", "module", "none"])
+@pytest.mark.parametrize("kind", ["attribute", "helper", "module", "method", "property", "module_function", "class", "none"])
 def test_loop_changed_data_is_seen_through_the_fragments_object_a_helper_and_another_module(write_algo, kind):
     """An exploration rate the loop anneals, read by an actor served apart (central_inference)
     through its own object (self.epsilon), a helper function or another module's attribute: the
     served actor kept its first value for the whole run, silently (documented as not seen in stop
-    25). The actor's own counter, and data nobody changes, do not refuse it."""
+    25); so through a method or a property of its object, a function of another module and a class
+    holding settings (helper round 27 I07). The actor's own counter, and data nobody changes, do
+    not refuse it."""
     import sys
 
     path, marks = write_algo(REACHED_FURTHER)
-    (path.parent / "ff_test_settings.py").write_text("EPS = 1.0\n")
+    (path.parent / "ff_test_settings.py").write_text("EPS = 1.0\nRATE = {'eps': 1.0}\n\ndef eps():\n    return RATE['eps']\n")
     sys.path.insert(0, str(path.parent))
     try:
         sys.modules.pop("ff_test_settings", None)
@@ -2424,8 +2455,12 @@ def test_loop_changed_data_is_seen_through_the_fragments_object_a_helper_and_ano
             assert np.array_equal(one.value["w"], apart.value["w"])
             return
         label = {"attribute": r"attribute 'self\.epsilon'", "helper": r"global 'EPS' \(through 'explore'\) \(its key 'value'\)",
-                 "module": r"attribute 'settings\.EPS'"}[kind]
-        name = {"attribute": r"Agent\.act", "helper": "act_helper", "module": "act_module"}[kind]
+                 "module": r"attribute 'settings\.EPS'", "method": r"attribute 'self\.epsilon' \(through 'current'\)",
+                 "property": r"attribute 'self\.epsilon' \(through 'rate'\)",
+                 "module_function": r"global 'RATE' \(through 'eps'\) \(its key 'eps'\)",
+                 "class": r"attribute 'Config\.epsilon'"}[kind]
+        name = {"attribute": r"Agent\.act", "helper": "act_helper", "module": "act_module", "method": r"Agent\.act_method",
+                "property": r"Agent\.act_property", "module_function": "act_module_function", "class": "act_class"}[kind]
         with pytest.raises(PlacementError, match=rf"actor fragment '{name}' reads the {label}, which the training loop "
                                                  rf"changes between its calls, but policy 'central_inference'.*\n  at "
                                                  rf"{relpath(path)}:{marks[kind]}"):
@@ -2535,6 +2570,99 @@ def test_what_a_fragment_methods_helper_method_sets_later_is_its_own(write_algo)
     one = ff.run(program.train, policy="single_process")
     apart = ff.run(program.train, policy="central_inference(env_workers=1)")
     assert np.array_equal(one.value["w"], apart.value["w"])
+
+
+USERS_BUFFER = """
+import numpy as np
+import fragflow as ff
+
+class Replay:
+    def __init__(self, cap, dim):
+        self.obs = np.zeros((cap, dim), np.float32)
+        self.cap, self.ptr, self.size = cap, 0, 0
+        self.rng = np.random.default_rng(0)
+
+    @ff.fragment("buffer")
+    def add(self, obs):
+        n = obs.shape[0]
+        self.obs[(self.ptr + np.arange(n)) % self.cap] = obs     # in place, as every ring buffer does
+        self.ptr = (self.ptr + n) % self.cap
+        self.size = min(self.size + n, self.cap)
+
+    @ff.fragment("buffer")
+    def sample(self, batch_size):
+        return {"obs": self.obs[self.rng.integers(0, self.size, batch_size)]}
+
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean(0)[:, None]}, {}
+
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb = Replay(10_000, 4)
+    obs = env.reset()
+    for step in range(120):
+        a = act(state["w"], obs)
+        nobs, *_ = env.step(a)
+        rb.add(obs)
+        obs = nobs
+        if step >= 20 and step % 5 == 0:
+            state, _ = learn(state, rb.sample(16))
+    return state
+"""
+
+REBOUND_CONFIG = """
+import numpy as np
+import fragflow as ff
+
+CFG = {"gamma": 0.5, "last_mean": 0.0}
+
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + CFG["gamma"] * batch["obs"].mean((0, 1))[:, None]}, {"mean": float(batch["obs"].mean())}
+
+
+def train():
+    global CFG
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+        CFG = {**CFG, "last_mean": m["mean"]}     # bookkeeping beside gamma; gamma unchanged
+    return state
+"""
+
+
+@pytest.mark.parametrize("program, policy", [("buffer", "learner_replay(max_lag=0)"), ("rebound", "pipelined(max_lag=0)")])
+def test_what_the_loop_does_not_change_does_not_refuse_a_served_fragment(write_algo, program, policy):
+    """A user's replay buffer class whose add writes its storage in place, read by its sample (both
+    its fragments, placed together), and a config dict the loop rebinds with its bookkeeping beside
+    the key the learner reads: both were refused as changed by the loop (helper round 27 I01, I03)."""
+    path, _ = write_algo(USERS_BUFFER if program == "buffer" else REBOUND_CONFIG)
+    prog = load(str(path))
+    one = ff.run(prog.train, policy="single_process")
+    apart = ff.run(prog.train, policy=policy)
+    assert np.array_equal(one.value["w"], apart.value["w"]) and np.abs(one.value["w"]).sum() > 0
 
 
 KEYS_READ = """

@@ -19,7 +19,7 @@ import sys
 import sysconfig
 import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -94,7 +94,6 @@ def objects_of(value: Any) -> list[Any]:
     return out
 
 
-@functools.lru_cache(maxsize=1024)
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     """Globals a function's code (and the functions and comprehensions nested in it) looks up or
@@ -203,12 +202,15 @@ ATTRIBUTE_ARRAY_MAX = 1 << 16
 HELPER_DEPTH = 2
 
 
-def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any, str, Any, frozenset[tuple[str, Any]] | None]]:
+def _reached_holders(fn: Any, depth: int, seen: set[int], theirs: frozenset[str] = frozenset()
+                     ) -> Iterator[tuple[str, Any, str, Any, frozenset[tuple[str, Any]] | None]]:
     """(label, holder, name, value, parts): ``_holders`` of ``fn``, but for the globals its code
-    binds itself, and, in the user's code, the attributes of a method's own object and of a user
-    module that its code names, and what the user's functions it names reach (``HELPER_DEPTH``
-    deep); ``parts``: the keys or attributes of it the code reads by name, where that is all it
-    does with it (None: the whole of it)."""
+    binds itself, and, in the user's code, the attributes of a method's own object, of a user
+    module and of a user class (a config namespace) that its code names, and what is reached in
+    turn (``HELPER_DEPTH`` deep) through the user's functions it names, the methods and properties
+    of its own object, and a user module's functions; ``parts``: the keys or attributes of it the
+    code reads by name, where that is all it does with it (None: the whole of it). ``theirs``:
+    attributes of its object that the object's fragments change themselves."""
     f = getattr(fn, "__func__", fn)
     code = getattr(f, "__code__", None)
     if code is None or id(code) in seen:
@@ -216,18 +218,27 @@ def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str,
     seen.add(id(code))
     via = f" (through '{f.__name__}')" if depth else ""
     pairs, stored = _attribute_names(code)
+    deeper = depth < HELPER_DEPTH
     owner = getattr(fn, "__self__", None)
-    if owner is not None and not isinstance(owner, types.ModuleType) and code.co_argcount and users_code(code.co_filename):
+    if owner is not None and not isinstance(owner, (types.ModuleType, type)) and code.co_argcount \
+            and users_code(code.co_filename):
         me = code.co_varnames[0]
         attrs = _instance_dict(owner)
-        theirs = _stored_by_fragments(type(owner))
-        for var, name in pairs:   # (what the methods it calls on its object set is its own too: self._decay())
-            method = getattr(type(owner), name, None) if var == me else None
-            if isinstance(method, types.FunctionType):
-                theirs = theirs | _attribute_names(method.__code__)[1]
+        if not depth:
+            theirs = _theirs(type(owner), code, [name for var, name in pairs if var == me])
         for var, name in pairs:
-            if var == me and name in attrs and name not in stored and name not in theirs:
-                yield f"attribute '{me}.{name}'{via}", attrs, name, attrs[name], None
+            if var != me:
+                continue
+            if name in attrs:
+                held = attrs[name]
+                if name not in stored and name not in theirs and not (f"{_MUTABLE}{name}" in theirs and _mutable(held)):
+                    yield f"attribute '{me}.{name}'{via}", attrs, name, held, None
+                continue
+            member = _class_member(type(owner), name)
+            if deeper and isinstance(member, property) and isinstance(member.fget, types.FunctionType):
+                yield from _reached_holders(types.MethodType(member.fget, owner), depth + 1, seen, theirs)
+            elif deeper and isinstance(member, types.FunctionType) and users_code(member.__code__.co_filename):
+                yield from _reached_holders(types.MethodType(member, owner), depth + 1, seen, theirs)
     own = _bound_globals(code)
     named = _parts_read(code)
     for kind, name, value, holder in _holders(fn):
@@ -238,15 +249,59 @@ def _reached_holders(fn: Any, depth: int, seen: set[int]) -> Iterator[tuple[str,
                                       isinstance(value, types.SimpleNamespace) and all(kind == "attr" for kind, _ in parts)):
             parts = None   # (a dict's method, a namespace subscripted, another object: the whole of it)
         yield f"{kind} '{name}'{via}", holder, name, value, parts
-        if kind != "global" or depth >= HELPER_DEPTH:
+        if kind != "global":
             continue
+        space: Mapping[str, Any]
         if isinstance(value, types.ModuleType) and users_code(getattr(value, "__file__", None) or "<>"):
-            attrs = vars(value)
-            for var, attr in pairs:
-                if var == name and attr in attrs and attr not in stored:
-                    yield f"attribute '{name}.{attr}'{via}", attrs, attr, attrs[attr], None
+            space = vars(value)
+        elif isinstance(value, type) and users_code(getattr(sys.modules.get(value.__module__), "__file__", None) or "<>"):
+            space = value.__dict__   # (a class used as a namespace of settings: Config.epsilon)
         elif isinstance(value, types.FunctionType) and users_code(value.__code__.co_filename):
-            yield from _reached_holders(value, depth + 1, seen)
+            if deeper:
+                yield from _reached_holders(value, depth + 1, seen)
+            continue
+        else:
+            continue
+        for var, attr in pairs:
+            if var != name or attr not in space or attr in stored:
+                continue
+            held = space[attr]
+            if isinstance(held, types.FunctionType):
+                if deeper and users_code(held.__code__.co_filename):
+                    yield from _reached_holders(held, depth + 1, seen)
+            elif not isinstance(held, (classmethod, staticmethod, property)):
+                yield f"attribute '{name}.{attr}'{via}", space, attr, held, None
+
+
+def _class_member(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def _theirs(cls: type, code: types.CodeType, names: list[str]) -> frozenset[str]:
+    """Attributes of an object a fragment method (``code``) does not see the loop change: those the
+    object's fragment methods, or the methods this one calls, set; and a mutable one (an array, a
+    list, a buffer's storage) another of its fragment methods names, which may change it in place."""
+    out = set(_stored_by_fragments(cls))
+    for name in names:   # (what the methods it calls on its object set is its own too: self._decay())
+        member = _class_member(cls, name)
+        if isinstance(member, types.FunctionType):
+            out |= _attribute_names(member.__code__)[1]
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            other = getattr(getattr(value, "fn", None), "__code__", None)
+            if other is not None and other is not code and getattr(value, "role", None) is not None:
+                out |= {f"{_MUTABLE}{n}" for v, n in _attribute_names(other)[0]}
+    return frozenset(out)
+
+
+_MUTABLE = "\0mutable:"   # (a name another fragment method reads: the object's own only where its value can change in place)
+
+
+def _mutable(value: Any) -> bool:
+    return not isinstance(value, (bool, int, float, complex, str, bytes, type(None), np.generic, tuple, frozenset))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -373,8 +428,8 @@ _GONE = object()
 
 
 def reached_now(holder: Any, name: str) -> Any:
-    """What ``name`` holds now in ``holder`` (a globals dict or a closure cell)."""
-    if isinstance(holder, dict):
+    """What ``name`` holds now in ``holder`` (a globals or attributes dict, a class's, or a closure cell)."""
+    if isinstance(holder, (dict, types.MappingProxyType)):
         return holder.get(name, _GONE)
     try:
         return holder.cell_contents

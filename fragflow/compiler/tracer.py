@@ -533,11 +533,8 @@ class Tracer(Recording):
                     if id(value) in self._changed_data:   # (a fragment changes it: refused or kept by its own rule)
                         continue
                     now = reached_now(holder, name)
-                    if now is not value:
-                        rec.loop_changes = label
-                        break
-                    after = again(value, before)
-                    if after != before:
+                    after = again(now, before)   # (rebound to what holds the same: CFG = {**CFG, "x": 1})
+                    if after != before or (after == ("object", id(value)) and now is not value):
                         rec.loop_changes = label + changed_part(before, after)
                         break
 
