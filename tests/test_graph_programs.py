@@ -315,6 +315,49 @@ def test_rows_the_loop_samples_itself_are_refused_where_replicas_would_each_send
     assert shm_leftovers() == []
 
 
+PER_UPDATE_VALUES = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, schedule, target_kl):
+    step = schedule[0] * batch["obs"].mean((0, 1))[:, None] * np.array([[1.0, -1.0]])
+    return {"w": state["w"] + (step if np.isnan(target_kl) else 0.0 * step)}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(6):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        schedule = np.array([0.1 * (1.0 - u / 6), 0.01, 0.5])   # learning rate, entropy and value weights, per update
+        state, _ = learn(state, buf.collect(), schedule, float("nan"))   # (no early stop: NaN)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "async_relaxed(actors=2)",
+                                    "actor_learner(actors=2, max_lag=1)"])
+def test_per_update_values_without_a_batch_axis_reach_a_learner_fed_by_two_replicas(write_algo, policy):
+    """A per-update schedule vector and a NaN setting, the same in every replica at the same update:
+    the NaN was taken for a value that differs between replicas (NaN != NaN), and the vector, where
+    replicas at different updates are gathered on arrival, for per-replica data (helper round 27
+    I04, I05)."""
+    path, _ = write_algo(PER_UPDATE_VALUES)
+    program = load(str(path))
+    result = ff.run(program.train, policy=policy)
+    # (gathered on arrival, an update may take both replicas' rollouts or one: 3 to 12 of them)
+    assert result.summary["updates"] == 6 if "max_lag=0" in policy else 3 <= result.summary["updates"] <= 12
+    assert np.abs(result.value["w"]).sum() > 0
+
+
 WHOLE_STATE_ACTOR = """
 from dataclasses import dataclass
 import numpy as np

@@ -49,6 +49,17 @@ IDLE_WAIT = 0.05
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
 
 
+def _same_value(a: Any, b: Any, backend: str) -> bool:
+    """Whether two replicas sent the same value (NaN where both have NaN)."""
+    if backend == "python":
+        return bool(a == b or (a != a and b != b))
+    x, y = to_numpy(a), to_numpy(b)
+    try:
+        return bool(np.array_equal(x, y, equal_nan=True))
+    except TypeError:   # (a dtype with no NaN to compare)
+        return bool(np.array_equal(x, y))
+
+
 class _Piece:
     __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived", "own", "steps")
 
@@ -450,11 +461,12 @@ class ServiceRunner:
                 first = pieces[0].leaves[j]
                 for p in pieces[1:]:
                     other = p.leaves[j]
-                    same = first == other if spec.backend == "python" else np.array_equal(to_numpy(first), to_numpy(other))
                     # replicas at different updates send their own per-update values (a learning-rate
                     # schedule): where calls are gathered on arrival, the call takes the oldest piece's, whose
-                    # version ff.delivered() lists first; data with rows is never one replica's alone
-                    if not same and (self.program.ordered or spec.shape != ()):
+                    # version ff.delivered() lists first; values that differ at the same call are the
+                    # replicas' own data, never one replica's alone
+                    if not _same_value(first, other, spec.backend) and (self.program.ordered or any(
+                            q.call == p.call and not _same_value(q.leaves[j], other, spec.backend) for q in pieces if q is not p)):
                         path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
                         node_where = self.checks.get("called_at", {}).get(fragment)
                         raise ConfigError(
