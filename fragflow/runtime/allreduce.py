@@ -127,7 +127,7 @@ class GradientAllReduce:
         return tuple(out)
 
     @contextmanager
-    def update(self, fragment: str, required: bool = True) -> Iterator[None]:
+    def update(self, fragment: str, required: bool = True, where: Any = None) -> Iterator[None]:
         """Around a call that writes the learners' state: the gradients it takes with
         ``torch.autograd.grad`` are averaged too; an update (``required``: the clock) that averaged
         nothing is refused (the learners would learn apart)."""
@@ -147,7 +147,7 @@ class GradientAllReduce:
         if required and self.averaged == 0:
             raise ConfigError(f"multi_learner averages the gradients '{fragment}' computes, and it computed none "
                               "(no backward() into a torch.optim optimizer's parameters, no torch.autograd.grad)",
-                              fix="compute gradients with torch (an optimizer in the versioned state, or "
+                              where=where, fix="compute gradients with torch (an optimizer in the versioned state, or "
                                   "torch.autograd.grad), or use a single-learner policy")
 
     def close(self) -> None:

@@ -536,7 +536,7 @@ class ServiceRunner:
             self.admission.set_busy(True)
         with context.using(self):
             if self.reducer is not None and frag.writes is not None:   # every update of the learners' state
-                with self.reducer.update(fragment, required=clock):
+                with self.reducer.update(fragment, required=clock, where=frag.defined_at):
                     out = frag.fn(*bound.args, **bound.kwargs)
             else:
                 out = frag.fn(*bound.args, **bound.kwargs)
