@@ -2708,6 +2708,57 @@ def test_what_the_loop_does_not_change_does_not_refuse_a_served_fragment(write_a
     assert np.array_equal(one.value["w"], apart.value["w"]) and np.abs(one.value["w"]).sum() > 0
 
 
+TWO_LEARNERS_SHARE_A_GLOBAL = """
+import numpy as np
+import fragflow as ff
+
+SHARED = {"scale": 1.0}
+
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn_q(state, batch):
+    SHARED["scale"] = float(np.abs(batch["obs"]).mean())
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None], "v": state["v"]}, {}
+
+
+@ff.fragment("learner", writes="state")
+def learn_pi(state, batch):
+    return {"w": state["w"], "v": state["v"] + SHARED["scale"] * batch["obs"].std()}, {}
+
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "v": np.zeros(())})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        b = buf.collect()
+        state, _ = learn_q(state, b)
+        state, _ = learn_pi(state, b)
+    return state
+"""
+
+
+def test_two_learners_in_one_process_share_their_modules_data(write_algo):
+    """One learner writes a module dict, the other reads it, in the learner's one process
+    (pipelined): each was unpickled with its own copy of the module's globals, so the reader kept
+    the trace's value and the run diverged from single_process silently (helper round 27 I06)."""
+    path, _ = write_algo(TWO_LEARNERS_SHARE_A_GLOBAL)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    apart = ff.run(program.train, policy="pipelined(max_lag=0)")
+    assert np.array_equal(one.value["v"], apart.value["v"]) and np.array_equal(one.value["w"], apart.value["w"])
+
+
 KEYS_READ = """
 import types
 import numpy as np

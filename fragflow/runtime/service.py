@@ -17,9 +17,12 @@ outputs the graph sends to ``ff.log`` are reported with the update.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import sys
 import time
+import types
 from dataclasses import replace
 from typing import Any
 
@@ -60,6 +63,13 @@ def _same_value(a: Any, b: Any, backend: str) -> bool:
         return bool(np.array_equal(x, y))
 
 
+def _with_globals(fn: types.FunctionType, scope: dict[str, Any]) -> types.FunctionType:
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    functools.update_wrapper(out, fn, updated=())
+    return out
+
+
 class _Piece:
     __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived", "own", "steps")
 
@@ -92,6 +102,7 @@ class ServiceRunner:
         self.current = program.clock
         self.fragments: dict[str, Fragment] = {}
         self.instances: dict[str, Any] = {}
+        self._module_globals: dict[str, dict[str, Any]] = {}   # a module's globals, as its first fragment brought them
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
@@ -204,11 +215,30 @@ class ServiceRunner:
                 self._publish(msg[1])
         return True
 
+    def _shared_globals(self, fn: types.FunctionType) -> types.FunctionType:
+        """Fragments of one module arrive pickled one by one, each (where its module is pickled by
+        value, a file the driver imported) with its own copy of the module's globals: one learner
+        writing a module dict another reads would not see each other's. The first copy is kept, and
+        later fragments (and the functions they brought) are bound to it."""
+        old = fn.__globals__
+        module = sys.modules.get(fn.__module__)
+        if module is not None and vars(module) is old:   # (imported by name here: one module already)
+            return fn
+        shared = self._module_globals.setdefault(fn.__module__, old)
+        if shared is old:
+            return fn
+        for k, v in old.items():
+            if k not in shared:
+                shared[k] = _with_globals(v, shared) if isinstance(v, types.FunctionType) and v.__globals__ is old else v
+        return _with_globals(fn, shared)
+
     def _bind(self, frag: Fragment) -> Fragment:
         """The fragments of one object (a replay buffer's add and sample) arrive pickled one by one:
         each would bring its own copy of the object. Keep the first copy and use its fragments."""
         inst = frag.instance
         if inst is None:
+            if isinstance(frag.fn, types.FunctionType):
+                frag.fn = self._shared_globals(frag.fn)
             return frag
         key = getattr(inst, "name", None) or type(inst).__name__
         held = self.instances.setdefault(key, inst)
