@@ -949,7 +949,8 @@ def act(params, obs):
 @ff.fragment("learner")
 def learn(state, batch):
     m = batch["obs"].mean()
-    out = {"float": float(m), "array": np.full(2, m), "tensor": torch.tensor(m), "int": 3}
+    out = {"float": float(m), "array": np.full(2, m), "tensor": torch.tensor(m), "int": 3, "numpy": m,
+           "numpy32": np.float32(m)}
     return {"params": {"w": state["params"]["w"] + 1e-3}}, out
 
 def train(args: Args):
@@ -972,9 +973,11 @@ def train(args: Args):
 """
 
 
-@pytest.mark.parametrize("read", ["float", "array", "tensor", "int"])
+@pytest.mark.parametrize("read", ["float", "array", "tensor", "int", "numpy", "numpy32"])
 def test_a_learner_output_read_in_the_loop_is_refused_at_placement_where_the_learner_runs_elsewhere(write_algo,
                                                                                                     read):
+    """(A numpy scalar, what a reduction returns, was not seen: the run started and failed at the
+    read; helper round 27 I08.)"""
     from fragflow.errors import LearnerOutputOnActingSideError
 
     path, marks = write_algo(LOOP_READS)

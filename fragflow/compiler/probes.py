@@ -81,7 +81,7 @@ def _watched(name: str) -> Any:
     original = dict(_CONVERSIONS)[name]
 
     def convert(a: Any, *args: Any, **kwargs: Any) -> Any:
-        if type(a) is ProbeArray and users_code(sys._getframe(1).f_code.co_filename):
+        if (type(a) is ProbeArray or isinstance(a, _SCALAR_PROBES)) and users_code(sys._getframe(1).f_code.co_filename):
             _note(a, f"converted with np.{name}()")
         return original(a, *args, **kwargs)
     convert.__name__ = convert.__qualname__ = name
@@ -139,11 +139,21 @@ def _scalar_probe(base: type) -> type:
 
 ProbeFloat = _scalar_probe(float)
 ProbeInt = _scalar_probe(int)
+# numpy's scalars (what its reductions return: batch["obs"].std()), and the conversions they have
+_NUMPY_PROBES: dict[type, type] = {t: _scalar_probe(t) for t in (np.float64, np.float32, np.int64, np.int32)}
+for _probe_type in _NUMPY_PROBES.values():
+    for _name, _what in (("item", "converted to a number"), ("tolist", "converted with .tolist()"),
+                         ("astype", "converted with .astype()"), ("copy", "copied with .copy()")):
+        def _use(self: Any, *args: Any, _name: str = _name, _what: str = _what, **kwargs: Any) -> Any:
+            _note(self, _what)
+            return getattr(self._ff_value, _name)(*args, **kwargs)
+        setattr(_probe_type, _name, _use)
+_SCALAR_PROBES = (ProbeFloat, ProbeInt, *_NUMPY_PROBES.values())
 
 
 def _plain(x: Any) -> Any:
     """``x`` with the probes in it as plain numbers, arrays and tensors."""
-    if isinstance(x, (ProbeFloat, ProbeInt)):
+    if isinstance(x, _SCALAR_PROBES):
         return getattr(x, "_ff_value")   # noqa: B009 - the scalar probes' classes are made at run time
     if isinstance(x, ProbeArray):
         return x.view(np.ndarray)
@@ -288,6 +298,9 @@ def probe(leaf: Any, fragment: str, path: str) -> Any:
         out._ff_value = leaf
     elif type(leaf) is int:
         out = ProbeInt(leaf)
+        out._ff_value = leaf
+    elif type(leaf) in _NUMPY_PROBES:
+        out = _NUMPY_PROBES[type(leaf)](leaf)
         out._ff_value = leaf
     elif isinstance(leaf, np.ndarray) and type(leaf) is np.ndarray:
         out = leaf.view(ProbeArray)
