@@ -1109,3 +1109,23 @@ def test_saved_args_come_back_in_their_fields_types():
     given = _NestedArgs(net=_Net(8), out=Path("x/y"), color=_Color.BLUE, maybe=(1, 2))
     saved = json.loads(json.dumps(dataclasses.asdict(given), default=str))
     assert args_from(_NestedArgs, saved) == given
+
+
+def test_a_resumed_run_keeps_when_it_solved_its_target_and_solves_another_target_anew(tmp_path):
+    """With --target-return, a resumed run's summary kept the solve's steps but lost its seconds,
+    and resumed with another target it still reported the old target's solve (helper round 27 F03)."""
+    import fragflow as ff
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=2048, num_steps=64)
+    whole = ff.run(ppo.train, args, policy="single_process", out=tmp_path / "a", target_return=21,
+                   checkpoint_every=3)
+    solved = whole.summary["solved_at_steps"]
+    assert solved is not None and solved < 64 * 4 * 6, whole.summary   # before the checkpoint at update 6
+    same = ff.run(ppo.train, args, policy="single_process", out=tmp_path / "b", target_return=21,
+                  resume=tmp_path / "a" / "checkpoints" / "6")
+    assert (same.summary["solved_at_steps"], same.summary["solved_at_seconds"]) == \
+        (solved, whole.summary["solved_at_seconds"])
+    other = ff.run(ppo.train, args, policy="single_process", out=tmp_path / "c", target_return=400,
+                   resume=tmp_path / "a" / "checkpoints" / "6")
+    assert other.summary["solved_at_steps"] is None and other.summary["solved_at_seconds"] is None

@@ -157,7 +157,7 @@ class Monitor:
             if self.outputs is not None and not self.marked_replicas:   # else when its row is written
                 self.outputs.write_episode(self.env_steps, ret, length)
             if self.solved_at_steps is None and solves(self.recent, self.target_return):
-                self.solved_at_seconds = self.wall_seconds
+                self.solved_at_seconds = self.base_wall + self.wall_seconds   # (a resumed run's: the whole run's)
                 self.solved_at_steps = self.env_steps
                 if self.stop_on_target:
                     self.stop_requested = True
@@ -372,7 +372,8 @@ class Monitor:
                 "recent_lengths": list(self.recent_lengths), "eval_recent": list(self.eval_recent),
                 "eval_episodes": self.base_eval_episodes + len(self.eval_episodes),
                 "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
-                "solved_at_steps": self.solved_at_steps}
+                "solved_at_steps": self.solved_at_steps, "solved_at_seconds": self.solved_at_seconds,
+                "target_return": self.target_return}
 
     def counters_at(self, steps: dict[int, int]) -> dict[str, Any]:
         """:meth:`counters` with the episodes as they stood where each loop replica had made
@@ -419,7 +420,9 @@ class Monitor:
         self.eval_recent.extend(counters.get("eval_recent", []))
         self._resumed_eval = list(self.eval_recent)
         self.base_eval_episodes = int(counters.get("eval_episodes", 0))
-        self.solved_at_steps = counters.get("solved_at_steps")
+        if counters.get("target_return", self.target_return) == self.target_return:   # (another target: solved anew)
+            self.solved_at_steps = counters.get("solved_at_steps")
+            self.solved_at_seconds = counters.get("solved_at_seconds")
 
     # -- derived figures ---------------------------------------------------------------
     @property
