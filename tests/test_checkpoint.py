@@ -1129,3 +1129,70 @@ def test_a_resumed_run_keeps_when_it_solved_its_target_and_solves_another_target
     other = ff.run(ppo.train, args, policy="single_process", out=tmp_path / "c", target_return=400,
                    resume=tmp_path / "a" / "checkpoints" / "6")
     assert other.summary["solved_at_steps"] is None and other.summary["solved_at_seconds"] is None
+
+
+@pytest.mark.parametrize("policy", ["central_inference(env_workers=1)", "pipelined"])
+def test_a_checkpoints_evaluation_counts_are_those_of_its_cut(tmp_path, write_algo, policy):
+    """Evaluation episodes made before a checkpoint's cut but not yet reported (a replica reports
+    every 0.2 s) were missing from its counters, and a resumed run never made them again; those
+    reported after the cut were counted twice (helper round 27 F04)."""
+    import json
+
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+    from dataclasses import dataclass
+    import numpy as np
+    import fragflow as ff
+
+    @dataclass(frozen=True)
+    class Args:
+        updates: int = 12
+        seed: int = 0
+
+    @ff.fragment("actor")
+    def act(w, obs, key):
+        return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+    @ff.fragment("actor", name="act_eval")
+    def act_eval(w, obs):
+        return np.argmax(obs @ w, axis=-1)
+
+    @ff.fragment("learner", writes="state")
+    def learn(state, batch):
+        g = np.einsum("tei,te->i", batch["obs"], batch["reward"] - batch["reward"].mean())
+        return {"w": state["w"] + 1e-3 * g[:, None] * np.array([1.0, -1.0])}, {"r": batch["reward"].mean()}
+
+    def train(args: Args):
+        env = ff.envs.make("CartPole-v1", num_envs=4, seed=args.seed, max_episode_steps=5)
+        ev = ff.envs.make("CartPole-v1", num_envs=1, seed=100, max_episode_steps=5, evaluation=True)
+        state = ff.versioned({"w": np.zeros((4, 2))})
+        buf = ff.RolloutBuffer(10)
+        key = ff.random.keys(args.seed, env.ids)
+        obs, eobs = env.reset(), ev.reset()
+        for u in range(args.updates):          # a trip: 40 env steps (8 episodes), then maybe 2 eval episodes
+            for _ in range(10):
+                key, sub = ff.random.split(key)
+                a = act(state["w"], obs, sub)
+                obs2, r, te, tr, _ = env.step(a)
+                buf.add(obs=obs, reward=r)
+                obs = obs2
+            state, m = learn(state, buf.collect())
+            ff.log(m)
+            for _ in range(10):   # two evaluation episodes after every update
+                eobs, _, _, _, _ = ev.step(act_eval(state["w"], eobs))
+        return state
+""")
+    program = load(str(path))
+    out = tmp_path / "run"
+    ff.run(program.train, program.args_cls(), policy=policy, out=out, checkpoint_every=4)
+    seen = 0
+    for c in (out / "checkpoints").iterdir():
+        m = json.loads((c / "manifest.json").read_text())
+        if m["complete"]:   # (the run's end)
+            continue
+        trip = min(p["trip"] for p in m["loop"]["positions"].values())
+        assert (m["counters"]["episodes"], m["counters"]["eval_episodes"]) == (8 * trip, 2 * trip), (c.name, m["counters"])
+        seen += 1
+    assert seen >= 2

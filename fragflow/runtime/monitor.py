@@ -384,6 +384,10 @@ class Monitor:
         out["episodes"] = self.base_episodes + sum(ended.values())
         out["recent_returns"] = [ret for ret, _ in recent]
         out["recent_lengths"] = [length for _, length in recent]
+        if self._eval_tagged and 0 in steps:   # the evaluation episodes replica 0 had ended by its cut
+            evals = [ret for _, t, ret, _ in self._eval_tagged if t <= steps[0]]
+            out["eval_episodes"] = self.base_eval_episodes + len(evals)
+            out["eval_recent"] = (self._resumed_eval + evals)[-RETURN_WINDOW:]
         return out
 
     def _ended_by(self, steps: dict[int, int]) -> dict[int, int]:

@@ -279,6 +279,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             seen[0] = seq
             position, part = checkpoint.loop_part(snapshot, checkpoint.held_by_state(interp._states))
             position["steps"] = reporter.total_steps
+            reporter.flush()   # (what it made before the cut reaches the driver before its part: the cut's counts)
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
             interp.cut = calls.cut_mark(seq)   # the calls after it: the service saves before the first
             # ... or once it has every earlier one (its own instance of a replicated group: multi_learner's)
