@@ -140,3 +140,30 @@ def test_an_algorithm_files_sibling_modules_import_in_ray_workers(ray_cluster, t
     one = ff.run(prog.train, prog.args_cls(), policy="single_process")
     on_ray = ff.run(prog.train, prog.args_cls(), policy="pipelined(max_lag=0)", backend="ray")
     assert on_ray.summary["updates"] == one.summary["updates"] == 8
+
+
+def test_a_worker_that_cannot_import_the_program_is_reported_with_its_error(ray_cluster, tmp_path):
+    """A module the driver imported from a folder of its own sys.path, which Ray's workers lack: the
+    worker's run raised ModuleNotFoundError, and the run reported the learner 'killed by signal 9'
+    and restarted actors that would fail again (helper round 27 F06)."""
+    import sys
+
+    from fragflow.program import load
+    from fragflow.runtime.multiprocess import WorkerDied
+    from tests.test_checkpoint import PROGRAM
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "ray_elsewhere.py").write_text("def scale(x):\n    return x * 0.5\n")
+    source = PROGRAM.replace("import fragflow as ff\n", "import fragflow as ff\nfrom ray_elsewhere import scale\n", 1)
+    source = source.replace("    return y.numpy(), noise\n", "    return scale(y.numpy()), noise\n", 1)
+    (tmp_path / "algo_elsewhere.py").write_text(source)
+    sys.path.insert(0, str(lib))
+    try:
+        prog = load(str(tmp_path / "algo_elsewhere.py"))
+        with pytest.raises(WorkerDied, match=r"failed before it could report: ModuleNotFoundError: No module named "
+                                             r"'ray_elsewhere'; the worker could not import"):
+            ff.run(prog.train, prog.args_cls(), policy="pipelined(max_lag=0)", backend="ray")
+    finally:
+        sys.path.remove(str(lib))
+        sys.modules.pop("ray_elsewhere", None)

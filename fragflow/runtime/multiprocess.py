@@ -429,6 +429,12 @@ class Driver:
                     continue
                 who = f"actor {k}" if role == "actor" else role
                 code = p.exitcode
+                failure = getattr(p, "failure", None)
+                if failure:   # (a Ray actor whose run raised before it could report: it would again)
+                    hint = ("; the worker could not import a module the program needs: install it where Ray runs "
+                            "its workers, or start the run from the folder that holds it" if "ModuleNotFoundError" in failure
+                            else "")
+                    raise WorkerDied(f"{who} process failed before it could report: {failure}{hint}")
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 why = self.lowered.loop.restartable if role == "actor" else "only actors are restarted"
                 if why is None and self.restarts.get(k, 0) < self.max_restarts:

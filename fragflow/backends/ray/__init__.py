@@ -364,6 +364,7 @@ class RayProcess:
         self.actor, self.ref, self.name = actor, ref, name
         self._code: int | None = None
         self._pid: int | None = None
+        self.failure: str | None = None   # what it raised before it could report (a module its program needs)
 
     @property
     def exitcode(self) -> int | None:
@@ -373,6 +374,11 @@ class RayProcess:
             if ready:
                 try:
                     self._code = int(ray.get(self.ref))
+                except ray.exceptions.RayTaskError as exc:   # it raised: its process is alive, its run is not
+                    cause = getattr(exc, "cause", None)
+                    self.failure = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else \
+                        str(exc).strip().splitlines()[-1]
+                    self._code = 1
                 except Exception:   # the actor died (killed, or crashed in native code)
                     self._code = -signal.SIGKILL
         return self._code
