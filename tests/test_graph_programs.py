@@ -358,6 +358,66 @@ def test_per_update_values_without_a_batch_axis_reach_a_learner_fed_by_two_repli
     assert np.abs(result.value["w"]).sum() > 0
 
 
+BF16_INFERENCE = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(net, obs, key):
+    with torch.inference_mode():   # tensors made here keep no version counter
+        v = net(torch.as_tensor(obs, dtype=torch.bfloat16))
+    a = (ff.random.uniform(key, (1,))[:, 0] * 2).astype(np.int64)
+    return a, v
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    net, opt = state["net"], state["opt"]
+    loss = (net(torch.as_tensor(batch["obs"], dtype=torch.bfloat16)).float() - batch["v"].float()).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return state, {"loss": loss.item()}
+
+def train():
+    torch.manual_seed(0)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    net = torch.nn.Linear(4, 1).to(torch.bfloat16)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1)})
+    buf = ff.RolloutBuffer(4)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            key, sub = ff.random.split(key)
+            a, v = act(state["net"], obs, sub)
+            buf.add(obs=obs, v=v + 1)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_bfloat16_model_and_an_inference_mode_actor_run_apart_as_in_one_process(write_algo, policy):
+    """A bfloat16 model in the state, and an actor computing under torch.inference_mode: the trace
+    failed on both (numpy has no bfloat16; an inference tensor has no version counter), and so did
+    the channels (helper round 27 J01, J02)."""
+    torch = pytest.importorskip("torch")
+    path, _ = write_algo(BF16_INFERENCE)
+    program = load(str(path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = ff.run(program.train, policy="single_process")
+        apart = ff.run(program.train, policy=policy)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.value["net"].weight.dtype == torch.bfloat16
+    assert torch.equal(one.value["net"].weight, apart.value["net"].weight)
+
+
 WHOLE_STATE_ACTOR = """
 from dataclasses import dataclass
 import numpy as np

@@ -84,5 +84,5 @@ def array_leaves(values: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         except NotAnArray:
             continue
         out.extend((f"{name}{path}", leaf) for path, leaf in leaves
-                   if isinstance(leaf, np.ndarray) or hasattr(leaf, "_version"))
+                   if isinstance(leaf, np.ndarray) or hasattr(leaf, "detach"))
     return out

@@ -398,8 +398,20 @@ def to_numpy(x: Any) -> np.ndarray:
         return x
     backend = backend_of(x)
     if backend == "torch":
-        return x.detach().cpu().numpy()
+        t = x.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":   # (numpy's own dtypes lack it: ml_dtypes', as jax's arrays have)
+            import torch
+
+            return t.view(torch.int16).numpy().view(bfloat16())
+        return t.numpy()
     return np.asarray(x)
+
+
+def bfloat16() -> np.dtype:
+    """numpy's bfloat16 (from ml_dtypes, which jax installs)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def from_numpy(arr: np.ndarray, backend: str, device: str = "cpu") -> Any:
@@ -408,7 +420,8 @@ def from_numpy(arr: np.ndarray, backend: str, device: str = "cpu") -> Any:
     if backend == "torch":
         import torch
 
-        t = torch.from_numpy(arr)
+        t = torch.from_numpy(arr) if arr.dtype.name != "bfloat16" else \
+            torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return t if device == "cpu" else t.to(device, non_blocking=False)
     if backend == "jax":
         import jax.numpy as jnp

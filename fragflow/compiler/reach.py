@@ -41,10 +41,28 @@ def fingerprint(tree: Any) -> list[int]:
     out = []
     for _, leaf in leaves:
         if hasattr(leaf, "detach"):
-            out.append(int(getattr(leaf, "_version", 0)))
-            leaf = leaf.detach().cpu().numpy()
-        out.append(zlib.crc32(np.ascontiguousarray(leaf).data))
+            if not leaf.is_inference():   # (made under torch.inference_mode: it keeps no version counter)
+                out.append(int(leaf._version))
+            leaf = leaf.detach().cpu().reshape(-1)
+            try:
+                leaf = leaf.numpy()
+            except TypeError:   # a dtype numpy lacks (bfloat16): its bytes
+                leaf = leaf.contiguous().view(_torch_uint8()).numpy()
+        out.append(zlib.crc32(_bytes(leaf)))
     return out
+
+
+def _bytes(leaf: Any) -> Any:
+    """An array's bytes, whatever its dtype (one the buffer protocol lacks, ml_dtypes' bfloat16, too)."""
+    arr = np.ascontiguousarray(leaf).reshape(-1)
+    return arr.view(np.uint8).data if arr.dtype.kind == "V" or arr.dtype.char == "E" or \
+        type(arr.dtype).__module__.startswith("ml_dtypes") else arr.data
+
+
+def _torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def check_new_state(learner: str, handle: Versioned, leaves: list[tuple[str, Any]], where: SourceLoc | None) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.compiler.pytree import TensorSpec, from_numpy, to_numpy
+from fragflow.compiler.pytree import TensorSpec, bfloat16, from_numpy, to_numpy
 from fragflow.errors import SpecChangedError
 
 PREFIX = "fragflow_"
@@ -72,7 +72,7 @@ class Segment:
 def _np_dtype(spec: TensorSpec) -> np.dtype:
     if spec.backend == "python":
         return np.dtype({"float": np.float64, "int": np.int64, "bool": np.bool_}[spec.dtype])
-    return np.dtype(spec.dtype)
+    return bfloat16() if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
 
 
 @dataclass(frozen=True)
