@@ -418,6 +418,48 @@ def test_a_bfloat16_model_and_an_inference_mode_actor_run_apart_as_in_one_proces
     assert torch.equal(one.value["net"].weight, apart.value["net"].weight)
 
 
+TYPED_KEY = """
+import jax
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.asarray(jax.random.bernoulli(key, 0.5, (obs.shape[0],))).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(())})
+    buf = ff.RolloutBuffer(4)
+    key = jax.random.key(0)    # a typed key: jax's recommended kind
+    obs = env.reset()
+    for _ in range(2):
+        for _ in range(4):
+            key, sub = jax.random.split(key)
+            a = act(state["w"], obs, sub)  # @act
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_typed_jax_key_given_to_a_fragment_is_refused_at_the_call_with_the_fix(write_algo):
+    """A typed jax PRNG key (jax.random.key) failed every policy with numpy's "Cannot interpret
+    'key<fry>' as a data type", no line and no fix (helper round 27 J03)."""
+    from fragflow.errors import NotArrayPytreeError
+
+    path, marks = write_algo(TYPED_KEY)
+    program = load(str(path))
+    with pytest.raises(NotArrayPytreeError, match=rf"a typed jax PRNG key, key<fry>(.|\n)*at {relpath(path)}:{marks['act']}"
+                                                  rf"\n  fix: pass its numbers, jax.random.key_data\(key\)"):
+        ff.run(program.train, policy="single_process")
+
+
 WHOLE_STATE_ACTOR = """
 from dataclasses import dataclass
 import numpy as np

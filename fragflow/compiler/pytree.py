@@ -54,8 +54,8 @@ def backend_of(x: object) -> str | None:
         return "torch"
     if mod.startswith("torch"):
         return None
-    if mod.startswith(("jax", "jaxlib")):
-        return "jax" if hasattr(x, "shape") and hasattr(x, "dtype") else None
+    if mod.startswith(("jax", "jaxlib")):   # (a typed PRNG key, jax.random.key, holds no numbers: not an array)
+        return "jax" if hasattr(x, "shape") and hasattr(x, "dtype") and not str(x.dtype).startswith("key<") else None
     return None
 
 
@@ -376,6 +376,20 @@ def _dtype_name(dtype: Any) -> str:
     if len(_BY_ID) < 1024:
         _BY_ID[id(dtype)] = (dtype, name)
     return name
+
+
+def typed_key_note(x: Any) -> str:
+    """What a typed jax PRNG key is, where ``x`` is one (its dtype ``key<fry>``), else ""."""
+    return f" (a typed jax PRNG key, {x.dtype}, which holds no array of numbers)" if _typed_key(x) else ""
+
+
+def typed_key_fix(x: Any) -> str | None:
+    return ("pass its numbers, jax.random.key_data(key), and wrap them again inside the fragment "
+            "(jax.random.wrap_key_data); or use jax.random.PRNGKey keys or ff.random keys") if _typed_key(x) else None
+
+
+def _typed_key(x: Any) -> bool:
+    return type(x).__module__.startswith(("jax", "jaxlib")) and str(getattr(x, "dtype", "")).startswith("key<")
 
 
 def spec_of(x: Any) -> TensorSpec:

@@ -20,7 +20,15 @@ from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler.axes import address, env_rows, inherited_axes, sized_by_ids
 from fragflow.compiler.ir import EdgeKind, LeafSpec
-from fragflow.compiler.pytree import NotAnArray, TensorSpec, leaf_paths, skeleton_of, spec_of
+from fragflow.compiler.pytree import (
+    NotAnArray,
+    TensorSpec,
+    leaf_paths,
+    skeleton_of,
+    spec_of,
+    typed_key_fix,
+    typed_key_note,
+)
 from fragflow.compiler.window import TraceWindow
 from fragflow.errors import NotArrayPytreeError, ShapeChangedError, VersionedStateError
 from fragflow.source import SourceLoc
@@ -166,10 +174,11 @@ class Recording:
                     where=where, fix="pass versioned state (or a view such as state['params']) as an argument of its own") from None
             raise NotArrayPytreeError(
                 f"fragment '{rec.name}' was given argument '{pname}' whose leaf {pname}{bad.path} is a "
-                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}",
-                where=where, fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
-                                 "Python numbers and configuration (a frozen dataclass, a string); keep other "
-                                 "objects in the loop or inside the fragment") from None
+                f"{type(bad.value).__module__}.{type(bad.value).__qualname__}" + typed_key_note(bad.value),
+                where=where, fix=typed_key_fix(bad.value) or
+                "fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
+                "Python numbers and configuration (a frozen dataclass, a string); keep other "
+                "objects in the loop or inside the fragment") from None
         container = next(((node, port, axes) for (node, port), (obj, _, axes) in self._containers.items()
                           if obj is value), None)
         out = []

@@ -46,6 +46,8 @@ from fragflow.compiler.pytree import (
     leaf_paths,
     ordered_like,
     spec_of,
+    typed_key_fix,
+    typed_key_note,
     without_optimizers,
 )
 from fragflow.compiler.reach import (
@@ -236,10 +238,12 @@ class Tracer(Recording):
             leaf_paths(value)
         except NotAnArray as bad:
             raise NotArrayPytreeError(
-                f"ff.versioned(...) got a value whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
-                where=where, fix="versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
-                                 "torch modules, torch.optim optimizers and their learning-rate schedulers; keep "
-                                 "anything else out of it",
+                f"ff.versioned(...) got a value whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}"
+                + typed_key_note(bad.value),
+                where=where, fix=typed_key_fix(bad.value) or
+                "versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
+                "torch modules, torch.optim optimizers and their learning-rate schedulers; keep "
+                "anything else out of it",
             ) from None
         if where is not None and any(rec.created_at == where and rec.versions > 1 for rec in self._states.values()):
             self.remade_state = where   # run again at the line that made a state a learner has written: in the loop
