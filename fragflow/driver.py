@@ -192,6 +192,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["captured"] = frozenset(n.name for n in captured)
+    checks["process"] = process_settings()   # (what the training function set process-wide, for every worker)
     program = None
     if lowered.services:
         import cloudpickle
@@ -285,6 +286,31 @@ class _Handover:
             set_threads = tracer.threads_set.original if tracer.threads_set is not None else torch.set_num_threads
             set_threads(threads_for(compiled.lowered.loop.threads))
         return interp
+
+
+def process_settings() -> dict[str, Any]:
+    """Process-wide numeric settings a training function may make (torch's default dtype, jax's
+    64-bit mode), as the trace left them: a worker that does not fork from this process (a fork
+    server, Ray) starts with the defaults, and makes them again before the program runs."""
+    out: dict[str, Any] = {}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_default_dtype() != torch.float32:
+        out["torch_default_dtype"] = str(torch.get_default_dtype()).removeprefix("torch.")
+    jax = sys.modules.get("jax")
+    if jax is not None and bool(getattr(jax.config, "jax_enable_x64", False)):
+        out["jax_enable_x64"] = True
+    return out
+
+
+def apply_process_settings(settings: dict[str, Any]) -> None:
+    if "torch_default_dtype" in settings:
+        import torch
+
+        torch.set_default_dtype(getattr(torch, settings["torch_default_dtype"]))
+    if settings.get("jax_enable_x64"):
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
 
 
 def _traced_copy(args: Any) -> Any:

@@ -460,6 +460,61 @@ def test_a_typed_jax_key_given_to_a_fragment_is_refused_at_the_call_with_the_fix
         ff.run(program.train, policy="single_process")
 
 
+DEFAULT_DTYPE = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(net, obs):
+    with torch.no_grad():
+        return net(torch.as_tensor(obs)).argmax(-1).numpy()   # obs is float64: so must the net be
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    net, opt = state["net"], state["opt"]
+    loss = (net(torch.as_tensor(batch["obs"])) @ torch.ones(2, 1)).pow(2).mean()   # ones: the default dtype
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return state, {"loss": loss.item()}
+
+def train():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    net = torch.nn.Linear(4, 2)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.01)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset().astype(np.float64)
+    for _ in range(3):
+        for _ in range(4):
+            a = act(state["net"], obs)
+            buf.add(obs=obs)
+            obs = env.step(a)[0].astype(np.float64)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_default_dtype_the_training_function_sets_reaches_workers_that_do_not_fork(write_algo, monkeypatch):
+    """torch.set_default_dtype(torch.float64) in train(): a worker started from a fork server (any
+    program that imports jax or used CUDA) began at float32 and failed in the user's code (helper
+    round 27 J06)."""
+    import torch
+
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "forkserver")
+    path, _ = write_algo(DEFAULT_DTYPE)
+    program = load(str(path))
+    try:
+        one = ff.run(program.train, policy="single_process")
+        apart = ff.run(program.train, policy="pipelined(max_lag=0)")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert apart.value["net"].weight.dtype == torch.float64
+    assert torch.equal(one.value["net"].weight, apart.value["net"].weight)
+
+
 WHOLE_STATE_ACTOR = """
 from dataclasses import dataclass
 import numpy as np

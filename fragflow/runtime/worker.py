@@ -154,6 +154,9 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
 
     lowered, checks, train, args, user_envs = cloudpickle.loads(blob)
     from fragflow.api.envs import register
+    from fragflow.driver import apply_process_settings
+
+    apply_process_settings(checks.get("process", {}))
 
     register(user_envs)
     endpoints = None
