@@ -72,6 +72,9 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
             entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
         elif is_key(x):
             entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
+        elif _jax_key(x):   # jax.random.PRNGKey's (uint32 [..., 2]): random state the loop carries
+            arrays[key] = np.asarray(x)
+            entries[name] = {"as": "jax_key", "k": key}
         elif isinstance(x, np.random.Generator):
             entries[name] = {"as": "np_generator", "state": x.bit_generator.state}
         elif isinstance(x, pyrandom.Random):
@@ -92,6 +95,12 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
     return entries, arrays, left
 
 
+def _jax_key(x: Any) -> bool:
+    """A legacy jax PRNG key (``jax.random.PRNGKey``: uint32, last axis 2), or a batch of them."""
+    return type(x).__module__.startswith(("jax", "jaxlib")) and str(getattr(x, "dtype", "")) == "uint32" \
+        and bool(getattr(x, "shape", ())) and x.shape[-1] == 2
+
+
 def _py_state(state: Any) -> Any:
     return [state[0], list(state[1]), state[2]]
 
@@ -109,6 +118,10 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
             if how == "value":
                 cur = live.get(name, _NO)
                 assign[name] = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
+            elif how == "jax_key":
+                import jax.numpy as jnp
+
+                assign[name] = jnp.asarray(_array(arrays, e["k"]))
             elif how == "np_generator" and isinstance(x, np.random.Generator):
                 x.bit_generator.state = e["state"]
             elif how == "py_random" and isinstance(x, pyrandom.Random):
