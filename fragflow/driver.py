@@ -368,6 +368,10 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     from fragflow import backends
 
     backends.get(backend)   # an unknown name fails here, before anything runs
+    if backend == "ray" and (address or os.environ.get("RAY_ADDRESS")):   # (and a cluster that does not answer)
+        from fragflow.backends.ray import reachable
+
+        reachable(address or os.environ["RAY_ADDRESS"])
     calls.check_every()     # so does a malformed FRAGFLOW_CHECK_EVERY
     if max_restarts < 0:
         raise ConfigError(f"max_restarts={max_restarts} is negative", fix="give 0 (never restart) or more")

@@ -116,6 +116,8 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
      "splits the loop's 1 environments across 2 processes (actors=2): they do not divide evenly\n  at algorithms/dqn.py:"),
     (["run", "dqn", "--policy", "central_inference(env_workers=2)", "--set", "total_timesteps=600", "--set",
       "learning_starts=200"], "processes (env_workers=2): they do not divide evenly"),
+    (["run", "ppo", "--backend", "ray", "--address", "127.0.0.1:1"],   # (Ray retried in silence: round 27 F05)
+     "cannot reach a Ray cluster at 127.0.0.1:1"),
 ])
 def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"

@@ -435,6 +435,8 @@ def connect(address: str | None = None) -> None:
     # run's handler, which stops the workers and writes summary.json, is put back after it
     main = threading.current_thread() is threading.main_thread()
     term = signal.getsignal(signal.SIGTERM) if main else None
+    if address:
+        reachable(address)
     try:
         if address:
             ray.init(address=address, log_to_driver=True)
@@ -446,6 +448,25 @@ def connect(address: str | None = None) -> None:
     finally:
         if main and term is not None:
             signal.signal(signal.SIGTERM, term)
+
+
+def reachable(address: str, timeout: float = 10.0) -> None:
+    """A cluster address of the form host:port must answer (Ray's own connection retries for
+    minutes, in silence)."""
+    if "://" in address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"--address {address}: the port is not a number",
+                          fix="give the address `ray start --head` printed (host:port, e.g. 10.0.0.5:6379)")
+    import socket
+
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot reach a Ray cluster at {address}: {exc}",
+                          fix="start one with `ray start --head` and pass its address (ray start prints it)") from None
 
 
 _SERIAL = itertools.count()
