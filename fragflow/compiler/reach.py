@@ -20,7 +20,7 @@ import sysconfig
 import types
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -220,7 +220,7 @@ ATTRIBUTE_ARRAY_MAX = 1 << 16
 HELPER_DEPTH = 2
 
 
-def _reached_holders(fn: Any, depth: int, seen: set[int], theirs: frozenset[str] = frozenset()
+def _reached_holders(fn: Any, depth: int, seen: set[int], theirs: Theirs | None = None
                      ) -> Iterator[tuple[str, Any, str, Any, frozenset[tuple[str, Any]] | None]]:
     """(label, holder, name, value, parts): ``_holders`` of ``fn``, but for the globals its code
     binds itself, and, in the user's code, the attributes of a method's own object, of a user
@@ -242,14 +242,14 @@ def _reached_holders(fn: Any, depth: int, seen: set[int], theirs: frozenset[str]
             and users_code(code.co_filename):
         me = code.co_varnames[0]
         attrs = _instance_dict(owner)
-        if not depth:
+        if theirs is None:
             theirs = _theirs(type(owner), code, [name for var, name in pairs if var == me])
         for var, name in pairs:
             if var != me:
                 continue
             if name in attrs:
                 held = attrs[name]
-                if name not in stored and name not in theirs and not (f"{_MUTABLE}{name}" in theirs and _mutable(held)):
+                if name not in stored and name not in theirs.stored and not (name in theirs.named and _mutable(held)):
                     yield f"attribute '{me}.{name}'{via}", attrs, name, held, None
                 continue
             member = _class_member(type(owner), name)
@@ -298,24 +298,29 @@ def _class_member(cls: type, name: str) -> Any:
     return None
 
 
-def _theirs(cls: type, code: types.CodeType, names: list[str]) -> frozenset[str]:
-    """Attributes of an object a fragment method (``code``) does not see the loop change: those the
-    object's fragment methods, or the methods this one calls, set; and a mutable one (an array, a
-    list, a buffer's storage) another of its fragment methods names, which may change it in place."""
-    out = set(_stored_by_fragments(cls))
+class Theirs(NamedTuple):
+    """Attributes of an object that a fragment method (``code``) does not see the loop change:
+    ``stored``, those the object's fragment methods, or the methods this one calls, set; ``named``,
+    those another of its fragment methods names, which it may change in place where mutable (a
+    buffer's storage its ``add`` fills)."""
+
+    stored: frozenset[str]
+    named: frozenset[str]
+
+
+def _theirs(cls: type, code: types.CodeType, names: list[str]) -> Theirs:
+    stored = set(_stored_by_fragments(cls))
     for name in names:   # (what the methods it calls on its object set is its own too: self._decay())
         member = _class_member(cls, name)
         if isinstance(member, types.FunctionType):
-            out |= _attribute_names(member.__code__)[1]
+            stored |= _attribute_names(member.__code__)[1]
+    named: set[str] = set()
     for klass in cls.__mro__:
         for value in vars(klass).values():
             other = getattr(getattr(value, "fn", None), "__code__", None)
             if other is not None and other is not code and getattr(value, "role", None) is not None:
-                out |= {f"{_MUTABLE}{n}" for v, n in _attribute_names(other)[0]}
-    return frozenset(out)
-
-
-_MUTABLE = "\0mutable:"   # (a name another fragment method reads: the object's own only where its value can change in place)
+                named |= {n for _, n in _attribute_names(other)[0]}
+    return Theirs(frozenset(stored), frozenset(named))
 
 
 def _mutable(value: Any) -> bool:
@@ -350,6 +355,7 @@ def _parts_read(code: types.CodeType) -> dict[str, frozenset[tuple[str, Any]] | 
     parts of it read by name: ``("key", k)`` for ``X[k]`` or ``X.get(k...)`` with a constant ``k``,
     ``("attr", a)`` for ``X.a``; None where the code does anything else with it (the whole)."""
     out: dict[str, frozenset[tuple[str, Any]] | None] = {}
+
     def note(name: str, part: tuple[str, Any] | None) -> None:
         if name in out and out[name] is None:
             return
