@@ -1456,3 +1456,59 @@ def test_a_restarted_first_actor_logs_each_loop_value_once(write_algo, tmp_path)
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:
         logged = [r["u"] for r in csv.DictReader(f) if r.get("u")]
     assert [u for u, n in collections.Counter(logged).items() if n > 1] == []
+
+
+def test_a_first_actor_killed_before_it_sent_the_state_is_restarted_and_the_run_completes(write_algo, tmp_path):
+    """Loop replica 0 sends the learner the state it makes: killed before that, its restarted
+    process did not send it again, and the learner and both actors waited for each other forever
+    (seen in a loaded test run, where starting the workers took longer than the kill's delay)."""
+    path, _ = write_algo("""
+        import multiprocessing
+        import os
+        import time
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            first = multiprocessing.current_process().name == "fragflow-actor-0"   # (not the trace, in the driver)
+            if first and not os.path.exists(os.environ["FF_TEST_MARK"]):
+                open(os.environ["FF_TEST_MARK"], "w").close()
+                time.sleep(30)   # the first process of replica 0: killed here, before its state is made
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(5):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+            return state
+    """)
+    program = load(str(path))
+    os.environ["FF_TEST_MARK"] = str(tmp_path / "slept")
+
+    def give_up(signum, frame):
+        raise TimeoutError("the run hung")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(120)
+    try:
+        killer = kill_actor_later("fragflow-actor-0", after=1.0)
+        result = ff.run(program.train, policy="actor_learner(actors=2)")
+        killer.join()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        del os.environ["FF_TEST_MARK"]
+    assert result.summary["status"] == "completed" and result.summary["restarts"] == 1
+    assert result.summary["updates"] == 5
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -152,7 +152,7 @@ class LoopInterpreter:
             value, version = restore_state(self.restored, name, value, where)
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
-        if self.index == 0 and not self.restarted:
+        if self.index == 0:   # (restarted too: its first process may have died before it sent it; a service keeps the first)
             from fragflow.runtime.checkpoint import global_random
 
             blob = cloudpickle.dumps(value)

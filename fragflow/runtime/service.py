@@ -200,6 +200,8 @@ class ServiceRunner:
         elif kind == "given":   # the leaves a call names ("given", path): (replica, fragment, call) -> values
             self.given[(msg[1] - self.program.first, msg[2], msg[3])] = cloudpickle.loads(msg[4])
         elif kind == "state":
+            if msg[1] in self.states:   # (again, from a first loop replica restarted: the learner's own goes on)
+                return True
             if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
                 from fragflow.runtime.checkpoint import set_global_random
 
