@@ -10,6 +10,7 @@ measurements for the device and the date).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none here)")
 
 def test_workers_start_from_a_fork_server_once_cuda_is_in_use(monkeypatch):
     monkeypatch.delenv("FRAGFLOW_START_METHOD", raising=False)
+    monkeypatch.delitem(sys.modules, "jax", raising=False)   # (an earlier test's program imported it)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)   # a forked child could not use CUDA again

@@ -1512,3 +1512,46 @@ def test_a_first_actor_killed_before_it_sent_the_state_is_restarted_and_the_run_
     assert result.summary["status"] == "completed" and result.summary["restarts"] == 1
     assert result.summary["updates"] == 5
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_a_jax_key_the_loop_carries_is_saved_and_resumed(tmp_path, write_algo, policy):
+    """key, sub = jax.random.split(key) in the loop: the checkpoint left the key out, and the resumed
+    run started it again from its seed, replaying the first batches, silently (helper round 27 J04).
+    (Here, not with the checkpoint tests: its program imports jax, after which workers start from a
+    fork server, and the tests before test_graph_programs run without.)"""
+    import fragflow as ff
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        from dataclasses import dataclass
+        import numpy as np
+        import jax
+        import jax.numpy as jnp
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            seed: int = 1
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x, y):
+            loss, g = jax.value_and_grad(lambda w: ((jnp.asarray(x) @ w - y) ** 2).mean())(state["w"])
+            return {"w": state["w"] - 0.05 * g}, {"loss": loss}
+
+        def train(args):
+            state = ff.versioned({"w": jnp.zeros((4,))})
+            key = jax.random.PRNGKey(args.seed)
+            for u in range(16):
+                key, sub = jax.random.split(key)
+                x = np.asarray(jax.random.normal(sub, (16, 4)))
+                state, m = learn(state, x, x @ np.arange(4.0, dtype=np.float32))
+                ff.log(m)
+            return state
+    """)
+    program = load(str(path))
+    out = tmp_path / "run"
+    whole = ff.run(program.train, program.args_cls(), policy=policy, out=out, checkpoint_every=4)
+    first = min((c for c in (out / "checkpoints").iterdir() if int(c.name) < 16), key=lambda c: int(c.name))
+    resumed = ff.run(program.train, program.args_cls(), policy=policy, resume=first)   # (pipelined: an update or more after 4)
+    assert np.array_equal(np.asarray(whole.value["w"]), np.asarray(resumed.value["w"]))
