@@ -1148,7 +1148,7 @@ def test_a_checkpoints_evaluation_counts_are_those_of_its_cut(tmp_path, write_al
 
     @dataclass(frozen=True)
     class Args:
-        updates: int = 12
+        updates: int = 24
         seed: int = 0
 
     @ff.fragment("actor")

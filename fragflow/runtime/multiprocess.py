@@ -155,7 +155,9 @@ class Driver:
                 # loop replicas whose calls a service takes round them in order save at one trip (see
                 # worker._loop_saving); others each at their next one, nearest the learner's save
                 "cut_together": any(s.ordered for s in self.lowered.services),
-                "rendezvous": rendezvous}
+                "rendezvous": rendezvous,
+                # fragflow's settings as they are now: a fork server started earlier holds its start's
+                "environ": {k: v for k, v in os.environ.items() if k.startswith("FRAGFLOW_")}}
 
     def _restart(self, k: int, how: str) -> None:
         """Start loop replica ``k`` again in a new process: from where it last said it stood, with the

@@ -129,6 +129,11 @@ class QueueReporter:
 
 def main(*args: Any) -> None:
     """Run a worker; with ``FRAGFLOW_PROFILE=DIR`` under cProfile, stats written to DIR/<role><index>.prof."""
+    environ = (args[5] or {}).get("environ") if len(args) > 5 else None
+    if environ is not None:   # fragflow's settings as the driver has them (a fork server holds those of its start)
+        for k in [k for k in os.environ if k.startswith("FRAGFLOW_") and k not in environ]:
+            del os.environ[k]
+        os.environ.update(environ)
     out = os.environ.get("FRAGFLOW_PROFILE", "")
     if not out:
         return _main(*args)
