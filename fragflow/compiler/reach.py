@@ -309,17 +309,20 @@ class Theirs(NamedTuple):
 
 
 def _theirs(cls: type, code: types.CodeType, names: list[str]) -> Theirs:
-    stored = set(_stored_by_fragments(cls))
+    stored: set[str] = set()
+    named: set[str] = set()
+    for klass in cls.__mro__:   # the fragment methods of the class and its bases
+        for value in vars(klass).values():
+            other = getattr(getattr(value, "fn", None), "__code__", None)
+            if other is not None and getattr(value, "role", None) is not None:
+                read, written = _attribute_names(other)
+                stored |= written
+                if other is not code:
+                    named |= {n for _, n in read}
     for name in names:   # (what the methods it calls on its object set is its own too: self._decay())
         member = _class_member(cls, name)
         if isinstance(member, types.FunctionType):
             stored |= _attribute_names(member.__code__)[1]
-    named: set[str] = set()
-    for klass in cls.__mro__:
-        for value in vars(klass).values():
-            other = getattr(getattr(value, "fn", None), "__code__", None)
-            if other is not None and other is not code and getattr(value, "role", None) is not None:
-                named |= {n for _, n in _attribute_names(other)[0]}
     return Theirs(frozenset(stored), frozenset(named))
 
 
@@ -386,17 +389,6 @@ def _parts_read(code: types.CodeType) -> dict[str, frozenset[tuple[str, Any]] | 
 
 
 _VARIABLE_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CLOSURE", "LOAD_FAST_CHECK"})
-
-
-def _stored_by_fragments(cls: type) -> frozenset[str]:
-    """Attributes the fragment methods of a class set: changed by its fragments, not by the loop."""
-    out: set[str] = set()
-    for klass in cls.__mro__ if isinstance(cls, type) else ():   # (fragment methods a base class defines too)
-        for value in vars(klass).values():
-            code = getattr(getattr(value, "fn", None), "__code__", None)
-            if code is not None and getattr(value, "role", None) is not None:
-                out |= _attribute_names(code)[1]
-    return frozenset(out)
 
 
 def _instance_dict(obj: Any) -> dict[str, Any]:

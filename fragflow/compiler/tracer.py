@@ -538,7 +538,7 @@ class Tracer(Recording):
                         continue
                     now = reached_now(holder, name)
                     after = again(now, before)   # (rebound to what holds the same: CFG = {**CFG, "x": 1})
-                    if after != before or (after == ("object", id(value)) and now is not value):
+                    if after != before:   # (an object rebound: another identity)
                         rec.loop_changes = label + changed_part(before, after)
                         break
 
