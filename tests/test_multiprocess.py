@@ -133,10 +133,12 @@ def test_profile_knob_writes_stats_for_every_worker(tmp_path, monkeypatch):
     assert "learn" in names
 
 
-def test_spawned_workers_give_the_same_run_as_forked_ones(monkeypatch):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_workers_give_the_same_run_as_forked_ones(monkeypatch, method):
+    """(forkserver: its workers fork from a server that imported torch and fragflow for them)"""
     args = ppo.Args(total_timesteps=1024, num_envs=4, num_steps=64, seed=5)
     forked = ff.run(ppo.train, args, policy="pipelined(actors=1)")
-    monkeypatch.setenv("FRAGFLOW_START_METHOD", "spawn")
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", method)
     spawned = ff.run(ppo.train, args, policy="pipelined(actors=1)")
     assert same_tree(forked.value, spawned.value)
     assert forked.episode_returns == spawned.episode_returns

@@ -57,6 +57,22 @@ def start_method() -> str:
     return "fork"
 
 
+# What every worker imports: started from a fork server, a worker forks from a process that imported
+# them once, instead of importing them itself (torch alone takes a second or more). Not JAX: its threads
+# are why the fork server is there.
+_PRELOAD = ("numpy", "torch", "gymnasium", "cloudpickle", "fragflow.runtime.worker", "fragflow.runtime.service",
+            "fragflow.runtime.loop", "fragflow.backends.local")
+
+
+def context(method: str) -> Any:
+    """The ``multiprocessing`` context that starts workers by ``method``."""
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # only what the driver itself imported: a JAX program's workers need not import torch
+        ctx.set_forkserver_preload(["__main__", *(m for m in _PRELOAD if m.split(".")[0] in sys.modules)])
+    return ctx
+
+
 def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and bool(torch.cuda.is_initialized())
@@ -208,11 +224,11 @@ class LocalBackend:
     @property
     def ctx(self) -> Any:
         if self._ctx is None:
-            self._ctx = mp.get_context(start_method())
+            self._ctx = context(start_method())
         return self._ctx
 
     def wire(self, lowered: Any) -> LocalWiring:
-        ctx = self._ctx = mp.get_context(start_method())
+        ctx = self._ctx = context(start_method())
         segments: list[Segment] = []
         wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), Reports(ctx), {}, {}, segments)
         try:
