@@ -145,6 +145,45 @@ def test_spawned_workers_give_the_same_run_as_forked_ones(monkeypatch, method):
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+def test_workers_from_a_fork_server_see_the_environment_as_the_run_starts(monkeypatch, write_algo):
+    """A fork server holds the environment of its start: a variable the driver set after it (between
+    two runs) did not reach the workers, which a forked or spawned worker would have seen."""
+    path, _ = write_algo("""
+        import os
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(2):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+            return os.environ.get("FF_TEST_PROBE", "unset"), os.environ.get("FF_TEST_GONE", "unset")
+    """)
+    program = load(str(path))
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "forkserver")
+    monkeypatch.setenv("FF_TEST_GONE", "there")
+    ff.run(program.train, policy="pipelined")   # (starts the fork server, if no earlier run did)
+    monkeypatch.setenv("FF_TEST_PROBE", "set later")
+    monkeypatch.delenv("FF_TEST_GONE")
+    result = ff.run(program.train, policy="pipelined")
+    assert result.value == ("set later", "unset")
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_actors_must_divide_the_environments():
     with pytest.raises(ConfigError, match=r"splits the loop's 4 environments across 3 processes \(actors=3\): they do not divide evenly"):
         ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")

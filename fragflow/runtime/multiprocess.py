@@ -156,8 +156,11 @@ class Driver:
                 # worker._loop_saving); others each at their next one, nearest the learner's save
                 "cut_together": any(s.ordered for s in self.lowered.services),
                 "rendezvous": rendezvous,
-                # fragflow's settings as they are now: a fork server started earlier holds its start's
-                "environ": {k: v for k, v in os.environ.items() if k.startswith("FRAGFLOW_")}}
+                # the environment as it is now, as a forked or spawned worker would have it: a fork server
+                # started earlier holds its start's; on other machines (Ray), only fragflow's settings
+                "environ": (dict(os.environ) if getattr(self.backend, "shares_files", True)
+                            else {k: v for k, v in os.environ.items() if k.startswith("FRAGFLOW_")}),
+                "environ_whole": getattr(self.backend, "shares_files", True)}
 
     def _restart(self, k: int, how: str) -> None:
         """Start loop replica ``k`` again in a new process: from where it last said it stood, with the

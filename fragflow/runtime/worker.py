@@ -129,9 +129,11 @@ class QueueReporter:
 
 def main(*args: Any) -> None:
     """Run a worker; with ``FRAGFLOW_PROFILE=DIR`` under cProfile, stats written to DIR/<role><index>.prof."""
-    environ = (args[5] or {}).get("environ") if len(args) > 5 else None
-    if environ is not None:   # fragflow's settings as the driver has them (a fork server holds those of its start)
-        for k in [k for k in os.environ if k.startswith("FRAGFLOW_") and k not in environ]:
+    saving = (args[5] or {}) if len(args) > 5 else {}
+    environ = saving.get("environ")
+    if environ is not None:   # the driver's environment as the run started (a fork server holds that of its start)
+        whole = saving.get("environ_whole", False)   # this machine's whole environment; on another, fragflow's settings
+        for k in [k for k in os.environ if (whole or k.startswith("FRAGFLOW_")) and k not in environ]:
             del os.environ[k]
         os.environ.update(environ)
     out = os.environ.get("FRAGFLOW_PROFILE", "")
@@ -246,9 +248,12 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     if ckpt is not None:
         interp.restored = checkpoint.merged_states(ckpt)
         remote = interp.program.remote
+        part = ckpt.part(f"loop{index}")
         tracker.resume = checkpoint.resume_point(
-            ckpt.part(f"loop{index}"), checkpoint.served_objects(ckpt),
-            lambda key: not any(name.startswith(f"{key}.") for name in remote))
+            part, checkpoint.served_objects(ckpt), lambda key: not any(name.startswith(f"{key}.") for name in remote))
+        # the remote calls' numbers go on: replicas saved at different trips resume at different calls, and
+        # a service gathering calls as they arrive compares the replicas' per-update values at the same call
+        interp._calls_of = {str(k): int(v) for k, v in part[0].get("calls", {}).items()}
     restart = saving.get("restart")
     if restart is not None:
         interp.restarted = True
@@ -287,6 +292,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             seen[0] = seq
             position, part = checkpoint.loop_part(snapshot, checkpoint.held_by_state(interp._states))
             position["steps"] = reporter.total_steps
+            part[0]["calls"] = dict(interp._calls_of)   # (a resumed replica's calls go on from these numbers)
             reporter.flush()   # (what it made before the cut reaches the driver before its part: the cut's counts)
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
             interp.cut = calls.cut_mark(seq)   # the calls after it: the service saves before the first
