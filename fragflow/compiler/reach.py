@@ -399,15 +399,22 @@ def _instance_dict(obj: Any) -> dict[str, Any]:
     return attrs if isinstance(attrs, dict) else {}
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """Where Python's own modules and installed libraries are (``sysconfig`` works them out anew at
+    each call: thousands of calls cost most of a small program's trace)."""
+    paths = sysconfig.get_paths()
+    return tuple({os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                  if paths.get(k)})
+
+
+@functools.lru_cache(maxsize=8192)   # (every loaded module's file is asked about at each trace)
 def users_code(filename: str) -> bool:
     """Whether code from ``filename`` is the user's own: not fragflow's, not Python's, not an
     installed library's."""
     if filename.startswith("<") or is_internal(filename):
         return False
-    path = os.path.abspath(filename)
-    libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return not any(path.startswith(os.path.abspath(d) + os.sep) for d in libraries if d)
+    return not os.path.abspath(filename).startswith(_library_dirs())
 
 
 def snapshot(value: Any, depth: int = 0) -> Any:
