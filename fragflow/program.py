@@ -91,10 +91,11 @@ def from_module(module: ModuleType, name: str) -> Program:
 
 def args_class(train: Any, module: ModuleType) -> type | None:
     params = list(inspect.signature(train).parameters.values())
-    if params:
-        hints = typing.get_type_hints(train)
-        cls = hints.get(params[0].name)
-        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
-            return cls
+    if not params:   # train() makes its own settings: an Args class beside it is not given to it
+        return None
+    hints = typing.get_type_hints(train)
+    cls = hints.get(params[0].name)
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+        return cls
     cls = getattr(module, "Args", None)
     return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None

@@ -285,6 +285,35 @@ def test_args_annotated_with_a_type_checking_import_run_and_refuse_only_that_fie
     assert res.exit_code == 2 and "TYPE_CHECKING" in res.stderr, res.output
 
 
+def test_a_training_function_without_parameters_runs_beside_an_args_class(tmp_path, write_algo):
+    """train() making its own Args() was called with the file's Args (a TypeError, exit 1; round 28 K04)."""
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            steps: int = 5
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], np.int64)
+
+        def train():
+            args = Args()
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            obs = env.reset()
+            for _ in range(args.steps):
+                obs, *_ = env.step(act(obs))
+    ''')
+    res = invoke("run", str(path), "--policy", "single_process", "--out", str(tmp_path / "o"), "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["env_steps"] == 5
+    res = invoke("run", str(path), "--set", "steps=6")
+    assert res.exit_code == 2 and "--set was given but the training function takes no Args dataclass" in res.stderr
+
+
 def test_ctrl_c_in_a_single_process_warm_up_writes_the_runs_summary(tmp_path, write_algo):
     """Under single_process the trace is the run's beginning: Ctrl-C in its warm-up stopped with
     nothing written, no run directory, no summary (helper round 23)."""
