@@ -716,6 +716,48 @@ def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(wri
     assert columns[1] == columns[0]
 
 
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_namedtuple_output_logged_by_index_reaches_the_rows(tmp_path, write_algo, policy):
+    """ff.log({"r": metrics[0]}) of a learner's namedtuple output: its part is reported by field
+    name, and the loop's index named nothing there, so the column was silently left out (round 28 K05)."""
+    path, _ = write_algo("""
+        from collections import namedtuple
+        import numpy as np
+        import fragflow as ff
+
+        M = namedtuple("M", "r s")
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}, \\
+                M(batch["obs"].mean(), batch["obs"].sum())
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(4):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, metrics = learn(state, buf.collect())
+                ff.log({"r": metrics[0], "both": metrics})
+    """)
+    program = load(str(path))
+    columns = []
+    for p in ("single_process", policy):
+        ff.run(program.train, policy=p, out=tmp_path / "run")
+        rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+        columns.append([(r["r"], r["both/r"], r["both/s"]) for r in rows])
+    assert len(columns[0]) == 4 and all(c[0] for c in columns[0])
+    assert columns[1] == columns[0]
+
+
 def test_learner_outputs_logged_under_names_of_the_loops_making_reach_the_rows_and_unseen_parts_are_refused(
         write_algo, tmp_path):
     """A learner output logged under a name the loop makes (from the update number) is logged by

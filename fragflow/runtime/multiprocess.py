@@ -67,6 +67,21 @@ def _no_main_reimport() -> Iterator[None]:
             setattr(main, k, v)
 
 
+def _by_position(names: Any, rest: str) -> str:
+    """``rest`` with each index that names nothing at its level of ``names`` taken as a position among
+    the names there: the loop indexes a namedtuple output (``metrics[0]``), whose part is reported by
+    its fields' names (``r``, ``s``)."""
+    out: list[str] = []
+    for seg in rest.split("/"):
+        prefix = "/".join(out)
+        level = list(dict.fromkeys(n[len(prefix):].lstrip("/").split("/")[0] for n in names
+                                   if not prefix or n == prefix or n.startswith(prefix + "/")))
+        if seg not in level and seg.isdigit() and int(seg) < len(level):
+            seg = level[int(seg)]
+        out.append(seg)
+    return "/".join(out)
+
+
 class Driver:
     def __init__(self, lowered: Lowered, program: bytes, monitor: Monitor, backend: str = "local",
                  checkpoints: Any = None, max_restarts: int = 3, address: str | None = None) -> None:
@@ -274,9 +289,12 @@ class Driver:
         """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
         update in progress, a later call's replacing an earlier one's)."""
         chosen = {}
-        for path, value in scalars.items():
-            if not rest or path == rest or path.startswith(rest + "/"):
-                chosen[logged_name(name, path[len(rest):].lstrip("/"))] = value
+        for at in (rest, _by_position(scalars, rest)) if rest else (rest,):
+            for path, value in scalars.items():
+                if not at or path == at or path.startswith(at + "/"):
+                    chosen[logged_name(name, path[len(at):].lstrip("/"))] = value
+            if chosen:
+                break
         if chosen and update is None:
             self.monitor.log_latest(chosen)
         elif chosen:
