@@ -758,6 +758,43 @@ def test_a_namedtuple_output_logged_by_index_reaches_the_rows(tmp_path, write_al
     assert columns[1] == columns[0]
 
 
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_logged_value_that_stops_being_a_scalar_after_the_trace_is_refused(write_algo, policy):
+    """A learner metric a scalar while traced and a [2] array from update 4: one process failed in
+    the monitor (a reshape error), the others left its column empty, silently (round 28 K06)."""
+    path, marks = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            m = batch["obs"].mean()
+            return {"w": state["w"] + 0.01, "t": state["t"] + 1}, {"m": m if state["t"] < 3 else np.ones(2) * m}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2)), "t": 0})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(6):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, metrics = learn(state, buf.collect())   # @learn
+                ff.log(metrics)   # @log
+    """)
+    program = load(str(path))
+    where = f"algo.py:{marks['log' if policy == 'single_process' else 'learn']}"
+    with pytest.raises(ff.errors.FragflowError, match=r"ff.log got 'm' with shape \(2,\)|output \[1\]\['m'\] of fragment 'learn', which the loop logs, has shape \(2,\)") as info:
+        ff.run(program.train, policy=policy)
+    assert "not a scalar" in str(info.value) and where in str(info.value)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_learner_outputs_logged_under_names_of_the_loops_making_reach_the_rows_and_unseen_parts_are_refused(
         write_algo, tmp_path):
     """A learner output logged under a name the loop makes (from the update number) is logged by

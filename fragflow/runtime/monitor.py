@@ -22,8 +22,40 @@ RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes r
 
 def flat_scalars(tree: Any) -> dict[str, float]:
     """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}`` (a lone
-    scalar is ``"value"``)."""
-    return {name or "value": _number(leaf) for name, leaf in _named_leaves(tree, "")}
+    scalar is ``"value"``). A leaf of more than one number (a value the trace saw as a scalar, grown
+    since) is refused at the ``ff.log`` line."""
+    out = {}
+    for name, leaf in _named_leaves(tree, ""):
+        size = _size(leaf)
+        if size != 1:
+            from fragflow.errors import ConfigError
+            from fragflow.source import user_callsite
+
+            raise ConfigError(f"ff.log got {name or 'its value'!r} with shape {tuple(np.shape(to_numpy(leaf)))}, "
+                              "not a scalar (it was one while the program was traced)", where=user_callsite(),
+                              fix="log scalars: reduce it first (x.mean(), x.max()) or log its elements under "
+                                  "names of their own")
+        out[name or "value"] = _number(leaf)
+    return out
+
+
+def _size(leaf: Any) -> int:
+    if isinstance(leaf, (int, float)):
+        return 1
+    size = getattr(leaf, "size", None)
+    if isinstance(size, int):
+        return size
+    numel = getattr(leaf, "numel", None)
+    return int(numel()) if callable(numel) else int(np.asarray(to_numpy(leaf)).size)
+
+
+def non_scalar(tree: Any) -> tuple[str, tuple[int, ...]] | None:
+    """The first leaf of ``tree`` that is not one number: its name (as :func:`flat_scalars` names
+    it) and shape."""
+    for name, leaf in _named_leaves(tree, ""):
+        if _size(leaf) != 1:
+            return name, tuple(np.shape(to_numpy(leaf)))
+    return None
 
 
 def _named_leaves(tree: Any, name: str) -> Iterator[tuple[str, Any]]:

@@ -46,7 +46,7 @@ from fragflow.errors import ConfigError, SpecChangedError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
-from fragflow.runtime.monitor import scalars_in
+from fragflow.runtime.monitor import non_scalar, scalars_in
 
 IDLE_WAIT = 0.05
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
@@ -687,6 +687,15 @@ class ServiceRunner:
                     value = value[k]
             except (KeyError, IndexError, TypeError):
                 continue   # a metric this call did not return (the learner reports it now and then)
+            bad = non_scalar(value) if item.names else None   # (a part the loop sent to ff.log while traced)
+            if bad is not None:
+                where = "".join(f"[{k!r}]" for k in (*item.keys, *(bad[0].split("/") if bad[0] else ())))
+                raise ConfigError(
+                    f"output {'' if item.index < 0 else f'[{item.index}]'}{where} of fragment '{fragment}', which "
+                    f"the loop logs, has shape {bad[1]}, not a scalar (it was one while the program was traced)",
+                    where=self.checks.get("called_at", {}).get(fragment),
+                    fix="return scalars to log: reduce it first (x.mean(), x.max()) or return its elements under "
+                        "names of their own")
             logged[part] = scalars_in(value)
         return logged
 
