@@ -795,6 +795,45 @@ def test_a_logged_value_that_stops_being_a_scalar_after_the_trace_is_refused(wri
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_learner_output_unpacked_in_the_assignment_runs_and_logs_as_indexed(tmp_path, write_algo, policy):
+    """state, (m, d) = learn(...): a tuple output of known length was refused as 'iterated in the
+    loop' where the learner runs apart, though m[0] and m[1] ran (round 28 K07)."""
+    path, _ = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            obs = batch["obs"]
+            return {"w": state["w"] + 0.01 * obs.mean((0, 1))[:, None]}, (obs.mean(), {"s": obs.sum()})
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(4):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, (m, d) = learn(state, buf.collect())
+                ff.log({"m": m, "d": d})
+    """)
+    program = load(str(path))
+    columns = []
+    for p in ("single_process", policy):
+        ff.run(program.train, policy=p, out=tmp_path / "run")
+        rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+        columns.append([(r["m"], r["d/s"]) for r in rows])
+    assert len(columns[0]) == 4 and all(a and b for a, b in columns[0])
+    assert columns[1] == columns[0]
+
+
 def test_learner_outputs_logged_under_names_of_the_loops_making_reach_the_rows_and_unseen_parts_are_refused(
         write_algo, tmp_path):
     """A learner output logged under a name the loop makes (from the update number) is logged by

@@ -198,16 +198,35 @@ class Pending(_NoLoopUse):
     which of the fragment's calls in this loop made it (-1: unknown).
     """
 
-    __slots__ = ("fragment", "index", "path_keys", "call")
+    __slots__ = ("fragment", "index", "path_keys", "call", "skel")
 
-    def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1) -> None:
+    def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1,
+                 skel: Any = None) -> None:
         self.fragment = fragment
         self.index = index
         self.path_keys = keys
         self.call = call
+        self.skel = skel   # its value as traced, without leaves (see pytree.skeleton_of), where known
 
     def __getitem__(self, key: Any) -> Pending:
-        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call)
+        skel = self.skel
+        try:
+            sub = skel[key] if isinstance(skel, (dict, list, tuple)) else None
+        except (KeyError, IndexError, TypeError):
+            sub = None
+        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub)
+
+    def __iter__(self) -> Any:
+        """A tuple or list of known length (``state, (loss, info) = learn(...)``) unpacks into its
+        parts, each passed on as an output of its own; anything else cannot be iterated here."""
+        if isinstance(self.skel, (list, tuple)):
+            return iter([self[i] for i in range(len(self.skel))])
+        raise _pending_misuse(self, "iterated")
+
+    def __len__(self) -> int:
+        if isinstance(self.skel, (list, tuple)):
+            return len(self.skel)
+        raise _pending_misuse(self, "asked for its length")
 
     def __getattr__(self, name: str) -> Any:   # (a learner's output, not versioned state: td.tolist())
         if name.startswith("__"):
@@ -248,7 +267,7 @@ def _pending_misuse(self: Pending, what: str) -> VersionedStateError:
             "versioned state (or run with --policy single_process)")
 
 
-for _name, _what in (("__bool__", "tested for truth"), ("__iter__", "iterated"), ("__len__", "asked for its length"),
+for _name, _what in (("__bool__", "tested for truth"),
                      ("__array__", "converted to an array"), ("__float__", "converted to a number"),
                      ("__int__", "converted to an int"), ("__index__", "used as an index"),
                      ("__eq__", "compared with =="), ("__ne__", "compared with !="), ("__lt__", "compared with <"),

@@ -90,6 +90,7 @@ class Remote:
     # argument leaves the loop passes at some calls, an output of the service's at others: sent with
     # the call (``("given", ...)``) where the loop passes them
     given: frozenset[str] = frozenset()
+    shape: Any = None                 # the output without its leaves as traced, sync or not (see Pending)
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,7 @@ def lower(placed: PlacedGraph) -> Lowered:
             sync = bool(consumers & in_loop) or (node.role == "actor" and bool(node.outputs) and not consumers)
             keys = tuple(parse_path(path) for path, _ in node.outputs) if sync else ()
             remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys,
-                                  node.out_skeleton if sync else None)
+                                  node.out_skeleton if sync else None, shape=node.out_skeleton)
             if sync:
                 out_axis = {leaf.src_path: leaf for e in graph.edges_of(EdgeKind.DATA) if e.src == name
                             for leaf in e.leaves}
