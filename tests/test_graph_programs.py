@@ -3108,3 +3108,45 @@ def test_a_recurrent_state_with_the_environments_second_is_refused_with_a_fix_th
     one = ff.run(program.train, True, policy="single_process")
     served = ff.run(program.train, True, policy="central_inference(env_workers=2)")
     assert np.array_equal(one.value["w"], served.value["w"])
+
+
+@pytest.mark.parametrize("env_workers", [1, 2])
+def test_a_served_actions_library_is_the_actors_whatever_the_loop_turns_it_into(write_algo, env_workers):
+    """An actor returning a torch tensor that the loop steps with and stores as action.numpy(): its
+    served answer took the buffer edge's numpy, and .numpy() failed in the worker (round 28 K02)."""
+    path, _ = write_algo("""
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return torch.as_tensor(np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1))
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.001 * batch["obs"].mean((0, 1))[:, None]}, {"a": batch["action"].mean()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(8)
+            key = ff.random.keys(0, env.ids)
+            obs = env.reset()
+            for _ in range(3):
+                for _ in range(8):
+                    key, sub = ff.random.split(key)
+                    action = act(state["w"], obs, sub)
+                    assert isinstance(action, torch.Tensor)
+                    next_obs, reward, *_ = env.step(action)
+                    buf.add(obs=obs, action=action.numpy(), reward=reward)
+                    obs = next_obs
+                state, metrics = learn(state, buf.collect())
+                ff.log(metrics)
+            return state
+    """)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process")
+    served = ff.run(program.train, policy=f"central_inference(env_workers={env_workers})")
+    assert same_tree(one.value, served.value) and one.summary["updates"] == served.summary["updates"] == 3
+    assert shm_leftovers() == []

@@ -25,6 +25,7 @@ per producer replica, sized from the traced specs of the leaves that cross.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import os
 import re
@@ -415,8 +416,10 @@ def lower(placed: PlacedGraph) -> Lowered:
                             for leaf in e.leaves}
                 # an output only the loop's own code reads has no edge: its batch axis is the node's
                 batched = {path: (axis, name) for path, name, axis in node.output_axes}
-                outs = [out_axis.get(path) or LeafSpec(path, path, spec, *batched.get(path, (None, None)))
-                        for path, spec in node.outputs]
+                # the output as the fragment returns it (an edge's spec is as its consumer took it: through
+                # .numpy(), a torch action reaches a buffer as numpy), batched as its edges say
+                outs = [dataclasses.replace(out_axis[path], spec=spec) if path in out_axis
+                        else LeafSpec(path, path, spec, *batched.get(path, (None, None))) for path, spec in node.outputs]
                 out_specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in outs)
                 out_axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in outs)
                 for k in range(loop.replicas):
