@@ -119,6 +119,7 @@ def run(
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    claimed: list[Path | None] = [None]   # the default run directory this run made, removed if refused unwritten
     try:
         from fragflow import driver
         from fragflow.placement import registry as policies
@@ -152,6 +153,8 @@ def run(
             raise ConfigError("--address names a Ray cluster, but the backend is local", fix="add --backend ray")
         run_dir = out_dir or (start.run_dir if start is not None else
                               Path("runs") / f"{program.name}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if out_dir is None and start is None:   # a directory of its own, even beside a run started the same second
+            run_dir = claimed[0] = _claim(run_dir)
         blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
         if blocked is not None:   # before tracing: nothing could be written
             from fragflow.errors import ConfigError
@@ -185,12 +188,14 @@ def run(
         finally:
             status.stop()
     except KeyboardInterrupt as exc:
+        _unclaim(claimed[0])
         from fragflow.driver import Terminated
 
         terminated = isinstance(exc, Terminated)
         err.print("terminated" if terminated else "interrupted", style="yellow")
         raise typer.Exit(code=143 if terminated else 130) from None
     except Exception as exc:
+        _unclaim(claimed[0])
         raise _fail(exc, debug) from None
     s = result.summary
     ret = s.get("final_return_mean")
@@ -299,6 +304,30 @@ def list_policies() -> None:
         label = name + (" (default)" if name == default else "")
         sys.stdout.write(f"{label:<{width}}  mirrors {spec.mirrors}: {spec.summary}\n")
         sys.stdout.write(f"{'':<{width}}  options: {spec.signature() or 'none'}\n")
+
+
+def _claim(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``...: the first that this process makes (runs started in the
+    same second, a seed sweep started with ``&``, each get a directory of their own)."""
+    for n in range(1, 1000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError:
+            return candidate   # (one that cannot be made is refused with the reason, see _check_writable)
+    return base
+
+
+def _unclaim(run_dir: Path | None) -> None:
+    """The default run directory of a run refused before it wrote anything: removed."""
+    if run_dir is not None:
+        try:
+            run_dir.rmdir()   # (only if empty)
+        except OSError:
+            pass
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -497,7 +497,8 @@ def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backen
     """The run's summary, written with its plots to the run directory."""
     placed = compiled.placed
     outputs = monitor.outputs
-    summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local")
+    summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local",
+                       compiled.train)
     summary["trace_seconds"] = compiled.seconds
     summary["trace_in_run"] = trace_in_run   # the trace was the run's beginning (in its wall_seconds)
     if checkpoints is not None:
@@ -549,7 +550,22 @@ def _args_record(args: Any) -> dict[str, Any] | None:
         return {f.name: repr(getattr(args, f.name)) for f in dataclasses.fields(args)}
 
 
-def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, backend: str = "local") -> dict[str, Any]:
+def _algorithm_name(train: Any, function: str) -> str:
+    """The algorithm's name: its file's (``a2c`` for ``algorithms/a2c.py``, the stem of a user's file),
+    else its training function's."""
+    module = getattr(train, "__module__", None) or ""
+    for prefix in ("fragflow.algorithms.", "fragflow_user_"):
+        if module.startswith(prefix):
+            return module[len(prefix):]
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        return os.path.splitext(os.path.basename(path))[0] if path else function
+    return module.rsplit(".", 1)[-1] or function
+
+
+def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, backend: str = "local",
+             compiled_train: Any = None) -> dict[str, Any]:
     import gymnasium
     import torch
 
@@ -559,7 +575,7 @@ def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, back
         "policy": placed.policy,
         "policy_options": dict(placed.options),
         "backend": backend,
-        "algorithm": placed.graph.name,
+        "algorithm": _algorithm_name(compiled_train, placed.graph.name),
         "args": config,
         **monitor.summary(),
         "versions": {"fragflow": __version__, "python": sys.version.split()[0], "torch": torch.__version__,

@@ -44,7 +44,8 @@ def builtin_algorithms() -> list[str]:
 
 def load(target: str) -> Program:
     path = Path(target)
-    if path.suffix == ".py" or path.exists():
+    # a folder named like a built-in (a run directory: `--out a2c`) does not hide it
+    if path.suffix == ".py" or path.is_file() or (path.exists() and target not in builtin_algorithms()):
         if not path.is_file():
             raise UnknownFileError(f"no such algorithm file: {target}",
                                    fix=f"give the path of a .py file, or a built-in algorithm: {', '.join(builtin_algorithms())}")
@@ -93,7 +94,15 @@ def args_class(train: Any, module: ModuleType) -> type | None:
     params = list(inspect.signature(train).parameters.values())
     if not params:   # train() makes its own settings: an Args class beside it is not given to it
         return None
-    hints = typing.get_type_hints(train)
+    try:
+        hints = typing.get_type_hints(train)
+    except Exception:  # noqa: BLE001 - an annotation of a name imported only for type checkers
+        hints = {}
+        raw = getattr(train, "__annotations__", {}).get(params[0].name)
+        if isinstance(raw, str):   # (postponed: the parameter's own annotation, if it resolves)
+            hints[params[0].name] = getattr(module, raw, None)
+        elif raw is not None:
+            hints[params[0].name] = raw
     cls = hints.get(params[0].name)
     if isinstance(cls, type) and dataclasses.is_dataclass(cls):
         return cls

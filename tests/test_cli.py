@@ -360,3 +360,66 @@ def test_ctrl_c_in_a_single_process_warm_up_writes_the_runs_summary(tmp_path, wr
     assert proc.returncode == 130
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["env_steps"] > 400 and summary["trace_in_run"]
+
+
+def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path, monkeypatch):
+    """The default run directory is named to the second: a second run started then wrote into the
+    first's, deleting its outputs as a directory used before (round 28 M02)."""
+    import fragflow.cli as cli_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_module.time, "strftime", lambda *a: "20260101-000000")
+    small = ["--policy", "single_process", "--set", "total_timesteps=400", "--quiet"]
+    for _ in range(2):
+        res = invoke("run", str(ROOT / "algorithms" / "a2c.py"), *small)
+        assert res.exit_code == 0, res.output
+    made = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert made == ["a2c-single_process-20260101-000000", "a2c-single_process-20260101-000000-2"]
+    for name in made:
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        assert summary["env_steps"] == 400 and summary["algorithm"] == "a2c"   # (was the function's name, train)
+    res = invoke("run", str(ROOT / "algorithms" / "a2c.py"), "--policy", "actor_learner(actors=3)", "--quiet")
+    assert res.exit_code == 2 and sorted(p.name for p in (tmp_path / "runs").iterdir()) == made   # refused: none left
+
+
+def test_a_folder_named_like_a_built_in_algorithm_does_not_hide_it(tmp_path, monkeypatch):
+    """`fragflow run a2c --out a2c` made a folder a2c, and the same command again took it for an
+    algorithm file: 'no such algorithm file: a2c' (round 28 M05)."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--policy", "single_process", "--set", "total_timesteps=400", "--quiet"]
+    for _ in range(2):
+        res = invoke("run", "a2c", "--out", "a2c", *small)
+        assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "a2c" / "summary.json").read_text())["env_steps"] == 400
+
+
+def test_a_training_function_annotated_with_a_type_checking_import_runs(tmp_path, write_algo):
+    """-> torch.Tensor with torch imported only under TYPE_CHECKING: the CLI failed resolving every
+    annotation of train, with typing's frames and a NameError (round 28 M01)."""
+    path, _ = write_algo('''
+        from __future__ import annotations
+        from dataclasses import dataclass
+        from typing import TYPE_CHECKING
+        import numpy as np
+        import fragflow as ff
+
+        if TYPE_CHECKING:
+            import torch
+
+        @dataclass(frozen=True)
+        class Args:
+            steps: int = 4
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], np.int64)
+
+        def train(args: Args) -> torch.Tensor:
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            obs = env.reset()
+            for _ in range(args.steps):
+                obs, *_ = env.step(act(obs))
+    ''')
+    res = invoke("run", str(path), "--policy", "single_process", "--set", "steps=6", "--out", str(tmp_path / "o"), "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["env_steps"] == 6

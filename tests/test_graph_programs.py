@@ -3150,3 +3150,44 @@ def test_a_served_actions_library_is_the_actors_whatever_the_loop_turns_it_into(
     served = ff.run(program.train, policy=f"central_inference(env_workers={env_workers})")
     assert same_tree(one.value, served.value) and one.summary["updates"] == served.summary["updates"] == 3
     assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"])
+def test_a_loop_stepping_its_own_gymnasium_env_is_refused_where_the_environments_are_split(write_algo, policy):
+    """gymnasium.make_vec in the loop, not ff.envs.make: central_inference gave each worker half the
+    actions for the whole env (gymnasium's zip error), actor_learner blamed a reshaped env axis
+    (round 28 K03)."""
+    path, marks = write_algo("""
+        import gymnasium as gym
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, key):
+            return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+        def train():   # @train
+            env = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            key = ff.random.keys(0, list(range(4)))
+            obs, _ = env.reset(seed=0)
+            for _ in range(3):
+                for _ in range(4):
+                    key, sub = ff.random.split(key)
+                    action = act(state["w"], obs, sub)
+                    obs, *_ = env.step(action)
+                    buf.add(obs=obs, action=action)
+                state, _ = learn(state, buf.collect())
+            return state
+    """)
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(ff.errors.ConfigError, match="the loop steps no environment made with ff.envs.make") as info:
+        ff.run(program.train, policy=policy)
+    assert f"algo.py:{marks['train']}" in str(info.value) and "ff.envs.make(" in info.value.fix
+    assert shm_leftovers() == []

@@ -273,6 +273,16 @@ def _check_env_split(placed: PlacedGraph, loop: Group) -> None:
     if loop.replicas == 1 and not _asked_per(placed):   # (one process asked for 3 of 4 envs is refused too)
         return
     graph = placed.graph
+    if loop.replicas > 1 and not any(graph.node(n).role == "env" and not graph.node(n).evaluation for n in loop.nodes):
+        options = dict(placed.options)
+        unit = "env_workers" if "env_workers" in options else "actors"
+        raise ConfigError(
+            f"policy '{placed.policy}' runs the loop in {loop.replicas} processes, each stepping its share of the "
+            "environments, but the loop steps no environment made with ff.envs.make (one the program makes itself, "
+            "gymnasium.make or make_vec, cannot be split, and its steps and episodes are not counted)",
+            where=graph.defined_at,
+            fix=f"make the environments with ff.envs.make(id_or_class_or_factory, num_envs=..., seed=...), or run "
+                f"with {unit}=1")
     for name in loop.nodes:
         node = graph.node(name)
         if node.role != "env" or node.evaluation or not node.splittable:
