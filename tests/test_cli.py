@@ -423,3 +423,40 @@ def test_a_training_function_annotated_with_a_type_checking_import_runs(tmp_path
     res = invoke("run", str(path), "--policy", "single_process", "--set", "steps=6", "--out", str(tmp_path / "o"), "--quiet")
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["env_steps"] == 6
+
+
+@pytest.mark.parametrize("option, message", [("max_lag=0.5", "option 'max_lag' of policy 'pipelined'"),
+                                             ("overflow=3", "expected one of drop, deliver, block")])
+def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_path, write_algo, option, message):
+    """@ff.distribute("pipelined", max_lag=0.5) failed in shared memory's ftruncate, left a segment
+    behind and wrote a run directory; overflow=3 failed in enum (round 28 M03)."""
+    policy = "pipelined" if "max_lag" in option else "actor_learner"
+    path, _ = write_algo(f'''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {{"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}}, {{}}
+
+        @ff.distribute("{policy}", {option})
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({{"w": np.zeros((4, 2))}})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(2):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+    ''')
+    from tests.test_multiprocess import shm_leftovers
+
+    res = invoke("run", str(path), "--out", str(tmp_path / "o"), "--quiet")
+    assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "o").exists() and shm_leftovers() == []

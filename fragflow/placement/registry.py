@@ -13,6 +13,7 @@ training function, then :func:`default_policy` (``pipelined`` with two or more c
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import pkgutil
@@ -60,7 +61,7 @@ class PolicySpec:
                 problems.append(f"policy '{self.name}' has no option '{key}' ({did_you_mean(key, fields) if fields else 'it takes none'})")
                 continue
             try:
-                kwargs[key] = coerce(raw, fields[key])
+                kwargs[key] = _given(raw, fields[key])
             except ValueError as exc:
                 problems.append(f"option '{key}' of policy '{self.name}': {exc}")
                 continue
@@ -73,6 +74,16 @@ class PolicySpec:
             takes = f"{self.name}({self.signature()})" if self.signature() else f"'{self.name}' (it takes no options)"
             raise ConfigError("; ".join(problems), fix=f"write {takes}, changing what you need (`fragflow policies` lists every policy's)")
         return self.options(**kwargs)
+
+
+def _given(raw: Any, annotation: Any) -> Any:
+    """An option's value as a ``--policy`` string or the decorator gave it (``max_lag=0.5`` is
+    checked as ``"0.5"`` is: not an integer)."""
+    if isinstance(raw, str):
+        return coerce(raw, annotation)
+    if isinstance(annotation, type) and isinstance(raw, annotation) and (annotation is bool or not isinstance(raw, bool)):
+        return raw
+    return coerce(str(raw.value if isinstance(raw, enum.Enum) else raw), annotation)
 
 
 def available() -> dict[str, PolicySpec]:

@@ -43,7 +43,14 @@ class Segment:
     @staticmethod
     def create(nbytes: int) -> Segment:
         name = f"{PREFIX}{os.getpid()}_{next(_counter)}"
-        return Segment(shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1)), owner=True)
+        try:
+            return Segment(shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1)), owner=True)
+        except BaseException:   # made but not sized (a size that is not an integer): not left behind
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+            raise
 
     @staticmethod
     def attach(name: str) -> Segment:
