@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from fragflow.errors import FragflowError
+from fragflow.runtime.signals import Terminated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile and run reinforcement-learning training loops as fragmented dataflow graphs.")
@@ -189,8 +190,6 @@ def run(
             status.stop()
     except KeyboardInterrupt as exc:
         _unclaim(claimed[0])
-        from fragflow.driver import Terminated
-
         terminated = isinstance(exc, Terminated)
         err.print("terminated" if terminated else "interrupted", style="yellow")
         raise typer.Exit(code=143 if terminated else 130) from None

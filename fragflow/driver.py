@@ -38,27 +38,9 @@ from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
+from fragflow.runtime.signals import Terminated, shielded
+from fragflow.runtime.signals import handling as _handling
 from fragflow.source import definition_of
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived during a run: handled like Ctrl-C (stop, clean up, write the summary)."""
-
-
-@contextmanager
-def _handling(handlers: dict[int, Any]) -> Iterator[None]:
-    """These signal handlers for the block, the previous ones after (in the main thread only: signals
-    are left alone elsewhere)."""
-    try:
-        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-    except ValueError:   # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -71,7 +53,7 @@ def _sigterm_as_interrupt() -> Any:
 def _shielded() -> Any:
     """SIGINT and SIGTERM ignored while a run's outputs are closed and its summary written: the run
     is over either way, and its outputs are whole."""
-    return _handling({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
+    return shielded()
 
 
 @contextmanager

@@ -1718,3 +1718,79 @@ def test_a_jax_key_the_loop_carries_is_saved_and_resumed(tmp_path, write_algo, p
     first = min((c for c in (out / "checkpoints").iterdir() if int(c.name) < 16), key=lambda c: int(c.name))
     resumed = ff.run(program.train, program.args_cls(), policy=policy, resume=first)   # (pipelined: an update or more after 4)
     assert np.array_equal(np.asarray(whole.value["w"]), np.asarray(resumed.value["w"]))
+
+
+INTERRUPTED = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+def train(updates=5):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_ctrl_c_while_the_channels_are_made_stops_the_run_and_leaves_no_segment(write_algo, monkeypatch):
+    """A Ctrl-C landing while shared memory was being made left a segment that nothing recorded, for
+    good (round 28 L03): it is now held until the channels are made, then stops the run."""
+    from multiprocessing import resource_tracker
+
+    path, _ = write_algo(INTERRUPTED)
+    program = load(str(path))
+    real, count = resource_tracker.register, [0]
+
+    def register(name: str, rtype: str) -> Any:
+        if rtype == "shared_memory" and "fragflow_" in name:
+            count[0] += 1
+            if count[0] == 2:
+                signal.raise_signal(signal.SIGINT)   # the Ctrl-C lands here
+        return real(name, rtype)
+
+    monkeypatch.setattr(resource_tracker, "register", register)
+    with pytest.raises(KeyboardInterrupt):
+        ff.run(program.train, policy="pipelined(max_lag=0)")
+    assert count[0] >= 2 and mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_two_ctrl_c_in_quick_succession_leave_no_segment(write_algo):
+    """A second SIGINT (a signal sent to the process and to its group) broke out of the shutdown's
+    joins, and the channels' segments were never unlinked (round 28 L02)."""
+    path, _ = write_algo(INTERRUPTED)
+    program = load(str(path))
+
+    def twice() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    for delay in (0.3, 0.6):
+        timer = threading.Timer(delay, twice)
+        got = []
+        timer.start()
+        try:
+            try:
+                ff.run(program.train, 10 ** 6, policy="pipelined(max_lag=0)")
+                got.append("completed")
+            except KeyboardInterrupt:
+                got.append("interrupted")
+            timer.join()
+        except KeyboardInterrupt:   # (the second signal, after the first had ended the run)
+            timer.join()
+        assert got == ["interrupted"]
+        assert mp.active_children() == [] and shm_leftovers() == []

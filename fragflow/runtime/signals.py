@@ -1,0 +1,46 @@
+"""Ctrl-C and SIGTERM around the driver's steps that must not be cut in half."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a run: handled like Ctrl-C (stop, clean up, write the summary)."""
+
+
+@contextmanager
+def handling(handlers: dict[int, Any]) -> Iterator[None]:
+    """These signal handlers for the block, the previous ones after (in the main thread only: signals
+    are left alone elsewhere)."""
+    try:
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    except ValueError:   # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def shielded() -> Any:
+    """SIGINT and SIGTERM ignored for the block: the run is stopping either way (its processes being
+    joined, its outputs closed), and a second signal must not leave that half done."""
+    return handling({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held until the block ends, then delivered: shared memory made but not yet
+    recorded for release, or a process being forked (whose fork handlers drop the exception a signal
+    raises there, so the run went on), are never cut in half, and the signal still stops the run."""
+    got: list[int] = []
+    with handling({signal.SIGINT: lambda s, f: got.append(s), signal.SIGTERM: lambda s, f: got.append(s)}):
+        yield
+    if got:
+        signal.raise_signal(got[0])
