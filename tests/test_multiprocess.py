@@ -1794,3 +1794,30 @@ def test_two_ctrl_c_in_quick_succession_leave_no_segment(write_algo):
             timer.join()
         assert got == ["interrupted"]
         assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_run_stopped_while_it_commits_a_checkpoint_leaves_no_half_written_one(write_algo, tmp_path, monkeypatch):
+    """Stopped as the driver committed a checkpoint, a run left its staged parts in a hidden folder
+    for good; one left by a process that is gone is removed when a run checkpoints there (round 28 L05)."""
+    from fragflow.runtime import checkpoint
+
+    path, _ = write_algo(INTERRUPTED)
+    program = load(str(path))
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (root / f".tmp-req1-{gone.pid}").mkdir()   # a dead run's staged parts
+    real, calls = checkpoint.finish, [0]
+
+    def finish(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt   # Ctrl-C lands as the driver commits
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "finish", finish)
+    with pytest.raises(KeyboardInterrupt):
+        ff.run(program.train, 60, policy="pipelined(max_lag=0)", out=tmp_path / "run", checkpoint_every=1)
+    assert calls[0] == 3 and [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+    assert mp.active_children() == [] and shm_leftovers() == []

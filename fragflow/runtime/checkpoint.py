@@ -382,6 +382,23 @@ def resumed(saving: dict[str, Any]) -> Checkpoint | None:
     return find(ckpt)
 
 
+def _prune_stale(root: Path) -> None:
+    """Checkpoints half written by a process that is gone (stopped while it wrote or committed one):
+    removed as a run starts checkpointing in the directory."""
+    if not root.is_dir():
+        return
+    for d in root.iterdir():
+        m = re.fullmatch(r"\.(?:tmp|old)-.*-(\d+)", d.name)
+        if m is None or not d.is_dir() or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)   # (its writer still runs: another run in the same directory)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def staging_dir(root: Path, seq: int, pid: int) -> Path:
     """Where the processes of the run whose driver is ``pid`` write the parts of checkpoint ``seq``."""
     return Path(root) / f".tmp-req{seq}-{pid}"
@@ -508,6 +525,8 @@ class RunCheckpoints:
         self.requested = False                 # one was asked for out of schedule (Ctrl-C)
         self.seq = 0
         self.staged: tuple[int, Path, set[str], dict[str, Any], dict[str, Any]] | None = None
+        if every is not None:
+            _prune_stale(self.root)
 
     @property
     def enabled(self) -> bool:
@@ -569,7 +588,6 @@ class RunCheckpoints:
         updates of the run this one resumed."""
         assert self.staged is not None
         seq, tmp, _, parts, infos = self.staged
-        self.staged = None
         positions = {k: infos[k] for k in sorted(infos) if k.startswith("loop")}
         counters = dict(counters)
         versions = {info["version"] for k, info in infos.items() if k.startswith("states.") and "version" in info}
@@ -579,6 +597,7 @@ class RunCheckpoints:
             counters["env_steps"] = base[0] + sum(int(p["steps"]) for p in positions.values())
         path = finish(self.root, tmp, str(counters["updates"]), self.manifest(counters, {"replicas": replicas, "positions": positions}, False),
                       parts, self.keep)
+        self.staged = None   # (not before: a run stopped while it is committed removes the staged parts)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
         self.written.append(path)
