@@ -1821,3 +1821,27 @@ def test_a_run_stopped_while_it_commits_a_checkpoint_leaves_no_half_written_one(
         ff.run(program.train, 60, policy="pipelined(max_lag=0)", out=tmp_path / "run", checkpoint_every=1)
     assert calls[0] == 3 and [p.name for p in root.iterdir() if p.name.startswith(".")] == []
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_a_ctrl_c_while_a_row_is_written_writes_it_once(write_algo, tmp_path, monkeypatch, policy):
+    """An interrupt between a row's CSV line and its TensorBoard scalars left the row pending, and the
+    run's close wrote it again (round 28 L06)."""
+    from fragflow.runtime import outputs
+
+    path, _ = write_algo(INTERRUPTED)
+    program = load(str(path))
+    real, written = outputs.RunOutputs.write_row, [0]
+
+    def write_row(self: Any, row: dict[str, float]) -> None:
+        real(self, row)
+        written[0] += 1
+        if written[0] == 5:
+            raise KeyboardInterrupt   # Ctrl-C lands as the row's TensorBoard scalars are written
+
+    monkeypatch.setattr(outputs.RunOutputs, "write_row", write_row)
+    with pytest.raises(KeyboardInterrupt):
+        ff.run(program.train, 60, policy=policy, out=tmp_path / "run")
+    updates = [r["updates"] for r in csv.DictReader((tmp_path / "run" / "metrics.csv").open())]
+    assert len(updates) >= 5 and len(set(updates)) == len(updates)
+    assert mp.active_children() == [] and shm_leftovers() == []

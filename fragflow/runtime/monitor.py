@@ -320,9 +320,10 @@ class Monitor:
         # steps and lost its values; the bound only guards memory against marks that never come
         while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > MAX_WAITING_ROWS):
             self._write_loop_rows(int(self._waiting[0]["updates"]) - self.base_updates)
+            row = self._waiting.pop(0)   # (taken first: a Ctrl-C in the write cannot write it twice)
             if self.outputs is not None:
-                self.outputs.write_row(self._waiting[0])
-            written = int(self._waiting.pop(0)["updates"]) - self.base_updates
+                self.outputs.write_row(row)
+            written = int(row["updates"]) - self.base_updates
             for replica, marks in self._marks.items():   # rows after it need marks from its next update on
                 for u in [u for u in marks if u < self._first_mark.get(replica, 1) + written]:
                     del marks[u]
@@ -492,9 +493,11 @@ class Monitor:
     def _flush(self) -> None:
         if self._pending is not None and self.marked_replicas:
             self._waiting.append(self._pending)
+            self._pending = None
             self._drain()
         elif self._pending is not None and self.outputs is not None:
-            self.outputs.write_row(self._pending)
+            row, self._pending = self._pending, None   # (taken first: a Ctrl-C in the write cannot write it twice)
+            self.outputs.write_row(row)
         self._pending = None
 
     def _refresh(self, now: float) -> None:
