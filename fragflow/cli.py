@@ -272,7 +272,10 @@ def graph(
 
             raise ConfigError(f"cannot write an image to {target}", fix="give a path ending in .png or .svg")
         with err.status(f"tracing {program.name} ...", spinner="dots") as status:
-            placed = driver.compile(program.train, args, policy=policy, on_trace=_tracing(program.name, status)).placed
+            # the graph alone is placed in one process, which refuses nothing that runs eagerly: another
+            # policy's refusal is for `--policy` (or the run) to give
+            placed = driver.compile(program.train, args, policy=policy or "single_process",
+                                    on_trace=_tracing(program.name, status)).placed
         text = format_placed(placed) if policy else format_graph(placed.graph)
         if target is not None and not no_image:
             from fragflow.compiler.draw import draw

@@ -460,3 +460,37 @@ def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_pat
     res = invoke("run", str(path), "--out", str(tmp_path / "o"), "--quiet")
     assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
     assert not (tmp_path / "o").exists() and shm_leftovers() == []
+
+
+def test_graph_without_a_policy_prints_the_graph_of_a_program_only_one_process_places(tmp_path, write_algo):
+    """`fragflow graph` placed the program with the default policy before printing its graph, which
+    no placement changes: a loop reading the learner's state was refused there (round 28 M04)."""
+    path, _ = write_algo('''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(2):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+                ff.log({"wsum": float(state["w"].sum())})
+    ''')
+    res = invoke("graph", str(path))
+    assert res.exit_code == 0, res.output
+    assert "learn" in res.stdout and "act" in res.stdout
+    res = invoke("graph", str(path), "--policy", "pipelined")
+    assert res.exit_code == 2 and "pipelined" in res.stderr   # where a placement is asked for, it refuses
