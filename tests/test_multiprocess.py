@@ -1845,3 +1845,18 @@ def test_a_ctrl_c_while_a_row_is_written_writes_it_once(write_algo, tmp_path, mo
     updates = [r["updates"] for r in csv.DictReader((tmp_path / "run" / "metrics.csv").open())]
     assert len(updates) >= 5 and len(set(updates)) == len(updates)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("value, message", [("np.ones(3)", "with shape \\(3,\\), not a scalar"),
+                                            ("'abc'", "of type str, not a number")])
+def test_a_value_the_loop_logs_first_after_the_trace_is_refused_at_its_line(write_algo, value, message):
+    """ff.log({"hist": np.ones(3)}) first called at update 4 failed in the monitor with numpy's
+    reshape error, shown as the user's own (round 28 M06)."""
+    path, marks = write_algo(INTERRUPTED.replace("    for _ in range(updates):\n", "    for u in range(updates):\n").replace(
+        "        state, _ = learn(state, buf.collect())\n",
+        "        state, _ = learn(state, buf.collect())\n"
+        f"        if u == 4:\n            ff.log({{'hist': {value}}})   # @log\n"))
+    program = load(str(path))
+    with pytest.raises(ff.errors.ConfigError, match=f"ff.log got 'hist' {message}") as info:
+        ff.run(program.train, 6, policy="single_process")
+    assert f"algo.py:{marks['log']}" in str(info.value)

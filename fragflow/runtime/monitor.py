@@ -26,13 +26,19 @@ def flat_scalars(tree: Any) -> dict[str, float]:
     since) is refused at the ``ff.log`` line."""
     out = {}
     for name, leaf in _named_leaves(tree, ""):
+        if isinstance(leaf, (str, bytes)):
+            from fragflow.errors import ConfigError
+            from fragflow.source import user_callsite
+
+            raise ConfigError(f"ff.log got {name or 'its value'!r} of type {type(leaf).__name__}, not a number",
+                              where=user_callsite(), fix="log numbers or 0-d arrays, e.g. ff.log({'loss': loss})")
         size = _size(leaf)
         if size != 1:
             from fragflow.errors import ConfigError
             from fragflow.source import user_callsite
 
             raise ConfigError(f"ff.log got {name or 'its value'!r} with shape {tuple(np.shape(to_numpy(leaf)))}, "
-                              "not a scalar (it was one while the program was traced)", where=user_callsite(),
+                              "not a scalar", where=user_callsite(),
                               fix="log scalars: reduce it first (x.mean(), x.max()) or log its elements under "
                                   "names of their own")
         out[name or "value"] = _number(leaf)
