@@ -17,6 +17,7 @@ user's ``file:line``. Where the run is one process, it takes the loop over where
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import random as _pyrandom
@@ -78,7 +79,7 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
-from fragflow.source import SourceLoc, definition_of, user_callsite
+from fragflow.source import SourceLoc, definition_of, display_path, user_callsite
 
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
 # training function's module defines has been called once: a target-network sync every 500 steps
@@ -968,6 +969,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     tracer.loop_file = watcher.file
     tracer.loop_ranges = [(line, last) for line, (_, last, _) in watcher.loops.items()]
     defined_at = definition_of(train)
+    own_envs: list[SourceLoc] = []   # environments the program makes itself, not with ff.envs.make
 
     def finish() -> tuple[Graph, dict[str, Fragment]]:
         if not tracer._nodes:
@@ -982,6 +984,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
                                     star_state=tracer.star_state, changed_arg=tracer.changed_arg,
+                                    own_env=own_envs[0] if own_envs else None,
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments
@@ -1009,6 +1012,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     threads_set = tracer.threads_set = _ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
+    unwatch_envs = _watch_env_makers(own_envs)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
@@ -1032,6 +1036,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             except BaseException as exc:
                 tracer.failed = exc
     finally:
+        unwatch_envs()
         torch.set_num_threads = threads_set.original
         for scope, name in imported:
             if scope.get(name) is threads_set:
@@ -1045,6 +1050,43 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     if tracer.traced is not None:
         return tracer.traced
     return finish()
+
+
+def _watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
+    """Note in ``into`` where the user's code calls ``gymnasium.make`` or ``make_vec`` itself (not
+    through ff.envs.make): an environment fragflow cannot split or count. Returns the undo."""
+    import gymnasium
+
+    saved = {name: getattr(gymnasium, name) for name in ("make", "make_vec") if hasattr(gymnasium, name)}
+
+    def watched(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def make(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            if not into and users_code(caller.f_code.co_filename) and not _within_env_make(caller):
+                into.append(SourceLoc(display_path(caller.f_code.co_filename), caller.f_lineno))
+            return original(*args, **kwargs)
+        return make
+
+    for name, original in saved.items():
+        setattr(gymnasium, name, watched(original))
+
+    def undo() -> None:
+        for name, original in saved.items():
+            setattr(gymnasium, name, original)
+    return undo
+
+
+def _within_env_make(frame: Any) -> bool:
+    """Whether ``frame`` runs inside ff.envs.make (a factory the user gave it, making its env)."""
+    from fragflow.api import envs
+
+    here = envs.__file__
+    while frame is not None:
+        if frame.f_code.co_filename == here:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _rng_state() -> tuple[Any, ...]:

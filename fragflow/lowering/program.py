@@ -273,14 +273,14 @@ def _check_env_split(placed: PlacedGraph, loop: Group) -> None:
     if loop.replicas == 1 and not _asked_per(placed):   # (one process asked for 3 of 4 envs is refused too)
         return
     graph = placed.graph
-    if loop.replicas > 1 and not any(graph.node(n).role == "env" and not graph.node(n).evaluation for n in loop.nodes):
+    if loop.replicas > 1 and graph.own_env is not None:
         options = dict(placed.options)
         unit = "env_workers" if "env_workers" in options else "actors"
         raise ConfigError(
             f"policy '{placed.policy}' runs the loop in {loop.replicas} processes, each stepping its share of the "
-            "environments, but the loop steps no environment made with ff.envs.make (one the program makes itself, "
-            "gymnasium.make or make_vec, cannot be split, and its steps and episodes are not counted)",
-            where=graph.defined_at,
+            "environments, but the program makes its environment itself (gymnasium.make or make_vec, not "
+            "ff.envs.make): fragflow cannot split it, nor count its steps and episodes",
+            where=graph.own_env,
             fix=f"make the environments with ff.envs.make(id_or_class_or_factory, num_envs=..., seed=...), or run "
                 f"with {unit}=1")
     for name in loop.nodes:
