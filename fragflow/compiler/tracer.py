@@ -1053,8 +1053,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
 
 
 def _watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
-    """Note in ``into`` where the user's code calls ``gymnasium.make`` or ``make_vec`` itself (not
-    through ff.envs.make): an environment fragflow cannot split or count. Returns the undo."""
+    """Note in ``into`` where the user's code made an environment it then steps, with
+    ``gymnasium.make`` or ``make_vec`` itself (not through ff.envs.make): one fragflow cannot split
+    or count. Returns the undo."""
     import gymnasium
 
     saved = {name: getattr(gymnasium, name) for name in ("make", "make_vec") if hasattr(gymnasium, name)}
@@ -1063,9 +1064,20 @@ def _watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
         @functools.wraps(original)
         def make(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1)
-            if not into and users_code(caller.f_code.co_filename) and not _within_env_make(caller):
-                into.append(SourceLoc(display_path(caller.f_code.co_filename), caller.f_lineno))
-            return original(*args, **kwargs)
+            env = original(*args, **kwargs)
+            if users_code(caller.f_code.co_filename) and not _within_env_make(caller):
+                made_at = SourceLoc(display_path(caller.f_code.co_filename), caller.f_lineno)
+                step = env.step
+
+                def stepped(*a: Any, **k: Any) -> Any:   # (one made only to look at its spaces is not noted)
+                    if not into:
+                        into.append(made_at)
+                    return step(*a, **k)
+                try:
+                    env.step = stepped
+                except AttributeError:
+                    pass
+            return env
         return make
 
     for name, original in saved.items():
