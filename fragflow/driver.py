@@ -50,12 +50,6 @@ def _sigterm_as_interrupt() -> Any:
     return _handling({signal.SIGTERM: handler})
 
 
-def _shielded() -> Any:
-    """SIGINT and SIGTERM ignored while a run's outputs are closed and its summary written: the run
-    is over either way, and its outputs are whole."""
-    return shielded()
-
-
 @contextmanager
 def _checkpoint_on_interrupt(checkpoints: RunCheckpoints | None) -> Iterator[None]:
     """With checkpointing on, the first Ctrl-C writes a checkpoint at the loop's next trip and then
@@ -415,7 +409,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         status = "interrupted"
         raise
     finally:
-        with _shielded():   # a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
+        with shielded():   # (outputs closed, summary written) a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
             if handover is not None and handover.finished:
                 handover.tracer.taken_by.close()
             monitor.close()

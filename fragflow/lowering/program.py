@@ -83,7 +83,9 @@ class Remote:
     primary: bool                     # its calls are the service's updates (the version clock)
     sync: bool = False                # the loop uses its outputs: it waits for the reply
     outputs: tuple[tuple[Any, ...], ...] = ()   # keys of each output leaf (sync calls), to rebuild them
-    skeleton: Any = None              # ... and the output without its leaves (None, {} kept), where known
+    # the output without its leaves as traced (None, {} kept), where known: a sync call's answer is
+    # rebuilt in it, and the loop unpacks another's tuple output by it (see Pending)
+    skeleton: Any = None
     # (leaf, axis, rows per replica) of the leaves the loop made, batched by their size beside the
     # environments: a replica holding the whole (a constant of that size, the same in every
     # replica: a mask over as many actions) sends its rows
@@ -91,7 +93,6 @@ class Remote:
     # argument leaves the loop passes at some calls, an output of the service's at others: sent with
     # the call (``("given", ...)``) where the loop passes them
     given: frozenset[str] = frozenset()
-    shape: Any = None                 # the output without its leaves as traced, sync or not (see Pending)
 
 
 @dataclass(frozen=True)
@@ -419,8 +420,7 @@ def lower(placed: PlacedGraph) -> Lowered:
             consumers = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src == name}
             sync = bool(consumers & in_loop) or (node.role == "actor" and bool(node.outputs) and not consumers)
             keys = tuple(parse_path(path) for path, _ in node.outputs) if sync else ()
-            remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys,
-                                  node.out_skeleton if sync else None, shape=node.out_skeleton)
+            remote[name] = Remote(name, group.name, writes, node.arity, name == clock, sync, keys, node.out_skeleton)
             if sync:
                 out_axis = {leaf.src_path: leaf for e in graph.edges_of(EdgeKind.DATA) if e.src == name
                             for leaf in e.leaves}

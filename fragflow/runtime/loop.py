@@ -402,7 +402,7 @@ class LoopInterpreter:
             self.reporter.mark(self.update)
         if route.sync:
             return self._reply(name, route)
-        shape = route.shape if isinstance(route.shape, tuple) and len(route.shape) == route.arity else None
+        shape = route.skeleton if isinstance(route.skeleton, tuple) and len(route.skeleton) == route.arity else None
         rest = [Pending(name, i, call=call, skel=None if shape is None else shape[i])
                 for i in range(1 if route.writes else 0, route.arity)]
         if handle is not None:
@@ -410,7 +410,7 @@ class LoopInterpreter:
                             handle.created_at)
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
-        return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.shape)
+        return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton)
 
     def _reply(self, name: str, route: Any) -> Any:
         """Wait for the answer to a request (an inference call served by another group): its

@@ -22,23 +22,17 @@ RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes r
 
 def flat_scalars(tree: Any) -> dict[str, float]:
     """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}`` (a lone
-    scalar is ``"value"``). A leaf of more than one number (a value the trace saw as a scalar, grown
-    since) is refused at the ``ff.log`` line."""
+    scalar is ``"value"``). A leaf that is not one number (a value first logged after the trace, or
+    grown since) is refused at the ``ff.log`` line."""
     out = {}
     for name, leaf in _named_leaves(tree, ""):
-        if isinstance(leaf, (str, bytes)):
+        what = (f"of type {type(leaf).__name__}, not a number" if isinstance(leaf, (str, bytes))
+                else f"with shape {tuple(np.shape(to_numpy(leaf)))}, not a scalar" if _size(leaf) != 1 else None)
+        if what is not None:
             from fragflow.errors import ConfigError
             from fragflow.source import user_callsite
 
-            raise ConfigError(f"ff.log got {name or 'its value'!r} of type {type(leaf).__name__}, not a number",
-                              where=user_callsite(), fix="log numbers or 0-d arrays, e.g. ff.log({'loss': loss})")
-        size = _size(leaf)
-        if size != 1:
-            from fragflow.errors import ConfigError
-            from fragflow.source import user_callsite
-
-            raise ConfigError(f"ff.log got {name or 'its value'!r} with shape {tuple(np.shape(to_numpy(leaf)))}, "
-                              "not a scalar", where=user_callsite(),
+            raise ConfigError(f"ff.log got {name or 'its value'!r} {what}", where=user_callsite(),
                               fix="log scalars: reduce it first (x.mean(), x.max()) or log its elements under "
                                   "names of their own")
         out[name or "value"] = _number(leaf)

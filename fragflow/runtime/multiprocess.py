@@ -68,6 +68,12 @@ def _no_main_reimport() -> Iterator[None]:
             setattr(main, k, v)
 
 
+def _at(scalars: dict[str, float], rest: str, name: str) -> dict[str, float]:
+    """The scalars at ``rest`` in a part, by the names they are logged under as ``name``."""
+    return {logged_name(name, path[len(rest):].lstrip("/")): value for path, value in scalars.items()
+            if not rest or path == rest or path.startswith(rest + "/")}
+
+
 def _by_position(names: Any, rest: str) -> str:
     """``rest`` with each index that names nothing at its level of ``names`` taken as a position among
     the names there: the loop indexes a namedtuple output (``metrics[0]``), whose part is reported by
@@ -158,6 +164,7 @@ class Driver:
     def _saving(self) -> dict[str, Any]:
         """What every worker is told besides its program: checkpoints, restarts, the learners' rendezvous."""
         ck = self.checkpoints
+        here = getattr(self.backend, "shares_files", True)   # workers on this machine (not Ray's, elsewhere)
         world = max((s.world for s in self.lowered.services), default=1)
         rendezvous = None
         if world > 1:
@@ -169,7 +176,7 @@ class Driver:
                 # workers get the checkpoint's parts, read here: they may run where its files are not
                 "resume": ck.resume if ck is not None else None,   # its parts read (see driver.run)
                 # parts go through the report queue where workers may not share this machine's files
-                "ship": not getattr(self.backend, "shares_files", True),
+                "ship": not here,
                 "snapshots": self.lowered.loop.restartable is None and self.max_restarts > 0,
                 # loop replicas whose calls a service takes round them in order save at one trip (see
                 # worker._loop_saving); others each at their next one, nearest the learner's save
@@ -177,9 +184,9 @@ class Driver:
                 "rendezvous": rendezvous,
                 # the environment as it is now, as a forked or spawned worker would have it: a fork server
                 # started earlier holds its start's; on other machines (Ray), only fragflow's settings
-                "environ": (dict(os.environ) if getattr(self.backend, "shares_files", True)
+                "environ": (dict(os.environ) if here
                             else {k: v for k, v in os.environ.items() if k.startswith("FRAGFLOW_")}),
-                "environ_whole": getattr(self.backend, "shares_files", True)}
+                "environ_whole": here}
 
     def _restart(self, k: int, how: str) -> None:
         """Start loop replica ``k`` again in a new process: from where it last said it stood, with the
@@ -292,13 +299,9 @@ class Driver:
                       steps: int | None = None, new_row: bool = False) -> None:
         """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
         update in progress, a later call's replacing an earlier one's)."""
-        chosen = {}
-        for at in (rest, _by_position(scalars, rest)) if rest else (rest,):
-            for path, value in scalars.items():
-                if not at or path == at or path.startswith(at + "/"):
-                    chosen[logged_name(name, path[len(at):].lstrip("/"))] = value
-            if chosen:
-                break
+        chosen = _at(scalars, rest, name)
+        if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
+            chosen = _at(scalars, _by_position(scalars, rest), name)
         if chosen and update is None:
             self.monitor.log_latest(chosen)
         elif chosen:
