@@ -58,8 +58,8 @@ def start_method() -> str:
 
 
 # What every worker imports: started from a fork server, a worker forks from a process that imported
-# them once, instead of importing them itself (torch alone takes a second or more). Not JAX: its threads
-# are why the fork server is there.
+# them once, instead of importing them itself (a pipelined run's start went from 9.7 s to 5.2 s; forked,
+# 3.8 s). Not JAX: its threads are why the fork server is there.
 _PRELOAD = ("numpy", "torch", "gymnasium", "cloudpickle", "fragflow.runtime.worker", "fragflow.runtime.service",
             "fragflow.runtime.loop", "fragflow.backends.local")
 
