@@ -7,7 +7,10 @@ learned from exactly once, so learner samples/s is env steps over the run's wall
 trace); the busy share says how much of the wall time learner 0 spent in its update. Fresh process
 per run, runs alternate; the median over repetitions, K=2 / K=1.
 
-    python benchmarks/multi_learner.py [--steps 65536] [--reps 3] [--learners 1 2]
+    python benchmarks/multi_learner.py [--steps 65536] [--reps 3] [--learners 1 2] [--out multi_learner]
+
+On a machine with more cores, ``--learners 1 2 4 8`` measures how far the learners scale (each
+learner and its actor is a process: K=8 uses 16).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=65_536)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--learners", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--out", default="multi_learner", help="results file name (another keeps the recorded run's)")
     a = p.parse_args(argv)
     env = {"FRAGFLOW_THREADS": "1"}
     runs: dict[int, list[dict]] = {k: [] for k in a.learners}
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": "python benchmarks/multi_learner.py " + " ".join(argv or sys.argv[1:]), "steps": a.steps,
               "reps": a.reps, "rows": rows, "runs": {str(k): v for k, v in runs.items()}, "cpus": os.cpu_count(),
               "device": "cpu"}
-    save("multi_learner", result)
+    save(a.out, result)
     return result
 
 
