@@ -31,8 +31,14 @@ def test_workers_start_from_a_fork_server_once_cuda_is_in_use(monkeypatch):
     monkeypatch.delenv("FRAGFLOW_START_METHOD", raising=False)
     monkeypatch.delitem(sys.modules, "jax", raising=False)   # (an earlier test's program imported it)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)   # a forked child could not use CUDA again
+    assert start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    # a CPU program on a machine with a GPU: the trace's backward pass started autograd's GPU threads,
+    # and a forked worker refused its own backward pass ("autograd's threading ... fork")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert start_method() == "forkserver"
     monkeypatch.setenv("FRAGFLOW_START_METHOD", "spawn")
     assert start_method() == "spawn"
@@ -157,3 +163,14 @@ def test_ppo_atari_learns_on_the_gpu(policy):
     model = r.value["model"]
     assert next(model.parameters()).is_cuda and r.summary["env_steps"] == 2_048
     assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+@needs_gpu
+@pytest.mark.parametrize("policy", ["pipelined", "multi_learner(learners=2, actors=1)"])
+def test_a_program_all_on_the_cpu_runs_on_a_machine_with_a_gpu(policy):
+    # the trace's backward pass in the driver starts autograd's GPU threads even here: workers forked
+    # from it refused their own backward pass
+    from fragflow.algorithms import ppo
+
+    r = ff.run(ppo.train, ppo.Args(total_timesteps=2_048, num_envs=4, num_steps=128, seed=1), policy=policy)
+    assert r.summary["env_steps"] == 2_048 and r.summary["updates"] == 4

@@ -38,9 +38,12 @@ def start_method() -> str:
 
     Fork starts a worker in milliseconds with the driver's modules already imported; spawn starts a
     fresh interpreter (about a second per worker, to import torch) and is the only choice on
-    macOS and Windows. A process that imported JAX (multithreaded), or that has used CUDA (a
-    program whose state is on a GPU: a forked child cannot initialise CUDA again), starts its
-    workers from a fork server instead.
+    macOS and Windows. A process that imported JAX (multithreaded), that has used CUDA (a
+    program whose state is on a GPU: a forked child cannot initialise CUDA again), or that runs on
+    a machine with a GPU at all, starts its workers from a fork server instead: there torch's
+    autograd engine starts a thread per GPU at the first backward pass (the trace's, in the
+    driver), even for a program all on the CPU, and a forked child of that process refuses to run
+    a backward pass of its own.
     """
     method = os.environ.get("FRAGFLOW_START_METHOD", "")
     if method:
@@ -53,6 +56,8 @@ def start_method() -> str:
     if "jax" in sys.modules:   # JAX runs threads of its own: a forked child of a JAX process may deadlock
         return "forkserver"
     if _cuda_initialized():   # a forked child cannot use CUDA once its parent has (the program's state is on a GPU)
+        return "forkserver"
+    if _gpu_present():   # autograd's threads: see above
         return "forkserver"
     return "fork"
 
@@ -76,6 +81,12 @@ def context(method: str) -> Any:
 def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def _gpu_present() -> bool:
+    """Whether torch sees a GPU (asked through NVML, which leaves the process free to fork)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.device_count() > 0
 
 
 class Reports:
