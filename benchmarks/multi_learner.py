@@ -25,7 +25,7 @@ CODE = """
 import json, torch
 import fragflow as ff
 from fragflow.algorithms import ppo
-args = ppo.Args(total_timesteps={steps}, num_envs=16, num_steps=128, hidden=256, update_epochs=10, seed=1)
+args = ppo.Args(total_timesteps={steps}, num_envs=16, num_steps=128, hidden={hidden}, update_epochs=10, seed=1)
 r = ff.run(ppo.train, args, policy="multi_learner(learners={k}, actors=1)")
 ch = r.summary["channels"]["trajectory"]
 print(json.dumps({{"sps": r.summary["steps_per_second"], "wall": r.summary["wall_seconds"],
@@ -38,23 +38,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=65_536)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--learners", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--hidden", type=int, default=256, help="width of the networks (a heavier update per sample)")
     p.add_argument("--out", default="multi_learner", help="results file name (another keeps the recorded run's)")
     a = p.parse_args(argv)
     env = {"FRAGFLOW_THREADS": "1"}
     runs: dict[int, list[dict]] = {k: [] for k in a.learners}
     for _ in range(a.reps):
         for k in a.learners:
-            runs[k].append(run_json(CODE.format(steps=a.steps, k=k), env))
+            runs[k].append(run_json(CODE.format(steps=a.steps, k=k, hidden=a.hidden), env))
             r = runs[k][-1]
             print(f"K={k}: {r['sps']:,.0f} samples/s, learner 0 busy {r['busy'] / r['wall']:.0%} of {r['wall']:.1f}s",
                   flush=True)
     sps = {k: stats([r["sps"] for r in rs]) for k, rs in runs.items()}
     base = min(a.learners)
-    rows = [row(f"PPO hidden=256, 10 epochs, 2048 samples/update: learner samples/s, multi_learner K={k} / K={base}",
+    rows = [row(f"PPO hidden={a.hidden}, 10 epochs, 2048 samples/update: learner samples/s, multi_learner K={k} / K={base}",
                 sps[k], f"K={base}", sps[base], "samples/s", "-") for k in a.learners if k != base]
     print_rows(rows)
     result = {"command": "python benchmarks/multi_learner.py " + " ".join(argv or sys.argv[1:]), "steps": a.steps,
-              "reps": a.reps, "rows": rows, "runs": {str(k): v for k, v in runs.items()}, "cpus": os.cpu_count(),
+              "reps": a.reps, "hidden": a.hidden, "rows": rows, "runs": {str(k): v for k, v in runs.items()},
+              "cpus": os.cpu_count(),
               "device": "cpu"}
     save(a.out, result)
     return result
