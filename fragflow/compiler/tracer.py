@@ -17,11 +17,8 @@ user's ``file:line``. Where the run is one process, it takes the loop over where
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import os
-import random as _pyrandom
-import sys
 import time
 import weakref
 from collections import deque
@@ -67,9 +64,9 @@ from fragflow.compiler.reach import (
     reached_data,
     reached_now,
     schedulers_of,
-    users_code,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
+from fragflow.compiler.watchers import ThreadsSet, rng_state, set_rng_state, watch_env_makers
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
@@ -79,7 +76,7 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
-from fragflow.source import SourceLoc, definition_of, display_path, user_callsite
+from fragflow.source import SourceLoc, definition_of, user_callsite
 
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
 # training function's module defines has been called once: a target-network sync every 500 steps
@@ -139,7 +136,7 @@ class Tracer(Recording):
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
-        self.threads_set: _ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
+        self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
         # of (checked in a learner's every recorded call and another fragment's first two, where the
@@ -887,32 +884,6 @@ class _Positional:
 
 
 
-class _ThreadsSet:
-    """``torch.set_num_threads`` while the program is traced: it notes that the program set them."""
-
-    def __init__(self, torch: Any) -> None:
-        self.original = torch.set_num_threads
-        self.called = False
-
-    def __call__(self, n: int) -> None:
-        self.called = True
-        self.original(n)
-
-    def rebind(self) -> list[tuple[dict[str, Any], str]]:
-        """Put itself where the user's modules hold the function by name (``from torch import
-        set_num_threads``); the (globals, name) it replaced, to put back."""
-        out = []
-        for module in list(sys.modules.values()):
-            scope = getattr(module, "__dict__", None)
-            if not isinstance(scope, dict) or not users_code(getattr(module, "__file__", None) or "<>"):
-                continue
-            for name, value in list(scope.items()):
-                if value is self.original:
-                    scope[name] = self
-                    out.append((scope, name))
-        return out
-
-
 def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = frag.__dict__.get("_ff_positional", False)
     if names is False:   # the parameter names, where every parameter may be passed by position
@@ -1002,17 +973,17 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         tracer.reached = getattr(handover, "reached", None) if one_process else None
         tracer.begins_run = one_process
         tracer.on_taken = watcher.stop
-    saved = _rng_state()
+    saved = rng_state()
     import torch
 
     from fragflow.runtime.worker import threads_for
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
-    threads_set = tracer.threads_set = _ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
+    threads_set = tracer.threads_set = ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
-    unwatch_envs = _watch_env_makers(own_envs)
+    unwatch_envs = watch_env_makers(own_envs)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
@@ -1043,73 +1014,10 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 scope[name] = threads_set.original
         if tracer.taken_by is None:
             tracer.close()
-            _set_rng_state(saved)
+            set_rng_state(saved)
         torch.set_num_threads(threads)
     if tracer.failed is not None:
         raise tracer.failed
     if tracer.traced is not None:
         return tracer.traced
     return finish()
-
-
-def _watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
-    """Note in ``into`` where the user's code made an environment it then steps, with
-    ``gymnasium.make`` or ``make_vec`` itself (not through ff.envs.make): one fragflow cannot split
-    or count. Returns the undo."""
-    import gymnasium
-
-    saved = {name: getattr(gymnasium, name) for name in ("make", "make_vec") if hasattr(gymnasium, name)}
-
-    def watched(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def make(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            env = original(*args, **kwargs)
-            if users_code(caller.f_code.co_filename) and not _within_env_make(caller):
-                made_at = SourceLoc(display_path(caller.f_code.co_filename), caller.f_lineno)
-                step = env.step
-
-                def stepped(*a: Any, **k: Any) -> Any:   # (one made only to look at its spaces is not noted)
-                    if not into:
-                        into.append(made_at)
-                    return step(*a, **k)
-                try:
-                    env.step = stepped
-                except AttributeError:
-                    pass
-            return env
-        return make
-
-    for name, original in saved.items():
-        setattr(gymnasium, name, watched(original))
-
-    def undo() -> None:
-        for name, original in saved.items():
-            setattr(gymnasium, name, original)
-    return undo
-
-
-def _within_env_make(frame: Any) -> bool:
-    """Whether ``frame`` runs inside ff.envs.make (a factory the user gave it, making its env)."""
-    from fragflow.api import envs
-
-    here = envs.__file__
-    while frame is not None:
-        if frame.f_code.co_filename == here:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _rng_state() -> tuple[Any, ...]:
-    import torch
-
-    return _pyrandom.getstate(), np.random.get_state(), torch.random.get_rng_state()
-
-
-def _set_rng_state(state: tuple[Any, ...]) -> None:
-    import torch
-
-    _pyrandom.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.random.set_rng_state(state[2])
