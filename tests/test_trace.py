@@ -1126,8 +1126,15 @@ def test_a_warm_up_run_unrecorded_places_the_graph_of_its_recorded_calls(case, m
         set(edges) - set(quick_edges)
 
 
-@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
-def test_logging_under_the_name_of_a_runtime_column_is_refused_at_the_line(write_algo, policy):
+@pytest.mark.parametrize(("policy", "column", "logged"), [
+    ("single_process", "updates", '"updates": float(u)'),
+    ("pipelined(max_lag=0)", "updates", '"updates": float(u)'),
+    # the channel's counters: under pipelined the logged value overwrote them; refused under single_process
+    # too, which has no channel, so that the program runs (or is refused) alike under every policy
+    ("single_process", "trajectory/drops", '"trajectory": {"drops": float(u)}'),
+    ("pipelined(max_lag=0)", "trajectory/drops", '"trajectory": {"drops": float(u)}'),
+])
+def test_logging_under_the_name_of_a_runtime_column_is_refused_at_the_line(write_algo, policy, column, logged):
     """ff.log({"updates": 7.0}) overwrote the column in every row (and, under pipelined, the rows'
     bookkeeping: env steps came out 128, 128, 192, ...; helper round 25 B01)."""
     path, marks = write_algo("""
@@ -1153,11 +1160,11 @@ def train():
             buf.add(obs=obs)
             obs, *_ = env.step(a)
         state, m = learn(state, buf.collect())
-        ff.log({"loss": m["loss"], "extra": {"x": 1.0}, "updates": float(u)})  # @log
+        ff.log({"loss": m["loss"], "extra": {"x": 1.0}, LOGGED})  # @log
     return state
-""")
+""".replace("LOGGED", logged))
     program = load(str(path))
-    with pytest.raises(TraceError, match=rf"ff.log got 'updates', the name of a column the run writes itself.*\n  "
+    with pytest.raises(TraceError, match=rf"ff.log got '{column}', the name of a column the run writes itself.*\n  "
                                          rf"at {relpath(path)}:{marks['log']}\n  fix: log it under a name of its own"):
         ff.run(program.train, policy=policy)
 

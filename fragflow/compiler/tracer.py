@@ -727,12 +727,14 @@ class Tracer(Recording):
                                  where=where, fix="log scalars: reduce it first (x.mean(), x.max()) or log its "
                                                   "elements under names of their own")
         from fragflow.runtime.monitor import flat_scalars
-        from fragflow.runtime.outputs import EVAL_COLUMNS, RUNTIME_COLUMNS
+        from fragflow.runtime.outputs import CHANNEL_COLUMNS, EVAL_COLUMNS, RUNTIME_COLUMNS
 
-        clash = [name for name in flat_scalars(tree) if name in RUNTIME_COLUMNS or name in EVAL_COLUMNS]
+        # (the channel's columns too, though single_process has none: the program must run under every policy)
+        taken = RUNTIME_COLUMNS + EVAL_COLUMNS + CHANNEL_COLUMNS
+        clash = [name for name in flat_scalars(tree) if name in taken]
         if clash:
             raise TraceError(f"ff.log got '{clash[0]}', the name of a column the run writes itself "
-                             f"({', '.join(RUNTIME_COLUMNS + EVAL_COLUMNS)}): it would overwrite it", where=where,
+                             f"({', '.join(taken)}): it would overwrite it", where=where,
                              fix=f"log it under a name of its own, e.g. ff.log({{'my_{clash[0]}': ...}})")
 
     # -- recording ------------------------------------------------------------------------

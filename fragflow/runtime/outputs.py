@@ -13,6 +13,8 @@ from typing import IO, Any
 RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
                    "episode_return_mean", "episode_length_mean", "episodes", "restarts")
 EVAL_COLUMNS = ("eval_return_mean", "eval_episodes")
+# the channel's counters, in each row of a run over several processes (its one channel is "trajectory")
+CHANNEL_COLUMNS = ("trajectory/depth", "trajectory/drops", "trajectory/items_per_second", "trajectory/bytes_per_second")
 TB_EVERY = 1.0   # seconds between handing TensorBoard's writer the events made since
 
 
