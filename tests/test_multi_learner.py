@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fragflow as ff
+from fragflow.errors import ConfigError
 from fragflow.program import load
 from tests.test_multiprocess import shm_leftovers
 
@@ -222,3 +223,56 @@ def test_multi_learner_rows_count_what_the_loops_had_made_at_each_update(write_a
         ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
         rows.append([{k: v for k, v in r.items() if k != "loss"} for r in unclocked_rows(tmp_path / run)])
     assert [r["trip"] for r in rows[0]] == ["0.0", "1.0", "2.0", "3.0", "4.0"] and rows[1] == rows[0]
+
+
+def test_learners_whose_backward_passes_differ_in_number_are_refused_at_the_learner(write_algo):
+    """An early stop on a value of each learner's own share (as PPO's target_kl) made the learners'
+    all-reduces pair one learner's second gradient with another's next update: gloo errors, a wait
+    for good, or, where the counts happened to even out, a silently wrong run (helper round 29 N02)."""
+    from tests.conftest import relpath
+
+    source = LOOP_LOGS.replace('''    loss = net(torch.as_tensor(roll["obs"], dtype=torch.float32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()''', '''    for _ in range(3):
+        loss = net(torch.as_tensor(roll["obs"], dtype=torch.float32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if float(roll["obs"][0, 0, 0]) > 0.01:   # this share's first cart over 1 cm right: stop early
+            break''').replace('@ff.fragment("learner", writes="state")', '@ff.fragment("learner", writes="state")  # @learn')
+    path, marks = write_algo(source, "early_stop.py")
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process")   # one learner: nothing to agree on
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(one had "
+                                             r"averaged 1 gradient when another ended the update\)(.|\n)*"
+                                             rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes"):
+        ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_learner_called_on_each_replicas_own_condition_is_refused_at_the_call(write_algo):
+    """`if terminated.any(): learn(...)`: each learner's call came after other env steps of its
+    replica, and the learners averaged unrelated calls' gradients until one ran out of calls and
+    gloo failed with an internal traceback (helper round 29 N01)."""
+    from tests.conftest import relpath
+
+    source = LOOP_LOGS.replace('''    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["net"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+        ff.log({"trip": u})''', '''    for u in range(100):
+        obs, _, terminated, _, _ = env.step(act(state["net"], obs))
+        buf.add(obs=obs)
+        if terminated.any():                     # an episode of this replica's own ended
+            state, m = learn(state, buf.sample(8))  # @call''').replace("ff.RolloutBuffer(4)", "ff.ReplayBuffer(1000, seed=0)")
+    path, marks = write_algo(source, "on_condition.py")
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process")
+    with pytest.raises(ConfigError, match=r"'learn' is called by the loop replicas after different numbers of env "
+                                             r"steps \(from \d+ to \d+ in the learners' replicas\)(.|\n)*"
+                                             rf"at {relpath(path)}:{marks['call']}\n  fix: call it on a schedule"):
+        ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -12,13 +12,18 @@ the weights for all.
 
 The process group is ``torch.distributed`` with gloo (nccl where each learner's parameters are on a GPU of its own),
 meeting at a TCP store the driver hosts. The user's update must make the same number of backward
-passes in every learner per update (no data-dependent early stop), as in DD-PPO.
+passes in every learner per update (no data-dependent early stop), as in DD-PPO: before each
+all-reduce, and as each update ends, the learners compare where they are (a few numbers,
+all-reduced), and refuse the run where they differ, rather than average unrelated gradients or
+wait for one that never comes.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fragflow.errors import ConfigError
@@ -49,6 +54,8 @@ class GradientAllReduce:
         self.pending: list[Any] = []        # parameters whose gradient this backward pass accumulated
         self.queued = False
         self.order: dict[int, int] = {}
+        self.call: _Call | None = None      # the update in progress: what every learner must agree on
+        self.device: Any = "cpu"            # where the all-reduced numbers are
 
     def _join(self, devices: set[Any]) -> None:
         """Join the process group, with the backend :func:`group_backend` chooses from every
@@ -59,6 +66,8 @@ class GradientAllReduce:
         store.set(f"fragflow.devices.{self.rank}", ",".join(sorted({str(d) for d in devices})))
         seen = [store.get(f"fragflow.devices.{k}").decode() for k in range(self.world)]   # (get waits for the key)
         self.group_backend = group_backend(seen)
+        if self.group_backend == "nccl":   # (nccl reduces only tensors on the learner's GPU)
+            self.device = next(d for d in devices if str(d).startswith("cuda"))
         self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
 
     def watch(self, state: Any, name: str) -> None:
@@ -97,6 +106,7 @@ class GradientAllReduce:
         pending, self.pending = sorted(self.pending, key=lambda q: self.order[id(q)]), []
         grads = [q.grad for q in pending]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        self._agree(flat.numel())
         self.dist.all_reduce(flat)
         flat.div_(self.world)
         pos = 0
@@ -113,6 +123,7 @@ class GradientAllReduce:
         if not present:
             return grads
         flat = torch.cat([g.reshape(-1) for g in present])
+        self._agree(flat.numel())
         self.dist.all_reduce(flat)
         flat.div_(self.world)
         out: list[Any] = []
@@ -127,10 +138,12 @@ class GradientAllReduce:
         return tuple(out)
 
     @contextmanager
-    def update(self, fragment: str, required: bool = True, where: Any = None) -> Iterator[None]:
+    def update(self, fragment: str, required: bool = True, where: Any = None, steps: int = -1,
+               called_at: Any = None) -> Iterator[None]:
         """Around a call that writes the learners' state: the gradients it takes with
         ``torch.autograd.grad`` are averaged too; an update (``required``: the clock) that averaged
-        nothing is refused (the learners would learn apart)."""
+        nothing is refused (the learners would learn apart). ``steps``: the env steps its loop
+        replicas had made when they called it (-1: not the same in every learner by design)."""
         import torch
 
         original = torch.autograd.grad
@@ -139,16 +152,62 @@ class GradientAllReduce:
             return self.average(original(*args, **kwargs))
 
         self.averaged = 0
+        self.call = _Call(fragment, zlib.crc32(fragment.encode()) & 0xFFFFFF, steps, where, called_at)
         torch.autograd.grad = grad
         try:
             yield
         finally:
             torch.autograd.grad = original
+        self._agree(0, closing=True)   # every learner ends the update here, none still averaging
+        self.call = None
         if required and self.averaged == 0:
             raise ConfigError(f"multi_learner averages the gradients '{fragment}' computes, and it computed none "
                               "(no backward() into a torch.optim optimizer's parameters, no torch.autograd.grad)",
                               where=where, fix="compute gradients with torch (an optimizer in the versioned state, or "
                                   "torch.autograd.grad), or use a single-learner policy")
+
+    def _agree(self, numel: int, closing: bool = False) -> None:
+        """Before each all-reduce, and as an update ends: every learner must be at the same point of
+        the same update (the same fragment, called by its loop replicas after as many env steps; the
+        same gradient of it, of the same size), else the all-reduce would average, or wait for, what
+        another learner never computes. A few numbers, all-reduced to their maximum and minimum:
+        every learner sees any difference, and each refuses the same way."""
+        import torch
+
+        call = self.call
+        if call is None:   # (a gradient outside any update: nothing to agree on)
+            return
+        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel], dtype=torch.float64,
+                            device=self.device)
+        both = torch.cat([mine, -mine])
+        self.dist.all_reduce(both, op=self.dist.ReduceOp.MAX)
+        high, low = both[:4].cpu(), -both[4:].cpu()
+        if torch.equal(high, low):
+            return
+        if high[1] != low[1]:   # (the same message as a gathering policy's: the calls are not paired)
+            raise ConfigError(
+                f"'{call.fragment}' is called by the loop replicas after different numbers of env steps (from "
+                f"{int(low[1])} to {int(high[1])} in the learners' replicas), and multi_learner averages each "
+                "learner's gradients with the others' at the same call: the loop calls it under a condition on data "
+                "of each replica's own environments (an episode that ended, a reward), which the replicas see "
+                "differently", where=call.called_at,
+                fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted "
+                    "in trips), or run with one learner (learners=1) or a single-learner policy")
+        if high[2] != low[2]:   # (the points before agree: only an ended update differs from a gradient)
+            n = int(high[2])
+            what = f"one had averaged {n} gradient{'' if n == 1 else 's'} when another ended the update"
+        elif high[3] != low[3]:
+            what = f"at gradient {int(high[2]) + 1} one averaged {int(low[3]):,} values, another {int(high[3]):,}"
+        else:
+            what = "they were updating different state"
+        raise ConfigError(
+            f"the learners made different gradients in one update of '{call.fragment}' ({what}), and "
+            "multi_learner averages each gradient with the others' at the same point of the update: every learner "
+            "must make the same backward passes per update, whatever its share of the data (an early stop on a "
+            "value of its own share, such as `if approx_kl > target_kl: break`, makes them differ)", where=call.where,
+            fix="make the backward passes per update the same in every learner (drop a data-dependent early stop "
+                "under multi_learner, e.g. --set target_kl=None), or run a single-learner policy (pipelined, "
+                "actor_learner)")
 
     def close(self) -> None:
         for h in self.handles:
@@ -177,3 +236,15 @@ def host(world: int, address: str = "127.0.0.1") -> tuple[Any, tuple[str, int]]:
 
     store = dist.TCPStore(address, 0, world + 1, is_master=True, wait_for_workers=False)
     return store, (address, store.port)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """An update in progress, as the learners compare it: its fragment (and a number for it), the
+    env steps its loop replicas had made when they called it, where it is defined and called."""
+
+    fragment: str
+    key: int
+    steps: int
+    where: Any
+    called_at: Any

@@ -568,7 +568,9 @@ class ServiceRunner:
             self.admission.set_busy(True)
         with context.using(self):
             if self.reducer is not None and frag.writes is not None:   # every update of the learners' state
-                with self.reducer.update(fragment, required=clock, where=frag.defined_at):
+                with self.reducer.update(fragment, required=clock, where=frag.defined_at,
+                                         steps=pieces[0].steps if self.program.ordered else -1,
+                                         called_at=self.checks.get("called_at", {}).get(fragment)):
                     out = frag.fn(*bound.args, **bound.kwargs)
             else:
                 out = frag.fn(*bound.args, **bound.kwargs)
