@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from tests.test_multiprocess import same_tree, shm_leftovers
 def test_a_pettingzoo_parallel_env_has_an_agent_axis_and_counts_every_agents_episode():
     env = ff.envs.make("mpe2:simple_spread_v3", num_envs=2, seed=3, max_cycles=4)
     assert (env.num_envs, env.num_agents) == (2, 3)                    # type: ignore[attr-defined]
-    obs = env.reset()
+    obs = first = env.reset()
     assert obs.shape == (2, 3, 18) and obs.dtype == np.float32
     events = []
     for _ in range(4):
@@ -30,7 +32,8 @@ def test_a_pettingzoo_parallel_env_has_an_agent_axis_and_counts_every_agents_epi
     finished = events[-1][1]
     assert len(finished) == 6 and {length for _, length in finished} == {4}   # 2 envs x 3 agents
     fresh = ff.envs.make("mpe2:simple_spread_v3", num_envs=2, seed=3, max_cycles=4)
-    assert np.array_equal(fresh.reset(), env.reset())                  # seeded per environment
+    assert np.array_equal(fresh.reset(), first)                        # seeded per environment, at the first reset
+    assert not np.array_equal(env.reset(), first)                      # a later one goes on to other episodes
 
 
 def test_an_agent_not_in_an_episode_counts_no_episode():
@@ -73,6 +76,60 @@ def test_an_agent_not_in_an_episode_counts_no_episode():
     assert finished == [(3.0, 3)] * 8   # 2 envs x 2 episodes x the 2 agents that played
 
 
+def test_an_agents_episode_is_counted_when_it_ends_not_when_the_last_agent_does():
+    """Agents that leave at different steps: an agent's episode was counted only once the last
+    agent of its environment was done, so a run that stopped before then, or the rows before it,
+    left it out (helper round 29 O01)."""
+    from pettingzoo import ParallelEnv
+
+    life = {"a": 5, "b": 2, "c": 3}
+
+    class Dying(ParallelEnv):
+        metadata = {"name": "dying"}
+
+        def __init__(self):
+            self.possible_agents = list(life)
+
+        def observation_space(self, agent):
+            return gym.spaces.Box(-100, 100, (1,), np.float32)
+
+        def action_space(self, agent):
+            return gym.spaces.Discrete(2)
+
+        def reset(self, seed=None, options=None):
+            self.t, self.agents = 0, list(self.possible_agents)
+            return {a: np.zeros(1, np.float32) for a in self.agents}, {a: {} for a in self.agents}
+
+        def step(self, actions):
+            self.t += 1
+            obs = {a: np.full(1, self.t, np.float32) for a in self.agents}
+            term = {a: self.t >= life[a] for a in self.agents}
+            out = obs, {a: 1.0 for a in self.agents}, term, {a: False for a in self.agents}, {a: {} for a in obs}
+            self.agents = [a for a in self.agents if not term[a]]
+            return out
+
+    env = ff.envs.make(Dying, num_envs=1, seed=0)
+    env.reset()
+    finished = []
+    for _ in range(7):
+        env.step(np.zeros((1, 3), np.int64))
+        finished.append(env.step.events(None)[1])
+    # b ends at step 2, c at 3, a at 5 with the environment; the next episode's b at 7 (= 5 + 2)
+    assert finished == [[], [(2.0, 2)], [(3.0, 3)], [], [(5.0, 5)], [], [(2.0, 2)]]
+
+
+def test_multiagent_actions_without_an_env_and_an_agent_axis_are_refused_at_the_call():
+    """Alike agents: actions for an extra environment or extra agents were cut silently, and
+    actions without the agent axis failed with an IndexError from fragflow's code (helper round 29 O02)."""
+    env = ff.envs.make("mpe2:simple_spread_v3", num_envs=2, seed=3, max_cycles=4)
+    env.reset()
+    for bad in (np.zeros((3, 3), np.int64), np.zeros((2, 5), np.int64), np.zeros(2, np.int64)):
+        with pytest.raises(ConfigError, match=rf"step got actions of shape {re.escape(str(list(bad.shape)))}(.|\n)*\[num_envs=2, "
+                                              r"num_agents=3\]\n  at .*test_env_families.py:\d+\n  fix: give actions"):
+            env.step(bad)
+    env.step(np.zeros((2, 3), np.int64))
+
+
 def test_unlike_agents_are_padded_to_one_space_with_a_mask_of_each_agents_actions():
     from mpe2 import simple_speaker_listener_v4
 
@@ -88,8 +145,8 @@ def test_unlike_agents_are_padded_to_one_space_with_a_mask_of_each_agents_action
     obs, reward, *_ = env.step(np.array([[2, 4], [0, 1]]))
     own, own_reward, *_ = raw.step({"speaker_0": 2, "listener_0": 4})
     assert np.array_equal(obs[0, 1], own["listener_0"]) and reward[0, 1] == np.float32(own_reward["listener_0"])
-    with pytest.raises(ValueError, match=r"'speaker_0' of environment 1 was given action 3, outside its Discrete\(3\)"
-                                         r".*env.action_mask"):
+    with pytest.raises(ConfigError, match=r"'speaker_0' of environment 1 was given action 3, outside its Discrete\(3\)"
+                                          r"(.|\n)*at .*test_env_families.py:\d+\n  fix: .*env.action_mask"):
         env.step(np.array([[2, 4], [3, 1]]))
 
     cont = ff.envs.make("mpe2:simple_speaker_listener_v4", num_envs=1, seed=5, continuous_actions=True)

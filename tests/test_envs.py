@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -41,6 +43,29 @@ def test_environment_i_is_the_same_wherever_it_runs():
         b = part.step(np.array([1, 0]))[0]
         assert np.array_equal(a[2:], b)
     whole.close(), part.close()
+
+
+def test_a_later_reset_goes_on_to_new_episodes_as_gymnasiums_does():
+    """Every reset seeded each environment again: an evaluation env, reset for each round, replayed
+    its first episodes every round (helper round 29 O04)."""
+    ours = ff.envs.make("CartPole-v1", num_envs=2, seed=4, evaluation=True)
+    theirs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
+    firsts = [ours.reset() for _ in range(3)]
+    assert np.array_equal(firsts[0], theirs.reset(seed=[4, 5])[0])
+    for again in firsts[1:]:   # gymnasium's too: a reset without a seed goes on with each env's generator
+        assert np.array_equal(again, theirs.reset()[0])
+    assert not np.array_equal(firsts[0], firsts[1]) and not np.array_equal(firsts[1], firsts[2])
+    ours.close(), theirs.close()
+
+
+def test_a_seed_that_is_not_an_int_is_refused_at_the_make_line():
+    """seed=None (gymnasium's unseeded) failed at the first reset with a TypeError from fragflow's
+    code (helper round 29 O03)."""
+    for seed in (None, 1.5, "3"):
+        with pytest.raises(ConfigError, match=rf"ff.envs.make got seed={re.escape(repr(seed))}: environment i is "
+                                              r"seeded seed \+ i(.|\n)*at .*test_envs.py:\d+\n  fix: give an int"):
+            ff.envs.make("CartPole-v1", num_envs=2, seed=seed)  # type: ignore[arg-type]
+    ff.envs.make("CartPole-v1", num_envs=2, seed=np.int64(3)).close()
 
 
 def test_unknown_env_id_suggests_a_close_one():

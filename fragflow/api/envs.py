@@ -267,7 +267,8 @@ class VectorEnv:
 
     def _identify(self, label: str, num_envs: int, seed: int, ids: np.ndarray, name: str) -> None:
         self.env_id = label
-        self.seed = seed
+        self.seed = int(seed)
+        self._seeded = False   # (its first reset seeds it)
         self.ids = np.asarray(ids, dtype=np.int64)
         self.num_envs: int = EnvCount(len(self.ids))
         self.total_envs = num_envs
@@ -297,7 +298,10 @@ class VectorEnv:
         return done
 
     def _reset(self) -> np.ndarray:
-        seeds = [int(self.seed + i) for i in self.ids]
+        # seeded at the first reset only, as gymnasium's: a later one (an evaluation env's, each round)
+        # goes on with each environment's generator, to new episodes, not the first ones again
+        seeds = None if self._seeded else [int(self.seed + i) for i in self.ids]
+        self._seeded = True
         obs, _ = self._env.reset(seed=seeds)  # type: ignore[arg-type]  # vector envs take one seed per env
         return obs
 
@@ -489,6 +493,10 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     if num_envs < 1:
         raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
                               fix="pass num_envs=1 or more")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):   # (None: gymnasium's unseeded)
+        raise ConfigError(f"ff.envs.make got seed={seed!r}: environment i is seeded seed + i, so that a run "
+                          "repeats", where=where, fix="give an int (seed=args.seed); for other episodes in each "
+                                                      "run, draw one: seed=random.randrange(2**31)")
     inside = fragment_module.running()
     if inside is not None and context.current() is not None:
         raise TraceError(f"ff.envs.make was called inside fragment '{inside.name}': it would make new "

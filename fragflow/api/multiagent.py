@@ -15,7 +15,7 @@ import numpy as np
 
 from fragflow.api.envs import VectorEnv
 from fragflow.compiler.pytree import to_numpy
-from fragflow.errors import UnknownEnvError
+from fragflow.errors import ConfigError, UnknownEnvError
 from fragflow.source import user_callsite
 
 
@@ -111,6 +111,7 @@ class MultiAgentVectorEnv(VectorEnv):
         self._action_cut = None if discrete or alike else [_corner(sp.shape) for sp in actions]
         self._returns = np.zeros((self.num_envs, self.num_agents))
         self._lengths = np.zeros((self.num_envs, self.num_agents), np.int64)
+        self._out = np.zeros((self.num_envs, self.num_agents), bool)   # its episode in this one ended, counted
         self._finished: list[tuple[float, int]] = []
         self._fragments(evaluation)
 
@@ -141,14 +142,17 @@ class MultiAgentVectorEnv(VectorEnv):
     def _reset(self) -> np.ndarray:
         self._returns[:] = 0.0
         self._lengths[:] = 0
-        return np.stack([self._obs(env.reset(seed=int(self.seed + i))[0]) for env, i in zip(self.envs, self.ids)])
+        self._out[:] = False
+        seeded, self._seeded = self._seeded, True   # (seeded at the first reset only, as a VectorEnv)
+        return np.stack([self._obs(env.reset(seed=None if seeded else int(self.seed + i))[0])
+                         for env, i in zip(self.envs, self.ids)])
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         a = to_numpy(actions)
         if self.single_action_space.dtype is not None and a.dtype != self.single_action_space.dtype:
             a = a.astype(self.single_action_space.dtype)
         n, k = self.num_envs, self.num_agents
-        if self._action_n is not None and (a.shape[:2] != (n, k) or (a >= self._action_n).any() or (a < 0).any()):
+        if a.shape[:2] != (n, k) or (self._action_n is not None and ((a >= self._action_n).any() or (a < 0).any())):
             self._refuse(a)
         obs, final = [], []
         reward = np.zeros((n, k), np.float32)
@@ -169,10 +173,16 @@ class MultiAgentVectorEnv(VectorEnv):
             step_obs = self._obs(o)
             self._returns[i] += raw[i]
             self._lengths[i] += np.array([agent in live for agent in self.agents])
+            # an agent's episode ends at its own last step (the others may go on for long after), or
+            # with the environment's (every agent gone, some perhaps without a last step of their own)
+            ended = [j for j, agent in enumerate(self.agents) if agent in live and (terminated[i, j] or truncated[i, j])]
+            if not env.agents:
+                ended += [j for j in range(k) if j not in ended and self._lengths[i, j] > 0 and not self._out[i, j]]
+            for j in ended:   # (an agent of possible_agents not in this episode played none: no episode)
+                self._finished.append((float(self._returns[i, j]), int(self._lengths[i, j])))
+                self._out[i, j] = True
             if not env.agents:                    # every agent is done: the episode ends here
-                self._finished.extend((float(ret), int(length)) for ret, length in zip(self._returns[i], self._lengths[i])
-                                      if length > 0)   # (an agent of possible_agents not in this episode played none)
-                self._returns[i], self._lengths[i] = 0.0, 0
+                self._returns[i], self._lengths[i], self._out[i] = 0.0, 0, False
                 final.append(step_obs)
                 step_obs = self._obs(env.reset()[0])
             else:
@@ -183,13 +193,18 @@ class MultiAgentVectorEnv(VectorEnv):
     def _refuse(self, a: np.ndarray) -> None:
         n, k = self.num_envs, self.num_agents
         if a.shape[:2] != (n, k):
-            raise ValueError(f"{self.env_id} takes actions of shape [num_envs={n}, num_agents={k}], got {list(a.shape)}")
+            raise ConfigError(f"{self.name}.step got actions of shape {list(a.shape)}, and {self.env_id} takes one per "
+                              f"agent of each environment this process steps: [num_envs={n}, num_agents={k}"
+                              f"{', ...' if a.ndim > 2 or self.single_action_space.shape else ''}]",
+                              where=user_callsite(), fix="give actions with an env axis and an agent axis (an actor "
+                              "acting on observations of shape [num_envs, num_agents, ...] keeps both)")
         assert self._action_n is not None
         i, j = (int(x[0]) for x in np.nonzero((a >= self._action_n) | (a < 0)))
-        raise ValueError(f"agent {self.agents[j]!r} of environment {int(self.ids[i])} was given action {int(a[i, j])}, "
-                         f"outside its Discrete({int(self._action_n[j])}) (its kind of agent has fewer actions than the "
-                         f"padded Discrete({int(self.single_action_space.n)})); sample from logits masked with "  # type: ignore[attr-defined]
-                         "env.action_mask, e.g. logits.masked_fill(~torch.as_tensor(env.action_mask), -1e9)")
+        raise ConfigError(f"agent {self.agents[j]!r} of environment {int(self.ids[i])} was given action {int(a[i, j])}, "
+                          f"outside its Discrete({int(self._action_n[j])}) (its kind of agent has fewer actions than "
+                          f"the padded Discrete({int(self.single_action_space.n)}))",  # type: ignore[attr-defined]
+                          where=user_callsite(), fix="sample from logits masked with env.action_mask, e.g. "
+                          "logits.masked_fill(~torch.as_tensor(env.action_mask), -1e9)")
 
     def close(self) -> None:
         for env in self.envs:
