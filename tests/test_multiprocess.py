@@ -672,6 +672,7 @@ def learn(state, batch):
 
 def train(opts=None):   # ff.run(train, {"named": True}) passes the dict
     named, late_element = bool(opts and opts.get("named")), bool(opts and opts.get("late_element"))
+    after_trace = bool(opts and opts.get("after_trace"))
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2)), "n": 0})
     buf = ff.RolloutBuffer(4)
@@ -689,8 +690,24 @@ def train(opts=None):   # ff.run(train, {"named": True}) passes the dict
             ff.log({f"loss{u}": m["loss"]})   # a name made from the update number
         if late_element and u == 5:
             ff.log({"v1": row[1]})   # @late
+        if after_trace and u == 4:
+            ff.log({"once": m["loss"]})   # first logged after the trace (which stops after 2 updates)
     return state
 """
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2)"])
+def test_a_learner_output_first_logged_after_the_trace_reaches_a_row_where_calls_are_gathered_on_arrival(
+        write_algo, tmp_path, policy):
+    """Gathered on arrival, a learner's outputs are logged by the names the trace saw: one the loop
+    logs first after it (`if update % 10 == 9: ff.log(m)`) was never written, with no word
+    (helper round 29 N03). It is written once, as the loop logs it: the learner's latest value."""
+    path, _ = write_algo(LOGGED, "logged.py")
+    program = load(str(path))
+    ff.run(program.train, {"after_trace": True}, policy=policy, out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    once = [r["once"] for r in rows if r.get("once")]
+    assert len(once) == 1 and once[0] in [r["loss"] for r in rows]
 
 
 @pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])

@@ -101,6 +101,10 @@ class Driver:
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
         self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
         self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int, int, bool]]] = {}
+        # gathered on arrival: each learner's latest values, and the loop's requests for names the
+        # trace did not see logged (made after it: `if update % 10 == 9: ff.log(m)`) before any came
+        self._latest_logs: dict[str, dict[int, dict[str, float]]] = {}
+        self._unseen_asks: dict[str, list[tuple[int, str, str]]] = {}
         # each reporting service's parts (see lowering's _logged), by fragment
         self.parts = {f: items for s in lowered.services if s.rank == 0 for f, items in s.logs.items()}
         self.lowered = lowered
@@ -278,6 +282,9 @@ class Driver:
             for part, scalars in logged.items():
                 for rest, name in parts[part].names if part < len(parts) else ():
                     self._write_logged(None, scalars, rest, name)
+            self._latest_logs[fragment] = logged
+            for part, rest, name in self._unseen_asks.pop(fragment, ()):
+                self._write_logged(None, logged.get(part, {}), rest, name)
             return
         for part, rest, name, asked_at, steps, new_row in self._asked_for.pop((fragment, call), ()):
             self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row)
@@ -294,6 +301,20 @@ class Driver:
         else:
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update, steps, new_row))
             self._forget_logs(fragment, call)
+
+    def _asked_unseen(self, fragment: str, part: int, rest: str, name: str) -> None:
+        """Calls gathered on arrival: the loop logged a part of a learner's output by a name the trace
+        did not see it logged by (first logged after the trace): that learner's latest values, once,
+        into the row of the update in progress (the next values where none came yet), as the loop
+        asks; not at every update, as the names the trace saw are, nor lost."""
+        parts = self.parts.get(fragment, ())
+        if part < len(parts) and (rest, name) in parts[part].names:
+            return
+        latest = self._latest_logs.get(fragment)
+        if latest is None:
+            self._unseen_asks.setdefault(fragment, []).append((part, rest, name))
+        else:
+            self._write_logged(None, latest.get(part, {}), rest, name)
 
     def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str,
                       steps: int | None = None, new_row: bool = False) -> None:
@@ -339,6 +360,9 @@ class Driver:
             if self.monitor.marked_replicas:
                 for fragment, call, part, rest, name, update in msg[1]:
                     self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
+            else:   # gathered on arrival: the names the trace saw are logged as computed (above)
+                for fragment, _, part, rest, name, _ in msg[1]:
+                    self._asked_unseen(fragment, part, rest, name)
         elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
             self.logs_heard = max(self.logs_heard, msg[5] + 1)
             self.monitor.log_at(msg[2], msg[1], msg[3], msg[4])
