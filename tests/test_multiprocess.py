@@ -185,7 +185,13 @@ def test_workers_from_a_fork_server_see_the_environment_as_the_run_starts(monkey
 
 
 def test_actors_must_divide_the_environments():
-    with pytest.raises(ConfigError, match=r"splits the loop's 4 environments across 3 processes \(actors=3\): they do not divide evenly"):
+    # (the fix told every program to `--set num_envs=...`, a key only an Args with that field has:
+    # helper round 29 N04)
+    with pytest.raises(ConfigError, match=r"splits the loop's 4 environments across 3 processes \(actors=3\): they do "
+                                          r"not divide evenly(.|\n)*fix: choose actors dividing num_envs=4 \(and "
+                                          r"envs_per_actor = num_envs / actors\), or make num_envs \(given to "
+                                          r"ff.envs.make\) a multiple of actors \(`--set num_envs=...` where your Args "
+                                          r"has that field\)"):
         ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")
 
 

@@ -261,7 +261,8 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
     raise ConfigError(f"policy '{placed.policy}' splits the loop's {total} environments across {_processes(replicas)} "
                       f"({given}{each}): they do not divide evenly", where=where,
                       fix=f"choose {unit} dividing num_envs={total} (and {per_unit} = num_envs / {unit}), or "
-                          "--set num_envs=... to a multiple of it")
+                          f"make num_envs (given to ff.envs.make) a multiple of {unit} (`--set num_envs=...` "
+                          "where your Args has that field)")
 
 
 def _processes(n: int) -> str:
