@@ -195,11 +195,12 @@ class GradientAllReduce:
         return flat[:numel]
 
     def _agree(self, numel: int, closing: bool = False) -> None:
-        """Before each all-reduce, and as an update ends: every learner must be at the same point of
-        the same update (the same fragment, called by its loop replicas after as many env steps; the
-        same gradient of it, of the same size), else the all-reduce would average, or wait for, what
-        another learner never computes. A few numbers, all-reduced to their maximum and minimum:
-        every learner sees any difference, and each refuses the same way."""
+        """Every learner must be at the same point of the same update (the same fragment, called by
+        its loop replicas after as many env steps; the same gradient of it, of the same size), else
+        the all-reduce would average, or wait for, what another learner never computes. Those
+        numbers, all-reduced to their maximum and minimum, so that every learner sees any difference
+        and each refuses the same way, saying what differs: where the sums :meth:`_reduce` carried
+        differed, or before each all-reduce of gradients whose sums would not be exact."""
         import torch
 
         call = self.call
