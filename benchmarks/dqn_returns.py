@@ -6,7 +6,7 @@ CleanRL publishes 488.7 +- 16.1 for this configuration; the target here is a mea
 over 3 seeds under both placements. Each run is its own process; the final return is the mean
 return of the last 20 training episodes.
 
-    python benchmarks/dqn_returns.py [--seeds 3] [--steps 500000] [--policies single_process learner_replay]
+    python benchmarks/dqn_returns.py [--seeds 3] [--steps 500000] [--policies single_process learner_replay] [--out NAME]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--policies", nargs="+", default=["single_process", "learner_replay"])
     p.add_argument("--prioritized", action="store_true", help="prioritized replay (--set prioritized=true)")
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--out", default=None, help="results file name (default dqn_returns[_prioritized])")
     a = p.parse_args(argv)
     runs = [(policy, seed) for policy in a.policies for seed in range(1, a.seeds + 1)]
     with ThreadPoolExecutor(a.jobs) as pool:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"({'meets' if mean >= TARGET else 'below'} the {TARGET:.0f} target; CleanRL {CLEANRL_MEAN} +- {CLEANRL_STD})")
         result["policies"][policy] = {"final_returns": finals, "mean": mean, "std": std, "meets_target": mean >= TARGET,
                                       "per_seed": mine}
-    save("dqn_returns" + ("_prioritized" if a.prioritized else ""), result)
+    save(a.out or "dqn_returns" + ("_prioritized" if a.prioritized else ""), result)
     return result
 
 
