@@ -38,7 +38,7 @@ from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.runtime.signals import Terminated, shielded
+from fragflow.runtime.signals import Terminated, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
 from fragflow.source import definition_of
 
@@ -318,6 +318,7 @@ def _refuse_unsendable_views(placed: PlacedGraph) -> None:
                     f"'{e.dst}', or run with --policy single_process") from None
 
 
+@keeps_interrupts
 def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
         out: str | os.PathLike[str] | None = None, target_return: float | None = None,
         stop_on_target: bool = False, progress: bool = False, description: str | None = None,

@@ -1819,6 +1819,28 @@ def test_two_ctrl_c_in_quick_succession_leave_no_segment(write_algo):
         assert mp.active_children() == [] and shm_leftovers() == []
 
 
+class _DroppedCtrlC:
+    def __del__(self) -> None:
+        raise KeyboardInterrupt   # as a Ctrl-C that arrives while Python runs a finalizer: it drops it
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_a_ctrl_c_python_dropped_in_a_finalizer_still_stops_the_run(write_algo, policy):
+    """A Ctrl-C whose KeyboardInterrupt was raised in a weakref callback ("Exception ignored in ...")
+    was lost, and the run went on: on a loaded machine two Ctrl-C left a run of a million updates
+    running (test_two_ctrl_c_in_quick_succession_leave_no_segment waited 8 minutes)."""
+    path, _ = write_algo(INTERRUPTED)
+    program = load(str(path))
+    timer = threading.Timer(1.0, _DroppedCtrlC)   # made and dropped in the timer's thread
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ff.run(program.train, 10 ** 5, policy=policy)
+    finally:
+        timer.join()
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_a_run_stopped_while_it_commits_a_checkpoint_leaves_no_half_written_one(write_algo, tmp_path, monkeypatch):
     """Stopped as the driver committed a checkpoint, a run left its staged parts in a hidden folder
     for good; one left by a process that is gone is removed when a run checkpoints there (round 28 L05)."""

@@ -46,6 +46,7 @@ from typing import Any
 
 from fragflow import context
 from fragflow.errors import TraceError
+from fragflow.runtime import signals
 from fragflow.source import SourceLoc, definition_of, user_callsite
 
 ROLES = ("env", "actor", "buffer", "learner", "logger")
@@ -129,6 +130,8 @@ class Fragment:
         interp = context.current()
         if interp is None:
             return self.fn(*args, **kwargs)
+        if signals._lost:   # a Ctrl-C dropped in a finalizer (see keeps_interrupts) stops the loop here
+            signals.check()
         outer = getattr(_calling, "fragment", None)
         if outer is not None:   # called by a fragment: part of its work, wherever that runs
             if self.role == "logger":

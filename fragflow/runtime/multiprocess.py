@@ -21,6 +21,7 @@ import cloudpickle
 from fragflow import backends
 from fragflow.errors import FragflowError
 from fragflow.lowering import Lowered
+from fragflow.runtime import signals
 from fragflow.runtime.monitor import Monitor, StopRun, logged_name
 from fragflow.runtime.serial import unwrap
 from fragflow.runtime.signals import deferred, shielded
@@ -154,6 +155,7 @@ class Driver:
                                                          self._wiring_for(role, k), self.saving), f"fragflow-{role}-{k}")
                     self.procs.append((role, k, p))
                 self._started(role, k)
+                signals.check()
 
     def _wiring_for(self, role: str, k: int) -> Any:
         """What worker ``(role, k)`` attaches to: a report queue of its own where the backend has them."""
@@ -230,6 +232,7 @@ class Driver:
         results = self.wiring.results
         try:
             while len(self.finished) < len(self.procs) or not (self.returned and self.finals == self.finals_expected):
+                signals.check()   # (a Ctrl-C dropped in a finalizer: see keeps_interrupts)
                 self._checkpoint_due()
                 try:
                     msg = results.get(timeout=0.1)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Terminated(KeyboardInterrupt):
@@ -44,3 +48,40 @@ def deferred() -> Iterator[None]:
         yield
     if got:
         signal.raise_signal(got[0])
+
+
+_lost: list[type[BaseException]] = []   # a Ctrl-C (SIGTERM) raised where Python drops exceptions
+
+
+def keeps_interrupts(fn: F) -> F:
+    """Around a run: a Ctrl-C or SIGTERM whose exception was raised where Python drops exceptions
+    (in a finalizer or a weakref callback running at that moment, which only print "Exception
+    ignored in ...") is kept, and raised again at the run's next :func:`check`; the run went on as
+    if no signal had come (seen with a loaded machine: a run of a million updates that two Ctrl-C
+    did not stop)."""
+    @functools.wraps(fn)
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+                _lost.append(unraisable.exc_type)
+                return
+            previous(unraisable)
+
+        _lost.clear()
+        sys.unraisablehook = hook
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.unraisablehook = previous
+            _lost.clear()
+    return kept  # type: ignore[return-value]
+
+
+def check() -> None:
+    """Raise, once, a Ctrl-C or SIGTERM that was dropped (see :func:`keeps_interrupts`)."""
+    if _lost:
+        kind = _lost[0]
+        _lost.clear()
+        raise kind()
