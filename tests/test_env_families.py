@@ -36,38 +36,45 @@ def test_a_pettingzoo_parallel_env_has_an_agent_axis_and_counts_every_agents_epi
     assert not np.array_equal(env.reset(), first)                      # a later one goes on to other episodes
 
 
-def test_an_agent_not_in_an_episode_counts_no_episode():
-    """An agent of ``possible_agents`` the env does not spawn (a reserve): each end of an episode
-    counted it a (return 0, length 0) episode (helper round 27 G01)."""
+def _agents_leaving(life: dict[str, int], possible: list[str], ends: str = "terminated") -> type:
+    """A PettingZoo parallel env of one-number observations whose agents (``life``'s, among
+    ``possible``) each earn 1 a step and leave after their ``life`` steps, ended as ``ends`` says;
+    the episode ends when the last one leaves."""
     from pettingzoo import ParallelEnv
 
-    class Reserve(ParallelEnv):
-        metadata = {"name": "reserve"}
+    class Leaving(ParallelEnv):
+        metadata = {"name": "leaving"}
 
         def __init__(self):
-            self.possible_agents = ["a", "b", "c"]
+            self.possible_agents = list(possible)
 
         def observation_space(self, agent):
-            return gym.spaces.Box(-1, 1, (2,), np.float32)
+            return gym.spaces.Box(-100, 100, (1,), np.float32)
 
         def action_space(self, agent):
             return gym.spaces.Discrete(2)
 
         def reset(self, seed=None, options=None):
-            self.t, self.agents = 0, ["a", "b"]
-            return {a: np.zeros(2, np.float32) for a in self.agents}, {a: {} for a in self.agents}
+            self.t, self.agents = 0, list(life)
+            return {a: np.zeros(1, np.float32) for a in self.agents}, {a: {} for a in self.agents}
 
         def step(self, actions):
             self.t += 1
-            done = self.t >= 3
-            obs = {a: np.zeros(2, np.float32) for a in self.agents}
-            out = obs, {a: 1.0 for a in self.agents}, {a: False for a in self.agents}, {a: done for a in self.agents}, \
-                {a: {} for a in self.agents}
-            if done:
-                self.agents = []
+            obs = {a: np.full(1, self.t, np.float32) for a in self.agents}
+            done = {a: self.t >= life[a] for a in self.agents}
+            still = {a: False for a in self.agents}
+            term, trunc = (done, still) if ends == "terminated" else (still, done)
+            out = obs, {a: 1.0 for a in self.agents}, term, trunc, {a: {} for a in obs}
+            self.agents = [a for a in self.agents if not done[a]]
             return out
 
-    env = ff.envs.make(Reserve, num_envs=2, seed=0)
+    return Leaving
+
+
+def test_an_agent_not_in_an_episode_counts_no_episode():
+    """An agent of ``possible_agents`` the env does not spawn (a reserve): each end of an episode
+    counted it a (return 0, length 0) episode (helper round 27 G01)."""
+    env = ff.envs.make(_agents_leaving({"a": 3, "b": 3}, ["a", "b", "c"], ends="truncated"), num_envs=2, seed=0)
     env.reset()
     finished = []
     for _ in range(6):
@@ -80,35 +87,7 @@ def test_an_agents_episode_is_counted_when_it_ends_not_when_the_last_agent_does(
     """Agents that leave at different steps: an agent's episode was counted only once the last
     agent of its environment was done, so a run that stopped before then, or the rows before it,
     left it out (helper round 29 O01)."""
-    from pettingzoo import ParallelEnv
-
-    life = {"a": 5, "b": 2, "c": 3}
-
-    class Dying(ParallelEnv):
-        metadata = {"name": "dying"}
-
-        def __init__(self):
-            self.possible_agents = list(life)
-
-        def observation_space(self, agent):
-            return gym.spaces.Box(-100, 100, (1,), np.float32)
-
-        def action_space(self, agent):
-            return gym.spaces.Discrete(2)
-
-        def reset(self, seed=None, options=None):
-            self.t, self.agents = 0, list(self.possible_agents)
-            return {a: np.zeros(1, np.float32) for a in self.agents}, {a: {} for a in self.agents}
-
-        def step(self, actions):
-            self.t += 1
-            obs = {a: np.full(1, self.t, np.float32) for a in self.agents}
-            term = {a: self.t >= life[a] for a in self.agents}
-            out = obs, {a: 1.0 for a in self.agents}, term, {a: False for a in self.agents}, {a: {} for a in obs}
-            self.agents = [a for a in self.agents if not term[a]]
-            return out
-
-    env = ff.envs.make(Dying, num_envs=1, seed=0)
+    env = ff.envs.make(_agents_leaving({"a": 5, "b": 2, "c": 3}, ["a", "b", "c"]), num_envs=1, seed=0)
     env.reset()
     finished = []
     for _ in range(7):
