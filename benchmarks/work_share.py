@@ -6,8 +6,9 @@ the environments' steps and the buffers' adds and samples: what any implementati
 SB3's included. The rest of the step is fragflow's (dispatch, versioned state, checks, logging)
 and the loop's own Python. Dividing the env steps of training by the work alone gives the steps/s
 of a runtime that costs nothing, and so the highest ratio to SB3 any runtime could reach with these
-networks, hyper-parameters and one torch thread; the measured ratio is set beside it. Tracing is not
-counted (its calls are not timed). Same configurations as ``throughput_algos.py`` (A2C, DQN, SAC)
+networks, hyper-parameters and one torch thread; the measured ratio is set beside it. Under
+``single_process`` the trace is the run's beginning (DQN's and SAC's warm-ups run traced), so its
+calls are timed too, and its recording is fragflow's share. Same configurations as ``throughput_algos.py`` (A2C, DQN, SAC)
 and ``families.py speed`` (PPO on HalfCheetah and on Breakout); fragflow and SB3 alternate, each run
 in a fresh process with one torch thread, medians of ``--reps``.
 
@@ -31,7 +32,7 @@ def _sb3_algo(name: str) -> Callable[[int, int], str]:
 
 
 def _sb3_family(name: str) -> Callable[[int, int], str]:
-    return lambda seed, steps: families.SB3[name].format(seed=seed, steps=steps)
+    return lambda seed, steps: families.SB3[name].format(seed=seed, steps=steps, device="cpu")
 
 
 # name: (algorithm module, its Args, env steps per run, SB3's program for the same run (seed, steps))
@@ -45,19 +46,15 @@ TIMED = """
 import json, time, torch
 torch.set_num_threads(1)
 import fragflow as ff
-from fragflow import context
 from fragflow.api import buffer, envs, replay
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.tracer import Tracer
 from fragflow.algorithms import {module}
 algo = {module}
 
 spent = {{"work": 0.0, "steps": 0}}
 
 def timed(fn, env=False):
-    def run(*args, **kwargs):
-        if isinstance(context.current(), Tracer):
-            return fn(*args, **kwargs)
+    def run(*args, **kwargs):   # (the trace counts too: under single_process it is the run's beginning)
         t = time.perf_counter()
         out = fn(*args, **kwargs)
         spent["work"] += time.perf_counter() - t
@@ -75,7 +72,8 @@ for cls in (replay.ReplayBuffer, buffer.RolloutBuffer):
         if hasattr(cls, name):
             setattr(cls, name, timed(getattr(cls, name)))
 r = ff.run(algo.train, {args}, policy="single_process")
-train_wall = spent["steps"] / r.summary["steps_per_second"]
+assert spent["steps"] == r.summary["env_steps"], (spent["steps"], r.summary["env_steps"])
+train_wall = r.summary["env_steps"] / r.summary["steps_per_second"]
 print(json.dumps(dict(sps=r.summary["steps_per_second"], work_sps=spent["steps"] / spent["work"],
                       work_share=spent["work"] / train_wall)))
 """
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         module, args, steps, sb3_code = CASES[algo]
         ours, theirs = [], []
         for rep in range(a.reps):
-            ours.append(run_json(TIMED.format(module=module, args=args.format(steps=steps, seed=rep + 1)),
+            ours.append(run_json(TIMED.format(module=module, args=args.format(steps=steps, seed=rep + 1, device="cpu")),
                                  env={"FRAGFLOW_THREADS": "1"}))
             theirs.append(run_json(sb3_code(rep + 1, steps))["sps"])
         sps = statistics.median(r["sps"] for r in ours)
