@@ -130,7 +130,7 @@ class Fragment:
         interp = context.current()
         if interp is None:
             return self.fn(*args, **kwargs)
-        if signals._lost:   # a Ctrl-C dropped in a finalizer (see keeps_interrupts) stops the loop here
+        if signals.dropped:   # a Ctrl-C dropped in a finalizer (see keeps_interrupts) stops the loop here
             signals.check()
         outer = getattr(_calling, "fragment", None)
         if outer is not None:   # called by a fragment: part of its work, wherever that runs

@@ -104,7 +104,6 @@ class GradientAllReduce:
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
 
     def _flush(self) -> None:
-
         self.queued = False
         pending, self.pending = sorted(self.pending, key=lambda q: self.order[id(q)]), []
         grads = [q.grad for q in pending]
@@ -118,7 +117,6 @@ class GradientAllReduce:
 
     def average(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce)."""
-
         present = [g for g in grads if g is not None]
         if not present:
             return grads

@@ -24,7 +24,6 @@ from fragflow.lowering import Lowered
 from fragflow.runtime import signals
 from fragflow.runtime.monitor import Monitor, StopRun, logged_name
 from fragflow.runtime.serial import unwrap
-from fragflow.runtime.signals import deferred, shielded
 
 JOIN_TIMEOUT = 3.0
 STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoint may take
@@ -129,7 +128,7 @@ class Driver:
             self._start()
             self._loop()
         finally:
-            with shielded():   # a second Ctrl-C (a signal sent to the group twice) lets the segments be released
+            with signals.shielded():   # a second Ctrl-C (a signal sent to the group twice) lets the segments be released
                 if self.checkpoints is not None:
                     self.checkpoints.abort()
                 self._shutdown()
@@ -143,14 +142,14 @@ class Driver:
     def _start(self) -> None:
         from fragflow.runtime import worker
 
-        with deferred():   # every segment made is recorded for release before a Ctrl-C stops the run
+        with signals.deferred():   # every segment made is recorded for release before a Ctrl-C stops the run
             self.wiring = self.backend.wire(self.lowered)
         self.endpoints = self.wiring.attach()
         roles = [(s.group, 0) for s in self.lowered.services] + [("actor", k) for k in range(self.lowered.loop.replicas)]
         self.saving = self._saving()
         with _no_main_reimport():
             for role, k in roles:
-                with deferred():   # (a signal during a fork is otherwise dropped, and the run goes on)
+                with signals.deferred():   # (a signal during a fork is otherwise dropped, and the run goes on)
                     p = self.backend.start(worker.main, (role, k, os.getpid(), self.program,
                                                          self._wiring_for(role, k), self.saving), f"fragflow-{role}-{k}")
                     self.procs.append((role, k, p))

@@ -50,7 +50,7 @@ def deferred() -> Iterator[None]:
         signal.raise_signal(got[0])
 
 
-_lost: list[type[BaseException]] = []   # a Ctrl-C (SIGTERM) raised where Python drops exceptions
+dropped: list[type[BaseException]] = []   # a Ctrl-C (SIGTERM) raised where Python drops exceptions
 
 
 def keeps_interrupts(fn: F) -> F:
@@ -65,23 +65,23 @@ def keeps_interrupts(fn: F) -> F:
 
         def hook(unraisable: Any) -> None:
             if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-                _lost.append(unraisable.exc_type)
+                dropped.append(unraisable.exc_type)
                 return
             previous(unraisable)
 
-        _lost.clear()
+        dropped.clear()
         sys.unraisablehook = hook
         try:
             return fn(*args, **kwargs)
         finally:
             sys.unraisablehook = previous
-            _lost.clear()
+            dropped.clear()
     return kept  # type: ignore[return-value]
 
 
 def check() -> None:
     """Raise, once, a Ctrl-C or SIGTERM that was dropped (see :func:`keeps_interrupts`)."""
-    if _lost:
-        kind = _lost[0]
-        _lost.clear()
+    if dropped:
+        kind = dropped[0]
+        dropped.clear()
         raise kind()
