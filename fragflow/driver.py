@@ -370,7 +370,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
             if on_compiled is not None:
                 on_compiled(compiled)
             if run_dir is not None:
-                monitor.outputs = RunOutputs(run_dir)
+                monitor.outputs = RunOutputs(run_dir, column_order=compiled.placed.graph.log_columns)
                 monitor.outputs.write_text("graph.txt", format_placed(compiled.placed))
             monitor.progress = display
 
@@ -447,7 +447,7 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
                               fix="define the training function in a file, with its loop (for/while) in its own body")
     resumed_at = (int(start.counters.get("updates", 0)), int(start.counters.get("env_steps", 0))) \
         if start is not None else None
-    outputs = RunOutputs(out, resumed_at=resumed_at) if out is not None else None
+    outputs = RunOutputs(out, resumed_at=resumed_at, column_order=placed.graph.log_columns) if out is not None else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
     if start is not None:

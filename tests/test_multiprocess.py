@@ -1336,6 +1336,61 @@ def test_rows_wait_for_the_loops_marks_however_far_the_learners_updates_run_ahea
     assert [float(r["episodes"]) for r in rows] == [u // 5 for u in range(1, 201)]
 
 
+def test_metrics_columns_keep_the_loops_order_whatever_arrives_first(tmp_path):
+    """The loop's own values ("n") logged after a learner's ("loss") can reach the driver first under a
+    policy of several processes: the columns were in arrival order, so two same-seed pipelined runs
+    wrote different headers. They follow the order the trace saw them logged, new ones included."""
+    from fragflow.runtime.outputs import RunOutputs
+
+    out = RunOutputs(tmp_path, column_order=("loss", "n", "late"))
+    out.write_row({"env_steps": 8.0, "updates": 1.0, "n": 1.0, "loss": 0.5})
+    out.write_row({"env_steps": 16.0, "updates": 2.0, "unseen": 3.0, "late": 2.0, "n": 2.0, "loss": 0.25})
+    out.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert list(rows[0]) == ["env_steps", "updates", "loss", "n", "late", "unseen"]
+    assert [r["late"] for r in rows] == ["", "2.0"] and [r["loss"] for r in rows] == ["0.5", "0.25"]
+
+
+LOOP_LOGS_AFTER_LEARNER = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {"loss": batch["obs"].std(), "q": batch["obs"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(12):
+        for _ in range(8):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+        ff.log({"n_added": float(u), "epsilon": 1.0 / (u + 1)})
+    return state
+"""
+
+
+def test_a_pipelined_runs_metrics_header_is_single_processs(write_algo, tmp_path):
+    path, _ = write_algo(LOOP_LOGS_AFTER_LEARNER, "loop_logs.py")
+    program = load(str(path))
+    headers = []
+    for run, pol in (("one", "single_process"), ("a", "pipelined"), ("b", "pipelined")):
+        ff.run(program.train, policy=pol, out=tmp_path / run)
+        with open(tmp_path / run / "metrics.csv", newline="") as f:
+            headers.append([c for c in next(csv.reader(f)) if not c.startswith("trajectory/")])
+    assert headers[0][-4:] == ["loss", "q", "n_added", "epsilon"]
+    assert headers[1] == headers[0] and headers[2] == headers[0]
+
+
 STOPS_ON_TARGET = """
 from dataclasses import dataclass
 import numpy as np

@@ -157,6 +157,7 @@ class Graph:
     # (the changer, its argument, its call, the later fragment, its call, the array's maker: None, the loop)
     changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None, str | None] | None = None
     own_env: SourceLoc | None = None   # where the program made an environment itself (gymnasium.make, make_vec)
+    log_columns: tuple[str, ...] = ()   # the names ff.log wrote while tracing, first seen first (metrics.csv's order)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -163,6 +163,7 @@ class Tracer(Recording):
         # the trace unwinds, the run starts again), or the error placing the graph raised (raised
         # after unwinding, outside the user's code)
         self.journal: list[tuple[Any, ...]] | None = None
+        self.log_columns: dict[str, None] = {}   # names ff.log was given, in the order first seen
         self.handover: Callable[[Tracer], Any] | None = None
         self.taken_by: Any = None
         self.failed: BaseException | None = None
@@ -277,11 +278,14 @@ class Tracer(Recording):
             return interp.call(frag, args, kwargs)
         window = self.window.window
         rec.calls[window] += 1
-        if frag.role == "logger" and self.journal is not None:
+        if frag.role == "logger":
             from fragflow.runtime.monitor import flat_scalars
 
             scalars = flat_scalars(args[0] if args else kwargs)
-            if scalars:
+            # metrics.csv's columns in the order the loop logs them, whichever process's values reach
+            # the driver first in a run over several
+            self.log_columns.update(dict.fromkeys(scalars))
+            if scalars and self.journal is not None:
                 self.journal.append(("log", time.perf_counter(), scalars))
         try:
             bound = _bind(frag, args, kwargs)
@@ -958,6 +962,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
                                     star_state=tracer.star_state, changed_arg=tracer.changed_arg,
                                     own_env=own_envs[0] if own_envs else None,
+                                    log_columns=tuple(tracer.log_columns),
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

@@ -49,12 +49,16 @@ def _rewrite(path: Path, columns: list[str], rows: list[dict[str, str]]) -> None
 class RunOutputs:
     """Writers for one run directory. Rows go to CSV and TensorBoard as they come."""
 
-    def __init__(self, directory: str | os.PathLike[str], resumed_at: tuple[int, int] | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], resumed_at: tuple[int, int] | None = None,
+                 column_order: tuple[str, ...] = ()) -> None:
         """``resumed_at`` (updates, env steps of its checkpoint): a resumed run adds to the directory's
         ``metrics.csv`` (same columns) and TensorBoard, after dropping what the interrupted run wrote
         past the checkpoint (the resumed run writes it again). Nothing is touched before the first
-        row or episode of a resumed run: one refused when its loop loads the checkpoint leaves the directory as it was."""
+        row or episode of a resumed run: one refused when its loop loads the checkpoint leaves the directory as it was.
+        ``column_order``: the logged names in the order the loop logs them (the trace's), which
+        ``metrics.csv`` keeps after the run's own columns, whatever order the values arrive in."""
         self.dir = Path(directory)
+        self._order = {name: i for i, name in enumerate(column_order)}
         self.dir.mkdir(parents=True, exist_ok=True)
         self._csv_file: IO[str] | None = None
         self._csv: csv.DictWriter[str] | None = None
@@ -105,7 +109,7 @@ class RunOutputs:
             if self._columns is not None:
                 self._open_csv("a")
             else:
-                self._columns = list(row)
+                self._columns = self._ordered(list(row))
                 self._open_csv("w")
         assert self._columns is not None and self._csv is not None
         if any(key not in self._columns for key in row):
@@ -139,6 +143,15 @@ class RunOutputs:
             self._events.clear()
         self._events_due = time.monotonic() + TB_EVERY
 
+    def _ordered(self, names: list[str]) -> list[str]:
+        """The run's own columns first, as they come; then the logged names in the loop's order (a
+        name the trace did not see logged, last). Under a policy of several processes a learner's
+        values and the loop's reach the driver in either order."""
+        last = len(self._order)
+        own = [n for n in names if n in RUNTIME_COLUMNS or n in EVAL_COLUMNS or n in CHANNEL_COLUMNS]
+        logged = [n for n in names if n not in own]
+        return own + sorted(logged, key=lambda n: self._order.get(n, last))   # (stable: unseen ones as they came)
+
     def _open_csv(self, mode: str) -> None:
         assert self._columns is not None
         self._csv_file = open(self.dir / "metrics.csv", mode, newline="")
@@ -154,7 +167,7 @@ class RunOutputs:
         path = self.dir / "metrics.csv"
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-        self._columns = self._columns + new
+        self._columns = self._columns + self._ordered(new)
         _rewrite(path, self._columns, rows)
         self._open_csv("a")
 
