@@ -2271,11 +2271,55 @@ def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_serv
     with pytest.raises(PlacementError, match=rf"learner fragment 'learn' is given batch\['obs'\] of shape f32\[4,2,4\] "
                                              rf"at {relpath(path)}:{marks['learn_b']} as well as f32\[4,4,4\] at .*, but "
                                              rf"policy 'actor_learner' runs it in another process.*\n  at "
-                                             rf"{relpath(path)}:{marks['learn']}\n  fix: give the calls with the other shape"):
+                                             rf"{relpath(path)}:{marks['learn']}\n  fix: .*where two calls differ, give "
+                                             rf"the calls with the other shape a fragment of their own"):
         compile(program.train, 1, policy="actor_learner(actors=2)")
     one = ff.run(program.train, 2, policy="single_process")
     served = ff.run(program.train, 2, policy="central_inference(env_workers=2)")
     assert all(np.array_equal(x["w"], y["w"]) for x, y in zip(one.value, served.value))
+
+
+PER_EPISODE = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")  # @learn
+def learn(state, obs, returns):
+    return {"w": state["w"] + 1e-3 * (obs * returns[:, None]).sum(0)[:, None]}, {"n": float(len(returns))}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    state = ff.versioned({"w": np.full((4, 2), 0.1)})
+    obs, ep_obs, ep_rew = env.reset(), [], []
+    for _ in range(300):
+        next_obs, reward, terminated, truncated, _ = env.step(act(state["w"], obs))
+        ep_obs.append(obs[0])
+        ep_rew.append(reward[0])
+        obs = next_obs
+        if terminated[0] or truncated[0]:   # REINFORCE: one update per finished episode
+            state, m = learn(state, np.stack(ep_obs), np.cumsum(ep_rew[::-1])[::-1].astype(np.float32))  # @call
+            ff.log(m)
+            ep_obs, ep_rew = [], []
+    return state
+"""
+
+
+def test_a_learner_given_whole_episodes_of_varying_length_is_refused_with_padding_as_the_fix(write_algo):
+    """One call given an episode at a time: a fragment of its own per shape (the fix for two calls
+    of different shapes) cannot help, padding to a fixed size can, and the fix says so first."""
+    path, marks = write_algo(PER_EPISODE)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' is given obs of shape f32\[\d+,4\] at "
+                                             rf"{relpath(path)}:{marks['call']} as well as f32\[\d+,4\] at "
+                                             rf"{relpath(path)}:{marks['call']}, but policy 'pipelined'.*\n  at "
+                                             rf"{relpath(path)}:{marks['learn']}\n  fix: where one call is given data "
+                                             rf"of varying size .*pad it to a fixed size and pass the true length"):
+        compile(program.train, policy="pipelined")
+    assert ff.run(program.train, policy="single_process").summary["updates"] > 3
 
 
 def test_a_loop_that_changes_its_args_runs_from_the_args_it_was_given(write_algo):

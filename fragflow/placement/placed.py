@@ -247,9 +247,11 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' is given {n.other_inputs}, but policy '{policy}' runs it in another "
                 "process, whose channels are sized for one shape", where=n.defined_at,
-                fix=f"give the calls with the other shape a fragment of their own: the same function under another "
-                    f"name ({n.name}_b = ff.fragment(..., name='{n.name}_b')({n.name}.fn), with the arguments of "
-                    f"'{n.name}''s decorator), or run with --policy single_process")
+                fix=f"where one call is given data of varying size (an episode, a filtered batch), pad it to a fixed "
+                    f"size and pass the true length or a mask beside it; where two calls differ, give the calls with "
+                    f"the other shape a fragment of their own: the same function under another name "
+                    f"({n.name}_b = ff.fragment(..., name='{n.name}_b')({n.name}.fn), with the arguments of "
+                    f"'{n.name}''s decorator); or run with --policy single_process")
         if n.name in service and n.other_rows and not n.other_rows_evaluation:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' is called on {n.other_rows} (two training envs of different sizes), "
