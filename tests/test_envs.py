@@ -301,11 +301,94 @@ def test_options_make_cannot_apply_and_factories_of_the_wrong_kind_are_refused_a
         (lambda: ff.envs.make(tictactoe_v3.env, num_envs=2, seed=0), "PettingZoo AEC environment"),
         (lambda: ff.envs.make(lambda: gym.make("Blackjack-v1"), num_envs=2, seed=0, normalize_obs=True),
          "normalize_obs keeps running statistics of one array"),
+        # (each of these raised an AttributeError on a 'close' the user never called)
+        (lambda: ff.envs.make(_NotAnEnv, num_envs=2, seed=0), "got _NotAnEnv, which is not a gymnasium.Env subclass"),
+        (lambda: ff.envs.make(lambda: None, num_envs=2, seed=0), "returned NoneType None, not a gymnasium.Env"),
     ]
     for make, message in cases:
         with pytest.raises(UnknownEnvError, match=message) as info:
             make()
         assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+
+
+class _NotAnEnv:
+    """The gymnasium interface without its base class (no spaces, metadata, close)."""
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(3), {}
+
+    def step(self, action):
+        return np.zeros(3), 0.0, False, False, {}
+
+
+def test_wrappers_and_clip_actions_make_cannot_apply_are_refused_at_the_make_line():
+    # gymnasium's bare TypeErrors came through: 'type' object is not iterable, 'TimeLimit' object is not
+    # callable (where it built the envs), ClipAction requires a Box action space
+    wrapped = gym.wrappers.TimeLimit(gym.make("CartPole-v1"), 5)
+    cases = [
+        (dict(wrappers=gym.wrappers.RecordEpisodeStatistics), r"wrappers=<class .*RecordEpisodeStatistics'>, where it "
+                                                              r"takes a list"),
+        (dict(wrappers=[wrapped]), r"among its wrappers: an environment, not a wrapper"),
+        (dict(clip_actions=True), r"clip_actions clips continuous actions to the bounds of a Box action space, but "
+                                  r"this environment's action space is Discrete\(2\)"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            ff.envs.make("CartPole-v1", num_envs=2, seed=0, **options)
+        assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    wrapped.close()
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0, wrappers=(gym.wrappers.RecordEpisodeStatistics,))
+    assert env.reset().shape == (2, 4)   # a tuple of wrappers is a list
+    env.close()
+
+
+class _Misfit(gym.Env):
+    """Returns observations of another shape than its space's: at reset, or (a Dict space) at a step."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        box = gym.spaces.Box(-1, 1, (3,), np.float32)
+        self.observation_space = gym.spaces.Dict({"pos": box}) if where == "dict step" else box
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        obs = np.zeros(2 if self.where == "reset" else 3, np.float32)
+        return ({"pos": obs} if self.where == "dict step" else obs), {}
+
+    def step(self, action):
+        return {"pos": np.zeros(2, np.float32)}, 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("where", ["reset", "dict step"])
+def test_an_observation_of_another_shape_than_the_space_is_refused_at_reset_and_a_structured_step(where):
+    # numpy's bare 'Output array is the wrong shape' came from gymnasium's batching, with no env or fix
+    env = ff.envs.make(_Misfit, num_envs=2, seed=0, where=where)
+    with pytest.raises(ConfigError, match=rf"an environment's {where.split()[-1]} returned an observation that does not "
+                                          r"fit its observation space") as info:
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    env.close()
+
+
+class _Raises(gym.Env):
+    observation_space = gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (3,), np.float32)})
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return {"pos": np.zeros(3, np.float32)}, {}
+
+    def step(self, action):
+        raise ValueError("the env's own error")
+
+
+def test_an_environments_own_error_in_a_structured_step_comes_through_as_it_is():
+    env = ff.envs.make(_Raises, num_envs=1, seed=0)
+    env.reset()
+    with pytest.raises(ValueError, match="the env's own error"):
+        env.step(np.zeros(1, np.int64))
+    env.close()
 
 
 def test_an_ale_id_without_its_module_prefix_finds_the_game_when_ale_py_is_installed():

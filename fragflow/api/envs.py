@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,9 +94,24 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
         self._lean = isinstance(self.single_observation_space, _ARRAY_SPACES) and \
             isinstance(self.single_action_space, _ARRAY_SPACES)
 
+    def reset(self, **kwargs: Any) -> Any:
+        try:
+            return super().reset(**kwargs)
+        except (ValueError, TypeError, AssertionError) as exc:
+            misfit = self._misfit(exc, "reset")
+            if misfit is exc:
+                raise
+            raise misfit from None
+
     def step(self, actions: Any) -> Any:
         if not self._lean:
-            return super().step(actions)
+            try:
+                return super().step(actions)
+            except (ValueError, TypeError, AssertionError) as exc:
+                misfit = self._misfit(exc, "step")
+                if misfit is exc:
+                    raise
+                raise misfit from None
         n = self.num_envs
         obs = np.empty_like(self._observations)
         rewards = np.empty(n, np.float64)
@@ -118,6 +134,26 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
             obs[i] = o
             rewards[i], terminated[i], truncated[i] = r, te, tr
         return obs, rewards, terminated, truncated, info
+
+    def _misfit(self, exc: BaseException, call: str) -> BaseException:
+        """The error an observation that does not fit the space raised where gymnasium batches the
+        environments' observations (its own step and reset): what it means and how to fix it. Any
+        other error (the environment's own) is returned as it is, to be raised."""
+        tb, batching = exc.__traceback__, False
+        while tb is not None:
+            batching = batching or tb.tb_frame.f_code.co_filename.endswith(_BATCHING)
+            tb = tb.tb_next
+        if not batching:
+            return exc
+        return ConfigError(f"an environment's {call} returned an observation that does not fit its observation "
+                           f"space {self.single_observation_space} ({type(exc).__name__}: {exc})",
+                           where=user_callsite(),
+                           fix="return observations of the space's shape (for a Dict or Tuple space, each part of "
+                               "its own subspace's), or declare the space the env returns")
+
+
+# where gymnasium's vector env puts the environments' observations into one batch
+_BATCHING = (os.path.join("gymnasium", "vector", "utils", "space_utils.py"),)
 
 
 class _RunningMeanStd:
@@ -228,6 +264,12 @@ class VectorEnv:
         if clip_rewards:   # outside the episode statistics: returns are reported on the raw rewards
             env = gym.wrappers.vector.ClipReward(env, -1.0, 1.0)
         if clip_actions:
+            if not isinstance(env.single_action_space, gym.spaces.Box):
+                base.close()
+                raise ConfigError(f"clip_actions clips continuous actions to the bounds of a Box action space, but "
+                                  f"this environment's action space is {env.single_action_space}",
+                                  where=user_callsite(),
+                                  fix="leave clip_actions out, or clip the actions your actor returns yourself")
             env = gym.wrappers.vector.ClipAction(env)
         if normalize_obs or normalize_reward:
             env = _Normalize(env, normalize_obs, normalize_reward, gamma)
@@ -385,6 +427,20 @@ def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
     return env
 
 
+def _wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.Env], ...]:
+    """``wrappers`` as make applies them, or the error saying what it takes."""
+    fix = ("give a list of wrapper classes or functions of an env, innermost first: "
+           "wrappers=[gym.wrappers.RecordEpisodeStatistics, lambda e: gym.wrappers.TimeLimit(e, 500)]")
+    if callable(wrappers) or isinstance(wrappers, (gym.Env, str)) or not hasattr(wrappers, "__iter__"):
+        raise ConfigError(f"ff.envs.make got wrappers={wrappers!r:.80}, where it takes a list", where=where, fix=fix)
+    listed = tuple(wrappers)
+    for w in listed:
+        if isinstance(w, gym.Env) or not callable(w):
+            raise ConfigError(f"ff.envs.make got {w!r:.80} among its wrappers: an environment, not a wrapper to "
+                              "apply to each one it makes", where=where, fix=fix)
+    return listed
+
+
 def _parallel_factory(env_id: Any) -> Callable[..., Any] | None:
     """The ``parallel_env`` constructor of a PettingZoo environment module, or None."""
     factory = getattr(env_id, "parallel_env", None)
@@ -503,6 +559,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                          "environments at every call, in whatever process runs the fragment", where=where,
                          fix="make the environments once, in the training function before its loop, and pass "
                              f"their observations to '{inside.name}'")
+    wrappers = _wrapper_list(wrappers, where)
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
     parallel = _parallel_factory(env_id)
@@ -523,6 +580,17 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                                       "agents all act at every step)")
         if hasattr(first, "possible_agents"):
             parallel = env_id
+        elif not isinstance(first, (gym.Env, gym.vector.VectorEnv)):
+            close = getattr(first, "close", None)
+            if callable(close):
+                close()
+            made = "is not a gymnasium.Env subclass" if isinstance(env_id, type) else \
+                f"returned {type(first).__name__} {first!r:.60}, not a gymnasium.Env"
+            raise UnknownEnvError(f"ff.envs.make got {getattr(env_id, '__qualname__', repr(env_id))}, which {made}",
+                                  where=where,
+                                  fix="subclass gymnasium.Env (with its observation_space and action_space) or return "
+                                      "one from the function; an environment with another interface: decorate its "
+                                      "reset and step with @ff.fragment(\"env\") and step it yourself")
         else:
             vector = isinstance(first, gym.vector.VectorEnv)
             first.close()
@@ -559,7 +627,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     try:
         env = VectorEnv(gym_env, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
                         normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
-                        evaluation=evaluation, env_kwargs=env_kwargs, wrappers=tuple(wrappers),
+                        evaluation=evaluation, env_kwargs=env_kwargs, wrappers=wrappers,
                         clip_rewards=clip_rewards)
     except TypeError as exc:
         if not env_kwargs or "keyword argument" not in str(exc):
