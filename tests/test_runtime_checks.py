@@ -208,6 +208,32 @@ def train():
         ff.trace(prog.train)
 
 
+@pytest.mark.parametrize("metrics", ['{1: x, "1": 2.0 * x}', '{"a": {"b": x}, "a/b": 2.0 * x}'])
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_two_logged_values_that_would_share_a_column_are_refused_at_the_log(write_algo, metrics, policy):
+    """Both were written to one column, the first value lost without a word (helper round 30 Q1)."""
+    path, marks = write_algo(f"""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state):
+    x = state["n"].sum()
+    return {{"n": state["n"] + 1}}, {metrics}
+
+def train():
+    state = ff.versioned({{"n": np.zeros(1)}})
+    for _ in range(4):
+        state, m = learn(state)
+        ff.log(m)  # @log
+""")
+    prog = load(str(path))
+    name = "1" if metrics.startswith("{1") else "a/b"
+    with pytest.raises(ConfigError, match=rf"ff.log got '{name}' twice: two of its values have that name .*\n  at "
+                                          rf"{relpath(path)}:{marks['log']}\n  fix: give each value a name of its own"):
+        ff.run(prog.train, policy=policy)
+
+
 @pytest.mark.parametrize("policy, message", [
     ("actor_learner(overflow=bogus)", "expected one of drop, deliver, block, got 'bogus'"),
     ("pipelined(max_lag=-1)", "option 'max_lag' of policy 'pipelined' is -1: a staleness bound is a number of versions"),

@@ -24,17 +24,21 @@ def flat_scalars(tree: Any) -> dict[str, float]:
     """``{"loss": 0.5, "x": {"y": 1}, "v": [2]}`` -> ``{"loss": 0.5, "x/y": 1.0, "v/0": 2.0}`` (a lone
     scalar is ``"value"``). A leaf that is not one number (a value first logged after the trace, or
     grown since) is refused at the ``ff.log`` line."""
-    out = {}
+    out: dict[str, float] = {}
     for name, leaf in _named_leaves(tree, ""):
         what = (f"of type {type(leaf).__name__}, not a number" if isinstance(leaf, (str, bytes))
                 else f"with shape {tuple(np.shape(to_numpy(leaf)))}, not a scalar" if _size(leaf) != 1 else None)
+        fix = "log scalars: reduce it first (x.mean(), x.max()) or log its elements under names of their own"
+        if what is None and (name or "value") in out:   # {1: x, "1": y}, {"a": {"b": x}, "a/b": y}: one column
+            name = name or "value"
+            what = ("twice: two of its values have that name (keys are joined with '/' and written as text), and "
+                    "one column cannot hold both")
+            fix = "give each value a name of its own"
         if what is not None:
             from fragflow.errors import ConfigError
             from fragflow.source import user_callsite
 
-            raise ConfigError(f"ff.log got {name or 'its value'!r} {what}", where=user_callsite(),
-                              fix="log scalars: reduce it first (x.mean(), x.max()) or log its elements under "
-                                  "names of their own")
+            raise ConfigError(f"ff.log got {name or 'its value'!r} {what}", where=user_callsite(), fix=fix)
         out[name or "value"] = _number(leaf)
     return out
 
