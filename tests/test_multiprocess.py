@@ -1336,6 +1336,31 @@ def test_rows_wait_for_the_loops_marks_however_far_the_learners_updates_run_ahea
     assert [float(r["episodes"]) for r in rows] == [u // 5 for u in range(1, 201)]
 
 
+def test_a_stopped_runs_rows_whose_loop_steps_never_came_are_left_out_not_written_behind(tmp_path):
+    """A Ctrl-C under pipelined while the loop's messages lagged the learner's: the last rows were
+    written with the steps and episodes heard by then, behind the rows before them (counts going
+    backwards); and values the loop logged for an update that never came (its learner failed) made
+    a second row of the last update. Both are left out, as single_process never wrote them."""
+    from fragflow.runtime.monitor import Monitor
+    from fragflow.runtime.outputs import RunOutputs
+
+    monitor = Monitor(outputs=RunOutputs(tmp_path))
+    monitor.rows_end_at_steps, monitor.marked_replicas = False, 1
+    monitor.start()
+    for u in range(1, 11):
+        monitor.update()
+        monitor.log_at(u, {"loss": float(u)}, steps=32 * u)
+        if u <= 6:   # the loop's steps and marks of the first six updates reached the driver
+            monitor.env_step(32, [(10.0, 10)] if u % 2 == 0 else [], 0, [(32 * u, 10.0, 10)] if u % 2 == 0 else None)
+            monitor.mark(0, u, 32 * u)
+    monitor.log_at(11, {"epsilon": 0.5}, steps=32 * 11)   # the loop's value of an update that never came
+    monitor.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(float(r["updates"]), float(r["env_steps"])) for r in rows] == [(u, 32 * u) for u in range(1, 6)]
+    assert "epsilon" not in rows[0]
+    assert "the last 5 update(s) have no row in metrics.csv" in monitor.summary()["notes"][0]
+
+
 def test_metrics_columns_keep_the_loops_order_whatever_arrives_first(tmp_path):
     """The loop's own values ("n") logged after a learner's ("loss") can reach the driver first under a
     policy of several processes: the columns were in arrival order, so two same-seed pipelined runs

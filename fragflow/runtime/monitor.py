@@ -172,6 +172,7 @@ class Monitor:
         self.version_offset = 0
         self.restarts = 0
         self.notes: list[str] = []
+        self.unwritten_rows = 0   # rows of a stopped run's last updates left out (see _drain)
 
     # -- what executors report --------------------------------------------------------
     def start(self) -> None:
@@ -322,9 +323,18 @@ class Monitor:
         # rows wait as long as the loop's messages lag the learner's (they share the driver's queue,
         # and a busy machine delays the loop's): a row written before its marks had another update's
         # steps and lost its values; the bound only guards memory against marks that never come
-        while self._waiting and (self._marked(self._waiting[0]) or force or len(self._waiting) > MAX_WAITING_ROWS):
+        while self._waiting:
+            marked = self._marked(self._waiting[0])
+            if not (marked or force or len(self._waiting) > MAX_WAITING_ROWS):
+                break
             self._write_loop_rows(int(self._waiting[0]["updates"]) - self.base_updates)
             row = self._waiting.pop(0)   # (taken first: a Ctrl-C in the write cannot write it twice)
+            if not marked and force:
+                # a run that stopped (Ctrl-C, a failure) before the loop's steps of this update reached
+                # the driver: its step and episode columns would be those heard by then, behind the
+                # row before; the row is left out, as single_process never wrote it
+                self.unwritten_rows += 1
+                continue
             if self.outputs is not None:
                 self.outputs.write_row(row)
             written = int(row["updates"]) - self.base_updates
@@ -524,8 +534,12 @@ class Monitor:
             "final_return_mean": self.recent_return,
         }
         out["restarts"] = self.restarts
-        if self.notes:
-            out["notes"] = list(self.notes)
+        notes = list(self.notes)
+        if self.unwritten_rows:
+            notes.append(f"the last {self.unwritten_rows} update(s) have no row in metrics.csv: the run stopped "
+                         "before the loop's steps of them reached the driver")
+        if notes:
+            out["notes"] = notes
         if self.resumed:
             out["resumed_at"] = {"env_steps": self.base_steps, "updates": self.base_updates, "version": self.version_offset}
             out["wall_seconds_total"] = round(self.base_wall + wall, 3)
@@ -541,8 +555,9 @@ class Monitor:
         return out
 
     def close(self) -> None:
-        for update in sorted(self._early):   # values of updates that never came (the run stopped first)
-            self.log_scalars(self._early.pop(update))
+        # values the loop logged for updates that never came (the run stopped first: a learner failed,
+        # a Ctrl-C) are left out, as single_process, which stops at the failing call, never logs them
+        self._early.clear()
         self._flush()
         self._drain(force=True)
         self._write_loop_rows(self.updates - self.base_updates + 1)
