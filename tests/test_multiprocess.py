@@ -1416,6 +1416,25 @@ def test_a_pipelined_runs_metrics_header_is_single_processs(write_algo, tmp_path
     assert headers[1] == headers[0] and headers[2] == headers[0]
 
 
+def test_a_name_logged_from_a_learners_output_and_by_the_loop_is_refused_where_the_learner_runs_apart(write_algo):
+    """Which value the row held depended on which process's message reached the driver first: three
+    same-seed pipelined runs wrote three different columns (helper round 30 R30X-1)."""
+    source = LOOP_LOGS_AFTER_LEARNER.replace("        ff.log(m)\n", "        ff.log(m)  # @learner_log\n").replace(
+        'ff.log({"n_added": float(u), "epsilon": 1.0 / (u + 1)})',
+        'ff.log({"loss": -1.0, "n_added": float(u), "epsilon": 1.0 / (u + 1)})  # @loop_log')
+    path, marks = write_algo(source)
+    program = load(str(path))
+    rows = ff.run(program.train, policy="single_process").summary["updates"]   # the last ff.log wins, in one process
+    assert rows == 12
+    for policy in ("pipelined", "actor_learner(actors=2, max_lag=0)"):
+        with pytest.raises(ff.errors.PlacementError,
+                           match=rf"ff.log is given 'loss' both from an output of learner 'learn' \(at .*:"
+                                 rf"{marks['learner_log']}\) and as a value of the loop's own, but policy .* runs "
+                                 rf"'learn' in another process.*\n  at .*:{marks['loop_log']}\n  fix: log the loop's "
+                                 rf"value under a name of its own"):
+            ff.run(program.train, policy=policy)
+
+
 STOPS_ON_TARGET = """
 from dataclasses import dataclass
 import numpy as np

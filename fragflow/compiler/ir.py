@@ -158,6 +158,9 @@ class Graph:
     changed_arg: tuple[str, str, SourceLoc | None, str, SourceLoc | None, str | None] | None = None
     own_env: SourceLoc | None = None   # where the program made an environment itself (gymnasium.make, make_vec)
     log_columns: tuple[str, ...] = ()   # the names ff.log wrote while tracing, first seen first (metrics.csv's order)
+    # a name ff.log was given both a learner's output under and a value of the loop's own: (the name, the
+    # learner, where its output was logged, where the loop's value was)
+    log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

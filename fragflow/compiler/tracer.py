@@ -164,6 +164,8 @@ class Tracer(Recording):
         # after unwinding, outside the user's code)
         self.journal: list[tuple[Any, ...]] | None = None
         self.log_columns: dict[str, None] = {}   # names ff.log was given, in the order first seen
+        self._logged_by: dict[str, tuple[str, SourceLoc | None]] = {}   # name -> (the learner whose output, or ""; where)
+        self.log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None   # see Graph.log_clash
         self.handover: Callable[[Tracer], Any] | None = None
         self.taken_by: Any = None
         self.failed: BaseException | None = None
@@ -285,6 +287,7 @@ class Tracer(Recording):
             # metrics.csv's columns in the order the loop logs them, whichever process's values reach
             # the driver first in a run over several
             self.log_columns.update(dict.fromkeys(scalars))
+            self._log_sources(args[0] if args else kwargs, where)
             if scalars and self.journal is not None:
                 self.journal.append(("log", time.perf_counter(), scalars))
         try:
@@ -718,6 +721,21 @@ class Tracer(Recording):
                     self._origins[id(new)] = dataclasses.replace(origin, ref=strong(new))
         return tuple(items) if isinstance(out, tuple) else items[0]
 
+    def _log_sources(self, tree: Any, where: SourceLoc | None) -> None:
+        """Note a name logged both from a learner's output and from the loop's own values: where the
+        learner runs in another process, its value and the loop's reach the driver in either order."""
+        from fragflow.runtime.monitor import named_leaves
+
+        for name, leaf in named_leaves(tree):
+            origin = self._origin(leaf)
+            learner = origin.node if origin is not None and origin.role == "learner" else ""
+            seen = self._logged_by.get(name)
+            if seen is None:
+                self._logged_by[name] = (learner, where or user_callsite())
+            elif self.log_clash is None and bool(seen[0]) != bool(learner):
+                here = where or user_callsite()
+                self.log_clash = (name, seen[0] or learner, seen[1] if seen[0] else here, here if seen[0] else seen[1])
+
     def _check_scalars(self, tree: Any, where: SourceLoc | None) -> None:
         try:
             leaves = leaf_paths(tree)
@@ -963,6 +981,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     star_state=tracer.star_state, changed_arg=tracer.changed_arg,
                                     own_env=own_envs[0] if own_envs else None,
                                     log_columns=tuple(tracer.log_columns),
+                                    log_clash=tracer.log_clash,
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

@@ -219,6 +219,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 "not have its value", where=read.where,
                 fix="send it to ff.log (logged where it is computed) or to fragments placed with it, make what the "
                     "loop needs part of the versioned state, or run with --policy single_process")
+    if graph.log_clash is not None and graph.log_clash[1] in service:
+        name, learner, by_learner, by_loop = graph.log_clash
+        raise PlacementError(
+            f"ff.log is given '{name}' both from an output of learner '{learner}' (at {by_learner}) and as a value "
+            f"of the loop's own, but policy '{policy}' runs '{learner}' in another process: the two values reach "
+            "the driver in either order, so the row would hold one or the other", where=by_loop,
+            fix=f"log the loop's value under a name of its own (ff.log({{'loop_{name.replace('/', '_')}': ...}})), or "
+                "run with --policy single_process")
     sinks = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src in service and graph.node(e.dst).role == "logger"}
     service |= sinks
     for e in graph.edges_of(EdgeKind.DATA):

@@ -62,6 +62,12 @@ def non_scalar(tree: Any) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
+def named_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
+    """(column, leaf) of each leaf ``ff.log(tree)`` writes, named as :func:`flat_scalars` names them."""
+    for name, leaf in _named_leaves(tree, ""):
+        yield name or "value", leaf
+
+
 def _named_leaves(tree: Any, name: str) -> Iterator[tuple[str, Any]]:
     """(name, leaf) of each leaf of ``tree``: dict keys, namedtuple fields and list indices joined by "/"."""
     items: Any
