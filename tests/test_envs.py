@@ -161,6 +161,9 @@ def test_an_env_step_given_another_number_of_actions_than_environments_is_refuse
         with pytest.raises(ConfigError, match=r"env.step got .* for the 4 environments this process steps") as info:
             env.step(actions)
         assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    with pytest.raises(ConfigError, match=r"env.step got None for the actions\n  at .*test_envs.py:\d+\n  fix: .*a function without a return "
+                                          r"statement returns None"):
+        env.step(None)   # an actor that forgot its return: a TypeError from gymnasium's cast
     env.step([0, 1, 0, 1])   # a list with a row per environment is an action batch
     env.close()
 

@@ -350,6 +350,10 @@ class VectorEnv:
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         if isinstance(self.single_action_space, (gym.spaces.Dict, gym.spaces.Tuple)):
             return self._finish(self._env.step(self._structured(actions, self.single_action_space, "actions")))
+        if actions is None:
+            raise ConfigError(f"{self.name}.step got None for the actions", where=user_callsite(),
+                              fix="give one action per environment; if an actor fragment made them, check that it "
+                                  "returns them (a function without a return statement returns None)")
         a = to_numpy(actions)
         if a.dtype != object and (a.ndim == 0 or a.shape[0] != self.num_envs):
             raise ConfigError(
