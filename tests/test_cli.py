@@ -425,13 +425,17 @@ def test_a_training_function_annotated_with_a_type_checking_import_runs(tmp_path
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["env_steps"] == 6
 
 
-@pytest.mark.parametrize("option, message", [("max_lag=0.5", "option 'max_lag' of policy 'pipelined'"),
-                                             ("overflow=3", "expected one of drop, deliver, block")])
-def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_path, write_algo, option, message):
+@pytest.mark.parametrize("policy, option, message", [
+    ("pipelined", "max_lag=0.5", "option 'max_lag' of policy 'pipelined'"),
+    ("actor_learner", "overflow=3", "expected one of drop, deliver, block"),
+    ("pipelined", "actors=0", "option 'actors' of policy 'pipelined' is 0"),
+    ("pipelinedd", "", "unknown distribution policy 'pipelinedd'"),
+])
+def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_path, write_algo, policy, option, message):
     """@ff.distribute("pipelined", max_lag=0.5) failed in shared memory's ftruncate, left a segment
-    behind and wrote a run directory; overflow=3 failed in enum (round 28 M03)."""
-    policy = "pipelined" if "max_lag" in option else "actor_learner"
-    path, _ = write_algo(f'''
+    behind and wrote a run directory; overflow=3 failed in enum (round 28 M03). The message names the
+    decorator's line (it named none: helper round 30 Q7)."""
+    path, marks = write_algo(f'''
         import numpy as np
         import fragflow as ff
 
@@ -443,7 +447,7 @@ def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_pat
         def learn(state, batch):
             return {{"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}}, {{}}
 
-        @ff.distribute("{policy}", {option})
+        @ff.distribute("{policy}", {option})  # @dist
         def train():
             env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
             state = ff.versioned({{"w": np.zeros((4, 2))}})
@@ -459,6 +463,7 @@ def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_pat
 
     res = invoke("run", str(path), "--out", str(tmp_path / "o"), "--quiet")
     assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
+    assert f"algo.py:{marks['dist']}\n" in res.stderr, res.stderr
     assert not (tmp_path / "o").exists() and shm_leftovers() == []
 
 

@@ -208,6 +208,30 @@ def train():
         ff.trace(prog.train)
 
 
+def test_a_training_function_that_yields_is_refused_at_its_definition(write_algo):
+    """Calling it ran none of its loop: "ran to its end without calling a fragment", with a fix
+    about marking fragments (helper round 30 Q8)."""
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state):
+    return {"n": state["n"] + 1}, {"n": state["n"].sum()}
+
+def train():  # @train
+    state = ff.versioned({"n": np.zeros(1)})
+    for _ in range(4):
+        state, m = learn(state)
+        yield m
+""")
+    prog = load(str(path))
+    with pytest.raises(ConfigError, match=rf"the training function 'train' is a generator function \(it contains "
+                                          rf"yield\): calling it runs none of its loop\n  at {relpath(path)}:"
+                                          rf"{marks['train']}\n  fix: make it a plain function"):
+        ff.run(prog.train, policy="single_process")
+
+
 @pytest.mark.parametrize("metrics", ['{1: x, "1": 2.0 * x}', '{"a": {"b": x}, "a/b": 2.0 * x}'])
 @pytest.mark.parametrize("policy", ["single_process", "pipelined"])
 def test_two_logged_values_that_would_share_a_column_are_refused_at_the_log(write_algo, metrics, policy):

@@ -70,6 +70,7 @@ from fragflow.compiler.watchers import ThreadsSet, rng_state, set_rng_state, wat
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
+    ConfigError,
     FragflowError,
     NoFragmentError,
     NotArrayPytreeError,
@@ -957,6 +958,12 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     it. The run's outcome is then in ``tracer.taken_by`` / ``tracer.value`` (a loop that ends
     before tracing would stop has run whole, and is handed over then)."""
     train = getattr(train, "__fragflow_train__", train)
+    if inspect.isgeneratorfunction(train) or inspect.iscoroutinefunction(train) or inspect.isasyncgenfunction(train):
+        kind = "a generator function (it contains yield)" if inspect.isgeneratorfunction(train) else "an async function"
+        raise ConfigError(f"the training function '{getattr(train, '__name__', train)}' is {kind}: calling it runs "
+                          "none of its loop", where=definition_of(train),
+                          fix="make it a plain function that runs its loop: send what it yields to ff.log, and "
+                              "return what it ends with")
     module_fragments = tuple(v for v in getattr(train, "__globals__", {}).values()
                              if isinstance(v, Fragment) and v.role in ("actor", "learner", "buffer", "env"))
     tracer = Tracer(max_updates=max_updates, expected=module_fragments, on_progress=on_progress)

@@ -24,8 +24,9 @@ from typing import Any
 
 from fragflow.compiler.ir import Graph
 from fragflow.config import coerce, field_types
-from fragflow.errors import ConfigError, UnknownPolicyError, did_you_mean
+from fragflow.errors import ConfigError, FragflowError, UnknownPolicyError, did_you_mean
 from fragflow.placement.placed import PlacedGraph
+from fragflow.source import user_callsite
 
 
 def default_policy() -> str:
@@ -149,7 +150,10 @@ def distribute(policy: str, **options: Any) -> Callable[[Callable[..., Any]], Ca
     >>> train.__fragflow_policy__
     ('single_process', {})
     """
-    get(policy)   # fail at decoration time on a misspelled name
+    try:   # fail at decoration time on a misspelled name or option, at the decorator's line
+        get(policy).make_options(dict(options))
+    except FragflowError as exc:
+        raise type(exc)(exc.what, where=user_callsite(), fix=exc.fix, detail=exc.detail) from None
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn.__fragflow_policy__ = (policy, dict(options))  # type: ignore[attr-defined]
