@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fragflow.errors import UnknownFileError, did_you_mean
+from fragflow.errors import ConfigError, UnknownFileError, did_you_mean
 from fragflow.source import SourceLoc, definition_of
 
 
@@ -106,5 +106,18 @@ def args_class(train: Any, module: ModuleType) -> type | None:
     cls = hints.get(params[0].name)
     if isinstance(cls, type) and dataclasses.is_dataclass(cls):
         return cls
-    cls = getattr(module, "Args", None)
-    return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None
+    named = cls if isinstance(cls, type) and cls.__module__ == module.__name__ else getattr(module, "Args", None)
+    if isinstance(named, type) and dataclasses.is_dataclass(named):
+        return named
+    if isinstance(named, type) and params[0].default is inspect.Parameter.empty and \
+            params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        # a settings class without @dataclass: train(args) would be called with nothing
+        try:
+            where: SourceLoc | None = SourceLoc.of(inspect.getsourcefile(named) or "", inspect.getsourcelines(named)[1])
+        except (OSError, TypeError):
+            where = definition_of(train)
+        raise ConfigError(f"{named.__name__}, the settings of '{train.__name__}({params[0].name})', is not a "
+                          "dataclass: fragflow makes the args from its fields (and --set changes them)",
+                          where=where, fix=f"decorate it: @dataclass(frozen=True) above class {named.__name__} "
+                                           "(from dataclasses import dataclass)")
+    return None
