@@ -174,7 +174,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         import cloudpickle
 
         module = sys.modules.get(getattr(train, "__module__", ""), None)
-        if module is not None and module.__name__.startswith("fragflow_user_"):
+        if module is not None and _unimportable(module):
             cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
         from fragflow.api.envs import registered_by_user
 
@@ -183,6 +183,20 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         except Exception as exc:
             raise _unsendable(args, placed.policy, train, exc) from None
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
+
+
+def _unimportable(module: Any) -> bool:
+    """A module a worker started afresh (from the fork server, on Ray) could not import by its name:
+    one the CLI loaded from its path, or one a program loaded with importlib from a file that is not
+    on ``sys.path``. Its functions travel by value."""
+    import importlib.machinery
+
+    name = module.__name__
+    if name.startswith("fragflow_user_"):
+        return True
+    if name == "__main__" or "." in name or getattr(module, "__file__", None) is None:
+        return False   # (__main__'s travel by value anyway; a package's submodule is found through its package)
+    return importlib.machinery.PathFinder.find_spec(name, sys.path) is None
 
 
 class _Handover:

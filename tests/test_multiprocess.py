@@ -1435,6 +1435,37 @@ def test_a_name_logged_from_a_learners_output_and_by_the_loop_is_refused_where_t
             ff.run(program.train, policy=policy)
 
 
+def test_a_program_loaded_from_a_path_off_sys_path_runs_in_workers_started_afresh(write_algo, tmp_path, monkeypatch):
+    """Loaded with importlib from a file not on sys.path: a forked worker has the module, one started
+    from the fork server (JAX imported, a GPU machine) could not import it, and failed before it could
+    report why ("exited with code 1 without reporting an error", helper round 30 R30X-4)."""
+    import importlib.util
+
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "forkserver")
+    path, _ = write_algo(LOOP_LOGS_AFTER_LEARNER, "prog_by_path.py")
+    spec = importlib.util.spec_from_file_location("prog_by_path_r30", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "prog_by_path_r30", module)
+    spec.loader.exec_module(module)
+    assert ff.run(module.train, policy="pipelined").summary["updates"] == 12
+
+
+class _Unloadable:
+    """Pickles as a call that fails where it is loaded: a module the workers do not have."""
+
+    def __reduce__(self):
+        import importlib
+
+        return importlib.import_module, ("a_module_no_worker_has_r30",)
+
+
+def test_a_worker_that_cannot_load_the_program_reports_why(write_algo):
+    path, _ = write_algo(LOOP_LOGS_AFTER_LEARNER.replace("def train():", "def train(extra=None):"), "unloadable.py")
+    program = load(str(path))
+    with pytest.raises(WorkerFailed, match="ModuleNotFoundError: No module named 'a_module_no_worker_has_r30'"):
+        ff.run(program.train, _Unloadable(), policy="pipelined")
+
+
 STOPS_ON_TARGET = """
 from dataclasses import dataclass
 import numpy as np

@@ -159,17 +159,16 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
 
     from fragflow.backends import Stopped
 
-    lowered, checks, train, args, user_envs = cloudpickle.loads(blob)
-    from fragflow.api.envs import register
-    from fragflow.driver import apply_process_settings
-
-    apply_process_settings(checks.get("process", {}))
-
-    register(user_envs)
     endpoints = None
     worker: Any = None
     results = wiring.results
-    try:
+    try:   # (a program that cannot be loaded here, a module it needs missing, is reported as any error)
+        lowered, checks, train, args, user_envs = cloudpickle.loads(blob)
+        from fragflow.api.envs import register
+        from fragflow.driver import apply_process_settings
+
+        apply_process_settings(checks.get("process", {}))
+        register(user_envs)
         endpoints = wiring.attach()
         if role == "actor":
             from fragflow.runtime.loop import LoopInterpreter
