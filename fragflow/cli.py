@@ -313,8 +313,10 @@ def _claim(base: Path) -> Path:
     same second, a seed sweep started with ``&``, each get a directory of their own)."""
     for n in range(1, 1000):
         candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        missing = [p for p in candidate.parents if not p.exists()]   # (runs/ itself, on a first run)
         try:
             candidate.mkdir(parents=True, exist_ok=False)
+            _made[candidate] = missing
             return candidate
         except FileExistsError:
             continue
@@ -323,13 +325,18 @@ def _claim(base: Path) -> Path:
     return base
 
 
+_made: dict[Path, list[Path]] = {}   # a claimed run directory -> the folders above it its claim made
+
+
 def _unclaim(run_dir: Path | None) -> None:
-    """The default run directory of a run refused before it wrote anything: removed."""
+    """The default run directory of a run refused before it wrote anything: removed, with the
+    folders above it that claiming it made (the first run's runs/)."""
     if run_dir is not None:
-        try:
-            run_dir.rmdir()   # (only if empty)
-        except OSError:
-            pass
+        for folder in (run_dir, *_made.pop(run_dir, [])):
+            try:
+                folder.rmdir()   # (only if empty)
+            except OSError:
+                break
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -365,10 +365,13 @@ def test_ctrl_c_in_a_single_process_warm_up_writes_the_runs_summary(tmp_path, wr
 
 def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path, monkeypatch):
     """The default run directory is named to the second: a second run started then wrote into the
-    first's, deleting its outputs as a directory used before (round 28 M02)."""
+    first's, deleting its outputs as a directory used before (round 28 M02). A first run refused
+    leaves no runs/ folder either (it left an empty one: helper round 30 R30X-3)."""
     import fragflow.cli as cli_module
 
     monkeypatch.chdir(tmp_path)
+    res = invoke("run", str(ROOT / "algorithms" / "a2c.py"), "--policy", "actor_learner(actors=3)", "--quiet")
+    assert res.exit_code == 2 and not (tmp_path / "runs").exists()
     monkeypatch.setattr(cli_module.time, "strftime", lambda *a: "20260101-000000")
     small = ["--policy", "single_process", "--set", "total_timesteps=400", "--quiet"]
     for _ in range(2):
