@@ -105,6 +105,7 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
     problem reported in one error."""
     types_ = field_types(args_cls)
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}
     problems: list[str] = []
     for item in sets:
         key, sep, raw = item.partition("=")
@@ -121,6 +122,10 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
         if key not in types_:
             problems.append(f"--set {key}: {args_cls.__name__} has no field '{key}'; {did_you_mean(key, types_)}")
             continue
+        if key in given:
+            problems.append(f"--set {key} is given twice ({given[key]}, {raw.strip()}): give each field once")
+            continue
+        given[key] = raw.strip()
         try:
             values[key] = coerce(raw.strip(), types_[key])
         except ValueError as exc:

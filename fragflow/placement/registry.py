@@ -114,6 +114,10 @@ _CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$")
 def parse_policy(text: str) -> tuple[str, dict[str, str]]:
     """``"name"`` or ``"name(key=value, ...)"`` -> (name, {key: value})."""
     m = _CALL.match(text)
+    if m and m.group(2) is not None and (m.group(2).count("(") != m.group(2).count(")") or ";" in m.group(2)):
+        raise UnknownPolicyError(f"cannot read policy {text!r}: " + ("';' between options" if ";" in m.group(2)
+                                                                      else "unbalanced parentheses"),
+                                 fix="write it as name or name(key=value, ...), options separated by commas")
     if not m:
         raise UnknownPolicyError(f"cannot read policy {text!r}", fix="write it as name or name(key=value, ...)")
     options: dict[str, str] = {}
