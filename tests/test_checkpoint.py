@@ -385,6 +385,11 @@ def test_a_while_loop_resumes_with_its_counter(tmp_path, write_algo):
                          resume=tmp_path / "a" / "checkpoints" / "2")
     assert resumed.summary["updates"] == 4 and resumed.summary["resumed_at"]["updates"] == 2
     assert np.array_equal(whole.value["w"], resumed.value["w"])
+    # a new run in the directory replaces the last run's files, its checkpoints too: a resume from one
+    # continued the other run into the new one's metrics.csv (helper round 30 S1)
+    assert (tmp_path / "a" / "checkpoints" / "2").is_dir()
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a")
+    assert not (tmp_path / "a" / "checkpoints").exists()
 
 
 def test_environment_normalisation_statistics_are_a_saved_component():

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -96,6 +97,8 @@ class RunOutputs:
         if resumed_at is None:   # a new run in a directory used before: the last run's outputs go
             for old in (metrics, self.dir / "returns.png", *(self.dir / "tensorboard").glob("events.out.tfevents.*")):
                 old.unlink(missing_ok=True)
+            # ... and its checkpoints: a resume from one would continue the other run into this one's rows
+            shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
         from torch.utils.tensorboard import SummaryWriter
 
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
