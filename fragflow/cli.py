@@ -235,10 +235,16 @@ def _from_checkpoint(start: Any, algorithm: str | None, policy: str | None) -> t
     if saved is None:
         raise ConfigError(f"checkpoint {start.path} does not record which algorithm wrote it (written through the "
                           "Python API)", fix="resume it with fragflow.run(train, args, resume=...)")
+    gone = saved.endswith(".py") and not Path(saved).is_file()   # the file moved, or the run directory was copied
+    if gone and algorithm is None:
+        from fragflow.errors import UnknownFileError
+
+        raise UnknownFileError(f"checkpoint {start.path} was written by {saved}, which no longer exists",
+                               fix="give the algorithm file where it is now: fragflow run FILE --resume ...")
     if algorithm is not None and algorithm != saved:
         from fragflow.program import load
 
-        if load(algorithm).name != load(saved).name:
+        if load(algorithm).name != (Path(saved).stem if gone else load(saved).name):
             from fragflow.runtime.checkpoint import CheckpointError
 
             raise CheckpointError(f"checkpoint {start.path} was written by {saved!r}, not {algorithm!r}",

@@ -389,6 +389,26 @@ def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path, 
     assert res.exit_code == 2 and sorted(p.name for p in (tmp_path / "runs").iterdir()) == made   # refused: none left
 
 
+def test_a_checkpoint_whose_algorithm_file_moved_resumes_from_the_file_given(tmp_path, monkeypatch):
+    """Giving the file where it is now failed with "no such algorithm file: <the old path>", and
+    nothing could resume the run (helper round 30 S2)."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "examples" / "custom_algorithm.py", tmp_path / "algo.py")
+    small = ["--policy", "single_process", "--set", "updates=4", "--quiet"]
+    assert invoke("run", "algo.py", *small, "--checkpoint-every", "2", "--out", "r").exit_code == 0
+    (tmp_path / "new").mkdir()
+    (tmp_path / "algo.py").rename(tmp_path / "new" / "algo.py")
+    res = invoke("run", "--resume", "r/checkpoints/2", "--quiet")
+    assert res.exit_code == 2 and "algo.py, which no longer exists" in res.stderr and "fragflow run FILE --resume" in \
+        res.stderr, res.output
+    res = invoke("run", "new/algo.py", "--resume", "r/checkpoints/2", "--quiet")
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["updates"] == 4 and summary["resumed_at"]["updates"] == 2
+
+
 def test_a_folder_named_like_a_built_in_algorithm_does_not_hide_it(tmp_path, monkeypatch):
     """`fragflow run a2c --out a2c` made a folder a2c, and the same command again took it for an
     algorithm file: 'no such algorithm file: a2c' (round 28 M05)."""
