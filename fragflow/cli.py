@@ -129,6 +129,9 @@ def run(
         start = ckpt.find(resume) if resume is not None else None
         if start is not None:
             algorithm, policy, args_data = _from_checkpoint(start, algorithm, policy)
+            # the run's target goes on with it, as its schedule does (its solve is kept where it is the same)
+            target_return = start.counters.get("target_return") if target_return is None else target_return
+            stop_on_target = stop_on_target or bool(start.counters.get("stop_on_target", False))
             program, args = _load(algorithm, [])
             args = ckpt.args_from(program.args_cls, args_data)
             if set_:

@@ -409,6 +409,26 @@ def test_a_checkpoint_whose_algorithm_file_moved_resumes_from_the_file_given(tmp
     assert summary["updates"] == 4 and summary["resumed_at"]["updates"] == 2
 
 
+def test_a_run_resumed_into_another_directory_holds_the_whole_run_and_keeps_its_target(tmp_path, monkeypatch):
+    """--resume CKPT --out NEW wrote only the rows after the checkpoint, and a resume without
+    --target-return dropped the solve the checkpoint recorded (helper round 30 S6, S7)."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "examples" / "custom_algorithm.py", tmp_path / "algo.py")
+    small = ["--policy", "single_process", "--set", "updates=6", "--quiet"]
+    res = invoke("run", "algo.py", *small, "--checkpoint-every", "4", "--target-return", "5", "--out", "a")
+    assert res.exit_code == 0, res.output
+    first = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert first["solved_at_steps"] is not None and first["solved_at_steps"] < 4 * 512
+    res = invoke("run", "--resume", "a/checkpoints/4", "--out", "b", "--quiet")
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader((tmp_path / "b" / "metrics.csv").open()))
+    assert [float(r["updates"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    resumed = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert resumed["solved_at_steps"] == first["solved_at_steps"] and resumed["target_return"] == 5
+
+
 def test_a_folder_named_like_a_built_in_algorithm_does_not_hide_it(tmp_path, monkeypatch):
     """`fragflow run a2c --out a2c` made a folder a2c, and the same command again took it for an
     algorithm file: 'no such algorithm file: a2c' (round 28 M05)."""

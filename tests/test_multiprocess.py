@@ -1361,6 +1361,19 @@ def test_a_stopped_runs_rows_whose_loop_steps_never_came_are_left_out_not_writte
     assert "the last 5 update(s) have no row in metrics.csv" in monitor.summary()["notes"][0]
 
 
+def test_a_resumed_runs_summary_keeps_the_notes_of_its_restarts():
+    """restarts: 1 came back from the checkpoint, the note saying why did not, while the CLI pointed
+    at the notes (helper round 30 S8)."""
+    from fragflow.runtime.monitor import Monitor
+
+    before = Monitor()
+    before.restarted("actor 0 was killed by signal 9: restarted (1 of 3)")
+    after = Monitor()
+    after.resume(before.counters())
+    assert after.summary()["restarts"] == 1
+    assert after.summary()["notes"] == ["actor 0 was killed by signal 9: restarted (1 of 3)"]
+
+
 def test_metrics_columns_keep_the_loops_order_whatever_arrives_first(tmp_path):
     """The loop's own values ("n") logged after a learner's ("loss") can reach the driver first under a
     policy of several processes: the columns were in arrival order, so two same-seed pipelined runs

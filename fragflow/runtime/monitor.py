@@ -426,7 +426,8 @@ class Monitor:
                 "eval_episodes": self.base_eval_episodes + len(self.eval_episodes),
                 "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
                 "solved_at_steps": self.solved_at_steps, "solved_at_seconds": self.solved_at_seconds,
-                "target_return": self.target_return}
+                "target_return": self.target_return, "stop_on_target": self.stop_on_target,
+                "notes": list(self.notes)}
 
     def counters_at(self, steps: dict[int, int]) -> dict[str, Any]:
         """:meth:`counters` with the episodes as they stood where each loop replica had made
@@ -471,6 +472,7 @@ class Monitor:
         self.base_episodes = int(counters.get("episodes", 0))
         self.base_wall = float(counters.get("wall_seconds", 0.0))
         self.restarts = int(counters.get("restarts", 0))
+        self.notes = [str(n) for n in counters.get("notes", [])] + self.notes   # (why the restarts were)
         self.recent.extend(counters.get("recent_returns", []))
         self.recent_lengths.extend(counters.get("recent_lengths", []))
         self._resumed_recent = list(zip(self.recent, self.recent_lengths))
