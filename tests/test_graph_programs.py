@@ -2279,6 +2279,59 @@ def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_serv
     assert all(np.array_equal(x["w"], y["w"]) for x, y in zip(one.value, served.value))
 
 
+
+LEARNER_FILLS_A_LIST = """
+import numpy as np
+import fragflow as ff
+
+LOSSES = []
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+def train(mode="global"):   # closure: the list is train's own
+    losses = []
+    closure = mode == "closure"
+
+    @ff.fragment("learner", writes="state")  # @learn
+    def learn(state, batch):
+        (losses if closure else LOSSES).append(float(batch["obs"].sum()))
+        return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}
+
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+        ff.log({"n": len(losses) if closure else len(LOSSES)})  # @read
+    return state
+"""
+
+
+@pytest.mark.parametrize("mode", ["global", "closure"])
+def test_a_list_a_learner_fills_and_the_loop_reads_is_refused_where_the_learner_runs_apart(write_algo, mode):
+    """The loop logged len(LOSSES): 1, 2, ... 6 eagerly and under single_process; 2, 2, ... (the trace's
+    appends, frozen in the loop's copy) or 0, 0, ... under pipelined(max_lag=0) (helper round 30 Q4)."""
+    path, marks = write_algo(LEARNER_FILLS_A_LIST, "fills.py")
+    program = load(str(path))
+    data = "closure variable 'losses'" if mode == "closure" else "global 'LOSSES'"
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' changes the {data} in place and the training "
+                                             rf"loop reads it, but policy 'pipelined' runs 'learn' in another process.*"
+                                             rf"\n  at {relpath(path)}:{marks['learn']}\n  fix: return what the loop"):
+        compile(program.train, mode, policy="pipelined(max_lag=0)")
+    program.module.LOSSES.clear()
+    result = ff.run(program.train, mode, policy="single_process")
+    assert result.summary["updates"] == 6
+    # a list only the learner reads: its process's copy is the one it reads
+    path, _ = write_algo(LEARNER_FILLS_A_LIST.replace('        ff.log({"n": len(losses) if closure else len(LOSSES)})  # @read\n', ''),
+                         "own.py")
+    compile(load(str(path)).train, mode, policy="pipelined")
+
 PER_EPISODE = """
 import numpy as np
 import fragflow as ff

@@ -161,6 +161,8 @@ class Graph:
     # a name ff.log was given both a learner's output under and a value of the loop's own: (the name, the
     # learner, where its output was logged, where the loop's value was)
     log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None
+    # module data a fragment changes in place that the training loop's own code reads: (the fragment, the data)
+    loop_reads_changed: tuple[str, str] | None = None
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

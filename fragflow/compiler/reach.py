@@ -156,6 +156,31 @@ def _holders(fn: Any) -> Iterator[tuple[str, str, Any, Any]]:
             yield "global", name, scope[name], scope
 
 
+def _own_loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:
+    """Names ``code`` loads with ``ops``, its comprehensions' included, not those of the functions
+    defined in it (a learner defined in the training function reads on its own account)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ops}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType) and const.co_name.startswith("<") and const.co_name != "<lambda>":
+            names |= _own_loads(const, ops)
+    return names
+
+
+def function_reads(fn: Any, label: str) -> bool:
+    """Whether ``fn``'s own code (the training loop's) reads the data :func:`mutable_data` labels
+    ``label`` (``"global 'LOSSES'"``, ``"closure variable 'losses'"``): a global it names, or a
+    variable of its own that a function defined in it holds in its closure."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    kind, _, quoted = label.partition(" '")
+    name = quoted.rstrip("'")
+    if code is None or not name:
+        return False
+    if kind == "global":
+        return name in _own_loads(code, frozenset({"LOAD_GLOBAL", "LOAD_NAME"}))
+    return (name in code.co_cellvars or name in code.co_freevars) and \
+        name in _own_loads(code, frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"}))
+
+
 def mutable_data(fn: Any) -> list[tuple[str, Any]]:
     """(``"global 'NAME'"`` or ``"closure variable 'NAME'"``, value) for the arrays, tensors, lists
     and dicts a fragment's code reaches without its arguments: data it could change in place, or

@@ -55,6 +55,7 @@ from fragflow.compiler.reach import (
     changed_part,
     check_new_state,
     fingerprint,
+    function_reads,
     handles_as_values,
     hyper_change,
     hyper_of,
@@ -989,6 +990,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     own_env=own_envs[0] if own_envs else None,
                                     log_columns=tuple(tracer.log_columns),
                                     log_clash=tracer.log_clash,
+                                    loop_reads_changed=next(((rec.name, label) for rec in tracer._nodes.values()
+                                                             for label in sorted(set(rec.changes_data.values()))
+                                                             if function_reads(train, label)), None),
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

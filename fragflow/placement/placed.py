@@ -220,13 +220,13 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 fix="send it to ff.log (logged where it is computed) or to fragments placed with it, make what the "
                     "loop needs part of the versioned state, or run with --policy single_process")
     if graph.log_clash is not None and graph.log_clash[1] in service:
-        name, learner, by_learner, by_loop = graph.log_clash
+        column, writer, by_learner, by_loop = graph.log_clash
         raise PlacementError(
-            f"ff.log is given '{name}' both from an output of learner '{learner}' (at {by_learner}) and as a value "
-            f"of the loop's own, but policy '{policy}' runs '{learner}' in another process: the two values reach "
+            f"ff.log is given '{column}' both from an output of learner '{writer}' (at {by_learner}) and as a value "
+            f"of the loop's own, but policy '{policy}' runs '{writer}' in another process: the two values reach "
             "the driver in either order, so the row would hold one or the other", where=by_loop,
-            fix=f"log the loop's value under a name of its own (ff.log({{'loop_{name.replace('/', '_')}': ...}})), or "
-                "run with --policy single_process")
+            fix=f"log the loop's value under a name of its own (ff.log({{'loop_{column.replace('/', '_')}': ...}})), "
+                "or run with --policy single_process")
     sinks = {e.dst for e in graph.edges_of(EdgeKind.DATA) if e.src in service and graph.node(e.dst).role == "logger"}
     service |= sinks
     for e in graph.edges_of(EdgeKind.DATA):
@@ -328,6 +328,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
                         "versioned state a learner writes), or run with --policy single_process")
+    if graph.loop_reads_changed is not None and graph.loop_reads_changed[0] in service:
+        changer, data = graph.loop_reads_changed
+        node = graph.node(changer)
+        raise PlacementError(
+            f"{node.role} fragment '{changer}' changes the {data} in place and the training loop reads it, but policy "
+            f"'{policy}' runs '{changer}' in another process, with a copy of it of its own: the loop would never see "
+            "the changes", where=node.defined_at,
+            fix=f"return what the loop needs from '{changer}' (a metric goes to ff.log; what must last, to the "
+                "versioned state), or run with --policy single_process")
     for n in graph.fragments():
         if n.name in service and n.loop_changes:
             raise PlacementError(
