@@ -136,5 +136,8 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
     try:
         return dataclasses.replace(base, **values) if base is not None else args_cls(**values)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid configuration: {exc}", where=where,
-                          fix="change the values given with --set") from None
+        missing = [f.name for f in dataclasses.fields(args_cls) if f.name not in values and
+                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        fix = (f"give {', '.join(missing)} with --set (e.g. --set {missing[0]}=...), or a default in "
+               f"{args_cls.__name__}" if missing and base is None else "change the values given with --set")
+        raise ConfigError(f"invalid configuration: {exc}", where=where, fix=fix) from None

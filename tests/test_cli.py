@@ -477,6 +477,8 @@ def test_a_training_function_annotated_with_a_type_checking_import_runs(tmp_path
                         r"decorate it: @dataclass\(frozen=True\) above class Args"),
     ("@dataclass(frozen=True)\nclass Args:", ["--set", "lr=0.5"],
      r"--set lr: Args.lr has no type annotation, so it is a class attribute, not a field \(write it lr: float = 0.01\)"),
+    ("@dataclass(frozen=True)\nclass Args:\n    need: int", [],   # (the fix said to change the --set values given)
+     r"missing 1 required positional argument: 'need'\n  at .*\n  fix: give need with --set \(e.g. --set need=...\)"),
 ])
 def test_settings_that_are_not_dataclass_fields_are_refused_with_what_to_write(tmp_path, write_algo, header, sets, message):
     """A plain Args class: train() was called without its args (a bare TypeError, exit 1); a field
