@@ -606,8 +606,9 @@ def test_a_learning_rate_scheduler_in_the_state_steps_with_the_learner_and_resum
     mid = next(p for p in ckpt.listing(tmp_path / "other" / "checkpoints")
                if not json.loads((p / "manifest.json").read_text())["complete"])
     driver.run(program.train, policy="pipelined(max_lag=0)", out=tmp_path / "again", resume=mid)
+    # the rows up to the checkpoint come from the run it continues, the rest from the resumed run
     resumed = [float(r["lr"]) for r in csv.DictReader((tmp_path / "again" / "metrics.csv").open())]
-    assert resumed == lrs[0][len(lrs[0]) - len(resumed):] and 0 < len(resumed) < 8
+    assert resumed == lrs[0]
 
 
 def test_checkpoints_every_n_updates_are_n_apart_where_the_loop_runs_ahead(tmp_path, monkeypatch):
