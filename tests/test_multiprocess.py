@@ -1475,7 +1475,8 @@ class _Unloadable:
 def test_a_worker_that_cannot_load_the_program_reports_why(write_algo):
     path, _ = write_algo(LOOP_LOGS_AFTER_LEARNER.replace("def train():", "def train(extra=None):"), "unloadable.py")
     program = load(str(path))
-    with pytest.raises(WorkerFailed, match="ModuleNotFoundError: No module named 'a_module_no_worker_has_r30'"):
+    with pytest.raises(ConfigError, match=r"process could not load the program: No module named "
+                                          r"'a_module_no_worker_has_r30'\n  fix: the worker could not import"):
         ff.run(program.train, _Unloadable(), policy="pipelined")
 
 

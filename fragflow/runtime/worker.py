@@ -163,7 +163,15 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
     worker: Any = None
     results = wiring.results
     try:   # (a program that cannot be loaded here, a module it needs missing, is reported as any error)
-        lowered, checks, train, args, user_envs = cloudpickle.loads(blob)
+        try:
+            lowered, checks, train, args, user_envs = cloudpickle.loads(blob)
+        except ModuleNotFoundError as exc:
+            from fragflow.errors import ConfigError
+
+            raise ConfigError(f"the {role} process could not load the program: {exc}",
+                              fix="the worker could not import a module the program needs: install it where the "
+                                  "workers run (on Ray, every node), or start the run from the folder that holds "
+                                  "it") from None
         from fragflow.api.envs import register
         from fragflow.driver import apply_process_settings
 
