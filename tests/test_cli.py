@@ -429,6 +429,22 @@ def test_a_run_resumed_into_another_directory_holds_the_whole_run_and_keeps_its_
     assert resumed["solved_at_steps"] == first["solved_at_steps"] and resumed["target_return"] == 5
 
 
+@pytest.mark.parametrize("variable, value, message", [
+    ("FRAGFLOW_THREADS", "abc", "FRAGFLOW_THREADS='abc' is not a whole number of threads of at least 1"),
+    ("FRAGFLOW_THREADS", "0", "FRAGFLOW_THREADS='0' is not a whole number of threads of at least 1"),
+    ("FRAGFLOW_START_METHOD", "bogus", "FRAGFLOW_START_METHOD='bogus' is not available here"),
+])
+def test_a_malformed_setting_in_the_environment_is_refused_before_anything_is_written(tmp_path, monkeypatch, variable,
+                                                                                       value, message):
+    """FRAGFLOW_THREADS=abc was "the training program raised: ValueError" (exit 1); a bad start method
+    was refused only as the workers started, after the run directory was written (helper round 31 W3, W4)."""
+    monkeypatch.setenv(variable, value)
+    res = invoke("run", "ppo", "--policy", "pipelined", "--set", "total_timesteps=1024", "--out", str(tmp_path / "o"),
+                 "--quiet")
+    assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_folder_named_like_a_built_in_algorithm_does_not_hide_it(tmp_path, monkeypatch):
     """`fragflow run a2c --out a2c` made a folder a2c, and the same command again took it for an
     algorithm file: 'no such algorithm file: a2c' (round 28 M05)."""

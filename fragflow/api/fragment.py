@@ -179,6 +179,7 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
     updates; the fragment's first output is that state's next version. It defaults to the
     learner's first parameter; pass ``writes=None`` for a learner that updates no shared state.
 
+    >>> import numpy as np
     >>> @fragment("actor")
     ... def double(x):
     ...     return x * 2

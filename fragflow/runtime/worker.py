@@ -27,8 +27,15 @@ REPORT_EVERY = 0.2
 
 def threads_for(group_threads: int) -> int:
     """torch threads of a process: ``FRAGFLOW_THREADS`` if set, else the placement's number for its group."""
-    env = os.environ.get("FRAGFLOW_THREADS", "")
-    return int(env) if env.strip() else group_threads
+    env = os.environ.get("FRAGFLOW_THREADS", "").strip()
+    if not env:
+        return group_threads
+    if not env.isdigit() or int(env) < 1:
+        from fragflow.errors import ConfigError
+
+        raise ConfigError(f"FRAGFLOW_THREADS={env!r} is not a whole number of threads of at least 1",
+                          fix="unset it (each process gets the placement's number) or set e.g. FRAGFLOW_THREADS=1")
+    return int(env)
 
 
 def _alive(pid: int) -> bool:

@@ -45,11 +45,8 @@ def start_method() -> str:
     driver), even for a program all on the CPU, and a forked child of that process refuses to run
     a backward pass of its own.
     """
-    method = os.environ.get("FRAGFLOW_START_METHOD", "")
+    method = given_start_method()
     if method:
-        if method not in mp.get_all_start_methods():
-            raise ConfigError(f"FRAGFLOW_START_METHOD={method!r} is not available here",
-                              fix=f"use one of: {', '.join(mp.get_all_start_methods())}")
         return method
     if not sys.platform.startswith("linux"):
         return "spawn"
@@ -67,6 +64,15 @@ def start_method() -> str:
 # 3.8 s). Not JAX: its threads are why the fork server is there.
 _PRELOAD = ("numpy", "torch", "gymnasium", "cloudpickle", "fragflow.runtime.worker", "fragflow.runtime.service",
             "fragflow.runtime.loop", "fragflow.backends.local")
+
+
+def given_start_method() -> str:
+    """``FRAGFLOW_START_METHOD``, checked ("" when unset): a run checks it before it writes anything."""
+    method = os.environ.get("FRAGFLOW_START_METHOD", "")
+    if method and method not in mp.get_all_start_methods():
+        raise ConfigError(f"FRAGFLOW_START_METHOD={method!r} is not available here",
+                          fix=f"use one of: {', '.join(mp.get_all_start_methods())}, or unset it")
+    return method
 
 
 def context(method: str) -> Any:
