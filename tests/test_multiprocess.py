@@ -926,13 +926,17 @@ def test_metrics_rows_and_episodes_equal_single_processs_at_max_lag_zero(tmp_pat
     update, and episodes are in the order single_process finishes them: every column but the clock
     and channel ones is single_process's, and so are the episodes and the final return."""
     def run(name: str, pol: str) -> tuple[Any, list[dict[str, str]]]:
-        result = ff.run(ppo.train, INVARIANT, policy=pol, out=tmp_path / name)
+        result = ff.run(ppo.train, INVARIANT, policy=pol, out=tmp_path / name, target_return=25.0)
         return result, unclocked_rows(tmp_path / name)
 
     (one, one_rows), (other, other_rows) = run("one", "single_process"), run("other", policy)
     assert len(one_rows) == 16 and other_rows == one_rows
     assert other.episodes == one.episodes
     assert other.summary["final_return_mean"] == one.summary["final_return_mean"]
+    # the step of the episode that took the mean to the target (it was the steps heard of when that
+    # episode arrived: run to run different, helper round 31 W5)
+    assert one.summary["solved_at_steps"] is not None
+    assert other.summary["solved_at_steps"] == one.summary["solved_at_steps"]
 
 
 SEVERAL_CALLS = """

@@ -179,6 +179,7 @@ class Monitor:
         self.restarts = 0
         self.notes: list[str] = []
         self.unwritten_rows = 0   # rows of a stopped run's last updates left out (see _drain)
+        self._solve_resumed = False   # the run this one resumed had reached the target
 
     # -- what executors report --------------------------------------------------------
     def start(self) -> None:
@@ -482,6 +483,7 @@ class Monitor:
         if counters.get("target_return", self.target_return) == self.target_return:   # (another target: solved anew)
             self.solved_at_steps = counters.get("solved_at_steps")
             self.solved_at_seconds = counters.get("solved_at_seconds")
+            self._solve_resumed = self.solved_at_steps is not None
 
     # -- derived figures ---------------------------------------------------------------
     @property
@@ -581,6 +583,25 @@ class Monitor:
             recent = (self._resumed_recent + [(ret, length) for *_, ret, length in merged])[-RETURN_WINDOW:]
             self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
             self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
+            self._solved_in_order()
+
+    def _solved_in_order(self) -> None:
+        """``solved_at_steps`` from the episodes in single_process's order, at the steps they ended at
+        (heard as they arrived, it was the steps the driver had heard of then, run to run different)."""
+        if self.target_return is None or self._solve_resumed:
+            return
+        window = deque((ret for ret, _ in self._resumed_recent), maxlen=RETURN_WINDOW)
+        solved = None
+        for steps, ret, _ in self.episodes:
+            window.append(ret)
+            if solves(window, self.target_return):
+                solved = steps
+                break
+        if solved is not None and self.solved_at_seconds is None:
+            self.solved_at_seconds = self.base_wall + self.wall_seconds   # (reached by the end, heard in another order)
+        if solved is None:
+            self.solved_at_seconds = None
+        self.solved_at_steps = solved
         if self.progress is not None:
             self._refresh(time.perf_counter())
             self.progress.stop()
