@@ -150,10 +150,30 @@ def test_agents_whose_spaces_cannot_be_padded_are_refused_with_the_fix():
 
     closed: list = []
 
-    with pytest.raises(UnknownEnvError, match="cannot be padded to one") as err:
+    with pytest.raises(UnknownEnvError, match="spaces that fragflow cannot batch") as err:
         ff.envs.make(Mixed, num_envs=2)
     assert "a: Box" in err.value.what and "flatten" in err.value.fix
     assert len(closed) == 2                                             # the envs made before the refusal are closed
+
+    class Masked(Mixed):   # alike agents, a Dict observation holding the action mask (PettingZoo's convention)
+        def observation_space(self, agent):
+            return gym.spaces.Dict({"observation": gym.spaces.Box(-1, 1, (3,)), "action_mask": gym.spaces.MultiBinary(2)})
+
+        def action_space(self, agent):
+            return gym.spaces.Discrete(2)
+
+    # it was an object array of dicts, then an internal TypeError once an agent left (helper round 31 U1)
+    with pytest.raises(UnknownEnvError, match="spaces that fragflow cannot batch") as err:
+        ff.envs.make(Masked, num_envs=1, seed=0)
+    assert "obs['observation']" in err.value.fix
+
+
+def test_a_keyword_a_pettingzoo_env_does_not_take_is_refused_at_the_make_line():
+    # PettingZoo's TypeError came through with its frames (helper round 31 U2)
+    with pytest.raises(UnknownEnvError, match=r"does not take the keyword arguments given to ff.envs.make \(max_cycle\)"
+                                              r"(.|\n)*at .*test_env_families.py:\d+") as err:
+        ff.envs.make("mpe2:simple_spread_v3", num_envs=1, seed=0, max_cycle=25)
+    assert err.value.fix is not None
 
 
 @pytest.mark.parametrize("critic", ["central", "independent"])

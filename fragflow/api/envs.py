@@ -431,6 +431,14 @@ def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
     return env
 
 
+def _unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
+    return UnknownEnvError(f"environment {env!r} does not take the keyword arguments given to ff.envs.make "
+                           f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
+                           fix="pass only arguments the environment's constructor takes (options of ff.envs.make "
+                               "itself: clip_actions, normalize_obs, normalize_reward, gamma, clip_rewards, wrappers, "
+                               "evaluation)")
+
+
 def _wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.Env], ...]:
     """``wrappers`` as make applies them, or the error saying what it takes."""
     fix = ("give a list of wrapper classes or functions of an env, innermost first: "
@@ -619,8 +627,13 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         label = getattr(env_id, "__name__", None) or getattr(env_id, "__qualname__", None) or repr(env_id)
         from fragflow.api.multiagent import MultiAgentVectorEnv
 
-        menv = MultiAgentVectorEnv(parallel, num_envs, seed, ids=ids, name=name, label=label, evaluation=evaluation,
-                                   env_kwargs=env_kwargs, first=first)
+        try:
+            menv = MultiAgentVectorEnv(parallel, num_envs, seed, ids=ids, name=name, label=label,
+                                       evaluation=evaluation, env_kwargs=env_kwargs, first=first)
+        except TypeError as exc:
+            if not env_kwargs or "keyword argument" not in str(exc):
+                raise
+            raise _unknown_kwargs(label, env_kwargs, exc, where) from None
         if interp is not None:
             interp.adopt(menv)
         return menv
@@ -636,11 +649,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     except TypeError as exc:
         if not env_kwargs or "keyword argument" not in str(exc):
             raise
-        raise UnknownEnvError(f"environment {env_id!r} does not take the keyword arguments given to ff.envs.make "
-                              f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
-                              fix="pass only arguments the environment's constructor takes (options of "
-                                  "ff.envs.make itself: clip_actions, normalize_obs, normalize_reward, gamma, "
-                                  "clip_rewards, wrappers, evaluation)") from None
+        raise _unknown_kwargs(env_id, env_kwargs, exc, where) from None
     except gym.error.DependencyNotInstalled as exc:
         text = str(exc).lower()
         family = "mujoco" if "mujoco" in text else "ale_py" if ("atari" in text or "opencv" in text) else None

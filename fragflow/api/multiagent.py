@@ -90,6 +90,9 @@ class MultiAgentVectorEnv(VectorEnv):
         self.agent_observation_spaces: dict[str, gym.Space] = dict(zip(self.agents, spaces))
         self.agent_action_spaces: dict[str, gym.Space] = dict(zip(self.agents, actions))
         obs_space = spaces[0] if all(sp == spaces[0] for sp in spaces) else _padded_observations(spaces)
+        if not isinstance(obs_space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
+                                      gym.spaces.MultiBinary)):
+            obs_space = None   # a Dict (an observation with its action mask), a Tuple: no one array per agent
         alike = all(sp == actions[0] for sp in actions)
         padded_actions: tuple[gym.Space, np.ndarray | None] | None = _padded_actions(actions)
         if alike and padded_actions is None:   # alike agents of another action space: nothing to pad or mask
@@ -98,10 +101,12 @@ class MultiAgentVectorEnv(VectorEnv):
             kinds = ", ".join(f"{a}: {o} / {act}" for a, o, act in zip(self.agents, spaces, actions))
             self.close()
             raise UnknownEnvError(
-                f"the agents of {self.env_id} have observation or action spaces that cannot be padded to one ({kinds})",
+                f"the agents of {self.env_id} have observation or action spaces that fragflow cannot batch ({kinds})",
                 where=user_callsite(),
-                fix="fragflow pads Box observations of one rank and Discrete (or Box) actions of one kind; "
-                    "flatten the others (e.g. with SuperSuit's flatten_v0) or batch each kind of agent in an env of its own")
+                fix="fragflow batches array observations (Box of one rank, padded where the agents' differ) and "
+                    "Discrete (or Box) actions of one kind; flatten the others (e.g. with SuperSuit's flatten_v0; an "
+                    "action mask in a Dict observation: a wrapper that returns obs['observation'], the mask in info) or "
+                    "batch each kind of agent in an env of its own")
         self.num_agents = len(self.agents)
         self.single_observation_space = obs_space
         self.single_action_space, self.action_mask = padded_actions
