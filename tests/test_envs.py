@@ -247,6 +247,25 @@ def test_an_evaluation_env_first_stepped_after_the_trace_steps_where_the_loop_ru
     assert result.summary["updates"] == 9 and result.summary.get("eval_episodes", 0) > 0
 
 
+def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_row(write_algo, tmp_path):
+    """Rows are made at updates, each before its evaluation: a final evaluation after the loop was in
+    summary.json only (helper round 31 U3). A closing row holds it, the same under every policy."""
+    import csv
+
+    from fragflow.program import load
+
+    path, _ = write_algo(EVAL_EVERY, "eval_last.py")   # (evaluations after updates 3, 6 and 9, the last)
+    program = load(str(path))
+    columns = []
+    for run, policy in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
+        result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        assert float(rows[-1]["eval_episodes"]) == result.summary["eval_episodes"] > float(rows[-2]["eval_episodes"])
+        assert rows[-1]["updates"] == rows[-2]["updates"]
+        columns.append([(r["updates"], r["env_steps"], r["eval_episodes"], r["eval_return_mean"]) for r in rows])
+    assert columns[1] == columns[0]
+
+
 class _Counts(gym.Env):
     """Integer observations (a count per cell); ``wrong`` returns one of another shape than its space."""
 

@@ -584,6 +584,21 @@ class Monitor:
             self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
             self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
             self._solved_in_order()
+        self._closing_row()
+
+    def _closing_row(self) -> None:
+        """A last row where evaluation episodes ended after the last update's row was written (a final
+        evaluation after the loop, or one at the last update): its columns as the run ended, so that
+        metrics.csv holds every evaluation, not only summary.json."""
+        last = self.outputs.last_row if self.outputs is not None else None
+        if last is None or self.base_eval_episodes + len(self.eval_episodes) <= last.get("eval_episodes", 0):
+            return
+        row = self._runtime_row()
+        if self.marked_replicas:   # the evaluation window in replica 0's order, as the rows before
+            recent = (self._resumed_eval + [ret for *_, ret, _ in self._eval_tagged])[-RETURN_WINDOW:]
+            row["eval_return_mean"] = sum(recent) / len(recent) if recent else math.nan
+        assert self.outputs is not None
+        self.outputs.write_row(row)
 
     def _solved_in_order(self) -> None:
         """``solved_at_steps`` from the episodes in single_process's order, at the steps they ended at

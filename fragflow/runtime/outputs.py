@@ -60,6 +60,7 @@ class RunOutputs:
         ``metrics.csv`` keeps after the run's own columns, whatever order the values arrive in."""
         self.dir = Path(directory)
         self._order = {name: i for i, name in enumerate(column_order)}
+        self.last_row: dict[str, float] | None = None   # the last row written (a run's closing row compares with it)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._csv_file: IO[str] | None = None
         self._csv: csv.DictWriter[str] | None = None
@@ -118,6 +119,7 @@ class RunOutputs:
         if any(key not in self._columns for key in row):
             self._widen([key for key in row if key not in self._columns])
         self._csv.writerow(row)
+        self.last_row = row
         assert self._csv_file is not None
         self._csv_file.flush()
         # skip NaN (no episode finished yet)
