@@ -418,6 +418,55 @@ def test_a_bfloat16_model_and_an_inference_mode_actor_run_apart_as_in_one_proces
     assert torch.equal(one.value["net"].weight, apart.value["net"].weight)
 
 
+SETS_ITS_THREADS = """
+import numpy as np
+import torch
+from torch import set_num_threads
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1), np.float32(torch.get_num_threads())
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {"acted_with": batch["t"].mean()}
+
+def train():
+    set_num_threads(2)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            a, t = act(state["w"], obs)
+            buf.add(obs=obs, t=t)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_program_that_imports_set_num_threads_by_name_runs_in_worker_processes(write_algo, monkeypatch):
+    """The program was pickled for the workers while the trace's watcher stood in for torch's function
+    in the program's module: "cannot be pickled" under every policy of several processes (helper
+    round 31 W6)."""
+    import torch
+
+    monkeypatch.delenv("FRAGFLOW_THREADS", raising=False)
+    path, _ = write_algo(SETS_ITS_THREADS, "sets_threads.py")
+    program = load(str(path))
+    threads = torch.get_num_threads()
+    try:
+        result = ff.run(program.train, policy="pipelined")
+    finally:
+        torch.set_num_threads(threads)
+    assert result.summary["updates"] == 3
+    assert program.module.set_num_threads is torch.set_num_threads   # (put back after the trace)
+
+
 TYPED_KEY = """
 import jax
 import numpy as np

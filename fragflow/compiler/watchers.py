@@ -26,12 +26,18 @@ class ThreadsSet:
     """``torch.set_num_threads`` while the program is traced: it notes that the program set them."""
 
     def __init__(self, torch: Any) -> None:
+        self.torch = torch
         self.original = torch.set_num_threads
         self.called = False
 
     def __call__(self, n: int) -> None:
         self.called = True
         self.original(n)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the program is pickled for its workers while the trace holds this in the user's module (from
+        # torch import set_num_threads) and in torch: the workers get torch's own, by name
+        return getattr, (self.torch, "set_num_threads")
 
     def rebind(self) -> list[tuple[dict[str, Any], str]]:
         """Put itself where the user's modules hold the function by name (``from torch import
@@ -46,7 +52,6 @@ class ThreadsSet:
                     scope[name] = self
                     out.append((scope, name))
         return out
-
 
 
 def watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
