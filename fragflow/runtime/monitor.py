@@ -285,13 +285,14 @@ class Monitor:
     def _mark_of(self, replica: int, update: int) -> tuple[int, int] | None:
         return self._marks.get(replica, {}).get(self._first_mark.get(replica, 1) - 1 + update)
 
-    def _marked(self, row: dict[str, float]) -> bool:
+    def _marked(self, row: dict[str, float], final: bool = False) -> bool:
         """Set the row's step and episode columns from its update's marks, if they are all in and
-        replica 0, which logs, has gone on to its next update (what it logs of this one is in)."""
+        replica 0, which logs, has gone on to its next update (what it logs of this one is in), or
+        the run has stopped (``final``: nothing more will come)."""
         j = int(row["updates"]) - self.base_updates
         if j <= 0:
             return True   # the loop's values before this run's first update: as they came
-        if 0 not in self._ended and self._mark_of(0, j + 1) is None:
+        if not final and 0 not in self._ended and self._mark_of(0, j + 1) is None:
             return False
         at = []
         for r in range(self.marked_replicas):
@@ -331,7 +332,7 @@ class Monitor:
         # and a busy machine delays the loop's): a row written before its marks had another update's
         # steps and lost its values; the bound only guards memory against marks that never come
         while self._waiting:
-            marked = self._marked(self._waiting[0])
+            marked = self._marked(self._waiting[0], final=force)
             if not (marked or force or len(self._waiting) > MAX_WAITING_ROWS):
                 break
             self._write_loop_rows(int(self._waiting[0]["updates"]) - self.base_updates)
