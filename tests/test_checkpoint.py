@@ -1023,6 +1023,7 @@ def test_a_resumed_learner_process_draws_on_from_its_saved_random_state(tmp_path
 
     path, _ = write_algo("""
         import numpy as np
+        import time
         import torch
         import fragflow as ff
 
@@ -1033,6 +1034,7 @@ def test_a_resumed_learner_process_draws_on_from_its_saved_random_state(tmp_path
         @ff.fragment("learner", writes="state")
         def learn(state, batch):
             draw = float(torch.rand(()))              # the learner's global torch generator
+            time.sleep(0.05)
             return {"w": state["w"] + draw}, {"draw": draw}
 
         def train():
@@ -1058,7 +1060,10 @@ def test_a_resumed_learner_process_draws_on_from_its_saved_random_state(tmp_path
             return [r["draw"] for r in csv.DictReader(f)]
 
     whole = ff.run(program.train, policy="pipelined(max_lag=0)", out=tmp_path / "whole", checkpoint_every=4)
-    first = min(int(p.name) for p in (tmp_path / "whole" / "checkpoints").iterdir() if p.name.isdigit())
+    # the earliest checkpoint made before the run's end (the learner's sleep keeps the loop from ending
+    # before a loaded driver hears of update 4: then the only checkpoint was the completed run's)
+    first = min(int(p.name) for p in (tmp_path / "whole" / "checkpoints").iterdir()
+                if p.name.isdigit() and not json.loads((p / "manifest.json").read_text())["complete"])
     shutil.copytree(tmp_path / "whole", tmp_path / "again")
     resumed = ff.run(program.train, policy="pipelined(max_lag=0)", resume=tmp_path / "again" / "checkpoints" / str(first))
     assert draws(tmp_path / "again") == draws(tmp_path / "whole")
