@@ -467,6 +467,50 @@ def test_a_program_that_imports_set_num_threads_by_name_runs_in_worker_processes
     assert program.module.set_num_threads is torch.set_num_threads   # (put back after the trace)
 
 
+ONE_JAX_KEY = """
+import jax
+import jax.numpy as jnp
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")  # @act
+def act(w, obs, key):
+    return jax.random.categorical(key, jnp.asarray(obs, jnp.float32) @ w)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * jnp.mean(batch["action"])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": jnp.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    key = jax.random.PRNGKey(0)
+    obs = env.reset()
+    for _ in range(2):
+        for _ in range(4):
+            key, sub = jax.random.split(key)
+            action = act(state["w"], obs, sub)  # @call
+            obs, *_ = env.step(np.asarray(action))
+            buf.add(action=action)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_one_jax_key_for_every_environment_is_refused_where_acting_processes_split_them(write_algo):
+    """Each acting process had a copy of the loop's key, and its environments drew what the other's
+    did: environment 2 took environment 0's action at every step (helper round 31 T1)."""
+    path, marks = write_algo(ONE_JAX_KEY, "one_key.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"actor 'act' is given one jax.random key \('key'\) for all its "
+                                             rf"environments, but policy 'actor_learner' splits the environments across "
+                                             rf"2 acting processes.*\n  at {relpath(path)}:{marks['call']}\n  fix: give "
+                                             rf"each environment a key of its own"):
+        compile(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    compile(program.train, policy="pipelined")   # one acting process: the loop's one key, as eagerly
+
+
 TYPED_KEY = """
 import jax
 import numpy as np

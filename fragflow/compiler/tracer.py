@@ -168,6 +168,7 @@ class Tracer(Recording):
         self.log_columns: dict[str, None] = {}   # names ff.log was given, in the order first seen
         self._logged_by: dict[str, tuple[str, SourceLoc | None]] = {}   # name -> (the learner whose output, or ""; where)
         self.log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None   # see Graph.log_clash
+        self.shared_key: tuple[str, str, SourceLoc | None] | None = None   # see Graph.shared_key
         self.handover: Callable[[Tracer], Any] | None = None
         self.taken_by: Any = None
         self.failed: BaseException | None = None
@@ -398,6 +399,11 @@ class Tracer(Recording):
         given_before = [fingerprint(leaf) for _, leaf in given]
         boxes = containers(data_args) if checked else []
         boxes_before = [(entries(box), self._maker(box)) for _, box in boxes]
+        if first and frag.role == "actor" and self.shared_key is None:
+            # one jax.random key for all the environments: replicas that split them would draw alike
+            key = next((p for p, v in bound.arguments.items() if _one_jax_key(v)), None)
+            if key is not None:
+                self.shared_key = (rec.name, key, where or user_callsite())
         if first:
             shared = captured_objects(frag.fn, self._state_objects)
             if shared is not None:
@@ -877,6 +883,12 @@ class Tracer(Recording):
 _NOT_REPEATED = object()
 
 
+def _one_jax_key(value: Any) -> bool:
+    """A jax.random.PRNGKey (two uint32 words): one key, not one per environment."""
+    return type(value).__module__.startswith("jax") and str(getattr(value, "dtype", "")) == "uint32" and \
+        tuple(getattr(value, "shape", ())) == (2,)
+
+
 def _star_state(frag: Fragment, pname: str, value: Any) -> Any:
     """The value of a ``*args`` or ``**kwargs`` parameter with the versioned state in it resolved,
     where it holds some (None where it holds none, or is another parameter)."""
@@ -990,6 +1002,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     own_env=own_envs[0] if own_envs else None,
                                     log_columns=tuple(tracer.log_columns),
                                     log_clash=tracer.log_clash,
+                                    shared_key=tracer.shared_key,
                                     loop_reads_changed=next(((rec.name, label) for rec in tracer._nodes.values()
                                                              for label in sorted(set(rec.changes_data.values()))
                                                              if function_reads(train, label)), None),

@@ -328,6 +328,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
                         "versioned state a learner writes), or run with --policy single_process")
+    if graph.shared_key is not None and actors > 1 and graph.shared_key[0] not in service:
+        actor, param, at = graph.shared_key
+        raise PlacementError(
+            f"actor '{actor}' is given one jax.random key ('{param}') for all its environments, but policy '{policy}' "
+            f"splits the environments across {actors} acting processes, each with a copy of the loop's key: they "
+            "would draw the same numbers for their environments", where=at,
+            fix="give each environment a key of its own, made from its id: ff.random.keys(seed, env.ids) (split "
+                "with ff.random.split), or jax.random.split(key, n)[env.ids] with the run's n; or act in one process "
+                "(actors=1)")
     if graph.loop_reads_changed is not None and graph.loop_reads_changed[0] in service:
         changer, data = graph.loop_reads_changed
         node = graph.node(changer)
