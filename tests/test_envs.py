@@ -247,6 +247,24 @@ def test_an_evaluation_env_first_stepped_after_the_trace_steps_where_the_loop_ru
     assert result.summary["updates"] == 9 and result.summary.get("eval_episodes", 0) > 0
 
 
+def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_is_refused_with_the_fix(write_algo):
+    """Under central_inference the training actor is answered in the learner's process: on an
+    evaluation first stepped after the trace it failed with a SpecChangedError blaming a loop-made
+    array (evaluation env of 2, a worker's share: it ran, where the README says it is refused;
+    helper round 31 T4)."""
+    from fragflow.errors import PlacementError
+    from fragflow.program import load
+
+    for n in (2, 3):
+        path, _ = write_algo(EVAL_EVERY.replace('"CartPole-v1", num_envs=2, seed=100', f'"CartPole-v1", num_envs={n}, seed=100'),
+                             f"late_eval_{n}.py")
+        program = load(str(path))
+        with pytest.raises(PlacementError, match=r"actor fragment 'act' is called on the evaluation env's observations, "
+                                                 r"first after the trace.*\n  at .*late_eval_\d.py:\d+\n  fix: give the "
+                                                 r"evaluation its own fragment \(act_eval = "):
+            ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
+
+
 def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_row(write_algo, tmp_path):
     """Rows are made at updates, each before its evaluation: a final evaluation after the loop was in
     summary.json only (helper round 31 U3). A closing row holds it, the same under every policy."""

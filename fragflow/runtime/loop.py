@@ -102,6 +102,7 @@ class LoopInterpreter:
         self._seq = 0
         self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
         self._shipped: set[str] = set()
+        self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
@@ -243,6 +244,9 @@ class LoopInterpreter:
             if not self.program.remote:
                 exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
             raise
+        if frag.evaluation and frag.role == "env":   # its observations, to know them if a served actor gets them
+            first = out[0] if isinstance(out, tuple) and out else out
+            self._eval_obs = (id(first), first)
         events = self.events.of(frag)
         if events is not None:
             n, finished = events(out)
@@ -372,6 +376,15 @@ class LoopInterpreter:
             # queue's own pickling names their module, which a worker started from a fork server lacks
             group.put(("skeleton", self.index, sid, cloudpickle.dumps(skeleton)))
         ring = self._rings[name]
+        if self._eval_obs is not None and frag.role == "actor" and \
+                any(id(v) == self._eval_obs[0] for v in bound.arguments.values()):
+            raise PlacementError(
+                f"actor fragment '{name}' is called on the evaluation env's observations, first after the trace, "
+                "but this policy answers it in the learner's process through channels sized for the training envs",
+                where=user_callsite(),
+                fix=f"give the evaluation its own fragment ({name}_eval = ff.fragment('actor', name='{name}_eval')"
+                    f"({name}.fn)), which acts where the loop runs, or run with a policy that acts where the envs "
+                    "step (actor_learner, single_process)")
         if route.whole:
             leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite(), self.program.replicas)
