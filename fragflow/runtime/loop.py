@@ -103,6 +103,7 @@ class LoopInterpreter:
         self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
         self._shipped: set[str] = set()
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
+        self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
@@ -376,8 +377,11 @@ class LoopInterpreter:
             # queue's own pickling names their module, which a worker started from a fork server lacks
             group.put(("skeleton", self.index, sid, cloudpickle.dumps(skeleton)))
         ring = self._rings[name]
-        if self._eval_obs is not None and frag.role == "actor" and \
-                any(id(v) == self._eval_obs[0] for v in bound.arguments.values()):
+        on_eval = self._eval_obs is not None and frag.role == "actor" and \
+            any(id(v) == self._eval_obs[0] for v in bound.arguments.values())
+        if frag.role == "actor" and not on_eval:
+            self._acted_on_training.add(name)
+        if on_eval and name in self._acted_on_training:   # (an act_eval traced on the evaluation env is served)
             raise PlacementError(
                 f"actor fragment '{name}' is called on the evaluation env's observations, first after the trace, "
                 "but this policy answers it in the learner's process through channels sized for the training envs",
