@@ -1367,6 +1367,32 @@ def test_a_stopped_runs_rows_whose_loop_steps_never_came_are_left_out_not_writte
     assert "the last 4 update(s) have no row in metrics.csv" in monitor.summary()["notes"][0]
 
 
+def test_closing_the_monitor_stops_its_progress_display_under_every_kind_of_run():
+    """A refactor left the display's stop inside the lockstep policies' target check, so a run in
+    one process, or without a target, left the live display running."""
+    from fragflow.runtime.monitor import Monitor
+
+    class Display:
+        stopped = 0
+
+        def start(self): pass
+
+        def update(self, *args): pass
+
+        def note(self, message): pass
+
+        def stop(self):
+            self.stopped += 1
+
+    for target, lockstep in ((None, 0), (10.0, 0), (None, 1), (10.0, 1)):
+        display = Display()
+        monitor = Monitor(progress=display, target_return=target)   # type: ignore[arg-type]
+        monitor.marked_replicas = lockstep
+        monitor.start()
+        monitor.close()
+        assert display.stopped == 1, (target, lockstep)
+
+
 def test_a_resumed_runs_summary_keeps_the_notes_of_its_restarts():
     """restarts: 1 came back from the checkpoint, the note saying why did not, while the CLI pointed
     at the notes (helper round 30 S8)."""

@@ -586,6 +586,9 @@ class Monitor:
             self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
             self._solved_in_order()
         self._closing_row()
+        if self.progress is not None:
+            self._refresh(time.perf_counter())
+            self.progress.stop()
 
     def _closing_row(self) -> None:
         """A last row where evaluation episodes ended after the last update's row was written (a final
@@ -618,6 +621,3 @@ class Monitor:
         if solved is None:
             self.solved_at_seconds = None
         self.solved_at_steps = solved
-        if self.progress is not None:
-            self._refresh(time.perf_counter())
-            self.progress.stop()
