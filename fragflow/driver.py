@@ -52,23 +52,21 @@ def _sigterm_as_interrupt() -> Any:
 
 @contextmanager
 def _checkpoint_on_interrupt(checkpoints: RunCheckpoints | None) -> Iterator[None]:
-    """With checkpointing on, the first Ctrl-C (or SIGTERM: a batch scheduler's notice) writes a
-    checkpoint at the loop's next trip and then stops the run; a second one stops it at once."""
+    """With checkpointing on, the first Ctrl-C writes a checkpoint at the loop's next trip and then
+    stops the run; a second Ctrl-C stops it at once."""
     if checkpoints is None or not checkpoints.enabled:
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
-        stop = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         if checkpoints.stop_after:
-            raise stop
-        checkpoints.stop_after, checkpoints.stop_as = True, stop
+            raise KeyboardInterrupt
+        checkpoints.stop_after = True
         checkpoints.request()
-        what = "terminated" if stop is Terminated else "interrupted"
-        sys.stderr.write(f"\n{what}: writing a checkpoint at the loop's next trip, then stopping "
-                         "(Ctrl-C or SIGTERM again stops now)\n")
+        sys.stderr.write("\ninterrupted: writing a checkpoint at the loop's next trip, then stopping "
+                         "(Ctrl-C again stops now)\n")
 
-    with _handling({signal.SIGINT: handler, signal.SIGTERM: handler}):
+    with _handling({signal.SIGINT: handler}):
         yield
 
 

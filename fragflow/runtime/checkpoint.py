@@ -519,8 +519,7 @@ class RunCheckpoints:
         self.keep = keep
         base = resume.counters.get("updates", 0) if resume is not None else 0
         self.schedule = Schedule(every, base) if every is not None else None
-        self.stop_after = False                 # Ctrl-C (or SIGTERM): write one at the next trip, then stop ...
-        self.stop_as: type[KeyboardInterrupt] = KeyboardInterrupt   # ... as this (Terminated for SIGTERM)
+        self.stop_after = False                 # Ctrl-C: write one at the next trip, then stop
         self.written: list[Path] = []
         self.tracker: Any = None               # the loop's trip tracker, in one process
         self.requested = False                 # one was asked for out of schedule (Ctrl-C)

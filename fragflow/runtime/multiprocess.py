@@ -412,7 +412,7 @@ class Driver:
                             else self.monitor.counters())
                 ck.complete(counters, self.lowered.loop.replicas, (self.monitor.base_steps, self.monitor.base_updates))
                 if ck.stop_after:
-                    raise ck.stop_as
+                    raise KeyboardInterrupt
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
             if role == "actor":   # its loop has ended: the rows it marked are written with their own steps
@@ -454,7 +454,7 @@ class Driver:
             waited = time.monotonic() - self._asked_at
             if ck.stop_after and waited > STOP_CHECKPOINT_WAIT:
                 ck.abort()
-                raise ck.stop_as
+                raise KeyboardInterrupt
             if waited > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
                 ck.abort()
             return
@@ -463,7 +463,7 @@ class Driver:
         loops = range(self.lowered.loop.replicas)
         if any(("actor", k) in self.finished for k in loops):
             if ck.stop_after:
-                raise ck.stop_as
+                raise KeyboardInterrupt
             return
         if not ck.requested and ck.schedule is not None:
             ck.schedule.asked(self.monitor.updates)

@@ -132,7 +132,7 @@ def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCh
         position, part = loop_part(snapshot, held_by_state(interp._states))
         checkpoints.commit(monitor.counters(), {"replicas": 1, **position}, {"states": _states(interp), "loop0": part})
         if checkpoints.stop_after:
-            raise checkpoints.stop_as
+            raise KeyboardInterrupt
 
     interp.on_update = on_update
     tracker.capture = capture
