@@ -185,24 +185,6 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
 
 
-def _carry_history(source: Path | None, out: Path) -> None:
-    """A run resumed into another directory starts with the rows and TensorBoard events of the run
-    it continues (its outputs then drop what came after the checkpoint), so that they hold the whole
-    run there too."""
-    import shutil
-
-    if source is None or not source.is_dir() or source.resolve() == out.resolve():
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    if (source / "metrics.csv").is_file() and not (out / "metrics.csv").exists():
-        shutil.copyfile(source / "metrics.csv", out / "metrics.csv")
-    events = sorted((source / "tensorboard").glob("events.out.tfevents.*"))
-    if events and not any((out / "tensorboard").glob("events.out.tfevents.*")):
-        (out / "tensorboard").mkdir(exist_ok=True)
-        for event in events:
-            shutil.copyfile(event, out / "tensorboard" / event.name)
-
-
 def _unimportable(module: Any) -> bool:
     """A module a worker started afresh (from the fork server, on Ray) could not import by its name:
     one the CLI loaded from its path, or one a program loaded with importlib from a file that is not
@@ -484,9 +466,8 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
                               fix="define the training function in a file, with its loop (for/while) in its own body")
     resumed_at = (int(start.counters.get("updates", 0)), int(start.counters.get("env_steps", 0))) \
         if start is not None else None
-    if start is not None and out is not None:
-        _carry_history(start.run_dir, Path(out))
-    outputs = RunOutputs(out, resumed_at=resumed_at, column_order=placed.graph.log_columns) if out is not None else None
+    outputs = RunOutputs(out, resumed_at=resumed_at, column_order=placed.graph.log_columns,
+                         history=start.run_dir if start is not None else None) if out is not None else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
     if start is not None:

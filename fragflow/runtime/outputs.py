@@ -51,13 +51,15 @@ class RunOutputs:
     """Writers for one run directory. Rows go to CSV and TensorBoard as they come."""
 
     def __init__(self, directory: str | os.PathLike[str], resumed_at: tuple[int, int] | None = None,
-                 column_order: tuple[str, ...] = ()) -> None:
+                 column_order: tuple[str, ...] = (), history: Path | None = None) -> None:
         """``resumed_at`` (updates, env steps of its checkpoint): a resumed run adds to the directory's
         ``metrics.csv`` (same columns) and TensorBoard, after dropping what the interrupted run wrote
         past the checkpoint (the resumed run writes it again). Nothing is touched before the first
         row or episode of a resumed run: one refused when its loop loads the checkpoint leaves the directory as it was.
         ``column_order``: the logged names in the order the loop logs them (the trace's), which
-        ``metrics.csv`` keeps after the run's own columns, whatever order the values arrive in."""
+        ``metrics.csv`` keeps after the run's own columns, whatever order the values arrive in.
+        ``history``: the directory of the run a resumed run continues, when it writes elsewhere: its
+        rows and TensorBoard events are copied first, so that this directory holds the whole run too."""
         self.dir = Path(directory)
         self._order = {name: i for i, name in enumerate(column_order)}
         self.last_row: dict[str, float] | None = None   # the last row written (a run's closing row compares with it)
@@ -66,6 +68,7 @@ class RunOutputs:
         self._csv: csv.DictWriter[str] | None = None
         self._columns: list[str] | None = None
         self._resumed_at = resumed_at
+        self._history = history
         self._tb_writer: Any = None
         self._events: list[tuple[Any, int]] = []   # TensorBoard events not yet handed to its writer
         self._events_due = 0.0
@@ -86,6 +89,8 @@ class RunOutputs:
     def _begin(self) -> None:
         resumed_at = self._resumed_at
         metrics = self.dir / "metrics.csv"
+        if resumed_at is not None and self._history is not None:
+            _carry_history(self._history, self.dir)
         if resumed_at is not None and metrics.is_file():
             with open(metrics, newline="") as f:
                 reader = csv.DictReader(f)
@@ -221,6 +226,20 @@ class RunOutputs:
         if self._tb_writer is not None:
             self._hand_over()
             self._tb_writer.close()
+
+
+def _carry_history(source: Path, out: Path) -> None:
+    """The rows and TensorBoard events of the run a resumed run continues, copied into the resumed
+    run's directory where it writes elsewhere (its outputs then drop what came after the checkpoint)."""
+    if not source.is_dir() or source.resolve() == out.resolve():
+        return
+    if (source / "metrics.csv").is_file() and not (out / "metrics.csv").exists():
+        shutil.copyfile(source / "metrics.csv", out / "metrics.csv")
+    events = sorted((source / "tensorboard").glob("events.out.tfevents.*"))
+    if events and not any((out / "tensorboard").glob("events.out.tfevents.*")):
+        (out / "tensorboard").mkdir(exist_ok=True)
+        for event in events:
+            shutil.copyfile(event, out / "tensorboard" / event.name)
 
 
 def _tb_tag(key: str) -> str:
