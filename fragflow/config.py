@@ -113,7 +113,9 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
         if not sep:
             problems.append(f"--set {item!r}: expected key=value")
             continue
-        if key not in types_ and key in vars(args_cls) and not key.startswith("_"):
+        plain = vars(args_cls).get(key)
+        if key not in types_ and key in vars(args_cls) and not key.startswith("_") and not callable(plain) and \
+                not isinstance(plain, (property, staticmethod, classmethod)):
             # `lr = 0.01` without a type: a class attribute the dataclass does not take as a field
             problems.append(f"--set {key}: {args_cls.__name__}.{key} has no type annotation, so it is a class "
                             f"attribute, not a field (write it {key}: {type(vars(args_cls)[key]).__name__} = "

@@ -162,7 +162,7 @@ class Graph:
     # learner, where its output was logged, where the loop's value was)
     log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None
     # module data a fragment changes in place that the training loop's own code reads: (the fragment, the data)
-    loop_reads_changed: tuple[str, str] | None = None
+    loop_reads_changed: tuple[tuple[str, str], ...] = ()
     # an actor given one jax.random key for all its environments: (the actor, its parameter, the call)
     shared_key: tuple[str, str, SourceLoc | None] | None = None
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)

@@ -166,17 +166,20 @@ def _own_loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:
     return names
 
 
-def function_reads(fn: Any, label: str) -> bool:
+def function_reads(fn: Any, label: str, value_id: int) -> bool:
     """Whether ``fn``'s own code (the training loop's) reads the data :func:`mutable_data` labels
-    ``label`` (``"global 'LOSSES'"``, ``"closure variable 'losses'"``): a global it names, or a
-    variable of its own that a function defined in it holds in its closure."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    ``label`` (``"global 'LOSSES'"``, ``"closure variable 'losses'"``) whose ``id`` is ``value_id``:
+    a global it names (that same object, in its own module), or a variable of its own that a
+    function defined in it holds in its closure."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
     kind, _, quoted = label.partition(" '")
     name = quoted.rstrip("'")
     if code is None or not name:
         return False
     if kind == "global":
-        return name in _own_loads(code, frozenset({"LOAD_GLOBAL", "LOAD_NAME"}))
+        return id(getattr(fn, "__globals__", {}).get(name)) == value_id and \
+            name in _own_loads(code, frozenset({"LOAD_GLOBAL", "LOAD_NAME"}))
     return (name in code.co_cellvars or name in code.co_freevars) and \
         name in _own_loads(code, frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"}))
 

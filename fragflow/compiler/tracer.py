@@ -1003,9 +1003,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     log_columns=tuple(tracer.log_columns),
                                     log_clash=tracer.log_clash,
                                     shared_key=tracer.shared_key,
-                                    loop_reads_changed=next(((rec.name, label) for rec in tracer._nodes.values()
-                                                             for label in sorted(set(rec.changes_data.values()))
-                                                             if function_reads(train, label)), None),
+                                    loop_reads_changed=tuple((rec.name, label) for rec in tracer._nodes.values()
+                                                             for ident, label in rec.changes_data.items()
+                                                             if function_reads(train, label, ident)),
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

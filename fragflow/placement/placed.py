@@ -337,8 +337,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
             fix="give each environment a key of its own, made from its id: ff.random.keys(seed, env.ids) (split "
                 "with ff.random.split), or jax.random.split(key, n)[env.ids] with the run's n; or act in one process "
                 "(actors=1)")
-    if graph.loop_reads_changed is not None and graph.loop_reads_changed[0] in service:
-        changer, data = graph.loop_reads_changed
+    for changer, data in graph.loop_reads_changed:
+        if changer not in service:
+            continue
         node = graph.node(changer)
         raise PlacementError(
             f"{node.role} fragment '{changer}' changes the {data} in place and the training loop reads it, but policy "
