@@ -595,8 +595,9 @@ class Monitor:
         evaluation after the loop, or one at the last update): its columns as the run ended, so that
         metrics.csv holds every evaluation, not only summary.json."""
         last = self.outputs.last_row if self.outputs is not None else None
-        if last is None or self.base_eval_episodes + len(self.eval_episodes) <= last.get("eval_episodes", 0):
-            return
+        if last is None or self.unwritten_rows or \
+                self.base_eval_episodes + len(self.eval_episodes) <= last.get("eval_episodes", 0):
+            return   # (after rows left out of a stopped run, its counts would be those rows')
         row = self._runtime_row()
         if self.marked_replicas:   # the evaluation window in replica 0's order, as the rows before
             recent = (self._resumed_eval + [ret for *_, ret, _ in self._eval_tagged])[-RETURN_WINDOW:]
