@@ -734,6 +734,7 @@ def test_a_rollout_under_way_is_saved_and_loaded_in_its_library():
 
 
 FLAT_ROLLOUT = """
+import time
 from dataclasses import dataclass
 import numpy as np
 import fragflow as ff
@@ -745,6 +746,7 @@ class Args:
 
 @ff.fragment("actor")
 def act(w, obs, key):
+    time.sleep(0.001)   # the actor spends its time inside rollouts, where a checkpoint's cut should land
     return (ff.random.uniform(key, (1,))[:, 0] * 2).astype(np.int64)
 
 @ff.fragment("learner", writes="state")
