@@ -268,8 +268,7 @@ class Tracer(Recording):
         if rec.called_at is None:
             rec.called_at = where
         self._expected.discard(id(frag))
-        if frag.role == "logger":
-            self._check_scalars(args[0] if args else kwargs, where)
+        scalars = self._check_scalars(args[0] if args else kwargs, where) if frag.role == "logger" else {}
         if self._nested is not None:
             here = where or user_callsite()
             (o0, o1), (i0, i1) = self._nested
@@ -284,9 +283,6 @@ class Tracer(Recording):
         window = self.window.window
         rec.calls[window] += 1
         if frag.role == "logger":
-            from fragflow.runtime.monitor import flat_scalars
-
-            scalars = flat_scalars(args[0] if args else kwargs)
             # metrics.csv's columns in the order the loop logs them, whichever process's values reach
             # the driver first in a run over several
             self.log_columns.update(dict.fromkeys(scalars))
@@ -744,7 +740,8 @@ class Tracer(Recording):
                 here = where or user_callsite()
                 self.log_clash = (name, seen[0] or learner, seen[1] if seen[0] else here, here if seen[0] else seen[1])
 
-    def _check_scalars(self, tree: Any, where: SourceLoc | None) -> None:
+    def _check_scalars(self, tree: Any, where: SourceLoc | None) -> dict[str, float]:
+        """What ``ff.log(tree)`` writes, by column, once checked."""
         try:
             leaves = leaf_paths(tree)
         except NotAnArray as bad:
@@ -761,11 +758,13 @@ class Tracer(Recording):
 
         # (the channel's columns too, though single_process has none: the program must run under every policy)
         taken = RUNTIME_COLUMNS + EVAL_COLUMNS + CHANNEL_COLUMNS
-        clash = [name for name in flat_scalars(tree) if name in taken]
+        scalars = flat_scalars(tree)
+        clash = [name for name in scalars if name in taken]
         if clash:
             raise TraceError(f"ff.log got '{clash[0]}', the name of a column the run writes itself "
                              f"({', '.join(taken)}): it would overwrite it", where=where,
                              fix=f"log it under a name of its own, e.g. ff.log({{'my_{clash[0]}': ...}})")
+        return scalars
 
     # -- recording ------------------------------------------------------------------------
     def _node(self, frag: Fragment) -> NodeRec:

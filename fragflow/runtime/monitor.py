@@ -268,9 +268,8 @@ class Monitor:
                 at = self._first_mark.get(0, 1) - 1 + update
                 evals = [ret for u, t, ret, _ in self._eval_tagged if u <= at and t <= steps]
                 if self._eval_tagged or self.base_eval_episodes:
-                    recent = (self._resumed_eval + evals)[-RETURN_WINDOW:]
                     row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
-                    row["eval_return_mean"] = sum(recent) / len(recent) if recent else math.nan
+                    row["eval_return_mean"] = self._eval_mean(evals)
                 row.update(scalars)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
@@ -306,9 +305,8 @@ class Monitor:
         # single_process's row is made when the update ends
         before = self._first_mark.get(0, 1) - 1 + j
         evals = [e for e in self._eval_tagged if e[0] < before]
-        eval_recent = (self._resumed_eval + [ret for _, _, ret, _ in evals])[-RETURN_WINDOW:]
         row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
-        row["eval_return_mean"] = sum(eval_recent) / len(eval_recent) if eval_recent else math.nan
+        row["eval_return_mean"] = self._eval_mean([ret for _, _, ret, _ in evals])
         self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, len(evals))
         return True
 
@@ -590,6 +588,11 @@ class Monitor:
             self._refresh(time.perf_counter())
             self.progress.stop()
 
+    def _eval_mean(self, returns: list[float]) -> float:
+        """The mean of the last evaluation returns (a resumed run's window goes on from its checkpoint's)."""
+        recent = (self._resumed_eval + returns)[-RETURN_WINDOW:]
+        return sum(recent) / len(recent) if recent else math.nan
+
     def _closing_row(self) -> None:
         """A last row where evaluation episodes ended after the last update's row was written (a final
         evaluation after the loop, or one at the last update): its columns as the run ended, so that
@@ -600,8 +603,7 @@ class Monitor:
             return   # (after rows left out of a stopped run, its counts would be those rows')
         row = self._runtime_row()
         if self.marked_replicas:   # the evaluation window in replica 0's order, as the rows before
-            recent = (self._resumed_eval + [ret for *_, ret, _ in self._eval_tagged])[-RETURN_WINDOW:]
-            row["eval_return_mean"] = sum(recent) / len(recent) if recent else math.nan
+            row["eval_return_mean"] = self._eval_mean([ret for *_, ret, _ in self._eval_tagged])
         assert self.outputs is not None
         self.outputs.write_row(row)
 
