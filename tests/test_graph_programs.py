@@ -213,6 +213,38 @@ def train(args: Args):
 """
 
 
+# the memory and the previous action sized with the run's count, as a user's `args.num_envs`
+RUN_SIZED = RECURRENT.replace("np.zeros((env.num_envs, 8))", "np.zeros((4, 8))").replace(
+    "np.zeros(env.num_envs, np.int64)", "np.zeros(4, np.int64)")
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2, max_lag=0)",
+                                    "central_inference(env_workers=2)"])
+def test_a_memory_sized_with_the_runs_number_of_environments_is_cut_to_each_process(write_algo, policy):
+    """A per-environment array the loop makes with a row for every environment of the run (sized
+    with ``args.num_envs``, not ``env.num_envs``) is the same in every acting process: each takes
+    its own rows, whether its actor runs there or is served, and the run is single_process's."""
+    assert RUN_SIZED != RECURRENT
+    path, _ = write_algo(RUN_SIZED)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy=policy)
+    assert same_tree(result.value, expected.value)
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+
+
+def test_a_memory_sized_with_the_runs_number_of_environments_is_refused_where_calls_arrive_apart(write_algo):
+    """Served inference that gathers its workers' calls as they arrive does not cut such an array:
+    it is refused at the call, naming the run's count and the fix (env.num_envs)."""
+    path, marks = write_algo(RUN_SIZED.replace("action, h = act(state, obs, h, action, sub)",
+                                               "action, h = act(state, obs, h, action, sub)   # @act"))
+    program = load(str(path))
+    with pytest.raises(SpecChangedError) as err:
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2, max_lag=1)")
+    assert str(err.value.where).endswith(f"algo.py:{marks['act']}")
+    assert "a row for every environment of the run" in str(err.value) and "env.num_envs" in err.value.fix
+    assert shm_leftovers() == []
+
 @pytest.mark.parametrize("policy", ["central_inference(env_workers=2)", "actor_learner(actors=2, max_lag=0)"])
 def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(write_algo, policy):
     """Arrays the loop makes beside a batch of environments, with one row per environment (a
@@ -2467,6 +2499,22 @@ def test_a_learner_given_whole_episodes_of_varying_length_is_refused_with_paddin
         compile(program.train, policy="pipelined")
     assert ff.run(program.train, policy="single_process").summary["updates"] > 3
 
+
+def test_a_learner_given_episodes_as_python_lists_of_varying_length_is_refused_at_placement(write_algo, tmp_path):
+    """The same episodes as Python lists (a leaf per step): refused before the run starts, as the
+    arrays are, not at the first longer episode after the run directory was written."""
+    path, marks = write_algo(PER_EPISODE.replace("np.stack(ep_obs), np.cumsum(ep_rew[::-1])[::-1].astype(np.float32)",
+                                                 "[o.tolist() for o in ep_obs], [float(r) for r in ep_rew]").replace(
+        "(obs * returns[:, None])", "(np.asarray(obs) * np.asarray(returns)[:, None])"))
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' is given \d+ array leaves at "
+                                             rf"{relpath(path)}:{marks['call']} as well as \d+ at {relpath(path)}:{marks['call']} "
+                                             rf"\(obs\[\d+\]\[0\] in one call only\), but policy 'pipelined'.*\n  at "
+                                             rf"{relpath(path)}:{marks['learn']}\n  fix: where one call is given data "
+                                             rf"of varying size .*pad it"):
+        ff.run(program.train, policy="pipelined", out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    assert ff.run(program.train, policy="single_process").summary["updates"] > 3
 
 def test_a_loop_that_changes_its_args_runs_from_the_args_it_was_given(write_algo):
     """A plain (not frozen) Args the loop anneals (args.lr *= 0.5): the trace a multi-process run

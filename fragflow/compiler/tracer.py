@@ -530,6 +530,12 @@ class Tracer(Recording):
         """Note an argument leaf given in another shape than at the first call (what a channel
         between processes, sized from the first, cannot carry)."""
         first = {leaf.dst_path: leaf.spec for leaf in rec.inputs or ()}
+        now = {leaf.dst_path for leaf in self._inputs}
+        if len(self._inputs) != len(rec.inputs or ()):   # (Python lists of another length: an episode as a list)
+            only = sorted(now ^ set(first))
+            rec.other_inputs = (f"{len(self._inputs)} array leaves at {where or user_callsite()} as well as "
+                                f"{len(rec.inputs or ())} at {rec.called_at}" + (f" ({only[0]} in one call only)" if only else ""))
+            return
         for leaf in self._inputs:
             spec = first.get(leaf.dst_path)
             if spec is not None and spec.shape != leaf.spec.shape:

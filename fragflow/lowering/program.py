@@ -29,7 +29,7 @@ import dataclasses
 import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -120,6 +120,10 @@ class LoopProgram:
     restartable: str | None = None    # None: a replica whose process dies is started again; else why not
     routes: dict[str, tuple[str, ...]] | None = None   # a replicated service group: its instance per loop replica
     logged: tuple[tuple[str, int, int, tuple[Any, ...]], ...] = ()   # (fragment, part, index, keys) services report
+    # a fragment run here: (parameter, keys in it, env axis, rows per replica) of the per-environment
+    # leaves the loop may make with every environment's rows (sized with the run's count, not
+    # ``env.num_envs``): a replica takes its rows, as a remote call's ``whole`` does
+    rows: dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]] = field(default_factory=dict)
 
     def service_for(self, group: str, replica: int) -> str:
         """The service instance loop replica ``replica`` sends ``group``'s calls to."""
@@ -238,6 +242,31 @@ def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: P
                           fix=f"use a size divisible by {replicas}, or another number of actors")
     shape[leaf.axis] = total // replicas
     return replace(leaf.spec, shape=tuple(shape))
+
+
+def _local_rows(graph: Graph, in_loop: set[str], replicas: int
+                ) -> dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]]:
+    """Per fragment run in the loop's processes, the per-environment leaves the loop makes
+    itself (see ``LoopProgram.rows``); none where one process steps them all."""
+    if replicas < 2:
+        return {}
+    out: dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]] = {}
+    fragments = {n.name for n in graph.fragments()}
+    for name in sorted(in_loop & fragments):
+        made = {leaf.dst_path for e in graph.edges_of(EdgeKind.DATA) if e.dst == name and e.src == LOOP
+                for leaf in e.leaves}
+        found = []
+        for leaf in graph.node(name).inputs:
+            if leaf.axis_name != "env" or leaf.axis is None or leaf.dst_path not in made:
+                continue
+            m = re.fullmatch(r"(\w+)((?:\[[^\]]*\])*)", leaf.dst_path)
+            total = leaf.spec.shape[leaf.axis] if len(leaf.spec.shape) > leaf.axis else 0
+            if m is None or total % replicas:
+                continue   # (a namedtuple's field: not followed; an uneven split is refused at placement)
+            found.append((m.group(1), parse_path(m.group(2)), leaf.axis, total // replicas))
+        if found:
+            out[name] = tuple(found)
+    return out
 
 
 def _asked_per(placed: PlacedGraph) -> int:
@@ -460,7 +489,7 @@ def lower(placed: PlacedGraph) -> Lowered:
             specs = tuple(_split(leaf, loop.replicas, name, graph, placed) for leaf in crossing)
             axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in crossing)
             whole = tuple((i, axis, specs[i].shape[axis]) for i, (leaf, axis) in enumerate(zip(crossing, axes))
-                          if axis is not None and leaf.axis_name == "env" and source.get(leaf.dst_path, LOOP) == LOOP)
+                          if axis is not None and leaf.axis_name == "env" and LOOP in sources.get(leaf.dst_path, {LOOP}))
             # only where a call merges one piece of every replica, in order: a batch of the replicas
             # that have arrived (arrival gathering) or of a learner's own (several) would miss rows
             in_order = lag == 0 or (traj.discipline if traj is not None else "ordered") == "ordered"
@@ -544,5 +573,6 @@ def lower(placed: PlacedGraph) -> Lowered:
                           {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice, loop.restart),
                           routes or None,
                           tuple((f, part, item.index, item.keys) for s in services if s.rank == 0
-                                for f, items in s.logs.items() for part, item in enumerate(items)))
+                                for f, items in s.logs.items() for part, item in enumerate(items)),
+                          _local_rows(graph, in_loop, loop.replicas))
     return Lowered(placed, program, tuple(services))

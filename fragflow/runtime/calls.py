@@ -150,6 +150,14 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                             "on their first axis (a recurrent state in the [1, env, hidden] layout)")
                 fix = ("keep the environments first in what the loop holds ([env, hidden]) and move the axis inside "
                        "the fragment where the network wants it (h.transpose(0, 1), h[None]); or run with one actor")
+            elif replicas > 1 and got.dtype == spec.dtype and _whole_rows(got.shape, spec.shape, replicas):
+                message += (f"; the training loop runs in {replicas} processes here, each stepping "
+                            f"{spec.shape[0]} of the {got.shape[0]} environments, and this leaf, made in the loop, "
+                            f"has a row for every environment of the run (sized with the run's count, as "
+                            f"args.num_envs), where this process holds its {spec.shape[0]}")
+                fix = ("size per-environment arrays with env.num_envs (the environments this process steps) or make "
+                       "them from env.ids (ff.random.keys(seed, env.ids)), or pass them in the rollout; or run with "
+                       "one actor")
             elif replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
                 message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
                             "the environments, and this leaf was made in the loop from per-environment data whose "
@@ -161,6 +169,11 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                        "per-environment data the fragment also takes, and slice, reshape or flatten it inside the "
                        "fragment; or run with one actor")
             raise SpecChangedError(message, where=where, fix=fix)
+
+
+def _whole_rows(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> bool:
+    """Whether a leaf has every replica's rows on its first axis where one replica's were traced."""
+    return len(got) == len(traced) and len(got) > 0 and got[0] == traced[0] * replicas and got[1:] == traced[1:]
 
 
 def _shared_axis(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:

@@ -104,6 +104,7 @@ class LoopInterpreter:
         self._shipped: set[str] = set()
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
         self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
+        self._params: dict[str, tuple[str, ...]] = {}   # a fragment's parameter names (see _own_share)
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
@@ -229,6 +230,9 @@ class LoopInterpreter:
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
             written = handle
+        rows = self.program.rows.get(name)
+        if rows:
+            args, kwargs = self._own_share(frag, rows, args, kwargs)
         if any(isinstance(a, (Versioned, VersionedView)) for a in args):
             args = tuple(self._resolve(a) for a in args)
         if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
@@ -275,6 +279,34 @@ class LoopInterpreter:
             if self.on_update is not None:
                 self.on_update(self.update)
         return out
+
+    def _own_share(self, frag: Fragment, rows: tuple[tuple[str, tuple[Any, ...], int, int], ...],
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A per-environment leaf the loop made with every environment's rows (sized with the run's
+        count, ``args.num_envs``, where this process steps ``env.num_envs`` of them: the same in every
+        replica, as while tracing) is cut to this replica's rows, as for a remote call."""
+        order = self._params.get(frag.name)
+        if order is None:
+            order = self._params[frag.name] = tuple(frag.signature.parameters)
+        for pname, keys, axis, per in rows:
+            at = order.index(pname) if pname in order else len(args)
+            value: Any = args[at] if at < len(args) else kwargs.get(pname)
+            leaf = value
+            try:
+                for k in keys:
+                    leaf = leaf[k]
+            except (KeyError, IndexError, TypeError):
+                continue
+            shape = getattr(leaf, "shape", None)
+            if shape is None or len(shape) <= axis or shape[axis] != per * self.program.replicas:
+                continue
+            mine = leaf[(slice(None),) * axis + (slice(self.index * per, (self.index + 1) * per),)]
+            value = _replaced(value, keys, mine)
+            if at < len(args):
+                args = (*args[:at], value, *args[at + 1:])
+            else:
+                kwargs = {**kwargs, pname: value}
+        return args, kwargs
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
@@ -557,3 +589,13 @@ def state_checks(graph: Any) -> dict[str, Any]:
     return {"state": state, "clock": clock}
 
 
+def _replaced(tree: Any, keys: tuple[Any, ...], leaf: Any) -> Any:
+    """``tree`` with the leaf at ``keys`` replaced, its containers copied (the loop's stay as they are)."""
+    if not keys:
+        return leaf
+    k, rest = keys[0], keys[1:]
+    if isinstance(tree, dict):
+        return {**tree, k: _replaced(tree[k], rest, leaf)}
+    items = list(tree)
+    items[k] = _replaced(items[k], rest, leaf)
+    return items if isinstance(tree, list) else tuple(items)
