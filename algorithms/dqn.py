@@ -4,7 +4,8 @@ With the details of CleanRL's ``dqn.py``: a 120-84 MLP Q-network, ``torch.optim.
 buffer of 10k transitions, 10k warm-up steps, a gradient step every 10 steps on a batch of 128, a
 target network synced every 500 steps, epsilon annealed from 1 to 0.05 over half the run.
 ``--set prioritized=true`` samples in proportion to the TD errors (Schaul et al., 2016,
-https://arxiv.org/abs/1511.05952) and writes them back after each step.
+https://arxiv.org/abs/1511.05952) and writes them back after each step; its importance-sampling
+exponent beta is annealed linearly from 0.4 to 1 over the run, as in the paper.
 
 Written the way CleanRL writes it: an ``nn.Module``, an optimizer, a replay buffer object and a
 target network in the loop. Where the buffer lives is the policy's choice::
@@ -53,6 +54,8 @@ class Args:
     """steps between gradient steps"""
     prioritized: bool = False
     """prioritized replay: sample by TD error and write the new errors back"""
+    beta_start: float = 0.4
+    """prioritized replay's importance-sampling exponent at the start, annealed to 1 over the run"""
     device: str = "cpu"
     """torch device of the networks ("cuda": a GPU)"""
 
@@ -150,7 +153,9 @@ def train(args: Args):
         # LEARN
         if global_step > args.learning_starts:
             if step % args.train_frequency == 0:
-                batch = rb.sample(args.batch_size)
+                # (prioritized replay's importance-sampling correction grows to the full one by the run's end)
+                beta = min(1.0, args.beta_start + (1.0 - args.beta_start) * global_step / args.total_timesteps)
+                batch = rb.sample(args.batch_size, beta=beta)
                 state, metrics, td_error = learn(state, target, batch, args)
                 if args.prioritized:
                     rb.update_priorities(batch["index"], td_error)

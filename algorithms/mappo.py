@@ -12,7 +12,8 @@ The env is a PettingZoo parallel env made by ``ff.envs.make``: observations are
 rollout buffer holds ``[num_steps, num_envs, num_agents, ...]`` and a policy that splits the
 environments across actors splits along ``env`` and keeps every environment's agents together.
 Each agent's advantages come from its own rewards (GAE), and the PPO loss treats every agent-step
-as a sample. Agents of different kinds (``mpe2:simple_speaker_listener_v4``: a speaker with 3
+as a sample, except the steps of an agent that has left its episode while others play on (MAPPO's
+active masks: the env ignores its actions there; the loop marks which agents are still in). Agents of different kinds (``mpe2:simple_speaker_listener_v4``: a speaker with 3
 actions that sees 3 numbers, a listener with 5 that sees 11) share the network through padding:
 ``ff.envs.make`` zero-pads their observations to the longest and gives the largest action space
 with ``env.action_mask``; the policy never picks an action that is not the agent's. Needs the ``multiagent`` extra (``pip install "fragflow[multiagent]"``)::
@@ -179,8 +180,9 @@ def learn(state, batch, lr, args: Args):
     b_logp = torch.as_tensor(batch["logprob"], dtype=torch.float32).reshape(-1, obs.shape[2])
     b_adv = torch.from_numpy(adv).reshape(-1, obs.shape[2])
     b_ret = b_adv + torch.from_numpy(value).reshape(-1, obs.shape[2])
+    b_active = torch.as_tensor(batch["active"], dtype=torch.bool).reshape(-1, obs.shape[2])
     if model.value_norm:   # the critic learns the returns normalised with the moments seen so far
-        model.observe_returns(b_ret)
+        model.observe_returns(b_ret[b_active])
         mean, std = model.return_moments()
         b_target = (b_ret - mean) / std
     else:
@@ -193,14 +195,15 @@ def learn(state, batch, lr, args: Args):
         order = torch.from_numpy(np.argsort(ff.random.uniform(sub, (n,))[0]))
         for start in range(0, n, size):
             mb = order[start:start + size]
+            active = b_active[mb]   # the agent-steps that are samples: [minibatch, agents]
             logp_all = torch.log_softmax(model.logits(b_obs[mb]), -1)
             newlogp = logp_all.gather(-1, b_action[mb, :, None])[..., 0]
-            entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
-            ratio = (newlogp - b_logp[mb]).exp()
-            mb_adv = b_adv[mb]
+            entropy = -(logp_all.exp() * logp_all).sum(-1)[active].mean()
+            ratio = (newlogp - b_logp[mb])[active].exp()
+            mb_adv = b_adv[mb][active]
             mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
             pg_loss = torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-            v_loss = 0.5 * ((model.head(b_obs[mb]) - b_target[mb]) ** 2).mean()
+            v_loss = 0.5 * ((model.head(b_obs[mb]) - b_target[mb])[active] ** 2).mean()
             loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
             optimizer.zero_grad()
             loss.backward()
@@ -230,14 +233,19 @@ def train(args: Args):
     obs = env.reset()
     num_agents: int = env.num_agents  # type: ignore[attr-defined]
     done = np.zeros((env.num_envs, num_agents), dtype=np.bool_)
+    active = np.ones((env.num_envs, num_agents), dtype=np.bool_)   # the agents still in their episode
     for update in range(args.num_updates):
         lr = args.learning_rate * (1.0 - update / args.num_updates if args.anneal_lr else 1.0)
         for _ in range(args.num_steps):
             key, sub = ff.random.split(key)
             action, logprob, value = act(state["model"], obs, sub)
             next_obs, reward, terminated, truncated, _info = env.step(action)
-            buffer.add(obs=obs, done=done, action=action, logprob=logprob, value=value, reward=reward)
+            buffer.add(obs=obs, done=done, action=action, logprob=logprob, value=value, reward=reward,
+                       active=active)
             obs, done = next_obs, terminated | truncated
+            # an agent that left is out until its environment starts again, when all its agents are done
+            active = active & ~done
+            active[~active.any(axis=1)] = True
         state, metrics = learn(state, buffer.collect(next_obs=obs, next_done=done), lr, args)
         ff.log(metrics)
     return state

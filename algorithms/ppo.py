@@ -384,9 +384,10 @@ def _map(fn, tree):
 
 
 def is_continuous(env_id: str) -> bool:
-    if env_id not in gym.registry:
+    try:   # (gymnasium imports a "module:Env-v0" id's module itself)
+        probe = gym.make(env_id)
+    except (gym.error.Error, ImportError):
         return False   # ff.envs.make reports the unknown id with the caller's line
-    probe = gym.make(env_id)
     try:
         return isinstance(probe.action_space, gym.spaces.Box)
     finally:

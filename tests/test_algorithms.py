@@ -213,3 +213,36 @@ def test_ppo_with_its_rollout_buffer_beside_the_learner_reproduces_single_proces
     result = ff.run(ppo.train, args, policy="learner_replay(max_lag=0)")
     assert same_tree(result.value, expected.value)
     assert result.summary["updates"] == 8
+
+
+def test_ppo_takes_a_module_prefixed_continuous_env_id_as_continuous(tmp_path, monkeypatch):
+    """A "module:Env-v0" id (the module registers the env when imported, as gymnasium allows) gets
+    the continuous settings the plain id gets (action clipping, observation and reward
+    normalisation); the registry alone does not know it before the import."""
+    from fragflow.algorithms import ppo
+
+    (tmp_path / "my_pendulum_envs.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('MyPendulum-v0', entry_point='gymnasium.envs.classic_control:PendulumEnv', max_episode_steps=200)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ppo.is_continuous("Pendulum-v1") and not ppo.is_continuous("CartPole-v1")
+    assert ppo.is_continuous("my_pendulum_envs:MyPendulum-v0")
+    assert not ppo.is_continuous("NoSuchEnv-v0") and not ppo.is_continuous("no_such_module:X-v0")
+
+
+def test_dqn_anneals_prioritized_replays_importance_sampling_exponent_to_one(monkeypatch):
+    """Schaul et al. anneal beta linearly from 0.4 to 1 over the run; it stayed at 0.4."""
+    from fragflow.algorithms import dqn
+
+    betas = []
+    sample = ff.ReplayBuffer._sample
+
+    def spy(self, batch_size, beta=None):
+        betas.append(beta)
+        return sample(self, batch_size, beta)
+
+    monkeypatch.setattr(ff.ReplayBuffer, "_sample", spy)
+    args = dqn.Args(total_timesteps=2_000, learning_starts=100, train_frequency=10, prioritized=True)
+    dqn.train(args)
+    assert betas[0] == pytest.approx(0.4 + 0.6 * 110 / 2_000) and betas[-1] == pytest.approx(0.4 + 0.6 * 1_990 / 2_000)
+    assert betas == sorted(betas)

@@ -221,6 +221,49 @@ def test_mappo_critic_sees_every_agent_and_ippo_only_its_own():
     assert torch.equal(own.value(obs)[:, 0], base_o[:, 0])              # its independent critic does not
 
 
+def test_mappo_learns_only_from_the_agents_still_in_their_episode(monkeypatch):
+    """MAPPO's active masks: an agent that left its episode while another plays on gives zero
+    observations there, and the env ignores its actions; those agent-steps were samples of the
+    policy and value losses, each with an advantage of -V (helper round 32 X2)."""
+    import copy
+
+    import torch
+
+    from fragflow.algorithms import mappo
+
+    class Leaving(_agents_leaving({"a": 5, "b": 2}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def __init__(self, max_cycles: int = 25) -> None:   # (mappo passes its episode length)
+            super().__init__()
+
+    batches, learn = [], mappo.learn.fn
+
+    def spy(state, batch, lr, args):
+        batches.append(batch)
+        return learn(state, batch, lr, args)
+
+    monkeypatch.setattr(mappo, "learn", ff.fragment("learner", writes="state", name="learn")(spy))
+    args = mappo.Args(env_id=Leaving, total_timesteps=20, num_envs=1, num_steps=10, update_epochs=1)  # type: ignore[arg-type]
+    mappo.train(args)
+    # b plays steps 0 and 1 of each 5-step episode, a all five
+    assert batches[0]["active"][:, 0].tolist() == [[True, True]] * 2 + [[True, False]] * 3 + \
+        [[True, True]] * 2 + [[True, False]] * 3
+
+    # what an agent that left did there changes nothing the learner does
+    torch.manual_seed(0)
+    model = mappo.Agents(1, 2, 2, 8, central=True, value_norm=True)
+    batch = batches[0]
+    gone = ~batch["active"]
+    other = {**batch, "action": np.where(gone, 1 - batch["action"], batch["action"]),
+             "logprob": np.where(gone, batch["logprob"] - 3.0, batch["logprob"]),
+             "value": np.where(gone, batch["value"] + 5.0, batch["value"])}
+    after = []
+    for b in (batch, other):
+        net = copy.deepcopy(model)
+        state = {"model": net, "optimizer": torch.optim.Adam(net.parameters(), lr=1e-2),
+                 "key": ff.random.keys(0, np.array([mappo.LEARNER_KEY_ID]))}
+        after.append(learn(state, b, 1e-2, args)[0]["model"].state_dict())
+    assert gone.any() and same_tree(after[0], after[1])
+
 def test_mujoco_continuous_ppo_runs_under_one_process_and_pipelined():
     from fragflow.algorithms import ppo
 

@@ -531,7 +531,8 @@ class Tracer(Recording):
         between processes, sized from the first, cannot carry)."""
         first = {leaf.dst_path: leaf.spec for leaf in rec.inputs or ()}
         now = {leaf.dst_path for leaf in self._inputs}
-        if len(self._inputs) != len(rec.inputs or ()):   # (Python lists of another length: an episode as a list)
+        # (Python lists of another length, an episode as a list; ff.log's calls take what each logs)
+        if len(self._inputs) != len(rec.inputs or ()) and rec.role != "logger":
             only = sorted(now ^ set(first))
             rec.other_inputs = (f"{len(self._inputs)} array leaves at {where or user_callsite()} as well as "
                                 f"{len(rec.inputs or ())} at {rec.called_at}" + (f" ({only[0]} in one call only)" if only else ""))
