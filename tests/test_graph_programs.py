@@ -4,6 +4,8 @@ Each runs under single_process, and under every other placement, or is refused a
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -346,6 +348,64 @@ def test_rows_the_loop_samples_itself_are_refused_where_replicas_would_each_send
         ff.run(program.train, policy=f"actor_learner(actors=2, max_lag={lag})")
     assert shm_leftovers() == []
 
+
+OWN_BUFFER = """
+import numpy as np
+import fragflow as ff
+
+class Ring:                                  # a replay buffer of the user's own, its methods fragments
+    def __init__(self, n):
+        self.obs, self.i, self.n = np.zeros((n, 4), np.float32), 0, n
+
+    @ff.fragment("buffer")
+    def add(self, obs):
+        self.obs[np.arange(self.i, self.i + len(obs)) % self.n] = obs
+        self.i += len(obs)
+
+    @ff.fragment("buffer")
+    def sample(self, size):
+        return {"obs": self.obs[np.random.default_rng(self.i).integers(0, min(self.i, self.n), size)]}
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    ring = Ring(64)
+    obs = env.reset()
+    for step in range(40):
+        ring.add(obs)
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8 and step % 4 == 0:
+            state, _ = learn(state, ring.sample(16))  # @learn
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, fix", [("actor_learner(actors=2)", "actor_learner(actors=1)"),
+                                         ("central_inference(env_workers=2)", "central_inference(env_workers=1)")])
+def test_a_buffer_of_the_users_own_on_several_acting_processes_is_refused_at_placement(write_algo, tmp_path,
+                                                                                        policy, fix):
+    """Its samples declare no batch axis: each acting process's buffer gives its own, and the learner
+    could take only one. This was found only once the run had started, after `fragflow graph` showed
+    the placement and the run had written its directory (helper round 32 Y1); and the fix named
+    `actors=1` where the policy has env workers (Y2)."""
+    path, marks = write_algo(OWN_BUFFER)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"batch of 'learn' comes from buffer fragment 'Ring.sample' "
+                                             rf"\(batch\['obs'\], f32\[16,4\]\), which declares no batch axis(.|\n)*"
+                                             rf"at {relpath(path)}:{marks['learn']}\n  fix: .*or run with {re.escape(fix)}"):
+        ff.run(program.train, policy=policy, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    expected = ff.run(program.train, policy="single_process")
+    for ok in ("learner_replay(actors=2, max_lag=0)", "actor_learner(actors=1, max_lag=0)"):
+        assert ff.run(program.train, policy=ok).summary["updates"] == expected.summary["updates"] == 8, ok
 
 PER_UPDATE_VALUES = """
 import numpy as np

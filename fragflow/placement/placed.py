@@ -402,6 +402,20 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         who = "env worker" if "env_workers" in opts else "actor"
         one = (f"{policy}(env_workers=1)" if "env_workers" in opts else
                "a policy with one acting process (pipelined)" if "learners" in opts else f"{policy}(actors=1)")
+        # the acting processes a learner process merges the calls of (multi_learner: each learner its own)
+        merged = actors // int(opts["learners"]) if "learners" in opts else actors
+        for e in graph.edges_of(EdgeKind.DATA):
+            src = graph.node(e.src)
+            unbatched = next((leaf for leaf in e.leaves if leaf.axis is None and leaf.axis_name is None), None)
+            if merged > 1 and src.role == "buffer" and e.src in acting and e.dst in service and unbatched is not None:
+                raise PlacementError(
+                    f"{e.dst_port} of '{e.dst}' comes from buffer fragment '{e.src}' ({unbatched.dst_path}, "
+                    f"{unbatched.spec.short()}), which declares no batch axis, but policy '{policy}' runs it in "
+                    f"each of {actors} {who} processes, each with a buffer of its own, and '{e.dst}' in another "
+                    "process: it would get one of their samples, with nothing to merge them along",
+                    where=e.where or graph.node(e.dst).called_at,
+                    fix="use ff.ReplayBuffer or ff.RolloutBuffer (which declare their batch axes), keep the buffer "
+                        f"with the learner (--policy learner_replay), or run with {one}")
         for n in graph.fragments("env"):
             if n.name in acting and not n.splittable:
                 raise PlacementError(

@@ -506,7 +506,8 @@ class ServiceRunner:
                             "stepping its share of the environments, and has no batch axis to merge them along: "
                             "one replica's would be learned and the others' lost", where=node_where,
                             fix="pass per-environment data through an env fragment, ff.RolloutBuffer or "
-                                "ff.ReplayBuffer (which declare their batch axes), or run with one actor")
+                                "ff.ReplayBuffer (which declare their batch axes), or run with one acting process "
+                                "(actors=1; env_workers=1 under central_inference)")
                 out.append(first)
                 continue
             joined = np.concatenate([to_numpy(p.leaves[j]) for p in pieces], axis=axis)
