@@ -3,6 +3,8 @@ thread counts, traced specs, non-finite learners, misuse of versioned state, pol
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import re
 import signal
@@ -79,6 +81,21 @@ def test_a_nan_learner_stops_the_run_naming_fragment_and_update(program, policy)
         ff.run(prog.train, prog.args_cls(bad_at=2, how="nan"), policy=policy)
     assert shm_leftovers() == []
 
+
+def test_a_run_stopped_by_a_nan_counts_the_steps_its_updates_learned_from(program, tmp_path):
+    """The learner's error ended the run before the actors' last reports were read: summary.json
+    said 3 updates of 128-step rollouts were made from 128 env steps, and rows were missing
+    (helper round 32 Z2). Its rows and counters are those of the steps that reached the learner."""
+    prog, path, marks = program
+    with pytest.raises(NonFiniteError):
+        ff.run(prog.train, prog.args_cls(updates=8, bad_at=3, how="nan"), policy="pipelined(actors=1)",
+               out=tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert summary["status"] == "failed" and summary["updates"] == 3
+    assert summary["env_steps"] >= 4 * 8    # the failing update's rollout was made (each rollout: 2 envs x 4 steps)
+    assert [(float(r["updates"]), float(r["env_steps"])) for r in rows] == [(1, 8), (2, 16), (3, 24)]
 
 @pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
 def test_a_nan_written_while_tracing_is_refused_then(program, policy, tmp_path):
@@ -257,6 +274,36 @@ def train():
                                           rf"{relpath(path)}:{marks['log']}\n  fix: give each value a name of its own"):
         ff.run(prog.train, policy=policy)
 
+
+@pytest.mark.parametrize("logged, message", [
+    ('{"charts/episodes": x}', "'charts/episodes', the TensorBoard tag the run writes its own column 'episodes' under"),
+    ('{"charts/episodic_return": x}', "'charts/episodic_return', the TensorBoard tag the run writes its own episodes "
+                                      "under"),
+    ('{"losses/loss": x}', "'losses/loss', and 'loss' at .*: both are TensorBoard tag 'losses/loss'"),
+])
+def test_a_logged_name_on_a_tensorboard_tag_of_another_series_is_refused_at_the_log(write_algo, logged, message):
+    """metrics.csv kept the columns apart, but TensorBoard wrote both series under one tag: the run's
+    episode count and the user's value at the same steps (helper round 32 Z1)."""
+    path, marks = write_algo(f"""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state):
+    x = state["n"].sum()
+    return {{"n": state["n"] + 1}}, {{"loss": x}}
+
+def train():
+    state = ff.versioned({{"n": np.zeros(1)}})
+    for _ in range(4):
+        state, m = learn(state)
+        ff.log(m)
+        x = 1.0
+        ff.log({logged})  # @log
+""")
+    prog = load(str(path))
+    with pytest.raises(TraceError, match=rf"ff.log got {message}(.|\n)*\n  at {relpath(path)}:{marks['log']}\n  fix: "):
+        ff.run(prog.train, policy="single_process")
 
 @pytest.mark.parametrize("policy, message", [
     ("actor_learner(overflow=bogus)", "expected one of drop, deliver, block, got 'bogus'"),

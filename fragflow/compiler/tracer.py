@@ -167,6 +167,7 @@ class Tracer(Recording):
         self.journal: list[tuple[Any, ...]] | None = None
         self.log_columns: dict[str, None] = {}   # names ff.log was given, in the order first seen
         self._logged_by: dict[str, tuple[str, SourceLoc | None]] = {}   # name -> (the learner whose output, or ""; where)
+        self._tags: dict[str, tuple[str, SourceLoc | None]] = {}   # TensorBoard tag -> the logged name, where
         self.log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None   # see Graph.log_clash
         self.shared_key: tuple[str, str, SourceLoc | None] | None = None   # see Graph.shared_key
         self.handover: Callable[[Tracer], Any] | None = None
@@ -761,7 +762,7 @@ class Tracer(Recording):
                                  where=where, fix="log scalars: reduce it first (x.mean(), x.max()) or log its "
                                                   "elements under names of their own")
         from fragflow.runtime.monitor import flat_scalars
-        from fragflow.runtime.outputs import CHANNEL_COLUMNS, EVAL_COLUMNS, RUNTIME_COLUMNS
+        from fragflow.runtime.outputs import CHANNEL_COLUMNS, EVAL_COLUMNS, RUN_TAGS, RUNTIME_COLUMNS, tb_tag
 
         # (the channel's columns too, though single_process has none: the program must run under every policy)
         taken = RUNTIME_COLUMNS + EVAL_COLUMNS + CHANNEL_COLUMNS
@@ -771,6 +772,19 @@ class Tracer(Recording):
             raise TraceError(f"ff.log got '{clash[0]}', the name of a column the run writes itself "
                              f"({', '.join(taken)}): it would overwrite it", where=where,
                              fix=f"log it under a name of its own, e.g. ff.log({{'my_{clash[0]}': ...}})")
+        for name in scalars:
+            tag = tb_tag(name)
+            if tag in RUN_TAGS:
+                raise TraceError(f"ff.log got '{name}', the TensorBoard tag the run writes its own "
+                                 f"{'episodes' if 'episodic' in tag else 'column ' + repr(tag.split('/', 1)[1])} "
+                                 "under: the two series would be mixed", where=where,
+                                 fix=f"log it under a name of its own, e.g. ff.log({{'my_{tag.split('/', 1)[1]}': ...}})")
+            other = self._tags.setdefault(tag, (name, where))
+            if other[0] != name:
+                raise TraceError(f"ff.log got '{name}', and '{other[0]}' at {other[1]}: both are TensorBoard tag "
+                                 f"'{tag}' (a name without a '/' is logged under 'losses/'), so the two series "
+                                 "would be mixed", where=where,
+                                 fix=f"rename one of them (ff.log({{'{name}_2': ...}}))")
         return scalars
 
     # -- recording ------------------------------------------------------------------------

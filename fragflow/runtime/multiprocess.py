@@ -246,8 +246,8 @@ class Driver:
             self.wiring.stop.set()
             self._hear_out()
             raise
-        except WorkerFailed:   # what the others made of the calls sent before the failure still has its rows
-            self.wiring.stop.set()
+        except (WorkerFailed, FragflowError):   # what the others made of the calls sent before the failure
+            self.wiring.stop.set()               # still has its rows (a worker's own error: a non-finite write)
             self._hear_out(STOP_HEAR_OUT / 5)
             raise
         finally:

@@ -16,6 +16,9 @@ RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
 EVAL_COLUMNS = ("eval_return_mean", "eval_episodes")
 # the channel's counters, in each row of a run over several processes (its one channel is "trajectory")
 CHANNEL_COLUMNS = ("trajectory/depth", "trajectory/drops", "trajectory/items_per_second", "trajectory/bytes_per_second")
+# the tags the run writes itself: a logged value under one of them would share its series
+RUN_TAGS = frozenset({f"charts/{c}" for c in RUNTIME_COLUMNS} | {f"eval/{c}" for c in EVAL_COLUMNS} |
+                     {"charts/episodic_return", "charts/episodic_length", "eval/episodic_return", "eval/episodic_length"})
 TB_EVERY = 1.0   # seconds between handing TensorBoard's writer the events made since
 
 
@@ -128,7 +131,7 @@ class RunOutputs:
         assert self._csv_file is not None
         self._csv_file.flush()
         # skip NaN (no episode finished yet)
-        self._scalars(((_tb_tag(key), value) for key, value in row.items() if key != "env_steps" and value == value),
+        self._scalars(((tb_tag(key), value) for key, value in row.items() if key != "env_steps" and value == value),
                       int(row["env_steps"]))
 
     def _scalars(self, values: Any, step: int) -> None:
@@ -242,7 +245,9 @@ def _carry_history(source: Path, out: Path) -> None:
             shutil.copyfile(event, out / "tensorboard" / event.name)
 
 
-def _tb_tag(key: str) -> str:
+def tb_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics.csv column (CleanRL's layout: the run's own under
+    ``charts/``, logged values under ``losses/`` unless their name has a ``/`` of its own)."""
     if key in RUNTIME_COLUMNS:
         return f"charts/{key}"
     if key in EVAL_COLUMNS:   # beside eval/episodic_return, not among the losses
