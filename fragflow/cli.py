@@ -209,7 +209,7 @@ def run(
         solved = s.get("solved_at_seconds")
         line += f", target {target_return:g} " + ("not reached" if solved is None else f"reached at {solved:.1f}s / {s['solved_at_steps']} steps")
     out.print(line, highlight=False)
-    written = [name for name in ("metrics.csv", "summary.json", "returns.png") if (run_dir / name).is_file()]
+    written = [name for name in ("metrics.csv", "summary.json", "returns.png", "graph.txt") if (run_dir / name).is_file()]
     written += ["tensorboard/"] if any((run_dir / "tensorboard").glob("events.out.tfevents.*")) else []
     out.print(f"outputs: {run_dir}/{{{', '.join(written)}}}", highlight=False)
     if s.get("restarts"):
@@ -273,6 +273,11 @@ def graph(
         from fragflow import driver
         from fragflow.compiler.printer import format_graph, format_placed
 
+        if image is not None and no_image:
+            from fragflow.errors import ConfigError
+
+            raise ConfigError(f"--image {image} asks for an image and --no-image for none",
+                              fix="give one of them (the text form is always printed)")
         program, args = _load(algorithm, set_)
         target = image
         no_image = no_image or image is None

@@ -106,6 +106,7 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--set", "env_id=CartPole-v9"], "unknown environment id 'CartPole-v9'"),
     (["run", "ppo", "--stop-on-target"], "--stop-on-target needs --target-return"),
     (["graph", "ppo", "--image", "g.gif"], "give a path ending in .png or .svg"),
+    (["graph", "ppo", "--image", "g.png", "--no-image"], "give one of them"),
     (["run", "ppo", "--policy", "pipelined(actors=3)"], "splits the loop's 4 environments across 3 processes (actors=3): they do not divide evenly"),
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "policy 'pipelined' has no option 'actor'"),
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "fix: write pipelined(actors=1, envs_per_actor=0, max_lag=1)"),
@@ -230,7 +231,7 @@ def test_a_new_run_in_a_used_directory_replaces_its_outputs_and_writes_strict_js
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert summary["args"]["target_kl"] is None
-    assert f"outputs: {out}/{{metrics.csv, summary.json, returns.png, tensorboard/}}" in res.stdout
+    assert f"outputs: {out}/{{metrics.csv, summary.json, returns.png, graph.txt, tensorboard/}}" in res.stdout
 
 
 def test_an_unwritable_out_or_image_is_a_usage_error(tmp_path):

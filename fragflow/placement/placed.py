@@ -104,7 +104,7 @@ class PlacedGraph:
             if src.kind is NodeKind.LOOP:
                 continue
             if e.kind is EdgeKind.DATA and e.src != e.dst and seen.get(e.src) != seen.get(e.dst):
-                label = edge_label(e.src, e.dst, e.dst_port)
+                label = edge_label(e.src, e.dst, e.dst_port, e.src_port)
                 if label not in carried:
                     out.append(f"edge {label} crosses groups but no channel carries it")
         for c in self.channels:
@@ -127,8 +127,9 @@ class PlacedGraph:
         return self
 
 
-def edge_label(src: str, dst: str, dst_port: str) -> str:
-    return f"{src} -> {dst}.{dst_port}"
+def edge_label(src: str, dst: str, dst_port: str, src_port: str = "") -> str:
+    """``act[1] -> buffer.add.step``: the output (``src_port``, as the edges are listed) and the argument."""
+    return f"{src}{src_port} -> {dst}.{dst_port}"
 
 
 def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
@@ -425,7 +426,7 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     fix="size your env with n = len(ff.envs.ids(num_envs)) and seed environment i with seed + i "
                         f"(or build it with ff.envs.make(YourEnv, ...)), or run with {one}")
     ordered_service = tuple(n.name for n in graph.fragments() if n.name in service)
-    calls = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
+    calls = tuple(edge_label(e.src, e.dst, e.dst_port, e.src_port) for e in graph.edges_of(EdgeKind.DATA)
                   if e.dst in service and e.src not in service)
     read_edges = tuple(f"{e.src}{e.src_port} -> {e.dst}.{e.dst_port}" for e in graph.edges_of(EdgeKind.STATE_READ)
                        if e.dst in acting)
@@ -434,7 +435,7 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     if read_edges:
         channels.append(Channel("parameters", "parameter", "learner", "actors", read_edges, max_lag, Overflow.DELIVER,
                                 max_lag + 3, parameters))
-    replies = tuple(edge_label(e.src, e.dst, e.dst_port) for e in graph.edges_of(EdgeKind.DATA)
+    replies = tuple(edge_label(e.src, e.dst, e.dst_port, e.src_port) for e in graph.edges_of(EdgeKind.DATA)
                     if e.src in service and e.dst not in service)
     if replies:
         channels.append(Channel("replies", "reply", "learner", "actors", replies, 0, Overflow.BLOCK, 1, "request"))

@@ -209,16 +209,19 @@ class RunOutputs:
 
         steps = np.array([e[0] for e in episodes])
         rets = np.array([e[1] for e in episodes])
-        window = min(20, len(rets))
-        smooth = np.convolve(rets, np.ones(window) / window, mode="valid")
+        window = 20
+        # the mean of the last 20 episodes (of all of them before the 20th), from the first episode on
+        total = np.concatenate([[0.0], np.cumsum(rets)])
+        ends = np.arange(1, len(rets) + 1)
+        smooth = (total[ends] - total[np.maximum(ends - window, 0)]) / np.minimum(ends, window)
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(steps, rets, ".", alpha=0.25, label="episode return")
-        ax.plot(steps[window - 1:], smooth, label=f"mean of last {window}")
+        ax.plot(steps, smooth, marker="." if len(rets) == 1 else None, label=f"mean of last {window}")
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", label=f"target {target:g}")
         ax.set_xlabel("environment steps")
         ax.set_ylabel("return")
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")
         fig.tight_layout()
         fig.savefig(self.dir / "returns.png", dpi=100)
         plt.close(fig)
