@@ -23,8 +23,8 @@ from fragflow.runtime.signals import Terminated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile and run reinforcement-learning training loops as fragmented dataflow graphs.")
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True, emoji=False)
+out = Console(soft_wrap=True, emoji=False)
 
 DEFAULT_ALGORITHM = "ppo"
 

@@ -123,6 +123,10 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
       "learning_starts=200"], "processes (env_workers=2): they do not divide evenly"),
     (["run", "ppo", "--backend", "ray", "--address", "127.0.0.1:1"],   # (Ray retried in silence: round 27 F05)
      "cannot reach a Ray cluster at 127.0.0.1:1"),
+    # Ray's ValueError came through as "the training program raised", with Ray's frames (round 32 R1)
+    (["run", "ppo", "--backend", "ray", "--address", "127.0.0.1"], "--address 127.0.0.1: no port"),
+    # (":abc:" was printed as an emoji: round 32 R6)
+    (["run", "ppo", "--backend", "ray", "--address", "127.0.0.1:abc"], "--address 127.0.0.1:abc: the port is not a number"),
 ])
 def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"

@@ -167,3 +167,46 @@ def test_a_worker_that_cannot_import_the_program_is_reported_with_its_error(ray_
     finally:
         sys.path.remove(str(lib))
         sys.modules.pop("ray_elsewhere", None)
+
+
+def test_an_address_that_is_no_ray_cluster_is_refused_at_once(tmp_path, monkeypatch):
+    """Ray retried for minutes in silence on a port that accepts connections but is no Ray head's
+    (an HTTP server), and `auto` with no cluster started here failed only after the run directory
+    was written (helper round 32 R1, R5)."""
+    import http.server
+
+    from fragflow.backends.ray import reachable
+    from fragflow.errors import ConfigError
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match="answers, but not as a Ray cluster's head"):
+            reachable(f"127.0.0.1:{server.server_address[1]}")
+        assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="--address auto: no Ray cluster was started on this machine"):
+        reachable("auto")
+
+
+def test_a_dead_channel_hub_is_a_worker_death_not_the_users_error(monkeypatch):
+    """The hub actor killed mid-run: Ray's ActorDiedError, with Ray's frames, was shown as "the
+    training program raised" (helper round 32 R4)."""
+    import ray
+
+    from fragflow.backends import WorkerDied
+    from fragflow.backends import ray as ray_backend
+
+    class Dead:
+        exceptions = ray.exceptions
+
+        @staticmethod
+        def get(ref):
+            raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(ray_backend, "_ray", lambda: Dead)
+    with pytest.raises(WorkerDied, match="the run's channel hub \\(a Ray actor\\) died"):
+        ray_backend._get(object())

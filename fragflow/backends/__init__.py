@@ -37,6 +37,11 @@ class Stopped(Exception):
     """The run is stopping (its stop event was set while a process waited)."""
 
 
+class WorkerDied(Exception):
+    """A worker process ended without a word (killed, or crashed in native code), or the process
+    holding the run's channels did."""
+
+
 class Ring(Protocol):
     def put(self, leaves: list[Any], version: int, timeout: float | None = None, tag: int = 0, aux: int = 0,
             order: int = 0) -> bool: ...

@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 
 from fragflow import backends
+from fragflow.backends import WorkerDied
 from fragflow.errors import FragflowError
 from fragflow.lowering import Lowered
 from fragflow.runtime import signals
@@ -40,10 +41,6 @@ class WorkerFailed(Exception):
         where = f" in fragment '{fragment}'" if fragment else ""
         super().__init__(f"{who} failed{where}:\n{tb.rstrip()}")
         self.role, self.index, self.fragment, self.tb = role, index, fragment, tb
-
-
-class WorkerDied(Exception):
-    """A worker process ended without a word (killed, or crashed in native code)."""
 
 
 @contextmanager

@@ -9,8 +9,9 @@ as a local process. Rings, broadcasts, admission and the queues are the methods 
 staleness bounds, disciplines and channel metrics are the local backend's, so ``max_lag=0``
 reproduces ``single_process`` here too.
 
-Without ``--address`` (and no ``RAY_ADDRESS``) a local Ray instance is started for the run, bound
-to 127.0.0.1, dashboard off. Every actor the run started is killed when it ends.
+Without ``--address`` (and no ``RAY_ADDRESS``) a local Ray instance of the run's own is started
+(never a cluster ``ray start`` runs or left behind on the machine), dashboard off. Every actor the
+run started is killed when it ends.
 
 What Ray costs: each channel operation is a remote call (about a millisecond on a small machine,
 against a few microseconds in shared memory), so a program that crosses processes at every env
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.backends import Stopped
+from fragflow.backends import Stopped, WorkerDied
 from fragflow.backends.local.shm import Layout
 from fragflow.compiler.pytree import from_numpy, to_numpy
 from fragflow.errors import ConfigError
@@ -52,7 +53,11 @@ def _ray() -> Any:
 
 
 def _get(ref: Any) -> Any:
-    out = _ray().get(ref)
+    ray = _ray()
+    try:
+        out = ray.get(ref)
+    except ray.exceptions.RayActorError as exc:   # (the hub: every channel of the run was in it)
+        raise WorkerDied(f"the run's channel hub (a Ray actor) died: {str(exc).splitlines()[0]}") from None
     if isinstance(out, str) and out == STOPPED:
         raise Stopped
     return out
@@ -425,7 +430,7 @@ class _Worker:
 
 
 def connect(address: str | None = None) -> None:
-    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local instance on 127.0.0.1."""
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local instance of the run's own."""
     ray = _ray()
     if ray.is_initialized():
         return
@@ -440,33 +445,75 @@ def connect(address: str | None = None) -> None:
     try:
         if address:
             ray.init(address=address, log_to_driver=True)
-        else:
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
-    except ConnectionError as exc:
-        raise ConfigError(f"cannot reach a Ray cluster at {address}: {exc}",
-                          fix="start one with `ray start --head` and pass its address (ray start prints it)") from None
+        else:   # ("local": never a cluster `ray start` left on this machine, live or stale)
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        token = "" if "RAY_AUTH_MODE" in os.environ else (
+            "; a cluster whose `ray start` said \"Token authentication is enabled\" also needs RAY_AUTH_MODE=token "
+            "in this shell")
+        raise ConfigError(f"cannot join a Ray cluster at {address}: {text}" if address else
+                          f"cannot start a local Ray instance: {text}",
+                          fix=f"give the address `ray start --head` printed (host:port){token}" if address else
+                              "run with --backend local") from None
     finally:
         if main and term is not None:
             signal.signal(signal.SIGTERM, term)
 
 
 def reachable(address: str, timeout: float = 10.0) -> None:
-    """A cluster address of the form host:port must answer (Ray's own connection retries for
-    minutes, in silence)."""
-    if "://" in address or address == "auto" or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
+    """A cluster address must name a Ray cluster that answers (Ray's own connection retries for
+    minutes, in silence): ``host:port`` of its head (or ``ray://host:port``), or ``auto``, the
+    cluster ``ray start`` runs on this machine."""
+    fix = "give the address `ray start --head` printed (host:port, e.g. 10.0.0.5:6379)"
+    if address == "auto":
+        found = _current_cluster()
+        if found is None:
+            raise ConfigError("--address auto: no Ray cluster was started on this machine",
+                              fix="start one with `ray start --head`, or leave --address out: the run then "
+                                  "starts a Ray instance of its own")
+        address = found
+    plain = address.split("://", 1)[1] if "://" in address else address
+    host, colon, port = plain.rpartition(":")
+    if not colon or not host:
+        raise ConfigError(f"--address {address}: no port", fix=fix)
     if not port.isdigit():
-        raise ConfigError(f"--address {address}: the port is not a number",
-                          fix="give the address `ray start --head` printed (host:port, e.g. 10.0.0.5:6379)")
+        raise ConfigError(f"--address {address}: the port is not a number", fix=fix)
     import socket
 
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as conn:
+            # Ray's control store (GCS) speaks gRPC: HTTP/2 answers its preface with a SETTINGS frame
+            # (another server on the port, an HTTP/1 one, does not; Ray would retry it for minutes)
+            answer = b"" if "://" in address or os.environ.get("RAY_USE_TLS") else _http2_answer(conn, timeout)
     except OSError as exc:
         raise ConfigError(f"cannot reach a Ray cluster at {address}: {exc}",
                           fix="start one with `ray start --head` and pass its address (ray start prints it)") from None
+    if answer and not (len(answer) >= 4 and answer[3] == 0x04):
+        raise ConfigError(f"{address} answers, but not as a Ray cluster's head (its GCS port)", fix=fix)
+
+
+def _http2_answer(conn: Any, timeout: float) -> bytes:
+    """The first frame header a server sends after HTTP/2's client preface and an empty SETTINGS."""
+    conn.settimeout(min(timeout, 5.0))
+    conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    try:
+        return conn.recv(9) or b"\x00"   # (closed at once: not HTTP/2)
+    except TimeoutError:
+        return b"\x00"
+
+
+def _current_cluster() -> str | None:
+    """The address of the cluster `ray start` runs on this machine, where it wrote one."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        text = root.read_text().strip()
+    except OSError:
+        return None
+    return text or None
 
 
 _SERIAL = itertools.count()
