@@ -220,14 +220,18 @@ RUN_SIZED = RECURRENT.replace("np.zeros((env.num_envs, 8))", "np.zeros((4, 8))")
     "np.zeros(env.num_envs, np.int64)", "np.zeros(4, np.int64)")
 
 
-@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2, max_lag=0)",
-                                    "central_inference(env_workers=2)"])
-def test_a_memory_sized_with_the_runs_number_of_environments_is_cut_to_each_process(write_algo, policy):
+@pytest.mark.parametrize("policy, call", [
+    ("actor_learner(actors=2, max_lag=0)", "act(state, obs, h, action, sub)"),
+    ("actor_learner(actors=2, max_lag=0)", "act(state, obs, key=sub, prev=action, h=h)"),   # (by name)
+    ("pipelined(actors=2, max_lag=0)", "act(state, obs, h, action, sub)"),
+    ("central_inference(env_workers=2)", "act(state, obs, h, action, sub)"),
+])
+def test_a_memory_sized_with_the_runs_number_of_environments_is_cut_to_each_process(write_algo, policy, call):
     """A per-environment array the loop makes with a row for every environment of the run (sized
     with ``args.num_envs``, not ``env.num_envs``) is the same in every acting process: each takes
     its own rows, whether its actor runs there or is served, and the run is single_process's."""
     assert RUN_SIZED != RECURRENT
-    path, _ = write_algo(RUN_SIZED)
+    path, _ = write_algo(RUN_SIZED.replace("act(state, obs, h, action, sub)", call))
     program = load(str(path))
     expected = ff.run(program.train, program.args_cls(), policy="single_process")
     result = ff.run(program.train, program.args_cls(), policy=policy)

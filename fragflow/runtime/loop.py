@@ -104,7 +104,7 @@ class LoopInterpreter:
         self._shipped: set[str] = set()
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
         self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
-        self._params: dict[str, tuple[str, ...]] = {}   # a fragment's parameter names (see _own_share)
+        self._params: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {}   # see _own_share
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
@@ -286,10 +286,16 @@ class LoopInterpreter:
         count, ``args.num_envs``, where this process steps ``env.num_envs`` of them: the same in every
         replica, as while tracing) is cut to this replica's rows, as for a remote call."""
         order = self._params.get(frag.name)
-        if order is None:
-            order = self._params[frag.name] = tuple(frag.signature.parameters)
+        if order is None:   # (parameters passed by position, and those by name only; *args and **kwargs are not followed)
+            kinds = [(p.name, p.kind) for p in frag.signature.parameters.values()]
+            order = self._params[frag.name] = (
+                tuple(n for n, k in kinds if k in (k.POSITIONAL_ONLY, k.POSITIONAL_OR_KEYWORD)),
+                frozenset(n for n, k in kinds if k in (k.VAR_POSITIONAL, k.VAR_KEYWORD)))
+        positional, starred = order
         for pname, keys, axis, per in rows:
-            at = order.index(pname) if pname in order else len(args)
+            if pname in starred:
+                continue
+            at = positional.index(pname) if pname in positional else len(args)
             value: Any = args[at] if at < len(args) else kwargs.get(pname)
             leaf = value
             try:
