@@ -20,6 +20,7 @@ from fragflow.errors import (
     UntracedFragmentError,
 )
 from fragflow.program import load
+from fragflow.runtime.multiprocess import WorkerFailed
 from tests.conftest import relpath
 from tests.test_multiprocess import same_tree, shm_leftovers, unclocked_rows
 
@@ -220,23 +221,80 @@ RUN_SIZED = RECURRENT.replace("np.zeros((env.num_envs, 8))", "np.zeros((4, 8))")
     "np.zeros(env.num_envs, np.int64)", "np.zeros(4, np.int64)")
 
 
+def test_a_memory_sized_with_the_runs_number_of_environments_is_cut_where_calls_are_served_in_order(write_algo):
+    """Served inference merges one piece of every worker in order: a per-environment array the
+    loop makes with a row for every environment of the run (sized with ``args.num_envs``, not
+    ``env.num_envs``), the same in every worker, sends each worker's rows, and the run is
+    single_process's."""
+    assert RUN_SIZED != RECURRENT
+    path, _ = write_algo(RUN_SIZED)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
+    assert same_tree(result.value, expected.value)
+    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
+
+
 @pytest.mark.parametrize("policy, call", [
     ("actor_learner(actors=2, max_lag=0)", "act(state, obs, h, action, sub)"),
     ("actor_learner(actors=2, max_lag=0)", "act(state, obs, key=sub, prev=action, h=h)"),   # (by name)
     ("pipelined(actors=2, max_lag=0)", "act(state, obs, h, action, sub)"),
-    ("central_inference(env_workers=2)", "act(state, obs, h, action, sub)"),
 ])
-def test_a_memory_sized_with_the_runs_number_of_environments_is_cut_to_each_process(write_algo, policy, call):
-    """A per-environment array the loop makes with a row for every environment of the run (sized
-    with ``args.num_envs``, not ``env.num_envs``) is the same in every acting process: each takes
-    its own rows, whether its actor runs there or is served, and the run is single_process's."""
-    assert RUN_SIZED != RECURRENT
+def test_a_memory_sized_with_the_runs_number_of_environments_is_named_where_the_actor_fails_with_it(
+        write_algo, policy, call):
+    """An actor run in each acting process is given the loop's array as it is (an array of that
+    many rows may be a constant of the program's, below): where it then fails, as with a shape
+    error, the failure names the argument, the run's count and the fix (round 31 T2: a bare numpy
+    or JAX shape error from the user's fragment)."""
     path, _ = write_algo(RUN_SIZED.replace("act(state, obs, h, action, sub)", call))
     program = load(str(path))
-    expected = ff.run(program.train, program.args_cls(), policy="single_process")
-    result = ff.run(program.train, program.args_cls(), policy=policy)
+    with pytest.raises(WorkerFailed) as err:
+        ff.run(program.train, program.args_cls(), policy=policy)
+    assert "ValueError" in str(err.value)
+    assert ("fragflow: argument h of 'act' has 4 rows, one per environment of the run, but this process steps 2 of "
+            "them: size per-environment arrays with env.num_envs") in str(err.value)
+    assert shm_leftovers() == []
+
+
+CONSTANT_ROWS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(params, obs, proj):            # proj: [4 observation numbers, 2], a constant of the loop's own
+    return np.argmax((obs @ proj) * params["s"], axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"s": state["s"] + 0.01 * batch["obs"].mean()}, {"m": float(batch["obs"].mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"s": np.ones(2)})
+    proj = np.array([[1.0, -1.0], [0.5, -0.5], [2.0, -2.0], [0.3, -0.3]])
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(8):
+            a = act(state, obs, proj)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"])
+def test_a_constant_with_as_many_rows_as_environments_reaches_the_actor_whole(write_algo, policy):
+    """A fixed projection with one row per observation number, as many as the run's environments:
+    the actor in each acting process is given all of it (cut to each process's rows, it failed:
+    review of round 32); served in order, each worker's piece is merged back into it."""
+    path, _ = write_algo(CONSTANT_ROWS)
+    program = load(str(path))
+    expected = ff.run(program.train, policy="single_process")
+    result = ff.run(program.train, policy=policy)
     assert same_tree(result.value, expected.value)
-    assert sorted(result.episode_returns) == sorted(expected.episode_returns)
 
 
 def test_a_memory_sized_with_the_runs_number_of_environments_is_refused_where_calls_arrive_apart(write_algo):
@@ -250,6 +308,7 @@ def test_a_memory_sized_with_the_runs_number_of_environments_is_refused_where_ca
     assert str(err.value.where).endswith(f"algo.py:{marks['act']}")
     assert "a row for every environment of the run" in str(err.value) and "env.num_envs" in err.value.fix
     assert shm_leftovers() == []
+
 
 @pytest.mark.parametrize("policy", ["central_inference(env_workers=2)", "actor_learner(actors=2, max_lag=0)"])
 def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(write_algo, policy):

@@ -122,7 +122,7 @@ class LoopProgram:
     logged: tuple[tuple[str, int, int, tuple[Any, ...]], ...] = ()   # (fragment, part, index, keys) services report
     # a fragment run here: (parameter, keys in it, env axis, rows per replica) of the per-environment
     # leaves the loop may make with every environment's rows (sized with the run's count, not
-    # ``env.num_envs``): a replica takes its rows, as a remote call's ``whole`` does
+    # ``env.num_envs``): named in the note of a failure of the fragment (see LoopInterpreter._whole_rows)
     rows: dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]] = field(default_factory=dict)
 
     def service_for(self, group: str, replica: int) -> str:

@@ -104,7 +104,6 @@ class LoopInterpreter:
         self._shipped: set[str] = set()
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
         self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
-        self._params: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {}   # see _own_share
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
         self._rings = {} if endpoints is None else {r: endpoints.rings[f"{r}[{replica}]"] for r in program.remote}
@@ -230,9 +229,6 @@ class LoopInterpreter:
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
             written = handle
-        rows = self.program.rows.get(name)
-        if rows:
-            args, kwargs = self._own_share(frag, rows, args, kwargs)
         if any(isinstance(a, (Versioned, VersionedView)) for a in args):
             args = tuple(self._resolve(a) for a in args)
         if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
@@ -248,6 +244,9 @@ class LoopInterpreter:
         except Exception as exc:
             if not self.program.remote:
                 exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
+            whole = self._whole_rows(frag, name, args, kwargs)
+            if whole:
+                exc.add_note(whole)
             raise
         if frag.evaluation and frag.role == "env":   # its observations, to know them if a served actor gets them
             first = out[0] if isinstance(out, tuple) and out else out
@@ -280,39 +279,33 @@ class LoopInterpreter:
                 self.on_update(self.update)
         return out
 
-    def _own_share(self, frag: Fragment, rows: tuple[tuple[str, tuple[Any, ...], int, int], ...],
-                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """A per-environment leaf the loop made with every environment's rows (sized with the run's
-        count, ``args.num_envs``, where this process steps ``env.num_envs`` of them: the same in every
-        replica, as while tracing) is cut to this replica's rows, as for a remote call."""
-        order = self._params.get(frag.name)
-        if order is None:   # (parameters passed by position, and those by name only; *args and **kwargs are not followed)
-            kinds = [(p.name, p.kind) for p in frag.signature.parameters.values()]
-            order = self._params[frag.name] = (
-                tuple(n for n, k in kinds if k in (k.POSITIONAL_ONLY, k.POSITIONAL_OR_KEYWORD)),
-                frozenset(n for n, k in kinds if k in (k.VAR_POSITIONAL, k.VAR_KEYWORD)))
-        positional, starred = order
+    def _whole_rows(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """Where a fragment run here failed: a note naming an argument the loop made with a row for
+        every environment of the run (sized with ``args.num_envs``) where this process steps its
+        share of them (``env.num_envs``), the usual cause of a shape error in a split run. Not cut to
+        the share: an array of that many rows may be a constant of the program's own."""
+        rows = self.program.rows.get(name)
+        if not rows:
+            return ""
+        try:
+            bound = frag.signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return ""
         for pname, keys, axis, per in rows:
-            if pname in starred:
-                continue
-            at = positional.index(pname) if pname in positional else len(args)
-            value: Any = args[at] if at < len(args) else kwargs.get(pname)
-            leaf = value
+            leaf: Any = bound.get(pname)
             try:
                 for k in keys:
                     leaf = leaf[k]
             except (KeyError, IndexError, TypeError):
                 continue
             shape = getattr(leaf, "shape", None)
-            if shape is None or len(shape) <= axis or shape[axis] != per * self.program.replicas:
-                continue
-            mine = leaf[(slice(None),) * axis + (slice(self.index * per, (self.index + 1) * per),)]
-            value = _replaced(value, keys, mine)
-            if at < len(args):
-                args = (*args[:at], value, *args[at + 1:])
-            else:
-                kwargs = {**kwargs, pname: value}
-        return args, kwargs
+            if shape is not None and len(shape) > axis and shape[axis] == per * self.program.replicas:
+                path = pname + "".join(f"[{k!r}]" for k in keys)
+                return (f"(fragflow: argument {path} of '{name}' has {shape[axis]} rows, one per environment of "
+                        f"the run, but this process steps {per} of them: size per-environment arrays with "
+                        "env.num_envs, or make them from env.ids (ff.random.keys(seed, env.ids)); or run with one "
+                        "acting process)")
+        return ""
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
@@ -594,14 +587,3 @@ def state_checks(graph: Any) -> dict[str, Any]:
     clock = graph.clock() or (learners[0].name if learners else None)
     return {"state": state, "clock": clock}
 
-
-def _replaced(tree: Any, keys: tuple[Any, ...], leaf: Any) -> Any:
-    """``tree`` with the leaf at ``keys`` replaced, its containers copied (the loop's stay as they are)."""
-    if not keys:
-        return leaf
-    k, rest = keys[0], keys[1:]
-    if isinstance(tree, dict):
-        return {**tree, k: _replaced(tree[k], rest, leaf)}
-    items = list(tree)
-    items[k] = _replaced(items[k], rest, leaf)
-    return items if isinstance(tree, list) else tuple(items)
