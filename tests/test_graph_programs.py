@@ -470,6 +470,54 @@ def test_a_buffer_of_the_users_own_on_several_acting_processes_is_refused_at_pla
     for ok in ("learner_replay(actors=2, max_lag=0)", "actor_learner(actors=1, max_lag=0)"):
         assert ff.run(program.train, policy=ok).summary["updates"] == expected.summary["updates"] == 8, ok
 
+DEMOS = """
+import numpy as np
+import fragflow as ff
+
+class Demos:                                  # fixed demonstrations: the same in every process
+    def __init__(self):
+        self.obs = np.random.default_rng(123).normal(size=(64, 4)).astype(np.float32)
+        self.calls = 0
+
+    @ff.fragment("buffer")
+    def sample(self, size):
+        self.calls += 1
+        return {"obs": self.obs[np.random.default_rng(self.calls).integers(0, 64, size)]}
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, demo):
+    g = batch["obs"].mean((0, 1)) + demo["obs"].mean(0)
+    return {"w": state["w"] + 0.01 * g[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf, demos = ff.RolloutBuffer(4), Demos()
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect(), demos.sample(16))
+    return state
+"""
+
+
+def test_a_buffer_of_the_users_own_fed_nothing_per_environment_runs_on_several_acting_processes(write_algo):
+    """Its samples are the same in every process (fixed demonstrations), which the learner's merge
+    accepts: the placement refusal of buffers of the user's own is for those fed the environments'
+    data (review of round 32)."""
+    path, _ = write_algo(DEMOS)
+    program = load(str(path))
+    expected = ff.run(program.train, policy="single_process")
+    result = ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    assert same_tree(result.value, expected.value)
+
 PER_UPDATE_VALUES = """
 import numpy as np
 import fragflow as ff
@@ -2638,6 +2686,46 @@ def test_a_learner_given_episodes_as_python_lists_of_varying_length_is_refused_a
         ff.run(program.train, policy="pipelined", out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
     assert ff.run(program.train, policy="single_process").summary["updates"] > 3
+
+CARRY_BACK = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, prev):          # its own last output back (None at the first call)
+    coef = 1.0 if prev is None else float(prev["coef"]) * 0.9
+    w = state["w"] + coef * 0.01 * batch["obs"].mean((0, 1))[:, None] * np.array([[1.0, -1.0]])
+    return {"w": w}, {"coef": np.float64(coef)}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    info = None
+    for _ in range(6):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, info = learn(state, buf.collect(), info)
+        ff.log(info)
+    return state
+"""
+
+
+def test_a_learner_given_its_own_last_output_back_is_not_refused_for_its_leaf_count(write_algo):
+    """Its output stays in its process: the leaves that travel are the same at every call (the
+    leaf-count check of round 32 refused it: review of round 32)."""
+    path, _ = write_algo(CARRY_BACK)
+    program = load(str(path))
+    expected = ff.run(program.train, policy="single_process")
+    result = ff.run(program.train, policy="pipelined(max_lag=0)")
+    assert same_tree(result.value, expected.value)
 
 def test_a_loop_that_changes_its_args_runs_from_the_args_it_was_given(write_algo):
     """A plain (not frozen) Args the loop anneals (args.lr *= 0.5): the trace a multi-process run

@@ -56,6 +56,7 @@ class NodeRec:
     out_axes: tuple[tuple[str, str, int], ...] | None = None   # (path, axis name, axis) of batched outputs
     arity: int = 0
     inputs: list[LeafSpec] | None = None
+    input_srcs: list[str] | None = None   # where each of ``inputs`` came from (a fragment, or the loop)
     backends: set[str] = field(default_factory=set)
     static: tuple[str, ...] = ()
     mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
@@ -118,6 +119,7 @@ class Recording:
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
         self._inputs: list[LeafSpec] = []
+        self._input_srcs: list[str] = []   # the fragment (or the loop) each of this call's input leaves came from
         self._loop_made: list[tuple[int, EdgeRec]] = []   # its inputs the loop made (index, edge)
 
     def _edge(self, src: str, dst: str, kind: EdgeKind, src_port: str, dst_port: str) -> EdgeRec:
@@ -148,6 +150,7 @@ class Recording:
             if src == LOOP and axis is None:
                 self._loop_made.append((len(self._inputs), edge))
             self._inputs.append(leaf_spec)
+            self._input_srcs.append(src)
             if (src, port) not in touched:
                 touched.add((src, port))
                 edge.crossings[window] += 1

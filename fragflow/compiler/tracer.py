@@ -321,7 +321,7 @@ class Tracer(Recording):
         crossed: list[EdgeRec] = []
         self._input_ids = set()
         self._input_backends = set()
-        self._inputs = []
+        self._inputs, self._input_srcs = [], []
         self._loop_made = []
         static = []
         state_args: list[tuple[str, str]] = []
@@ -453,7 +453,7 @@ class Tracer(Recording):
             self._hyper[id(sched)] = (sched, sched.last_epoch)
         self._count_events(frag, out)
         if rec.inputs is None:
-            rec.inputs = self._inputs
+            rec.inputs, rec.input_srcs = self._inputs, self._input_srcs
         written_specs: list[TensorSpec] = []
         if written is not None:
             out = self._write_state(rec, written, out, where, window)
@@ -532,11 +532,15 @@ class Tracer(Recording):
         between processes, sized from the first, cannot carry)."""
         first = {leaf.dst_path: leaf.spec for leaf in rec.inputs or ()}
         now = {leaf.dst_path for leaf in self._inputs}
-        # (Python lists of another length, an episode as a list; ff.log's calls take what each logs)
-        if len(self._inputs) != len(rec.inputs or ()) and rec.role != "logger":
+        # (Python lists of another length, an episode as a list; ff.log's calls take what each logs; a
+        # learner's own outputs given back to a learner stay in its process and are not counted)
+        learners = {r.name for r in self._nodes.values() if r.role == "learner"}
+        sent_now = sum(src not in learners for src in self._input_srcs)
+        sent_first = sum(src not in learners for src in rec.input_srcs or ())
+        if sent_now != sent_first and rec.role != "logger":
             only = sorted(now ^ set(first))
-            rec.other_inputs = (f"{len(self._inputs)} array leaves at {where or user_callsite()} as well as "
-                                f"{len(rec.inputs or ())} at {rec.called_at}" + (f" ({only[0]} in one call only)" if only else ""))
+            rec.other_inputs = (f"{sent_now} array leaves at {where or user_callsite()} as well as "
+                                f"{sent_first} at {rec.called_at}" + (f" ({only[0]} in one call only)" if only else ""))
             return
         for leaf in self._inputs:
             spec = first.get(leaf.dst_path)
@@ -709,6 +713,7 @@ class Tracer(Recording):
         rec.repeated = False
         where = user_callsite()
         self._input_ids, self._input_backends, self._inputs, self._loop_made = set(), set(), [], []
+        self._input_srcs = []
         for pname, value in given.items():
             if not isinstance(value, (Versioned, VersionedView)) and not is_static(value):
                 self._record_inputs(rec, pname, value, window, where, frag.in_axes, [])

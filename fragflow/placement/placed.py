@@ -52,7 +52,7 @@ class Channel:
     kind: str                      # "trajectory" | "parameter"
     src_group: str
     dst_group: str
-    edges: tuple[str, ...]         # "src -> dst.port" of the FDG edges it carries
+    edges: tuple[str, ...]         # "src[out] -> dst.port" of the FDG edges it carries (edge_label; "src -> dst.port" is accepted too)
     max_lag: int = 0
     overflow: Overflow = Overflow.BLOCK
     capacity: int = 1
@@ -105,7 +105,8 @@ class PlacedGraph:
                 continue
             if e.kind is EdgeKind.DATA and e.src != e.dst and seen.get(e.src) != seen.get(e.dst):
                 label = edge_label(e.src, e.dst, e.dst_port, e.src_port)
-                if label not in carried:
+                # (a policy may label an edge without the output it carries, as edge_label did before)
+                if label not in carried and edge_label(e.src, e.dst, e.dst_port) not in carried:
                     out.append(f"edge {label} crosses groups but no channel carries it")
         for c in self.channels:
             if c.max_lag < 0:
@@ -405,10 +406,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                "a policy with one acting process (pipelined)" if "learners" in opts else f"{policy}(actors=1)")
         # the acting processes a learner process merges the calls of (multi_learner: each learner its own)
         merged = actors // int(opts["learners"]) if "learners" in opts else actors
+        # buffers of the user's own fed per-environment data (each process's then holds its own)
+        fed = {graph.node(e.dst).instance for e in graph.edges_of(EdgeKind.DATA)
+               if graph.node(e.dst).role == "buffer" and any(leaf.axis_name == "env" for leaf in e.leaves)}
         for e in graph.edges_of(EdgeKind.DATA):
             src = graph.node(e.src)
             unbatched = next((leaf for leaf in e.leaves if leaf.axis is None and leaf.axis_name is None), None)
-            if merged > 1 and src.role == "buffer" and e.src in acting and e.dst in service and unbatched is not None:
+            if merged > 1 and src.role == "buffer" and e.src in acting and e.dst in service and unbatched is not None \
+                    and src.instance is not None and src.instance in fed:
                 raise PlacementError(
                     f"{e.dst_port} of '{e.dst}' comes from buffer fragment '{e.src}' ({unbatched.dst_path}, "
                     f"{unbatched.spec.short()}), which declares no batch axis, but policy '{policy}' runs it in "
