@@ -187,9 +187,13 @@ def test_an_address_that_is_no_ray_cluster_is_refused_at_once(tmp_path, monkeypa
         assert time.monotonic() - started < 10
     finally:
         server.shutdown()
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    from fragflow.backends import ray as ray_backend
+
+    monkeypatch.setattr(ray_backend, "_current_cluster", lambda: None)   # (as Ray finds none for "auto")
     with pytest.raises(ConfigError, match="--address auto: no Ray cluster was started on this machine"):
         reachable("auto")
+    reachable("local")             # a new local instance: Ray's word, not an address (review of round 32)
+    reachable("anyscale://prod")   # another scheme's address is Ray's (or its plugin's) to resolve
 
 
 def test_a_dead_channel_hub_is_a_worker_death_not_the_users_error(monkeypatch):

@@ -16,8 +16,9 @@ RUNTIME_COLUMNS = ("env_steps", "updates", "wall_seconds", "steps_per_second",
 EVAL_COLUMNS = ("eval_return_mean", "eval_episodes")
 # the channel's counters, in each row of a run over several processes (its one channel is "trajectory")
 CHANNEL_COLUMNS = ("trajectory/depth", "trajectory/drops", "trajectory/items_per_second", "trajectory/bytes_per_second")
-# the tags the run writes itself: a logged value under one of them would share its series
-RUN_TAGS = frozenset({f"charts/{c}" for c in RUNTIME_COLUMNS} | {f"eval/{c}" for c in EVAL_COLUMNS} |
+# the tags the run writes itself: a logged value under one of them would share its series (env_steps is
+# each point's step, not a tag)
+RUN_TAGS = frozenset({f"charts/{c}" for c in RUNTIME_COLUMNS if c != "env_steps"} | {f"eval/{c}" for c in EVAL_COLUMNS} |
                      {"charts/episodic_return", "charts/episodic_length", "eval/episodic_return", "eval/episodic_length"})
 TB_EVERY = 1.0   # seconds between handing TensorBoard's writer the events made since
 

@@ -446,6 +446,7 @@ def connect(address: str | None = None) -> None:
         if address:
             ray.init(address=address, log_to_driver=True)
         else:   # ("local": never a cluster `ray start` left on this machine, live or stale)
+            # (_node_ip_address: Ray 2.60 still names the node after the machine's address)
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -466,6 +467,8 @@ def reachable(address: str, timeout: float = 10.0) -> None:
     minutes, in silence): ``host:port`` of its head (or ``ray://host:port``), or ``auto``, the
     cluster ``ray start`` runs on this machine."""
     fix = "give the address `ray start --head` printed (host:port, e.g. 10.0.0.5:6379)"
+    if address == "local" or ("://" in address and not address.startswith("ray://")):
+        return   # (a new local instance; another scheme's address is Ray's, or its plugin's, to resolve)
     if address == "auto":
         found = _current_cluster()
         if found is None:
@@ -504,16 +507,24 @@ def _http2_answer(conn: Any, timeout: float) -> bytes:
 
 
 def _current_cluster() -> str | None:
-    """The address of the cluster `ray start` runs on this machine, where it wrote one."""
-    import tempfile
-    from pathlib import Path
-
-    root = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    """The address of the cluster `ray start` runs on this machine, as Ray finds it for ``auto``
+    (its address file, else a running control store), or None."""
     try:
-        text = root.read_text().strip()
-    except OSError:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+    except ImportError:   # (Ray's own lookup moved: its address file, where Ray writes it by default)
+        import tempfile
+        from pathlib import Path
+
+        try:
+            text = (Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" /
+                    "ray_current_cluster").read_text().strip()
+        except OSError:
+            return None
+        return text or None
+    try:
+        return str(canonicalize_bootstrap_address_or_die("auto"))
+    except ConnectionError:
         return None
-    return text or None
 
 
 _SERIAL = itertools.count()
