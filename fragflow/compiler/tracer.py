@@ -535,8 +535,14 @@ class Tracer(Recording):
         # (Python lists of another length, an episode as a list; ff.log's calls take what each logs; a
         # learner's own outputs given back to a learner stay in its process and are not counted)
         learners = {r.name for r in self._nodes.values() if r.role == "learner"}
-        sent_now = sum(src not in learners for src in self._input_srcs)
-        sent_first = sum(src not in learners for src in rec.input_srcs or ())
+        # (and an argument the loop gives at one call and a learner's output at another travels with
+        # the call's definitions, not through the channel)
+        kept = {leaf.dst_path for leaf, src in zip(self._inputs, self._input_srcs) if src in learners} | \
+            {leaf.dst_path for leaf, src in zip(rec.inputs or (), rec.input_srcs or ()) if src in learners}
+        sent_now = sum(src not in learners and leaf.dst_path not in kept
+                       for leaf, src in zip(self._inputs, self._input_srcs))
+        sent_first = sum(src not in learners and leaf.dst_path not in kept
+                         for leaf, src in zip(rec.inputs or (), rec.input_srcs or ()))
         if sent_now != sent_first and rec.role != "logger":
             only = sorted(now ^ set(first))
             rec.other_inputs = (f"{sent_now} array leaves at {where or user_callsite()} as well as "
