@@ -52,13 +52,12 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.add called {self._t + 1} times before collect, but num_steps={self.num_steps}",
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
-            nested = [k for k, v in step.items() if isinstance(v, (tuple, list))
-                      and any(getattr(x, "ndim", 0) >= 1 or isinstance(x, (tuple, list, dict)) for x in v)]
+            nested = [path for k, v in step.items() for path in _sequences(v, k)]
             if nested:
-                raise TraceError(f"{self.name}.add got '{nested[0]}' as a {type(step[nested[0]]).__name__} (a Tuple "
+                raise TraceError(f"{self.name}.add got '{nested[0][0]}' as a {nested[0][1]} (a Tuple "
                                  "action or observation?): a rollout buffer stores arrays and dicts of arrays",
-                                 where=user_callsite(), fix=f"add each entry under a key of its own ({nested[0]}_0=..., "
-                                 f"{nested[0]}_1=...), or give it as a dict")
+                                 where=user_callsite(), fix=f"add each entry under a key of its own ({nested[0][2]}_0=..., "
+                                 f"{nested[0][2]}_1=...), or give it as a dict")
             sizes = {k: np.shape(v)[0] for k, v in step.items() if not isinstance(v, dict) and np.ndim(v) >= 1}
             if len(set(sizes.values())) > 1:
                 raise TraceError(f"{self.name}.add got leaves with different numbers of rows: "
@@ -233,3 +232,15 @@ def _as_added(storage: Any) -> Any:
 
         return jnp.asarray(storage.view(np.ndarray))
     return storage
+
+
+def _sequences(value: Any, path: str) -> list[tuple[str, str, str]]:
+    """(path, type, name) of the tuples and lists of arrays in a step's value, a dict's entries too
+    (a Tuple inside a Dict observation): numpy would stack their parts into one array, the
+    environments' axis second."""
+    if isinstance(value, dict):
+        return [found for k, v in value.items() for found in _sequences(v, f"{path}[{k!r}]")]
+    if isinstance(value, (tuple, list)) and any(getattr(x, "ndim", 0) >= 1 or isinstance(x, (tuple, list, dict))
+                                                for x in value):
+        return [(path, type(value).__name__, path.split("[")[-1].strip("']") if "[" in path else path)]
+    return []

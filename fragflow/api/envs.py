@@ -126,6 +126,11 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
                 info["final_obs"][i] = o
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
+            if getattr(o, "dtype", obs.dtype) != obs.dtype and not np.can_cast(np.asarray(o).dtype, obs.dtype, "same_kind"):
+                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {np.asarray(o).dtype}, but "
+                                  f"its observation space {self.single_observation_space} holds {obs.dtype}: storing "
+                                  "it would truncate or wrap its values", where=user_callsite(),
+                                  fix="return observations of the space's dtype, or declare the space the env returns")
             if np.shape(o) != obs.shape[1:]:   # (assigning would broadcast it silently)
                 raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
                                   f"observation space {self.single_observation_space} has shape {obs.shape[1:]}",
@@ -259,6 +264,14 @@ class VectorEnv:
         kwargs = dict(env_kwargs or {})
         factory: Callable[..., gym.Env] = functools.partial(gym.make, env_id) if isinstance(env_id, str) else env_id
         base = _SameStepVectorEnv([functools.partial(_wrapped, factory, kwargs, wrappers)] * self.num_envs, self.ids)
+        odd = _unbatched_part(base.single_observation_space)
+        if odd is not None:
+            base.close()
+            raise ConfigError(f"the environment's observation space holds a {type(odd).__name__} space ({odd}), whose "
+                              "observations are not arrays of a fixed shape: they cannot be batched, split across "
+                              "processes or stored", where=user_callsite(),
+                              fix="encode the observation as a Box, Discrete, MultiDiscrete or MultiBinary (or a Dict "
+                                  "or Tuple of them) in a wrapper of your env (wrappers=[...]): pad or flatten it")
         self._stats = _EpisodeStats(base)
         env: gym.vector.VectorEnv = self._stats
         if clip_rewards:   # outside the episode statistics: returns are reported on the raw rewards
@@ -363,8 +376,24 @@ class VectorEnv:
                 "actor that returns a Python list or number has no environment axis that a policy splitting the "
                 "environments can split: return an array (np.asarray(...), a tensor)")
         if self._action_dtype is not None and a.dtype != self._action_dtype:
-            a = a.astype(self._action_dtype)
+            a = self._cast(a, self._action_dtype, "actions")
         return self._finish(self._env.step(a))
+
+    def _cast(self, a: np.ndarray, dtype: Any, what: str) -> np.ndarray:
+        """Actions in the space's dtype; refused where that changes them (0.9 for a Discrete space
+        became 0 and stepped on, as a probability or a logit given as the action would)."""
+        out = a.astype(dtype)
+        target = np.dtype(dtype)
+        if a.dtype == object or np.can_cast(a.dtype, target, "safe") or (a.dtype.kind == "f" and target.kind == "f"):
+            return out   # (float64 actions for a float32 Box: rounded, as gymnasium's own cast does)
+        if not np.array_equal(out, a):
+            bad = a.ravel()[np.flatnonzero(out.ravel() != a.ravel())[0]].item()
+            raise ConfigError(f"{self.name}.step got {what} of dtype {a.dtype} ({bad!r} among them) for an action space "
+                              f"of dtype {np.dtype(dtype)} ({self.single_action_space}): casting would change them",
+                              where=user_callsite(),
+                              fix="give actions the space holds (for a Discrete space the chosen index, e.g. "
+                                  "logits.argmax(-1) or a sample, not probabilities or logits)")
+        return out
 
     def _structured(self, actions: Any, space: Any, path: str) -> Any:
         """A Dict or Tuple space's actions as gymnasium's vector env takes them: a dict (tuple) of
@@ -388,7 +417,7 @@ class VectorEnv:
             raise ConfigError(f"{self.name}.step got {path} of shape {a.shape} for the {self.num_envs} environments "
                               "this process steps", where=user_callsite(),
                               fix="give each leaf of the action a leading axis of env.num_envs")
-        return a.astype(space.dtype) if space.dtype is not None and a.dtype != space.dtype else a
+        return self._cast(a, space.dtype, path) if space.dtype is not None and a.dtype != space.dtype else a
 
     def _finish(self, stepped: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         obs, reward, terminated, truncated, info = stepped
@@ -408,6 +437,16 @@ class VectorEnv:
 
     def __repr__(self) -> str:
         return f"<VectorEnv {self.name}: {self.env_id} x{self.num_envs}>"
+
+
+def _unbatched_part(space: Any) -> Any:
+    """A part of an observation space whose observations gymnasium does not batch into arrays
+    (Text, Sequence, Graph, OneOf), or None."""
+    if isinstance(space, gym.spaces.Dict):
+        return next((p for p in map(_unbatched_part, space.spaces.values()) if p is not None), None)
+    if isinstance(space, gym.spaces.Tuple):
+        return next((p for p in map(_unbatched_part, space.spaces) if p is not None), None)
+    return None if isinstance(space, _ARRAY_SPACES) else space
 
 
 def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
