@@ -613,3 +613,17 @@ def test_a_tuple_inside_a_dict_observation_is_refused_by_the_rollout_buffer():
     buf = ff.RolloutBuffer(2)
     with pytest.raises(TraceError, match=r"buffer.add got 'obs\['pair'\]' as a tuple"):
         buf.add(obs={"pos": np.zeros((4, 1)), "pair": (np.zeros(4, np.int64), np.ones(4, np.int64))})
+
+
+def test_a_seed_gymnasium_cannot_take_is_refused_at_the_make_line_and_a_large_one_works():
+    """A negative seed failed at the first reset as the program's error; 2**64 overflowed in
+    fragflow's own seed + i (helper round 32 E7)."""
+    with pytest.raises(ConfigError, match=r"ff.envs.make got seed=-2: environment i is seeded seed \+ i"):
+        ff.envs.make("CartPole-v1", num_envs=2, seed=-2)
+    ff.envs.make("CartPole-v1", num_envs=2, seed=2**64).reset()
+
+
+def test_a_vector_wrapper_among_the_wrappers_is_refused_at_the_make_line():
+    """It failed at the first step with gymnasium's TypeError, as the program's (helper round 32 E8)."""
+    with pytest.raises(ConfigError, match=r"got NormalizeObservation in wrappers, a wrapper of vector envs"):
+        ff.envs.make("CartPole-v1", num_envs=2, seed=0, wrappers=[gym.wrappers.vector.NormalizeObservation])

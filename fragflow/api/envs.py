@@ -355,7 +355,7 @@ class VectorEnv:
     def _reset(self) -> np.ndarray:
         # seeded at the first reset only, as gymnasium's: a later one (an evaluation env's, each round)
         # goes on with each environment's generator, to new episodes, not the first ones again
-        seeds = None if self._seeded else [int(self.seed + i) for i in self.ids]
+        seeds = None if self._seeded else [int(self.seed) + int(i) for i in self.ids]
         self._seeded = True
         obs, _ = self._env.reset(seed=seeds)  # type: ignore[arg-type]  # vector envs take one seed per env
         return obs
@@ -486,6 +486,11 @@ def _wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.En
         raise ConfigError(f"ff.envs.make got wrappers={wrappers!r:.80}, where it takes a list", where=where, fix=fix)
     listed = tuple(wrappers)
     for w in listed:
+        if isinstance(w, type) and issubclass(w, gym.vector.VectorWrapper):
+            raise ConfigError(f"ff.envs.make got {w.__qualname__} in wrappers, a wrapper of vector envs, where each "
+                              "environment is wrapped", where=where,
+                              fix=f"give the per-environment gym.wrappers.{w.__name__} if there is one, or make's own "
+                                  "options (normalize_obs, normalize_reward, clip_actions, clip_rewards)")
         if isinstance(w, gym.Env) or not callable(w):
             raise ConfigError(f"ff.envs.make got {w!r:.80} among its wrappers: an environment, not a wrapper to "
                               "apply to each one it makes", where=where, fix=fix)
@@ -604,6 +609,9 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         raise ConfigError(f"ff.envs.make got seed={seed!r}: environment i is seeded seed + i, so that a run "
                           "repeats", where=where, fix="give an int (seed=args.seed); for other episodes in each "
                                                       "run, draw one: seed=random.randrange(2**31)")
+    if seed < 0:   # (gymnasium takes seeds from 0)
+        raise ConfigError(f"ff.envs.make got seed={seed}: environment i is seeded seed + i, and gymnasium takes seeds "
+                          "from 0 up", where=where, fix="give a seed of 0 or more")
     inside = fragment_module.running()
     if inside is not None and context.current() is not None:
         raise TraceError(f"ff.envs.make was called inside fragment '{inside.name}': it would make new "

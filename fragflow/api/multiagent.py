@@ -149,7 +149,7 @@ class MultiAgentVectorEnv(VectorEnv):
         self._lengths[:] = 0
         self._out[:] = False
         seeded, self._seeded = self._seeded, True   # (seeded at the first reset only, as a VectorEnv)
-        return np.stack([self._obs(env.reset(seed=None if seeded else int(self.seed + i))[0])
+        return np.stack([self._obs(env.reset(seed=None if seeded else int(self.seed) + int(i))[0])
                          for env, i in zip(self.envs, self.ids)])
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
