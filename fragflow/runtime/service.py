@@ -138,6 +138,8 @@ class ServiceRunner:
         self._seeded = False
         self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
         self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
+        # calls gathered on arrival: each fragment's unbatched leaves at a call, as the first replica sent them
+        self._apart: dict[str, dict[int, tuple[int, list[Any]]]] = {}
         self._gifts: dict[str, Any] = {}   # the current call's
         self._names_given: dict[tuple[int, int], bool] = {}   # (replica, skeleton) -> whether it names any
         self._stalled_since = time.monotonic()
@@ -481,6 +483,8 @@ class ServiceRunner:
 
     # -- executing -------------------------------------------------------------------------------
     def _merge(self, fragment: str, pieces: list[_Piece]) -> list[Any]:
+        if not self.program.ordered:
+            self._compare_apart(fragment, pieces)
         if len(pieces) == 1:
             return pieces[0].leaves
         ring = self.ring_specs[fragment]
@@ -499,20 +503,46 @@ class ServiceRunner:
                     # replicas' own data, never one replica's alone
                     if not _same_value(first, other, spec.backend) and (self.program.ordered or any(
                             q.call == p.call and not _same_value(q.leaves[j], other, spec.backend) for q in pieces if q is not p)):
-                        path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
-                        node_where = self.checks.get("called_at", {}).get(fragment)
-                        raise ConfigError(
-                            f"{path} of '{fragment}' ({spec.short()}) differs between the loop's replicas, each "
-                            "stepping its share of the environments, and has no batch axis to merge them along: "
-                            "one replica's would be learned and the others' lost", where=node_where,
-                            fix="pass per-environment data through an env fragment, ff.RolloutBuffer or "
-                                "ff.ReplayBuffer (which declare their batch axes), or run with one acting process "
-                                "(actors=1; env_workers=1 under central_inference)")
+                        raise self._differs(fragment, j)
                 out.append(first)
                 continue
             joined = np.concatenate([to_numpy(p.leaves[j]) for p in pieces], axis=axis)
             out.append(from_numpy(joined, spec.backend, spec.device))
         return out
+
+    def _differs(self, fragment: str, j: int) -> ConfigError:
+        ring = self.ring_specs[fragment]
+        path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
+        return ConfigError(
+            f"{path} of '{fragment}' ({ring.specs[j].short()}) differs between the loop's replicas, each "
+            "stepping its share of the environments, and has no batch axis to merge them along: "
+            "one replica's would be learned and the others' lost", where=self.checks.get("called_at", {}).get(fragment),
+            fix="pass per-environment data through an env fragment, ff.RolloutBuffer or "
+                "ff.ReplayBuffer (which declare their batch axes), or run with one acting process "
+                "(actors=1; env_workers=1 under central_inference)")
+
+    def _compare_apart(self, fragment: str, pieces: list[_Piece]) -> None:
+        """Calls gathered as they arrive: a leaf without a batch axis is compared with another
+        replica's at the same call even where the two pieces reach different updates (one piece per
+        update, on a loaded machine), so that values that differ are refused whatever the timing."""
+        ring = self.ring_specs[fragment]
+        plain = [j for j, axis in enumerate(ring.axes) if axis is None and j not in ring.counts]
+        if not plain:
+            return
+        seen = self._apart.setdefault(fragment, {})
+        for p in pieces:
+            first = seen.get(p.call)
+            if first is None:
+                seen[p.call] = (p.replica, [np.array(to_numpy(p.leaves[j]), copy=True)
+                                            if ring.specs[j].backend != "python" else p.leaves[j] for j in plain])
+                while len(seen) > 64:   # (the oldest calls: replicas are never that far apart)
+                    del seen[next(iter(seen))]
+                continue
+            if first[0] == p.replica:
+                continue
+            for j, value in zip(plain, first[1]):
+                if not _same_value(value, p.leaves[j], ring.specs[j].backend):
+                    raise self._differs(fragment, j)
 
     def _resolve(self, skel: Any) -> Any:
         if skel[0] == "given":
