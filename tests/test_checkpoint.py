@@ -618,7 +618,9 @@ def test_checkpoints_every_n_updates_are_n_apart_where_the_loop_runs_ahead(tmp_p
     finish = ckpt.finish
     monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
                         finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
-    args = ppo.Args(total_timesteps=20 * 256, num_steps=32, num_envs=8)
+    # (updates of 1024 steps: the driver's ask, a message away, reaches the loop within its next trip
+    # even on a loaded machine; with 256 it came two trips late now and then, a gap of N+2)
+    args = ppo.Args(total_timesteps=20 * 1024, num_steps=128, num_envs=8)
     driver.run(ppo.train, args, policy="pipelined", out=tmp_path / "run", checkpoint_every=3)
     mids = sorted(int(p.name) for p in ckpt.listing(tmp_path / "run" / "checkpoints")
                   if not json.loads((p / "manifest.json").read_text())["complete"])
