@@ -252,3 +252,27 @@ def test_a_process_killed_while_reporting_blocks_no_other_processs_reports():
     assert reports.get(timeout=5) == "from actor 1"
     restarted.join(timeout=20)
     reports.close()
+
+
+def test_segments_of_a_driver_that_no_longer_runs_are_removed_by_the_next_run():
+    """A SIGKILL to a run's whole process group (timeout -s KILL, a scheduler) kills Python's
+    resource tracker too: the run's segments stayed in /dev/shm for good (helper round 32 S)."""
+    import subprocess
+    import sys
+
+    from fragflow.backends.local.shm import PREFIX, sweep_dead
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    names = [f"{PREFIX}{dead}_0", f"{PREFIX}{os.getpid()}_999999"]
+    for name in names:
+        with open(os.path.join("/dev/shm", name), "wb") as f:
+            f.write(b"\0" * 64)
+    try:
+        assert names[0] in sweep_dead()
+        assert not os.path.exists(os.path.join("/dev/shm", names[0]))
+        assert os.path.exists(os.path.join("/dev/shm", names[1]))   # a live driver's: kept
+    finally:
+        for name in names:
+            if os.path.exists(os.path.join("/dev/shm", name)):
+                os.unlink(os.path.join("/dev/shm", name))

@@ -27,7 +27,7 @@ from fragflow.backends.local.channels import (
     _acquire,
 )
 from fragflow.backends.local.control import Control
-from fragflow.backends.local.shm import Segment
+from fragflow.backends.local.shm import Segment, sweep_dead
 from fragflow.errors import ConfigError
 
 __all__ = ["BACKEND", "LocalBackend", "Stopped"]
@@ -245,6 +245,7 @@ class LocalBackend:
         return self._ctx
 
     def wire(self, lowered: Any) -> LocalWiring:
+        sweep_dead()   # (segments a run killed with its whole process group left behind)
         ctx = self._ctx = context(start_method())
         segments: list[Segment] = []
         wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), Reports(ctx), {}, {}, segments)

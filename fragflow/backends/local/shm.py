@@ -29,6 +29,39 @@ ALIGN = 64
 _counter = itertools.count()
 
 
+def sweep_dead(root: str = "/dev/shm") -> list[str]:
+    """Unlink the segments of drivers that no longer run (a SIGKILL sent to a run's whole process
+    group kills the resource tracker too, which would have unlinked them): their names carry the
+    driver's pid. Segments of a live process, or of another user, are left alone."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("_", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(root, name))
+            removed.append(name)
+        except OSError:   # (another user's, or gone meanwhile)
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # (another user's process)
+        return True
+    return True
+
+
 class Segment:
     """A named shared-memory block. ``create`` in the driver; ``attach`` in workers."""
 
