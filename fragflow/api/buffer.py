@@ -52,7 +52,7 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.add called {self._t + 1} times before collect, but num_steps={self.num_steps}",
                              where=user_callsite(), fix="call collect() after every num_steps adds")
         if self._storage is None:
-            nested = [path for k, v in step.items() for path in _sequences(v, k)]
+            nested = [found for k, v in step.items() for found in _sequences(v, k, k)]
             if nested:
                 raise TraceError(f"{self.name}.add got '{nested[0][0]}' as a {nested[0][1]} (a Tuple "
                                  "action or observation?): a rollout buffer stores arrays and dicts of arrays",
@@ -234,13 +234,13 @@ def _as_added(storage: Any) -> Any:
     return storage
 
 
-def _sequences(value: Any, path: str) -> list[tuple[str, str, str]]:
-    """(path, type, name) of the tuples and lists of arrays in a step's value, a dict's entries too
+def _sequences(value: Any, path: str, key: Any) -> list[tuple[str, str, Any]]:
+    """(path, type, key) of the tuples and lists of arrays in a step's value, a dict's entries too
     (a Tuple inside a Dict observation): numpy would stack their parts into one array, the
     environments' axis second."""
     if isinstance(value, dict):
-        return [found for k, v in value.items() for found in _sequences(v, f"{path}[{k!r}]")]
+        return [found for k, v in value.items() for found in _sequences(v, f"{path}[{k!r}]", k)]
     if isinstance(value, (tuple, list)) and any(getattr(x, "ndim", 0) >= 1 or isinstance(x, (tuple, list, dict))
                                                 for x in value):
-        return [(path, type(value).__name__, path.split("[")[-1].strip("']") if "[" in path else path)]
+        return [(path, type(value).__name__, key)]
     return []

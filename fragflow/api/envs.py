@@ -389,7 +389,7 @@ class VectorEnv:
         if not np.array_equal(out, a):
             bad = a.ravel()[np.flatnonzero(out.ravel() != a.ravel())[0]].item()
             raise ConfigError(f"{self.name}.step got {what} of dtype {a.dtype} ({bad!r} among them) for an action space "
-                              f"of dtype {np.dtype(dtype)} ({self.single_action_space}): casting would change them",
+                              f"of dtype {target} ({self.single_action_space}): casting would change them",
                               where=user_callsite(),
                               fix="give actions the space holds (for a Discrete space the chosen index, e.g. "
                                   "logits.argmax(-1) or a sample, not probabilities or logits)")

@@ -531,20 +531,16 @@ class Tracer(Recording):
         """Note an argument leaf given in another shape than at the first call (what a channel
         between processes, sized from the first, cannot carry)."""
         first = {leaf.dst_path: leaf.spec for leaf in rec.inputs or ()}
-        now = {leaf.dst_path for leaf in self._inputs}
-        # (Python lists of another length, an episode as a list; ff.log's calls take what each logs; a
-        # learner's own outputs given back to a learner stay in its process and are not counted)
+        # The leaves that travel through the channel (Python lists of another length, an episode as a
+        # list, change their count; ff.log's calls take what each logs). A learner's output given
+        # back stays in its process, and an argument the loop gives at one call and a learner's
+        # output at another travels with the call's definitions: neither is counted.
         learners = {r.name for r in self._nodes.values() if r.role == "learner"}
-        # (and an argument the loop gives at one call and a learner's output at another travels with
-        # the call's definitions, not through the channel)
-        kept = {leaf.dst_path for leaf, src in zip(self._inputs, self._input_srcs) if src in learners} | \
-            {leaf.dst_path for leaf, src in zip(rec.inputs or (), rec.input_srcs or ()) if src in learners}
-        sent_now = sum(src not in learners and leaf.dst_path not in kept
-                       for leaf, src in zip(self._inputs, self._input_srcs))
-        sent_first = sum(src not in learners and leaf.dst_path not in kept
-                         for leaf, src in zip(rec.inputs or (), rec.input_srcs or ()))
+        calls = (list(zip(self._inputs, self._input_srcs)), list(zip(rec.inputs or (), rec.input_srcs or ())))
+        kept = {leaf.dst_path for pairs in calls for leaf, src in pairs if src in learners}
+        sent_now, sent_first = (sum(leaf.dst_path not in kept for leaf, _ in pairs) for pairs in calls)
         if sent_now != sent_first and rec.role != "logger":
-            only = sorted(now ^ set(first))
+            only = sorted({leaf.dst_path for leaf in self._inputs} ^ set(first))
             rec.other_inputs = (f"{sent_now} array leaves at {where or user_callsite()} as well as "
                                 f"{sent_first} at {rec.called_at}" + (f" ({only[0]} in one call only)" if only else ""))
             return
@@ -786,10 +782,11 @@ class Tracer(Recording):
         for name in scalars:
             tag = tb_tag(name)
             if tag in RUN_TAGS:
+                column = tag.split("/", 1)[1]
                 raise TraceError(f"ff.log got '{name}', the TensorBoard tag the run writes its own "
-                                 f"{'episodes' if 'episodic' in tag else 'column ' + repr(tag.split('/', 1)[1])} "
+                                 f"{'episodes' if 'episodic' in tag else f'column {column!r}'} "
                                  "under: the two series would be mixed", where=where,
-                                 fix=f"log it under a name of its own, e.g. ff.log({{'my_{tag.split('/', 1)[1]}': ...}})")
+                                 fix=f"log it under a name of its own, e.g. ff.log({{'my_{column}': ...}})")
             other = self._tags.setdefault(tag, (name, where))
             if other[0] != name:
                 raise TraceError(f"ff.log got '{name}', and '{other[0]}' at {other[1]}: both are TensorBoard tag "

@@ -120,10 +120,10 @@ class LoopProgram:
     restartable: str | None = None    # None: a replica whose process dies is started again; else why not
     routes: dict[str, tuple[str, ...]] | None = None   # a replicated service group: its instance per loop replica
     logged: tuple[tuple[str, int, int, tuple[Any, ...]], ...] = ()   # (fragment, part, index, keys) services report
-    # a fragment run here: (parameter, keys in it, env axis, rows per replica) of the per-environment
-    # leaves the loop may make with every environment's rows (sized with the run's count, not
-    # ``env.num_envs``): named in the note of a failure of the fragment (see LoopInterpreter._whole_rows)
-    rows: dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]] = field(default_factory=dict)
+    # a fragment run here: (argument path, env axis, rows per replica) of the per-environment leaves
+    # the loop may make with every environment's rows (sized with the run's count, not
+    # ``env.num_envs``): named in the note of a failure of the fragment (LoopInterpreter._run_sized_note)
+    rows: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
 
     def service_for(self, group: str, replica: int) -> str:
         """The service instance loop replica ``replica`` sends ``group``'s calls to."""
@@ -244,28 +244,21 @@ def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: P
     return replace(leaf.spec, shape=tuple(shape))
 
 
-def _local_rows(graph: Graph, in_loop: set[str], replicas: int
-                ) -> dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]]:
+def _local_rows(graph: Graph, in_loop: set[str], replicas: int) -> dict[str, tuple[tuple[str, int, int], ...]]:
     """Per fragment run in the loop's processes, the per-environment leaves the loop makes
     itself (see ``LoopProgram.rows``); none where one process steps them all."""
     if replicas < 2:
         return {}
-    out: dict[str, tuple[tuple[str, tuple[Any, ...], int, int], ...]] = {}
-    fragments = {n.name for n in graph.fragments()}
-    for name in sorted(in_loop & fragments):
+    out: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    for name in sorted(in_loop & {n.name for n in graph.fragments()}):
         made = {leaf.dst_path for e in graph.edges_of(EdgeKind.DATA) if e.dst == name and e.src == LOOP
                 for leaf in e.leaves}
-        found = []
-        for leaf in graph.node(name).inputs:
-            if leaf.axis_name != "env" or leaf.axis is None or leaf.dst_path not in made:
-                continue
-            m = re.fullmatch(r"(\w+)((?:\[[^\]]*\])*)", leaf.dst_path)
-            total = leaf.spec.shape[leaf.axis] if len(leaf.spec.shape) > leaf.axis else 0
-            if m is None or total % replicas:
-                continue   # (a namedtuple's field: not followed; an uneven split is refused at placement)
-            found.append((m.group(1), parse_path(m.group(2)), leaf.axis, total // replicas))
+        found = tuple((leaf.dst_path, leaf.axis, leaf.spec.shape[leaf.axis] // replicas)
+                      for leaf in graph.node(name).inputs
+                      if leaf.axis_name == "env" and leaf.axis is not None and leaf.dst_path in made
+                      and len(leaf.spec.shape) > leaf.axis)
         if found:
-            out[name] = tuple(found)
+            out[name] = found
     return out
 
 

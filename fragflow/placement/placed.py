@@ -408,12 +408,14 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         merged = actors // int(opts["learners"]) if "learners" in opts else actors
         # buffers of the user's own fed per-environment data (each process's then holds its own)
         fed = {graph.node(e.dst).instance for e in graph.edges_of(EdgeKind.DATA)
-               if graph.node(e.dst).role == "buffer" and any(leaf.axis_name == "env" for leaf in e.leaves)}
+               if graph.node(e.dst).role == "buffer" and any(leaf.axis_name == "env" for leaf in e.leaves)} - {None} \
+            if merged > 1 else set()
         for e in graph.edges_of(EdgeKind.DATA):
             src = graph.node(e.src)
+            if src.role != "buffer" or src.instance not in fed or e.src not in acting or e.dst not in service:
+                continue
             unbatched = next((leaf for leaf in e.leaves if leaf.axis is None and leaf.axis_name is None), None)
-            if merged > 1 and src.role == "buffer" and e.src in acting and e.dst in service and unbatched is not None \
-                    and src.instance is not None and src.instance in fed:
+            if unbatched is not None:
                 raise PlacementError(
                     f"{e.dst_port} of '{e.dst}' comes from buffer fragment '{e.src}' ({unbatched.dst_path}, "
                     f"{unbatched.spec.short()}), which declares no batch axis, but policy '{policy}' runs it in "

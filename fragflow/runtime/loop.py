@@ -25,7 +25,7 @@ import numpy as np
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView
-from fragflow.compiler.pytree import fill_skeleton, ordered_like, unflatten_into
+from fragflow.compiler.pytree import NotAnArray, fill_skeleton, leaf_paths, ordered_like, unflatten_into
 from fragflow.compiler.reach import handles_as_values
 from fragflow.context import InstanceNames
 from fragflow.errors import (
@@ -244,9 +244,9 @@ class LoopInterpreter:
         except Exception as exc:
             if not self.program.remote:
                 exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
-            whole = self._whole_rows(frag, name, args, kwargs)
-            if whole:
-                exc.add_note(whole)
+            note = self._run_sized_note(frag, name, args, kwargs)
+            if note:
+                exc.add_note(note)
             raise
         if frag.evaluation and frag.role == "env":   # its observations, to know them if a served actor gets them
             first = out[0] if isinstance(out, tuple) and out else out
@@ -279,32 +279,31 @@ class LoopInterpreter:
                 self.on_update(self.update)
         return out
 
-    def _whole_rows(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def _run_sized_note(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """Where a fragment run here failed: a note naming an argument the loop made with a row for
         every environment of the run (sized with ``args.num_envs``) where this process steps its
         share of them (``env.num_envs``), the usual cause of a shape error in a split run. Not cut to
         the share: an array of that many rows may be a constant of the program's own."""
-        rows = self.program.rows.get(name)
+        rows = {path: (axis, per) for path, axis, per in self.program.rows.get(name, ())}
         if not rows:
             return ""
         try:
             bound = frag.signature.bind(*args, **kwargs).arguments
         except TypeError:
             return ""
-        for pname, keys, axis, per in rows:
-            leaf: Any = bound.get(pname)
+        for pname, value in bound.items():
             try:
-                for k in keys:
-                    leaf = leaf[k]
-            except (KeyError, IndexError, TypeError):
+                leaves = leaf_paths(value, pname)
+            except NotAnArray:
                 continue
-            shape = getattr(leaf, "shape", None)
-            if shape is not None and len(shape) > axis and shape[axis] == per * self.program.replicas:
-                path = pname + "".join(f"[{k!r}]" for k in keys)
-                return (f"(fragflow: argument {path} of '{name}' has {shape[axis]} rows, one per environment of "
-                        f"the run, but this process steps {per} of them: size per-environment arrays with "
-                        "env.num_envs, or make them from env.ids (ff.random.keys(seed, env.ids)); or run with one "
-                        "acting process)")
+            for path, leaf in leaves:
+                axis, per = rows.get(path, (0, 0))
+                shape = getattr(leaf, "shape", ())
+                if per and len(shape) > axis and shape[axis] == per * self.program.replicas:
+                    return (f"(fragflow: argument {path} of '{name}' has {shape[axis]} rows, one per environment of "
+                            f"the run, but this process steps {per} of them: size per-environment arrays with "
+                            "env.num_envs, or make them from env.ids (ff.random.keys(seed, env.ids)); or run with "
+                            "one acting process)")
         return ""
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:

@@ -500,9 +500,8 @@ class ServiceRunner:
                     # replicas at different updates send their own per-update values (a learning-rate
                     # schedule): where calls are gathered on arrival, the call takes the oldest piece's, whose
                     # version ff.delivered() lists first; values that differ at the same call are the
-                    # replicas' own data, never one replica's alone
-                    if not _same_value(first, other, spec.backend) and (self.program.ordered or any(
-                            q.call == p.call and not _same_value(q.leaves[j], other, spec.backend) for q in pieces if q is not p)):
+                    # replicas' own data, never one replica's alone (see _compare_apart)
+                    if self.program.ordered and not _same_value(first, other, spec.backend):
                         raise self._differs(fragment, j)
                 out.append(first)
                 continue
