@@ -82,11 +82,22 @@ def test_a_nan_learner_stops_the_run_naming_fragment_and_update(program, policy)
     assert shm_leftovers() == []
 
 
-def test_a_run_stopped_by_a_nan_counts_the_steps_its_updates_learned_from(program, tmp_path):
+def test_a_run_stopped_by_a_nan_counts_the_steps_its_updates_learned_from(program, tmp_path, monkeypatch):
     """The learner's error ended the run before the actors' last reports were read: summary.json
     said 3 updates of 128-step rollouts were made from 128 env steps, and rows were missing
     (helper round 32 Z2). Its rows and counters are those of the steps that reached the learner.
-    (The race is not forced here: before the fix this failed in about 2 runs of 5.)"""
+    The race is forced: the actor's reports reach the driver 0.2 s late (forked workers inherit the
+    patch), so the learner's error always comes first."""
+    from fragflow.runtime.worker import QueueReporter
+    flush = QueueReporter.flush
+
+    def late(self):
+        if self.dirty:
+            time.sleep(0.2)
+        flush(self)
+
+    monkeypatch.setattr(QueueReporter, "flush", late)
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "fork")
     prog, path, marks = program
     with pytest.raises(NonFiniteError):
         ff.run(prog.train, prog.args_cls(updates=8, bad_at=3, how="nan"), policy="pipelined(actors=1)",
