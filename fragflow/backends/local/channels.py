@@ -343,6 +343,7 @@ class ParamChannel:
         self._slot_bytes = _param_slot_bytes(self.layout)
         self._cache: tuple[int, list[Any]] | None = None
         self._stamp = 0
+        self._views: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
 
     @staticmethod
     def create(name: str, specs: list[TensorSpec], depth: int) -> tuple[ParamHandles, Segment]:
@@ -359,9 +360,15 @@ class ParamChannel:
     def open(handles: ParamHandles, stop: Any = None) -> ParamChannel:
         return ParamChannel(handles, Segment.attach(handles.segment), stop)
 
-    def _slot(self, version: int) -> tuple[np.ndarray, int]:
-        off = _P_HEADER + (version % self.depth) * self._slot_bytes
-        return np.frombuffer(self.seg.mem, np.int64, 3, off), off + _P_META
+    def _slot(self, version: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The metadata and leaf views of ``version``'s slot (made once per slot)."""
+        k = version % self.depth
+        views = self._views.get(k)
+        if views is None:
+            off = _P_HEADER + k * self._slot_bytes
+            views = self._views[k] = (np.frombuffer(self.seg.mem, np.int64, 3, off),
+                                      self.layout.views(self.seg.buf, off + _P_META))
+        return views
 
     @property
     def latest(self) -> int:
@@ -374,7 +381,7 @@ class ParamChannel:
         meta, data = self._slot(version)
         meta[0] += 1                      # odd: slot being written
         meta[1] = -1
-        self.layout.write(self.seg.buf, data, leaves)
+        self.layout.write_views(data, leaves)
         meta[2] = stamp
         meta[1] = version
         meta[0] += 1                      # even: slot consistent
@@ -396,7 +403,7 @@ class ParamChannel:
             if before % 2 == 0 and int(meta[1]) == v:
                 got = int(meta[2])
                 if stamp is None or got >= stamp:
-                    leaves = self.layout.read(self.seg.buf, data, copy=True)
+                    leaves = self.layout.read_views(data, copy=True)
                     if int(meta[0]) == before and int(meta[1]) == v:
                         self._cache, self._stamp = (v, leaves), got
                         return self._cache
@@ -426,5 +433,6 @@ class ParamChannel:
 
     def detach(self) -> None:
         self._cache = None
+        self._views.clear()
         self.header = np.zeros(2, np.int64)
         self.seg.close()
