@@ -509,6 +509,7 @@ def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backen
     elif outputs is not None:
         if start is not None:
             outputs.write_text("graph.txt", format_placed(placed))
+        outputs.settle()   # (metrics.csv whole before summary.json, which says the run has ended)
         outputs.write_json("summary.json", summary)
         outputs.plot_returns(monitor.episodes, target_return)
         outputs.close()

@@ -91,6 +91,12 @@ class LearnerOutputOnActingSideError(PlacementError):
     learner in another process cannot deliver it (``single_process`` runs such a loop as written)."""
 
 
+class SharedMemoryError(FragflowError):
+    """This machine's shared memory (``/dev/shm``) cannot hold the channels a placement needs: the
+    run is refused before any worker starts (a process touching a page past a full ``/dev/shm``
+    would be killed by SIGBUS instead)."""
+
+
 class SpecChangedError(FragflowError):
     """A fragment's input, output or state no longer matches the specs traced for it."""
 

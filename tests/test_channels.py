@@ -276,3 +276,25 @@ def test_segments_of_a_driver_that_no_longer_runs_are_removed_by_the_next_run():
         for name in names:
             if os.path.exists(os.path.join("/dev/shm", name)):
                 os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_a_segment_dev_shm_has_no_room_for_is_an_error_as_it_is_made_and_is_not_left_behind(monkeypatch):
+    """A segment's pages were taken as they were first touched: past a full /dev/shm the process
+    touching one (the driver zeroing a broadcast, an actor writing its ring) was killed by SIGBUS.
+    They are taken as the segment is made, where running out is an error."""
+    import errno
+
+    from fragflow.errors import SharedMemoryError
+
+    sizes = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        sizes.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(SharedMemoryError, match=r"a shared-memory segment of 3\.0 MB could not be made: /dev/shm "
+                                                r"is full \(\d+\.\d MB free\)\n  fix: .*--shm-size"):
+        ParamChannel.create("s", [TensorSpec((3, 1 << 18), "float32", "numpy")], depth=1)
+    assert sizes == [ParamChannel.nbytes([TensorSpec((3, 1 << 18), "float32", "numpy")], 1)]
+    assert shm_leftovers() == []

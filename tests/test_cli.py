@@ -600,3 +600,24 @@ def test_graph_without_a_policy_prints_the_graph_of_a_program_only_one_process_p
     assert "learn" in res.stdout and "act" in res.stdout
     res = invoke("graph", str(path), "--policy", "pipelined")
     assert res.exit_code == 2 and "pipelined" in res.stderr   # where a placement is asked for, it refuses
+
+
+def test_a_dev_shm_too_small_for_the_placement_is_refused_with_exit_code_2_and_a_summary(tmp_path, monkeypatch):
+    """A /dev/shm smaller than the placement's segments (Docker's default 64 MB) killed the driver by
+    SIGBUS: no message, no summary.json. The run is refused before any worker starts, with the fix."""
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        if os.fspath(path) != "/dev/shm":
+            return st
+        return os.statvfs_result((st.f_bsize, 4096, 16384, 32, 32, *tuple(st)[5:]))   # 0.1 MB free
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    out = tmp_path / "run"
+    res = invoke("run", "ppo", "--policy", "actor_learner(actors=2)", *SMALL, "--out", str(out), "--quiet")
+    assert res.exit_code == 2, res.output
+    assert "SharedMemoryError: this placement's channels need" in res.stderr
+    assert "/dev/shm has 0.1 MB free" in res.stderr and "--shm-size=" in res.stderr and "Traceback" not in res.output
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"fragflow_{os.getpid()}_")]

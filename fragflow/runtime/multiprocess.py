@@ -8,8 +8,10 @@ worker is stopped within seconds and the backend releases everything it created.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -84,6 +86,35 @@ def _by_position(names: Any, rest: str) -> str:
             seg = level[int(seg)]
         out.append(seg)
     return "/".join(out)
+
+
+SHM_FULL = ("most likely shared memory (/dev/shm) ran out; give it more room (Docker: docker run "
+            "--shm-size=..., its default is 64m) or make the channels smaller (num_envs, num_steps, max_lag)")
+
+
+def ended(code: int) -> str:
+    """How a process with exit code ``code`` ended (-N: killed by signal N)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    if -code == signal.SIGBUS:
+        return f"was killed by signal {-code} (SIGBUS: {SHM_FULL})"
+    return f"was killed by signal {-code}"
+
+
+def not_restarted(role: str, code: int, restartable: str | None, restarts: int, max_restarts: int) -> str | None:
+    """Why a process of ``role`` that ended with exit code ``code`` without a word is not started again
+    (None: it is); ``restartable`` is the placement's reason its actors cannot be (None: they can),
+    ``restarts`` how many times this one was already."""
+    if role != "actor":
+        return "only actors are restarted"
+    if code == -signal.SIGBUS:   # (/dev/shm ran out: a new process would die the same way)
+        return "a process killed by SIGBUS would most likely be killed again"
+    if restartable is not None:
+        return restartable
+    if restarts < max_restarts:
+        return None
+    return ("--max-restarts is 0" if max_restarts == 0 else
+            f"it was restarted {max_restarts} times already (--max-restarts {max_restarts})")
 
 
 class Driver:
@@ -214,13 +245,20 @@ class Driver:
         for group in {route.group for route in loop.remote.values()}:   # its admitted rollouts will not come
             endpoints.definitions(loop.service_for(group, k)).put(("restarted", k))
         self.restarts[k] = self.restarts.get(k, 0) + 1
-        self.monitor.restarted(f"actor {k} {how}: restarted ({self.restarts[k]} of {self.max_restarts})")
         saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts,
                                             "skip_logs": self.logs_heard if k == 0 else 0})
-        with _no_main_reimport():
-            p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program, self._wiring_for("actor", k),
-                                                 saving), f"fragflow-actor-{k}-r{self.restarts[k]}")
-            self._started("actor", k)
+        try:
+            with _no_main_reimport():
+                p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program,
+                                                     self._wiring_for("actor", k), saving),
+                                       f"fragflow-actor-{k}-r{self.restarts[k]}")
+                self._started("actor", k)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            # (its report queue's semaphores live in /dev/shm: not the program's error)
+            raise WorkerDied(f"actor {k} {how}; it could not be restarted: {exc} ({SHM_FULL})") from None
+        self.monitor.restarted(f"actor {k} {how}: restarted ({self.restarts[k]} of {self.max_restarts})")
         self.procs = [(r, i, q) if (r, i) != ("actor", k) else (r, i, p) for r, i, q in self.procs]
 
     def _loop(self) -> None:
@@ -437,7 +475,7 @@ class Driver:
             for r, k, p in self.procs:
                 if (r, k) != (role, index) and (r, k) not in self.finished and p.exitcode is not None and p.exitcode < 0:
                     who = f"actor {k}" if r == "actor" else r
-                    return f"{who} process was killed by signal {-p.exitcode}"
+                    return f"{who} process {ended(p.exitcode)}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -488,14 +526,12 @@ class Driver:
                             "its workers, or start the run from the folder that holds it" if "ModuleNotFoundError" in failure
                             else "")
                     raise WorkerDied(f"{who} process failed before it could report: {failure}{hint}")
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                why = self.lowered.loop.restartable if role == "actor" else "only actors are restarted"
-                if why is None and self.restarts.get(k, 0) < self.max_restarts:
+                how = ended(code)
+                why = not_restarted(role, code, self.lowered.loop.restartable, self.restarts.get(k, 0),
+                                    self.max_restarts)
+                if why is None:
                     self._restart(k, how)
                     continue
-                if why is None:
-                    why = ("--max-restarts is 0" if self.max_restarts == 0 else
-                           f"it was restarted {self.max_restarts} times already (--max-restarts {self.max_restarts})")
                 raise WorkerDied(f"{who} process {how} without reporting an error; not restarted: {why}")
 
     def channel_stats(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ driver creates every segment and alone unlinks it; workers attach.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -27,7 +28,7 @@ from fragflow.backends.local.channels import (
     _acquire,
 )
 from fragflow.backends.local.control import Control
-from fragflow.backends.local.shm import Segment, sweep_dead
+from fragflow.backends.local.shm import Segment, check_room, sweep_dead
 from fragflow.errors import ConfigError
 
 __all__ = ["BACKEND", "LocalBackend", "Stopped"]
@@ -246,6 +247,11 @@ class LocalBackend:
 
     def wire(self, lowered: Any) -> LocalWiring:
         sweep_dead()   # (segments a run killed with its whole process group left behind)
+        # before anything is made, or any worker started; besides the segments, the run's semaphores (two
+        # per ring, a few per process's queues) take a page each there: a few pages each, and a margin
+        processes = len(lowered.services) + lowered.loop.replicas
+        rings = sum(len(s.rings) + len(s.replies) for s in lowered.services)
+        check_room(segment_sizes(lowered), extra=(64 + 4 * (rings + processes)) * mmap.PAGESIZE)
         ctx = self._ctx = context(start_method())
         segments: list[Segment] = []
         wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), Reports(ctx), {}, {}, segments)
@@ -283,6 +289,19 @@ class LocalBackend:
         p = self.ctx.Process(target=target, args=args, name=name, daemon=True)
         p.start()
         return p
+
+
+def segment_sizes(lowered: Any) -> list[tuple[str, int]]:
+    """What :meth:`LocalBackend.wire` will make in shared memory for ``lowered``: (what, bytes) each."""
+    sizes = []
+    for service in lowered.services:
+        for ring in (*service.rings, *service.replies):
+            sizes.append((f"ring {ring.name} ({ring.capacity} slots)",
+                          TrajectoryChannel.nbytes(list(ring.specs), ring.capacity)))
+        for b in service.publish:
+            sizes.append((f"broadcast of {b.state} ({b.depth} versions)", ParamChannel.nbytes(list(b.specs), b.depth)))
+    sizes.append(("control", Control.nbytes(lowered.loop.replicas)))
+    return sizes
 
 
 BACKEND = LocalBackend()

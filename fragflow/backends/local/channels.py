@@ -126,9 +126,14 @@ class TrajectoryChannel:
 
     # -- construction ------------------------------------------------------------------
     @staticmethod
+    def nbytes(specs: list[TensorSpec], capacity: int) -> int:
+        """The size of the segment :meth:`create` makes for a ring of ``capacity`` slots of ``specs``."""
+        return _traj_base(capacity) + capacity * _traj_slot_bytes(Layout.of(specs))
+
+    @staticmethod
     def create(ctx: Any, name: str, specs: list[TensorSpec], capacity: int, ready: Any = None) -> tuple[ChannelHandles, Segment]:
         layout = Layout.of(specs)
-        seg = Segment.create(_traj_base(capacity) + capacity * _traj_slot_bytes(layout))
+        seg = Segment.create(TrajectoryChannel.nbytes(specs, capacity))
         seg.buf[:_traj_base(capacity)].fill(0)
         handles = ChannelHandles(name, seg.name, layout, capacity, ctx.Semaphore(capacity), ctx.Semaphore(0), ready)
         return handles, seg
@@ -346,10 +351,15 @@ class ParamChannel:
         self._views: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
 
     @staticmethod
+    def nbytes(specs: list[TensorSpec], depth: int) -> int:
+        """The size of the segment :meth:`create` makes for ``depth`` versions of ``specs``."""
+        return _P_HEADER + depth * _param_slot_bytes(Layout.of(specs))
+
+    @staticmethod
     def create(name: str, specs: list[TensorSpec], depth: int) -> tuple[ParamHandles, Segment]:
         layout = Layout.of(specs)
         slot = _param_slot_bytes(layout)
-        seg = Segment.create(_P_HEADER + depth * slot)
+        seg = Segment.create(ParamChannel.nbytes(specs, depth))
         seg.buf[:].fill(0)
         np.frombuffer(seg.mem, np.int64, 1, 0)[0] = -1   # nothing published yet
         for i in range(depth):

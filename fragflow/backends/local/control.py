@@ -37,10 +37,15 @@ class Control:
         self._replicas = max((len(self.words) - WORDS) // 2, 1)
 
     @staticmethod
+    def nbytes(replicas: int = 1) -> int:
+        """The size of the segment :meth:`create` makes."""
+        return (WORDS + 2 * max(replicas, 1)) * 8
+
+    @staticmethod
     def create(replicas: int = 1) -> Segment:
         """The run's words, then two per loop replica: rollouts it was admitted and has not produced,
         and the trip it last started (of the top-level loop it is in)."""
-        seg = Segment.create((WORDS + 2 * max(replicas, 1)) * 8)
+        seg = Segment.create(Control.nbytes(replicas))
         seg.buf[:].fill(0)
         return seg
 

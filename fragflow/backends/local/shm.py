@@ -3,6 +3,11 @@
 Every segment fragflow creates is named ``fragflow_<pid>_<n>``, created by the driver, which
 alone unlinks it; workers only attach. A run leaves nothing in ``/dev/shm``.
 
+``/dev/shm`` is a tmpfs of limited size (Docker's default is 64 MB): a process that touches a page
+of a segment past the limit is killed by SIGBUS, whichever process it is and whenever it first
+touches the page. So a run first checks that its segments fit (:func:`check_room`), and every
+segment's pages are reserved as it is made (``posix_fallocate``), where running out is an error.
+
 >>> layout = Layout.of([TensorSpec((2, 3), "float32", "numpy"), TensorSpec((), "float", "python")])
 >>> seg = Segment.create(layout.nbytes)
 >>> layout.write(seg.buf, 0, [np.ones((2, 3), np.float32), 0.5])
@@ -13,7 +18,9 @@ alone unlinks it; workers only attach. A run leaves nothing in ``/dev/shm``.
 
 from __future__ import annotations
 
+import errno
 import itertools
+import mmap
 import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -22,14 +29,58 @@ from typing import Any
 import numpy as np
 
 from fragflow.compiler.pytree import TensorSpec, bfloat16, from_numpy, to_numpy
-from fragflow.errors import SpecChangedError
+from fragflow.errors import SharedMemoryError, SpecChangedError
 
 PREFIX = "fragflow_"
 ALIGN = 64
+ROOT = "/dev/shm"
+MB = 1 << 20   # (Docker's unit: --shm-size=64m is 64 MiB)
 _counter = itertools.count()
 
 
-def sweep_dead(root: str = "/dev/shm") -> list[str]:
+def free_bytes(root: str = ROOT) -> int | None:
+    """The space left in ``root`` for an unprivileged process, or None where it has no limit to
+    read (no ``/dev/shm``, as on macOS; a tmpfs mounted without a size)."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    if st.f_blocks == 0:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def in_pages(nbytes: int) -> int:
+    """What a segment of ``nbytes`` takes in a tmpfs: whole pages."""
+    return -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def check_room(sizes: list[tuple[str, int]], extra: int = 0, root: str = ROOT) -> None:
+    """Refuse a run whose segments (``(what, bytes)`` each), and ``extra`` bytes besides, do not fit
+    in what ``root`` has free."""
+    free = free_bytes(root)
+    if free is None:
+        return
+    needed = sum(in_pages(n) for _, n in sizes) + extra
+    if needed <= free:
+        return
+    largest = sorted(sizes, key=lambda s: -s[1])[:3]
+    suggest = -(-needed // (64 * MB)) * 64 + 64
+    raise SharedMemoryError(
+        f"this placement's channels need {needed / MB:.1f} MB of shared memory and {root} has "
+        f"{free / MB:.1f} MB free: a process touching a page past that would be killed by SIGBUS, so the run "
+        "is refused before any worker starts",
+        fix=f"give {root} more room (Docker: docker run --shm-size={suggest}m ...; its default is 64m), or make the "
+            "channels smaller: fewer environments or a shorter rollout per actor (num_envs, num_steps), "
+            "a smaller max_lag, or a smaller state",
+        detail="  largest: " + "; ".join(f"{what} {_size(n)}" for what, n in largest))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MB:.1f} MB" if nbytes >= MB else f"{-(-nbytes // 1024)} KB"
+
+
+def sweep_dead(root: str = ROOT) -> list[str]:
     """Unlink the segments of drivers that no longer run (a SIGKILL sent to a run's whole process
     group kills the resource tracker too, which would have unlinked them): their names carry the
     driver's pid. Segments of a live process, or of another user, are left alone."""
@@ -50,6 +101,25 @@ def sweep_dead(root: str = "/dev/shm") -> list[str]:
         except OSError:   # (another user's, or gone meanwhile)
             pass
     return removed
+
+
+def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
+    """Take every page of a new segment now: a full ``/dev/shm`` is then an error here, not a SIGBUS
+    in whichever process first writes to a page the tmpfs has no room for."""
+    fd = getattr(shm, "_fd", -1)   # (POSIX: the descriptor shm_open gave)
+    if fd < 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:   # (a filesystem that cannot: its pages come as they are touched)
+            return
+        free = free_bytes()
+        left = "" if free is None else f" ({free / MB:.1f} MB free)"
+        raise SharedMemoryError(
+            f"a shared-memory segment of {size / MB:.1f} MB could not be made: {ROOT} is full{left}",
+            fix=f"give {ROOT} more room (Docker: docker run --shm-size=...; its default is 64m), or make the "
+                "channels smaller (num_envs, num_steps, max_lag)") from None
 
 
 def _alive(pid: int) -> bool:
@@ -76,14 +146,22 @@ class Segment:
     @staticmethod
     def create(nbytes: int) -> Segment:
         name = f"{PREFIX}{os.getpid()}_{next(_counter)}"
+        size = max(nbytes, 1)
         try:
-            return Segment(shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1)), owner=True)
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         except BaseException:   # made but not sized (a size that is not an integer): not left behind
             try:
-                os.unlink(os.path.join("/dev/shm", name))
+                os.unlink(os.path.join(ROOT, name))
             except OSError:
                 pass
             raise
+        try:
+            _reserve(shm, size)
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
+        return Segment(shm, owner=True)
 
     @staticmethod
     def attach(name: str) -> Segment:
