@@ -398,7 +398,7 @@ def train(args: Args):
     continuous = is_continuous(args.env_id)
     normalize = continuous if args.normalize is None else args.normalize
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed, clip_actions=continuous,
-                       normalize_obs=normalize, normalize_reward=normalize, gamma=args.gamma)
+                       normalize_obs=normalize, normalize_reward=normalize, reward_gamma=args.gamma)
     state = ff.versioned(init_state(env, args))
     buffer = ff.RolloutBuffer(args.num_steps)
     key = ff.random.keys(args.seed, env.ids)

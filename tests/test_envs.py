@@ -627,3 +627,57 @@ def test_a_vector_wrapper_among_the_wrappers_is_refused_at_the_make_line():
     """It failed at the first step with gymnasium's TypeError, as the program's (helper round 32 E8)."""
     with pytest.raises(ConfigError, match=r"got NormalizeObservation in wrappers, a wrapper of vector envs"):
         ff.envs.make("CartPole-v1", num_envs=2, seed=0, wrappers=[gym.wrappers.vector.NormalizeObservation])
+
+
+class _Discounted(gym.Env):
+    """Reward gamma ** t: an env with a discount of its own."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, gamma: float = 1.0) -> None:
+        self.gamma, self.t = gamma, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(1, np.float32), self.gamma ** self.t, False, self.t >= 50, {}
+
+
+def _cleanrl_normalized(env, gamma):
+    """gymnasium's NormalizeReward clipped to +-10, as CleanRL's continuous PPO wraps each env."""
+    return gym.wrappers.TransformReward(gym.wrappers.NormalizeReward(env, gamma=gamma, epsilon=1e-8),
+                                        lambda r: float(np.clip(r, -10, 10)))
+
+
+def _rewards(ours, theirs, rounds, steps):
+    got, want = [], []
+    for _ in range(rounds):
+        ours.reset()
+        theirs.reset(seed=0)
+        for _ in range(steps):
+            got.append(ours.step(np.zeros(1, np.int64))[1][0])
+            want.append(theirs.step(0)[1])
+    return got, want
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_gamma_given_to_make_is_the_environments_own(normalize):
+    """make kept gamma as normalize_reward's discount and never gave it to the env, even without
+    normalize_reward (helper round 32 E5); that discount is reward_gamma."""
+    ours = ff.envs.make(_Discounted, num_envs=1, seed=0, gamma=0.5, normalize_reward=normalize, reward_gamma=0.9)
+    theirs = _cleanrl_normalized(_Discounted(gamma=0.5), 0.9) if normalize else _Discounted(gamma=0.5)
+    got, want = _rewards(ours, theirs, 1, 6)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert normalize or got[:2] == [0.5, 0.25]
+
+
+def test_normalize_reward_runs_its_discounted_return_on_across_a_reset_as_gymnasiums_wrapper():
+    """It was zeroed at env.reset(); gymnasium's NormalizeReward never zeroes it there (helper round 32 E6)."""
+    ours = ff.envs.make(_Discounted, num_envs=1, seed=0, normalize_reward=True, reward_gamma=0.9)
+    got, want = _rewards(ours, _cleanrl_normalized(_Discounted(), 0.9), 3, 4)   # a reset every 4 steps
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -215,8 +215,7 @@ class _Normalize(gym.vector.VectorWrapper):
         return np.clip(z, -self.clip, self.clip).astype(self._dtype)
 
     def reset(self, **kwargs: Any) -> Any:
-        obs, info = self.env.reset(**kwargs)
-        self.returns[:] = 0.0
+        obs, info = self.env.reset(**kwargs)   # (the discounted returns run on, as gymnasium's NormalizeReward's)
         return self._obs(obs, True), info
 
     def step(self, actions: Any) -> Any:
@@ -256,7 +255,7 @@ class VectorEnv:
 
     def __init__(self, env_id: str | Callable[..., gym.Env], num_envs: int, seed: int, *, ids: np.ndarray, name: str,
                  clip_actions: bool = False, normalize_obs: bool = False,
-                 normalize_reward: bool = False, gamma: float = 0.99, evaluation: bool = False,
+                 normalize_reward: bool = False, reward_gamma: float = 0.99, evaluation: bool = False,
                  env_kwargs: dict[str, Any] | None = None, wrappers: tuple[Callable[[gym.Env], gym.Env], ...] = (),
                  clip_rewards: bool = False) -> None:
         self._identify(env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id)),
@@ -285,7 +284,7 @@ class VectorEnv:
                                   fix="leave clip_actions out, or clip the actions your actor returns yourself")
             env = gym.wrappers.vector.ClipAction(env)
         if normalize_obs or normalize_reward:
-            env = _Normalize(env, normalize_obs, normalize_reward, gamma)
+            env = _Normalize(env, normalize_obs, normalize_reward, reward_gamma)
         self._env = env
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
@@ -474,7 +473,7 @@ def _unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where:
     return UnknownEnvError(f"environment {env!r} does not take the keyword arguments given to ff.envs.make "
                            f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
                            fix="pass only arguments the environment's constructor takes (options of ff.envs.make "
-                               "itself: clip_actions, normalize_obs, normalize_reward, gamma, clip_rewards, wrappers, "
+                               "itself: clip_actions, normalize_obs, normalize_reward, reward_gamma, clip_rewards, wrappers, "
                                "evaluation)")
 
 
@@ -577,7 +576,7 @@ _EXTRA_HINT = {"ale_py": 'pip install "fragflow[atari]"', "ALE": 'pip install "f
 
 
 def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
-         normalize_obs: bool = False, normalize_reward: bool = False, gamma: float = 0.99,
+         normalize_obs: bool = False, normalize_reward: bool = False, reward_gamma: float = 0.99,
          evaluation: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] = (), clip_rewards: bool = False,
          **env_kwargs: Any) -> VectorEnv:
     """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
@@ -599,7 +598,10 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     ``clip_actions`` clips continuous actions to the action space; ``normalize_obs`` and
     ``normalize_reward`` normalise with running statistics and clip to +-10, as CleanRL's
     continuous-action PPO does, with statistics of each environment's own (so where the
-    environments are stepped, in one process or split across several, changes nothing).
+    environments are stepped, in one process or split across several, changes nothing);
+    ``reward_gamma`` is the discount of the running return whose spread scales the rewards (as
+    gymnasium's ``NormalizeReward``, it runs on across ``reset()`` and restarts where an episode
+    terminates). Every other keyword, ``gamma`` included, is the environment's own.
     """
     where = user_callsite()
     if num_envs < 1:
@@ -690,7 +692,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     name = "env" if interp is None else interp.instance_name("eval_env" if evaluation else "env")
     try:
         env = VectorEnv(gym_env, num_envs, seed, ids=ids, name=name, clip_actions=clip_actions,
-                        normalize_obs=normalize_obs, normalize_reward=normalize_reward, gamma=gamma,
+                        normalize_obs=normalize_obs, normalize_reward=normalize_reward, reward_gamma=reward_gamma,
                         evaluation=evaluation, env_kwargs=env_kwargs, wrappers=wrappers,
                         clip_rewards=clip_rewards)
     except TypeError as exc:
