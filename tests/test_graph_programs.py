@@ -969,6 +969,27 @@ def test_central_inference_refuses_to_batch_an_evaluation_envs_inference_across_
         compile(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
 
 
+def test_one_actor_for_the_training_and_a_same_size_evaluation_env_is_refused_at_placement_with_one_worker(write_algo):
+    """Under central_inference(env_workers=1) it was refused mid-run, by a message saying the call was
+    first made after the trace, which it was not (helper round 32 E4); the fix it names runs."""
+    both = HEADER_EVAL.replace('evaluation = ff.envs.make("CartPole-v1", num_envs=1,',
+                               'evaluation = ff.envs.make("CartPole-v1", num_envs=2,')
+    path, marks = write_algo(both.replace("act_eval(state, eval_obs)", "act(state, eval_obs)"), "same_size.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"actor 'act' acts on the training envs and on evaluation env 'eval_env', "
+                                             rf"but policy 'central_inference' answers it in the learner's process .*"
+                                             rf"\n  at {path}:{marks['eval']}\n  fix: give the evaluation its own "
+                                             rf"fragment \(act_eval = "):
+        compile(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["eval_episodes"] >= 1
+    path, _ = write_algo(both, "own_fragment.py")
+    program = load(str(path))
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] >= 1
+
+
 HEADER_EVAL = """
 from dataclasses import dataclass
 import numpy as np

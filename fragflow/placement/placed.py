@@ -389,6 +389,24 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
             fix=f"keep the scheduler in the versioned state and step it in '{learner}' (state['sched'].step()), or "
                 f"compute the rate in the loop, pass it to '{learner}' and set it there (for g in "
                 "opt.param_groups: g['lr'] = lr), or run with --policy single_process")
+    if inference_with_learner:
+        # an actor served for the training envs and also given an evaluation env's observations: its
+        # answers go through the requests of the training steps, which an evaluation's do not belong to
+        fed_by: dict[str, set[bool]] = {}
+        for e in graph.edges_of(EdgeKind.DATA):
+            src, dst = graph.node(e.src), graph.node(e.dst)
+            if e.dst in service and dst.role == "actor" and src.role == "env":
+                fed_by.setdefault(e.dst, set()).add(bool(src.evaluation))
+        for e in graph.edges_of(EdgeKind.DATA):
+            src, dst = graph.node(e.src), graph.node(e.dst)
+            if src.evaluation and fed_by.get(e.dst) == {True, False} and actors == 1:
+                raise PlacementError(
+                    f"actor '{e.dst}' acts on the training envs and on evaluation env '{src.instance or e.src}', but "
+                    f"policy '{policy}' answers it in the learner's process as part of the training steps' requests",
+                    where=e.where or dst.called_at,
+                    fix=f"give the evaluation its own fragment ({e.dst}_eval = ff.fragment('actor', "
+                        f"name='{e.dst}_eval')({e.dst}.fn)) and call that on the evaluation env, or run with a "
+                        "policy that acts where the envs step (actor_learner, pipelined, single_process)")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):
             src, dst = graph.node(e.src), graph.node(e.dst)
