@@ -3667,3 +3667,70 @@ def test_a_loop_stepping_its_own_gymnasium_env_is_refused_where_the_environments
         "obs, _ = env.reset(seed=0)", "obs = env.reset()").replace("list(range(4))", "env.ids"), "made.py")
     assert ff.run(load(str(made)).train, policy=policy).summary["updates"] == 3
     assert shm_leftovers() == []
+
+
+KEPT_OUTPUTS = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 9
+    every: int = 3
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    n = state["n"] + 1
+    return {"w": state["w"] + 0.001 * batch["obs"].mean(), "n": n}, {"r": batch["reward"].mean()}, n * np.ones(1)
+
+@ff.fragment("learner", writes="state")
+def aux(state, tags):
+    return state, {"first": tags[0][0], "last": tags[-1][0]}   # @aux
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=1)
+    state = ff.versioned({"w": np.ones((4, 2)), "n": np.zeros(())})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    kept = []
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, reward, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs, reward=reward)
+        state, metrics, tag = learn(state, buf.collect())
+        kept.append(tag)
+        if len(kept) == args.every:
+            state, seen = aux(state, kept)
+            ff.log(seen)
+            kept = []
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "pipelined(max_lag=0)", "central_inference",
+                                    "actor_learner(actors=2, max_lag=0)"])
+def test_a_learners_outputs_the_loop_keeps_past_its_next_calls_are_each_its_own(write_algo, policy, tmp_path):
+    """Each resolved to the learner's newest output in its process: a second learner given the
+    last 3 outputs (PPG's value targets) got the third one three times (helper round 33 A1)."""
+    import csv
+
+    path, _ = write_algo(KEPT_OUTPUTS)
+    program = load(str(path))
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        seen = [(float(r["first"]), float(r["last"])) for r in csv.DictReader(f) if r["first"]]
+    assert seen == [(1.0, 3.0), (4.0, 6.0), (7.0, 9.0)]
+    assert same_tree(result.value, ff.run(program.train, program.args_cls(), policy="single_process").value)
+
+
+def test_an_output_kept_past_more_calls_than_the_learner_keeps_is_refused_at_the_call(write_algo):
+    path, marks = write_algo(KEPT_OUTPUTS)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=r"'aux' is given the output of call 1 of 'learn', but the learner's "
+                                            r"process keeps the outputs of the last 64 calls"):
+        ff.run(program.train, program.args_cls(updates=66, every=66), policy="pipelined")

@@ -152,6 +152,9 @@ class ServiceProgram:
     rank: int = 0                     # several learners: this one's place among them (0 publishes and reports)
     world: int = 1                    # the learners that all-reduce their gradients
     writes: tuple[str, ...] = ()      # the states its fragments write (what its checkpoint part holds)
+    # its fragments whose outputs the loop passes to another of its fragments: their last outputs are
+    # kept (a learner's output the loop keeps past its next calls: PPG's value targets)
+    keeps: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -547,7 +550,9 @@ def lower(placed: PlacedGraph) -> Lowered:
                               tuple(sorted(held)), tuple(replies),
                               traj.batch_wait_ms / 1000 if traj is not None and lag > 0 else 0.0,
                               writes=tuple(sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE)
-                                                   if e.src in members})))
+                                                   if e.src in members})),
+                              keeps=tuple(sorted({e.src for e in graph.edges_of(EdgeKind.DATA)
+                                                  if e.src in group.nodes and e.dst in group.nodes})))
         if len(instances) == 1:
             services.append(base)
             continue

@@ -34,19 +34,22 @@ def split(value: Any, leaves: list[Any] | None = None, path: str = "") -> tuple[
     return _split(value, out, path), out
 
 
-def split_arguments(arguments: dict[str, Any], given: frozenset[str] = frozenset()
-                    ) -> tuple[Skeleton, list[Any], dict[str, Any]]:
+def split_arguments(arguments: dict[str, Any], given: frozenset[str] = frozenset(),
+                    lag_of: Callable[[Pending], int] | None = None) -> tuple[Skeleton, list[Any], dict[str, Any]]:
     """A call's bound arguments: its skeleton, its leaves, and the values of the leaves at ``given``
-    paths (``roll['obs']``), which the skeleton names ``("given", path)`` instead."""
+    paths (``roll['obs']``), which the skeleton names ``("given", path)`` instead. An output of
+    another call is named ``("ref", fragment, index, keys, None)``: that fragment's latest output;
+    one the loop kept past later calls of it (``lag_of`` says how many) is ``("ref", ..., "@path")``,
+    the number of the call that made it sent with the call as the gift ``"@path"``."""
     leaves: list[Any] = []
     gifts: dict[str, Any] = {}
     keys = tuple(arguments)
-    skel = ("dict", keys, tuple(_split(arguments[k], leaves, str(k), given, gifts) for k in keys))
+    skel = ("dict", keys, tuple(_split(arguments[k], leaves, str(k), given, gifts, lag_of) for k in keys))
     return skel, leaves, gifts
 
 
 def _split(x: Any, out: list[Any], path: str, given: frozenset[str] = frozenset(),
-           gifts: dict[str, Any] | None = None) -> Skeleton:
+           gifts: dict[str, Any] | None = None, lag_of: Callable[[Pending], int] | None = None) -> Skeleton:
     if backend_of(x) is not None:
         if path in given and gifts is not None:
             gifts[path] = x
@@ -56,7 +59,10 @@ def _split(x: Any, out: list[Any], path: str, given: frozenset[str] = frozenset(
     if x is None:
         return ("none",)
     if isinstance(x, Pending):
-        return ("ref", x.fragment, x.index, x.path_keys)
+        if lag_of is None or gifts is None or not lag_of(x):
+            return ("ref", x.fragment, x.index, x.path_keys, None)
+        gifts["@" + path] = x.call
+        return ("ref", x.fragment, x.index, x.path_keys, "@" + path)
     if isinstance(x, Versioned):
         return ("state", x.name, ())
     if isinstance(x, VersionedView):
@@ -65,13 +71,13 @@ def _split(x: Any, out: list[Any], path: str, given: frozenset[str] = frozenset(
         return ("static", x)
     if isinstance(x, dict):
         keys = tuple(x)
-        return ("dict", keys, tuple(_split(x[k], out, f"{path}[{k!r}]", given, gifts) for k in keys))
+        return ("dict", keys, tuple(_split(x[k], out, f"{path}[{k!r}]", given, gifts, lag_of) for k in keys))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return ("namedtuple", type(x), tuple(_split(v, out, f"{path}.{f}", given, gifts)
+        return ("namedtuple", type(x), tuple(_split(v, out, f"{path}.{f}", given, gifts, lag_of)
                                              for f, v in zip(x._fields, x)))
     if isinstance(x, (list, tuple)):
         return ("list" if isinstance(x, list) else "tuple",
-                tuple(_split(v, out, f"{path}[{i}]", given, gifts) for i, v in enumerate(x)))
+                tuple(_split(v, out, f"{path}[{i}]", given, gifts, lag_of) for i, v in enumerate(x)))
     raise NotArrayPytreeError(f"argument leaf {path or '<root>'} is a {type(x).__module__}.{type(x).__qualname__}",
                               fix="fragments take pytrees (dict/list/tuple) of numpy, torch or jax arrays, "
                                   "Python numbers, and configuration (a frozen dataclass, a string)")

@@ -389,7 +389,7 @@ class LoopInterpreter:
                 raise VersionedStateError(
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
-        skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given)
+        skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given, self._lag_of)
         group = self._defs[route.group]
         if name not in self._shipped:
             group.put(("fragment", name, cloudpickle.dumps(frag)))
@@ -458,6 +458,11 @@ class LoopInterpreter:
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton)
+
+    def _lag_of(self, pending: Pending) -> int:
+        """How many calls of its fragment the loop made after the one ``pending`` is an output of (a
+        learner's output kept past its next calls, for a later call: PPG's value targets)."""
+        return max(0, self._calls_of.get(pending.fragment, -1) - pending.call) if pending.call >= 0 else 0
 
     def _reply(self, name: str, route: Any) -> Any:
         """Wait for the answer to a request (an inference call served by another group): its

@@ -49,6 +49,7 @@ from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
 from fragflow.runtime.monitor import non_scalar, scalars_in
 
 IDLE_WAIT = 0.05
+KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of them (see ServiceProgram.keeps)
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
 
 
@@ -106,6 +107,8 @@ class ServiceRunner:
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
+        self.kept: dict[tuple[str, int], dict[int, Any]] = {}   # (fragment, replica): its last calls' outputs
+        self._replica = 0   # the loop replica of the call being built (whose kept outputs its references name)
         self.pools: dict[str, list[_Piece]] = {}
         self.rings: list[dict[str, Any]] = [{} for _ in range(program.producers)]
         self.ring_specs: dict[str, Any] = {}
@@ -554,12 +557,27 @@ class ServiceRunner:
             for k in skel[2]:
                 value = value[k]
             return value
-        _, fragment, index, keys = skel
-        value = self.outputs[fragment]
+        _, fragment, index, keys, made_by = skel
+        value = self.outputs[fragment] if made_by is None else self._kept_output(fragment, self._gifts[made_by])
         value = value if index < 0 else value[index]
         for k in keys:
             value = value[k]
         return value
+
+    def _kept_output(self, fragment: str, call: int) -> Any:
+        """The output of ``fragment``'s ``call``-th call in the loop replica of the call being built,
+        which the loop kept past its later calls; under a policy that drops stale calls, of the
+        latest call before it that ran."""
+        kept = self.kept.get((fragment, self._replica), {})
+        ran = [c for c in kept if c <= call]
+        if not ran:
+            raise ConfigError(
+                f"'{self.current}' is given the output of call {call + 1} of '{fragment}', but the learner's process "
+                f"keeps the outputs of the last {KEPT_OUTPUTS} calls of a fragment for later calls",
+                where=self.checks.get("called_at", {}).get(self.current),
+                fix=f"keep fewer of them, or have '{fragment}' put what later calls need in versioned state (a "
+                    "buffer of its own that it appends to), or run with --policy single_process")
+        return kept[max(ran)]
 
     def _execute(self, fragment: str) -> None:
         pieces = self.pools.pop(fragment)
@@ -585,6 +603,7 @@ class ServiceRunner:
             for p in pieces:
                 self.given.pop((p.replica, fragment, p.call), None)
         leaves = self._merge(fragment, pieces)
+        self.current, self._replica = fragment, pieces[0].replica
         arguments = calls.build(skel, iter(leaves), self._resolve)
         bound = inspect.BoundArguments(frag.signature, arguments)
         self.current = fragment
@@ -624,6 +643,12 @@ class ServiceRunner:
             elif state in {b.state for b in self.program.publish}:
                 self._publish(state)
         self.outputs[fragment] = out
+        if fragment in self.program.keeps:
+            for p in pieces:
+                kept = self.kept.setdefault((fragment, p.replica), {})
+                kept[p.call] = out
+                if len(kept) > KEPT_OUTPUTS:
+                    del kept[min(kept)]
         if fragment in self.replies:
             self._answer(fragment, out, pieces)
         if clock and lead:
@@ -796,7 +821,7 @@ class ServiceRunner:
 def _names_given(skel: Any) -> bool:
     """Whether a call's skeleton names leaves the loop sent with the call (``("given", path)``)."""
     kind = skel[0]
-    if kind == "given":
+    if kind == "given" or (kind == "ref" and skel[4] is not None):
         return True
     if kind == "dict" or kind == "namedtuple":
         return any(_names_given(c) for c in skel[2])
