@@ -758,8 +758,11 @@ def train():
 """
 
 
-@pytest.mark.parametrize("policy", ["pipelined(actors=2)", "actor_learner(actors=2, max_lag=0)"])
+@pytest.mark.parametrize("policy", ["pipelined(actors=2)", "actor_learner(actors=2, max_lag=0)",
+                                    "actor_learner(actors=2)", "async_relaxed(actors=2)"])
 def test_replicas_leaving_the_loop_at_different_trips_stop_the_run_with_the_reason(write_algo, policy):
+    """Gathered as they arrive (max_lag >= 1), the run waited for good (actor_learner: the replica
+    left waited for a version the learner could not make) or went on (async_relaxed) (helper round 33 A3)."""
     from fragflow.errors import ConfigError
 
     path, _ = write_algo(UNEVEN_END, "uneven_end.py")
@@ -768,6 +771,30 @@ def test_replicas_leaving_the_loop_at_different_trips_stop_the_run_with_the_reas
     with pytest.raises(ConfigError, match=r"loop replica\(s\) 0 ended the training loop while replica\(s\) 1 still "
                                           r"called 'learn'"):
         ff.run(program.train, policy=policy)
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
+def test_learners_whose_replicas_leave_the_loop_at_different_trips_stop_the_run_with_the_reason(write_algo):
+    """The learner still updating failed in gloo's all-reduce ('Connection closed by peer') (helper round 33 A4)."""
+    from fragflow.errors import ConfigError
+
+    torch_learner = UNEVEN_END.replace("import numpy as np", "import numpy as np\nimport torch").replace(
+        """    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}""",
+        """    loss = (torch.as_tensor(batch["obs"], dtype=torch.float32) @ state["w"]).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {}""").replace(
+        """    state = ff.versioned({"w": np.ones((4, 2))})""",
+        """    w = torch.ones(4, 2, requires_grad=True)
+    state = ff.versioned({"w": w, "opt": torch.optim.SGD([w], lr=0.01)})""").replace(
+        "np.argmax(obs @ w, axis=-1)", "np.argmax(obs @ w.detach().numpy(), axis=-1)")
+    path, _ = write_algo(torch_learner, "uneven_end_torch.py")
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(ConfigError, match=r"learner\(s\) 0 ended their run .* while learner 1 still updated in 'learn'"):
+        ff.run(program.train, policy="multi_learner")
     assert mp.active_children() == []
     assert shm_leftovers() == []
 

@@ -60,6 +60,7 @@ class GradientAllReduce:
         self.call: _Call | None = None      # the update in progress: what every learner must agree on
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
+        self.store: Any = None
 
     def _join(self, devices: set[Any]) -> None:
         """Join the process group, with the backend :func:`group_backend` chooses from every
@@ -73,6 +74,28 @@ class GradientAllReduce:
         if self.group_backend == "nccl":   # (nccl reduces only tensors on the learner's GPU)
             self.device = next(d for d in devices if str(d).startswith("cuda"))
         self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
+        self.store = store
+
+    def _all_reduce(self, tensor: Any, **kwargs: Any) -> None:
+        """``all_reduce``; where it fails because another learner ended its run (every loop replica it
+        serves left the loop) while this one still updates, the reason, not the transport's error."""
+        try:
+            self.dist.all_reduce(tensor, **kwargs)
+        except RuntimeError:
+            ended = [k for k in range(self.world) if k != self.rank and self.store is not None
+                     and self.store.check([f"fragflow.ended.{k}"])]
+            if not ended:
+                raise
+            call = self.call
+            raise ConfigError(
+                f"learner(s) {', '.join(map(str, ended))} ended their run (every loop replica they serve left the "
+                f"training loop) while learner {self.rank} still updated"
+                + (f" in '{call.fragment}'" if call is not None else "")
+                + ", and multi_learner averages every update's gradients across the learners: the loop replicas "
+                  "left the loop at different trips (a break on data of their own environments?)",
+                where=call.called_at if call is not None else None,
+                fix="end the loop on a count every replica shares (updates, the configured total of steps), or run "
+                    "with one learner (learners=1) or a single-learner policy") from None
 
     def watch(self, state: Any, name: str) -> None:
         """Average what backward accumulates into the parameters of every optimizer in ``state``."""
@@ -178,13 +201,13 @@ class GradientAllReduce:
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._agree(numel, closing)   # (its own all-reduce: where it is the update's end, the only one)
             if not closing:
-                self.dist.all_reduce(flat)
+                self._all_reduce(flat)
             self.last = (numel, dtype, device)
             return flat
         digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel), dtype=dtype,
                               device=device)
         flat = torch.cat([*parts, digits, digits * digits])
-        self.dist.all_reduce(flat)
+        self._all_reduce(flat)
         m = digits.numel()
         sums, squares = flat[numel:numel + m].double().cpu(), flat[numel + m:].double().cpu()
         if not torch.equal(sums * sums, squares * self.world):
@@ -207,7 +230,7 @@ class GradientAllReduce:
         mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel], dtype=torch.float64,
                             device=self.device)
         both = torch.cat([mine, -mine])
-        self.dist.all_reduce(both, op=self.dist.ReduceOp.MAX)
+        self._all_reduce(both, op=self.dist.ReduceOp.MAX)
         high, low = both[:4].cpu(), -both[4:].cpu()
         if torch.equal(high, low):
             return
@@ -237,6 +260,8 @@ class GradientAllReduce:
                 "actor_learner)")
 
     def close(self) -> None:
+        if self.store is not None:   # (before the group goes: a learner still updating learns why it failed)
+            self.store.set(f"fragflow.ended.{self.rank}", "1")
         for h in self.handles:
             h.remove()
         self.handles.clear()

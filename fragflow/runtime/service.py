@@ -107,6 +107,7 @@ class ServiceRunner:
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
+        self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
         self.kept: dict[tuple[str, int], dict[int, Any]] = {}   # (fragment, replica): its last calls' outputs
         self._replica = 0   # the loop replica of the call being built (whose kept outputs its references name)
         self.pools: dict[str, list[_Piece]] = {}
@@ -331,6 +332,13 @@ class ServiceRunner:
         in different replicas, and under a policy that gathers one call per replica they then wait
         for each other for good."""
         now = time.monotonic()
+        if not self.program.ordered and any(self.finished) and not all(self.finished):
+            # gathered on arrival: a replica still calling a fragment past the calls a finished one made
+            for (k, fragment), last in self._calls_made.items():
+                ended = [j for j in range(self.program.producers)
+                         if self.finished[j] and self._calls_made.get((j, fragment), -1) < last]
+                if not self.finished[k] and ended:
+                    raise self._left_apart(fragment, ended, [k])
         partial = [(f, pieces) for f, pieces in self.pools.items() if pieces and len(pieces) < self.program.producers]
         if not partial:
             self._stalled_since = now
@@ -340,16 +348,7 @@ class ServiceRunner:
             missing = [k for k in range(self.program.producers) if k not in sent]
             if self.program.ordered and missing and all(self.finished[k] for k in missing):
                 # (gathered on arrival, a call a finished replica leaves unpaired at the end is dropped)
-                from fragflow.errors import ConfigError
-
-                where = self.checks.get("called_at", {}).get(fragment)
-                raise ConfigError(
-                    f"loop replica(s) {', '.join(map(str, missing))} ended the training loop while replica(s) "
-                    f"{', '.join(map(str, sorted(sent)))} still called '{fragment}', whose calls gather one from "
-                    "each replica: the replicas left the loop at different trips (a break on data of their own "
-                    "environments?)", where=where,
-                    fix="end the loop on a count every replica shares (updates, the configured total of steps), "
-                        "or run with one replica (actors=1, env_workers=1) or --policy single_process")
+                raise self._left_apart(fragment, missing, sorted(sent))
         if self._stall_warned or now - self._stalled_since < self._stall_warn:
             return
         self._stall_warned = True
@@ -365,6 +364,15 @@ class ServiceRunner:
             "a schedule every replica shares (every N trips), or run with one replica (actors=1, env_workers=1) "
             "or --policy single_process")))
 
+    def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> ConfigError:
+        return ConfigError(
+            f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
+            f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
+            "(or, gathered as they arrive, a piece of several): the replicas left the loop at different trips (a "
+            "break on data of their own environments?)", where=self.checks.get("called_at", {}).get(fragment),
+            fix="end the loop on a count every replica shares (updates, the configured total of steps), "
+                "or run with one replica (actors=1, env_workers=1) or --policy single_process")
+
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
         self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
@@ -375,6 +383,7 @@ class ServiceRunner:
             item = ring.get()
         assert item is not None
         self.next_tag[k] = tag + 1
+        self._calls_made[(k, fragment)] = calls.unpack_aux(meta[2])[1]
         version, leaves = item
         if version == UNVERSIONED:   # acted on no state: as fresh as the version that takes it
             version = self.version
