@@ -3666,6 +3666,17 @@ def test_a_loop_stepping_its_own_gymnasium_env_is_refused_where_the_environments
         'ff.envs.make(lambda: gym.make("CartPole-v1"), num_envs=4, seed=0)').replace(
         "obs, _ = env.reset(seed=0)", "obs = env.reset()").replace("list(range(4))", "env.ids"), "made.py")
     assert ff.run(load(str(made)).train, policy=policy).summary["updates"] == 3
+    # one stepped only before the loop, to make a dataset of demonstrations, is not the loop's: it runs
+    # (it was refused, its fix to make it with ff.envs.make a wrong one: helper round 33 A5)
+    demos, _ = write_algo(made.read_text().replace(
+        "    state = ff.versioned(", """    demo_env = gym.make("CartPole-v1")
+    demo_env.reset(seed=3)
+    demos = np.stack([demo_env.step(i % 2)[0] for i in range(8)])
+    state = ff.versioned(""").replace("batch[\"obs\"].mean((0, 1))", "(batch[\"obs\"].mean((0, 1)) + demos.mean(0))").replace(
+        "def learn(state, batch):", "def learn(state, batch, demos):").replace(
+        "learn(state, buf.collect())", "learn(state, buf.collect(), demos)"), "demos.py")
+    expected = ff.run(load(str(demos)).train, policy="single_process")
+    assert same_tree(ff.run(load(str(demos)).train, policy=policy).value, expected.value)
     assert shm_leftovers() == []
 
 

@@ -1061,7 +1061,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     threads_set = tracer.threads_set = ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
-    unwatch_envs = watch_env_makers(own_envs)
+    unwatch_envs = watch_env_makers(own_envs, watcher.in_loop)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):

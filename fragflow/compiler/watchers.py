@@ -54,10 +54,11 @@ class ThreadsSet:
         return out
 
 
-def watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
-    """Note in ``into`` where the user's code made an environment it then steps, with
-    ``gymnasium.make`` or ``make_vec`` itself (not through ff.envs.make): one fragflow cannot split
-    or count. Returns the undo."""
+def watch_env_makers(into: list[SourceLoc], in_loop: Callable[[], bool] = lambda: True) -> Callable[[], None]:
+    """Note in ``into`` where the user's code made an environment it then steps (where ``in_loop()``
+    says the step is the training loop's, not a dataset's made before it), with ``gymnasium.make`` or
+    ``make_vec`` itself (not through ff.envs.make): one fragflow cannot split or count. Returns the
+    undo."""
     import gymnasium
 
     saved = {name: getattr(gymnasium, name) for name in ("make", "make_vec") if hasattr(gymnasium, name)}
@@ -72,7 +73,7 @@ def watch_env_makers(into: list[SourceLoc]) -> Callable[[], None]:
                 step = env.step
 
                 def stepped(*a: Any, **k: Any) -> Any:   # (one made only to look at its spaces is not noted)
-                    if not into:
+                    if not into and in_loop():
                         into.append(made_at)
                     return step(*a, **k)
                 try:
