@@ -3745,3 +3745,43 @@ def test_an_output_kept_past_more_calls_than_the_learner_keeps_is_refused_at_the
     with pytest.raises(ConfigError, match=r"'aux' is given the output of call 1 of 'learn', but the learner's "
                                             r"process keeps the outputs of the last 64 calls"):
         ff.run(program.train, program.args_cls(updates=66, every=66), policy="pipelined")
+
+
+FEATURE_MEAN = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, center):
+    return ((obs - center) @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    center = np.zeros(4)   # the mean of the observations' 4 numbers, as many as the environments
+    for _ in range(3):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs, center))   # @act
+            center = 0.9 * center + 0.1 * obs.mean(0)
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_loop_statistic_as_long_as_the_run_has_environments_is_refused_not_joined_from_parts(write_algo):
+    """central_inference gave the served actor the first two numbers of one worker's mean and the
+    last two of the other's, silently (helper round 33 A2); with 8 environments it was refused."""
+    path, marks = write_algo(FEATURE_MEAN)
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(ConfigError, match=rf"center of 'act' has as many rows as the run has environments, .* the loop's "
+                                          rf"replicas hold different values of it.*\n  at {relpath(path)}:{marks['act']}"):
+        ff.run(program.train, policy="central_inference(env_workers=2)")
+    assert shm_leftovers() == []

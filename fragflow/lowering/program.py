@@ -61,6 +61,9 @@ class Ring:
     paths: tuple[str, ...] = ()       # each leaf's place in the call's arguments (batch['obs']), for messages
 
 
+WHOLE_MARK = "#whole "   # a ring path's prefix: the fingerprint of a leaf a replica sends its rows of (Remote.whole)
+
+
 @dataclass(frozen=True)
 class Broadcast:
     """The views of one versioned state that a loop group reads, published by its writer's group."""
@@ -489,12 +492,18 @@ def lower(placed: PlacedGraph) -> Lowered:
             # only where a call merges one piece of every replica, in order: a batch of the replicas
             # that have arrived (arrival gathering) or of a learner's own (several) would miss rows
             in_order = lag == 0 or (traj.discipline if traj is not None else "ordered") == "ordered"
+            paths = tuple(leaf.dst_path for leaf in crossing)
             if whole and in_order and group.replicas == 1:
                 remote[name] = replace(remote[name], whole=whole)
+                # each such leaf's fingerprint goes beside its rows, the same in every replica: a value that
+                # differs beyond a replica's rows (a statistic whose size equals the number of environments)
+                # is refused where the merge compares it, not joined from the replicas' parts
+                specs += tuple(TensorSpec((), "int", "python") for _ in whole)
+                axes += tuple(None for _ in whole)
+                paths += tuple(WHOLE_MARK + paths[i] for i, _, _ in whole)
             counts = tuple(i for i, leaf in enumerate(crossing) if leaf.axis_name == "count") if loop.replicas > 1 else ()
             for k in range(loop.replicas):
-                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity, counts,
-                                  tuple(leaf.dst_path for leaf in crossing)))
+                rings.append(Ring(f"{name}[{k}]", name, k, specs, axes, capacity, counts, paths))
         publish = []
         depth = param.capacity if param is not None else lag + 3
         for state in sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src in members}):

@@ -160,9 +160,11 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                 message += (f"; the training loop runs in {replicas} processes here, each stepping "
                             f"{spec.shape[0]} of the {got.shape[0]} environments, and this leaf, made in the loop, "
                             f"has a row for every environment of the run (sized with the run's count, as "
-                            f"args.num_envs), where this process holds its {spec.shape[0]}")
+                            f"args.num_envs, or a size that only equals it: a statistic over as many features), "
+                            f"where this process holds its {spec.shape[0]}")
                 fix = ("size per-environment arrays with env.num_envs (the environments this process steps) or make "
-                       "them from env.ids (ff.random.keys(seed, env.ids)), or pass them in the rollout; or run with "
+                       "them from env.ids (ff.random.keys(seed, env.ids)), or pass them in the rollout; compute "
+                       "anything else from the batch inside a fragment or keep it in versioned state; or run with "
                        "one actor")
             elif replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
                 message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "

@@ -15,6 +15,7 @@ the serial semantics every other placement is checked against.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -25,7 +26,14 @@ import numpy as np
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView
-from fragflow.compiler.pytree import NotAnArray, fill_skeleton, leaf_paths, ordered_like, unflatten_into
+from fragflow.compiler.pytree import (
+    NotAnArray,
+    fill_skeleton,
+    leaf_paths,
+    ordered_like,
+    to_numpy,
+    unflatten_into,
+)
 from fragflow.compiler.reach import handles_as_values
 from fragflow.context import InstanceNames
 from fragflow.errors import (
@@ -361,13 +369,21 @@ class LoopInterpreter:
     def _own_rows(self, leaves: list[Any], whole: tuple[tuple[int, int, int], ...]) -> list[Any]:
         """A leaf the loop made with as many rows as there are environments in all (while tracing,
         one process stepped them all) is batched along them; where this replica holds it whole, not
-        its share (a constant of that size: a mask over as many actions), its rows are its part."""
+        its share (a constant of that size: a mask over as many actions), its rows are its part. Each
+        such leaf's fingerprint follows the leaves (0 where this replica held its share already): the
+        service refuses a whole value that differs between the replicas, whose parts would not join."""
         out = list(leaves)
+        marks = []
         for i, axis, per in whole:
             shape = getattr(out[i], "shape", None)
+            mark = 0
             if shape is not None and len(shape) > axis and shape[axis] == per * self.program.replicas:
+                arr = np.ascontiguousarray(to_numpy(out[i]))
+                digest = hashlib.blake2b(arr.tobytes() + str(arr.dtype).encode(), digest_size=7).digest()
+                mark = 1 + int.from_bytes(digest, "little")
                 out[i] = out[i][(slice(None),) * axis + (slice(self.index * per, (self.index + 1) * per),)]
-        return out
+            marks.append(mark)
+        return out + marks
 
     def _stamp(self, state: str, version: int) -> int | None:
         """Under an exact version choice, the writes ``version`` of ``state`` must include: all

@@ -44,6 +44,7 @@ from fragflow.compiler.pytree import (
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, SpecChangedError
 from fragflow.lowering import ServiceProgram
+from fragflow.lowering.program import WHOLE_MARK
 from fragflow.runtime import calls
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
 from fragflow.runtime.monitor import non_scalar, scalars_in
@@ -524,6 +525,16 @@ class ServiceRunner:
     def _differs(self, fragment: str, j: int) -> ConfigError:
         ring = self.ring_specs[fragment]
         path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
+        if path.startswith(WHOLE_MARK):
+            path = path[len(WHOLE_MARK):]
+            return ConfigError(
+                f"{path} of '{fragment}' has as many rows as the run has environments, which fragflow takes for "
+                "one row per environment (each process sends its own rows, and the served call joins them), but "
+                "the loop's replicas hold different values of it: joined, it would be none of them (a statistic "
+                "whose size only equals the number of environments?)", where=self.checks.get("called_at", {}).get(fragment),
+                fix="if it has a row per environment, size it with env.num_envs (the environments this process "
+                    "steps) or make it from env.ids; if not, compute it from the batch inside a fragment or keep it "
+                    "in versioned state; or run with one env worker (env_workers=1)")
         return ConfigError(
             f"{path} of '{fragment}' ({ring.specs[j].short()}) differs between the loop's replicas, each "
             "stepping its share of the environments, and has no batch axis to merge them along: "
