@@ -467,7 +467,8 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
     resumed_at = (int(start.counters.get("updates", 0)), int(start.counters.get("env_steps", 0))) \
         if start is not None else None
     outputs = RunOutputs(out, resumed_at=resumed_at, column_order=placed.graph.log_columns,
-                         history=start.run_dir if start is not None else None) if out is not None else None
+                         history=start.run_dir if start is not None else None,
+                         resumed_from=start.path if start is not None else None) if out is not None else None
     monitor = Monitor(outputs=outputs, progress=display, target_return=target_return,
                       stop_on_target=stop_on_target)
     if start is not None:

@@ -390,6 +390,51 @@ def test_a_while_loop_resumes_with_its_counter(tmp_path, write_algo):
     assert (tmp_path / "a" / "checkpoints" / "2").is_dir()
     driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a")
     assert not (tmp_path / "a" / "checkpoints").exists()
+    # ... but only fragflow's own: a directory another program wrote keeps its checkpoints/ and events
+    # (they were all deleted: helper round 33 C1)
+    theirs = tmp_path / "theirs"
+    (theirs / "checkpoints" / "my_model").mkdir(parents=True)
+    (theirs / "checkpoints" / "my_model" / "weights.pt").write_text("x")
+    (theirs / "tensorboard").mkdir()
+    (theirs / "tensorboard" / "events.out.tfevents.other").write_text("y")
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=theirs, checkpoint_every=2)
+    assert (theirs / "checkpoints" / "my_model" / "weights.pt").read_text() == "x"
+    assert (theirs / "tensorboard" / "events.out.tfevents.other").read_text() == "y"
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=theirs)
+    assert sorted(p.name for p in (theirs / "checkpoints").iterdir()) == ["my_model"]
+
+
+def test_a_run_resumed_in_place_from_an_older_checkpoint_removes_the_newer_ones(tmp_path, write_algo):
+    """They belonged to the timeline left: a later resume from one of them joined the two runs'
+    rows in metrics.csv (helper round 33 C2)."""
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 12
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            for step in range(args.total):
+                state = learn(state, np.full(2, float(step)))
+            return state
+    ''', "forprog.py")
+    from fragflow.program import load
+
+    prog = load(str(path))
+    run = tmp_path / "run"
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=run, checkpoint_every=3)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [6, 9, 12]
+    driver.run(prog.train, prog.args_cls(total=8), policy="single_process", out=run, checkpoint_every=3,
+               resume=run / "checkpoints" / "6")
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [6, 8]
 
 
 def test_environment_normalisation_statistics_are_a_saved_component():

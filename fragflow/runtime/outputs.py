@@ -66,7 +66,8 @@ class RunOutputs:
     """
 
     def __init__(self, directory: str | os.PathLike[str], resumed_at: tuple[int, int] | None = None,
-                 column_order: tuple[str, ...] = (), history: Path | None = None) -> None:
+                 column_order: tuple[str, ...] = (), history: Path | None = None,
+                 resumed_from: Path | None = None) -> None:
         """``resumed_at`` (updates, env steps of its checkpoint): a resumed run adds to the directory's
         ``metrics.csv`` (same columns) and TensorBoard, after dropping what the interrupted run wrote
         past the checkpoint (the resumed run writes it again). Nothing is touched before the first
@@ -74,7 +75,9 @@ class RunOutputs:
         ``column_order``: the logged names in the order the loop logs them (the trace's), which
         ``metrics.csv`` keeps after the run's own columns, whatever order the values arrive in.
         ``history``: the directory of the run a resumed run continues, when it writes elsewhere: its
-        rows and TensorBoard events are copied first, so that this directory holds the whole run too."""
+        rows and TensorBoard events are copied first, so that this directory holds the whole run too.
+        ``resumed_from``: the checkpoint resumed; in this directory, the checkpoints written after it
+        (the timeline it leaves) are removed as the resumed run begins."""
         self.dir = Path(directory)
         self._order = {name: i for i, name in enumerate(column_order)}
         self.last_row: dict[str, float] | None = None   # the last row written (a run's closing row compares with it)
@@ -89,6 +92,7 @@ class RunOutputs:
         self._late: dict[int, dict[str, Any]] = {}   # values of columns not in the header, by row
         self._late_columns: list[str] = []
         self._resumed_at = resumed_at
+        self._resumed_from = resumed_from
         self._history = history
         self._tb_writer: Any = None
         self._events: list[tuple[Any, int]] = []   # TensorBoard events not yet handed to its writer
@@ -123,11 +127,30 @@ class RunOutputs:
                 if len(kept) < len(rows):
                     _rewrite(metrics, self._columns, kept)
                 self._rows = self._written_at = len(kept)
+        from fragflow.runtime.checkpoint import listing
+
+        checkpoints = self.dir / "checkpoints"
         if resumed_at is None:   # a new run in a directory used before: the last run's outputs go
-            for old in (metrics, self.dir / "returns.png", *(self.dir / "tensorboard").glob("events.out.tfevents.*")):
+            # (TensorBoard's event files where a fragflow run wrote that directory: another program's stay)
+            events = [*(self.dir / "tensorboard").glob("events.out.tfevents.*")] if _a_run(self.dir) else []
+            for old in (metrics, self.dir / "returns.png", *events):
                 old.unlink(missing_ok=True)
-            # ... and its checkpoints: a resume from one would continue the other run into this one's rows
-            shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
+            # ... and its checkpoints (fragflow's: numbered, with a manifest), which a resume would
+            # continue into this run's rows
+            for old_dir in listing(checkpoints):
+                shutil.rmtree(old_dir, ignore_errors=True)
+            try:
+                checkpoints.rmdir()   # (where nothing else is in it)
+            except OSError:
+                pass
+        elif self._resumed_from is not None and self._resumed_from.parent.resolve() == checkpoints.resolve():
+            # resumed in place from an older checkpoint: those written after it belong to the timeline
+            # left, and a resume from one of them would join the two runs' rows
+            written = listing(checkpoints)
+            at = [p.resolve() for p in written].index(self._resumed_from.resolve()) \
+                if self._resumed_from.resolve() in [p.resolve() for p in written] else len(written)
+            for old_dir in written[at + 1:]:
+                shutil.rmtree(old_dir, ignore_errors=True)
         from torch.utils.tensorboard import SummaryWriter
 
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
@@ -277,6 +300,14 @@ class RunOutputs:
         if self._tb_writer is not None:
             self._hand_over()
             self._tb_writer.close()
+
+
+def _a_run(directory: Path) -> bool:
+    """Whether a fragflow run wrote ``directory`` (its summary.json says so)."""
+    try:
+        return "policy" in json.loads((directory / "summary.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _carry_history(source: Path, out: Path) -> None:
