@@ -7,6 +7,7 @@ one message with the user's ``file:line`` and the fix, and exit with code 2. ``-
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -86,6 +87,7 @@ def _load(algorithm: str, sets: list[str] | None) -> tuple[Any, Any]:
     from fragflow.program import load
 
     program = load(algorithm)
+    _check_callable(program)
     if program.args_cls is None:
         if sets:
             from fragflow.errors import ConfigError
@@ -94,6 +96,30 @@ def _load(algorithm: str, sets: list[str] | None) -> tuple[Any, Any]:
                               where=program.where, fix="annotate the first parameter: def train(args: Args)")
         return program, None
     return program, apply_overrides(program.args_cls, sets or [], where=program.where)
+
+
+def _check_callable(program: Any) -> None:
+    """``fragflow run`` calls the training function with its Args (or with nothing): a parameter
+    beyond those it cannot fill is a usage error at the function's line, not a TypeError."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(program.train).parameters.values())
+    except (TypeError, ValueError):
+        return
+    required = [p for p in params if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    given = required[:1] if program.args_cls is not None and required and required[0] is params[0] else []
+    missing = [p.name for p in required if p not in given]
+    if missing:
+        from fragflow.errors import ConfigError
+
+        raise ConfigError(
+            f"the training function {program.train.__name__}({', '.join(p.name for p in params)}) needs "
+            f"{', '.join(repr(m) for m in missing)}, which fragflow run cannot give: it calls it with an instance of "
+            "the dataclass its first parameter is annotated with (else with nothing)", where=program.where,
+            fix="annotate the first parameter with a frozen dataclass of settings (def train(args: Args), its fields "
+                "with defaults), and give every other parameter a default")
 
 
 @app.command()
@@ -147,6 +173,11 @@ def run(
         from fragflow import backends
 
         backends.get(backend)   # ... and so does an unknown backend
+        if target_return is not None and not math.isfinite(target_return):
+            from fragflow.errors import ConfigError
+
+            raise ConfigError(f"--target-return {target_return}: a mean episode return to reach is a finite number",
+                              fix="give the return that counts as solved, e.g. --target-return 475")
         if stop_on_target and target_return is None:
             from fragflow.errors import ConfigError
 

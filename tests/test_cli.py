@@ -138,6 +138,35 @@ def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("signature, missing", [("train(args)", "'args'"), ("train(args: Args, other)", "'other'"),
+                                                ("train(*, seed)", "'seed'")])
+def test_a_training_function_fragflow_run_cannot_call_is_a_usage_error_at_its_line(tmp_path, signature, missing):
+    """It was the TypeError of the call, with no line, exit 1 (helper round 33 C5)."""
+    algo = tmp_path / "sig.py"
+    algo.write_text(f"""from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class Settings:
+    n: int = 1
+
+Args = Settings if "Args" in {signature!r} else None
+
+def {signature}:
+    pass
+""")
+    res = invoke("run", str(algo), "--out", str(tmp_path / "never"), "--policy", "single_process")
+    assert res.exit_code == 2, res.output
+    assert f"needs {missing}, which fragflow run cannot give" in res.stderr and "sig.py:9" in res.stderr
+    assert "Traceback" not in res.output and not (tmp_path / "never").exists()
+
+
+def test_a_target_return_that_is_not_a_finite_number_is_a_usage_error(tmp_path):
+    for bad in ("nan", "inf"):   # (accepted: "target nan not reached", null in summary.json: helper round 33 C10)
+        res = invoke("run", "ppo", "--target-return", bad, "--out", str(tmp_path / "never"))
+        assert res.exit_code == 2 and f"--target-return {bad}: a mean episode return to reach is a finite number" \
+            in res.stderr and not (tmp_path / "never").exists()
+
+
 def test_an_out_that_is_a_file_is_a_usage_error_before_tracing(tmp_path):
     # it traced, then failed writing with an internal FileExistsError (exit 1)
     taken = tmp_path / "taken"

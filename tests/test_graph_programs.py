@@ -256,6 +256,18 @@ def test_a_memory_sized_with_the_runs_number_of_environments_is_named_where_the_
     assert shm_leftovers() == []
 
 
+def test_a_users_own_error_in_a_fragment_given_a_run_sized_memory_has_no_note_on_its_size(write_algo):
+    """A RuntimeError the actor raised itself was noted as the memory's size (helper round 33 C13)."""
+    path, _ = write_algo(RUN_SIZED.replace('    h = np.tanh(obs @ params["wx"] + h @ params["wh"])',
+                                           '    if len(obs) == 2:   # (an acting process\'s share: not the trace\'s 4)\n'
+                                           '        raise RuntimeError("the actor gave up")\n'
+                                           '    h = np.tanh(obs @ params["wx"] + h @ params["wh"])'))
+    program = load(str(path))
+    with pytest.raises(WorkerFailed) as err:
+        ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
+    assert "the actor gave up" in str(err.value) and "one per environment of the run" not in str(err.value)
+
+
 CONSTANT_ROWS = """
 import numpy as np
 import fragflow as ff

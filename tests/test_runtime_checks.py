@@ -321,6 +321,11 @@ def train():
     ("actor_learner(overflow=bogus)", "expected one of drop, deliver, block, got 'bogus'"),
     ("pipelined(max_lag=-1)", "option 'max_lag' of policy 'pipelined' is -1: a staleness bound is a number of versions"),
     ("pipelined(actors=0)", "option 'actors' of policy 'pipelined' is 0: it counts processes, 1 or more"),
+    # (an OverflowError from shared memory as the program's error, or gigabytes of rings: helper round 33 C4)
+    ("pipelined(max_lag=100000)", "option 'max_lag' of policy 'pipelined' is 100000: the channels hold that many"),
+    # (nan and inf ran; -5 was refused only after tracing: helper round 33 C10)
+    ("central_inference(max_lag=1, wait_ms=nan)", "option 'wait_ms' of policy 'central_inference' is nan"),
+    ("central_inference(max_lag=1, wait_ms=-5)", "option 'wait_ms' of policy 'central_inference' is -5.0"),
 ])
 def test_bad_policy_options_are_configuration_errors(program, policy, message):
     prog, _, _ = program

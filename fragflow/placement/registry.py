@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import math
 import os
 import pkgutil
 import re
@@ -27,6 +28,8 @@ from fragflow.config import coerce, field_types
 from fragflow.errors import ConfigError, FragflowError, UnknownPolicyError, did_you_mean
 from fragflow.placement.placed import PlacedGraph
 from fragflow.source import user_callsite
+
+MAX_LAG = 256   # a staleness bound past this is refused: the rings and broadcasts hold max_lag + 2 or 3 copies
 
 
 def default_policy() -> str:
@@ -71,6 +74,12 @@ class PolicySpec:
             elif key == "max_lag" and kwargs[key] < 0:
                 problems.append(f"option 'max_lag' of policy '{self.name}' is {kwargs[key]}: a staleness bound is a "
                                 "number of versions, 0 (sequential semantics) or more")
+            elif key == "max_lag" and kwargs[key] > MAX_LAG:
+                problems.append(f"option 'max_lag' of policy '{self.name}' is {kwargs[key]}: the channels hold that "
+                                f"many rollouts and versions of the state in shared memory; up to {MAX_LAG} is taken")
+            elif key == "wait_ms" and not (math.isfinite(kwargs[key]) and kwargs[key] >= 0):
+                problems.append(f"option 'wait_ms' of policy '{self.name}' is {kwargs[key]}: how long a request "
+                                "waits for the other workers', 0 (answer what has arrived) or more milliseconds")
         if problems:
             takes = f"{self.name}({self.signature()})" if self.signature() else f"'{self.name}' (it takes no options)"
             raise ConfigError("; ".join(problems), fix=f"write {takes}, changing what you need (`fragflow policies` lists every policy's)")

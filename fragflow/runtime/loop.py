@@ -77,6 +77,15 @@ def allow_nonfinite() -> bool:
     return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
 
 
+def _about_shapes(exc: BaseException) -> bool:
+    """Whether an error may come of an array's size (numpy's and torch's shape errors), which the
+    note on arrays sized with the run's count of environments explains; a user's own error is not."""
+    if isinstance(exc, (IndexError, ValueError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in ("size", "shape", "dimension", "broadcast"))
+
+
 class LoopInterpreter:
     """Executes the loop's fragment calls as the placement says (see :mod:`fragflow.context`)."""
 
@@ -252,7 +261,7 @@ class LoopInterpreter:
         except Exception as exc:
             if not self.program.remote:
                 exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
-            note = self._run_sized_note(frag, name, args, kwargs)
+            note = self._run_sized_note(frag, name, args, kwargs) if _about_shapes(exc) else ""
             if note:
                 exc.add_note(note)
             raise
