@@ -169,6 +169,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     res = cli("run", "--resume", str(good), "--set", "hidden=5", "--out", str(tmp_path / "x"), "-q")
     assert res.returncode == 2 and "does not fit this program" in res.stderr and "Traceback" not in res.stderr
     assert "f32[3, 3]" in res.stderr or "[3, 3]" in res.stderr
+    assert not (tmp_path / "x").exists()   # (it was left, empty: helper round 33 C9)
     # another algorithm
     res = cli("run", "ppo", "--resume", str(good), "--out", str(tmp_path / "y"), "-q")
     assert res.returncode == 2 and "not 'ppo'" in res.stderr

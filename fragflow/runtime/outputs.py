@@ -81,7 +81,9 @@ class RunOutputs:
         self.dir = Path(directory)
         self._order = {name: i for i, name in enumerate(column_order)}
         self.last_row: dict[str, float] | None = None   # the last row written (a run's closing row compares with it)
+        made = [p for p in (self.dir, *self.dir.parents) if not p.exists()]   # (what close removes, left empty)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._made = made
         self._csv_file: IO[str] | None = None
         self._csv: csv.DictWriter[str] | None = None
         self._columns: list[str] | None = None   # metrics.csv's header
@@ -300,6 +302,11 @@ class RunOutputs:
         if self._tb_writer is not None:
             self._hand_over()
             self._tb_writer.close()
+        for p in self._made:   # a resumed run refused before its first row: the folders it made go
+            try:
+                p.rmdir()
+            except OSError:   # (not empty: something was written)
+                break
 
 
 def _a_run(directory: Path) -> bool:
