@@ -9,6 +9,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.table import Column
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -34,11 +35,18 @@ class ProgressDisplay:
 
     def start(self) -> None:
         if self.interactive:
+            # the figures keep their width; on a narrow terminal the bar and then the channels' line give way
+            keep = Column(no_wrap=True)
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("env steps  {task.fields[sps]:>7} steps/s  return {task.fields[ret]:>7}"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[extra]}"),
-                console=self.console, transient=False, refresh_per_second=4)
+                TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True)),
+                BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=0)),
+                MofNCompleteColumn(table_column=Column(no_wrap=True)),
+                TextColumn("env steps  {task.fields[sps]:>6} steps/s  return {task.fields[ret]:>6}", table_column=keep),
+                TimeElapsedColumn(table_column=Column(no_wrap=True)), TextColumn("eta", table_column=Column(no_wrap=True)),
+                TimeRemainingColumn(table_column=Column(no_wrap=True)),
+                TextColumn("{task.fields[extra]}", table_column=Column(ratio=2, min_width=0, no_wrap=True,
+                                                                         overflow="ellipsis")),
+                console=self.console, transient=False, refresh_per_second=4, expand=True)
             self._progress.start()
             self._task = self._progress.add_task(self.description, total=self.total, sps="-", ret="-", extra="")
         else:

@@ -650,3 +650,24 @@ def test_a_dev_shm_too_small_for_the_placement_is_refused_with_exit_code_2_and_a
     assert "/dev/shm has 0.1 MB free" in res.stderr and "--shm-size=" in res.stderr and "Traceback" not in res.output
     assert json.loads((out / "summary.json").read_text())["status"] == "failed"
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"fragflow_{os.getpid()}_")]
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_progress_bar_keeps_its_figures_on_a_narrow_terminal(width):
+    """On 80 columns the env steps, elapsed time and ETA were dropped, the channels' line kept
+    (helper round 33 C6): the bar and the channels' line give way first."""
+    import io
+
+    from rich.console import Console
+
+    from fragflow.progress import ProgressDisplay
+
+    out = io.StringIO()
+    display = ProgressDisplay("ppo", 100000, console=Console(file=out, width=width, force_terminal=True,
+                                                             color_system=None))
+    display.start()
+    display.update(13516, 2913.4, 151.6, 5.0, extra="  trajectory: depth 1/3, 812 items, 0 drops, lag 1.0")
+    display.stop()
+    last = [line for line in re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue()).splitlines() if line.strip()][-1]
+    for figure in ("13516/100000 env steps", "2,913 steps/s", "return  151.6", "0:00:", "eta"):
+        assert figure in last, last
