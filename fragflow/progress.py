@@ -9,7 +9,6 @@ import sys
 import time
 
 from rich.console import Console
-from rich.table import Column
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,6 +18,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 
 
 class ProgressDisplay:
