@@ -438,8 +438,8 @@ class LoopInterpreter:
             self._acted_on_training.add(name)
         if on_eval and name in self._acted_on_training:   # (an act_eval traced on the evaluation env is served)
             raise PlacementError(
-                f"actor fragment '{name}' is called on the evaluation env's observations, but this policy answers "
-                "it in the learner's process as part of the training steps' requests",
+                f"actor fragment '{name}' is called on the evaluation env's observations, first after the trace, "
+                "but this policy answers it in the learner's process through channels sized for the training envs",
                 where=user_callsite(),
                 fix=f"give the evaluation its own fragment ({name}_eval = ff.fragment('actor', name='{name}_eval')"
                     f"({name}.fn)), which acts where the loop runs, or run with a policy that acts where the envs "
