@@ -14,6 +14,8 @@ Args(num_envs=8, lr=0.00025)
 from __future__ import annotations
 
 import dataclasses
+import enum
+import pathlib
 import types
 import typing
 from typing import Any
@@ -97,7 +99,35 @@ def coerce(raw: Any, annotation: Any) -> Any:
             raise ValueError(f"expected a number, got {raw!r}") from None
     if annotation in (str, Any):
         return raw
-    raise ValueError(f"cannot set a field of type {annotation} from the command line")
+    if origin in (tuple, list) or annotation in (tuple, list):
+        return _sequence(raw, annotation, origin or annotation)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        for member in annotation:
+            if raw in (member.name, str(member.value)):
+                return member
+        raise ValueError(f"expected one of {', '.join(m.name for m in annotation)}, got {raw!r}")
+    if isinstance(annotation, type) and issubclass(annotation, pathlib.PurePath):
+        return annotation(raw)
+    raise ValueError(f"cannot set a field of type {annotation} from the command line (--set takes bool, int, float, "
+                     "str, Literal, Optional, Enum, Path, and tuples and lists of those): set it in the program")
+
+
+def _sequence(raw: str, annotation: Any, kind: type) -> Any:
+    """``64,64`` (or ``(64, 64)``, ``[64, 64]``; ``64,`` is a tuple of one) as a tuple or list of the
+    annotation's items."""
+    text = raw.strip()
+    if text[:1] + text[-1:] in ("()", "[]"):
+        text = text[1:-1]
+    items = [t.strip() for t in text.split(",")] if text.strip() else []
+    if items and items[-1] == "":
+        items.pop()
+    args = typing.get_args(annotation)
+    if kind is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(items) != len(args):
+            raise ValueError(f"expected {len(args)} comma-separated values, got {raw!r}")
+        return tuple(coerce(item, a) for item, a in zip(items, args))
+    values = [coerce(item, args[0] if args else str) for item in items]
+    return tuple(values) if kind is tuple else values
 
 
 def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = None, base: Any = None) -> Any:
