@@ -195,6 +195,10 @@ def test_actors_must_divide_the_environments():
                                           r"ff.envs.make\) a multiple of actors \(`--set num_envs=...` where your Args "
                                           r"has that field\)"):
         ff.run(ppo.train, ARGS, policy="actor_learner(actors=3)")
+    # (multi_learner's told to choose actors, when learners=3 was the count: helper round 33 C12)
+    with pytest.raises(ConfigError, match=r"\(learners=3 x actors=1\): they do not divide evenly(.|\n)*fix: choose "
+                                          r"learners x actors dividing num_envs=4 .* a multiple of learners x actors"):
+        ff.run(ppo.train, ARGS, policy="multi_learner(learners=3)")
 
 
 FAILING = """

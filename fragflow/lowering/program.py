@@ -281,6 +281,7 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
              else f"{unit}={replicas}")
     asked = _asked_per(placed)
     each = f", {per_unit}={asked}" if asked else ""
+    count = "learners x actors" if "learners" in options else unit
     if asked and total % replicas == 0:   # the processes divide them: the share asked for is what is wrong
         raise ConfigError(f"policy '{placed.policy}' asks for {per_unit}={asked} in each of its {_processes(replicas)} "
                           f"({given}): {asked * replicas} environments, but the loop steps {total}", where=where,
@@ -288,8 +289,8 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
                               f"num_envs / {unit})")
     raise ConfigError(f"policy '{placed.policy}' splits the loop's {total} environments across {_processes(replicas)} "
                       f"({given}{each}): they do not divide evenly", where=where,
-                      fix=f"choose {unit} dividing num_envs={total} (and {per_unit} = num_envs / {unit}), or "
-                          f"make num_envs (given to ff.envs.make) a multiple of {unit} (`--set num_envs=...` "
+                      fix=f"choose {count} dividing num_envs={total} (and {per_unit} = num_envs / {count}), or "
+                          f"make num_envs (given to ff.envs.make) a multiple of {count} (`--set num_envs=...` "
                           "where your Args has that field)")
 
 
