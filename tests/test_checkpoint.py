@@ -1258,3 +1258,19 @@ def test_a_checkpoints_evaluation_counts_are_those_of_its_cut(tmp_path, write_al
         assert (m["counters"]["episodes"], m["counters"]["eval_episodes"]) == (8 * trip, 2 * trip), (c.name, m["counters"])
         seen += 1
     assert seen >= 2
+
+
+def test_a_checkpoints_solved_at_steps_is_the_summarys(tmp_path):
+    """Checkpoints written after the target was reached said the step of the update row that heard
+    of it, the summary that of the episode that reached it, and a run resumed from one the first
+    (helper round 33 C8)."""
+    from fragflow.algorithms import ppo
+
+    out = tmp_path / "run"
+    result = driver.run(ppo.train, ppo.Args(total_timesteps=4096, num_envs=4, num_steps=64, seed=1), policy="pipelined",
+                        out=out, target_return=15.0, checkpoint_every=2)
+    solved = result.summary["solved_at_steps"]
+    assert solved is not None and solved % 64 != 0   # (an episode's step, not an update's)
+    saved = {json.loads((p / "manifest.json").read_text())["counters"]["solved_at_steps"]
+             for p in (out / "checkpoints").iterdir()}
+    assert saved == {solved}

@@ -425,7 +425,10 @@ class Monitor:
                 "recent_lengths": list(self.recent_lengths), "eval_recent": list(self.eval_recent),
                 "eval_episodes": self.base_eval_episodes + len(self.eval_episodes),
                 "wall_seconds": round(self.base_wall + self.wall_seconds, 3), "restarts": self.restarts,
-                "solved_at_steps": self.solved_at_steps, "solved_at_seconds": self.solved_at_seconds,
+                # (as the summary gives it: the step of the episode that solved it, in single_process's order)
+                "solved_at_steps": self.solved_at_steps if self.solved_at_steps is None or self._solve_resumed
+                else self._solved_step(),
+                "solved_at_seconds": self.solved_at_seconds,
                 "target_return": self.target_return, "stop_on_target": self.stop_on_target,
                 "notes": list(self.notes)}
 
@@ -576,8 +579,7 @@ class Monitor:
             # replicas stepped in step: their episodes in single_process's order (by the step that
             # ended them, then the replica's environments), not in the order they reached the driver,
             # at the env steps they ended at, not those the driver had heard of then
-            merged = sorted(((t, r, ret, length) for r, eps in self._tagged.items() for t, ret, length in eps),
-                            key=_by_step)
+            merged = self._merged()
             self.episodes = [(self.base_steps + t * self.marked_replicas, ret, length) for t, _, ret, length in merged]
             recent = (self._resumed_recent + [(ret, length) for *_, ret, length in merged])[-RETURN_WINDOW:]
             self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
@@ -607,18 +609,29 @@ class Monitor:
         assert self.outputs is not None
         self.outputs.write_row(row)
 
+    def _merged(self) -> list[tuple[int, int, float, int]]:
+        """Every replica's episodes (its steps then, replica, return, length) in single_process's order."""
+        return sorted(((t, r, ret, length) for r, eps in self._tagged.items() for t, ret, length in eps), key=_by_step)
+
+    def _solved_step(self) -> int | None:
+        """The env step of the episode whose end first brought the mean of the last episodes, in
+        single_process's order, to the target (where replicas step in step, at the step it ended at)."""
+        episodes = self.episodes
+        if self.marked_replicas and self._tagged:
+            episodes = [(self.base_steps + t * self.marked_replicas, ret, length) for t, _, ret, length in self._merged()]
+        window = deque((ret for ret, _ in self._resumed_recent), maxlen=RETURN_WINDOW)
+        for steps, ret, _ in episodes:
+            window.append(ret)
+            if solves(window, self.target_return):
+                return steps
+        return None
+
     def _solved_in_order(self) -> None:
         """``solved_at_steps`` from the episodes in single_process's order, at the steps they ended at
         (heard as they arrived, it was the steps the driver had heard of then, run to run different)."""
         if self.target_return is None or self._solve_resumed:
             return
-        window = deque((ret for ret, _ in self._resumed_recent), maxlen=RETURN_WINDOW)
-        solved = None
-        for steps, ret, _ in self.episodes:
-            window.append(ret)
-            if solves(window, self.target_return):
-                solved = steps
-                break
+        solved = self._solved_step()
         if solved is not None and self.solved_at_seconds is None:
             self.solved_at_seconds = self.base_wall + self.wall_seconds   # (reached by the end, heard in another order)
         if solved is None:
