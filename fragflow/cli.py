@@ -109,7 +109,9 @@ def _check_callable(program: Any) -> None:
         return
     required = [p for p in params if p.default is inspect.Parameter.empty
                 and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
-    given = required[:1] if program.args_cls is not None and required and required[0] is params[0] else []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    given = required[:1] if program.args_cls is not None and required and required[0] is params[0] \
+        and params[0].kind in positional else []
     missing = [p.name for p in required if p not in given]
     if missing:
         from fragflow.errors import ConfigError

@@ -126,7 +126,10 @@ def _sequence(raw: str, annotation: Any, kind: type) -> Any:
         if len(items) != len(args):
             raise ValueError(f"expected {len(args)} comma-separated values, got {raw!r}")
         return tuple(coerce(item, a) for item, a in zip(items, args))
-    values = [coerce(item, args[0] if args else str) for item in items]
+    if not args:   # (a bare tuple or list: of what, its annotation does not say)
+        raise ValueError(f"its annotation {annotation} does not say the type of its items: annotate it as "
+                         f"{'tuple[int, ...]' if kind is tuple else 'list[int]'} (or the like) to set it")
+    values = [coerce(item, args[0]) for item in items]
     return tuple(values) if kind is tuple else values
 
 

@@ -11,12 +11,9 @@ import time
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
     TaskID,
     TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Column
 
@@ -35,20 +32,19 @@ class ProgressDisplay:
 
     def start(self) -> None:
         if self.interactive:
-            # the figures keep their width; on a narrow terminal the bar and then the channels' line give way
-            keep = Column(no_wrap=True)
+            # the figures, in one column, keep their width; on a narrow terminal the channels' line, the bar
+            # and then the name (printed above the bar already) give way
             self._progress = Progress(
-                TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True)),
+                TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis",
+                                                                          min_width=0, ratio=1)),
                 BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=0)),
-                MofNCompleteColumn(table_column=Column(no_wrap=True)),
-                TextColumn("env steps  {task.fields[sps]:>6} steps/s  return {task.fields[ret]:>6}", table_column=keep),
-                TimeElapsedColumn(table_column=Column(no_wrap=True)), TextColumn("eta", table_column=Column(no_wrap=True)),
-                TimeRemainingColumn(table_column=Column(no_wrap=True)),
+                TextColumn("{task.fields[figures]}", table_column=Column(no_wrap=True)),
                 TextColumn("{task.fields[extra]}", table_column=Column(ratio=2, min_width=0, no_wrap=True,
                                                                          overflow="ellipsis")),
                 console=self.console, transient=False, refresh_per_second=4, expand=True)
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, sps="-", ret="-", extra="")
+            self._task = self._progress.add_task(self.description, total=self.total, extra="",
+                                                 figures=self._figures(0, 0.0, "-", 0.0))
         else:
             self.console.print(f"{self.description}: started", highlight=False)
         self._last_plain = time.monotonic()
@@ -56,7 +52,8 @@ class ProgressDisplay:
     def update(self, env_steps: int, sps: float, recent_return: float | None, elapsed: float, extra: str = "") -> None:
         ret = "-" if recent_return is None else f"{recent_return:.1f}"
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=env_steps, sps=f"{sps:,.0f}", ret=ret, extra=extra)
+            self._progress.update(self._task, completed=env_steps, extra=extra,
+                                  figures=self._figures(env_steps, sps, ret, elapsed))
             return
         now = time.monotonic()
         if now - self._last_plain >= self.plain_interval:
@@ -69,6 +66,11 @@ class ProgressDisplay:
                                f"return {ret}  elapsed {elapsed:.0f}s{eta}{extra}", highlight=False)
             sys.stderr.flush()
 
+    def _figures(self, env_steps: int, sps: float, ret: str, elapsed: float) -> str:
+        total = f"/{self.total}" if self.total else ""
+        eta = _clock((self.total - env_steps) / sps) if self.total and sps > 0 else "-:--:--"
+        return (f"{env_steps}{total} env steps  {sps:,.0f} steps/s  return {ret}  {_clock(elapsed)} eta {eta}")
+
     def note(self, message: str) -> None:
         """A line printed above the bar (or on its own line): an event the user should see."""
         if self._progress is not None:
@@ -80,3 +82,9 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _clock(seconds: float) -> str:
+    """``h:mm:ss``."""
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

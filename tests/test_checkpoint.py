@@ -403,6 +403,11 @@ def test_a_while_loop_resumes_with_its_counter(tmp_path, write_algo):
     assert (theirs / "tensorboard" / "events.out.tfevents.other").read_text() == "y"
     driver.run(prog.train, prog.args_cls(), policy="single_process", out=theirs)
     assert sorted(p.name for p in (theirs / "checkpoints").iterdir()) == ["my_model"]
+    # a fragflow run killed before its summary.json is still one: its events go (review of round 33)
+    (tmp_path / "a" / "summary.json").unlink()
+    before = set((tmp_path / "a" / "tensorboard").iterdir())
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a")
+    assert before.isdisjoint((tmp_path / "a" / "tensorboard").iterdir())
 
 
 def test_a_run_resumed_in_place_from_an_older_checkpoint_removes_the_newer_ones(tmp_path, write_algo):

@@ -139,7 +139,7 @@ def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, 
 
 
 @pytest.mark.parametrize("signature, missing", [("train(args)", "'args'"), ("train(args: Args, other)", "'other'"),
-                                                ("train(*, seed)", "'seed'")])
+                                                ("train(*, seed)", "'seed'"), ("train(*, args: Args)", "'args'")])
 def test_a_training_function_fragflow_run_cannot_call_is_a_usage_error_at_its_line(tmp_path, signature, missing):
     """It was the TypeError of the call, with no line, exit 1 (helper round 33 C5)."""
     algo = tmp_path / "sig.py"
@@ -652,8 +652,9 @@ def test_a_dev_shm_too_small_for_the_placement_is_refused_with_exit_code_2_and_a
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"fragflow_{os.getpid()}_")]
 
 
-@pytest.mark.parametrize("width", [80, 100])
-def test_the_progress_bar_keeps_its_figures_on_a_narrow_terminal(width):
+@pytest.mark.parametrize("width, name, total, done", [(80, "ppo", 100000, 13516), (100, "ppo", 100000, 13516),
+                                                     (80, "ppo_atari", 10_000_000, 1234567)])
+def test_the_progress_bar_keeps_its_figures_on_a_narrow_terminal(width, name, total, done):
     """On 80 columns the env steps, elapsed time and ETA were dropped, the channels' line kept
     (helper round 33 C6): the bar and the channels' line give way first."""
     import io
@@ -663,11 +664,13 @@ def test_the_progress_bar_keeps_its_figures_on_a_narrow_terminal(width):
     from fragflow.progress import ProgressDisplay
 
     out = io.StringIO()
-    display = ProgressDisplay("ppo", 100000, console=Console(file=out, width=width, force_terminal=True,
-                                                             color_system=None))
+    display = ProgressDisplay(name, total, console=Console(file=out, width=width, force_terminal=True,
+                                                           color_system=None))
     display.start()
-    display.update(13516, 2913.4, 151.6, 5.0, extra="  trajectory: depth 1/3, 812 items, 0 drops, lag 1.0")
+    display.update(done, 2913.4, 151.6, 5.0, extra="  trajectory: depth 1/3, 812 items, 0 drops, lag 1.0")
     display.stop()
     last = [line for line in re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue()).splitlines() if line.strip()][-1]
-    for figure in ("13516/100000 env steps", "2,913 steps/s", "return  151.6", "0:00:", "eta"):
+    eta = (total - done) / 2913.4
+    clock = f"{int(eta) // 3600}:{int(eta) // 60 % 60:02d}:{int(eta) % 60:02d}"
+    for figure in (f"{done}/{total} env steps", "2,913 steps/s", "return 151.6", "0:00:05", f"eta {clock}"):
         assert figure in last, last

@@ -3683,7 +3683,10 @@ def test_a_loop_stepping_its_own_gymnasium_env_is_refused_where_the_environments
     demos, _ = write_algo(made.read_text().replace(
         "    state = ff.versioned(", """    demo_env = gym.make("CartPole-v1")
     demo_env.reset(seed=3)
-    demos = np.stack([demo_env.step(i % 2)[0] for i in range(8)])
+    demos = []
+    for i in range(8):   # (a loop of the training function's own, but around no fragment call)
+        demos.append(demo_env.step(i % 2)[0])
+    demos = np.stack(demos)
     state = ff.versioned(""").replace("batch[\"obs\"].mean((0, 1))", "(batch[\"obs\"].mean((0, 1)) + demos.mean(0))").replace(
         "def learn(state, batch):", "def learn(state, batch, demos):").replace(
         "learn(state, buf.collect())", "learn(state, buf.collect(), demos)"), "demos.py")
@@ -3754,8 +3757,8 @@ def test_a_learners_outputs_the_loop_keeps_past_its_next_calls_are_each_its_own(
 def test_an_output_kept_past_more_calls_than_the_learner_keeps_is_refused_at_the_call(write_algo):
     path, marks = write_algo(KEPT_OUTPUTS)
     program = load(str(path))
-    with pytest.raises(ConfigError, match=r"'aux' is given the output of call 1 of 'learn', but the learner's "
-                                            r"process keeps the outputs of the last 64 calls"):
+    with pytest.raises(ConfigError, match=r"'aux' is given the output of call 1 of 'learn', which the learner's "
+                                            r"process no longer holds: it keeps the outputs of the last 64 calls"):
         ff.run(program.train, program.args_cls(updates=66, every=66), policy="pipelined")
 
 

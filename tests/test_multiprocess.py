@@ -801,6 +801,16 @@ def test_learners_whose_replicas_leave_the_loop_at_different_trips_stop_the_run_
         ff.run(program.train, policy="multi_learner")
     assert mp.active_children() == []
     assert shm_leftovers() == []
+    # a learner's own error is the run's, not the other's failed all-reduce nor a different-trips
+    # diagnosis (the first reached the driver first: review of round 33)
+    own, _ = write_algo(torch_learner.replace("    state[\"opt\"].step()\n", """    state["opt"].step()
+    import multiprocessing
+    if multiprocessing.current_process().name.startswith("fragflow-learner.1"):
+        raise ValueError("learner one's own bug")
+"""), "own_error.py")
+    with pytest.raises(WorkerFailed, match=r"learner.1 failed in fragment 'learn'(.|\n)*learner one's own bug"):
+        ff.run(load(str(own)).train, policy="multi_learner")
+    assert mp.active_children() == [] and shm_leftovers() == []
 
 
 LOGGED = """

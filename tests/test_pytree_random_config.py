@@ -86,6 +86,7 @@ class Shapes:
     color: Color = Color.RED
     path: pathlib.Path = pathlib.Path("runs")
     mapping: dict = field(default_factory=dict)
+    bare: tuple = (1, 2)
 
 
 def test_overrides_set_tuples_lists_enums_and_paths():
@@ -99,6 +100,8 @@ def test_overrides_set_tuples_lists_enums_and_paths():
     assert "--set pair=1,2,3: expected 2 comma-separated values" in msg
     assert "expected one of RED, BLUE, got 'green'" in msg and "expected an integer, got 'a'" in msg
     assert "cannot set a field of type <class 'dict'> from the command line (--set takes bool, int" in msg
+    with pytest.raises(ConfigError, match=r"does not say the type of its items: annotate it as tuple\[int, \.\.\.\]"):
+        apply_overrides(Shapes, ["bare=3,4"])   # (its items became strings: review of round 33)
 
 
 def test_every_bad_override_is_reported_at_once():

@@ -120,16 +120,12 @@ class LoopWatcher:
                                           for n in body if isinstance(n, ast.If))
                 self.exits[line] = _exits(node)
 
-    def in_loop(self) -> bool:
-        """Whether the training function runs one of its loops now (a call made from inside one),
-        or has none to tell by: False only where it runs a line outside all of them, as a dataset
-        built before the loop."""
+    def line_now(self) -> int | None:
+        """The line the training function runs now (a call made from inside it), or None."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code is not self.code:
             frame = frame.f_back   # type: ignore[assignment]
-        if frame is None or not self.loops:
-            return True
-        return any(line <= frame.f_lineno <= last for line, (_, last, _) in self.loops.items())
+        return None if frame is None else frame.f_lineno
 
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno in self.loops and frame.f_lineno not in self.trips:

@@ -1012,7 +1012,22 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     tracer.loop_file = watcher.file
     tracer.loop_ranges = [(line, last) for line, (_, last, _) in watcher.loops.items()]
     defined_at = definition_of(train)
-    own_envs: list[SourceLoc] = []   # environments the program makes itself, not with ff.envs.make
+    # environments the program makes itself, not with ff.envs.make, and the training function's lines
+    # where they were stepped
+    own_envs: set[tuple[SourceLoc, int | None]] = set()
+
+    def own_env(graph: Graph) -> SourceLoc | None:
+        """The first such environment the training loop steps: at a line of a loop of the training
+        function around a fragment call (or where it has no loop to tell by), not one stepped only
+        before it (demonstrations for offline learning)."""
+        calls = [n.called_at.line for n in graph.fragments()
+                 if n.called_at is not None and n.called_at.file == watcher.file]
+        loops = [(line, last) for line, (_, last, _) in watcher.loops.items()
+                 if any(line <= c <= last for c in calls)]
+        for made_at, line in sorted(own_envs, key=lambda e: (e[0].line, e[1] or 0)):
+            if line is None or not loops or any(a <= line <= b for a, b in loops):
+                return made_at
+        return None
 
     def finish() -> tuple[Graph, dict[str, Fragment]]:
         if not tracer._nodes:
@@ -1027,7 +1042,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
                                     star_state=tracer.star_state, changed_arg=tracer.changed_arg,
-                                    own_env=own_envs[0] if own_envs else None,
+                                    own_env=own_env(graph),
                                     log_columns=tuple(tracer.log_columns),
                                     log_clash=tracer.log_clash,
                                     shared_key=tracer.shared_key,
@@ -1061,7 +1076,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     threads_set = tracer.threads_set = ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
-    unwatch_envs = watch_env_makers(own_envs, watcher.in_loop)
+    unwatch_envs = watch_env_makers(own_envs, watcher.line_now)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):

@@ -54,11 +54,12 @@ class ThreadsSet:
         return out
 
 
-def watch_env_makers(into: list[SourceLoc], in_loop: Callable[[], bool] = lambda: True) -> Callable[[], None]:
-    """Note in ``into`` where the user's code made an environment it then steps (where ``in_loop()``
-    says the step is the training loop's, not a dataset's made before it), with ``gymnasium.make`` or
-    ``make_vec`` itself (not through ff.envs.make): one fragflow cannot split or count. Returns the
-    undo."""
+def watch_env_makers(into: set[tuple[SourceLoc, int | None]],
+                     line_now: Callable[[], int | None] = lambda: None) -> Callable[[], None]:
+    """Note in ``into`` where the user's code made an environment it then steps, with
+    ``gymnasium.make`` or ``make_vec`` itself (not through ff.envs.make): one fragflow cannot split
+    or count; beside it, the training function's line at the step (``line_now``), by which the
+    trace tells the training loop's steps from a dataset's made before it. Returns the undo."""
     import gymnasium
 
     saved = {name: getattr(gymnasium, name) for name in ("make", "make_vec") if hasattr(gymnasium, name)}
@@ -73,8 +74,8 @@ def watch_env_makers(into: list[SourceLoc], in_loop: Callable[[], bool] = lambda
                 step = env.step
 
                 def stepped(*a: Any, **k: Any) -> Any:   # (one made only to look at its spaces is not noted)
-                    if not into and in_loop():
-                        into.append(made_at)
+                    if len(into) < 64:
+                        into.add((made_at, line_now()))
                     return step(*a, **k)
                 try:
                     env.step = stepped

@@ -562,7 +562,8 @@ def lower(placed: PlacedGraph) -> Lowered:
                               writes=tuple(sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_WRITE)
                                                    if e.src in members})),
                               keeps=tuple(sorted({e.src for e in graph.edges_of(EdgeKind.DATA)
-                                                  if e.src in group.nodes and e.dst in group.nodes})))
+                                                  if e.src in group.nodes and e.dst in group.nodes
+                                                  and graph.node(e.dst).role != "logger"})))
         if len(instances) == 1:
             services.append(base)
             continue

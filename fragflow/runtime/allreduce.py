@@ -23,6 +23,7 @@ carried in the gradient's, 5,403 and 5,029 against 5,155 and 5,183.)
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,8 +83,9 @@ class GradientAllReduce:
         try:
             self.dist.all_reduce(tensor, **kwargs)
         except RuntimeError:
-            ended = [k for k in range(self.world) if k != self.rank and self.store is not None
-                     and self.store.check([f"fragflow.ended.{k}"])]
+            ended, failed = self._peers_out()
+            if failed:   # another learner's own error is the run's: its report goes to the driver first
+                time.sleep(0.5)
             if not ended:
                 raise
             call = self.call
@@ -259,9 +261,24 @@ class GradientAllReduce:
                 "under multi_learner, e.g. --set target_kl=None), or run a single-learner policy (pipelined, "
                 "actor_learner)")
 
-    def close(self) -> None:
-        if self.store is not None:   # (before the group goes: a learner still updating learns why it failed)
-            self.store.set(f"fragflow.ended.{self.rank}", "1")
+    def _peers_out(self) -> tuple[list[int], list[int]]:
+        """The other learners that left the group: having ended their run, and by an error of their own
+        (each says which, as it closes; one it waits a second for)."""
+        others = [k for k in range(self.world) if k != self.rank]
+        deadline = time.monotonic() + 1.0
+        while self.store is not None:
+            ended = [k for k in others if self.store.check([f"fragflow.ended.{k}"])]
+            failed = [k for k in others if self.store.check([f"fragflow.failed.{k}"])]
+            if ended or failed or time.monotonic() > deadline:
+                return ended, failed
+            time.sleep(0.05)
+        return [], []
+
+    def close(self, ended: bool = True) -> None:
+        """Leave the group; ``ended``: this learner's run ended as the loop did, else it failed: a
+        learner still updating reads which to say why its all-reduce failed."""
+        if self.store is not None:   # (before the group goes)
+            self.store.set(f"fragflow.{'ended' if ended else 'failed'}.{self.rank}", "1")
         for h in self.handles:
             h.remove()
         self.handles.clear()

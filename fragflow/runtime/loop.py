@@ -78,12 +78,13 @@ def allow_nonfinite() -> bool:
 
 
 def _about_shapes(exc: BaseException) -> bool:
-    """Whether an error may come of an array's size (numpy's and torch's shape errors), which the
-    note on arrays sized with the run's count of environments explains; a user's own error is not."""
+    """Whether an error may come of an array's size (numpy's, torch's and JAX's shape errors: JAX's
+    are TypeErrors), which the note on arrays sized with the run's count of environments explains; a
+    user's own error is not."""
     if isinstance(exc, (IndexError, ValueError)):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in ("size", "shape", "dimension", "broadcast"))
+    return any(w in text for w in ("size", "shape", "dimension", "broadcast"))
 
 
 class LoopInterpreter:

@@ -310,10 +310,16 @@ class RunOutputs:
 
 
 def _a_run(directory: Path) -> bool:
-    """Whether a fragflow run wrote ``directory`` (its summary.json says so)."""
+    """Whether a fragflow run wrote ``directory``: its summary.json says so, or, for a run killed
+    before it wrote one, its metrics.csv has a run's first columns."""
     try:
         return "policy" in json.loads((directory / "summary.json").read_text())
     except (OSError, ValueError, TypeError):
+        pass
+    try:
+        with open(directory / "metrics.csv", newline="") as f:
+            return next(csv.reader(f), [])[:2] == ["env_steps", "updates"]
+    except OSError:
         return False
 
 

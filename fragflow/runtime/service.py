@@ -533,8 +533,9 @@ class ServiceRunner:
                 "the loop's replicas hold different values of it: joined, it would be none of them (a statistic "
                 "whose size only equals the number of environments?)", where=self.checks.get("called_at", {}).get(fragment),
                 fix="if it has a row per environment, size it with env.num_envs (the environments this process "
-                    "steps) or make it from env.ids; if not, compute it from the batch inside a fragment or keep it "
-                    "in versioned state; or run with one env worker (env_workers=1)")
+                    "steps: each process then holds its own rows, whatever it fills them with); if not, compute it "
+                    "from the batch inside a fragment or keep it in versioned state; or run with one acting process "
+                    "(actors=1; env_workers=1 under central_inference)")
         return ConfigError(
             f"{path} of '{fragment}' ({ring.specs[j].short()}) differs between the loop's replicas, each "
             "stepping its share of the environments, and has no batch axis to merge them along: "
@@ -578,7 +579,11 @@ class ServiceRunner:
                 value = value[k]
             return value
         _, fragment, index, keys, made_by = skel
-        value = self.outputs[fragment] if made_by is None else self._kept_output(fragment, self._gifts[made_by])
+        if made_by is not None:
+            value = self._kept_output(fragment, self._gifts[made_by])
+        else:   # its latest call: of this call's replica, where its outputs are kept (gathered as they arrive,
+            kept = self.kept.get((fragment, self._replica))   # the process's latest may be another replica's)
+            value = kept[max(kept)] if kept else self.outputs[fragment]
         value = value if index < 0 else value[index]
         for k in keys:
             value = value[k]
@@ -592,8 +597,9 @@ class ServiceRunner:
         ran = [c for c in kept if c <= call]
         if not ran:
             raise ConfigError(
-                f"'{self.current}' is given the output of call {call + 1} of '{fragment}', but the learner's process "
-                f"keeps the outputs of the last {KEPT_OUTPUTS} calls of a fragment for later calls",
+                f"'{self.current}' is given the output of call {call + 1} of '{fragment}', which the learner's process "
+                f"no longer holds: it keeps the outputs of the last {KEPT_OUTPUTS} calls of a fragment for later "
+                "calls (and none of a call dropped as stale)",
                 where=self.checks.get("called_at", {}).get(self.current),
                 fix=f"keep fewer of them, or have '{fragment}' put what later calls need in versioned state (a "
                     "buffer of its own that it appends to), or run with --policy single_process")
@@ -666,7 +672,8 @@ class ServiceRunner:
         if fragment in self.program.keeps:
             for p in pieces:
                 kept = self.kept.setdefault((fragment, p.replica), {})
-                kept[p.call] = out
+                # (a writer's new state is not kept: the loop holds it as a state handle, never by reference)
+                kept[p.call] = out if writes is None else (None, *out[1:]) if isinstance(out, tuple) else None
                 if len(kept) > KEPT_OUTPUTS:
                     del kept[min(kept)]
         if fragment in self.replies:
@@ -816,11 +823,13 @@ class ServiceRunner:
                            {"version": self.version})
 
     def run(self) -> None:
+        ended = False
         try:
             self._run()
+            ended = True
         finally:
-            if self.reducer is not None:
-                self.reducer.close()
+            if self.reducer is not None:   # (one that failed does not say it ended: its own error is the run's)
+                self.reducer.close(ended)
 
     def _run(self) -> None:
         while True:
