@@ -265,6 +265,40 @@ def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_is_re
             ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
 
 
+def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_runs_with_one_worker_where_it_fits(write_algo):
+    """With one env worker, the training actor's requests carry an evaluation env of the training
+    envs' size as they would a second training env's (it was refused, helper round 32 E4): the run
+    is single_process's. One of another size is refused at the call, and the fix it names runs."""
+    from fragflow.errors import PlacementError
+    from fragflow.program import load
+
+    path, _ = write_algo(EVAL_EVERY, "late_eval_same.py")
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+    assert np.array_equal(result.value["w"], expected.value["w"]) and result.episode_returns == expected.episode_returns
+    other = EVAL_EVERY.replace('"CartPole-v1", num_envs=2, seed=100', '"CartPole-v1", num_envs=3, seed=100')
+    path, _ = write_algo(other, "late_eval_other.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=r"actor fragment 'act' is called on the evaluation env's observations, "
+                                             r"first after the trace, but this policy answers it in the learner's "
+                                             r"process through channels sized for the training envs' calls "
+                                             r"\(f32\[2,4\]\), and the evaluation env's observations are f32\[3,4\]"
+                                             r"\n  at .*late_eval_other.py:\d+\n  fix: give the evaluation its own "
+                                             r"fragment \(act_eval = "):
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    fixed = other.replace("eval_env.step(act(", "eval_env.step(act_eval(") + \
+        "\nact_eval = ff.fragment('actor', name='act_eval')(act.fn)\n"
+    path, _ = write_algo(fixed, "late_eval_fixed.py")
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+
+
 def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_row(write_algo, tmp_path):
     """Rows are made at updates, each before its evaluation: a final evaluation after the loop was in
     summary.json only (helper round 31 U3). A closing row holds it, the same under every policy."""
