@@ -715,3 +715,25 @@ def test_normalize_reward_runs_its_discounted_return_on_across_a_reset_as_gymnas
     ours = ff.envs.make(_Discounted, num_envs=1, seed=0, normalize_reward=True, reward_gamma=0.9)
     got, want = _rewards(ours, _cleanrl_normalized(_Discounted(), 0.9), 3, 4)   # a reset every 4 steps
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_gamma_given_to_make_reaches_the_env_and_normalize_reward_keeps_its_own_discount(normalize):
+    """make's own arguments only (no reward_gamma): gamma=0.5 is the env's, normalize_reward's
+    discount is its default 0.99. make took gamma as that discount, with or without normalize_reward,
+    and the env never saw it (helper round 32 E5)."""
+    ours = ff.envs.make(_Discounted, num_envs=1, seed=0, gamma=0.5, normalize_reward=normalize)
+    theirs = _cleanrl_normalized(_Discounted(gamma=0.5), 0.99) if normalize else _Discounted(gamma=0.5)
+    got, want = _rewards(ours, theirs, 1, 6)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert normalize or got[:3] == [0.5, 0.25, 0.125]
+
+
+def test_a_gamma_the_env_does_not_take_is_refused_with_normalize_rewards_own_argument():
+    """A program that gave gamma= as normalize_reward's discount (make's name for it until round 32
+    E5) is told its new name, reward_gamma, at the make line."""
+    with pytest.raises(UnknownEnvError, match=r"does not take the keyword arguments given to ff.envs.make \(gamma\).*"
+                                              r"\n  at .*test_envs.py:\d+\n  fix: normalize_reward's discount is "
+                                              r"reward_gamma="):
+        ff.envs.make("Pendulum-v1", num_envs=1, seed=0, normalize_reward=True, gamma=0.9)
+
