@@ -737,3 +737,50 @@ def test_a_gamma_the_env_does_not_take_is_refused_with_normalize_rewards_own_arg
                                               r"reward_gamma="):
         ff.envs.make("Pendulum-v1", num_envs=1, seed=0, normalize_reward=True, gamma=0.9)
 
+
+class _Coin(gym.Env):
+    """Random rewards and episodes of random lengths, each environment's own (its np_random)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        reward, end = float(self.np_random.normal(1.0, 2.0)), self.np_random.random()
+        return np.zeros(1, np.float32), reward, bool(end < 0.15), bool(0.15 <= end < 0.3), {}
+
+
+def test_normalize_reward_matches_gymnasiums_wrapper_on_each_env_through_resets_and_ended_episodes():
+    """As gymnasium's NormalizeReward on each environment (CleanRL's wrapping, stepped with same-step
+    autoreset): an environment's discounted return restarts where its own episode terminates (not where
+    it is truncated), never at env.reset() (fragflow zeroed every environment's there: helper round 32
+    E6)."""
+    n, rounds, steps = 3, 4, 7
+    ours = ff.envs.make(_Coin, num_envs=n, seed=0, normalize_reward=True)
+    theirs = [_cleanrl_normalized(_Coin(), 0.99) for _ in range(n)]
+    got, want, ends, cuts = [], [], 0, 0
+    for r in range(rounds):   # the program resets its env every round
+        ours.reset()
+        for i, env in enumerate(theirs):
+            env.reset(seed=i if r == 0 else None)   # (environment i is seeded seed + i at its first reset)
+        for _ in range(steps):
+            _, reward, terminated, truncated, _ = ours.step(np.zeros(n, np.int64))
+            got.append(reward)
+            row = []
+            for env in theirs:
+                _, r_i, term, trunc, _ = env.step(0)
+                row.append(r_i)
+                if term or trunc:
+                    env.reset()
+            want.append(row)
+            ends, cuts = ends + int(terminated.sum()), cuts + int(truncated.sum())
+    assert ends >= 3 and cuts >= 3   # (episodes ended within the rounds, in some environments only)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6)
+    # and with rewards that do not depend on the episode, the resets change nothing
+    reset, once = (ff.envs.make(_Discounted, num_envs=1, seed=0, normalize_reward=True) for _ in range(2))
+    every_round, _ = _rewards(reset, _Discounted(), 3, 4)
+    once.reset()
+    np.testing.assert_allclose(every_round, [once.step(np.zeros(1, np.int64))[1][0] for _ in range(12)], rtol=1e-12)
