@@ -265,6 +265,40 @@ def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_is_re
             ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
 
 
+def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_runs_with_one_worker_where_it_fits(write_algo):
+    """With one env worker, the training actor's requests carry an evaluation env of the training
+    envs' size as they would a second training env's (it was refused, helper round 32 E4): the run
+    is single_process's. One of another size is refused at the call, and the fix it names runs."""
+    from fragflow.errors import PlacementError
+    from fragflow.program import load
+
+    path, _ = write_algo(EVAL_EVERY, "late_eval_same.py")
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+    assert np.array_equal(result.value["w"], expected.value["w"]) and result.episode_returns == expected.episode_returns
+    other = EVAL_EVERY.replace('"CartPole-v1", num_envs=2, seed=100', '"CartPole-v1", num_envs=3, seed=100')
+    path, _ = write_algo(other, "late_eval_other.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=r"actor fragment 'act' is called on the evaluation env's observations, "
+                                             r"first after the trace, but this policy answers it in the learner's "
+                                             r"process through channels sized for the training envs' calls "
+                                             r"\(f32\[2,4\]\), and the evaluation env's observations are f32\[3,4\]"
+                                             r"\n  at .*late_eval_other.py:\d+\n  fix: give the evaluation its own "
+                                             r"fragment \(act_eval = "):
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    fixed = other.replace("eval_env.step(act(", "eval_env.step(act_eval(") + \
+        "\nact_eval = ff.fragment('actor', name='act_eval')(act.fn)\n"
+    path, _ = write_algo(fixed, "late_eval_fixed.py")
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+
+
 def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_row(write_algo, tmp_path):
     """Rows are made at updates, each before its evaluation: a final evaluation after the loop was in
     summary.json only (helper round 31 U3). A closing row holds it, the same under every policy."""
@@ -681,3 +715,72 @@ def test_normalize_reward_runs_its_discounted_return_on_across_a_reset_as_gymnas
     ours = ff.envs.make(_Discounted, num_envs=1, seed=0, normalize_reward=True, reward_gamma=0.9)
     got, want = _rewards(ours, _cleanrl_normalized(_Discounted(), 0.9), 3, 4)   # a reset every 4 steps
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_gamma_given_to_make_reaches_the_env_and_normalize_reward_keeps_its_own_discount(normalize):
+    """make's own arguments only (no reward_gamma): gamma=0.5 is the env's, normalize_reward's
+    discount is its default 0.99. make took gamma as that discount, with or without normalize_reward,
+    and the env never saw it (helper round 32 E5)."""
+    ours = ff.envs.make(_Discounted, num_envs=1, seed=0, gamma=0.5, normalize_reward=normalize)
+    theirs = _cleanrl_normalized(_Discounted(gamma=0.5), 0.99) if normalize else _Discounted(gamma=0.5)
+    got, want = _rewards(ours, theirs, 1, 6)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert normalize or got[:3] == [0.5, 0.25, 0.125]
+
+
+def test_a_gamma_the_env_does_not_take_is_refused_with_normalize_rewards_own_argument():
+    """A program that gave gamma= as normalize_reward's discount (make's name for it until round 32
+    E5) is told its new name, reward_gamma, at the make line."""
+    with pytest.raises(UnknownEnvError, match=r"does not take the keyword arguments given to ff.envs.make \(gamma\).*"
+                                              r"\n  at .*test_envs.py:\d+\n  fix: normalize_reward's discount is "
+                                              r"reward_gamma="):
+        ff.envs.make("Pendulum-v1", num_envs=1, seed=0, normalize_reward=True, gamma=0.9)
+
+
+class _Coin(gym.Env):
+    """Random rewards and episodes of random lengths, each environment's own (its np_random)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        reward, end = float(self.np_random.normal(1.0, 2.0)), self.np_random.random()
+        return np.zeros(1, np.float32), reward, bool(end < 0.15), bool(0.15 <= end < 0.3), {}
+
+
+def test_normalize_reward_matches_gymnasiums_wrapper_on_each_env_through_resets_and_ended_episodes():
+    """As gymnasium's NormalizeReward on each environment (CleanRL's wrapping, stepped with same-step
+    autoreset): an environment's discounted return restarts where its own episode terminates (not where
+    it is truncated), never at env.reset() (fragflow zeroed every environment's there: helper round 32
+    E6)."""
+    n, rounds, steps = 3, 4, 7
+    ours = ff.envs.make(_Coin, num_envs=n, seed=0, normalize_reward=True)
+    theirs = [_cleanrl_normalized(_Coin(), 0.99) for _ in range(n)]
+    got, want, ends, cuts = [], [], 0, 0
+    for r in range(rounds):   # the program resets its env every round
+        ours.reset()
+        for i, env in enumerate(theirs):
+            env.reset(seed=i if r == 0 else None)   # (environment i is seeded seed + i at its first reset)
+        for _ in range(steps):
+            _, reward, terminated, truncated, _ = ours.step(np.zeros(n, np.int64))
+            got.append(reward)
+            row = []
+            for env in theirs:
+                _, r_i, term, trunc, _ = env.step(0)
+                row.append(r_i)
+                if term or trunc:
+                    env.reset()
+            want.append(row)
+            ends, cuts = ends + int(terminated.sum()), cuts + int(truncated.sum())
+    assert ends >= 3 and cuts >= 3   # (episodes ended within the rounds, in some environments only)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6)
+    # and with rewards that do not depend on the episode, the resets change nothing
+    reset, once = (ff.envs.make(_Discounted, num_envs=1, seed=0, normalize_reward=True) for _ in range(2))
+    every_round, _ = _rewards(reset, _Discounted(), 3, 4)
+    once.reset()
+    np.testing.assert_allclose(every_round, [once.step(np.zeros(1, np.int64))[1][0] for _ in range(12)], rtol=1e-12)

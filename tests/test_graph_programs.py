@@ -981,23 +981,52 @@ def test_central_inference_refuses_to_batch_an_evaluation_envs_inference_across_
         compile(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
 
 
-def test_one_actor_for_the_training_and_a_same_size_evaluation_env_is_refused_at_placement_with_one_worker(write_algo):
+def test_one_actor_for_the_training_and_a_same_size_evaluation_env_is_served_with_one_worker(write_algo):
     """Under central_inference(env_workers=1) it was refused mid-run, by a message saying the call was
-    first made after the trace, which it was not (helper round 32 E4); the fix it names runs."""
+    first made after the trace, which it was not (helper round 32 E4). With one worker the evaluation
+    env's observations, of the training envs' size, go through the actor's requests as a second
+    training env's would (as an act_eval's go through its own): the run is single_process's."""
     both = HEADER_EVAL.replace('evaluation = ff.envs.make("CartPole-v1", num_envs=1,',
                                'evaluation = ff.envs.make("CartPole-v1", num_envs=2,')
-    path, marks = write_algo(both.replace("act_eval(state, eval_obs)", "act(state, eval_obs)"), "same_size.py")
+    for name, source in (("same_fragment.py", both.replace("act_eval(state, eval_obs)", "act(state, eval_obs)")),
+                         ("own_fragment.py", both)):
+        path, _ = write_algo(source, name)
+        program = load(str(path))
+        expected = ff.run(program.train, program.args_cls(), policy="single_process")
+        result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+        assert same_tree(result.value, expected.value), name
+        assert result.episode_returns == expected.episode_returns, name
+        assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+            (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]), name
+        assert result.summary["eval_episodes"] >= 1 and result.summary["env_steps"] == expected.summary["env_steps"]
+    relaxed = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1, max_lag=1)")
+    assert relaxed.summary["eval_episodes"] >= 1 and relaxed.summary["env_steps"] == expected.summary["env_steps"]
+    assert shm_leftovers() == []
+
+
+def test_one_actor_given_the_evaluation_envs_observations_in_another_dtype_is_refused_at_placement(write_algo):
+    """The training observations cast in the loop, the evaluation env's given as they are: the
+    actor's requests are sized for one dtype. It was refused mid-run, by the message saying the
+    call came first after the trace (helper round 32 E4: the check at placement looked for the
+    training envs' observations given as they are)."""
+    both = HEADER_EVAL.replace('evaluation = ff.envs.make("CartPole-v1", num_envs=1,',
+                               'evaluation = ff.envs.make("CartPole-v1", num_envs=2,')
+    cast = both.replace("obs, *_ = env.step(act(state, obs))",
+                        "obs, *_ = env.step(act(state, obs.astype(np.float64)))  # @train")
+    path, marks = write_algo(cast.replace("act_eval(state, eval_obs)", "act(state, eval_obs)"), "cast.py")
     program = load(str(path))
-    with pytest.raises(PlacementError, match=rf"actor 'act' acts on the training envs and on evaluation env 'eval_env', "
+    with pytest.raises(PlacementError, match=rf"actor 'act' is given obs as f32\[2,4\] on evaluation env 'eval_env' "
+                                             rf"and as f64\[2,4\] on the training envs \(at {path}:{marks['train']}\), "
                                              rf"but policy 'central_inference' answers it in the learner's process .*"
                                              rf"\n  at {path}:{marks['eval']}\n  fix: give the evaluation its own "
                                              rf"fragment \(act_eval = "):
         compile(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
     assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["eval_episodes"] >= 1
-    path, _ = write_algo(both, "own_fragment.py")
+    path, _ = write_algo(cast, "cast_own_fragment.py")   # the fix
     program = load(str(path))
     result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
     expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert same_tree(result.value, expected.value)
     assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
         (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] >= 1
 

@@ -470,11 +470,14 @@ def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
 
 
 def _unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
+    # (make took gamma as normalize_reward's discount once: every keyword but its own is the env's now)
+    renamed = "normalize_reward's discount is reward_gamma= (gamma= goes to the environment); " \
+        if "gamma" in env_kwargs else ""
     return UnknownEnvError(f"environment {env!r} does not take the keyword arguments given to ff.envs.make "
                            f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
-                           fix="pass only arguments the environment's constructor takes (options of ff.envs.make "
-                               "itself: clip_actions, normalize_obs, normalize_reward, reward_gamma, clip_rewards, wrappers, "
-                               "evaluation)")
+                           fix=renamed + "pass only arguments the environment's constructor takes (options of "
+                               "ff.envs.make itself: clip_actions, normalize_obs, normalize_reward, reward_gamma, "
+                               "clip_rewards, wrappers, evaluation)")
 
 
 def _wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.Env], ...]:

@@ -359,6 +359,12 @@ class TensorSpec:
             return size * 8
 
 
+def fits(got: TensorSpec, slot: TensorSpec) -> bool:
+    """Whether a leaf of spec ``got`` goes through a channel's slot sized for ``slot`` (a Python
+    number's type may change: it travels as a number)."""
+    return got.shape == slot.shape and (got.dtype == slot.dtype or slot.backend == "python")
+
+
 _DTYPE_NAMES: dict[Any, str] = {}   # dtype object -> its name (str() of a numpy dtype is slow)
 
 

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any
 
 from fragflow.compiler.ir import EdgeKind, Graph, NodeKind
+from fragflow.compiler.pytree import fits
 from fragflow.errors import GraphError
 
 
@@ -389,24 +390,30 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
             fix=f"keep the scheduler in the versioned state and step it in '{learner}' (state['sched'].step()), or "
                 f"compute the rate in the loop, pass it to '{learner}' and set it there (for g in "
                 "opt.param_groups: g['lr'] = lr), or run with --policy single_process")
-    if inference_with_learner:
-        # an actor served for the training envs and also given an evaluation env's observations: its
-        # answers go through the requests of the training steps, which an evaluation's do not belong to
-        fed_by: dict[str, set[bool]] = {}
-        for e in graph.edges_of(EdgeKind.DATA):
-            src, dst = graph.node(e.src), graph.node(e.dst)
-            if e.dst in service and dst.role == "actor" and src.role == "env":
-                fed_by.setdefault(e.dst, set()).add(bool(src.evaluation))
-        for e in graph.edges_of(EdgeKind.DATA):
-            src, dst = graph.node(e.src), graph.node(e.dst)
-            if src.evaluation and fed_by.get(e.dst) == {True, False} and actors == 1:
-                raise PlacementError(
-                    f"actor '{e.dst}' acts on the training envs and on evaluation env '{src.instance or e.src}', but "
-                    f"policy '{policy}' answers it in the learner's process as part of the training steps' requests",
-                    where=e.where or dst.called_at,
-                    fix=f"give the evaluation its own fragment ({e.dst}_eval = ff.fragment('actor', "
-                        f"name='{e.dst}_eval')({e.dst}.fn)) and call that on the evaluation env, or run with a "
-                        "policy that acts where the envs step (actor_learner, pipelined, single_process)")
+    if inference_with_learner and actors == 1:
+        # an actor served for the training envs and also given an evaluation env's observations: with
+        # one env worker both go through its requests, as a second training env's would, where they
+        # fit the slots its first call sized (another number of environments is refused above)
+        for n in graph.fragments("actor"):
+            into = [e for e in graph.edges_of(EdgeKind.DATA) if e.dst == n.name]
+            evaluated = {leaf.dst_path: (leaf.spec, e) for e in into if graph.node(e.src).evaluation
+                         for leaf in e.leaves}
+            slots = {leaf.dst_path: leaf.spec for leaf in n.inputs}
+            for e in into:
+                for leaf in () if graph.node(e.src).evaluation else e.leaves:
+                    on_eval, slot = evaluated.get(leaf.dst_path), slots.get(leaf.dst_path)
+                    if on_eval is None or slot is None or (fits(on_eval[0], slot) and fits(leaf.spec, slot)):
+                        continue
+                    spec, eval_edge = on_eval
+                    raise PlacementError(
+                        f"actor '{n.name}' is given {leaf.dst_path} as {spec.short()} on evaluation env "
+                        f"'{graph.node(eval_edge.src).instance or eval_edge.src}' and as {leaf.spec.short()} on the training envs "
+                        f"(at {e.where or n.called_at}), but policy '{policy}' answers it in the learner's process "
+                        "through channels sized for one of them", where=eval_edge.where or n.called_at,
+                        fix=f"give the evaluation its own fragment ({n.name}_eval = ff.fragment('actor', "
+                            f"name='{n.name}_eval')({n.name}.fn)) and call that on the evaluation env, or give both "
+                            "calls arrays of one dtype and shape, or run with a policy that acts where the envs step "
+                            "(actor_learner, pipelined, single_process)")
     if inference_with_learner and actors > 1:
         for e in graph.edges_of(EdgeKind.DATA):
             src, dst = graph.node(e.src), graph.node(e.dst)

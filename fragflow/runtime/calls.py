@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from fragflow.api.versioned import Pending, Versioned, VersionedView
-from fragflow.compiler.pytree import TensorSpec, backend_of, is_static, leaf_paths, spec_of, to_numpy
+from fragflow.compiler.pytree import TensorSpec, backend_of, fits, is_static, leaf_paths, spec_of, to_numpy
 from fragflow.errors import ConfigError, NonFiniteError, NotArrayPytreeError, SpecChangedError
 from fragflow.source import SourceLoc
 
@@ -144,7 +144,7 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                                fix="pass the same pytree on every call (channels are sized from the traced call)")
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         got = spec_of(x)
-        if got.shape != spec.shape or (got.dtype != spec.dtype and spec.backend != "python"):
+        if not fits(got, spec):
             message = (f"fragment '{fragment}' got argument leaf {i} as {got.short()} {got.backend}, "
                        f"but it was traced as {spec.short()} {spec.backend}")
             fix = "keep every argument's shape and dtype fixed across calls (pad or bucket variable-size data)"

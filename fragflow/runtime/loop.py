@@ -29,8 +29,10 @@ from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.compiler.pytree import (
     NotAnArray,
     fill_skeleton,
+    fits,
     leaf_paths,
     ordered_like,
+    spec_of,
     to_numpy,
     unflatten_into,
 )
@@ -437,14 +439,18 @@ class LoopInterpreter:
             any(id(v) == self._eval_obs[0] for v in bound.arguments.values())
         if frag.role == "actor" and not on_eval:
             self._acted_on_training.add(name)
-        if on_eval and name in self._acted_on_training:   # (an act_eval traced on the evaluation env is served)
+        # (an act_eval traced on the evaluation env is served; so, with one env worker, is the training
+        # actor on an evaluation env whose observations fit its requests: the placement refuses a traced
+        # one that does not)
+        misfit = self._eval_misfit(leaves, ring.layout.specs) if on_eval and name in self._acted_on_training else ""
+        if misfit:
+            several = self.program.replicas > 1
             raise PlacementError(
                 f"actor fragment '{name}' is called on the evaluation env's observations, first after the trace, "
-                "but this policy answers it in the learner's process through channels sized for the training envs",
-                where=user_callsite(),
+                f"but this policy answers it in the learner's process {misfit}", where=user_callsite(),
                 fix=f"give the evaluation its own fragment ({name}_eval = ff.fragment('actor', name='{name}_eval')"
-                    f"({name}.fn)), which acts where the loop runs, or run with a policy that acts where the envs "
-                    "step (actor_learner, single_process)")
+                    f"({name}.fn)) and call that on the evaluation env" + (" with env_workers=1" if several else "") +
+                    ", or run with a policy that acts where the envs step (actor_learner, pipelined, single_process)")
         if route.whole:
             leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite(), self.program.replicas)
@@ -484,6 +490,23 @@ class LoopInterpreter:
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton)
+
+    def _eval_misfit(self, leaves: list[Any], specs: tuple[Any, ...]) -> str:
+        """Why the evaluation env's observations, given to an actor served for the training envs,
+        cannot go through its requests ("": they can, as a second training env's of the same size
+        would): several workers would each send them whole, or their slot is sized for another array
+        (another number of environments, another dtype)."""
+        if self.program.replicas > 1:
+            return (f"for {self.program.replicas} env workers at once, each sending its slice of the training "
+                    "envs, where every worker steps the evaluation env whole")
+        assert self._eval_obs is not None
+        mine = {id(x) for _, x in leaf_paths(self._eval_obs[1])}
+        for x, spec in zip(leaves, specs):
+            got = spec_of(x)
+            if id(x) in mine and not fits(got, spec):
+                return (f"through channels sized for the training envs' calls ({spec.short()}), and the evaluation "
+                        f"env's observations are {got.short()}")
+        return ""
 
     def _lag_of(self, pending: Pending) -> int:
         """How many calls of its fragment the loop made after the one ``pending`` is an output of (a
