@@ -3829,3 +3829,37 @@ def test_a_loop_statistic_as_long_as_the_run_has_environments_is_refused_not_joi
                                           rf"replicas hold different values of it.*\n  at {relpath(path)}:{marks['act']}"):
         ff.run(program.train, policy="central_inference(env_workers=2)")
     assert shm_leftovers() == []
+
+
+def test_a_python_number_per_step_in_a_rollout_is_refused_where_the_environments_are_split(write_algo):
+    """Its [T] leaf has no environment axis: placement failed with an IndexError inside fragflow,
+    reported as the program's error (helper round 33 B4)."""
+    path, _ = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 0.01 * batch["extra"].mean()}, {}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.ones((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(3):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs, extra=1.5)
+                state, _ = learn(state, buf.collect())   # @learn
+            return state
+    """)
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(PlacementError, match=r"'batch\['extra'\]' of 'learn' \(f64\[4\]\) has no env axis \(axis 1\) "
+                                             r"to split across the 2 processes"):
+        ff.run(program.train, policy="actor_learner(actors=2)")

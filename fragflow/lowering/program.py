@@ -238,6 +238,13 @@ def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: P
     if leaf.axis is None or replicas == 1:
         return leaf.spec
     shape = list(leaf.spec.shape)
+    if leaf.axis >= len(shape):   # (a Python number per step in a rollout: [T], no environment axis)
+        raise PlacementError(
+            f"'{leaf.dst_path}' of '{fragment}' ({leaf.spec.short()}) has no {leaf.axis_name} axis (axis "
+            f"{leaf.axis}) to split across the {replicas} processes of policy '{placed.policy}': one number per "
+            "step, not one per environment", where=graph.node(fragment).called_at,
+            fix="give it one value per environment (np.full(env.num_envs, x) where the loop adds it, an array "
+                "from the actor), keep it in the loop, or run with one acting process")
     total = shape[leaf.axis]
     if total % replicas or (leaf.axis_name == "env" and _asked_per(placed) and _asked_per(placed) * replicas != total):
         if leaf.axis_name == "env":
