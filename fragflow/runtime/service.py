@@ -109,6 +109,7 @@ class ServiceRunner:
         self.states: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
+        self._answered: dict[str, list[str]] = {}   # a served fragment's output paths, as first answered
         self.kept: dict[tuple[str, int], dict[int, Any]] = {}   # (fragment, replica): its last calls' outputs
         self._replica = 0   # the loop replica of the call being built (whose kept outputs its references name)
         self.pools: dict[str, list[_Piece]] = {}
@@ -719,10 +720,26 @@ class ServiceRunner:
 
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
         """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
-        leaves = [leaf for _, leaf in leaf_paths(out)]
+        named = leaf_paths(out)
+        leaves = [leaf for _, leaf in named]
         first = self.replies[fragment][pieces[0].replica][0]
         if len(leaves) != len(first.specs):   # (zip below would drop the extra ones)
             self._check_answer(fragment, leaves, first, len(pieces))
+        paths = [path for path, _ in named]
+        known = self._answered.setdefault(fragment, paths)
+        if paths != known:   # (the loop rebuilds the answer in the traced structure: other keys would be misnamed)
+            raise SpecChangedError(
+                f"fragment '{fragment}' returned outputs {paths}, where its earlier calls returned {known}",
+                where=self.checks.get("called_at", {}).get(fragment),
+                fix="return the same structure (the same keys) at every call")
+        for leaf, axis, spec in zip(leaves, first.axes, first.specs):   # (a longer batch axis would be cut silently)
+            shape = getattr(leaf, "shape", ())
+            if axis is not None and (len(shape) <= axis or shape[axis] != spec.shape[axis] * len(pieces)):
+                self._check_answer(fragment, leaves, first, len(pieces))
+                raise SpecChangedError(
+                    f"fragment '{fragment}' returned an output of shape {tuple(shape)} for a batch of {len(pieces)} "
+                    f"requests of {spec.shape[axis]} rows each", where=self.checks.get("called_at", {}).get(fragment),
+                    fix="keep every output's shape fixed across calls: one row per environment it acted for")
         try:
             for i, p in enumerate(pieces):   # the batch holds the pieces' rows in this order (see _merge)
                 ring_spec, ring = self.replies[fragment][p.replica]
