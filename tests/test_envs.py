@@ -265,6 +265,16 @@ def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_is_re
             ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
 
 
+def _served_and_single(program):
+    """The program under central_inference(env_workers=1) and under single_process, whose
+    evaluations must agree; both results."""
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
+        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+    return result, expected
+
+
 def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_runs_with_one_worker_where_it_fits(write_algo):
     """With one env worker, the training actor's requests carry an evaluation env of the training
     envs' size as they would a second training env's (it was refused, helper round 32 E4): the run
@@ -274,10 +284,7 @@ def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_runs_
 
     path, _ = write_algo(EVAL_EVERY, "late_eval_same.py")
     program = load(str(path))
-    expected = ff.run(program.train, program.args_cls(), policy="single_process")
-    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
-    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
-        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+    result, expected = _served_and_single(program)
     assert np.array_equal(result.value["w"], expected.value["w"]) and result.episode_returns == expected.episode_returns
     other = EVAL_EVERY.replace('"CartPole-v1", num_envs=2, seed=100', '"CartPole-v1", num_envs=3, seed=100')
     path, _ = write_algo(other, "late_eval_other.py")
@@ -293,10 +300,7 @@ def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_runs_
         "\nact_eval = ff.fragment('actor', name='act_eval')(act.fn)\n"
     path, _ = write_algo(fixed, "late_eval_fixed.py")
     program = load(str(path))
-    expected = ff.run(program.train, program.args_cls(), policy="single_process")
-    result = ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
-    assert (result.summary["eval_episodes"], result.summary["eval_return_mean"]) == \
-        (expected.summary["eval_episodes"], expected.summary["eval_return_mean"]) and result.summary["eval_episodes"] > 0
+    _served_and_single(program)
 
 
 def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_row(write_algo, tmp_path):

@@ -148,10 +148,9 @@ class RunOutputs:
         elif self._resumed_from is not None and self._resumed_from.parent.resolve() == checkpoints.resolve():
             # resumed in place from an older checkpoint: those written after it belong to the timeline
             # left, and a resume from one of them would join the two runs' rows
-            written = listing(checkpoints)
-            at = [p.resolve() for p in written].index(self._resumed_from.resolve()) \
-                if self._resumed_from.resolve() in [p.resolve() for p in written] else len(written)
-            for old_dir in written[at + 1:]:
+            written = [p.resolve() for p in listing(checkpoints)]
+            resumed = self._resumed_from.resolve()
+            for old_dir in written[written.index(resumed) + 1:] if resumed in written else []:
                 shutil.rmtree(old_dir, ignore_errors=True)
         from torch.utils.tensorboard import SummaryWriter
 
