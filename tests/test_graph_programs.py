@@ -3733,15 +3733,16 @@ import fragflow as ff
 class Args:
     updates: int = 9
     every: int = 3
+    size: int = 1
 
 @ff.fragment("actor")
 def act(w, obs):
     return (obs @ w).argmax(-1)
 
 @ff.fragment("learner", writes="state")
-def learn(state, batch):
+def learn(state, batch, size):
     n = state["n"] + 1
-    return {"w": state["w"] + 0.001 * batch["obs"].mean(), "n": n}, {"r": batch["reward"].mean()}, n * np.ones(1)
+    return {"w": state["w"] + 0.001 * batch["obs"].mean(), "n": n}, {"r": batch["reward"].mean()}, n * np.ones(size)
 
 @ff.fragment("learner", writes="state")
 def aux(state, tags):
@@ -3757,10 +3758,10 @@ def train(args: Args):
         for _ in range(4):
             obs, reward, *_ = env.step(act(state["w"], obs))
             buf.add(obs=obs, reward=reward)
-        state, metrics, tag = learn(state, buf.collect())
+        state, metrics, tag = learn(state, buf.collect(), args.size)
         kept.append(tag)
         if len(kept) == args.every:
-            state, seen = aux(state, kept)
+            state, seen = aux(state, kept)   # @aux_call
             ff.log(seen)
             kept = []
     return state
@@ -3789,6 +3790,22 @@ def test_an_output_kept_past_more_calls_than_the_learner_keeps_is_refused_at_the
     with pytest.raises(ConfigError, match=r"'aux' is given the output of call 1 of 'learn', which the learner's "
                                             r"process no longer holds: it keeps the outputs of the last 64 calls"):
         ff.run(program.train, program.args_cls(updates=66, every=66), policy="pipelined")
+
+
+def test_the_outputs_a_learner_keeps_for_later_calls_are_bounded_in_bytes(write_algo):
+    """Every output of a fragment that another of its process's fragments takes was kept for 64
+    calls, whatever its size (under learner_replay, the last 64 replay samples); past 32 MB the
+    oldest go, and a call given one of those is refused, saying so."""
+    path, marks = write_algo(KEPT_OUTPUTS)
+    program = load(str(path))
+    big = 12 << 20 >> 3   # 12 MB of float64 an output: three are more than the learner keeps
+    with pytest.raises(ConfigError, match=rf"'aux' is given the output of call 1 of 'learn', which the learner's "
+                                            rf"process no longer holds: .* at most 32 MB of them.*\n  at "
+                                            rf"{relpath(path)}:{marks['aux_call']}"):
+        ff.run(program.train, program.args_cls(updates=3, every=3, size=big), policy="pipelined")
+    assert shm_leftovers() == []
+    two = ff.run(program.train, program.args_cls(updates=4, every=2, size=big), policy="pipelined")
+    assert two.summary["updates"] == 4
 
 
 FEATURE_MEAN = """

@@ -33,6 +33,7 @@ from fragflow import context
 from fragflow.api.fragment import Fragment
 from fragflow.compiler.axes import address
 from fragflow.compiler.pytree import (
+    NotAnArray,
     flatten,
     from_numpy,
     leaf_paths,
@@ -51,7 +52,23 @@ from fragflow.runtime.monitor import non_scalar, scalars_in
 
 IDLE_WAIT = 0.05
 KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of them (see ServiceProgram.keeps)
+KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing)
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
+
+
+def _size_of(tree: Any) -> int:
+    """The bytes of a pytree's array leaves (numpy, torch, jax; Python numbers count nothing)."""
+    total = 0
+    try:
+        leaves = leaf_paths(tree)
+    except NotAnArray:   # (refused where the output is checked; it counts nothing here)
+        return 0
+    for _, leaf in leaves:
+        n = getattr(leaf, "nbytes", None)   # numpy, jax
+        if n is None and hasattr(leaf, "element_size"):   # torch
+            n = leaf.element_size() * leaf.nelement()
+        total += int(n or 0)
+    return total
 
 
 def _same_value(a: Any, b: Any, backend: str) -> bool:
@@ -111,6 +128,7 @@ class ServiceRunner:
         self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
         self._answered: dict[str, list[str]] = {}   # a served fragment's output paths, as first answered
         self.kept: dict[tuple[str, int], dict[int, Any]] = {}   # (fragment, replica): its last calls' outputs
+        self._kept_bytes: dict[tuple[str, int], dict[int, int]] = {}   # and their sizes
         self._replica = 0   # the loop replica of the call being built (whose kept outputs its references name)
         self.pools: dict[str, list[_Piece]] = {}
         self.rings: list[dict[str, Any]] = [{} for _ in range(program.producers)]
@@ -600,7 +618,8 @@ class ServiceRunner:
             raise ConfigError(
                 f"'{self.current}' is given the output of call {call + 1} of '{fragment}', which the learner's process "
                 f"no longer holds: it keeps the outputs of the last {KEPT_OUTPUTS} calls of a fragment for later "
-                "calls (and none of a call dropped as stale)",
+                f"calls, at most {KEPT_BYTES >> 20} MB of them (the latest call's whatever its size), and none of a "
+                "call dropped as stale",
                 where=self.checks.get("called_at", {}).get(self.current),
                 fix=f"keep fewer of them, or have '{fragment}' put what later calls need in versioned state (a "
                     "buffer of its own that it appends to), or run with --policy single_process")
@@ -671,12 +690,17 @@ class ServiceRunner:
                 self._publish(state)
         self.outputs[fragment] = out
         if fragment in self.program.keeps:
+            # (a writer's new state is not kept: the loop holds it as a state handle, never by reference)
+            data = out if writes is None else (None, *out[1:]) if isinstance(out, tuple) else None
+            size = _size_of(data)
             for p in pieces:
                 kept = self.kept.setdefault((fragment, p.replica), {})
-                # (a writer's new state is not kept: the loop holds it as a state handle, never by reference)
-                kept[p.call] = out if writes is None else (None, *out[1:]) if isinstance(out, tuple) else None
-                if len(kept) > KEPT_OUTPUTS:
-                    del kept[min(kept)]
+                sizes = self._kept_bytes.setdefault((fragment, p.replica), {})
+                kept[p.call], sizes[p.call] = data, size
+                # the latest call's stays whatever its size (it is what a call given the output gets)
+                while len(kept) > 1 and (len(kept) > KEPT_OUTPUTS or sum(sizes.values()) > KEPT_BYTES):
+                    oldest = min(kept)
+                    del kept[oldest], sizes[oldest]
         if fragment in self.replies:
             self._answer(fragment, out, pieces)
         if clock and lead:
