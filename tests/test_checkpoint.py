@@ -181,6 +181,18 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     import shutil
 
     shutil.copytree(good, bad / "checkpoints" / "4")
+    states = bad / "checkpoints" / "4" / "states.safetensors"
+    data = bytearray(states.read_bytes())
+    data[-1] ^= 0x01   # one bit of the last weight: safetensors reads it as a valid file (helper round 33 C15)
+    states.write_bytes(bytes(data))
+    res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"))
+    assert res.returncode == 2 and "states.safetensors is damaged: its CRC-32 is not the one its manifest" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "w" / "summary.json").exists()
+    shutil.copy(good / "states.safetensors", states)
+    m = json.loads((good / "manifest.json").read_text())
+    assert set(m["checksums"]) == {p.name for p in good.glob("*.safetensors")}
+    del m["checksums"]   # (as a checkpoint written before them)
+    (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
     (bad / "checkpoints" / "4" / "loop0.safetensors").write_bytes(b"\x00" * 7)
     res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"))
     assert res.returncode == 2 and "cannot be read" in res.stderr and "Traceback" not in res.stderr

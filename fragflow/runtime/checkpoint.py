@@ -5,7 +5,8 @@ directory, then a rename; the last ``keep`` are kept):
 
 - ``manifest.json``: format version, the algorithm, its args and policy, the counters (env steps,
   updates, parameter version, episodes and the recent returns), where the loop stands (which
-  top-level loop, how many trips), and the structure of every saved part;
+  top-level loop, how many trips), the structure of every saved part and each part file's CRC-32
+  (``checksums``: a damaged file is refused at resume, not loaded);
 - one ``<part>.safetensors`` per part: ``states`` (every versioned state, its modules' and
   optimizers' ``state_dict`` included), ``loop<k>`` (loop replica ``k``: its numbers and strings,
   ``ff.random`` keys, random generators, the global torch/numpy/python random states, and every
@@ -33,6 +34,7 @@ import shutil
 import time
 import types
 import typing
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,9 +246,19 @@ def save_part(tmp: Path, part: str, meta: Any, arrays: dict[str, np.ndarray]) ->
     return meta
 
 
+def checksum(file: Path) -> str:
+    """A file's CRC-32, as 8 hex digits (what detects a flipped byte in a part written earlier)."""
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
 def finish(root: Path, tmp: Path, name: str, manifest: dict[str, Any], parts: dict[str, Any], keep: int = KEEP) -> Path:
     """Write the manifest into ``tmp`` and rename it to ``root/name`` (replacing one of that name)."""
-    manifest = dict(manifest, format=FORMAT, parts=parts)
+    sums = {f.name: checksum(f) for f in sorted(tmp.glob("*.safetensors"))}
+    manifest = dict(manifest, format=FORMAT, parts=parts, checksums=sums)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=_json_default) + "\n")
     final = root / name
     if final.exists():
@@ -309,7 +321,12 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} has no part {name!r}",
                                   fix="resume with the policy that wrote it (see its manifest.json)")
         file = self.path / f"{name}.safetensors"
+        want = self.manifest.get("checksums", {}).get(file.name)   # (none in a checkpoint written before them)
         try:
+            if want is not None and checksum(file) != want:
+                raise CheckpointError(
+                    f"checkpoint file {file} is damaged: its CRC-32 is not the one its manifest recorded when it "
+                    "was written", fix="resume from another checkpoint of the run (an older one in the same folder)")
             arrays = load_file(str(file))
         except (OSError, SafetensorError, ValueError) as exc:
             raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}",
