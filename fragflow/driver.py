@@ -168,6 +168,9 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["captured"] = frozenset(n.name for n in captured)
+    # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
+    # after the trace, as from update 100 on, would never reach the fragment's copy)
+    checks["reaches"] = {n.name: n.reaches for n in graph.fragments() if n.reaches}
     checks["process"] = process_settings()   # (what the training function set process-wide, for every worker)
     program = None
     if lowered.services:

@@ -103,6 +103,7 @@ class Node:
     other_rows_evaluation: bool = True   # ... that number is no training env's (else: two training envs)
     other_inputs: str = ""         # also given an argument of another shape: which, where
     loop_changes: str = ""         # module data its code reaches that the loop changed between its calls
+    reaches: tuple[str, ...] = ()  # module data its code reaches that no fragment changes (checked in the run)
 
 
 @dataclass(frozen=True, slots=True)

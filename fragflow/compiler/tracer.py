@@ -885,6 +885,8 @@ class Tracer(Recording):
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
                               other_inputs=rec.other_inputs, loop_changes=rec.loop_changes,
+                              reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
+                                                          if id(value) not in self._changed_data)),
                               changes_data=tuple(sorted(set(rec.changes_data.values()))),
                               names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                        if i in self._changed_data}))))
