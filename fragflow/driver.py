@@ -149,6 +149,24 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             fix="pass the versioned state (or a view of it such as state['params']) to a fragment and compute with "
                 "it there, returning what the loop needs; or run with --policy single_process, where the loop "
                 "reads it as eagerly")
+    if apart and graph.state_used is not None:
+        kind, state, label, how, where = graph.state_used
+        what = f"({label}, {how})" if how else f"({label})"
+        if kind == "changed":
+            raise VersionedStateError(
+                f"the training loop changes versioned state '{state}' in place {what} through a variable of its "
+                f"own, not the state's handle, but policy '{placed.policy}' runs the learner that writes the state "
+                "in another process, with a copy of its own: the change would never reach it", where=where,
+                fix="make the change in a learner that writes the state, passing it what the change needs as an "
+                    "argument (learn(state, batch, decay), decaying there), or before ff.versioned(...) makes the "
+                    "state; or run with --policy single_process, where the loop's object is the state, as eagerly")
+        raise VersionedStateError(
+            f"the training loop reads versioned state '{state}' {what} through a variable of its own, not the "
+            f"state's handle, after a learner wrote the state, but policy '{placed.policy}' runs the learner in "
+            "another process: the loop's copy is not the learner's newest version", where=where,
+            fix="pass the state (or a view of it such as state['q']) to a fragment and compute with it there, "
+                "returning what the loop needs (a value to log: a learner's metric); or run with --policy "
+                "single_process, where the loop reads it as eagerly")
     if apart and graph.star_state is not None:
         what, who, where = graph.star_state
         raise VersionedStateError(
@@ -168,6 +186,9 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["captured"] = frozenset(n.name for n in captured)
+    # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
+    # after the trace, as from update 100 on, would never reach the fragment's copy)
+    checks["reaches"] = {n.name: n.reaches for n in graph.fragments() if n.reaches}
     checks["process"] = process_settings()   # (what the training function set process-wide, for every worker)
     program = None
     if lowered.services:

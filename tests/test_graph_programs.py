@@ -2991,6 +2991,69 @@ def train():
     assert np.array_equal(here.value["w"], one.value["w"])
 
 
+
+CHANGED_AFTER_THE_TRACE = """
+import numpy as np
+import fragflow as ff
+
+CFG = {"epsilon": 1.0, "scale": 1.0, "update": 0}
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    u = ff.random.uniform(key, (2,))
+    return np.where(u[:, 0] < CFG["epsilon"], (u[:, 1] * 2).astype(np.int64), np.argmax(obs @ w, axis=-1))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    g = batch["obs"].mean(axis=(0, 1))[:, None] * np.array([[1.0, -1.0]])
+    return {"w": state["w"] + 0.1 * CFG["scale"] * g}, {}
+
+def train(key_changed):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    CFG.update(epsilon=1.0, scale=1.0, update=0)
+    obs = env.reset()
+    for u in range(8):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            a = act(state["w"], obs, sub)  # @act
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())  # @learn
+        if u >= 4:   # long after the trace's two updates
+            CFG[key_changed] = 0.0
+    return state
+"""
+
+
+@pytest.mark.parametrize("key_changed, policy, who", [
+    ("scale", "pipelined(max_lag=0)", "learn"),
+    ("scale", "actor_learner(actors=1, max_lag=0)", "learn"),
+    ("epsilon", "central_inference(env_workers=1)", "act"),
+])
+def test_module_data_the_loop_changes_after_the_trace_is_refused_at_the_served_fragments_next_call(
+        write_algo, key_changed, policy, who):
+    """A global the loop changes only after the trace (from update 4 on), read by a fragment served
+    in another process (a learner; an actor under central_inference): the trace saw no change, and
+    the fragment's copy kept the first value for the rest of the run, silently. The loop now refuses the fragment's next call, at that call, naming the global and the key.
+    Changing a key the fragment does not read runs, as single_process does."""
+    path, marks = write_algo(CHANGED_AFTER_THE_TRACE)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"{'actor' if who == 'act' else 'learner'} fragment '{who}' \(.*algo.py:\d+\) "
+                                             rf"reads the global 'CFG' \(its key '{key_changed}'\), which the training "
+                                             rf"loop changed after the trace, but this policy runs '{who}' in another "
+                                             rf"process.*\n  at {relpath(path)}:{marks[who]}\n  fix: pass the value to "
+                                             rf"'{who}' as an argument"):
+        ff.run(program.train, key_changed, policy=policy)
+    assert shm_leftovers() == []
+    one = ff.run(program.train, "update", policy="single_process")
+    apart = ff.run(program.train, "update", policy=policy)
+    assert np.array_equal(apart.value["w"], one.value["w"]) and apart.episode_returns == one.episode_returns
+    here = ff.run(program.train, key_changed, policy="single_process")
+    assert not np.array_equal(here.value["w"], one.value["w"])   # (the change matters)
+
 LOOP_CHANGED_KINDS = """
 import types
 from collections import OrderedDict

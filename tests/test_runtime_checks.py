@@ -218,6 +218,153 @@ def train():
         compile(prog.train, policy="pipelined")
 
 
+
+STATE_THROUGH_OWN_VARIABLE = """
+import numpy as np
+import torch
+import fragflow as ff
+
+SEEN = []
+
+class QNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.network = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.network(x)
+
+@ff.fragment("actor")
+def act(q, obs):
+    with torch.no_grad():
+        return q(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = state["q"](torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train():
+    torch.manual_seed(0)
+    q = QNet()
+    state = ff.versioned({"q": q, "opt": torch.optim.Adam(q.parameters(), lr=1e-2)})
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            a = act(state["q"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+        USE  # @use
+    return state
+"""
+
+
+@pytest.mark.parametrize("use, what", [
+    ("q.network[0].weight.data *= 0.5", r"changes versioned state 'state' in place \(state\['q'\]\.network\.0\.weight, "
+                                        r"with mul_\(\)\)"),
+    ("with torch.no_grad(): q.network[0].weight.mul_(0.5)", r"changes versioned state 'state' in place "
+                                                             r"\(state\['q'\]\.network\.0\.weight, with mul_\(\)\)"),
+    ("q.load_state_dict({k: v * 0.5 for k, v in q.state_dict().items()})", r"changes versioned state 'state' in place "
+                                                                            r"\(state\['q'\]\.network\.0\.weight, with copy_\(\)\)"),
+    ("with torch.no_grad(): SEEN.append(float(q.network[0].weight.norm()))", r"reads versioned state 'state' "
+                                                       r"\(state\['q'\]\.network\.0\.weight, with norm\(\)\)"),
+    ("SEEN.append(float(q(torch.ones(1, 4)).sum().detach()))", r"reads versioned state 'state' "
+                                                      r"\(state\['q'\]\.network\.0\.weight, with linear\(\)\)"),
+])
+def test_state_changed_or_read_through_the_loops_own_variable_runs_in_one_process_and_is_refused_at_its_line_elsewhere(
+        write_algo, use, what):
+    """The module the state holds, changed in the loop through the variable that made it (a decay
+    of its weights) or read there once a learner wrote it (a norm to log, a forward pass): eagerly
+    the variable is the state, so single_process runs it as eagerly; under a policy that runs the
+    learner in another process the change was lost and the read saw a stale copy, silently. The
+    same use through the handle was refused already."""
+    path, marks = write_algo(STATE_THROUGH_OWN_VARIABLE.replace("USE", use))
+    prog = load(str(path))
+    eager = prog.train()
+    eager_seen, prog.module.SEEN[:] = list(prog.module.SEEN), []
+    result = ff.run(prog.train, policy="single_process")
+    assert prog.module.SEEN == eager_seen
+    assert torch_equal(result.value["q"].network[0].weight, eager["q"].network[0].weight)
+    for policy in ("pipelined", "actor_learner(actors=1, max_lag=0)", "central_inference(env_workers=1)"):
+        with pytest.raises(VersionedStateError, match=rf"the training loop {what} through a variable of its own, not "
+                                                      rf"the state's handle.*policy '{policy.split('(')[0]}' runs the "
+                                                      rf"learner.*\n  at {relpath(path)}:{marks['use']}\n  fix: "):
+            compile(prog.train, policy=policy)
+
+
+def test_state_changed_through_the_loops_own_variable_before_the_loop_or_as_an_array_is_refused(write_algo):
+    """A change made after ff.versioned(...) shipped the state to the learner's process, before any
+    learner call (through .data, another tensor on the parameter's memory), and a numpy array the
+    state holds changed in place in the loop (seen at the learner's next call, which would have
+    read it) are the loop's changes too."""
+    path, marks = write_algo(STATE_THROUGH_OWN_VARIABLE.replace("USE", "pass").replace(
+        "    env = ff.envs.make(", "    q.network[0].weight.data.zero_()  # @zero\n    env = ff.envs.make("))
+    prog = load(str(path))
+    with pytest.raises(VersionedStateError, match=rf"the training loop changes versioned state 'state' in place "
+                                                  rf"\(state\['q'\]\.network\.0\.weight, with zero_\(\)\).*\n  at "
+                                                  rf"{relpath(path)}:{marks['zero']}\n  fix: make the change in a "
+                                                  rf"learner that writes the state"):
+        compile(prog.train, policy="pipelined")
+    path, marks = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    state["w"] += 0.1 * np.abs(batch["obs"]).mean(axis=(0, 1))[:, None] * np.array([[1.0, -1.0]])
+    return state, {}
+
+def train():
+    w = np.zeros((4, 2))
+    state = ff.versioned({"w": w})
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())  # @learn
+        w *= 0.5
+    return state
+""", "array.py")
+    prog = load(str(path))
+    eager = prog.train()
+    assert np.array_equal(ff.run(prog.train, policy="single_process").value["w"], eager["w"])
+    with pytest.raises(VersionedStateError, match=rf"the training loop changes versioned state 'state' in place "
+                                                  rf"\(state\['w'\], seen at the call of learner 'learn'\).*\n  at "
+                                                  rf"{relpath(path)}:{marks['learn']}\n"):
+        compile(prog.train, policy="pipelined")
+
+
+def test_the_state_used_through_the_loops_own_variable_before_a_learner_wrote_it_or_printed_runs(write_algo):
+    """Reads before any learner call (a copy for a target network, a parameter count) see what every
+    process holds, and printing is no read (as printing the handle is not): these run everywhere."""
+    path, _ = write_algo(STATE_THROUGH_OWN_VARIABLE.replace("USE", "print(q.network[0].weight, q.network[0].weight.shape)")
+                         .replace("    env = ff.envs.make(", "    target = QNet()\n    target.load_state_dict(q.state_dict())\n"
+                                  "    SEEN.append(sum(p.numel() for p in q.parameters()))\n    env = ff.envs.make("))
+    prog = load(str(path))
+    one = ff.run(prog.train, policy="single_process")
+    apart = ff.run(prog.train, policy="pipelined(max_lag=0)")
+    assert torch_equal(apart.value["q"].network[0].weight, one.value["q"].network[0].weight)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a.detach(), b.detach()))
+
 def test_logging_a_non_scalar_is_refused_at_trace_time(write_algo):
     path, marks = write_algo("""
 import numpy as np

@@ -103,6 +103,7 @@ class Node:
     other_rows_evaluation: bool = True   # ... that number is no training env's (else: two training envs)
     other_inputs: str = ""         # also given an argument of another shape: which, where
     loop_changes: str = ""         # module data its code reaches that the loop changed between its calls
+    reaches: tuple[str, ...] = ()  # module data its code reaches that no fragment changes (checked in the run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +153,9 @@ class Graph:
     nested_learner: tuple[str, str, SourceLoc | None] | None = None   # (learner, the fragment it ran inside, where)
     stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None   # an old version passed to a fragment
     state_read: tuple[str, SourceLoc | None] | None = None   # the loop read versioned state: how, where
+    # the loop changed (or, once a learner wrote it, read) a tensor versioned state holds through a
+    # reference of its own, not the handle: ("changed" or "read", the state, the tensor, how, where)
+    state_used: tuple[str, str, str, str, SourceLoc | None] | None = None
     star_state: tuple[str, str, SourceLoc | None] | None = None   # state through a fragment's *args: what, who, where
     # a fragment changed an array argument in place and a later call was given that memory again:
     # (the changer, its argument, its call, the later fragment, its call, the array's maker: None, the loop)

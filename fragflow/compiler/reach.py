@@ -225,18 +225,64 @@ class Parts:
 
     def __init__(self, value: Any, parts: frozenset[tuple[str, Any]]) -> None:
         self.parts = parts
-        named = sorted(parts, key=repr)
-        if isinstance(value, dict):
-            seen = {k: value.get(k, _GONE) for kind, k in named if kind == "key"}
-        else:
-            attrs = _instance_dict(value)
-            seen = {k: attrs.get(k, _GONE) for kind, k in named if kind == "attr"}
-        self.picture = snapshot(seen)
+        self.picture = parts_picture(value, sorted(parts, key=repr))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Parts) and other.picture == self.picture
 
     __hash__ = None   # type: ignore[assignment]
+
+
+class Reached:
+    """What a fragment served in another process reaches of the loop's module data (``labels``, as
+    :func:`reached_data` names them), as it was when the fragment was sent there (its copy): whether
+    the loop changed it since. An entry holding more than ``ATTRIBUTE_ARRAY_MAX`` array elements is
+    checked only at the calls ``due`` says (a checksum of it at every call would cost more than the
+    call); the others at every call (a dict's key read by name: a few microseconds)."""
+
+    def __init__(self, fn: Any, labels: tuple[str, ...]) -> None:
+        self.entries = [(label, holder, name, before, sorted(before.parts, key=repr) if isinstance(before, Parts)
+                         else None, _elements(value, before) > ATTRIBUTE_ARRAY_MAX)
+                        for label, holder, name, value, before in reached_data(fn) if label in labels]
+
+    def changed(self, due: bool) -> str:
+        """The first entry the loop changed (its label and the changed key), or ""."""
+        for label, holder, name, before, named, heavy in self.entries:
+            if heavy and not due:
+                continue
+            now = reached_now(holder, name)
+            if named is not None and parts_picture(now, named) == before.picture:
+                continue
+            after = again(now, before)
+            if after != before:
+                return label + changed_part(before, after)
+        return ""
+
+
+def _elements(value: Any, before: Any = None, depth: int = 0) -> int:
+    """How many array elements a snapshot of ``value`` (``before``: of its parts) takes a checksum of."""
+    if isinstance(before, Parts):
+        attrs = value if isinstance(value, dict) else _instance_dict(value)
+        return sum(_elements(attrs.get(k)) for _, k in before.parts)
+    if isinstance(value, np.ndarray) or type(value).__name__ == "Tensor":
+        return int(value.size if isinstance(value, np.ndarray) else value.numel())
+    if depth < 3 and isinstance(value, types.SimpleNamespace):
+        value = vars(value)
+    if depth < 3 and isinstance(value, dict) and len(value) <= 4096:
+        return sum(_elements(v, None, depth + 1) for v in value.values())
+    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= 4096:
+        return sum(_elements(v, None, depth + 1) for v in value)
+    return 0
+
+
+def parts_picture(value: Any, named: list[tuple[str, Any]]) -> Any:
+    """A snapshot of the keys (or attributes) ``named`` of ``value`` (see :class:`Parts`)."""
+    if isinstance(value, dict):
+        seen = {k: value.get(k, _GONE) for kind, k in named if kind == "key"}
+    else:
+        attrs = _instance_dict(value)
+        seen = {k: attrs.get(k, _GONE) for kind, k in named if kind == "attr"}
+    return snapshot(seen)
 
 
 def again(value: Any, before: Any) -> Any:

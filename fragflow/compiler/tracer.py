@@ -16,13 +16,14 @@ user's ``file:line``. Where the run is one process, it takes the loop over where
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,7 @@ from fragflow.compiler.reach import (
     schedulers_of,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
-from fragflow.compiler.watchers import ThreadsSet, rng_state, set_rng_state, watch_env_makers
+from fragflow.compiler.watchers import StateUse, ThreadsSet, rng_state, set_rng_state, watch_env_makers
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
@@ -136,6 +137,13 @@ class Tracer(Recording):
         # (state, version passed, newest version, fragment, its call) where the loop passed an old version
         self.stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
+        # the loop's own use of the state's tensors through a reference of its own (see StateUse), and
+        # where the trace is not the run's beginning, each state's checksum as the last learner call (or
+        # ff.versioned) left it: changed before the next learner call, by the loop (an array the state
+        # holds, changed through a variable of the loop's; what StateUse does not see)
+        self.state_use = StateUse()
+        self._state_prints: dict[str, tuple[int, list[tuple[str, list[int]]]]] = {}
+        self._learned_at: tuple[str, SourceLoc | None] | None = None   # the last learner call: which, where
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
@@ -257,11 +265,61 @@ class Tracer(Recording):
         for obj in objects_of(value):
             self._state_objects.setdefault(id(obj), (unique, obj))
         handle = self._latest[unique] = Versioned(unique, 0, value, where)
+        on, self.state_use.on = self.state_use.on, False
+        try:
+            self._watch_states()
+        finally:
+            self.state_use.on = on
         return handle
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with probes.recording(None):   # what a fragment does with a probe is not the loop's read
-            return self._call(frag, args, kwargs)
+        use = self.state_use
+        on, use.on = use.on, False   # (what a fragment does with the state's tensors is its own)
+        try:
+            with probes.recording(None):   # what a fragment does with a probe is not the loop's read
+                return self._call(frag, args, kwargs)
+        finally:
+            use.on = on
+
+    @contextlib.contextmanager
+    def watching_state(self) -> Iterator[None]:
+        """While the loop runs, its own torch operations on the state's tensors are watched (see
+        StateUse), where the trace is not the run's beginning (in one process they are as eagerly)."""
+        if self.begins_run:
+            yield
+            return
+        with self.state_use.mode():
+            self.state_use.on = True
+            try:
+                yield
+            finally:
+                self.state_use.on = False
+
+    def _watch_states(self) -> None:
+        """The states' newest values: their tensors watched, their checksums kept (see state_use)."""
+        if self.begins_run:
+            return
+        values = {name: handle.value for name, handle in self._latest.items()}
+        self.state_use.watch(values)
+        self._state_prints = {name: (id(v), _leaf_prints(v)) for name, v in values.items()}
+
+    def _state_changed(self, learner: tuple[str, SourceLoc | None] | None, when: str = "seen at") -> None:
+        """Note a state the loop changed in place since the last learner call (or since it was made):
+        what StateUse does not see, such as an array the state holds changed through a variable of the
+        loop's own (``w *= 0.5``), at ``learner``'s call, which would have read the change."""
+        if self.state_use.first is not None or any(r.mutates for r in self._nodes.values()):
+            return   # (a fragment that changes the state it reads is refused by its own rule)
+        for name, (ident, before) in self._state_prints.items():
+            handle = self._latest.get(name)
+            if handle is None or id(handle.value) != ident:
+                continue
+            after = _leaf_prints(handle.value)
+            if after != before:
+                changed = next((p for (p, a), (_, b) in zip(after, before) if a != b), "")
+                who, at = learner or ("", None)
+                self.state_use.first = ("changed", name, f"{name}{changed}",
+                                        f"{when} the call of learner '{who}'" if who else "", at)
+                return
 
     def _call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self._node(frag)
@@ -298,6 +356,7 @@ class Tracer(Recording):
             self._read_changed(rec, bound, where)
         if frag.role == "learner" and not self.begins_run:
             self._loop_changed()
+            self._state_changed((rec.name, where or user_callsite()))
         if self.quick and self.window.updates == 0:
             if self._cycle is not None:
                 if self._cycle[self._pos] is frag and rec.repeat is not None:
@@ -465,6 +524,11 @@ class Tracer(Recording):
                                  {path: axes(path) if axes is not None else None for path, _ in rec.out_specs or ()})
         if frag.role == "learner":
             plain = out
+            if not self.begins_run:   # (the state as this call left it: a change before the next is the loop's)
+                if written is not None:
+                    self.state_use.written.add(written.name)
+                self._learned_at = (rec.name, where or user_callsite())
+                self._watch_states()
             if self.journal is not None:
                 self.journal.append(("learn", time.perf_counter(), rec.name))
             if not self.begins_run:
@@ -863,6 +927,7 @@ class Tracer(Recording):
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
         if not self.begins_run:
             self._loop_changed()   # (changed after the last learner call traced)
+            self._state_changed(self._learned_at, "after")
         steady = 1 if self.window.window_updates[1] else 0
         per = max(self.window.window_updates[steady], 1)   # updates inside the window the rates come from
         nodes: list[Node] = []
@@ -885,6 +950,8 @@ class Tracer(Recording):
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
                               other_inputs=rec.other_inputs, loop_changes=rec.loop_changes,
+                              reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
+                                                          if id(value) not in self._changed_data)),
                               changes_data=tuple(sorted(set(rec.changes_data.values()))),
                               names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                        if i in self._changed_data}))))
@@ -973,6 +1040,11 @@ def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
         return []
 
 
+def _leaf_prints(value: Any) -> list[tuple[str, list[int]]]:
+    """Each leaf of a state's value (but its optimizers': their own) with its checksum."""
+    return [(p, fingerprint(leaf)) for p, leaf in _leaf_list(without_optimizers(value))]
+
+
 def _per(count: int, updates: int) -> float:
     return round(count / updates, 4)
 
@@ -1010,6 +1082,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     tracer = Tracer(max_updates=max_updates, expected=module_fragments, on_progress=on_progress)
     watcher = LoopWatcher(train)
     tracer.loop_file = watcher.file
+    tracer.state_use.loop_code = watcher.code
     tracer.loop_ranges = [(line, last) for line, (_, last, _) in watcher.loops.items()]
     defined_at = definition_of(train)
     # environments the program makes itself, not with ff.envs.make, and the training function's lines
@@ -1041,6 +1114,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
+                                    state_used=tracer.state_use.first,
                                     star_state=tracer.star_state, changed_arg=tracer.changed_arg,
                                     own_env=own_env(graph),
                                     log_columns=tuple(tracer.log_columns),
@@ -1081,7 +1155,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
             try:
-                with probes.recording(tracer.loop_reads):
+                with probes.recording(tracer.loop_reads), tracer.watching_state():
                     watcher.run(train, *args, **kwargs)
                 tracer.value = watcher.value
                 ran_whole = tracer.taken_by is None

@@ -14,12 +14,13 @@ import functools
 import random as _pyrandom
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import numpy as np
 
 from fragflow.compiler.reach import users_code
-from fragflow.source import SourceLoc, display_path
+from fragflow.source import SourceLoc, display_path, user_callsite
 
 
 class ThreadsSet:
@@ -117,3 +118,139 @@ def set_rng_state(state: tuple[Any, ...]) -> None:
     _pyrandom.setstate(state[0])
     np.random.set_state(state[1])
     torch.random.set_rng_state(state[2])
+
+
+class StateUse:
+    """The loop's own torch operations, while traced, on the tensors versioned state holds (a
+    module's parameters and buffers, a tensor in the state) through a reference of its own, not
+    the state handle: ``q.fc.weight.data *= 0.999``, ``q(obs)`` to log a value. Eagerly that is the
+    state itself; where a learner runs in another process the loop's object is a copy of its own,
+    which the learner never sees changed and whose values are not the learner's newest. ``first``:
+    the first change (any time after the state was made) or read (once a learner has written the
+    state), as (``"changed"`` or ``"read"``, state, the tensor's label, the operation, the user's
+    line). Printing a tensor is not a read (as printing the handle is not). Active only while the
+    loop's own code runs (``on``): a fragment's operations are its own."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.loop_code: Any = None   # the training function's code: its line is the one named
+        self.first: tuple[str, str, str, str, SourceLoc | None] | None = None
+        self.written: set[str] = set()                          # states a learner has written
+        self._tensors: dict[int, tuple[Any, str, str]] = {}     # id -> (tensor, state, label)
+        self._storages: dict[int, tuple[str, str]] = {}         # a tensor's memory -> (state, label)
+
+    def watch(self, states: dict[str, Any]) -> None:
+        """The tensors the states' newest values hold (a learner may return new ones)."""
+        import torch
+
+        tensors: dict[int, tuple[Any, str, str]] = {}
+        storages: dict[int, tuple[str, str]] = {}
+        for state, value in states.items():
+            for tensor, label in _state_tensors(value, f"{state}", torch, 0):
+                tensors.setdefault(id(tensor), (tensor, state, label))
+                if tensor.numel():
+                    storages.setdefault(tensor.untyped_storage().data_ptr(), (state, label))
+        self._tensors, self._storages = tensors, storages
+
+    def mode(self) -> Any:
+        """A torch function mode that sends each operation to ``seen`` while ``on``."""
+        from torch.overrides import TorchFunctionMode
+
+        use = self
+
+        class _Watched(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
+                kwargs = kwargs or {}
+                if use.on and (use.first is None or use.first[0] == "read") and use._tensors:
+                    use.seen(func, args, kwargs)
+                return func(*args, **kwargs)
+
+        return _Watched()
+
+    def seen(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = getattr(func, "__name__", "")
+        attr = getattr(getattr(func, "__self__", None), "__name__", "") if name in ("__get__", "__set__") else ""
+        if name in _PRINTED or name in _METADATA or (name == "__get__" and attr in _METADATA):
+            return
+        augmented = _AUGMENTED.get(name)
+        op = {"__get__": f".{attr}", "__set__": f".{attr} = ...", "__setitem__": "[...] = ..."}.get(
+            name, augmented or f"{name}()")
+        if name in ("__set__", "__setitem__") or augmented is not None or \
+                (name.endswith("_") and not name.endswith("__")) or kwargs.get("out") is not None:
+            for target in (*_flat(args[:1]), *_flat((kwargs.get("out"),))):
+                hit = self._changes(target)
+                if hit is not None:
+                    where = self._where()
+                    if self.first is None or self.first[4] == where:   # (w.data *= 2 reads .data first: a change)
+                        self.first = ("changed", *hit, f"with {op}", where)
+                    return
+        if self.first is not None:
+            return
+        for x in (*_flat(args), *_flat(tuple(kwargs.values()))):
+            held = self._tensors.get(id(x))
+            if held is not None and held[0] is x and held[1] in self.written:
+                self.first = ("read", held[1], held[2], f"with {op}", self._where())
+                return
+
+    def _where(self) -> SourceLoc | None:
+        """The training function's line running now (a module's forward or a helper of the user's
+        called from it is the loop's use at that line), else the user's innermost."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code is not self.loop_code:
+            frame = frame.f_back
+        return user_callsite() if frame is None else SourceLoc.of(frame.f_code.co_filename, frame.f_lineno)
+
+    def _changes(self, target: Any) -> tuple[str, str] | None:
+        """(state, label) of the state's tensor an in-place operation on ``target`` changes: the
+        tensor itself, or another tensor on its memory (``.data``, ``.detach()``, a view)."""
+        held = self._tensors.get(id(target))
+        if held is not None and held[0] is target:
+            return held[1], held[2]
+        storage = getattr(target, "untyped_storage", None)
+        if storage is None or not getattr(target, "numel", lambda: 0)():
+            return None
+        return self._storages.get(storage().data_ptr())
+
+
+# what an operation that only looks at a tensor's kind reads (it is the same in every version), and
+# printing (shown, not used: as the handle, printed in the loop, is not read)
+_METADATA = frozenset({
+    "shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_leaf", "names", "is_sparse",
+    "is_quantized", "is_meta", "itemsize", "size", "dim", "numel", "nelement", "element_size", "stride",
+    "storage_offset", "is_contiguous", "get_device", "data_ptr", "is_floating_point", "is_complex", "__len__",
+    "__hash__", "untyped_storage"})
+_PRINTED = frozenset({"__repr__", "__str__", "__format__"})
+_AUGMENTED = {f"__i{k}__": f"{v}=" for k, v in {
+    "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**", "matmul": "@",
+    "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}.items()}
+
+
+def _flat(values: tuple[Any, ...]) -> list[Any]:
+    """The values, and what a list or tuple among them holds (``torch.cat([w, b])``, foreach ops)."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(v)
+        elif v is not None:
+            out.append(v)
+    return out
+
+
+def _state_tensors(value: Any, label: str, torch: Any, depth: int) -> list[tuple[Any, str]]:
+    """(tensor, label) for the tensors a versioned value holds: in its containers, and a module's
+    parameters and buffers (``state['q'].network.0.weight``); not an optimizer's (its own)."""
+    if depth > 8:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [(value, label)]
+    if isinstance(value, torch.nn.Module):
+        return [(t, f"{label}.{n}") for n, t in (*value.named_parameters(), *value.named_buffers())]
+    out = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.extend(_state_tensors(v, f"{label}[{k!r}]", torch, depth + 1))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            out.extend(_state_tensors(v, f"{label}[{i}]", torch, depth + 1))
+    return out

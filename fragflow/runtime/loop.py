@@ -36,7 +36,7 @@ from fragflow.compiler.pytree import (
     to_numpy,
     unflatten_into,
 )
-from fragflow.compiler.reach import handles_as_values
+from fragflow.compiler.reach import Reached, handles_as_values
 from fragflow.context import InstanceNames
 from fragflow.errors import (
     ConfigError,
@@ -122,6 +122,9 @@ class LoopInterpreter:
         self._seq = 0
         self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
         self._shipped: set[str] = set()
+        # module data each fragment served elsewhere reaches, as it was when the fragment was sent there
+        self._reached: dict[str, Reached] = {}
+        self._every = calls.check_every()
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
         self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
         self._skeletons: dict[tuple[str, Any], int] = {}
@@ -419,7 +422,13 @@ class LoopInterpreter:
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
         skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given, self._lag_of)
         group = self._defs[route.group]
+        reached = self._reached.get(name)
+        if reached is not None:
+            self._check_reached(frag, name, reached)
         if name not in self._shipped:
+            labels = self.checks.get("reaches", {}).get(name)
+            if labels:   # (sent as it is now: the loop changing it later is refused at the next call)
+                self._reached[name] = Reached(frag.fn, labels)
             group.put(("fragment", name, cloudpickle.dumps(frag)))
             self._shipped.add(name)
         key: Any = (name, skeleton)
@@ -490,6 +499,19 @@ class LoopInterpreter:
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton)
+
+    def _check_reached(self, frag: Fragment, name: str, reached: Reached) -> None:
+        """Refuse a call of a fragment served in another process whose module data (a global dict's
+        key, a closure's number) the loop changed since the fragment was sent there, after the trace
+        (one changed while traced is refused at placement): its copy would never see the change."""
+        changed = reached.changed(calls.is_checked(self._calls_of.get(name, -1) + 2, self._every))
+        if changed:
+            raise PlacementError(
+                f"{frag.role} fragment '{name}' ({frag.defined_at}) reads the {changed}, which the training loop "
+                f"changed after the trace, but this policy runs '{name}' in another process, with a copy of it as "
+                "it was at the fragment's first call: the change would never reach it", where=user_callsite(),
+                fix=f"pass the value to '{name}' as an argument at the call ({name}(..., epsilon)), or keep it in "
+                    "versioned state a learner writes; or run with --policy single_process")
 
     def _eval_misfit(self, leaves: list[Any], specs: tuple[Any, ...]) -> str:
         """Why the evaluation env's observations, given to an actor served for the training envs,
