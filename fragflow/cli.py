@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 
 from fragflow.errors import FragflowError
-from fragflow.runtime.signals import Terminated
+from fragflow.runtime.signals import Terminated, shielded
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile and run reinforcement-learning training loops as fragmented dataflow graphs.")
@@ -149,6 +149,7 @@ def run(
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     claimed: list[Path | None] = [None]   # the default run directory this run made, removed if refused unwritten
+    result: Any = None   # the run's, once it has completed
     try:
         from fragflow import driver
         from fragflow.placement import registry as policies
@@ -223,15 +224,24 @@ def run(
                                 backend=backend, address=address, on_trace=_tracing(program.name, status),
                                 on_compiled=placed)
         finally:
-            status.stop()
+            with shielded():
+                status.stop()
     except KeyboardInterrupt as exc:
-        _unclaim(claimed[0])
-        terminated = isinstance(exc, Terminated)
-        err.print("terminated" if terminated else "interrupted", style="yellow")
-        raise typer.Exit(code=143 if terminated else 130) from None
+        if result is None:
+            _unclaim(claimed[0])
+            terminated = isinstance(exc, Terminated)
+            err.print("terminated" if terminated else "interrupted", style="yellow")
+            raise typer.Exit(code=143 if terminated else 130) from None
+        # (a signal once the run has completed and written its outputs: it has nothing left to stop)
     except Exception as exc:
         _unclaim(claimed[0])
         raise _fail(exc, debug) from None
+    with shielded():   # (the run has completed: what it says of its outputs is said whole, and it exits 0)
+        _report(result, run_dir, target_return)
+
+
+def _report(result: Any, run_dir: Path, target_return: float | None) -> None:
+    """What ``fragflow run`` says of a run that has completed: its figures and its outputs."""
     s = result.summary
     ret = s.get("final_return_mean")
     traced = (f"the first {s['trace_seconds']:.1f}s tracing" if s.get("trace_in_run")

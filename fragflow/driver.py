@@ -24,6 +24,7 @@ from typing import Any
 from fragflow import __version__
 from fragflow.api.fragment import Fragment
 from fragflow.compiler.ir import EdgeKind, Graph
+from fragflow.compiler.loops import defined_in_loop, guard_of, loop_around
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
 from fragflow.compiler.tracer import trace_program
@@ -40,7 +41,7 @@ from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
-from fragflow.source import definition_of
+from fragflow.source import SourceLoc, definition_of
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -182,9 +183,13 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             "version its placement gives it only through its arguments", where=n.defined_at,
             fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the call, "
                 "or run with --policy single_process")
+    if apart:
+        _refuse_defined_in_loop(placed)
     lowered = lower(placed)
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
+    checks["loops"] = graph.loops   # (a fragment first called after the trace: defined in one?)
+    checks["guarded_at"] = {n.name: guard for n in graph.fragments() if (guard := guard_of(n.called_at, graph.loops))}
     checks["captured"] = frozenset(n.name for n in captured)
     # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
     # after the trace, as from update 100 on, would never reach the fragment's copy)
@@ -204,6 +209,30 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         except Exception as exc:
             raise _unsendable(args, placed.policy, train, exc) from None
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
+
+
+def _refuse_defined_in_loop(placed: PlacedGraph) -> None:
+    """A fragment defined in the training loop's body is a new fragment each trip: the trace sees one
+    node per trip it ran, and a process apart from the loop is given those alone (the next trip's is
+    none of them). Where the loop runs it (an actor beside the environments) it runs as eagerly."""
+    graph = placed.graph
+    served = {name for g in placed.groups if g.program != "loop" for name in g.nodes}
+    sites: dict[SourceLoc, list[str]] = {}
+    for n in graph.fragments():
+        if n.defined_at is not None and loop_around(n.defined_at, graph.loops) is not None:
+            sites.setdefault(n.defined_at, []).append(n.name)
+    for at, names in sites.items():
+        if len(names) > 1 and any(name in served for name in names):
+            n = graph.node(next(name for name in names if name in served))
+            loop = loop_around(at, graph.loops)
+            assert loop is not None
+            raise PlacementError(
+                f"{defined_in_loop(n.role or '', names[0], at, loop)} (the trace saw {len(names)}: "
+                f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but policy '{placed.policy}' runs it in "
+                "another process, which is given the fragments the trace saw: the next trip's is none of them",
+                where=at,
+                fix=f"define '{names[0]}' once, before the loop (at the top of the module, or above `{loop.header}`), "
+                    "and call it in the loop; or run with --policy single_process")
 
 
 def _unimportable(module: Any) -> bool:
@@ -431,6 +460,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 compiled = compile(train, args, policy=policy, on_trace=on_trace, handover=handover)
                 if handover.finished:
                     value = serial.unwrap(handover.tracer.value)
+                    status = "completed"
                 else:   # several processes: the run starts afresh, and its clock with it
                     handover.begun = True
                     handover.begin(compiled)
@@ -440,15 +470,13 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 with _checkpoint_on_interrupt(checkpoints):
                     value = _execute(compiled, compiled.train or train, args, monitor, checkpoints, max_restarts,
                                      backend, address)
-        status = "completed"
+                    status = "completed"
     except StopRun:
         status = "stopped_at_target"
-    except Terminated:
-        status = "terminated"
-        raise
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
+    except KeyboardInterrupt as exc:   # (Ctrl-C; SIGTERM as Terminated)
+        if status != "completed":   # (one once the run has completed, its handlers being put back, stops nothing)
+            status = "terminated" if isinstance(exc, Terminated) else "interrupted"
+            raise
     finally:
         with shielded():   # (outputs closed, summary written) a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
             if handover is not None and handover.finished:

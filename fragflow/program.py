@@ -1,7 +1,7 @@
 """Loading an algorithm: a file path (``algorithms/ppo.py``) or a built-in name (``ppo``).
 
-An algorithm module defines a training function, the one decorated with ``@ff.distribute`` or
-else the one named ``train``, whose first parameter is annotated with a frozen dataclass of
+An algorithm module defines a training function, the one decorated with ``@ff.distribute`` (one
+per module: two are refused) or else the one named ``train``, whose first parameter is annotated with a frozen dataclass of
 hyper-parameters (conventionally ``Args``). ``total_timesteps``, when the dataclass has it, is
 the length shown by the progress display.
 """
@@ -82,7 +82,15 @@ def _import_file(path: Path) -> ModuleType:
 
 def from_module(module: ModuleType, name: str) -> Program:
     functions = [f for f in vars(module).values() if inspect.isfunction(f) and f.__module__ == module.__name__]
-    marked = [f for f in functions if hasattr(f, "__fragflow_policy__")]
+    marked = list({id(f): f for f in functions if hasattr(f, "__fragflow_policy__")}.values())
+    if len(marked) > 1:   # (the first was taken, the others' decorators silently ignored)
+        where = [definition_of(f) for f in marked]
+        raise ConfigError(
+            f"{getattr(module, '__file__', name)} marks {len(marked)} training functions with @ff.distribute: "
+            + ", ".join(f"'{f.__name__}' (at {at})" for f, at in zip(marked, where))
+            + "; fragflow run runs one", where=where[1],
+            fix="keep @ff.distribute on the training function fragflow run should run (the others may stay, "
+                "undecorated, or move to a file of their own)")
     train = marked[0] if marked else vars(module).get("train")
     if train is None or not callable(train):
         raise UnknownFileError(f"{getattr(module, '__file__', name)} defines no training loop",

@@ -102,6 +102,17 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--set", "num_env=8"], "no field 'num_env'; did you mean 'num_envs'"),
     (["run", "ppo", "--set", "num_envs=2", "--set", "num_envs=4"], "--set num_envs is given twice (2, 4)"),
     (["run", "ppo", "--policy", "actor_learner(actors=2))"], "cannot read policy 'actor_learner(actors=2))': unbalanced"),
+    # (terse, or a ConfigError about '' as an integer, or accepted: round 34 C12)
+    (["run", "ppo", "--policy", "pipelined()()"], "cannot read policy 'pipelined()()': '()' after the options' closing "
+                                                  "parenthesis\n  fix: write options as key=value, separated by commas: "
+                                                  "pipelined(actors=1, envs_per_actor=0, max_lag=1)"),
+    (["run", "ppo", "--policy", "actor_learner(actors=)"], "option 'actors' has no value\n  fix: write options as "
+                                                           "key=value, separated by commas: actor_learner(actors=2, "),
+    (["run", "ppo", "--policy", "actor_learner(actors=2 max_lag=0)"], "options are separated by commas"),
+    (["run", "ppo", "--policy", "actor_learner(actors=2,,max_lag=0)"], "an empty option between two commas"),
+    (["run", "ppo", "--policy", "policies/mine.py"], "a policy is given by its name (custom policy files are not "
+                                                     "supported"),
+    (["run", "ppo", "--policy", "mine.py"], "fix: write a policy's name, one of actor_learner, async_relaxed, "),
     (["run", "ppo", "--policy", "pipelined(actors=1;max_lag=0)"], "';' between options"),
     (["run", "ppo", "--set", "env_id=CartPole-v9"], "unknown environment id 'CartPole-v9'"),
     (["run", "ppo", "--stop-on-target"], "--stop-on-target needs --target-return"),
@@ -674,3 +685,137 @@ def test_the_progress_bar_keeps_its_figures_on_a_narrow_terminal(width, name, to
     clock = f"{int(eta) // 3600}:{int(eta) // 60 % 60:02d}:{int(eta) % 60:02d}"
     for figure in (f"{done}/{total} env steps", "2,913 steps/s", "return 151.6", "0:00:05", f"eta {clock}"):
         assert figure in last, last
+
+
+def test_a_replay_sample_the_loop_reads_is_refused_before_anything_is_written(tmp_path, write_algo):
+    """Under learner_replay the sample is made in the learner's process: the loop reading it was
+    refused at its first update, after the run directory was written (round 34 B9)."""
+    path, marks = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return np.argmax(obs @ w, axis=-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {"m": batch["obs"].mean()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+            state = ff.versioned({"w": np.ones((4, 2))})
+            rb = ff.ReplayBuffer(500, seed=0)
+            obs = env.reset()
+            for step in range(200):
+                next_obs, reward, *_ = env.step(act(state["w"], obs))
+                rb.add(obs=obs, reward=reward)
+                obs = next_obs
+                if step > 20 and step % 4 == 0:
+                    batch = rb.sample(8)
+                    state, metrics = learn(state, batch)
+                    ff.log({"reward": float(batch["reward"].mean())})   # @read
+            return state
+    """)
+    for policy in ("single_process", "actor_learner(actors=1)"):   # (the buffer where the loop runs)
+        res = invoke("run", str(path), "--policy", policy, "--out", str(tmp_path / policy), "-q")
+        assert res.exit_code == 0, res.output
+    out = tmp_path / "never"
+    res = invoke("run", str(path), "--policy", "learner_replay", "--out", str(out), "-q")
+    assert res.exit_code == 2, res.output
+    assert re.search(rf"output \['reward'\] of buffer 'replay.sample' is used in arithmetic in the training loop, but "
+                     rf"policy 'learner_replay' runs 'replay.sample' in another process(.|\n)*at .*algo.py:{marks['read']}\n"
+                     rf"  fix: compute it in the learner", res.stderr), res.stderr
+    assert "Traceback" not in res.output and not out.exists()
+
+
+def test_two_training_functions_marked_with_distribute_are_refused_naming_both(tmp_path, write_algo):
+    """The first was run, the second's decorator ignored (round 34 C14)."""
+    path, marks = write_algo("""
+        import fragflow as ff
+
+        @ff.distribute("single_process")   # @first
+        def train():
+            pass
+
+        @ff.distribute("pipelined")   # @second
+        def train_fast():
+            pass
+    """)
+    res = invoke("run", str(path), "--out", str(tmp_path / "never"))
+    assert res.exit_code == 2, res.output
+    assert re.search(rf"marks 2 training functions with @ff.distribute: 'train' \(at .*algo.py:{marks['first']}\), "
+                     rf"'train_fast' \(at .*algo.py:{marks['second']}\)", res.stderr), res.stderr
+    assert "Traceback" not in res.output and not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("policy, where", [("single_process", "learn"), ("pipelined", "act"), ("pipelined", "learn"),
+                                           ("pipelined", "loop"), ("central_inference(env_workers=1)", "act")])
+def test_the_programs_own_exit_and_interrupt_end_the_run_alike_under_every_policy(tmp_path, write_algo, policy, where):
+    """sys.exit(3) and a KeyboardInterrupt of the program's own exited 3 and 130 under single_process,
+    1 with a traceback under the others (round 34 B10)."""
+    from tests.test_multiprocess import RAISES, shm_leftovers
+
+    path, _ = write_algo(RAISES)
+    for what, code, status in (("exit", 3, "failed"), ("interrupt", 130, "interrupted")):
+        out = tmp_path / what
+        res = invoke("run", str(path), "--policy", policy, "--set", f"where={where}", "--set", f"what={what}",
+                     "--out", str(out), "-q")
+        assert res.exit_code == code, res.output
+        assert "Traceback" not in res.output and "error" not in res.output
+        assert json.loads((out / "summary.json").read_text())["status"] == status
+    assert shm_leftovers() == []
+
+
+def test_a_single_process_run_that_fails_while_traced_writes_its_files_as_a_later_failure_does(tmp_path, write_algo):
+    """Under single_process the trace is the run's beginning: the program's error at its first update
+    left no run directory, one at a later update a failed run's files (round 34 C15). Under a
+    policy of several processes the trace comes before the run: nothing is written."""
+    from tests.test_multiprocess import RAISES
+
+    path, _ = write_algo(RAISES)
+    for at in (0, 6):
+        out = tmp_path / f"at{at}"
+        res = invoke("run", str(path), "--policy", "single_process", "--set", "where=learn", "--set", f"at={at}",
+                     "--out", str(out), "-q")
+        assert res.exit_code == 1 and "ValueError: boom" in res.stderr, res.output
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["updates"] == at and summary["trace_in_run"]
+        assert "placement by policy single_process" in (out / "graph.txt").read_text()
+    res = invoke("run", str(path), "--policy", "pipelined", "--set", "where=learn", "--set", "at=0",
+                 "--out", str(tmp_path / "never"), "-q")
+    assert res.exit_code == 1 and "ValueError: boom" in res.stderr and not (tmp_path / "never").exists()
+
+
+SIGNAL_ONCE_ENDED = """
+import os, signal, sys, time
+from fragflow.runtime import loop, multiprocess
+
+def once_ended(original, sig, before):
+    def patched(self, *args):
+        out = None if before else original(self, *args)
+        os.kill(os.getpid(), sig)   # (the run has completed: its processes ended, or its loop returned)
+        time.sleep(2)               # (cut short where the signal raises)
+        return original(self, *args) if before else out
+    return patched
+
+if sys.argv[1] == "pipelined":   # every process has ended; the driver is about to join them
+    multiprocess.Driver._loop = once_ended(multiprocess.Driver._loop, signal.SIGINT, False)
+else:                            # the loop has returned; its environments are being closed
+    loop.LoopInterpreter.close = once_ended(loop.LoopInterpreter.close, signal.SIGTERM, True)
+from fragflow.cli import app
+app(["run", "ppo", "--policy", sys.argv[1], "--set", "total_timesteps=1024", "--set", "num_steps=64", "--out",
+     sys.argv[2], "-q", *sys.argv[3:]])
+"""
+
+
+@pytest.mark.parametrize("policy, extra", [("pipelined", []), ("single_process", ["--checkpoint-every", "4"])])
+def test_a_signal_once_the_run_has_completed_stops_nothing(tmp_path, policy, extra):
+    """A Ctrl-C (or SIGTERM) arriving while a completed run's processes were joined or its environments
+    closed made it exit 130 (143), its summary "interrupted" (round 34 C15)."""
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-c", SIGNAL_ONCE_ENDED, policy, str(out), *extra], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "done: 1024 env steps" in res.stdout
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"

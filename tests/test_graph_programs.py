@@ -3987,3 +3987,56 @@ def test_a_served_actors_output_that_changes_keys_or_length_is_refused(write_alg
     with pytest.raises(SpecChangedError, match=message):
         ff.run(program.train, policy="central_inference(env_workers=2)")
     assert shm_leftovers() == []
+
+
+DEFINED_IN_LOOP = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {"m": batch["obs"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for update in range(12):   # @loop
+        act = ff.fragment("actor")(lambda w, o: np.argmax(o @ w, axis=-1))   # @act
+        for _ in range(4):
+            obs, r, term, trunc, info = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        if update >= 8:   # (a learner first defined, and called, after the trace)
+            @ff.fragment("learner", writes="state")
+            def shrink(state):   # @shrink
+                return {"w": state["w"] * 0.5}
+            state = shrink(state)
+    return state
+"""
+
+
+def test_a_fragment_defined_in_the_loop_is_refused_as_such_where_it_runs_apart(write_algo, tmp_path):
+    """A fragment defined in the loop's body (a lambda, or a def with its decorator) is a new fragment
+    each trip: where a process apart from the loop runs it, it was refused with "first called after
+    tracing" (round 34 B9). At placement where the trace saw it, else at its call; the loop
+    runs it as eagerly where it steps the environments."""
+    path, marks = write_algo(DEFINED_IN_LOOP, "defined_in_loop.py")
+    program = load(str(path))
+    eager = program.train()
+    assert np.array_equal(ff.run(program.train, policy="single_process").value["w"], np.asarray(eager["w"]))
+    at = f"{relpath(path)}:{marks['act']}"
+    with pytest.raises(PlacementError, match=rf"actor fragment '<lambda>' is defined inside the training loop \(at {at}, "
+                                             rf"in `for update in range\(12\)` at {relpath(path)}:{marks['loop']}\): each "
+                                             rf"trip defines a new fragment \(the trace saw \d+: <lambda>, <lambda>_1, "
+                                             rf"(.|\n)*policy 'central_inference' runs it in another process(.|\n)*"
+                                             rf"  at {at}\n  fix: define '<lambda>' once, before the loop"):
+        ff.run(program.train, policy="central_inference(env_workers=1)", out=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    at = f"{relpath(path)}:{marks['shrink'] - 1}"   # (a decorated function is defined at its decorator)
+    with pytest.raises(UntracedFragmentError, match=rf"learner fragment 'shrink' is defined inside the training loop "
+                                                    rf"\(at {at}, in `for update in range\(12\)`(.|\n)*first called after "
+                                                    rf"tracing ended(.|\n)*  at {at}\n  fix: define it once, before the loop"):
+        ff.run(program.train, policy="pipelined")
+    assert shm_leftovers() == []

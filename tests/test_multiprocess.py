@@ -254,6 +254,83 @@ def test_worker_error_stops_the_run_and_names_the_fragment(write_algo, where, fr
     assert shm_leftovers() == []
 
 
+
+RAISES = """
+import sys
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    where: str = "act"    # act, learn or loop
+    what: str = "value"   # value (a ValueError), exit (sys.exit(3)) or interrupt (a KeyboardInterrupt of its own)
+    at: int = 6           # the update it raises at (the trace has ended by then)
+
+def boom(what):
+    if what == "exit":
+        sys.exit(3)
+    if what == "interrupt":
+        raise KeyboardInterrupt
+    raise ValueError("boom")
+
+@ff.fragment("actor")
+def act(w, obs, update, where: str, what: str, at: int):
+    if where == "act" and update == at:
+        boom(what)
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, where: str, what: str, at: int):
+    if where == "learn" and state["n"][0] == at:
+        boom(what)
+    return {"w": state["w"], "n": state["n"] + 1}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2)), "n": np.zeros(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for update in range(10):
+        if args.where == "loop" and update == args.at:
+            boom(args.what)
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs, update, args.where, args.what, args.at))   # @act
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect(), args.where, args.what, args.at)   # @learn
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, where, who", [
+    ("pipelined", "act", "actor 0 failed in fragment 'act'"),
+    ("pipelined", "learn", "learner failed in fragment 'learn'"),
+    # (it said "learner failed in fragment 'act'", and "actor 0 failed" for an env worker)
+    ("central_inference(env_workers=1)", "act", "the inference server (the learner's process) failed in fragment 'act'"),
+    ("central_inference(env_workers=1)", "loop", "env worker 0 failed:"),
+])
+def test_an_error_in_another_process_names_it_by_its_part_and_the_line_that_called_the_fragment(
+        write_algo, policy, where, who):
+    """A fragment's error carries single_process's "(while executing fragment ... called at ...)" under
+    every policy (a worker's did not), and the process is named by its part in the placement (round 34 B11)."""
+    from fragflow.source import display_path
+
+    path, marks = write_algo(RAISES, "raises.py")
+    program = load(str(path))
+    args = program.args_cls(where=where)
+    with pytest.raises(ValueError, match="boom") as one:
+        ff.run(program.train, args, policy="single_process")
+    with pytest.raises(WorkerFailed) as apart:
+        ff.run(program.train, args, policy=policy)
+    message = str(apart.value)
+    assert message.startswith(who) and "ValueError: boom" in message
+    if where != "loop":
+        note = f"(while executing fragment '{where}' called at {display_path(str(path))}:{marks[where]})"
+        assert note in one.value.__notes__ and note in message.splitlines()
+    else:
+        assert not any("while executing" in line for line in message.splitlines())
+    assert mp.active_children() == [] and shm_leftovers() == []
+
 def kill_actor_later(name: str = "fragflow-actor-1", after: float = 1.0, sig: int = signal.SIGKILL) -> threading.Thread:
     """SIGKILL (or ``sig``) the actor process called ``name`` ``after`` seconds after it appears."""
     def kill() -> None:
@@ -1171,6 +1248,58 @@ def test_calls_gathered_one_per_replica_from_different_moments_are_refused(write
         ff.run(program.train, policy=policy)
     assert mp.active_children() == [] and shm_leftovers() == []
 
+
+
+SAMPLE_WHEN_DONE = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"], "n": state["n"] + 1}, {"r": batch["reward"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.array([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), "n": np.zeros(1)})
+    rb = ff.ReplayBuffer(1000, seed=0)
+    obs = env.reset()
+    for step in range(600):
+        action = act(state["w"], obs)
+        next_obs, reward, term, trunc, info = env.step(action)
+        rb.add(obs=obs, reward=reward)
+        obs = next_obs
+        if step > 20 and term.any():   # @if
+            batch = rb.sample(8, beta=min(1.0, 0.4 + step / 600))   # @sample
+            state, metrics = learn(state, batch)
+            ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, message", [
+    # (ordered: replica 0's next add was paired with its own previous one, "replica 1 after 60, replica 1 after 61")
+    ("learner_replay(actors=2, max_lag=0)", r"loop replica\(s\) \d called 'replay.sample'( and 'learn')? where replica \d did not "
+                                            r"\(it went on to call 'replay.add' again"),
+    # (gathered as they arrive: "beta of 'replay.sample' differs between the loop's replicas")
+    ("learner_replay(actors=2)", r"'replay.sample' is called by the loop replicas after different numbers of env steps "
+                                 r"\(its call \d+: replica 0 after \d+, replica 1 after \d+\), so its beta"),
+])
+def test_a_replay_sample_made_on_each_replicas_own_episode_ends_is_named_with_its_if(write_algo, policy, message):
+    """A learner called when an episode ends, sampling the replay buffer beside it: the refusal
+    names the conditional call and its `if`, not the add it disturbed or a value it made differ
+    (round 34 B9)."""
+    path, marks = write_algo(SAMPLE_WHEN_DONE, "sample_when_done.py")
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] > 0
+    with pytest.raises(ConfigError, match=rf"{message}(.|\n)*under the `if` at .*sample_when_done.py:{marks['if']} on "
+                                          rf"data of each replica's own environments(.|\n)*"
+                                          rf"at .*sample_when_done.py:{marks['sample']}\n"):
+        ff.run(program.train, policy=policy)
+    assert mp.active_children() == [] and shm_leftovers() == []
 
 TWO_METRICS = """
 import numpy as np

@@ -84,6 +84,34 @@ def calls_per(call: SourceLoc | None, clock: SourceLoc | None, loops: tuple[Loop
     return ratio
 
 
+def guard_of(where: SourceLoc | None, loops: tuple[LoopSpec, ...]) -> SourceLoc | None:
+    """The innermost ``if`` around the call at ``where`` inside the training function's loops (None:
+    none): where a call made under a condition on data is refused, the line that makes it one.
+
+    >>> at = lambda line: SourceLoc("t.py", line)
+    >>> loop = LoopSpec(at(1), "for s in range(9)", 9, 1, 9, guards=((3, 8), (5, 6)))
+    >>> guard_of(at(6), (loop,)), guard_of(at(4), (loop,)), guard_of(at(2), (loop,))
+    (SourceLoc(file='t.py', line=5), SourceLoc(file='t.py', line=3), None)
+    """
+    if where is None:
+        return None
+    inner = max((a for loop in loops if loop.encloses(where) for a, b in loop.guards if a <= where.line <= b),
+                default=None)
+    return None if inner is None else SourceLoc(where.file, inner)
+
+
+def loop_around(where: SourceLoc | None, loops: tuple[LoopSpec, ...]) -> LoopSpec | None:
+    """The innermost of the training function's loops whose body holds ``where`` (None: none)."""
+    around = [loop for loop in loops if loop.encloses(where) and where is not None and where.line > loop.first]
+    return max(around, key=lambda loop: loop.first, default=None)
+
+
+def defined_in_loop(role: str, name: str, at: SourceLoc, loop: LoopSpec) -> str:
+    """What is wrong with a fragment defined in the training loop's body, for a refusal."""
+    return (f"{role} fragment '{name}' is defined inside the training loop (at {at}, in `{loop.header}` at "
+            f"{loop.where}): each trip defines a new fragment")
+
+
 class LoopWatcher:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = getattr(fn, "__wrapped__", fn)

@@ -277,9 +277,16 @@ class Tracer(Recording):
         on, use.on = use.on, False   # (what a fragment does with the state's tensors is its own)
         try:
             with probes.recording(None):   # what a fragment does with a probe is not the loop's read
-                return self._call(frag, args, kwargs)
+                out = self._call(frag, args, kwargs)
         finally:
             use.on = on
+        if frag.role == "buffer" and frag.instance is not None and out is not None and not self.begins_run:
+            rec = self._nodes.get(id(frag))
+            if rec is not None and not any(axis == "env" for _, axis, _ in rec.out_axes or ()):
+                # a replay buffer's sample, which a policy may move beside the learner (learner_replay):
+                # the loop's own reads of it are refused there at placement, as a learner output's are
+                out = self._probed(rec.name, out)
+        return out
 
     @contextlib.contextmanager
     def watching_state(self) -> Iterator[None]:
@@ -1161,9 +1168,13 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 ran_whole = tracer.taken_by is None
             except _StopTracing:
                 pass
-            except KeyboardInterrupt:   # (Ctrl-C, SIGTERM) where the trace is a single_process run's beginning,
-                if tracer.begins_run and tracer.handover is not None and tracer.taken_by is None and tracer.failed is None:
-                    try:   # the run has begun: it is placed, and what it did goes to its outputs
+            except (KeyboardInterrupt, Exception) as exc:
+                # (Ctrl-C, SIGTERM, the program's own error) where the trace is a single_process run's beginning,
+                # the run has begun: it is placed, and what it did goes to its outputs, as a later failure's
+                # does (a mistake fragflow finds while tracing is a usage error: nothing is written)
+                if not isinstance(exc, FragflowError) and tracer.begins_run and tracer.handover is not None \
+                        and tracer.taken_by is None and tracer.failed is None:
+                    try:
                         tracer.taken_by = tracer.handover(tracer)
                     except Exception:   # nothing to place yet (no fragment called): nothing was run
                         pass

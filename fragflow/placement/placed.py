@@ -216,12 +216,16 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         service |= {n.name for n in graph.fragments() if n.instance is not None and n.instance in feeding}
     for read in graph.loop_reads:   # the loop holds Pending references to what runs in the service
         if read.fragment in service and not (inference_with_learner and graph.node(read.fragment).role == "actor"):
+            buffer = graph.node(read.fragment).role == "buffer"   # (a replay buffer moved beside the learner)
             raise LearnerOutputOnActingSideError(
                 f"output {read.path} of {graph.node(read.fragment).role} '{read.fragment}' is {read.what} in the "
                 f"training loop, but policy '{policy}' runs '{read.fragment}' in another process, so the loop does "
                 "not have its value", where=read.where,
-                fix="send it to ff.log (logged where it is computed) or to fragments placed with it, make what the "
-                    "loop needs part of the versioned state, or run with --policy single_process")
+                fix="compute it in the learner it is given to and return it with the learner's metrics (to ff.log), "
+                    "keep the buffer with the actors (--policy actor_learner), or run with --policy single_process"
+                if buffer else
+                "send it to ff.log (logged where it is computed) or to fragments placed with it, make what the "
+                "loop needs part of the versioned state, or run with --policy single_process")
     if graph.log_clash is not None and graph.log_clash[1] in service:
         column, writer, by_learner, by_loop = graph.log_clash
         raise PlacementError(

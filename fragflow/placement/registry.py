@@ -117,28 +117,71 @@ def get(name: str) -> PolicySpec:
     return policies[name]
 
 
-_CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$")
+_NAME = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(.*?)\s*$", re.DOTALL)
 
 
 def parse_policy(text: str) -> tuple[str, dict[str, str]]:
-    """``"name"`` or ``"name(key=value, ...)"`` -> (name, {key: value})."""
-    m = _CALL.match(text)
-    if m and m.group(2) is not None and (m.group(2).count("(") != m.group(2).count(")") or ";" in m.group(2)):
-        raise UnknownPolicyError(f"cannot read policy {text!r}: " + ("';' between options" if ";" in m.group(2)
-                                                                      else "unbalanced parentheses"),
-                                 fix="write it as name or name(key=value, ...), options separated by commas")
-    if not m:
-        raise UnknownPolicyError(f"cannot read policy {text!r}", fix="write it as name or name(key=value, ...)")
+    """``"name"`` or ``"name(key=value, ...)"`` -> (name, {key: value}); anything else is refused
+    with what was wrong and the form to write (the policy's own options where its name was read).
+
+    >>> parse_policy("pipelined()")
+    ('pipelined', {})
+    """
+    m = _NAME.match(text)
+    name = m.group(1) if m else None
+
+    def refuse(why: str) -> UnknownPolicyError:
+        spec = available().get(name) if name is not None else None
+        if spec is not None:
+            form = f"{name}({spec.signature()})" if spec.signature() else f"{name} (it takes no options)"
+            fix = f"write options as key=value, separated by commas: {form}, changing what you need"
+        else:
+            fix = (f"write a policy's name, one of {', '.join(available())}, and its options if any (write "
+                   "options as key=value, separated by commas: actor_learner(actors=2, max_lag=1))")
+        return UnknownPolicyError(f"cannot read policy {text!r}: {why}",
+                                  fix=f"{fix} (`fragflow policies` lists every policy with its options)")
+
+    if not text.strip():
+        raise refuse("no policy is named")
+    if text.strip().endswith(".py") or "/" in text or os.sep in text:
+        name = None
+        raise refuse("a policy is given by its name (custom policy files are not supported: a policy is a module "
+                     "of fragflow's distribution_policies/, see docs/architecture.md)")
+    if m is None:
+        raise refuse("it does not start with a policy's name")
+    rest = m.group(2)
+    if not rest:
+        return m.group(1), {}
+    if text.count("(") != text.count(")"):
+        raise refuse("unbalanced parentheses")
+    if not rest.startswith("(") or ")" not in rest:
+        raise refuse(f"{rest!r} after the name, where its options go in parentheses")
+    body, _, tail = rest[1:].partition(")")
+    if "(" in body:
+        raise refuse("parentheses inside the options")
+    if tail.strip():
+        raise refuse(f"{tail.strip()!r} after the options' closing parenthesis")
+    if ";" in body:
+        raise refuse("';' between options")
     options: dict[str, str] = {}
-    body = (m.group(2) or "").strip()
-    for part in filter(None, (p.strip() for p in body.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise UnknownPolicyError(f"cannot read policy option {part!r} in {text!r}", fix="write options as key=value")
-        if key.strip() in options:
-            raise UnknownPolicyError(f"policy option {key.strip()!r} is given twice in {text!r}",
-                                     fix="give each option once")
-        options[key.strip()] = value.strip()
+    parts = [p.strip() for p in body.split(",")]
+    if parts and not parts[-1]:   # (a trailing comma, as Python takes one)
+        parts.pop()
+    for part in parts if body.strip() else []:
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not part:
+            raise refuse("an empty option between two commas")
+        if not sep:
+            raise refuse(f"option {part!r} is not key=value")
+        if not key:
+            raise refuse(f"option {part!r} has no name")
+        if not value:
+            raise refuse(f"option {key!r} has no value")
+        if "=" in value:
+            raise refuse(f"option {key!r} is given {value!r}: options are separated by commas")
+        if key in options:
+            raise UnknownPolicyError(f"policy option {key!r} is given twice in {text!r}", fix="give each option once")
+        options[key] = value
     return m.group(1), options
 
 

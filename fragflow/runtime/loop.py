@@ -26,6 +26,7 @@ import numpy as np
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView
+from fragflow.compiler.loops import defined_in_loop, loop_around
 from fragflow.compiler.pytree import (
     NotAnArray,
     fill_skeleton,
@@ -216,6 +217,13 @@ class LoopInterpreter:
         made_later = frag.instance is not None and frag.role in ("env", "buffer")
         if self.program.remote and name not in self.program.local and not frag.evaluation and \
                 (made_later or frag.role not in ("actor", "env") or not self._broadcast_here(args, kwargs)):
+            loop = loop_around(frag.defined_at, self.checks.get("loops", ()))
+            if frag.instance is None and frag.defined_at is not None and loop is not None:
+                raise UntracedFragmentError(
+                    f"{defined_in_loop(frag.role, name, frag.defined_at, loop)}, and this one was first called after "
+                    "tracing ended, so the placement has no process for it", where=frag.defined_at,
+                    fix=f"define it once, before the loop (at the top of the module, or above `{loop.header}`), and "
+                        "call it in the loop; or run with --policy single_process")
             raise UntracedFragmentError(
                 f"{frag.role} fragment '{name}' was first called after tracing ended, so the placement has no "
                 "process for it", where=user_callsite(),
@@ -265,8 +273,7 @@ class LoopInterpreter:
         except FragflowError:
             raise
         except Exception as exc:
-            if not self.program.remote:
-                exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
+            exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
             note = self._run_sized_note(frag, name, args, kwargs) if _about_shapes(exc) else ""
             if note:
                 exc.add_note(note)

@@ -36,13 +36,23 @@ STOP_HEAR_OUT = 5.0          # a run stopped on its target: how long its process
 
 
 class WorkerFailed(Exception):
-    """A worker process raised: names the process and fragment, carries the user's traceback."""
+    """A worker process raised: names the process and fragment, carries the user's traceback.
+    ``who`` names the process as the placement uses it (see ``Driver._process_name``)."""
 
-    def __init__(self, role: str, index: int, fragment: str | None, tb: str) -> None:
-        who = f"actor {index}" if role == "actor" else role
+    def __init__(self, role: str, index: int, fragment: str | None, tb: str, who: str | None = None) -> None:
+        who = who or (f"actor {index}" if role == "actor" else role)
         where = f" in fragment '{fragment}'" if fragment else ""
         super().__init__(f"{who} failed{where}:\n{tb.rstrip()}")
         self.role, self.index, self.fragment, self.tb = role, index, fragment, tb
+
+
+class _ProgramExit(Exception):
+    """The program's own ``SystemExit`` or ``KeyboardInterrupt``, raised in a worker: the run stops
+    and the driver raises it, as the program raises it where the loop runs in one process."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
 
 
 @contextmanager
@@ -155,6 +165,11 @@ class Driver:
         try:
             self._start()
             self._loop()
+        except KeyboardInterrupt:
+            if not self._ended():
+                raise
+            # (Ctrl-C, SIGTERM once every process has ended and the program's value came: the run has
+            # completed, and its processes are only being joined; it stops nothing)
         finally:
             with signals.shielded():   # a second Ctrl-C (a signal sent to the group twice) lets the segments be released
                 if self.checkpoints is not None:
@@ -163,9 +178,14 @@ class Driver:
         if self.checkpoints is not None and self.checkpoints.enabled and self.final:
             from fragflow.runtime.checkpoint import encode_states
 
-            states = encode_states({name: (self.monitor.updates, value) for name, value in self.final.items()})
-            self.checkpoints.commit(self.monitor.counters(), None, {"states": states}, complete=True)
+            with signals.shielded():   # (the run has completed: its last checkpoint is written whole)
+                states = encode_states({name: (self.monitor.updates, value) for name, value in self.final.items()})
+                self.checkpoints.commit(self.monitor.counters(), None, {"states": states}, complete=True)
         return unwrap(self.value, self.final)
+
+    def _ended(self) -> bool:
+        """Every process has ended, the loop has returned its value and each service its last state."""
+        return len(self.finished) >= len(self.procs) and self.returned and self.finals == self.finals_expected
 
     def _start(self) -> None:
         from fragflow.runtime import worker
@@ -265,7 +285,7 @@ class Driver:
         next_stats = time.monotonic() + STATS_EVERY
         results = self.wiring.results
         try:
-            while len(self.finished) < len(self.procs) or not (self.returned and self.finals == self.finals_expected):
+            while not self._ended():
                 signals.check()   # (a Ctrl-C dropped in a finalizer: see keeps_interrupts)
                 self._checkpoint_due()
                 try:
@@ -285,6 +305,10 @@ class Driver:
             self.wiring.stop.set()               # still has its rows (a worker's own error: a non-finite write)
             self._hear_out(STOP_HEAR_OUT / 5)
             raise
+        except _ProgramExit as exc:   # (sys.exit(3), a KeyboardInterrupt of its own: exit 3, 130 as in one process)
+            self.wiring.stop.set()
+            self._hear_out(STOP_HEAR_OUT / 5)
+            raise exc.cause from None
         finally:
             self.monitor.channels(self.channel_stats())
 
@@ -452,7 +476,7 @@ class Driver:
             _, role, index, fragment, tb, blob = msg
             if role == "actor":   # its loop has ended: the rows it marked are written with their own steps
                 self.monitor.loop_ended(index)
-            exc = WorkerFailed(role, index, fragment, tb)
+            exc = WorkerFailed(role, index, fragment, tb, self._process_name(role, index, fragment))
             cause = None
             if blob is not None:
                 try:
@@ -461,11 +485,25 @@ class Driver:
                     cause = None
             if isinstance(cause, FragflowError):
                 raise cause
+            if isinstance(cause, (SystemExit, KeyboardInterrupt)):
+                raise _ProgramExit(cause)
             dead = self._killed_peer(role, index)
             if dead is not None:   # its peers fail on their connections to it: the death is the cause
                 first = (tb.strip().splitlines() or [""])[-1]
                 raise WorkerDied(f"{dead} without reporting an error; {exc.args[0].splitlines()[0]} {first}") from None
             raise exc from cause
+
+    def _process_name(self, role: str, index: int, fragment: str | None) -> str:
+        """A worker by its part in the placement: the loop's replicas only step environments where every
+        actor fragment is served elsewhere (central_inference's env workers), and the process serving
+        them is an inference server beside the learner."""
+        roles = {n.name: n.role for n in self.lowered.placed.graph.fragments()}
+        if role == "actor":
+            served = any(roles.get(name) == "actor" for name in self.lowered.loop.remote)
+            return f"env worker {index}" if served else f"actor {index}"
+        if fragment is not None and roles.get(fragment) == "actor":
+            return f"the inference server (the {role}'s process)"
+        return role
 
     def _killed_peer(self, role: str, index: int, wait: float = 0.5) -> str | None:
         """Another process that a signal ended (a peer of a failed process, which may have failed

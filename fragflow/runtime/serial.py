@@ -24,6 +24,7 @@ from fragflow.runtime.checkpoint import (
 )
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
+from fragflow.runtime.signals import shielded
 
 
 class MonitorReporter:
@@ -104,14 +105,16 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
     try:
         with context.using(interp):
             value = train(*args)
-        if checkpoints is not None and checkpoints.enabled:
-            checkpoints.commit(monitor.counters(), None, {"states": _states(interp)}, complete=True)
+        with shielded():   # the run has completed: a signal now stops nothing, and its last checkpoint is written whole
+            if checkpoints is not None and checkpoints.enabled:
+                checkpoints.commit(monitor.counters(), None, {"states": _states(interp)}, complete=True)
         return unwrap(value)
     finally:
-        if tracker is not None:
-            trips.install(previous)
-        interp.close()
-        torch.set_num_threads(before)
+        with shielded():   # (its environments closed whole, however the run ended)
+            if tracker is not None:
+                trips.install(previous)
+            interp.close()
+            torch.set_num_threads(before)
 
 
 def _states(interp: LoopInterpreter) -> tuple[Any, Any]:

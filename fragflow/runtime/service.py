@@ -43,7 +43,7 @@ from fragflow.compiler.pytree import (
     without_optimizers,
 )
 from fragflow.context import InstanceNames
-from fragflow.errors import ConfigError, SpecChangedError
+from fragflow.errors import ConfigError, FragflowError, SpecChangedError
 from fragflow.lowering import ServiceProgram
 from fragflow.lowering.program import WHOLE_MARK
 from fragflow.runtime import calls
@@ -87,6 +87,10 @@ def _with_globals(fn: types.FunctionType, scope: dict[str, Any]) -> types.Functi
     out.__kwdefaults__ = fn.__kwdefaults__
     functools.update_wrapper(out, fn, updated=())
     return out
+
+
+_SHARED_SCHEDULE = ("call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted in "
+                    "trips), or run with one replica (actors=1, env_workers=1) or --policy single_process")
 
 
 class _Piece:
@@ -163,7 +167,7 @@ class ServiceRunner:
         self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
         self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
         # calls gathered on arrival: each fragment's unbatched leaves at a call, as the first replica sent them
-        self._apart: dict[str, dict[int, tuple[int, list[Any]]]] = {}
+        self._apart: dict[str, dict[int, tuple[int, list[Any], int]]] = {}
         self._gifts: dict[str, Any] = {}   # the current call's
         self._names_given: dict[tuple[int, int], bool] = {}   # (replica, skeleton) -> whether it names any
         self._stalled_since = time.monotonic()
@@ -331,6 +335,12 @@ class ServiceRunner:
                     and all(self.next_tag[k] >= tag for k, tag in cuts.items()))
         return calls.unpack_aux(aux)[2] == calls.cut_mark(request)
 
+    def _on_own_data(self, fragment: str) -> str:
+        """How the loop calls ``fragment`` on data of each replica's own environments: under the
+        ``if`` around its call, where the training function's source has one."""
+        guard = self.checks.get("guarded_at", {}).get(fragment)
+        return f"under the `if` at {guard}" if guard is not None else "under a condition"
+
     def _refuse_unpaired(self, fragment: str, pieces: list[_Piece]) -> None:
         """Calls gathered one per replica, made after different numbers of env steps: the replicas
         call ``fragment`` under a condition on data of their own environments (an episode that
@@ -340,11 +350,39 @@ class ServiceRunner:
         steps = ", ".join(f"replica {p.replica} after {p.steps}" for p in pieces)
         raise ConfigError(
             f"'{fragment}' is called by the loop replicas after different numbers of env steps ({steps}), and "
-            "this policy gathers one call of each replica into one: the loop calls it under a condition on data of "
-            "each replica's own environments (an episode that ended, a reward), which the replicas see differently",
-            where=where,
-            fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted in "
-                "trips), or run with one replica (actors=1, env_workers=1) or --policy single_process")
+            f"this policy gathers one call of each replica into one: the loop calls it {self._on_own_data(fragment)} "
+            "on data of each replica's own environments (an episode that ended, a reward), which the replicas see "
+            "differently", where=where, fix=_SHARED_SCHEDULE)
+
+    def _diverged(self, fragment: str, pieces: list[_Piece]) -> ConfigError:
+        """Calls gathered one per replica in order, where one replica made ``fragment``'s next call
+        before another made its last: the replicas make different calls. The fragments another
+        replica called meanwhile (still waiting for this one's share) are what the loop calls on
+        data of each replica's own environments."""
+        counts: dict[int, list[_Piece]] = {}
+        for p in pieces:
+            counts.setdefault(p.replica, []).append(p)
+        k, twice = next((r, ps) for r, ps in counts.items() if len(ps) > 1)
+        others = sorted(((f, ps) for f, ps in self.pools.items()
+                         if f != fragment and ps and all(p.replica != k for p in ps)),
+                        key=lambda item: min(p.tag for p in item[1]))
+        at = " and ".join(str(p.steps) for p in twice)
+        if not others:
+            return ConfigError(
+                f"loop replica {k} called '{fragment}' again (after {at} env steps) before the other replicas had "
+                "called it as often, and this policy gathers one call of each replica into one: the loop calls it "
+                f"{self._on_own_data(fragment)} on data of each replica's own environments (an episode that "
+                "ended, a reward), which the replicas see differently",
+                where=self.checks.get("called_at", {}).get(fragment), fix=_SHARED_SCHEDULE)
+        cause = others[0][0]
+        names = " and ".join(f"'{f}'" for f, _ in others)
+        by = ", ".join(str(r) for r in sorted({p.replica for _, ps in others for p in ps}))
+        return ConfigError(
+            f"loop replica(s) {by} called {names} where replica {k} did not (it went on to call '{fragment}' "
+            f"again, after {at} env steps), and this policy gathers one call of each replica into one: the loop "
+            f"calls '{cause}' {self._on_own_data(cause)} on data of each replica's own environments (an episode "
+            "that ended, a reward), which the replicas see differently",
+            where=self.checks.get("called_at", {}).get(cause), fix=_SHARED_SCHEDULE)
 
     def _watch_stall(self) -> None:
         """Warn once when a call has waited long for the other replicas' share: a loop that calls a
@@ -385,13 +423,20 @@ class ServiceRunner:
             "or --policy single_process")))
 
     def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> ConfigError:
+        guard = self.checks.get("guarded_at", {}).get(fragment)
+        why = (f"the replicas made different numbers of its calls: the loop calls it under the `if` at {guard} (on "
+               "data of each replica's own environments, an episode that ended, which the replicas see differently?) "
+               "or left the loop at different trips (a break on such data?)"
+               if guard is not None else
+               "the replicas left the loop at different trips (a break on data of their own environments?)")
         return ConfigError(
             f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
             f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
-            "(or, gathered as they arrive, a piece of several): the replicas left the loop at different trips (a "
-            "break on data of their own environments?)", where=self.checks.get("called_at", {}).get(fragment),
-            fix="end the loop on a count every replica shares (updates, the configured total of steps), "
-                "or run with one replica (actors=1, env_workers=1) or --policy single_process")
+            f"(or, gathered as they arrive, a piece of several): {why}",
+            where=self.checks.get("called_at", {}).get(fragment),
+            fix="call it on a schedule every replica shares (every N trips) and end the loop on a count every "
+                "replica shares (updates, the configured total of steps), or run with one replica (actors=1, "
+                "env_workers=1) or --policy single_process")
 
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
@@ -563,6 +608,21 @@ class ServiceRunner:
                 "ff.ReplayBuffer (which declare their batch axes), or run with one acting process "
                 "(actors=1; env_workers=1 under central_inference)")
 
+    def _apart_in_time(self, fragment: str, j: int, call: int, steps: tuple[tuple[int, int], ...]) -> ConfigError:
+        """A value without a batch axis that differs between the replicas' same call of ``fragment``,
+        made after different numbers of env steps: the loop calls it on data of each replica's own
+        environments, and a value it computes from its own count (a schedule) differs with them."""
+        ring = self.ring_specs[fragment]
+        path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
+        path = path[len(WHOLE_MARK):] if path.startswith(WHOLE_MARK) else path
+        at = ", ".join(f"replica {r} after {n}" for r, n in sorted(steps))
+        return ConfigError(
+            f"'{fragment}' is called by the loop replicas after different numbers of env steps (its call {call + 1}: "
+            f"{at}), so its {path} ({ring.specs[j].short()}) differs between them, and the call gathers their "
+            f"pieces into one: the loop calls it {self._on_own_data(fragment)} on data of each replica's own "
+            "environments (an episode that ended, a reward), which the replicas see differently",
+            where=self.checks.get("called_at", {}).get(fragment), fix=_SHARED_SCHEDULE)
+
     def _compare_apart(self, fragment: str, pieces: list[_Piece]) -> None:
         """Calls gathered as they arrive: a leaf without a batch axis is compared with another
         replica's at the same call even where the two pieces reach different updates (one piece per
@@ -576,7 +636,8 @@ class ServiceRunner:
             first = seen.get(p.call)
             if first is None:
                 seen[p.call] = (p.replica, [np.array(to_numpy(p.leaves[j]), copy=True)
-                                            if ring.specs[j].backend != "python" else p.leaves[j] for j in plain])
+                                            if ring.specs[j].backend != "python" else p.leaves[j] for j in plain],
+                                p.steps)
                 while len(seen) > 64:   # (the oldest calls: replicas are never that far apart)
                     del seen[next(iter(seen))]
                 continue
@@ -584,6 +645,8 @@ class ServiceRunner:
                 continue
             for j, value in zip(plain, first[1]):
                 if not _same_value(value, p.leaves[j], ring.specs[j].backend):
+                    if first[2] != p.steps:   # the calls come from different moments: that is why
+                        raise self._apart_in_time(fragment, j, p.call, ((first[0], first[2]), (p.replica, p.steps)))
                     raise self._differs(fragment, j)
 
     def _resolve(self, skel: Any) -> Any:
@@ -634,6 +697,8 @@ class ServiceRunner:
                 pieces = pieces[:self.program.producers]
         else:
             pieces.sort(key=lambda p: p.replica)
+            if len({p.replica for p in pieces}) < len(pieces):   # (one replica's two calls: see _diverged)
+                raise self._diverged(fragment, pieces)
             if len({p.steps for p in pieces}) > 1:
                 self._refuse_unpaired(fragment, pieces)
         self._wait_for(lambda: fragment in self.fragments and
@@ -661,14 +726,21 @@ class ServiceRunner:
         lead = self.program.rank == 0        # of several learners, one speaks for them all
         if clock and lead:
             self.admission.set_busy(True)
-        with context.using(self):
-            if self.reducer is not None and frag.writes is not None:   # every update of the learners' state
-                with self.reducer.update(fragment, required=clock, where=frag.defined_at,
-                                         steps=pieces[0].steps if self.program.ordered else -1,
-                                         called_at=self.checks.get("called_at", {}).get(fragment)):
+        try:
+            with context.using(self):
+                if self.reducer is not None and frag.writes is not None:   # every update of the learners' state
+                    with self.reducer.update(fragment, required=clock, where=frag.defined_at,
+                                             steps=pieces[0].steps if self.program.ordered else -1,
+                                             called_at=self.checks.get("called_at", {}).get(fragment)):
+                        out = frag.fn(*bound.args, **bound.kwargs)
+                else:
                     out = frag.fn(*bound.args, **bound.kwargs)
-            else:
-                out = frag.fn(*bound.args, **bound.kwargs)
+        except FragflowError:
+            raise
+        except Exception as exc:   # (the line single_process's error carries: where the loop called it)
+            called_at = self.checks.get("called_at", {}).get(fragment)
+            exc.add_note(f"(while executing fragment '{fragment}'" + (f" called at {called_at})" if called_at else ")"))
+            raise
         rings = [span() for span in {id(p.ring): getattr(p.ring, "memory", None) for p in pieces}.values()
                  if span is not None]
         if rings:   # what the call keeps must outlive its pieces' slots (a learner's state may view its batch)
