@@ -3054,6 +3054,62 @@ def test_module_data_the_loop_changes_after_the_trace_is_refused_at_the_served_f
     here = ff.run(program.train, key_changed, policy="single_process")
     assert not np.array_equal(here.value["w"], one.value["w"])   # (the change matters)
 
+GLOBAL_TARGET = """
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+TARGET = nn.Linear(4, 1, bias=False)   # a target network kept as a global, synced by the loop
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")   # @learn
+def learn(state, batch):
+    with torch.no_grad():
+        t = TARGET(torch.as_tensor(batch["obs"], dtype=torch.float32)).mean().item()
+    return {"w": state["w"] + 0.01 * t}, {}
+
+def train(sync_from):
+    torch.manual_seed(0)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(6):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())   # @call
+        if u >= sync_from:
+            with torch.no_grad():
+                TARGET.weight.copy_(torch.full((1, 4), float(u)))   # the loop syncs it in place
+    return state
+"""
+
+
+@pytest.mark.parametrize("sync_from, at", [(0, "learn"), (4, "call")])
+def test_a_global_module_the_loop_changes_is_refused_where_its_reader_runs_apart(write_algo, sync_from, at):
+    """A global nn.Module (a target network the loop syncs) was not looked at: only arrays, dicts and
+    lists were, so the learner's copy kept its first weights under every policy over several
+    processes, silently. Changed while traced it is refused at placement, later at the next call."""
+    path, marks = write_algo(GLOBAL_TARGET)
+    program = load(str(path))
+    when = "changes between its calls" if at == "learn" else "changed after the trace"
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' .*reads the global 'TARGET', which the "
+                                             rf"training loop {when}.*\n  at {relpath(path)}:{marks[at]}\n  fix: .*"
+                                             rf"ff.versioned\(\{{'net': net\}}, name='target'\)"):
+        ff.run(program.train, sync_from, policy="pipelined(max_lag=0)")
+    assert shm_leftovers() == []
+    one = ff.run(program.train, 99, policy="single_process")
+    apart = ff.run(program.train, 99, policy="pipelined(max_lag=0)")   # never changed: runs, the same
+    assert np.array_equal(apart.value["w"], one.value["w"])
+    assert not np.array_equal(ff.run(program.train, sync_from, policy="single_process").value["w"], one.value["w"])
+
+
 LOOP_CHANGED_KINDS = """
 import types
 from collections import OrderedDict

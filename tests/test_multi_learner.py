@@ -276,3 +276,28 @@ def test_a_learner_called_on_each_replicas_own_condition_is_refused_at_the_call(
                                              rf"at {relpath(path)}:{marks['call']}\n  fix: call it on a schedule"):
         ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_value_the_loop_computes_over_its_own_share_is_refused_not_learned_apart(write_algo):
+    """A scale the loop computed from the whole batch (`float(np.abs(ys).mean())`) was each
+    replica's own under multi_learner, and each learner learned from its own, silently, where
+    actor_learner refuses it (tester round 34, finding 2). A value every replica holds alike runs."""
+    from tests.conftest import relpath
+
+    source = PROGRAM.replace("def learn(state, xs, ys, args: Args):", "def learn(state, xs, ys, scale, args: Args):") \
+        .replace("loss = ((net(x) - y) ** 2).mean()", "loss = scale * ((net(x) - y) ** 2).mean()") \
+        .replace("        state, metrics = learn(state, xs, ys, args)   # lists of [env, ...] arrays: the env axis is known",
+                 "        scale = float(np.abs(np.stack(ys)).mean()) if args.seed == 0 else 0.5\n"
+                 "        state, metrics = learn(state, xs, ys, scale, args)   # @call")
+    path, marks = write_algo(source, "own_scale.py")
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"scale of 'learn' differs between the loop's replicas, each stepping its "
+                                          rf"share of the environments(.|\n)*at {relpath(path)}:{marks['call']}\n"
+                                          r"  fix: compute it inside the learner"):
+        ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert mp.active_children() == [] and shm_leftovers() == []
+    alike = program.args_cls(seed=1)
+    one = ff.run(program.train, alike, policy="single_process")
+    two = ff.run(program.train, alike, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -208,7 +208,8 @@ def reached_data(fn: Any) -> list[tuple[str, Any, str, Any, Any]]:
     out = []
     for label, holder, name, value, parts in _reached_holders(fn, 0, set()):
         if isinstance(value, (Versioned, VersionedView, types.ModuleType, type)) or _handles(value) or \
-                (callable(value) and not isinstance(value, (np.ndarray, dict, list))) or name.startswith("__"):
+                (callable(value) and not isinstance(value, (np.ndarray, dict, list)) and not _is_module(value)) or \
+                name.startswith("__"):
             continue
         if label.startswith("attribute") and isinstance(value, np.ndarray) and value.size > ATTRIBUTE_ARRAY_MAX:
             continue   # (an object's storage, a buffer's: fingerprinting it at every check costs too much)
@@ -266,6 +267,8 @@ def _elements(value: Any, before: Any = None, depth: int = 0) -> int:
         return sum(_elements(attrs.get(k)) for _, k in before.parts)
     if isinstance(value, np.ndarray) or type(value).__name__ == "Tensor":
         return int(value.size if isinstance(value, np.ndarray) else value.numel())
+    if _is_module(value):
+        return sum(int(t.numel()) for t in (*value.parameters(), *value.buffers()))
     if depth < 3 and isinstance(value, types.SimpleNamespace):
         value = vars(value)
     if depth < 3 and isinstance(value, dict) and len(value) <= 4096:
@@ -400,6 +403,11 @@ def _theirs(cls: type, code: types.CodeType, names: list[str]) -> Theirs:
     return Theirs(frozenset(stored), frozenset(named))
 
 
+def _is_module(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.nn.Module)
+
+
 def _mutable(value: Any) -> bool:
     return not isinstance(value, (bool, int, float, complex, str, bytes, type(None), np.generic, tuple, frozenset))
 
@@ -501,6 +509,8 @@ def snapshot(value: Any, depth: int = 0) -> Any:
         return value.item()
     if isinstance(value, np.ndarray) or type(value).__name__ == "Tensor":
         return ("array", tuple(fingerprint(value)))
+    if _is_module(value):   # (a global target network the loop syncs in place: its tensors, and which object)
+        return ("module", id(value), tuple(fingerprint(value)))
     if depth < 3 and isinstance(value, types.SimpleNamespace):
         value = vars(value)
     if depth < 3 and isinstance(value, dict) and len(value) <= 4096:

@@ -628,8 +628,8 @@ class Tracer(Recording):
         for rec in self._nodes.values():
             if rec.reached and not rec.loop_changes:
                 for label, holder, name, value, before in rec.reached:
-                    if id(value) in self._changed_data:   # (a fragment changes it: refused or kept by its own rule)
-                        continue
+                    if id(value) in self._changed_data or id(value) in self._state_objects:
+                        continue   # (a fragment changes it, or it is versioned state's: each refused or kept by its own rule)
                     now = reached_now(holder, name)
                     after = again(now, before)   # (rebound to what holds the same: CFG = {**CFG, "x": 1})
                     if after != before:   # (an object rebound: another identity)
@@ -958,7 +958,8 @@ class Tracer(Recording):
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
                               other_inputs=rec.other_inputs, loop_changes=rec.loop_changes,
                               reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
-                                                          if id(value) not in self._changed_data)),
+                                                          if id(value) not in self._changed_data
+                                                          and id(value) not in self._state_objects)),
                               changes_data=tuple(sorted(set(rec.changes_data.values()))),
                               names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                        if i in self._changed_data}))))

@@ -361,7 +361,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"its calls, but policy '{policy}' runs '{n.name}' in another process, with a copy of it as it was "
                 "when the process started: the loop's changes would never reach it", where=n.defined_at,
                 fix=f"pass the value to '{n.name}' as an argument at the call (act(..., epsilon)), or keep it in "
-                    f"versioned state a learner writes; if '{n.name}' never reads the part that changes, read only "
+                    "versioned state a learner writes (a network the loop syncs, a target network: "
+                    "ff.versioned({'net': net}, name='target'), passed to the fragment and synced by a learner "
+                    f"fragment that writes it); if '{n.name}' never reads the part that changes, read only "
                     f"the keys it needs by name (CFG['gamma']: those alone are checked; the dict used otherwise is "
                     "checked whole); or run with --policy single_process")
     changed = graph.changed_arg

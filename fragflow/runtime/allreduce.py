@@ -160,11 +160,13 @@ class GradientAllReduce:
 
     @contextmanager
     def update(self, fragment: str, required: bool = True, where: Any = None, steps: int = -1,
-               called_at: Any = None) -> Iterator[None]:
+               called_at: Any = None, given: tuple[tuple[str, int], ...] = ()) -> Iterator[None]:
         """Around a call that writes the learners' state: the gradients it takes with
         ``torch.autograd.grad`` are averaged too; an update (``required``: the clock) that averaged
         nothing is refused (the learners would learn apart). ``steps``: the env steps its loop
-        replicas had made when they called it (-1: not the same in every learner by design)."""
+        replicas had made when they called it (-1: not the same in every learner by design);
+        ``given``: (path, checksum) of the call's arguments without a batch axis, which every
+        learner must be given alike (a value the loop computes over its replica's share differs)."""
         import torch
 
         original = torch.autograd.grad
@@ -173,7 +175,8 @@ class GradientAllReduce:
             return self.average(original(*args, **kwargs))
 
         self.averaged = 0
-        self.call = _Call(fragment, zlib.crc32(fragment.encode()) & 0xFFFFFF, steps, where, called_at)
+        key = zlib.crc32(repr([c for _, c in given]).encode()) % 251 ** 3 if given else 0   # (what _digits carries)
+        self.call = _Call(fragment, zlib.crc32(fragment.encode()) & 0xFFFFFF, steps, where, called_at, given, key)
         torch.autograd.grad = grad
         try:
             yield
@@ -206,8 +209,8 @@ class GradientAllReduce:
                 self._all_reduce(flat)
             self.last = (numel, dtype, device)
             return flat
-        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel), dtype=dtype,
-                              device=device)
+        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key),
+                              dtype=dtype, device=device)
         flat = torch.cat([*parts, digits, digits * digits])
         self._all_reduce(flat)
         m = digits.numel()
@@ -229,11 +232,11 @@ class GradientAllReduce:
         call = self.call
         if call is None:   # (a gradient outside any update: nothing to agree on)
             return
-        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel], dtype=torch.float64,
-                            device=self.device)
+        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key],
+                            dtype=torch.float64, device=self.device)
         both = torch.cat([mine, -mine])
         self._all_reduce(both, op=self.dist.ReduceOp.MAX)
-        high, low = both[:4].cpu(), -both[4:].cpu()
+        high, low = both[:5].cpu(), -both[5:].cpu()
         if torch.equal(high, low):
             return
         if high[1] != low[1]:   # (the same message as a gathering policy's: the calls are not paired)
@@ -245,6 +248,21 @@ class GradientAllReduce:
                 "differently", where=call.called_at,
                 fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted "
                     "in trips), or run with one learner (learners=1) or a single-learner policy")
+        if high[4] != low[4] and high[0] == low[0]:   # (the same call, given other values)
+            sums = torch.tensor([c for _, c in call.given], dtype=torch.float64, device=self.device)
+            apart = torch.cat([sums, -sums])
+            self._all_reduce(apart, op=self.dist.ReduceOp.MAX)
+            n = len(call.given)
+            differ = [i for i in range(n) if apart[i].item() != -apart[n + i].item()]
+            path = call.given[differ[0]][0] if differ else "an argument without a batch axis"
+            raise ConfigError(
+                f"{path} of '{call.fragment}' differs between the loop's replicas, each stepping its share of the "
+                "environments, and has no batch axis: multi_learner gives each learner its own replicas' value, so "
+                "the learners would learn from different values where one process learns from one (a statistic "
+                "the loop computes over its own share of the batch?)", where=call.called_at,
+                fix="compute it inside the learner from its batch, pass per-environment data through "
+                    "ff.RolloutBuffer or ff.ReplayBuffer (which declare their batch axes), or run with one learner "
+                    "(learners=1) or a single-learner policy")
         if high[2] != low[2]:   # (the points before agree: only an ended update differs from a gradient)
             n = int(high[2])
             what = f"one had averaged {n} gradient{'' if n == 1 else 's'} when another ended the update"
@@ -323,3 +341,5 @@ class _Call:
     steps: int
     where: Any
     called_at: Any
+    given: tuple[tuple[str, int], ...] = ()   # (path, checksum) of its arguments without a batch axis
+    given_key: int = 0                        # one checksum of them all

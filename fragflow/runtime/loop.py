@@ -518,7 +518,9 @@ class LoopInterpreter:
                 f"changed after the trace, but this policy runs '{name}' in another process, with a copy of it as "
                 "it was at the fragment's first call: the change would never reach it", where=user_callsite(),
                 fix=f"pass the value to '{name}' as an argument at the call ({name}(..., epsilon)), or keep it in "
-                    "versioned state a learner writes; or run with --policy single_process")
+                    "versioned state a learner writes (a network the loop syncs, a target network: "
+                    "ff.versioned({'net': net}, name='target'), passed to the fragment and synced by a learner "
+                    "fragment that writes it); or run with --policy single_process")
 
     def _eval_misfit(self, leaves: list[Any], specs: tuple[Any, ...]) -> str:
         """Why the evaluation env's observations, given to an actor served for the training envs,

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import types
+import zlib
 from dataclasses import replace
 from typing import Any
 
@@ -586,6 +587,23 @@ class ServiceRunner:
             out.append(from_numpy(joined, spec.backend, spec.device))
         return out
 
+    def _unbatched(self, fragment: str, leaves: list[Any]) -> tuple[tuple[str, int], ...]:
+        """(path, checksum) of each argument leaf of a call without a batch axis: what the learners of
+        multi_learner, each given its own loop replicas' call, must hold alike (see GradientAllReduce)."""
+        ring = self.ring_specs.get(fragment)
+        if ring is None:
+            return ()
+        out = []
+        for j, axis in enumerate(ring.axes):
+            if axis is None and j not in ring.counts and j < len(leaves):
+                path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
+                arr = np.ascontiguousarray(to_numpy(leaves[j]) if ring.specs[j].backend != "python" else
+                                           np.asarray(leaves[j]))
+                out.append((path[len(WHOLE_MARK):] if path.startswith(WHOLE_MARK) else path,
+                            zlib.crc32(arr.view(np.uint8).reshape(-1).data, zlib.crc32(str(arr.dtype).encode()))
+                            & 0xFFFFFF))
+        return tuple(out)
+
     def _differs(self, fragment: str, j: int) -> ConfigError:
         ring = self.ring_specs[fragment]
         path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
@@ -731,7 +749,8 @@ class ServiceRunner:
                 if self.reducer is not None and frag.writes is not None:   # every update of the learners' state
                     with self.reducer.update(fragment, required=clock, where=frag.defined_at,
                                              steps=pieces[0].steps if self.program.ordered else -1,
-                                             called_at=self.checks.get("called_at", {}).get(fragment)):
+                                             called_at=self.checks.get("called_at", {}).get(fragment),
+                                             given=self._unbatched(fragment, leaves) if self.program.ordered else ()):
                         out = frag.fn(*bound.args, **bound.kwargs)
                 else:
                     out = frag.fn(*bound.args, **bound.kwargs)
