@@ -3110,6 +3110,54 @@ def test_a_global_module_the_loop_changes_is_refused_where_its_reader_runs_apart
     assert not np.array_equal(ff.run(program.train, sync_from, policy="single_process").value["w"], one.value["w"])
 
 
+MODULE_ARGUMENT = """
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, nets, batch):
+    with torch.no_grad():
+        f = nets["frozen"](torch.as_tensor(batch["obs"], dtype=torch.float32)).mean().item()
+    return {"w": state["w"] + 0.01 * f}, {"f": f}
+
+def train():
+    torch.manual_seed(0)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    frozen = nn.Linear(4, 1)   # fixed random features (RND's target), never trained
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(3):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, {"frozen": frozen}, buf.collect())   # @call
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "central_inference(env_workers=1)"])
+def test_a_module_given_as_an_argument_is_refused_at_the_call_where_its_fragment_runs_apart(write_algo, policy):
+    """The run started, wrote its files, and failed with 'argument leaf frozen is a Linear', naming
+    no line, no fragment and not ff.versioned (tester round 34, finding 6)."""
+    path, marks = write_algo(MODULE_ARGUMENT)
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' is given a torch module, nets\['frozen'\] "
+                                             rf"\(a torch.nn.modules.linear.Linear\), as an argument.*\n  at "
+                                             rf"{relpath(path)}:{marks['call']}\n  fix: make it versioned state"):
+        ff.run(program.train, policy=policy)
+    assert shm_leftovers() == []
+
+
 LOOP_CHANGED_KINDS = """
 import types
 from collections import OrderedDict

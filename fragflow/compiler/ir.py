@@ -102,6 +102,7 @@ class Node:
     other_rows: str = ""           # also called on another number of environments (an evaluation env): where
     other_rows_evaluation: bool = True   # ... that number is no training env's (else: two training envs)
     other_inputs: str = ""         # also given an argument of another shape: which, where
+    module_arg: tuple[str, str, SourceLoc | None] | None = None   # given an nn.Module: (argument path, type, where)
     loop_changes: str = ""         # module data its code reaches that the loop changed between its calls
     reaches: tuple[str, ...] = ()  # module data its code reaches that no fragment changes (checked in the run)
 

@@ -23,6 +23,7 @@ from fragflow.compiler.ir import EdgeKind, LeafSpec
 from fragflow.compiler.pytree import (
     NotAnArray,
     TensorSpec,
+    _torch_kind,
     leaf_paths,
     skeleton_of,
     spec_of,
@@ -31,7 +32,7 @@ from fragflow.compiler.pytree import (
 )
 from fragflow.compiler.window import TraceWindow
 from fragflow.errors import NotArrayPytreeError, ShapeChangedError, VersionedStateError
-from fragflow.source import SourceLoc
+from fragflow.source import SourceLoc, user_callsite
 
 LOOP = "loop"
 
@@ -66,6 +67,7 @@ class NodeRec:
     other_rows: str = ""      # it was also called on another number of environments (an evaluation env): where
     other_rows_n: int | None = None   # ... and that number
     other_inputs: str = ""    # it was also given an argument of another shape (two rollouts' sizes): which, where
+    module_arg: tuple[str, str, SourceLoc | None] | None = None   # an nn.Module given as (part of) an argument
     repeat: Repeat | None = None   # its last call, where the next one like it need not be recorded again
     repeated: bool = False         # its last call was like that one (its arguments from the same places)
 
@@ -155,6 +157,11 @@ class Recording:
                 touched.add((src, port))
                 edge.crossings[window] += 1
                 crossed.append(edge)
+        if rec.module_arg is None:
+            inside = _module_in(value)
+            if inside is not None:
+                rec.module_arg = (f"{pname}{inside[0]}", f"{type(inside[1]).__module__}.{type(inside[1]).__qualname__}",
+                                  where or user_callsite())
         return tuple(recorded)
 
     def _sources(self, rec: NodeRec, pname: str, value: Any, where: SourceLoc | None,
@@ -322,6 +329,17 @@ def _only_keys_differ(before: list[tuple[str, Any]], now: list[tuple[str, Any]])
     """The outputs differ in which leaves they have, not in the shape of any leaf both have."""
     known = dict(before)
     return all(known.get(path, spec) == spec for path, spec in now)
+
+
+def _module_in(value: Any, path: str = "", depth: int = 0) -> tuple[str, Any] | None:
+    """(path, module) of the first torch module in an argument (itself, or in its dicts, lists and tuples)."""
+    if _torch_kind(value) == "module":
+        return path, value
+    if depth < 4 and isinstance(value, dict):
+        return next((m for k, v in value.items() if (m := _module_in(v, f"{path}[{k!r}]", depth + 1))), None)
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return next((m for i, v in enumerate(value) if (m := _module_in(v, f"{path}[{i}]", depth + 1))), None)
+    return None
 
 
 def strong(x: Any) -> Callable[[], Any]:

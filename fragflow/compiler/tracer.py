@@ -956,7 +956,7 @@ class Tracer(Recording):
                               mutates_state=rec.mutates, captures_state=rec.captures,
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
-                              other_inputs=rec.other_inputs, loop_changes=rec.loop_changes,
+                              other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
                               reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
                                                           if id(value) not in self._changed_data
                                                           and id(value) not in self._state_objects)),

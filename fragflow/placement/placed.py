@@ -258,6 +258,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"{dst.role} fragment '{e.dst}' on the acting side", where=e.where or dst.called_at,
                 fix="use a policy that keeps the buffer with the actors (actor_learner), or --policy single_process")
     for n in graph.fragments():
+        if n.name in service and n.module_arg is not None:
+            arg, kind, at = n.module_arg
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' is given a torch module, {arg} (a {kind}), as an argument, but policy "
+                f"'{policy}' runs '{n.name}' in another process, and what a call sends there is arrays, Python numbers "
+                "and configuration: a module goes there as versioned state", where=at,
+                fix="make it versioned state (x = ff.versioned({'net': module}, name='x') before the loop) and pass "
+                    "that: a learner fragment that writes it trains or syncs it, and every fragment reads its newest "
+                    "version; or run with --policy single_process")
         if n.name in service and n.other_inputs and not n.other_rows:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' is given {n.other_inputs}, but policy '{policy}' runs it in another "
