@@ -168,6 +168,54 @@ def test_every_process_runs_torch_with_the_placements_thread_count(program, poli
         torch.set_num_threads(before)
 
 
+TWO_WRITERS = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + np.float32(1e-3) * batch["obs"].mean(), "t": np.full(1, torch.get_num_threads())}, {}
+
+@ff.fragment("learner", writes="state")
+def decay(state):
+    return {"w": state["w"] * np.float32(0.999), "t": state["t"]}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(SIZE, np.float32), "t": np.zeros(1, np.int64)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            obs, *_ = env.step(np.zeros(2, np.int64))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+        state, _ = decay(state)
+    return state
+"""
+
+
+def test_a_state_two_learners_write_is_counted_once_for_the_thread_count(write_algo, monkeypatch):
+    """A state of 30k floats written by two learners was counted twice, over the 50k floats that get a
+    process the cores: single_process ran torch on two threads, several times slower than on one."""
+    import torch
+
+    monkeypatch.delenv("FRAGFLOW_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    small, _ = write_algo(TWO_WRITERS.replace("SIZE", "30_000"), "two_writers.py")
+    big, _ = write_algo(TWO_WRITERS.replace("SIZE", "60_000"), "two_writers_big.py")
+    assert compile(load(str(small)).train, policy="single_process").lowered.loop.threads == 1
+    assert compile(load(str(big)).train, policy="single_process").lowered.loop.threads == 8   # (over it: the cores)
+    learner = compile(load(str(small)).train, policy="pipelined(actors=1)").lowered.services[0]
+    assert set(learner.fragments) == {"learn", "decay"} and learner.threads == 1
+    before = torch.get_num_threads()
+    try:   # the count the run's learner ran with
+        assert ff.run(load(str(small)).train, policy="single_process").value["t"][0] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("line, what", [
     ('if state["n"] == 1:', "compared with =="),
     ('if int(state["n"]) > 0:', "converted to an int"),
