@@ -39,6 +39,7 @@ from fragflow.compiler.pytree import (
     leaf_paths,
     ordered_like,
     spec_of,
+    structure,
     to_numpy,
     without_optimizers,
 )
@@ -124,6 +125,7 @@ class ServiceRunner:
         self._module_globals: dict[str, dict[str, Any]] = {}   # a module's globals, as its first fragment brought them
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
+        self._shapes: dict[str, Any] = {}   # each state's structure, as it came (a learner's new state keeps it)
         self.outputs: dict[str, Any] = {}
         self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
         self._answered: dict[str, list[str]] = {}   # a served fragment's output paths, as first answered
@@ -236,6 +238,7 @@ class ServiceRunner:
                     set_global_random(*self.resume_random)
                 self._seeded = True
             self.states[msg[1]] = cloudpickle.loads(msg[2])
+            self._shapes[msg[1]] = structure(self.states[msg[1]])
             _track_scheduled_steps(self.states[msg[1]])
             if self.program.world > 1:
                 self.reducer.watch(self.states[msg[1]], msg[1])
@@ -679,7 +682,8 @@ class ServiceRunner:
             new_value = ordered_like(self.states.get(state), out[0] if isinstance(out, tuple) else out)
             traced = self.checks.get("state", {}).get((fragment, state))
             where = self.checks.get("called_at", {}).get(fragment)
-            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite())
+            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite(),
+                              self._shapes.get(state))
             self.states[state] = new_value
             self.writes[state] = self.writes.get(state, 0) + 1
             if clock:
@@ -833,7 +837,29 @@ class ServiceRunner:
             for k in path:
                 sub = sub[k]
             leaves.extend(flatten(without_optimizers(sub))[0])
-        self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
+        try:
+            self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
+        except (SpecChangedError, TypeError, ValueError) as exc:   # (the channel's own words name no fragment)
+            raise self._unfit(state, exc) from None
+
+    def _unfit(self, state: str, exc: Exception) -> Exception:
+        """The broadcast, sized from the state's traced specs, refused the state a learner just wrote:
+        the learner changed a leaf's dtype or shape (or the state's structure) at an update the
+        periodic check skips. Named as that check names it: the learner, its line, the leaf."""
+        writer = self.current
+        traced = self.checks.get("state", {}).get((writer, state))
+        if traced is None:   # (published as it came: no learner wrote it)
+            return exc
+        where = self.checks.get("called_at", {}).get(writer)
+        update = self.version if writer == self.program.clock else self.version + 1
+        try:
+            calls.check_state(self.states[state], traced, writer, state, where, update=update)
+        except SpecChangedError as found:
+            return found
+        return SpecChangedError(
+            f"learner '{writer}' returned state '{state}' in update {update} that no longer fits the channel "
+            f"sized from its traced specs, which carries it to the acting side: {exc}", where=where,
+            fix="keep the state's shapes, dtypes and structure fixed (cast back, e.g. x.astype(np.float32))")
 
     def _save(self, seq: int) -> None:
         """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""
