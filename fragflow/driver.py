@@ -167,6 +167,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     lowered = lower(placed)
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
+    checks["loops"] = {n.name: loop for n in graph.fragments() if (loop := _left_loop(graph, n.name)) is not None}
     checks["captured"] = frozenset(n.name for n in captured)
     checks["process"] = process_settings()   # (what the training function set process-wide, for every worker)
     program = None
@@ -183,6 +184,16 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         except Exception as exc:
             raise _unsendable(args, placed.policy, train, exc) from None
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
+
+
+def _left_loop(graph: Any, name: str) -> tuple[Any, str] | None:
+    """(line, header) of the loop a fragment's call is in that replicas could leave at different
+    trips: the innermost around it with an early exit or no known bound (``while True: ... break``),
+    else the outermost; None outside the loops."""
+    loops = graph.loops_of(name)
+    open_ended = [loop for loop in loops if loop.exits or loop.trips is None]
+    loop = open_ended[-1] if open_ended else loops[0] if loops else None
+    return None if loop is None else (loop.where, loop.header)
 
 
 def _unimportable(module: Any) -> bool:

@@ -388,16 +388,58 @@ class ServiceRunner:
             "or --policy single_process")))
 
     def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> ConfigError:
+        """Replicas that made different numbers of calls of ``fragment`` by the end of their loop."""
+        called_at = self.checks.get("called_at", {}).get(fragment)
+        loop = self.checks.get("loops", {}).get(fragment)
+        made = ", ".join(f"replica {k}: {self._calls_made.get((k, fragment), -1) + 1}" for k in sorted(ended + going))
         return ConfigError(
             f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
             f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
-            "(or, gathered as they arrive, a piece of several): the replicas left the loop at different trips (a "
-            "break on data of their own environments?)", where=self.checks.get("called_at", {}).get(fragment),
-            fix="end the loop on a count every replica shares (updates, the configured total of steps), "
-                "or run with one replica (actors=1, env_workers=1) or --policy single_process")
+            "(or, gathered as they arrive, a piece of several): the replicas left the loop"
+            f"{f' (`{loop[1]}`, at {loop[0]})' if loop else ''} at different trips (a break on data of their own "
+            f"environments?) or call '{fragment}'{f' (at {called_at})' if called_at else ''} under an `if` on such "
+            f"data (calls of it taken: {made})", where=loop[0] if loop else called_at,
+            fix="end the loop on a count every replica shares (updates, the configured total of steps) and call "
+                "fragments on a schedule every replica shares, or run with one replica (actors=1, env_workers=1) "
+                "or --policy single_process")
+
+    def _ended_apart(self) -> None:
+        """Every replica ended its loop: each must have made as many calls of each fragment as the
+        others (gathered as they arrive, a replica left with calls the others never made is seen
+        as it makes them only if the others ended first; else here, whatever the timing)."""
+        producers = self.program.producers
+        for fragment in dict.fromkeys(f for _, f in self._calls_made):
+            made = [self._calls_made.get((k, fragment), -1) for k in range(producers)]
+            if len(set(made)) > 1:
+                fewest = min(made)
+                raise self._left_apart(fragment, [k for k in range(producers) if made[k] == fewest],
+                                       [k for k in range(producers) if made[k] > fewest])
+
+    def _diverged(self, k: int, fragment: str) -> None:
+        """Calls taken one per replica in order: replica ``k``'s next call is ``fragment`` while the
+        replicas before it made another call, still waiting for ``k``'s. The replicas call
+        different fragments here (one under an ``if`` on data of its own environments), and each
+        would wait for the others' call for good (a served actor's reply among them)."""
+        for other, pool in self.pools.items():
+            if other == fragment or not pool:
+                continue
+            called_at = self.checks.get("called_at", {})
+            learner = fragment if fragment == self.program.clock else other   # (where a learner is one, its line)
+            have = ", ".join(str(p.replica) for p in pool)
+            raise ConfigError(
+                f"loop replica {k}'s next call into the {self.program.group}'s process is '{fragment}' (at "
+                f"{called_at.get(fragment)}), while replica(s) {have} called '{other}' (at {called_at.get(other)}) "
+                "there: this policy takes one call of each replica at a time, in order, and the replicas' calls "
+                "differ, so each would wait for the others' for good: the loop calls one of them under a condition "
+                "on data of each replica's own environments (an episode that ended, a reward, a batch's mean), "
+                "which the replicas see differently", where=called_at.get(learner),
+                fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted "
+                    "in trips), or run with one replica (actors=1, env_workers=1) or --policy single_process")
 
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
+        if self.program.ordered:
+            self._diverged(k, fragment)
         self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
         if self._save_due() and self._saved_where_loop_is(meta[2]):
             self._save(self.admission.checkpoint_request())
@@ -439,6 +481,7 @@ class ServiceRunner:
                 head = self._head(k)
                 if head is None:
                     if all(self.finished):
+                        self._ended_apart()
                         return None
                     if self.finished[k]:
                         # a call the others made that this finished replica never will: stop with the
@@ -457,6 +500,7 @@ class ServiceRunner:
                     if due is not None:
                         return due
                     if all(self.finished):
+                        self._ended_apart()
                         return None
                     self._watch_stall()
                     self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
