@@ -190,6 +190,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["loops"] = graph.loops   # (a fragment first called after the trace: defined in one?)
     checks["guarded_at"] = {n.name: guard for n in graph.fragments() if (guard := guard_of(n.called_at, graph.loops))}
+    checks["left_loop"] = {n.name: loop for n in graph.fragments() if (loop := _left_loop(graph, n.name)) is not None}
     checks["captured"] = frozenset(n.name for n in captured)
     # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
     # after the trace, as from update 100 on, would never reach the fragment's copy)
@@ -233,6 +234,14 @@ def _refuse_defined_in_loop(placed: PlacedGraph) -> None:
                 where=at,
                 fix=f"define '{names[0]}' once, before the loop (at the top of the module, or above `{loop.header}`), "
                     "and call it in the loop; or run with --policy single_process")
+def _left_loop(graph: Any, name: str) -> tuple[Any, str] | None:
+    """(line, header) of the loop a fragment's call is in that replicas could leave at different
+    trips: the innermost around it with an early exit or no known bound (``while True: ... break``),
+    else the outermost; None outside the loops."""
+    loops = graph.loops_of(name)
+    open_ended = [loop for loop in loops if loop.exits or loop.trips is None]
+    loop = open_ended[-1] if open_ended else loops[0] if loops else None
+    return None if loop is None else (loop.where, loop.header)
 
 
 def _unimportable(module: Any) -> bool:

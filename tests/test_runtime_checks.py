@@ -33,7 +33,7 @@ import fragflow as ff
 class Args:
     updates: int = 4
     bad_at: int = -1          # the update whose learner misbehaves
-    how: str = "nan"          # nan | dtype
+    how: str = "nan"          # nan | dtype | shape | key
     threads: bool = False
 
 @ff.fragment("actor")
@@ -48,9 +48,14 @@ def learn(state, batch, bad_at, how):
     if state["n"][0] == bad_at:
         if how == "nan":
             w = w * np.nan
-        else:
+        elif how == "dtype":
             w = w.astype(np.float64)  # @dtype
-    return {"params": {"w": w, "t": state["params"]["t"]}, "n": state["n"] + 1}, {"m": batch["obs"].mean()}
+        elif how == "shape":
+            w = np.zeros(5, np.float32)
+    new = {"params": {"w": w, "t": state["params"]["t"]}, "n": state["n"] + 1}
+    if how == "key" and state["n"][0] >= bad_at >= 0:
+        new = {**new, "extra": np.zeros(2)}
+    return new, {"m": batch["obs"].mean()}
 
 def train(args: Args):
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
@@ -153,6 +158,40 @@ def test_a_state_dtype_change_after_tracing_is_refused_the_same_way_everywhere(p
         ff.run(prog.train, prog.args_cls(bad_at=3, how="dtype"), policy=policy)
 
 
+@pytest.mark.parametrize("how, got", [("dtype", r"f64\[4\]"), ("shape", r"f32\[5\]")], ids=["dtype", "shape"])
+@pytest.mark.parametrize("policy, when", [
+    ("single_process", r"by update 32 \(after the first 16 updates, every 16th is checked"),
+    ("pipelined(actors=1)", r"in update 19\n"),
+    ("actor_learner(actors=2)", r"in update 19\n"),
+], ids=["single_process", "pipelined", "actor_learner"])
+def test_a_state_leaf_changed_between_checks_is_named_with_its_learner_whichever_update(program, how, got, policy,
+                                                                                       when):
+    """Changed at update 19, which the periodic check skips: under a policy of several processes the
+    broadcast sized for the state refused it with its own words, naming no fragment ("an array of
+    shape (5,) was sent through a channel sized for f32[4]", numpy's "Cannot cast array data");
+    single_process's check at update 32 did not say the change could be older."""
+    prog, path, marks = program
+    with pytest.raises(SpecChangedError, match=rf"learner 'learn' returned state 'state' with \['params'\]\['w'\] as "
+                                               rf"{got} numpy, traced as f32\[4\] numpy {when}(.|\n)*"
+                                               rf"{relpath(path)}:{marks['learn']}"):
+        ff.run(prog.train, prog.args_cls(updates=40, bad_at=18, how=how), policy=policy)
+    assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)", "actor_learner(actors=2)"])
+@pytest.mark.parametrize("bad_at", [1, 18])
+def test_a_key_a_learner_adds_to_the_state_is_refused_at_that_update(program, policy, bad_at):
+    """`{**state, "extra": x}` from the learner's second call on (or its 19th, between the periodic
+    checks) ran to the end under every policy: the spec check skips leaves it was not traced with."""
+    prog, path, marks = program
+    with pytest.raises(VersionedStateError, match=rf"learner 'learn' returned, as the next version of 'state', a value "
+                                                  rf"that is not shaped like the state it was given \(missing: none; "
+                                                  rf"not in the state: \['extra'\]\) in update {bad_at + 1}\n"
+                                                  rf"  at {relpath(path)}:{marks['learn']}"):
+        ff.run(prog.train, prog.args_cls(updates=24, bad_at=bad_at, how="key"), policy=policy)
+    assert shm_leftovers() == []
+
+
 @pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
 def test_every_process_runs_torch_with_the_placements_thread_count(program, policy, monkeypatch):
     import torch
@@ -164,6 +203,54 @@ def test_every_process_runs_torch_with_the_placements_thread_count(program, poli
     try:
         # the loop records the count it runs with; act asserts the same count wherever it runs
         ff.run(prog.train, prog.args_cls(threads=True), policy=policy)
+    finally:
+        torch.set_num_threads(before)
+
+
+TWO_WRITERS = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + np.float32(1e-3) * batch["obs"].mean(), "t": np.full(1, torch.get_num_threads())}, {}
+
+@ff.fragment("learner", writes="state")
+def decay(state):
+    return {"w": state["w"] * np.float32(0.999), "t": state["t"]}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(SIZE, np.float32), "t": np.zeros(1, np.int64)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            obs, *_ = env.step(np.zeros(2, np.int64))
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+        state, _ = decay(state)
+    return state
+"""
+
+
+def test_a_state_two_learners_write_is_counted_once_for_the_thread_count(write_algo, monkeypatch):
+    """A state of 30k floats written by two learners was counted twice, over the 50k floats that get a
+    process the cores: single_process ran torch on two threads, several times slower than on one."""
+    import torch
+
+    monkeypatch.delenv("FRAGFLOW_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    small, _ = write_algo(TWO_WRITERS.replace("SIZE", "30_000"), "two_writers.py")
+    big, _ = write_algo(TWO_WRITERS.replace("SIZE", "60_000"), "two_writers_big.py")
+    assert compile(load(str(small)).train, policy="single_process").lowered.loop.threads == 1
+    assert compile(load(str(big)).train, policy="single_process").lowered.loop.threads == 8   # (over it: the cores)
+    learner = compile(load(str(small)).train, policy="pipelined(actors=1)").lowered.services[0]
+    assert set(learner.fragments) == {"learn", "decay"} and learner.threads == 1
+    before = torch.get_num_threads()
+    try:   # the count the run's learner ran with
+        assert ff.run(load(str(small)).train, policy="single_process").value["t"][0] == 1
     finally:
         torch.set_num_threads(before)
 

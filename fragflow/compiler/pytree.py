@@ -175,6 +175,40 @@ def without_optimizers(tree: Any) -> Any:
     return None if _torch_kind(tree) in ("optimizer", "scheduler") else tree
 
 
+def structure(tree: Any) -> Any:
+    """The containers of a pytree (dicts by key, lists and tuples by place, a namedtuple's fields)
+    with a mark for each leaf and None for None: compared with ``==``, which is cheap. Modules and
+    optimizers are leaves here: Adam's moments appear at its first step, and for a parameter first
+    given a gradient later.
+
+    >>> structure({"w": np.zeros(2), "h": [None, 1.0]})
+    {'w': 0, 'h': [None, 0]}
+    """
+    if isinstance(tree, dict):
+        return {k: structure(v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return (tree._fields, [structure(v) for v in tree])
+    if isinstance(tree, (list, tuple)):
+        return [structure(v) for v in tree]
+    return None if tree is None else 0
+
+
+def structure_paths(shape: Any, path: str = "") -> set[str]:
+    """The leaf paths of a :func:`structure`, as :func:`leaf_paths` writes them (a module or an
+    optimizer is one path).
+
+    >>> sorted(structure_paths(structure({"w": np.zeros(2), "h": [None, 1.0]})))
+    ["['h'][1]", "['w']"]
+    """
+    if isinstance(shape, dict):
+        return {p for k, v in shape.items() for p in structure_paths(v, f"{path}[{k!r}]")}
+    if isinstance(shape, tuple):
+        return {p for f, v in zip(shape[0], shape[1]) for p in structure_paths(v, f"{path}.{f}")}
+    if isinstance(shape, list):
+        return {p for i, v in enumerate(shape) for p in structure_paths(v, f"{path}[{i}]")}
+    return set() if shape is None else {path}
+
+
 def unflatten_into(template: Any, leaves: list[Any], optimizers: bool = True) -> Any:
     """``template``'s structure with ``leaves`` in it: containers are rebuilt, but modules and
     optimizers in ``template`` are kept and their tensors overwritten in place (their leaves are

@@ -65,6 +65,21 @@ def _torch_uint8() -> Any:
     return torch.uint8
 
 
+def reshaped(learner: str, state: str, given: set[str], got: set[str], where: SourceLoc | None,
+             when: str = "") -> VersionedStateError:
+    """A learner's new state whose leaves are not the state's (``given``: its leaf paths; ``got``:
+    the new state's), at its first write (while tracing) or any later one (``when``: which)."""
+    def some(paths: set[str]) -> str:
+        return ", ".join(sorted(paths)[:4]) + (", ..." if len(paths) > 4 else "") if paths else "none"
+    return VersionedStateError(
+        f"learner '{learner}' returned, as the next version of '{state}', a value that is not shaped "
+        f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)}){when}",
+        where=where, fix=f"return the new state first, with the same structure: return {state}, metrics (a value "
+                         "it adds later belongs in the state from the start: ff.versioned({..., 'extra': "
+                         f"np.zeros(...)}})); a learner that only reads '{state}' (it computes metrics, changes "
+                         "nothing) is declared @ff.fragment(\"learner\", writes=None)")
+
+
 def check_new_state(learner: str, handle: Versioned, leaves: list[tuple[str, Any]], where: SourceLoc | None) -> None:
     """A learner's first new state (``leaves``) must be shaped like the state it was given: the same
     leaves, each with its shape, dtype and array library."""
@@ -74,14 +89,7 @@ def check_new_state(learner: str, handle: Versioned, leaves: list[tuple[str, Any
         return
     given, got = set(before), {p for p, _ in leaves}
     if got != given:
-        def some(paths: set[str]) -> str:
-            return ", ".join(sorted(paths)[:4]) + (", ..." if len(paths) > 4 else "") if paths else "none"
-        raise VersionedStateError(
-            f"learner '{learner}' returned, as the next version of '{handle.name}', a value that is not shaped "
-            f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)})",
-            where=where, fix=f"return the new state first, with the same structure: return {handle.name}, metrics; a "
-                             f"learner that only reads '{handle.name}' (it computes metrics, changes nothing) "
-                             "is declared @ff.fragment(\"learner\", writes=None)")
+        raise reshaped(learner, handle.name, given, got, where)
     for p, leaf in leaves:
         was, now = spec_of(before[p]), spec_of(leaf)
         if (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):

@@ -45,6 +45,7 @@ from fragflow.compiler.pytree import (
     leaf_paths,
     ordered_like,
     spec_of,
+    structure,
     typed_key_fix,
     typed_key_note,
     without_optimizers,
@@ -102,6 +103,7 @@ class _StopTracing(BaseException):
 class _StateRec:
     created_at: SourceLoc | None
     versions: int = 1
+    shape: Any = None   # its structure as made (a learner's new state keeps it)
 
 
 class Tracer(Recording):
@@ -261,7 +263,7 @@ class Tracer(Recording):
         if where is not None and any(rec.created_at == where and rec.versions > 1 for rec in self._states.values()):
             self.remade_state = where   # run again at the line that made a state a learner has written: in the loop
         unique = self._names(name)
-        self._states[unique] = _StateRec(where)
+        self._states[unique] = _StateRec(where, shape=structure(value))
         for obj in objects_of(value):
             self._state_objects.setdefault(id(obj), (unique, obj))
         handle = self._latest[unique] = Versioned(unique, 0, value, where)
@@ -915,8 +917,12 @@ class Tracer(Recording):
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         if not edge.leaves:   # its first write
             check_new_state(rec.name, handle, leaves, rec.defined_at)
-        from fragflow.runtime.calls import check_finite
+        from fragflow.runtime.calls import check_finite, check_structure
         from fragflow.runtime.loop import allow_nonfinite
+
+        made = self._states.get(handle.name)
+        if made is not None and made.shape is not None:   # a later write too (a key added at the second update)
+            check_structure(new_value, made.shape, rec.name, handle.name, sum(rec.calls), where or rec.called_at)
 
         if not allow_nonfinite():   # as the run checks it (the trace is single_process's first updates)
             check_finite(new_value, rec.name, sum(rec.calls), where or user_callsite(), leaves)

@@ -196,8 +196,14 @@ def _threads(graph: Graph, group: Group, processes: int) -> int:
     if group.threads:
         return group.threads
     learners = {n for n in group.nodes if graph.node(n).role == "learner"}
-    floats = sum(leaf.spec.nbytes // 4 for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.src in learners
-                 for leaf in e.leaves)
+    # each state once, however many of the group's learners write it (SAC's two): leaf by leaf
+    sizes: dict[tuple[str, str], int] = {}
+    for e in graph.edges_of(EdgeKind.STATE_WRITE):
+        if e.src in learners:
+            for leaf in e.leaves:
+                key = (e.dst, leaf.dst_path)
+                sizes[key] = max(sizes.get(key, 0), leaf.spec.nbytes // 4)
+    floats = sum(sizes.values())
     if floats < BIG_LEARNER:
         return 1
     return max(1, (os.cpu_count() or 1) // processes)

@@ -22,7 +22,18 @@ from typing import Any
 import numpy as np
 
 from fragflow.api.versioned import Pending, Versioned, VersionedView
-from fragflow.compiler.pytree import TensorSpec, backend_of, fits, is_static, leaf_paths, spec_of, to_numpy
+from fragflow.compiler.pytree import (
+    TensorSpec,
+    backend_of,
+    fits,
+    is_static,
+    leaf_paths,
+    spec_of,
+    structure,
+    structure_paths,
+    to_numpy,
+)
+from fragflow.compiler.reach import reshaped
 from fragflow.errors import ConfigError, NonFiniteError, NotArrayPytreeError, SpecChangedError
 from fragflow.source import SourceLoc
 
@@ -220,8 +231,16 @@ def is_checked(update: int, every: int) -> bool:
     return update <= every or update % every == 0
 
 
+def _when(update: int, every: int) -> str:
+    """Which update a check found a change in: that one, or one of those since the last check."""
+    if update <= every or every == 1:
+        return f"in update {update}"
+    return (f"by update {update} (after the first {every} updates, every {every}th is checked: "
+            "FRAGFLOW_CHECK_EVERY=1 checks each)")
+
+
 def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state: str, where: Where,
-                leaves: list[tuple[str, Any]] | None = None) -> None:
+                leaves: list[tuple[str, Any]] | None = None, update: int = 0, every: int = 1) -> None:
     """A learner's new state must keep the shapes and dtypes traced for it (every policy checks the same)."""
     for path, leaf in leaves if leaves is not None else leaf_paths(value):
         spec = traced.get(path)
@@ -231,9 +250,22 @@ def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state:
             continue
         got = spec_of(leaf)
         if got.shape != spec.shape or got.dtype != spec.dtype:
+            when = f" {_when(update, every)}" if update else ""
             raise SpecChangedError(f"learner '{fragment}' returned state '{state}' with {path} as {got.short()} "
-                                   f"{got.backend}, traced as {spec.short()} {spec.backend}", where=_loc(where),
+                                   f"{got.backend}, traced as {spec.short()} {spec.backend}{when}", where=_loc(where),
                                    fix="keep the state's shapes and dtypes fixed (cast back, e.g. x.astype(np.float32))")
+
+
+def check_structure(value: Any, shape: Any, fragment: str, state: str, update: int, where: Where) -> None:
+    """A learner's new state must hold the leaves of the state it was given (``shape``: the state's
+    :func:`~fragflow.compiler.pytree.structure`): a key it adds (``{**state, "extra": x}``) or drops.
+    Checked at every update: it compares the containers only, not the arrays."""
+    got = structure(value)
+    if got == shape:
+        return
+    given, now = structure_paths(shape), structure_paths(got)
+    if given != now:   # (else the same leaves: a tuple for a list, an empty dict for None)
+        raise reshaped(fragment, state, given, now, _loc(where), f" in update {update}")
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
@@ -251,15 +283,18 @@ def _same_spec(leaf: Any, spec: TensorSpec) -> bool:
 
 
 def check_write(value: Any, traced: dict[str, TensorSpec] | None, fragment: str, state: str, update: int,
-                where: Where, finite: bool) -> None:
-    """Both checks of a learner's new state, over one walk of its leaves, at the updates
-    :func:`is_checked` picks (``where`` may be a callable: it is called only to report an error)."""
+                where: Where, finite: bool, shape: Any = None) -> None:
+    """The checks of a learner's new state: its structure (``shape``, where given) at every update;
+    its specs and finiteness, over one walk of its leaves, at the updates :func:`is_checked` picks
+    (``where`` may be a callable: it is called only to report an error)."""
+    if shape is not None:
+        check_structure(value, shape, fragment, state, update, where)
     every = check_every()
     if not is_checked(update, every) or (traced is None and not finite):
         return
     leaves = leaf_paths(value)
     if traced is not None:
-        check_state(value, traced, fragment, state, where, leaves)
+        check_state(value, traced, fragment, state, where, leaves, update, every)
     if finite:
         check_finite(value, fragment, update, where, leaves, every)
 
@@ -305,9 +340,7 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
                     continue
                 bad = not bool(np.isfinite(arr).all())
         if bad:
-            when = (f"in update {update}" if update <= every or every == 1 else
-                    f"by update {update} (after the first {every} updates, every {every}th is checked: "
-                    f"FRAGFLOW_CHECK_EVERY=1 checks each)")
+            when = _when(update, every)
             raise NonFiniteError(f"learner '{fragment}' produced a non-finite value (NaN or inf) at {path or 'its output'} "
                                  f"{when}", where=_loc(where),
                                  fix="lower the learning rate, clip gradients or check the loss for log(0) / division "

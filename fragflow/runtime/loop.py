@@ -34,6 +34,7 @@ from fragflow.compiler.pytree import (
     leaf_paths,
     ordered_like,
     spec_of,
+    structure,
     to_numpy,
     unflatten_into,
 )
@@ -120,6 +121,7 @@ class LoopInterpreter:
         self._writes: dict[str, int] = {}
         self._final: dict[tuple[str, int], int] = {}
         self._states: dict[str, Versioned] = {}
+        self._shapes: dict[str, Any] = {}   # each state's structure (a learner's new state keeps it)
         self._seq = 0
         self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
         self._shipped: set[str] = set()
@@ -178,6 +180,7 @@ class LoopInterpreter:
             value, version = restore_state(self.restored, name, value, where)
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
+        self._shapes[handle.name] = structure(value)
         if self.index == 0:   # (restarted too: its first process may have died before it sent it; a service keeps the first)
             from fragflow.runtime.checkpoint import global_random
 
@@ -260,6 +263,8 @@ class LoopInterpreter:
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
             written = handle
+            if handle.name not in self._shapes:   # (a state the trace made, which this run goes on from)
+                self._shapes[handle.name] = structure(self._states.get(handle.name, handle).value)
         if any(isinstance(a, (Versioned, VersionedView)) for a in args):
             args = tuple(self._resolve(a) for a in args)
         if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
@@ -338,7 +343,8 @@ class LoopInterpreter:
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
-        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite, not allow_nonfinite())
+        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite, not allow_nonfinite(),
+                          self._shapes.get(state))
 
     def _version(self) -> int:
         """The parameter version of the current rollout, chosen at its first read."""

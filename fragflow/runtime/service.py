@@ -40,6 +40,7 @@ from fragflow.compiler.pytree import (
     leaf_paths,
     ordered_like,
     spec_of,
+    structure,
     to_numpy,
     without_optimizers,
 )
@@ -129,6 +130,7 @@ class ServiceRunner:
         self._module_globals: dict[str, dict[str, Any]] = {}   # a module's globals, as its first fragment brought them
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
+        self._shapes: dict[str, Any] = {}   # each state's structure, as it came (a learner's new state keeps it)
         self.outputs: dict[str, Any] = {}
         self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
         self._answered: dict[str, list[str]] = {}   # a served fragment's output paths, as first answered
@@ -241,6 +243,7 @@ class ServiceRunner:
                     set_global_random(*self.resume_random)
                 self._seeded = True
             self.states[msg[1]] = cloudpickle.loads(msg[2])
+            self._shapes[msg[1]] = structure(self.states[msg[1]])
             _track_scheduled_steps(self.states[msg[1]])
             if self.program.world > 1:
                 self.reducer.watch(self.states[msg[1]], msg[1])
@@ -424,23 +427,60 @@ class ServiceRunner:
             "or --policy single_process")))
 
     def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> ConfigError:
+        """Replicas that made different numbers of calls of ``fragment`` by the end of their loop."""
+        called_at = self.checks.get("called_at", {}).get(fragment)
+        loop = self.checks.get("left_loop", {}).get(fragment)
         guard = self.checks.get("guarded_at", {}).get(fragment)
-        why = (f"the replicas made different numbers of its calls: the loop calls it under the `if` at {guard} (on "
-               "data of each replica's own environments, an episode that ended, which the replicas see differently?) "
-               "or left the loop at different trips (a break on such data?)"
-               if guard is not None else
-               "the replicas left the loop at different trips (a break on data of their own environments?)")
+        made = ", ".join(f"replica {k}: {self._calls_made.get((k, fragment), -1) + 1}" for k in sorted(ended + going))
         return ConfigError(
             f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
             f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
-            f"(or, gathered as they arrive, a piece of several): {why}",
-            where=self.checks.get("called_at", {}).get(fragment),
-            fix="call it on a schedule every replica shares (every N trips) and end the loop on a count every "
-                "replica shares (updates, the configured total of steps), or run with one replica (actors=1, "
-                "env_workers=1) or --policy single_process")
+            "(or, gathered as they arrive, a piece of several): the replicas left the loop"
+            f"{f' (`{loop[1]}`, at {loop[0]})' if loop else ''} at different trips (a break on data of their own "
+            f"environments?) or call '{fragment}'{f' (at {called_at})' if called_at else ''} under an `if` on such "
+            f"data{f' (the `if` at {guard})' if guard else ''} (calls of it taken: {made})",
+            where=loop[0] if loop else called_at,
+            fix="end the loop on a count every replica shares (updates, the configured total of steps) and call "
+                "fragments on a schedule every replica shares, or run with one replica (actors=1, env_workers=1) "
+                "or --policy single_process")
+
+    def _ended_apart(self) -> None:
+        """Every replica ended its loop: each must have made as many calls of each fragment as the
+        others (gathered as they arrive, a replica left with calls the others never made is seen
+        as it makes them only if the others ended first; else here, whatever the timing)."""
+        producers = self.program.producers
+        for fragment in dict.fromkeys(f for _, f in self._calls_made):
+            made = [self._calls_made.get((k, fragment), -1) for k in range(producers)]
+            if len(set(made)) > 1:
+                fewest = min(made)
+                raise self._left_apart(fragment, [k for k in range(producers) if made[k] == fewest],
+                                       [k for k in range(producers) if made[k] > fewest])
+
+    def _diverged(self, k: int, fragment: str) -> None:
+        """Calls taken one per replica in order: replica ``k``'s next call is ``fragment`` while the
+        replicas before it made another call, still waiting for ``k``'s. The replicas call
+        different fragments here (one under an ``if`` on data of its own environments), and each
+        would wait for the others' call for good (a served actor's reply among them)."""
+        for other, pool in self.pools.items():
+            if other == fragment or not pool:
+                continue
+            called_at = self.checks.get("called_at", {})
+            learner = fragment if fragment == self.program.clock else other   # (where a learner is one, its line)
+            have = ", ".join(str(p.replica) for p in pool)
+            raise ConfigError(
+                f"loop replica {k}'s next call into the {self.program.group}'s process is '{fragment}' (at "
+                f"{called_at.get(fragment)}), while replica(s) {have} called '{other}' (at {called_at.get(other)}) "
+                "there: this policy takes one call of each replica at a time, in order, and the replicas' calls "
+                "differ, so each would wait for the others' for good: the loop calls one of them under a condition "
+                "on data of each replica's own environments (an episode that ended, a reward, a batch's mean), "
+                "which the replicas see differently", where=called_at.get(learner),
+                fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted "
+                    "in trips), or run with one replica (actors=1, env_workers=1) or --policy single_process")
 
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
+        if self.program.ordered:
+            self._diverged(k, fragment)
         self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
         if self._save_due() and self._saved_where_loop_is(meta[2]):
             self._save(self.admission.checkpoint_request())
@@ -482,6 +522,7 @@ class ServiceRunner:
                 head = self._head(k)
                 if head is None:
                     if all(self.finished):
+                        self._ended_apart()
                         return None
                     if self.finished[k]:
                         # a call the others made that this finished replica never will: stop with the
@@ -500,6 +541,7 @@ class ServiceRunner:
                     if due is not None:
                         return due
                     if all(self.finished):
+                        self._ended_apart()
                         return None
                     self._watch_stall()
                     self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
@@ -770,7 +812,8 @@ class ServiceRunner:
             new_value = ordered_like(self.states.get(state), out[0] if isinstance(out, tuple) else out)
             traced = self.checks.get("state", {}).get((fragment, state))
             where = self.checks.get("called_at", {}).get(fragment)
-            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite())
+            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite(),
+                              self._shapes.get(state))
             self.states[state] = new_value
             self.writes[state] = self.writes.get(state, 0) + 1
             if clock:
@@ -924,7 +967,29 @@ class ServiceRunner:
             for k in path:
                 sub = sub[k]
             leaves.extend(flatten(without_optimizers(sub))[0])
-        self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
+        try:
+            self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
+        except (SpecChangedError, TypeError, ValueError) as exc:   # (the channel's own words name no fragment)
+            raise self._unfit(state, exc) from None
+
+    def _unfit(self, state: str, exc: Exception) -> Exception:
+        """The broadcast, sized from the state's traced specs, refused the state a learner just wrote:
+        the learner changed a leaf's dtype or shape (or the state's structure) at an update the
+        periodic check skips. Named as that check names it: the learner, its line, the leaf."""
+        writer = self.current
+        traced = self.checks.get("state", {}).get((writer, state))
+        if traced is None:   # (published as it came: no learner wrote it)
+            return exc
+        where = self.checks.get("called_at", {}).get(writer)
+        update = self.version if writer == self.program.clock else self.version + 1
+        try:
+            calls.check_state(self.states[state], traced, writer, state, where, update=update)
+        except SpecChangedError as found:
+            return found
+        return SpecChangedError(
+            f"learner '{writer}' returned state '{state}' in update {update} that no longer fits the channel "
+            f"sized from its traced specs, which carries it to the acting side: {exc}", where=where,
+            fix="keep the state's shapes, dtypes and structure fixed (cast back, e.g. x.astype(np.float32))")
 
     def _save(self, seq: int) -> None:
         """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""
