@@ -456,7 +456,7 @@ class ServiceRunner:
                 raise self._left_apart(fragment, [k for k in range(producers) if made[k] == fewest],
                                        [k for k in range(producers) if made[k] > fewest])
 
-    def _diverged(self, k: int, fragment: str) -> None:
+    def _calls_apart(self, k: int, fragment: str) -> None:
         """Calls taken one per replica in order: replica ``k``'s next call is ``fragment`` while the
         replicas before it made another call, still waiting for ``k``'s. The replicas call
         different fragments here (one under an ``if`` on data of its own environments), and each
@@ -480,7 +480,7 @@ class ServiceRunner:
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
         if self.program.ordered:
-            self._diverged(k, fragment)
+            self._calls_apart(k, fragment)
         self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
         if self._save_due() and self._saved_where_loop_is(meta[2]):
             self._save(self.admission.checkpoint_request())
