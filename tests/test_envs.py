@@ -33,6 +33,18 @@ def test_same_step_autoreset_keeps_the_final_observation():
     env.close()
 
 
+def test_the_batched_spaces_are_gymnasiums_of_this_processes_environments():
+    """`env.action_space.sample()` (the gymnasium and SB3 idiom) failed with a bare AttributeError
+    (tester round 34): the batched spaces are there, sized by the environments this process steps."""
+    env = ff.envs.make("CartPole-v1", num_envs=3, seed=0)
+    part = VectorEnv("CartPole-v1", 4, seed=5, ids=np.array([2, 3]), name="env")
+    assert env.action_space == gym.vector.utils.batch_space(env.single_action_space, 3)
+    assert env.observation_space.shape == (3, 4) and part.action_space.shape == (2,)
+    env.reset()
+    env.step(env.action_space.sample())
+    env.close(), part.close()
+
+
 def test_environment_i_is_the_same_wherever_it_runs():
     whole = VectorEnv("CartPole-v1", 4, seed=5, ids=np.arange(4), name="env")
     part = VectorEnv("CartPole-v1", 4, seed=5, ids=np.array([2, 3]), name="env")

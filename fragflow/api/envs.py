@@ -288,6 +288,9 @@ class VectorEnv:
         self._env = env
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
+        # (gymnasium's batched spaces, of this process's environments: `env.action_space.sample()`)
+        self.observation_space = env.observation_space
+        self.action_space = env.action_space
         self._action_dtype = self.single_action_space.dtype
         self._fragments(evaluation)
 
