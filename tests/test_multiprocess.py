@@ -331,6 +331,47 @@ def test_an_error_in_another_process_names_it_by_its_part_and_the_line_that_call
         assert not any("while executing" in line for line in message.splitlines())
     assert mp.active_children() == [] and shm_leftovers() == []
 
+RUN_SIZED_IN_THE_LOOP = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    returns = np.zeros(4)   # sized with the run's count, not env.num_envs
+    for _ in range(3):
+        for _ in range(4):
+            obs, reward, *_ = env.step(act(state["w"], obs))
+            returns += reward
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_shape_error_in_the_loops_own_code_where_the_environments_are_split_says_why(write_algo):
+    """The loop's own array sized with the run's count failed in a replica with numpy's broadcast
+    error alone (tester round 34); it now says the process steps its share, and env.num_envs."""
+    path, _ = write_algo(RUN_SIZED_IN_THE_LOOP, "run_sized_loop.py")
+    program = load(str(path))
+    assert ff.run(program.train, policy="single_process").summary["updates"] == 3
+    with pytest.raises(WorkerFailed, match=r"(?s)ValueError: operands could not be broadcast.*\(in loop replica \d, one "
+                                           r"of 2 processes that each step their share of the run's environments: size "
+                                           r"the loop's own per-environment arrays with env.num_envs"):
+        ff.run(program.train, policy="actor_learner(actors=2)")
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def kill_actor_later(name: str = "fragflow-actor-1", after: float = 1.0, sig: int = signal.SIGKILL) -> threading.Thread:
     """SIGKILL (or ``sig``) the actor process called ``name`` ``after`` seconds after it appears."""
     def kill() -> None:

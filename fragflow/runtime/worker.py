@@ -195,6 +195,9 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             try:
                 with context.using(worker):
                     value = train(*(() if args is None else (args,)))
+            except Exception as exc:
+                _note_split_envs(exc, lowered.loop.replicas, index)
+                raise
             finally:
                 if tracker is not None:
                     from fragflow.runtime import trips
@@ -223,6 +226,19 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
     finally:
         if endpoints is not None:
             endpoints.detach()
+
+
+def _note_split_envs(exc: Exception, replicas: int, index: int) -> None:
+    """A shape error in the loop's own code, where the environments are split: an array the loop
+    sized with the run's count of environments (``args.num_envs``) has more rows than this
+    replica's share (a fragment's call says so itself, with its own note)."""
+    from fragflow.runtime.loop import _about_shapes
+
+    notes = getattr(exc, "__notes__", [])
+    if replicas > 1 and _about_shapes(exc) and not any(n.startswith("(while executing") for n in notes):
+        exc.add_note(f"(in loop replica {index}, one of {replicas} processes that each step their share of the run's "
+                     "environments: size the loop's own per-environment arrays with env.num_envs, this process's "
+                     "share, not with the run's count such as args.num_envs)")
 
 
 SNAPSHOT_EVERY = 1.0    # a restartable replica sends where it stands at most this often (seconds) ...
