@@ -1338,8 +1338,8 @@ def train():
 
 @pytest.mark.parametrize("policy, message", [
     # (ordered: replica 0's next add was paired with its own previous one, "replica 1 after 60, replica 1 after 61")
-    ("learner_replay(actors=2, max_lag=0)", r"loop replica\(s\) \d called 'replay.sample'( and 'learn')? where replica \d did not "
-                                            r"\(it went on to call 'replay.add' again"),
+    ("learner_replay(actors=2, max_lag=0)", r"loop replica \d's next call into the learner's process is '[\w.]+' \(at .*\), "
+                                            r"while replica\(s\) \d called '[\w.]+' .*the loop calls 'replay.sample'"),
     # (gathered as they arrive: "beta of 'replay.sample' differs between the loop's replicas")
     ("learner_replay(actors=2)", r"'replay.sample' is called by the loop replicas after different numbers of env steps "
                                  r"\(its call \d+: replica 0 after \d+, replica 1 after \d+\), so its beta"),

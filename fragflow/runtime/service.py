@@ -465,15 +465,18 @@ class ServiceRunner:
             if other == fragment or not pool:
                 continue
             called_at = self.checks.get("called_at", {})
-            learner = fragment if fragment == self.program.clock else other   # (where a learner is one, its line)
+            guards = self.checks.get("guarded_at", {})
+            # the call under an `if` (where the source has one), else a learner, names the line
+            cause = next((f for f in (other, fragment) if f in guards), None) or \
+                (fragment if fragment == self.program.clock else other)
             have = ", ".join(str(p.replica) for p in pool)
             raise ConfigError(
                 f"loop replica {k}'s next call into the {self.program.group}'s process is '{fragment}' (at "
                 f"{called_at.get(fragment)}), while replica(s) {have} called '{other}' (at {called_at.get(other)}) "
                 "there: this policy takes one call of each replica at a time, in order, and the replicas' calls "
-                "differ, so each would wait for the others' for good: the loop calls one of them under a condition "
-                "on data of each replica's own environments (an episode that ended, a reward, a batch's mean), "
-                "which the replicas see differently", where=called_at.get(learner),
+                f"differ, so each would wait for the others' for good: the loop calls '{cause}' "
+                f"{self._on_own_data(cause)} on data of each replica's own environments (an episode that ended, a "
+                "reward, a batch's mean), which the replicas see differently", where=called_at.get(cause),
                 fix="call it on a schedule every replica shares (every N trips, once the buffer holds N steps counted "
                     "in trips), or run with one replica (actors=1, env_workers=1) or --policy single_process")
 
