@@ -68,7 +68,8 @@ from fragflow.compiler.reach import (
     reached_now,
     schedulers_of,
 )
-from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Recording, Repeat, strong
+from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Repeat, strong
+from fragflow.compiler.repeats import _NOT_REPEATED, Repeats, _leaf_list, _state_param
 from fragflow.compiler.watchers import StateUse, ThreadsSet, rng_state, set_rng_state, watch_env_makers
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
@@ -86,12 +87,8 @@ from fragflow.source import SourceLoc, definition_of, user_callsite
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
 MAX_TRACE_UPDATES = 200
-# A quick warm-up (see Tracer.quick) starts after this many identical trips, each fragment in them
-# called more often than that, and knows the outputs of this many of its last calls when it ends.
-QUICK_AFTER = 3
-QUICK_KEPT = 64
+QUICK_KEPT = 64   # a quick warm-up (see Tracer.quick) knows the outputs of this many of its last calls when it ends
 CHANGED_KEPT = 16   # array arguments changed in place the trace holds (the newest), to see whether they are read again
-QUICK_CHECK_EVERY = 16   # ... and checks every this many calls of a fragment that its outputs keep their specs
 
 
 class _StopTracing(BaseException):
@@ -106,7 +103,7 @@ class _StateRec:
     shape: Any = None   # its structure as made (a learner's new state keeps it)
 
 
-class Tracer(Recording):
+class Tracer(Repeats):
     """The tracing interpreter (see :mod:`fragflow.context`)."""
 
     def __init__(self, max_updates: int = 2, expected: tuple[Fragment, ...] = (),
@@ -670,133 +667,6 @@ class Tracer(Recording):
                 self._reported = time.monotonic()
                 self.on_progress(self.env_steps, self.window.updates)
 
-    def _follow(self, frag: Fragment) -> None:
-        """Follow the warm-up's trips; start running them unrecorded once they repeat (the call
-        ``frag`` then begins the first of them)."""
-        if frag.role != "env" or frag.evaluation:
-            self._trip.append(frag)
-            return
-        trip, self._trip = tuple(self._trip), [frag]
-        self._trips = [*self._trips[-(QUICK_AFTER - 1):], trip]
-        if len(self._trips) < QUICK_AFTER or any(t != trip for t in self._trips) or not trip or trip[0] is not frag:
-            return
-        recs = [self._nodes.get(id(f)) for f in trip]
-        if all(r is not None and r.repeat is not None and r.repeated and r.role not in ("learner", "logger") and
-               not r.reads_captured and sum(r.calls) > QUICK_AFTER for r in recs):
-            self._cycle = trip
-
-    def _unrecorded_call(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> Any:
-        """A call of a repeating warm-up trip: run and counted as the last recorded one, not recorded."""
-        given, out = self._run_counted(rec, frag, bound, window)
-        self._unrecorded.append((rec, frag, given, out))
-        if sum(rec.calls) % QUICK_CHECK_EVERY == 0:   # its outputs keep their specs (a change is recorded, or refused)
-            leaves = self._output_leaves(rec, frag, out, None)
-            if [(path, spec_of(leaf)) for _, path, leaf in leaves] != rec.out_specs:
-                self._record_again()   # (its arguments' sources are known again: it is recorded as any call)
-                return self._record_in_full(rec, frag, given, out, window)
-        return out
-
-    def _run_counted(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> tuple[dict[str, Any], Any]:
-        """Run a call counted where its last recorded one was (its edges, its state reads and effects,
-        its env events); returns its arguments as given (state handles, not their values) and its outputs."""
-        rep = rec.repeat
-        assert rep is not None
-        given = dict(bound.arguments)
-        for pname, value in given.items():
-            if isinstance(value, (Versioned, VersionedView)):
-                bound.arguments[pname] = self._read_state(rec, frag, pname, value, window, None)
-        for edge in rep.edges:
-            edge.crossings[window] += 1
-        self._effects(rec, frag, window)
-        try:
-            out = frag.fn(*bound.args, **bound.kwargs)
-        except FragflowError:
-            raise
-        except Exception as exc:
-            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
-            raise
-        self._count_events(frag, out)
-        return given, out
-
-    def _record_again(self) -> None:
-        """Leave the unrecorded trips: the outputs of their last calls (what the loop may still hold)
-        are known as their fragments', as a recorded call would have left them."""
-        self._cycle, self._trips, self._trip = None, [], []
-        for rec, frag, given, out in self._unrecorded:
-            rep = rec.repeat
-            if rep is None:
-                continue
-            self._input_ids = {id(leaf) for value in given.values()
-                               if not isinstance(value, (Versioned, VersionedView)) and not is_static(value)
-                               for _, leaf in _leaf_list(value)}
-            leaves = self._output_leaves(rec, frag, out, None)
-            if frag.axes is not None:
-                self._know_outputs(rec, frag, out, leaves, frag.axes, frag.axes)
-            else:
-                self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
-        self._unrecorded.clear()
-        self._input_ids = set()
-
-    def _repeated(self, rec: NodeRec, frag: Fragment, bound: inspect.BoundArguments, window: int) -> Any:
-        """Run a call whose arguments come from the places its last recorded call's came from, with
-        the same specs, and count it where that one was counted, without recording it again. Returns
-        ``_NOT_REPEATED``, having run nothing, where an argument differs; where its outputs differ,
-        it is recorded in full (a changed output is refused as any is)."""
-        rep = rec.repeat
-        assert rep is not None
-        arguments = bound.arguments
-        if len(arguments) != len(rep.params):
-            return _NOT_REPEATED
-        self._input_ids = set()
-        for (pname, value), param in zip(arguments.items(), rep.params):
-            if isinstance(value, (Versioned, VersionedView)):
-                same = _state_param(pname, value) == param
-            elif is_static(value):
-                same = param == ("static", pname)
-            else:
-                try:
-                    sources = self._sources(rec, pname, value, None, frag.in_axes)
-                except FragflowError:
-                    return _NOT_REPEATED   # refused by the full recording, at the user's line
-                same = param[:2] == ("data", pname) and param[2] == tuple(
-                    (path, spec_of(leaf), src, port, src_path, axis) for path, leaf, src, port, src_path, axis in sources)
-            if not same:
-                return _NOT_REPEATED
-        given, out = self._run_counted(rec, frag, bound, window)
-        rec.arity = len(out) if isinstance(out, tuple) else 0
-        try:
-            leaves = self._output_leaves(rec, frag, out, None)
-        except FragflowError:
-            leaves = self._output_leaves(rec, frag, out, user_callsite())   # raises again, with the user's line
-        if [(path, spec_of(leaf)) for _, path, leaf in leaves] == rec.out_specs:
-            if frag.axes is not None:   # declared (a buffer's may change as it learns its keys): asked again
-                self._know_outputs(rec, frag, out, leaves, frag.axes, frag.axes)
-            else:
-                self._know_outputs(rec, frag, out, leaves, rep.axes, rep.out_axes.get)
-            return out
-        return self._record_in_full(rec, frag, given, out, window)
-
-    def _record_in_full(self, rec: NodeRec, frag: Fragment, given: dict[str, Any], out: Any, window: int) -> Any:
-        """A call run as its last recorded one whose outputs changed: recorded in full, as the first
-        call of a new kind (a changed output is refused as any is; the actor acting on an evaluation
-        env of another size is not)."""
-        rep = rec.repeat
-        assert rep is not None
-        for edge in rep.edges:
-            edge.crossings[window] -= 1
-        rec.repeat = None
-        rec.repeated = False
-        where = user_callsite()
-        self._input_ids, self._input_backends, self._inputs, self._loop_made = set(), set(), [], []
-        self._input_srcs = []
-        for pname, value in given.items():
-            if not isinstance(value, (Versioned, VersionedView)) and not is_static(value):
-                self._record_inputs(rec, pname, value, window, where, frag.in_axes, [])
-        if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made)
-        self._record_outputs(rec, frag, out, where, [])
-        return out
-
     def _probed(self, name: str, out: Any) -> Any:
         """The learner's outputs as probes (its new state excepted), each known as its original's
         output so that passing one on to a fragment is still an edge from this learner."""
@@ -989,7 +859,6 @@ class Tracer(Recording):
             resource.close()
 
 
-_NOT_REPEATED = object()
 
 
 def _one_jax_key(value: Any) -> bool:
@@ -1040,18 +909,6 @@ def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if names is not None and not kwargs and len(args) == len(names):
         return _Positional(dict(zip(names, args)))
     return frag.signature.bind(*args, **kwargs)
-
-
-def _state_param(pname: str, value: Versioned | VersionedView) -> tuple[str, str, str, tuple[Any, ...]]:
-    handle = value if isinstance(value, Versioned) else value.handle   # (a view's keys: its path, unformatted)
-    return ("state", pname, handle.name, () if isinstance(value, Versioned) else value.path)
-
-
-def _leaf_list(tree: Any) -> list[tuple[str, Any]]:
-    try:
-        return leaf_paths(tree)
-    except NotAnArray:
-        return []
 
 
 def _leaf_prints(value: Any) -> list[tuple[str, list[int]]]:
