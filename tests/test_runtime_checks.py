@@ -447,6 +447,30 @@ def test_the_state_used_through_the_loops_own_variable_before_a_learner_wrote_it
     assert torch_equal(apart.value["q"].network[0].weight, one.value["q"].network[0].weight)
 
 
+@pytest.mark.parametrize("use", [
+    "q.to('cpu'); q.float(); q.zero_grad()",                       # conversions to what it is, no gradient
+    "SEEN.append(sum(p.nbytes for p in q.parameters()))",          # a size
+    "SEEN.append(float((torch.ones(2) * q.scale).sum()))",         # a buffer no learner changes
+    "s = torch.eye(3).to_sparse(); s.mul_(2.0)",                   # tensors of the loop's own, with no storage
+    "torch.func.vmap(lambda v: v.clone().add_(1))(torch.ones(3, 2))",
+    "SCRATCH.copy_(torch.ones(4))",                                # another part of the storage a state tensor views
+])
+def test_what_the_loop_does_beside_the_states_values_runs_everywhere(write_algo, use):
+    """Each was refused (a change or a read of the state) or crashed the trace with 'Cannot access
+    storage' under policies that run the learner apart (review round 34): none touches a value a
+    learner writes."""
+    source = STATE_THROUGH_OWN_VARIABLE.replace("USE", use).replace(
+        "        self.network = torch.nn.Sequential(",
+        "        self.register_buffer('scale', torch.full((1,), 2.0))\n        self.network = torch.nn.Sequential(").replace(
+        "SEEN = []", "SEEN = []\nARENA = torch.zeros(12)\nSCRATCH = ARENA[8:]")
+    path, _ = write_algo(source.replace("    state = ff.versioned({\"q\": q,", "    q.register_buffer('view', ARENA[:8])\n"
+                                        "    state = ff.versioned({\"q\": q,"))
+    prog = load(str(path))
+    one = ff.run(prog.train, policy="single_process")
+    apart = ff.run(prog.train, policy="pipelined(max_lag=0)")
+    assert torch_equal(apart.value["q"].network[0].weight, one.value["q"].network[0].weight)
+
+
 def torch_equal(a, b) -> bool:
     import torch
 

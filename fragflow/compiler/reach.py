@@ -30,10 +30,11 @@ from fragflow.errors import VersionedStateError
 from fragflow.source import SourceLoc, is_internal
 
 
-def fingerprint(tree: Any) -> list[int]:
+def fingerprint(tree: Any, counters: bool = True) -> list[int]:
     """A checksum of each array leaf's bytes, and of a torch tensor its version counter too (any
     in-place operation moves it, one that leaves the values as they were included: ``w.mul_(1)``,
-    a step on zeros): whether a fragment changed what it read in place."""
+    a step on zeros): whether a fragment changed what it read in place. ``counters=False``: the
+    values alone (a view shares its base's counter: a write to another part of the base moves it)."""
     try:
         leaves = leaf_paths(tree)
     except NotAnArray:
@@ -41,7 +42,7 @@ def fingerprint(tree: Any) -> list[int]:
     out = []
     for _, leaf in leaves:
         if hasattr(leaf, "detach"):
-            if not leaf.is_inference():   # (made under torch.inference_mode: it keeps no version counter)
+            if counters and not leaf.is_inference():   # (made under inference_mode: it keeps no version counter)
                 out.append(int(leaf._version))
             leaf = leaf.detach().cpu().reshape(-1)
             try:
@@ -245,13 +246,14 @@ class Parts:
 class Reached:
     """What a fragment served in another process reaches of the loop's module data (``labels``, as
     :func:`reached_data` names them), as it was when the fragment was sent there (its copy): whether
-    the loop changed it since. An entry holding more than ``ATTRIBUTE_ARRAY_MAX`` array elements is
-    checked only at the calls ``due`` says (a checksum of it at every call would cost more than the
-    call); the others at every call (a dict's key read by name: a few microseconds)."""
+    the loop changed it since. An entry holding more than ``EVERY_CALL_MAX`` array elements (a
+    whole array, a module's tensors) is checked only at the calls ``due`` says (a checksum of a
+    DQN-sized network is some 40 us, a call's worth); the others at every call (a dict's key read by
+    name, a number: a microsecond or two)."""
 
     def __init__(self, fn: Any, labels: tuple[str, ...]) -> None:
         self.entries = [(label, holder, name, before, sorted(before.parts, key=repr) if isinstance(before, Parts)
-                         else None, _elements(value, before) > ATTRIBUTE_ARRAY_MAX)
+                         else None, _elements(value, before) > EVERY_CALL_MAX)
                         for label, holder, name, value, before in reached_data(fn) if label in labels]
 
     def changed(self, due: bool) -> str:
@@ -302,6 +304,7 @@ def again(value: Any, before: Any) -> Any:
 
 
 ATTRIBUTE_ARRAY_MAX = 1 << 16
+EVERY_CALL_MAX = 1 << 10
 HELPER_DEPTH = 2
 
 

@@ -913,7 +913,7 @@ def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _leaf_prints(value: Any) -> list[tuple[str, list[int]]]:
     """Each leaf of a state's value (but its optimizers': their own) with its checksum."""
-    return [(p, fingerprint(leaf)) for p, leaf in _leaf_list(without_optimizers(value))]
+    return [(p, fingerprint(leaf, counters=False)) for p, leaf in _leaf_list(without_optimizers(value))]
 
 
 def _per(count: int, updates: int) -> float:

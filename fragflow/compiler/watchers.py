@@ -11,6 +11,7 @@ begins where an eager call would.
 from __future__ import annotations
 
 import functools
+import os
 import random as _pyrandom
 import sys
 from collections.abc import Callable
@@ -137,19 +138,24 @@ class StateUse:
         self.first: tuple[str, str, str, str, SourceLoc | None] | None = None
         self.written: set[str] = set()                          # states a learner has written
         self._tensors: dict[int, tuple[Any, str, str]] = {}     # id -> (tensor, state, label)
-        self._storages: dict[int, tuple[str, str]] = {}         # a tensor's memory -> (state, label)
+        # a tensor's storage -> the byte ranges of the state's tensors in it: (start, end, state, label)
+        self._storages: dict[int, list[tuple[int, int, str, str]]] = {}
+        self._versions: dict[int, int | None] = {}   # id -> its version counter when first watched
 
     def watch(self, states: dict[str, Any]) -> None:
         """The tensors the states' newest values hold (a learner may return new ones)."""
         import torch
 
         tensors: dict[int, tuple[Any, str, str]] = {}
-        storages: dict[int, tuple[str, str]] = {}
+        storages: dict[int, list[tuple[int, int, str, str]]] = {}
         for state, value in states.items():
             for tensor, label in _state_tensors(value, f"{state}", torch, 0):
                 tensors.setdefault(id(tensor), (tensor, state, label))
-                if tensor.numel():
-                    storages.setdefault(tensor.untyped_storage().data_ptr(), (state, label))
+                if id(tensor) not in self._versions:
+                    self._versions[id(tensor)] = _version(tensor)
+                at = _extent(tensor)
+                if at is not None:
+                    storages.setdefault(at[0], []).append((at[1], at[2], state, label))
         self._tensors, self._storages = tensors, storages
 
     def mode(self) -> Any:
@@ -173,6 +179,11 @@ class StateUse:
         attr = getattr(getattr(func, "__self__", None), "__name__", "") if name in ("__get__", "__set__") else ""
         if name in _PRINTED or name in _METADATA or (name == "__get__" and attr in _METADATA):
             return
+        if attr in ("grad", "_grad", "grad_fn") or \
+                (name == "__set__" and attr == "data" and len(args) > 1 and _same_memory(*args[:2])):
+            return   # (a gradient is no value of the state; `p.data = p`, as module.to() does, changes nothing)
+        if _in_module_apply(sys._getframe(1)):
+            return   # (q.to("cpu"), q.float(): a module converting its tensors, the same values where no copy is made)
         augmented = _AUGMENTED.get(name)
         op = {"__get__": f".{attr}", "__set__": f".{attr} = ...", "__setitem__": "[...] = ..."}.get(
             name, augmented or f"{name}()")
@@ -189,7 +200,10 @@ class StateUse:
             return
         for x in (*_flat(args), *_flat(tuple(kwargs.values()))):
             held = self._tensors.get(id(x))
-            if held is not None and held[0] is x and held[1] in self.written:
+            # (a tensor no learner changed since the state was made, a constant mask or scale, is every
+            # process's alike: reading it is as eagerly)
+            if held is not None and held[0] is x and held[1] in self.written and \
+                    (_version(x) is None or _version(x) != self._versions.get(id(x))):
                 self.first = ("read", held[1], held[2], f"with {op}", self._where())
                 return
 
@@ -207,10 +221,11 @@ class StateUse:
         held = self._tensors.get(id(target))
         if held is not None and held[0] is target:
             return held[1], held[2]
-        storage = getattr(target, "untyped_storage", None)
-        if storage is None or not getattr(target, "numel", lambda: 0)():
+        at = _extent(target)
+        if at is None:
             return None
-        return self._storages.get(storage().data_ptr())
+        return next(((state, label) for lo, hi, state, label in self._storages.get(at[0], ())
+                     if lo < at[2] and at[1] < hi), None)   # (another view of the same storage that overlaps it)
 
 
 # what an operation that only looks at a tensor's kind reads (it is the same in every version), and
@@ -219,11 +234,52 @@ _METADATA = frozenset({
     "shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_leaf", "names", "is_sparse",
     "is_quantized", "is_meta", "itemsize", "size", "dim", "numel", "nelement", "element_size", "stride",
     "storage_offset", "is_contiguous", "get_device", "data_ptr", "is_floating_point", "is_complex", "__len__",
-    "__hash__", "untyped_storage"})
+    "__hash__", "untyped_storage", "nbytes", "is_cpu", "is_signed", "is_mps", "is_inference"})
 _PRINTED = frozenset({"__repr__", "__str__", "__format__"})
 _AUGMENTED = {f"__i{k}__": f"{v}=" for k, v in {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**", "matmul": "@",
     "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}.items()}
+
+
+def _extent(t: Any) -> tuple[int, int, int] | None:
+    """(its storage, the first byte, one past the last) a tensor's elements span; None for one with
+    no storage to speak of (empty, sparse, a torch.func wrapper) or that is no tensor."""
+    try:
+        if not t.numel():
+            return None
+        storage = t.untyped_storage().data_ptr()
+        start = t.data_ptr()
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):
+        return None
+    return storage, start, start + span * t.element_size()
+
+
+def _in_module_apply(frame: FrameType | None, depth: int = 6) -> bool:
+    """Whether torch's ``Module._apply`` (``to``, ``float``, ``cpu``: a conversion of every tensor)
+    is among the few callers of an operation."""
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "_apply" and frame.f_code.co_filename.endswith(_MODULE_FILE):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+_MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether two tensors are one array of memory (``p.data = p``, ``p.data = p.detach()``)."""
+    x, y = _extent(a), _extent(b)
+    return x is not None and x == y
+
+
+def _version(t: Any) -> int | None:
+    """A tensor's version counter (None where it keeps none: made under inference_mode)."""
+    try:
+        return None if t.is_inference() else int(t._version)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _flat(values: tuple[Any, ...]) -> list[Any]:

@@ -53,7 +53,8 @@ from fragflow.runtime.replicas import ReplicaChecks, _same_value
 
 IDLE_WAIT = 0.05
 KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of them (see ServiceProgram.keeps)
-KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing)
+KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing) ...
+KEPT_MIN = 8   # ... but for the last this many, whatever their size (two samples taken for one call)
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
 
 
@@ -508,8 +509,8 @@ class ServiceRunner(ReplicaChecks):
             raise ConfigError(
                 f"'{self.current}' is given the output of call {call + 1} of '{fragment}', which the learner's process "
                 f"no longer holds: it keeps the outputs of the last {KEPT_OUTPUTS} calls of a fragment for later "
-                f"calls, at most {KEPT_BYTES >> 20} MB of them (the latest call's whatever its size), and none of a "
-                "call dropped as stale",
+                f"calls, at most {KEPT_BYTES >> 20} MB of them but for the last {KEPT_MIN} whatever their size, and "
+                "none of a call dropped as stale",
                 where=self.checks.get("called_at", {}).get(self.current),
                 fix=f"keep fewer of them, or have '{fragment}' put what later calls need in versioned state (a "
                     "buffer of its own that it appends to), or run with --policy single_process")
@@ -598,8 +599,7 @@ class ServiceRunner(ReplicaChecks):
                 kept = self.kept.setdefault((fragment, p.replica), {})
                 sizes = self._kept_bytes.setdefault((fragment, p.replica), {})
                 kept[p.call], sizes[p.call] = data, size
-                # the latest call's stays whatever its size (it is what a call given the output gets)
-                while len(kept) > 1 and (len(kept) > KEPT_OUTPUTS or sum(sizes.values()) > KEPT_BYTES):
+                while len(kept) > KEPT_OUTPUTS or (len(kept) > KEPT_MIN and sum(sizes.values()) > KEPT_BYTES):
                     oldest = min(kept)
                     del kept[oldest], sizes[oldest]
         if fragment in self.replies:
