@@ -471,6 +471,28 @@ def test_what_the_loop_does_beside_the_states_values_runs_everywhere(write_algo,
     assert torch_equal(apart.value["q"].network[0].weight, one.value["q"].network[0].weight)
 
 
+def test_the_state_read_through_its_handle_before_any_learner_call_runs_everywhere(write_algo):
+    """`copy.deepcopy(state["q"])` for a target network failed while traced, even under
+    single_process ("a leaf ['q'] is a VersionedView"), and a read through the handle before any
+    learner call (`state["q"].state_dict()`, a parameter count) was refused by every policy over
+    several processes, where the same reads through the loop's own variable ran (tester round 34):
+    before a learner writes it, every process holds the value the loop made."""
+    source = STATE_THROUGH_OWN_VARIABLE.replace("USE", "pass").replace(
+        "    env = ff.envs.make(",
+        "    target = ff.versioned({'q': copy.deepcopy(state['q'])}, name='target')\n"
+        "    spare = QNet()\n    spare.load_state_dict(state['q'].state_dict())\n"
+        "    SEEN.append(sum(p.numel() for p in state['q'].parameters()))\n    env = ff.envs.make(").replace(
+        "import numpy as np", "import copy\nimport numpy as np")
+    path, _ = write_algo(source.replace("    return state\n", "    return {'state': state, 'target': target}\n"))
+    prog = load(str(path))
+    one = ff.run(prog.train, policy="single_process")
+    for policy in ("pipelined(max_lag=0)", "central_inference(env_workers=2)"):
+        apart = ff.run(prog.train, policy=policy)
+        assert torch_equal(apart.value["state"]["q"].network[0].weight, one.value["state"]["q"].network[0].weight)
+        assert torch_equal(apart.value["target"]["q"].network[0].weight, one.value["target"]["q"].network[0].weight)
+    assert not torch_equal(one.value["target"]["q"].network[0].weight, one.value["state"]["q"].network[0].weight)
+
+
 def torch_equal(a, b) -> bool:
     import torch
 

@@ -168,18 +168,26 @@ def train():
 
 def test_versioned_state_read_in_the_loop_is_noted_where_first_read(write_algo):
     """The trace runs the read as eagerly (single_process runs it); placement refuses it elsewhere
-    (tests/test_runtime_checks.py)."""
+    (tests/test_runtime_checks.py). A read before any learner wrote the state is not noted: every
+    process holds the value the loop made."""
     path, marks = write_algo(HEADER + """
 @ff.fragment("actor")
 def act(w, obs):
     return (obs @ w).argmax(-1)
 
+@ff.fragment("learner", writes="state")
+def learn(state):
+    return {"w": state["w"] + 1}, {}
+
 def train():
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
     state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
     obs = env.reset()
+    if state["w"].any():   # (before any learner call: not a read of what a learner writes)
+        pass
     for _ in range(2):
         obs, *_ = env.step(act(state["w"], obs))
+        state, _ = learn(state)
         if state["w"].any():  # @misuse
             pass
         if state["w"].all():

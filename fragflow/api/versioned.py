@@ -14,6 +14,7 @@ newest one broadcast to that process. The loop itself reads a versioned value on
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any
 
@@ -98,6 +99,12 @@ class _NoLoopUse:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:   # a module the state holds, called in the loop
         return _loop_value(self, "called")(*args, **kwargs)
+
+    def __copy__(self) -> Any:   # a copy of the value, as eagerly (not of the handle)
+        return copy.copy(_loop_value(self, "copied"))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:   # copy.deepcopy(state["q"]): a target network
+        return copy.deepcopy(_loop_value(self, "copied (copy.deepcopy)"), memo)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

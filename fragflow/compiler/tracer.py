@@ -213,7 +213,9 @@ class Tracer(Repeats):
     def read_state(self, x: Versioned | VersionedView, what: str | None) -> tuple[bool, Any]:
         """The loop reads versioned state: as eagerly (the run may be one process), noted for placement
         (``what`` None: printed, not a read)."""
-        if self.state_read is None and what is not None:
+        name = x.name if isinstance(x, Versioned) else x.handle.name
+        # (before any learner wrote it, every process holds the value the loop made: read as eagerly)
+        if self.state_read is None and what is not None and name in self.state_use.written:
             self.state_read = (what, user_callsite())
         return True, own_value(x)
 

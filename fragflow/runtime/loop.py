@@ -160,7 +160,15 @@ class LoopInterpreter:
         """The loop reads versioned state: its value where this process runs every fragment (as
         eagerly), else refused (the state is written in another process)."""
         if self.program.remote:
-            return False, None
+            handle = x if isinstance(x, Versioned) else x.handle
+            if self._writes.get(handle.name, 0) or self.update:
+                return False, None
+            # before any learner call, the value this process made is every process's (a target
+            # network's copy, a parameter count): read as eagerly
+            value = self._states.get(handle.name, handle).value
+            for k in () if isinstance(x, Versioned) else x.path:
+                value = value[k]
+            return True, value
         return True, self._resolve(x)
 
     def adopt(self, resource: Any) -> None:
