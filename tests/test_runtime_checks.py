@@ -493,6 +493,48 @@ def test_the_state_read_through_its_handle_before_any_learner_call_runs_everywhe
     assert not torch_equal(one.value["target"]["q"].network[0].weight, one.value["state"]["q"].network[0].weight)
 
 
+def test_a_numpy_scalar_where_the_state_held_a_python_number_of_its_arithmetic_runs_everywhere(write_algo):
+    """`{"absmax": np.abs(w).max()}` where the state held `{"absmax": 0.0}`: np.float64 is a float,
+    and the eager run works, but every policy, single_process included, refused it as another
+    leaf type (tester round 34b). It is stored as Python's number, as the leaf was traced."""
+    path, _ = write_algo("""
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["w"] + 0.01 * batch["obs"].mean(0).mean(0)[:, None]
+    return {"w": w, "absmax": np.abs(w).max(), "n": state["n"] + np.int64(1), "big": np.bool_(w.max() > 0)}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "absmax": 0.0, "n": 0, "big": False})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+    return state
+""")
+    prog = load(str(path))
+    eager = prog.train()   # (no runtime: plain calls)
+    one = ff.run(prog.train, policy="single_process")
+    apart = ff.run(prog.train, policy="pipelined(max_lag=0)")
+    for result in (one, apart):
+        assert type(result.value["absmax"]) is float and type(result.value["n"]) is int and result.value["n"] == 3
+        assert type(result.value["big"]) is bool
+    assert one.value["absmax"] == apart.value["absmax"] == float(np.abs(one.value["w"]).max()) > 0
+    eager = getattr(eager, "value", eager)
+    assert float(eager["absmax"]) == one.value["absmax"] and int(eager["n"]) == 3
+
+
 def torch_equal(a, b) -> bool:
     import torch
 

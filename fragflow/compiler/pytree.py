@@ -150,6 +150,10 @@ def ordered_like(template: Any, value: Any) -> Any:
     """
     if value is template:
         return value
+    if isinstance(value, np.generic) and type(template) in _AS_NUMPY and _AS_NUMPY[type(template)] == value.dtype:
+        # numpy's scalar where the state held Python's of the same arithmetic (np.abs(w).max() for a
+        # float: eagerly the same numbers): Python's, as the state's leaf was traced
+        return value.item()
     if isinstance(value, dict) and isinstance(template, dict) and value.keys() == template.keys():
         return {k: ordered_like(template[k], value[k]) for k in template}
     if isinstance(value, (list, tuple)) and isinstance(template, (list, tuple)) and len(value) == len(template):
@@ -158,6 +162,9 @@ def ordered_like(template: Any, value: Any) -> Any:
             return kids
         return type(value)(*kids) if hasattr(value, "_fields") else tuple(kids)
     return value
+
+
+_AS_NUMPY = {float: np.dtype(np.float64), int: np.dtype(np.int64), bool: np.dtype(np.bool_)}
 
 
 def without_optimizers(tree: Any) -> Any:
