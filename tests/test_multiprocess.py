@@ -401,6 +401,19 @@ def test_killed_worker_stops_a_run_whose_actors_cannot_restart(write_algo):
     assert shm_leftovers() == []
 
 
+def test_a_killed_env_worker_is_named_as_one(write_algo):
+    """Under central_inference a killed process was "actor 1", where its errors say "env worker 1"
+    (round 34's open item)."""
+    path, _ = write_algo(FAILING)
+    program = load(str(path))
+    killer = kill_actor_later()
+    with pytest.raises(WorkerDied, match=r"^env worker 1 process was killed by signal 9"):
+        ff.run(program.train, program.args_cls(fail_in=0), policy="central_inference(env_workers=2)")
+    killer.join()
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
 @pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "actor_learner(actors=2, overflow=deliver)",
                                     "actor_learner(actors=2, overflow=block)", "async_relaxed(actors=2)"])
 def test_a_killed_actor_is_restarted_and_no_update_or_step_is_lost(tmp_path, policy):

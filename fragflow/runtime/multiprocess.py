@@ -512,7 +512,7 @@ class Driver:
         while True:
             for r, k, p in self.procs:
                 if (r, k) != (role, index) and (r, k) not in self.finished and p.exitcode is not None and p.exitcode < 0:
-                    who = f"actor {k}" if r == "actor" else r
+                    who = self._process_name(r, k, None)
                     return f"{who} process {ended(p.exitcode)}"
             if time.monotonic() >= deadline:
                 return None
@@ -556,7 +556,7 @@ class Driver:
                     pass
                 if (role, k) in self.finished:
                     continue
-                who = f"actor {k}" if role == "actor" else role
+                who = self._process_name(role, k, None)
                 code = p.exitcode
                 failure = getattr(p, "failure", None)
                 if failure:   # (a Ray actor whose run raised before it could report: it would again)
