@@ -476,17 +476,11 @@ class Tracer(Repeats):
             captured = captured_state(frag.fn)
             if captured is not None:   # runs as eagerly in one process; other placements refuse it
                 rec.reads_captured = f"'{captured[2]}' through the {captured[0]} '{captured[1]}'"
-        try:
-            if rec.reads_captured:
-                with handles_as_values(frag.fn):
-                    out = frag.fn(*bound.args, **bound.kwargs)
-            else:
-                out = frag.fn(*bound.args, **bound.kwargs)
-        except FragflowError:
-            raise
-        except Exception as exc:
-            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where})")
-            raise
+        if rec.reads_captured:
+            with handles_as_values(frag.fn):
+                out = self._traced(rec, frag, bound, where)
+        else:
+            out = self._traced(rec, frag, bound, where)
 
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:

@@ -59,18 +59,11 @@ STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share befo
 
 
 def _size_of(tree: Any) -> int:
-    """The bytes of a pytree's array leaves (numpy, torch, jax; Python numbers count nothing)."""
-    total = 0
+    """The bytes of a pytree's leaves, as their specs count them."""
     try:
-        leaves = leaf_paths(tree)
+        return sum(spec_of(leaf).nbytes for _, leaf in leaf_paths(tree))
     except NotAnArray:   # (refused where the output is checked; it counts nothing here)
         return 0
-    for _, leaf in leaves:
-        n = getattr(leaf, "nbytes", None)   # numpy, jax
-        if n is None and hasattr(leaf, "element_size"):   # torch
-            n = leaf.element_size() * leaf.nelement()
-        total += int(n or 0)
-    return total
 
 
 def _with_globals(fn: types.FunctionType, scope: dict[str, Any]) -> types.FunctionType:
