@@ -33,7 +33,7 @@ from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
 from fragflow.progress import ProgressDisplay
-from fragflow.runtime import calls, serial
+from fragflow.runtime import calls, heap, serial
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
@@ -464,7 +464,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     status = "failed"
     value = None
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), heap.frozen():
             if handover is not None:
                 compiled = compile(train, args, policy=policy, on_trace=on_trace, handover=handover)
                 if handover.finished:

@@ -51,6 +51,15 @@ _USES = {
 _FORMATTED = "formatted with a spec (an f-string such as {x:.3f}, format())"
 
 
+def swap_sink(into: list[LoopRead] | None) -> list[LoopRead] | None:
+    """Reads of probes go to ``into`` (None: nowhere) until the next swap; returns where they went.
+    :func:`recording` without a context manager's cost, for a block that records nothing (each
+    fragment call the tracer runs)."""
+    global _sink
+    saved, _sink = _sink, into
+    return saved
+
+
 @contextlib.contextmanager
 def recording(into: list[LoopRead] | None) -> Iterator[None]:
     """Reads of probes in this block go to ``into`` (None: not the loop, nothing is recorded)."""

@@ -80,18 +80,19 @@ class Repeats(Recording):
         for edge in rep.edges:
             edge.crossings[window] += 1
         self._effects(rec, frag, window)
-        out = self._traced(rec, frag, bound, user_callsite())
+        out = self._traced(rec, frag, bound, None)
         self._count_events(frag, out)
         return given, out
 
     def _traced(self, rec: NodeRec, frag: Fragment, bound: Any, where: Any) -> Any:
-        """The fragment run on its bound arguments; an error of the user's code carries the call's line."""
+        """The fragment run on its bound arguments; an error of the user's code carries the call's line
+        (``where``, else the one on the stack as it is raised)."""
         try:
             return frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
             raise
         except Exception as exc:
-            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where})")
+            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {where or user_callsite()})")
             raise
 
     def _record_again(self) -> None:

@@ -81,6 +81,7 @@ from fragflow.errors import (
     TraceError,
     VersionedStateError,
 )
+from fragflow.runtime import heap
 from fragflow.source import SourceLoc, definition_of, user_callsite
 
 # After the first two updates the tracer goes on (up to this many updates) until every fragment the
@@ -276,10 +277,11 @@ class Tracer(Repeats):
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         use = self.state_use
         on, use.on = use.on, False   # (what a fragment does with the state's tensors is its own)
+        sink = probes.swap_sink(None)   # what a fragment does with a probe is not the loop's read
         try:
-            with probes.recording(None):   # what a fragment does with a probe is not the loop's read
-                out = self._call(frag, args, kwargs)
+            out = self._call(frag, args, kwargs)
         finally:
+            probes.swap_sink(sink)
             use.on = on
         if frag.role == "buffer" and frag.instance is not None and out is not None and not self.begins_run:
             rec = self._nodes.get(id(frag))
@@ -331,6 +333,10 @@ class Tracer(Repeats):
 
     def _call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self._node(frag)
+        cycle = self._cycle
+        if cycle is not None and cycle[self._pos] is frag and self._nested is None and not self._changed_args \
+                and self.quick and self.window.updates == 0:
+            return self._quick_call(rec, frag, args, kwargs)
         where = user_callsite() if rec.repeat is None else None
         if rec.called_at is None:
             rec.called_at = where
@@ -552,6 +558,23 @@ class Tracer(Repeats):
                 return plain   # the run goes on from here, with the values themselves
         return out
 
+    def _quick_call(self, rec: NodeRec, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The next call of the repeating warm-up trip (see Repeats._follow), before the first update:
+        what :meth:`_call` does for it, without the checks that cannot apply to it (a logger's, a
+        learner's, a nested loop's, a changed argument's): the warm-up's every call."""
+        self._expected.discard(id(frag))
+        self.window.unseen = bool(self._expected)
+        self.window.call(rec.name, frag.role, frag.evaluation)   # (never a stop before the first update)
+        window = self.window.window
+        rec.calls[window] += 1
+        try:
+            bound = _bind(frag, args, kwargs)
+        except TypeError:
+            return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
+        assert self._cycle is not None
+        self._pos = (self._pos + 1) % len(self._cycle)
+        return self._unrecorded_call(rec, frag, bound, window)
+
     def _take_over(self) -> Any:
         """Where tracing would stop: hand the loop to the interpreter the handover makes of the
         graph traced so far, which runs it from this call on (None: unwind)."""
@@ -564,6 +587,7 @@ class Tracer(Repeats):
             return None
         if interp is not None:
             self.taken_by = interp
+            heap.settle()   # (the program has made its state: its objects are out of the collector's walks)
             probes.unwatch()
             context.swap(self, interp)
             if self.on_taken is not None:

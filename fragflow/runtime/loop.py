@@ -50,7 +50,7 @@ from fragflow.errors import (
 )
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
-from fragflow.runtime import calls
+from fragflow.runtime import calls, heap
 from fragflow.runtime.monitor import flat_scalars
 from fragflow.source import SourceLoc, user_callsite
 
@@ -312,6 +312,8 @@ class LoopInterpreter:
             # value it returns is that call's alone, never the state's newest
             if name == self.checks.get("clock"):
                 self.update += 1
+                if self.update == 1:
+                    heap.settle()
                 self.reporter.update()
                 if self.on_update is not None:
                     self.on_update(self.update)

@@ -46,7 +46,7 @@ from fragflow.compiler.pytree import (
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, SpecChangedError
 from fragflow.lowering import ServiceProgram
-from fragflow.runtime import calls
+from fragflow.runtime import calls, heap
 from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
 from fragflow.runtime.monitor import non_scalar, scalars_in
 from fragflow.runtime.replicas import ReplicaChecks, _same_value
@@ -579,6 +579,8 @@ class ServiceRunner(ReplicaChecks):
             self.writes[state] = self.writes.get(state, 0) + 1
             if clock:
                 self.version += 1
+                if self.version == 1:
+                    heap.settle()
                 for b in self.program.publish:
                     self._publish(b.state)
             elif state in {b.state for b in self.program.publish}:

@@ -20,6 +20,7 @@ import cloudpickle
 import numpy as np
 
 from fragflow import context
+from fragflow.runtime import heap
 from fragflow.source import is_internal
 
 REPORT_EVERY = 0.2
@@ -183,6 +184,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
         from fragflow.driver import apply_process_settings
 
         apply_process_settings(checks.get("process", {}))
+        heap.in_worker()
         register(user_envs)
         endpoints = wiring.attach()
         if role == "actor":
