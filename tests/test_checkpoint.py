@@ -973,7 +973,7 @@ def test_evaluation_episodes_continue_from_the_checkpoint(tmp_path, write_algo, 
     with open(out / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     column = [float(r["eval_episodes"]) for r in rows]
-    # a row is made at its update, before its evaluation; the run's closing row holds the last one
+    # a row holds the evaluation run after its update (the last row, the last evaluation)
     assert column == sorted(column) and column[-2:] == [18.0, 20.0], column
     assert resumed.summary["eval_episodes"] == whole.summary["eval_episodes"] == 20
     assert [float(r["eval_return_mean"]) for r in rows][-5:] == means[-5:]   # the window goes on from the checkpoint's

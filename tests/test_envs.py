@@ -315,9 +315,10 @@ def test_a_served_actor_first_called_on_the_evaluation_env_after_the_trace_runs_
     _served_and_single(program)
 
 
-def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_row(write_algo, tmp_path):
-    """Rows are made at updates, each before its evaluation: a final evaluation after the loop was in
-    summary.json only (helper round 31 U3). A closing row holds it, the same under every policy."""
+def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_its_row(write_algo, tmp_path):
+    """A row runs from its update to the next training env step: an evaluation after the loop's last
+    update is in that update's row (it was in summary.json only, helper round 31 U3), the same under
+    every policy."""
     import csv
 
     from fragflow.program import load
@@ -328,10 +329,74 @@ def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_a_closing_ro
     for run, policy in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
         result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / run)
         rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        assert [r["updates"] for r in rows] == [f"{u}.0" for u in range(1, 10)]
         assert float(rows[-1]["eval_episodes"]) == result.summary["eval_episodes"] > float(rows[-2]["eval_episodes"])
-        assert rows[-1]["updates"] == rows[-2]["updates"]
         columns.append([(r["updates"], r["env_steps"], r["eval_episodes"], r["eval_return_mean"]) for r in rows])
     assert columns[1] == columns[0]
+
+
+EVAL_LOGGED = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs[:, 2] > params["w"][0]).astype(np.int64)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"params": {"w": state["params"]["w"] * 0.5}}, {"loss": float(batch["obs"].mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    eval_env = ff.envs.make("CartPole-v1", num_envs=1, seed=100, evaluation=True)
+    state = ff.versioned({"params": {"w": np.ones(1)}})
+    buf = ff.RolloutBuffer(16)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(16):
+            obs, *_ = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+        if u % 2 == 0:   # an evaluation episode after the update, its return logged
+            eo = eval_env.reset()
+            ret, done = 0.0, False
+            while not done:
+                eo, r, te, tr, _ = eval_env.step(act(state["params"], eo))
+                ret, done = ret + float(r[0]), bool(te[0] or tr[0])
+            ff.log({"eval/return": ret})
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_an_evaluation_logged_after_an_update_is_counted_in_the_row_that_holds_its_log(write_algo, tmp_path, policy):
+    """eval_episodes and eval_return_mean counted an evaluation run after update N from row N+1, while
+    the loop's ff.log of its return went to row N (every policy alike)."""
+    import csv
+
+    from fragflow.program import load
+
+    path, _ = write_algo(EVAL_LOGGED, "eval_logged.py")
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert [r["updates"] for r in rows] == [f"{u}.0" for u in range(1, 7)]
+    logged = []
+    for r in rows:
+        if r["eval/return"]:
+            logged.append(float(r["eval/return"]))
+            # the row that logs an evaluation's return counts it, and its mean is over those logged so far
+            assert float(r["eval_episodes"]) == len(logged) and float(r["eval_return_mean"]) == sum(logged) / len(logged)
+        else:
+            assert float(r["eval_episodes"]) == len(logged)
+    assert len(logged) == 3
 
 
 class _Counts(gym.Env):

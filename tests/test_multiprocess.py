@@ -2142,7 +2142,7 @@ def test_the_loops_own_rows_hold_the_evaluation_episodes_ended_by_then(write_alg
             return [(r["env_steps"], r["updates"], r["eval_episodes"], r["eval_return_mean"]) for r in csv.DictReader(f)]
 
     single = columns("single_process")
-    # the evaluation after the last update is in the closing row only
+    # the evaluation after the last update is in that update's row (the last), not in the loop's rows before it
     assert [r[2] for r in single] == sorted(r[2] for r in single) and [r[2] for r in single[-2:]] == ["4.0", "6.0"]
     for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
         assert columns(policy) == single, policy

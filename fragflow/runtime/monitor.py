@@ -301,10 +301,10 @@ class Monitor:
             at.append(mark)
         row["env_steps"] = float(self.base_steps + sum(steps for steps, _ in at))
         self._episode_columns(row, {r: n for r, (_, n) in enumerate(at)})
-        # replica 0 steps and reports them; the row holds those ended before the update's call, as
-        # single_process's row is made when the update ends
+        # replica 0 steps and reports them; the row holds those ended by its end (before replica 0's
+        # next training step), as single_process's row does
         before = self._first_mark.get(0, 1) - 1 + j
-        evals = [e for e in self._eval_tagged if e[0] < before]
+        evals = [e for e in self._eval_tagged if e[0] < before or (e[0] == before and e[1] <= at[0][0])]
         row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
         row["eval_return_mean"] = self._eval_mean([ret for _, _, ret, _ in evals])
         self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, len(evals))
@@ -523,6 +523,10 @@ class Monitor:
             self._drain()
         elif self._pending is not None and self.outputs is not None:
             row, self._pending = self._pending, None   # (taken first: a Ctrl-C in the write cannot write it twice)
+            # the evaluation episodes ended by the row's end (the next training step), as what the loop
+            # logs by then is the row's: an evaluation after the update, and its ff.log, in one row
+            row["eval_episodes"] = float(self.base_eval_episodes + len(self.eval_episodes))
+            row["eval_return_mean"] = sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else math.nan
             self.outputs.write_row(row)
         self._pending = None
 

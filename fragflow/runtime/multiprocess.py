@@ -407,10 +407,11 @@ class Driver:
                     self.monitor.env_step(max(0, steps - heard_steps), [(ret, length) for _, ret, length in new], k, new)
             finally:
                 self.heard[k] = (max(steps, heard_steps), max(episodes, heard_episodes))
-                for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
-                    self.monitor.mark(k, update, self.heard[k][0])
+                # (evaluation episodes before the marks: a mark may write the row that holds them)
                 for update, at, ret, length in evaluated:
                     self.monitor.eval_episode(ret, length, (update, at))
+                for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
+                    self.monitor.mark(k, update, self.heard[k][0])
         elif kind == "update":
             self.monitor.update()
             self._computed(*msg[2:])
