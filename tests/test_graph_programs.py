@@ -2617,6 +2617,62 @@ def train(fixed=0):   # 1: a fragment of its own for the second env's actor, 2: 
 """
 
 
+ROLLOUT_VIEW = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(params, obs):
+    return (obs[:, 2] > params["w"][0]).astype(np.int64)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    m = float((batch["obs"] > 0).sum()) / batch["obs"].numel() if torch.is_tensor(batch["obs"]) else \
+        float((batch["obs"] > 0).mean())   # (a count: the same whatever the layout of the rows it is given)
+    return {"params": {"w": state["params"]["w"] * 0.5 + m}}, {"share": m, "rows": float(batch["obs"].shape[0])}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"params": {"w": np.ones(1)}})
+    buf = ff.RolloutBuffer(16)
+    obs = env.reset()
+    for u in range(4):
+        for _ in range(16):
+            obs, *_ = env.step(act(state["params"], obs))
+            buf.add(obs=obs)
+        batch = buf.collect()
+        state, metrics = learn(state, {"obs": VIEW})   # @call
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("view", ['batch["obs"][0:8]', 'batch["obs"].transpose(1, 0, 2)[:, 4:12]',
+                                  'batch["obs"][8:, :, 1:3]', 'torch.as_tensor(batch["obs"])[2:10]'])
+def test_a_view_of_a_rollout_that_keeps_its_environments_is_split_and_merged_along_them(write_algo, tmp_path, view):
+    """A slice of a rollout's time axis made in the loop (the first half of its steps), a transpose,
+    a field's columns: each keeps the environment axis whole, and a policy that splits the
+    environments merges the actors' views along it (it refused them at the call: "sliced, reshaped
+    or flattened")."""
+    path, _ = write_algo(ROLLOUT_VIEW.replace("VIEW", view))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process", out=tmp_path / "one")
+    got = ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)", out=tmp_path / "two")
+    assert unclocked_rows(tmp_path / "two") == unclocked_rows(tmp_path / "one")
+    assert len(unclocked_rows(tmp_path / "one")) == 4
+    assert got.summary["env_steps"] == 256
+
+
+@pytest.mark.parametrize("view", ['batch["obs"][:, ::2]', 'batch["obs"].reshape(-1, 4)'])
+def test_a_view_of_a_rollout_that_does_not_keep_its_environments_whole_is_still_refused(write_algo, view):
+    path, marks = write_algo(ROLLOUT_VIEW.replace("VIEW", view))
+    program = load(str(path))
+    with pytest.raises(SpecChangedError, match=r"environment axis fragflow cannot follow") as info:
+        ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    assert f"algo.py:{marks['call']}" in str(info.value)
+
+
 def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_served_with_the_fix_that_works(write_algo):
     path, marks = write_algo(TWO_TRAINING_ENVS)
     program = load(str(path))

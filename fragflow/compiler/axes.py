@@ -68,6 +68,42 @@ def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]]) -> None:
                 edge.leaves[key] = rows
 
 
+def view_axis(leaf: Any, known: list[tuple[Any, tuple[str, int]]]) -> tuple[str, int] | None:
+    """The ``env`` axis of an array the loop made as a view of a per-environment one (``known``:
+    (array, its axis)): the view's one axis that spans the same memory as that array's environment
+    axis, whole (its size and stride). ``rollout["obs"][0:8]``, a transpose, a field of a record
+    keep the environments; ``[:, 0]``, ``[:, ::2]`` or a flattening do not, and are not followed."""
+    mine = _layout(leaf)
+    if mine is None:
+        return None
+    from fragflow.compiler.inplace import memory_bounds
+
+    bounds = memory_bounds(leaf)
+    for array, (name, axis) in known:
+        theirs = _layout(array)
+        if theirs is None or array is leaf or theirs[2] != mine[2] or axis >= len(theirs[0]):
+            continue
+        size, stride = theirs[0][axis], theirs[1][axis]
+        outer = memory_bounds(array)
+        if size < 2 or bounds is None or outer is None or not (outer[0] == bounds[0] and outer[1] <= bounds[1]
+                                                               and bounds[2] <= outer[2]):
+            continue
+        axes = [i for i, (n, st) in enumerate(zip(*mine[:2])) if n == size and st == stride]
+        if len(axes) == 1:
+            return name, axes[0]
+    return None
+
+
+def _layout(x: Any) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """(shape, strides in bytes, element size) of a numpy array or torch tensor with elements."""
+    if isinstance(x, np.ndarray):
+        return (x.shape, x.strides, x.itemsize) if x.size else None
+    if backend_of(x) == "torch" and x.numel():
+        size = x.element_size()
+        return tuple(x.shape), tuple(st * size for st in x.stride()), size
+    return None
+
+
 def inherited_axes(inputs: list[LeafSpec], leaves: Leaves) -> Axes | None:
     """A fragment that declares no axes (a user's ``act``) keeps its inputs' ``env`` batch: when
     its batched inputs have the environments on axis 0, outputs with that leading size do too."""

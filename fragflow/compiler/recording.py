@@ -14,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fragflow.api.envs import EnvCount
 from fragflow.api.events import default_axes
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
-from fragflow.compiler.axes import address, env_rows, inherited_axes, sized_by_ids
+from fragflow.compiler.axes import address, env_rows, inherited_axes, sized_by_ids, view_axis
 from fragflow.compiler.ir import EdgeKind, LeafSpec
 from fragflow.compiler.pytree import (
     NotAnArray,
@@ -117,6 +119,7 @@ class Recording:
         self._by_address: dict[tuple[int, tuple[int, ...], int], Origin] = {}   # outputs by memory (see _origin)
         self._containers: dict[tuple[str, str], tuple[Any, str, Any]] = {}   # (node, port) -> its last output container
         self._axis_hint: dict[int, tuple[tuple[str, int], Callable[[], Any]]] = {}
+        self._batched: dict[tuple[str, str, str], tuple[Callable[[], Any], tuple[str, int]]] = {}   # (node, port, path)
         # the current call's
         self._input_ids: set[int] = set()
         self._input_backends: set[str] = set()
@@ -210,8 +213,15 @@ class Recording:
                 axis = hint[0] if hint is not None and hint[1]() is leaf else None
             if axis is None and in_axes is not None and getattr(leaf, "ndim", 0) >= 1:
                 axis = in_axes(f"{pname}{path}")   # the loop made it, the fragment declares its rows
+            if axis is None and src == LOOP and getattr(leaf, "ndim", 0) >= 1 and \
+                    (not isinstance(leaf, np.ndarray) or leaf.base is not None):
+                axis = view_axis(leaf, self._per_env())   # a slice of a rollout, a transpose: its rows
             out.append((path, leaf, src, port, src_path, axis))
         return out
+
+    def _per_env(self) -> list[tuple[Any, tuple[str, int]]]:
+        """The latest output of each fragment's output leaf with a batch axis, and its axis."""
+        return [(array, axis) for ref, axis in self._batched.values() if (array := ref()) is not None]
 
     def _origin(self, leaf: Any) -> Origin | None:
         origin = self._origins.get(id(leaf))
@@ -320,6 +330,8 @@ class Recording:
             except TypeError:
                 ref = strong(leaf)   # floats and numpy scalars: small, kept alive while tracing
             self._origins[id(leaf)] = origin = Origin(rec.name, rec.role, port, path, axis, ref)
+            if axis is not None:
+                self._batched[(rec.name, port, path)] = (ref, axis)
             at = address(leaf)
             if at is not None:
                 self._by_address[at] = origin
