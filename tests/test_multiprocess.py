@@ -19,7 +19,7 @@ import pytest
 import fragflow as ff
 from fragflow.algorithms import ppo
 from fragflow.compiler.pytree import leaf_paths, to_numpy
-from fragflow.errors import ConfigError
+from fragflow.errors import ConfigError, VersionedStateError
 from fragflow.program import load
 from fragflow.runtime.multiprocess import WorkerDied, WorkerFailed
 from tests.conftest import ROOT, relpath
@@ -2466,3 +2466,74 @@ def test_a_value_the_loop_logs_first_after_the_trace_is_refused_at_its_line(writ
     with pytest.raises(ff.errors.ConfigError, match=f"ff.log got 'hist' {message}") as info:
         ff.run(program.train, 6, policy="single_process")
     assert f"algo.py:{marks['log']}" in str(info.value)
+
+
+CHANGES_STATE_LATE = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 8
+    start: int = 4       # the update from which the state is changed in place (0: never), after the trace
+    how: str = "actor"   # actor: act scales a weight; numpy: act adds to an array; loop: the loop scales it
+
+@ff.fragment("actor")
+def act(state, obs, u, start, how):
+    with torch.no_grad():
+        logits = state["pi"](torch.as_tensor(obs, dtype=torch.float32))
+        if start and u >= start and how == "actor":
+            state["pi"].weight.mul_(0.99)
+        if start and u >= start and how == "numpy":
+            state["w"] += 0.1
+    return logits.argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = state["pi"](torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+    state["opt"].zero_grad(); loss.backward(); state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    pi = nn.Linear(4, 2)
+    state = ff.versioned({"pi": pi, "opt": torch.optim.SGD(pi.parameters(), lr=0.01), "w": np.zeros(2)})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state, obs, u, args.start, args.how))   # @act
+            buf.add(obs=obs)
+        if args.start and u >= args.start and args.how == "loop":
+            with torch.no_grad():
+                pi.bias.add_(1.0)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("how, leaf, who", [("actor", r"state\['pi'\]\['weight'\]", "by fragment 'act', or by the loop"),
+                                            ("numpy", r"\(an array of it", "by fragment 'act': output array is read-only"),
+                                            ("loop", r"state\['pi'\]\['bias'\]", "by the loop")])
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)"])
+def test_state_changed_in_place_where_the_actor_runs_only_after_the_trace_is_refused_at_the_loops_line(
+        write_algo, policy, how, leaf, who):
+    """An actor (or the loop) that starts changing the versioned state in place once learning has
+    begun, after the trace: the trace did not see it, and where the actor runs apart from the
+    learner its copy's change was lost at the next version, silently. The version counters of the
+    received tensors (and read-only numpy leaves) catch it at the call."""
+    path, marks = write_algo(CHANGES_STATE_LATE)
+    program = load(str(path))
+    with pytest.raises(VersionedStateError, match=rf"versioned state {leaf}.*{re.escape(who)}.*was changed in place in an "
+                                                  r"acting process, but this policy runs the learner in another process") as info:
+        ff.run(program.train, program.args_cls(how=how), policy=policy)
+    assert f"algo.py:{marks['act']}" in str(info.value)
+    assert mp.active_children() == [] and shm_leftovers() == []
+    # never changed, or in one process (as eagerly): it runs
+    assert ff.run(program.train, program.args_cls(how=how, start=0), policy=policy).summary["updates"] == 8
+    assert ff.run(program.train, program.args_cls(how=how), policy="single_process").summary["updates"] == 8

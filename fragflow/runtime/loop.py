@@ -116,6 +116,8 @@ class LoopInterpreter:
         self._last_version = 0
         self._ticket = 0
         self._views: dict[str, tuple[tuple[int, int | None], list[Any]]] = {}
+        # the torch leaves of each received view, with their version counters then (see _unchanged)
+        self._watched: dict[str, list[tuple[str, Any, int]]] = {}
         # writes of each state this replica has issued, and how many there were when each version
         # ended (a version is the state after a clock call and every write before the next one)
         self._writes: dict[str, int] = {}
@@ -273,10 +275,11 @@ class LoopInterpreter:
             written = handle
             if handle.name not in self._shapes:   # (a state the trace made, which this run goes on from)
                 self._shapes[handle.name] = structure(self._states.get(handle.name, handle).value)
+        reads = False
         if any(isinstance(a, (Versioned, VersionedView)) for a in args):
-            args = tuple(self._resolve(a) for a in args)
+            args, reads = tuple(self._resolve(a) for a in args), True
         if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
-            kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
+            kwargs, reads = {k: self._resolve(v) for k, v in kwargs.items()}, True
         try:
             if name in self._captured:   # single_process only: as eagerly, the global holds the value
                 with handles_as_values(frag.fn):
@@ -286,11 +289,16 @@ class LoopInterpreter:
         except FragflowError:
             raise
         except Exception as exc:
+            if reads and self._watched and isinstance(exc, ValueError) and "read-only" in str(exc):
+                raise _changed_here(f"(an array of it, by fragment '{name}': {exc})") from exc   # (see _watch)
             exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
             note = self._run_sized_note(frag, name, args, kwargs) if _about_shapes(exc) else ""
             if note:
                 exc.add_note(note)
             raise
+        if reads and self._watched and frag.role != "learner":
+            for state in self._watched:
+                self._unchanged(state, name)
         if frag.evaluation and frag.role == "env":   # its observations, to know them if a served actor gets them
             first = out[0] if isinstance(out, tuple) and out else out
             self._eval_obs = (id(first), first)
@@ -387,6 +395,7 @@ class LoopInterpreter:
         key = (v, self._stamp(handle.name, v))
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
+            self._unchanged(handle.name, None)   # (changed since this process's last fragment call: the loop)
             _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
             trees, pos = [], 0
             for root, n in zip(b.paths, b.counts):
@@ -396,6 +405,7 @@ class LoopInterpreter:
                 trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
                 pos += n
             cached = self._views[handle.name] = (key, trees)
+            self._watched[handle.name] = _watch(handle.name, b.paths, trees)
         for root, tree in zip(b.paths, cached[1]):
             if path[:len(root)] == root:
                 for k in path[len(root):]:
@@ -403,6 +413,16 @@ class LoopInterpreter:
                 return tree
         raise ConfigError(f"the loop read {handle.name}{''.join(f'[{k!r}]' for k in path)}, which was not traced",
                           where=user_callsite(), fix="read the same state views on every call")
+
+    def _unchanged(self, state: str, fragment: str | None) -> None:
+        """Refuse a received version of ``state`` changed in place in this process (an actor that
+        steps the state's optimizer, ``p.add_(...)``): here, apart from the learner, the change is
+        lost at the next version. A torch tensor's version counter counts its in-place changes, so
+        this costs an integer per tensor; numpy leaves are read-only (see _watch)."""
+        for path, tensor, version in self._watched.get(state, ()):
+            if tensor._version != version:
+                raise _changed_here(f"{state}{path} (by fragment '{fragment}', or by the loop before its call)"
+                                    if fragment is not None else f"{state}{path} (by the loop)")
 
     def _own_rows(self, leaves: list[Any], whole: tuple[tuple[int, int, int], ...]) -> list[Any]:
         """A leaf the loop made with as many rows as there are environments in all (while tracing,
@@ -639,6 +659,34 @@ class LoopInterpreter:
         elif isinstance(tree, (list, tuple)):
             for k, v in zip(tree._fields if hasattr(tree, "_fields") else range(len(tree)), tree):
                 self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
+
+
+def _changed_here(what: str) -> VersionedStateError:
+    return VersionedStateError(
+        f"versioned state {what} was changed in place in an acting process, but this policy runs the learner in "
+        "another process: the change stays in this process's copy, the learner never sees it, and the next "
+        "version overwrites it", where=user_callsite(),
+        fix="leave the state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place ops "
+            "change it even under torch.no_grad(), optimizer.step() among them), make the change in a learner that "
+            "writes the state, or run with --policy single_process")
+
+
+def _watch(state: str, roots: Any, trees: list[Any]) -> list[tuple[str, Any, int]]:
+    """The torch leaves of a received view with their version counters; its numpy leaves made
+    read-only (an in-place write raises where it is made)."""
+    out = []
+    for root, tree in zip(roots, trees):
+        prefix = "".join(f"[{k!r}]" for k in root)
+        try:
+            leaves = leaf_paths(tree)
+        except NotAnArray:
+            continue
+        for path, leaf in leaves:
+            if isinstance(leaf, np.ndarray):
+                leaf.flags.writeable = False
+            elif hasattr(leaf, "_version"):
+                out.append((prefix + path, leaf, leaf._version))
+    return out
 
 
 def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:
