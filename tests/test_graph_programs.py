@@ -322,6 +322,60 @@ def test_a_memory_sized_with_the_runs_number_of_environments_is_refused_where_ca
     assert shm_leftovers() == []
 
 
+RUN_SIZED_RETURNS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, returns):
+    return state + 0.01 * (batch["obs"].mean(axis=(0, 1)) * returns.mean()), {"ret": float(returns.mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned(np.ones(4))
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(8):
+            action = act(state, obs)
+            buf.add(obs=obs, reward=np.ones(env.num_envs))
+            obs, *_ = env.step(action)
+        batch = buf.collect()
+        # [time, env], sized with the run's count (args.num_envs): a process's one column fills both
+        returns = np.zeros((8, 2))
+        g = np.zeros(env.num_envs)
+        for t in reversed(range(8)):
+            g = batch["reward"][t] + 0.9 * g
+            returns[t] = g
+        state, m = learn(state, batch, returns)   # @learn
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2)"])
+def test_returns_the_loop_sizes_with_the_runs_number_of_environments_are_named_as_such_where_calls_arrive_apart(
+        write_algo, policy):
+    """Returns the loop computes beside a rollout ([time, env]) in an array sized with the run's
+    count: where the learner takes calls as they arrive, the refusal names the run's count on the
+    environment axis and the fix (env.num_envs); it said the axis had been sliced, reshaped or
+    flattened, and told to pass the data in the rollout (helper round 35, an actor-critic)."""
+    path, marks = write_algo(RUN_SIZED_RETURNS)
+    program = load(str(path))
+    with pytest.raises(SpecChangedError) as err:
+        ff.run(program.train, policy=policy)
+    assert str(err.value.where).endswith(f"algo.py:{marks['learn']}")
+    assert ("each stepping 1 of the 2 environments, and this leaf, made in the loop, has a row for every "
+            "environment of the run on axis 1") in str(err.value)
+    assert "sliced, reshaped or flattened" not in str(err.value)
+    assert err.value.fix.startswith("size per-environment arrays with env.num_envs")
+    assert shm_leftovers() == []
+
+
 @pytest.mark.parametrize("policy", ["central_inference(env_workers=2)", "actor_learner(actors=2, max_lag=0)"])
 def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(write_algo, policy):
     """Arrays the loop makes beside a batch of environments, with one row per environment (a
