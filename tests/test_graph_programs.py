@@ -256,6 +256,55 @@ def test_a_memory_sized_with_the_runs_number_of_environments_is_named_where_the_
     assert shm_leftovers() == []
 
 
+RUN_SIZED_ACTIONS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return state + 0.01 * batch["obs"].mean(axis=(0, 1)), {"m": float(batch["obs"].mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned(np.ones(4))
+    buf = ff.RolloutBuffer(4)
+    flip = np.zeros(2, np.int64)   # per environment, sized with the run's count (args.num_envs)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            action = (act(state, obs) + flip) % 2   # (a process's one row, broadcast to the run's two)
+            obs, _, terminated, truncated, _ = env.step(action)   # @step
+            flip = np.where(terminated | truncated, 1 - flip, flip)
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2)"])
+def test_actions_made_with_a_run_sized_array_are_refused_at_the_step_naming_the_runs_count(write_algo, policy):
+    """Exploration noise the loop keeps per environment, sized with the run's count (DDPG's OU
+    noise in np.zeros((args.num_envs, act_dim))), added to the actor's actions: env.step gets an
+    action per environment of the run where its process steps its share. The refusal says so and
+    gives that fix; it told to return an array rather than a Python list or number from the actor
+    (helper round 35, DDPG)."""
+    path, marks = write_algo(RUN_SIZED_ACTIONS)
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(ConfigError) as err:
+        ff.run(program.train, policy=policy)
+    assert str(err.value.where).endswith(f"algo.py:{marks['step']}")
+    assert ("env.step got 2 actions (shape (2,)) for the 1 environments this process steps: argument actions has a "
+            "row for every environment of the run, made in the loop") in str(err.value)
+    assert err.value.fix.startswith("size per-environment arrays with env.num_envs")
+    assert shm_leftovers() == []
+
+
 def test_a_users_own_error_in_a_fragment_given_a_run_sized_memory_has_no_note_on_its_size(write_algo):
     """A RuntimeError the actor raised itself was noted as the memory's size (helper round 33 C13)."""
     path, _ = write_algo(RUN_SIZED.replace('    h = np.tanh(obs @ params["wx"] + h @ params["wh"])',
