@@ -17,6 +17,7 @@ from fragflow.errors import (
     LearnerOutputOnActingSideError,
     PlacementError,
     SpecChangedError,
+    TraceError,
     UntracedFragmentError,
 )
 from fragflow.program import load
@@ -284,6 +285,24 @@ def train():
         ff.log(m)
     return state
 """
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2)"])
+def test_a_run_sized_array_given_to_a_buffer_is_refused_at_the_add_naming_the_runs_count(write_algo, policy):
+    """The same array kept in a replay buffer beside each environment's data: refused at the add,
+    naming it; it told to give every leaf the environments on its first axis, which it had."""
+    path, marks = write_algo(RUN_SIZED_ACTIONS.replace("action = (act(state, obs) + flip) % 2", "action = act(state, obs)")
+                             .replace("buf.add(obs=obs)", "buf.add(obs=obs, flip=flip)   # @add")
+                             .replace("ff.RolloutBuffer(4)", "ff.ReplayBuffer(64, seed=0)")
+                             .replace("buf.collect()", "buf.sample(8)"))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(TraceError) as err:
+        ff.run(program.train, policy=policy)
+    assert str(err.value.where).endswith(f"algo.py:{marks['add']}")
+    assert "replay.add got leaves with different leading sizes [1, 2]: argument transition['flip'] has a row for every environment of the run, made in the loop" in str(err.value)
+    assert err.value.fix.startswith("size per-environment arrays with env.num_envs")
+    assert shm_leftovers() == []
 
 
 @pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2)"])
