@@ -288,10 +288,10 @@ class LoopInterpreter:
             else:
                 out = frag.fn(*args, **kwargs)
         except FragflowError as exc:
-            # (env.step given an action per environment of the run: an array of the loop's, the OU
-            # noise added to the actions, sized with args.num_envs)
+            # fragflow's own refusal of a size (env.step given an action per environment of the run,
+            # made with the loop's exploration noise sized with args.num_envs) says the likely cause
             found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
-            if found:
+            if found and exc.fix != RUN_SIZED_FIX:   # (said once, where a call within a call failed)
                 exc.restate(what=f"{exc.what}: argument {found[0]} has a row for every environment of the run, made "
                                  f"in the loop (sized with the run's count, as args.num_envs, or made from such an "
                                  f"array), where this process steps {found[2]} of them", fix=RUN_SIZED_FIX)
