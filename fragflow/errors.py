@@ -31,6 +31,13 @@ class FragflowError(Exception):
         self.detail = detail
         super().__init__(self._format())
 
+    def restate(self, *, what: str | None = None, fix: str | None = None) -> None:
+        """Change the message or the fix where the cause is better known than where it was raised
+        (its text is its args: what crosses a process boundary and what ``str`` shows)."""
+        self.what = self.what if what is None else what
+        self.fix = self.fix if fix is None else fix
+        self.args = (self._format(),)
+
     def _format(self) -> str:
         lines = [self.what]
         if self.where is not None:

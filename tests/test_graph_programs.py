@@ -17,6 +17,7 @@ from fragflow.errors import (
     LearnerOutputOnActingSideError,
     PlacementError,
     SpecChangedError,
+    TraceError,
     UntracedFragmentError,
 )
 from fragflow.program import load
@@ -256,6 +257,73 @@ def test_a_memory_sized_with_the_runs_number_of_environments_is_named_where_the_
     assert shm_leftovers() == []
 
 
+RUN_SIZED_ACTIONS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return state + 0.01 * batch["obs"].mean(axis=(0, 1)), {"m": float(batch["obs"].mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned(np.ones(4))
+    buf = ff.RolloutBuffer(4)
+    flip = np.zeros(2, np.int64)   # per environment, sized with the run's count (args.num_envs)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            action = (act(state, obs) + flip) % 2   # (a process's one row, broadcast to the run's two)
+            obs, _, terminated, truncated, _ = env.step(action)   # @step
+            flip = np.where(terminated | truncated, 1 - flip, flip)
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2)"])
+def test_a_run_sized_array_given_to_a_buffer_is_refused_at_the_add_naming_the_runs_count(write_algo, policy):
+    """The same array kept in a replay buffer beside each environment's data: refused at the add,
+    naming it; it told to give every leaf the environments on its first axis, which it had."""
+    path, marks = write_algo(RUN_SIZED_ACTIONS.replace("action = (act(state, obs) + flip) % 2", "action = act(state, obs)")
+                             .replace("buf.add(obs=obs)", "buf.add(obs=obs, flip=flip)   # @add")
+                             .replace("ff.RolloutBuffer(4)", "ff.ReplayBuffer(64, seed=0)")
+                             .replace("buf.collect()", "buf.sample(8)"))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(TraceError) as err:
+        ff.run(program.train, policy=policy)
+    assert str(err.value.where).endswith(f"algo.py:{marks['add']}")
+    assert "replay.add got leaves with different leading sizes [1, 2]: argument transition['flip'] has a row for every environment of the run, made in the loop" in str(err.value)
+    assert err.value.fix.startswith("size per-environment arrays with env.num_envs")
+    assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "pipelined(actors=2)"])
+def test_actions_made_with_a_run_sized_array_are_refused_at_the_step_naming_the_runs_count(write_algo, policy):
+    """Exploration noise the loop keeps per environment, sized with the run's count (DDPG's OU
+    noise in np.zeros((args.num_envs, act_dim))), added to the actor's actions: env.step gets an
+    action per environment of the run where its process steps its share. The refusal says so and
+    gives that fix; it told to return an array rather than a Python list or number from the actor
+    (helper round 35, DDPG)."""
+    path, marks = write_algo(RUN_SIZED_ACTIONS)
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(ConfigError) as err:
+        ff.run(program.train, policy=policy)
+    assert str(err.value.where).endswith(f"algo.py:{marks['step']}")
+    assert ("env.step got 2 actions (shape (2,)) for the 1 environments this process steps: argument actions has a "
+            "row for every environment of the run, made in the loop") in str(err.value)
+    assert err.value.fix.startswith("size per-environment arrays with env.num_envs")
+    assert shm_leftovers() == []
+
+
 def test_a_users_own_error_in_a_fragment_given_a_run_sized_memory_has_no_note_on_its_size(write_algo):
     """A RuntimeError the actor raised itself was noted as the memory's size (helper round 33 C13)."""
     path, _ = write_algo(RUN_SIZED.replace('    h = np.tanh(obs @ params["wx"] + h @ params["wh"])',
@@ -319,6 +387,60 @@ def test_a_memory_sized_with_the_runs_number_of_environments_is_refused_where_ca
         ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2, max_lag=1)")
     assert str(err.value.where).endswith(f"algo.py:{marks['act']}")
     assert "a row for every environment of the run" in str(err.value) and "env.num_envs" in err.value.fix
+    assert shm_leftovers() == []
+
+
+RUN_SIZED_RETURNS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, returns):
+    return state + 0.01 * (batch["obs"].mean(axis=(0, 1)) * returns.mean()), {"ret": float(returns.mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned(np.ones(4))
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(8):
+            action = act(state, obs)
+            buf.add(obs=obs, reward=np.ones(env.num_envs))
+            obs, *_ = env.step(action)
+        batch = buf.collect()
+        # [time, env], sized with the run's count (args.num_envs): a process's one column fills both
+        returns = np.zeros((8, 2))
+        g = np.zeros(env.num_envs)
+        for t in reversed(range(8)):
+            g = batch["reward"][t] + 0.9 * g
+            returns[t] = g
+        state, m = learn(state, batch, returns)   # @learn
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2)"])
+def test_returns_the_loop_sizes_with_the_runs_number_of_environments_are_named_as_such_where_calls_arrive_apart(
+        write_algo, policy):
+    """Returns the loop computes beside a rollout ([time, env]) in an array sized with the run's
+    count: where the learner takes calls as they arrive, the refusal names the run's count on the
+    environment axis and the fix (env.num_envs); it said the axis had been sliced, reshaped or
+    flattened, and told to pass the data in the rollout (helper round 35, an actor-critic)."""
+    path, marks = write_algo(RUN_SIZED_RETURNS)
+    program = load(str(path))
+    with pytest.raises(SpecChangedError) as err:
+        ff.run(program.train, policy=policy)
+    assert str(err.value.where).endswith(f"algo.py:{marks['learn']}")
+    assert ("each stepping 1 of the 2 environments, and this leaf, made in the loop, has a row for every "
+            "environment of the run on axis 1") in str(err.value)
+    assert "sliced, reshaped or flattened" not in str(err.value)
+    assert err.value.fix.startswith("size per-environment arrays with env.num_envs")
     assert shm_leftovers() == []
 
 

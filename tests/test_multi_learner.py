@@ -28,6 +28,7 @@ class Args:
     num_updates: int = 6
     steps: int = 8
     functional: bool = False     # torch.autograd.grad and a hand-written step, else backward() + torch.optim
+    own_optimizer: bool = False  # an optimizer the learner makes at each call (plain SGD keeps no state)
     seed: int = 0
 
 
@@ -39,7 +40,8 @@ def observe(key):
 
 @ff.fragment("learner", writes="state")
 def learn(state, xs, ys, args: Args):
-    net, opt = state["net"], state["opt"]
+    net = state["net"]
+    opt = torch.optim.SGD(net.parameters(), lr=0.05) if args.own_optimizer else state["opt"]
     x, y = torch.as_tensor(np.stack(xs)).reshape(-1, 3), torch.as_tensor(np.stack(ys)).reshape(-1, 1)
     for _ in range(2):                                   # two gradient steps per update
         loss = ((net(x) - y) ** 2).mean()
@@ -59,7 +61,8 @@ def learn(state, xs, ys, args: Args):
 def train(args: Args):
     torch.manual_seed(args.seed)
     net = torch.nn.Linear(3, 1)
-    state = ff.versioned({"net": net, "opt": torch.optim.Adam(net.parameters(), lr=0.05)})
+    state = ff.versioned({"net": net} if args.own_optimizer else
+                         {"net": net, "opt": torch.optim.Adam(net.parameters(), lr=0.05)})
     key = ff.random.keys(args.seed, ff.envs.ids(args.num_envs))
     for update in range(args.num_updates):
         xs, ys = [], []
@@ -91,6 +94,21 @@ def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program
         # equal up to the order of float sums (each learner's mean, then the mean of the two)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert two.summary["updates"] == 6 and two.summary["env_steps"] == one.summary["env_steps"]
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_two_learners_stepping_an_optimizer_the_learner_makes_equal_one_learner(program):
+    """An optimizer the learner makes itself over the state's module (the state holds none): its
+    gradients are averaged as those of one in the state; the learner was refused as one that
+    'computed none (no backward() into a torch.optim optimizer's parameters' (helper round 35)."""
+    args = program.args_cls(own_optimizer=True)
+    one = ff.run(program.train, args, policy="single_process")
+    two = ff.run(program.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    a, b = one.value["net"], two.value["net"]
+    assert not torch.equal(a.weight, torch.nn.Linear(3, 1).weight)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert two.summary["updates"] == 6
     assert mp.active_children() == [] and shm_leftovers() == []
 
 

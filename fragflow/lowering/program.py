@@ -125,7 +125,7 @@ class LoopProgram:
     logged: tuple[tuple[str, int, int, tuple[Any, ...]], ...] = ()   # (fragment, part, index, keys) services report
     # a fragment run here: (argument path, env axis, rows per replica) of the per-environment leaves
     # the loop may make with every environment's rows (sized with the run's count, not
-    # ``env.num_envs``): named in the note of a failure of the fragment (LoopInterpreter._run_sized_note)
+    # ``env.num_envs``): named in the note of a failure of the fragment (LoopInterpreter._run_sized)
     rows: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
 
     def service_for(self, group: str, replica: int) -> str:

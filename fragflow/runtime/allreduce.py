@@ -3,8 +3,9 @@
 Each learner process runs the user's ``learn`` on its own actors' share of the batch. For the K
 of them to make the update one learner would make on the whole batch, every gradient is averaged
 over the K processes as soon as it is computed, before the user's code clips it or steps the
-optimizer: what ``backward()`` accumulates into the parameters of every ``torch.optim`` optimizer
-in the learner's state (a hook on each parameter collects them, one all-reduce of them all runs
+optimizer: what ``backward()`` accumulates into the parameters of the learner's state (those of
+every ``torch.optim`` optimizer in it, and of its modules and tensors, which an optimizer the
+learner makes itself steps; a hook on each parameter collects them, one all-reduce of them all runs
 when the backward pass ends, as DDP's buckets do), and what ``torch.autograd.grad`` returns while
 the learner runs (functional updates, such as the PPO here, whose Adam is hand-written).
 Parameters and optimizer states then stay identical in every learner, so one of them publishes
@@ -100,7 +101,9 @@ class GradientAllReduce:
                     "with one learner (learners=1) or a single-learner policy") from None
 
     def watch(self, state: Any, name: str) -> None:
-        """Average what backward accumulates into the parameters of every optimizer in ``state``."""
+        """Average what backward accumulates into the parameters of every optimizer in ``state``,
+        and of its modules and bare tensors (an optimizer the learner makes itself, each call, over
+        them: it is in no state)."""
         import torch
 
         from fragflow.compiler.pytree import leaf_paths
@@ -108,13 +111,12 @@ class GradientAllReduce:
         if self.group_backend is None:
             tensors = [x for _, x in leaf_paths(state) if isinstance(x, torch.Tensor)]
             self._join({t.device for t in tensors})
-        for opt in _optimizers(state):
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
-                        self.watched.add(id(p))
-                        self.order[id(p)] = len(self.order)
-                        self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        owned = [p for opt in _optimizers(state) for group in opt.param_groups for p in group["params"]]
+        for p in [*owned, *_parameters(state)]:   # (in the state's order: the same in every learner)
+            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
+                self.watched.add(id(p))
+                self.order[id(p)] = len(self.order)
+                self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def _accumulated(self, p: Any) -> None:
         """A parameter's gradient is accumulated: averaged, with the others of this backward pass, in
@@ -188,9 +190,9 @@ class GradientAllReduce:
         self.call = None
         if required and self.averaged == 0:
             raise ConfigError(f"multi_learner averages the gradients '{fragment}' computes, and it computed none "
-                              "(no backward() into a torch.optim optimizer's parameters, no torch.autograd.grad)",
-                              where=where, fix="compute gradients with torch (an optimizer in the versioned state, or "
-                                  "torch.autograd.grad), or use a single-learner policy")
+                              "(no backward() into the parameters of its versioned state, no torch.autograd.grad)",
+                              where=where, fix="compute gradients with torch (backward() into the parameters of the versioned "
+                                  "state's modules or tensors, or torch.autograd.grad), or use a single-learner policy")
 
     def _reduce(self, parts: list[Any], closing: bool = False) -> Any:
         """``parts`` concatenated and all-reduced (summed), with a few numbers saying where this
@@ -315,6 +317,24 @@ def _optimizers(tree: Any) -> Any:
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             yield from _optimizers(v)
+
+
+def _parameters(tree: Any) -> Any:
+    """The parameters of the modules in ``tree`` and its tensors that take gradients (a bare
+    ``nn.Parameter``, an entropy coefficient's log)."""
+    import torch
+
+    if isinstance(tree, torch.nn.Module):
+        yield from tree.parameters()
+    elif isinstance(tree, torch.Tensor):
+        if tree.requires_grad and tree.is_leaf:
+            yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _parameters(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _parameters(v)
 
 
 def host(world: int, address: str = "127.0.0.1") -> tuple[Any, tuple[str, int]]:

@@ -167,12 +167,13 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                             "on their first axis (a recurrent state in the [1, env, hidden] layout)")
                 fix = ("keep the environments first in what the loop holds ([env, hidden]) and move the axis inside "
                        "the fragment where the network wants it (h.transpose(0, 1), h[None]); or run with one actor")
-            elif replicas > 1 and got.dtype == spec.dtype and _whole_rows(got.shape, spec.shape, replicas):
+            elif replicas > 1 and got.dtype == spec.dtype and (k := _whole_rows(got.shape, spec.shape, replicas)) >= 0:
+                on = f" on axis {k}" if k else ""   # ([time, env] beside a rollout: returns the loop computes)
                 message += (f"; the training loop runs in {replicas} processes here, each stepping "
-                            f"{spec.shape[0]} of the {got.shape[0]} environments, and this leaf, made in the loop, "
-                            f"has a row for every environment of the run (sized with the run's count, as "
+                            f"{spec.shape[k]} of the {got.shape[k]} environments, and this leaf, made in the loop, "
+                            f"has a row for every environment of the run{on} (sized with the run's count, as "
                             f"args.num_envs, or a size that only equals it: a statistic over as many features), "
-                            f"where this process holds its {spec.shape[0]}")
+                            f"where this process holds its {spec.shape[k]}")
                 fix = ("size per-environment arrays with env.num_envs (the environments this process steps) or make "
                        "them from env.ids (ff.random.keys(seed, env.ids)), or pass them in the rollout; compute "
                        "anything else from the batch inside a fragment or keep it in versioned state; or run with "
@@ -190,9 +191,13 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
             raise SpecChangedError(message, where=where, fix=fix)
 
 
-def _whole_rows(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> bool:
-    """Whether a leaf has every replica's rows on its first axis where one replica's were traced."""
-    return len(got) == len(traced) and len(got) > 0 and got[0] == traced[0] * replicas and got[1:] == traced[1:]
+def _whole_rows(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:
+    """The axis along which a leaf has every replica's rows where one replica's were traced (its
+    environment axis: the first, or the second of a [time, env] array); -1 where none."""
+    if len(got) != len(traced):
+        return -1
+    differ = [k for k, (g, t) in enumerate(zip(got, traced)) if g != t]
+    return differ[0] if len(differ) == 1 and got[differ[0]] == traced[differ[0]] * replicas else -1
 
 
 def _shared_axis(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:

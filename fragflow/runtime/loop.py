@@ -81,6 +81,10 @@ def allow_nonfinite() -> bool:
     return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
 
 
+RUN_SIZED_FIX = ("size per-environment arrays with env.num_envs, or make them from env.ids "
+                 "(ff.random.keys(seed, env.ids)); or run with one acting process")
+
+
 def _about_shapes(exc: BaseException) -> bool:
     """Whether an error may come of an array's size (numpy's, torch's and JAX's shape errors: JAX's
     are TypeErrors), which the note on arrays sized with the run's count of environments explains; a
@@ -286,15 +290,23 @@ class LoopInterpreter:
                     out = frag.fn(*args, **kwargs)
             else:
                 out = frag.fn(*args, **kwargs)
-        except FragflowError:
+        except FragflowError as exc:
+            # fragflow's own refusal of a size (env.step given an action per environment of the run,
+            # made with the loop's exploration noise sized with args.num_envs) says the likely cause
+            found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
+            if found and exc.fix != RUN_SIZED_FIX:   # (said once, where a call within a call failed)
+                exc.restate(what=f"{exc.what}: argument {found[0]} has a row for every environment of the run, made "
+                                 f"in the loop (sized with the run's count, as args.num_envs, or made from such an "
+                                 f"array), where this process steps {found[2]} of them", fix=RUN_SIZED_FIX)
             raise
         except Exception as exc:
             if reads and self._watched and isinstance(exc, ValueError) and "read-only" in str(exc):
                 raise _changed_here(f"(an array of it, by fragment '{name}': {exc})") from exc   # (see _watch)
             exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
-            note = self._run_sized_note(frag, name, args, kwargs) if _about_shapes(exc) else ""
-            if note:
-                exc.add_note(note)
+            found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
+            if found:
+                exc.add_note(f"(fragflow: argument {found[0]} of '{name}' has {found[1]} rows, one per environment of "
+                             f"the run, but this process steps {found[2]} of them: {RUN_SIZED_FIX})")
             raise
         if reads and self._watched and frag.role != "learner":
             for state in self._watched:
@@ -332,18 +344,20 @@ class LoopInterpreter:
                 self.on_update(self.update)
         return out
 
-    def _run_sized_note(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """Where a fragment run here failed: a note naming an argument the loop made with a row for
-        every environment of the run (sized with ``args.num_envs``) where this process steps its
-        share of them (``env.num_envs``), the usual cause of a shape error in a split run. Not cut to
-        the share: an array of that many rows may be a constant of the program's own."""
+    def _run_sized(self, frag: Fragment, name: str, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[str, int, int] | None:
+        """Where a fragment run here failed: the argument the loop made with a row for every
+        environment of the run (sized with ``args.num_envs``) where this process steps its share of
+        them (``env.num_envs``), the usual cause of a shape error in a split run, with its rows and
+        the share. Not cut to the share: an array of that many rows may be a constant of the
+        program's own."""
         rows = {path: (axis, per) for path, axis, per in self.program.rows.get(name, ())}
         if not rows:
-            return ""
+            return None
         try:
             bound = frag.signature.bind(*args, **kwargs).arguments
         except TypeError:
-            return ""
+            return None
         for pname, value in bound.items():
             try:
                 leaves = leaf_paths(value, pname)
@@ -353,11 +367,8 @@ class LoopInterpreter:
                 axis, per = rows.get(path, (0, 0))
                 shape = getattr(leaf, "shape", ())
                 if per and len(shape) > axis and shape[axis] == per * self.program.replicas:
-                    return (f"(fragflow: argument {path} of '{name}' has {shape[axis]} rows, one per environment of "
-                            f"the run, but this process steps {per} of them: size per-environment arrays with "
-                            "env.num_envs, or make them from env.ids (ff.random.keys(seed, env.ids)); or run with "
-                            "one acting process)")
-        return ""
+                    return path, shape[axis], per
+        return None
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
