@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+import fragflow as ff
 from fragflow import driver
+from fragflow.program import load
 from fragflow.runtime import checkpoint as ckpt
 from tests.conftest import ROOT
 
@@ -1291,3 +1293,77 @@ def test_a_checkpoints_solved_at_steps_is_the_summarys(tmp_path):
     saved = {json.loads((p / "manifest.json").read_text())["counters"]["solved_at_steps"]
              for p in (out / "checkpoints").iterdir()}
     assert saved == {solved}
+
+
+GENERATORS_IN_STATE = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 8
+
+@ff.fragment("actor")
+def act(net, obs):
+    with torch.no_grad():
+        return net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    noise = torch.randn(batch["obs"].shape, generator=state["gen"]) * 0.1   # smoothing noise (TD3's target policy)
+    pick = state["np_gen"].integers(0, batch["obs"].shape[0], size=4)       # a minibatch of steps
+    x = (torch.as_tensor(batch["obs"], dtype=torch.float32) + noise)[torch.as_tensor(pick)]
+    loss = state["net"](x).pow(2).mean() + 0 * float(state["legacy"].uniform())
+    state["opt"].zero_grad(); loss.backward(); state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1),
+                          "gen": torch.Generator().manual_seed(7), "np_gen": np.random.default_rng(7),
+                          "legacy": np.random.RandomState(7)})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state["net"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def _generators_of(value):
+    return (value["net"].weight.detach().numpy().copy(), value["gen"].get_state().numpy().copy(),
+            value["np_gen"].bit_generator.state["state"], value["legacy"].get_state(legacy=False)["state"]["pos"],
+            int(value["legacy"].get_state(legacy=False)["state"]["key"].sum()))
+
+
+def _same_generators(a, b) -> bool:
+    return np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_random_generators_in_the_state_run_under_every_policy_as_eagerly_and_resume_where_they_were(write_algo, tmp_path):
+    """A torch.Generator, a numpy Generator or RandomState in the versioned state (a learner's
+    smoothing noise, its minibatch draws) was refused at ff.versioned under every policy,
+    single_process included, though the program runs eagerly. It is a state entry of its own, as a
+    scheduler is: it travels with the state, and a checkpoint saves where it was."""
+    path, _ = write_algo(GENERATORS_IN_STATE, "gens.py")
+    program = load(str(path))
+    eager = _generators_of(program.train(program.args_cls()))
+    for policy in ("single_process", "pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
+        got = _generators_of(ff.run(program.train, program.args_cls(), policy=policy).value)
+        assert _same_generators(got, eager), policy
+    a, b = tmp_path / "a", tmp_path / "b"
+    ff.run(program.train, program.args_cls(), policy="single_process", out=a, checkpoint_every=2)
+    resumed = ff.run(program.train, program.args_cls(), policy="single_process", out=b, resume=a / "checkpoints" / "4")
+    assert resumed.summary["resumed_at"]["updates"] == 4
+    # (its environments are reset, so its weights are another run's: its generators went on from the checkpoint)
+    got = _generators_of(resumed.value)
+    assert np.array_equal(got[1], eager[1]) and got[2:] == eager[2:]

@@ -66,12 +66,23 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], TreeDef]:
     return leaves, treedef
 
 
+_GENERATORS = (np.random.Generator, np.random.RandomState)
+
+
 def _torch_kind(x: Any) -> str | None:
     """'module', 'optimizer' or 'scheduler' (a ``torch.optim.lr_scheduler``: numbers only, no
-    tensor, held beside its optimizer) for the torch objects that are pytree nodes; None otherwise."""
+    tensor, held beside its optimizer) for the torch objects that are pytree nodes, 'generator'
+    for a random generator (``torch.Generator``, numpy's ``Generator`` or ``RandomState``: a state
+    of its own, no tensor); None otherwise."""
     torch = sys.modules.get("torch")
-    if torch is None or isinstance(x, (torch.Tensor, int, float)):   # the common leaves first
+    if torch is not None and isinstance(x, (torch.Tensor, int, float)):   # the common leaves first
         return None
+    if isinstance(x, _GENERATORS):
+        return "generator"
+    if torch is None:
+        return None
+    if isinstance(x, torch.Generator):
+        return "generator"
     if isinstance(x, torch.nn.Module):
         return "module"
     if isinstance(x, torch.optim.Optimizer):
@@ -101,7 +112,7 @@ def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
     """(key, tensor) pairs of a module or optimizer, in a fixed order (a scheduler has none)."""
     if kind == "module":
         return list(x.state_dict(keep_vars=True).items())
-    if kind == "scheduler":
+    if kind in ("scheduler", "generator"):
         return []
     out: list[tuple[Any, Any]] = []
     params = [p for group in x.param_groups for p in group["params"]]
@@ -269,7 +280,7 @@ def _unflatten(td: TreeDef, it: Iterator[Any]) -> Any:
         return {k: _unflatten(c, it) for k, c in zip(td[1], td[2])}
     if kind == "namedtuple":
         return td[1](*[_unflatten(c, it) for c in td[2]])
-    if kind in ("module", "optimizer", "scheduler"):
+    if kind in ("module", "optimizer", "scheduler", "generator"):
         raise TypeError(f"a {kind} cannot be rebuilt from leaves alone; use unflatten_into with a template")
     kids = [_unflatten(c, it) for c in td[1]]
     return kids if kind == "list" else tuple(kids)

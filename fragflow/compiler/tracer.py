@@ -257,7 +257,8 @@ class Tracer(Repeats):
                 + typed_key_note(bad.value),
                 where=where, fix=typed_key_fix(bad.value) or
                 "versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
-                "torch modules, torch.optim optimizers and their learning-rate schedulers; keep "
+                "torch modules, torch.optim optimizers and their learning-rate schedulers, random generators "
+                "(torch.Generator, numpy's Generator); keep "
                 "anything else out of it",
             ) from None
         if where is not None and any(rec.created_at == where and rec.versions > 1 for rec in self._states.values()):

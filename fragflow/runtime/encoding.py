@@ -66,6 +66,13 @@ def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
             return {"t": "optimizer", "v": _enc(x.state_dict(), key, out)}
         if is_scheduler(x):
             return {"t": "scheduler", "v": _enc(x.state_dict(), key, out)}
+        if isinstance(x, torch.Generator):
+            return {"t": "torch_generator", "v": _enc(x.get_state(), key, out), "device": str(x.device)}
+    if isinstance(x, np.random.Generator):
+        return {"t": "np_generator", "bit_generator": type(x.bit_generator).__name__,
+                "v": _enc(x.bit_generator.state, key, out)}
+    if isinstance(x, np.random.RandomState):
+        return {"t": "np_randomstate", "v": _enc(x.get_state(legacy=False), key, out)}
     if type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "shape"):
         out[key] = np.ascontiguousarray(np.asarray(x))
         return {"t": "jax", "k": key, "shape": list(x.shape)}
@@ -145,6 +152,23 @@ def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path:
             except (ValueError, KeyError) as exc:
                 raise Mismatch(f"{path}: {exc}") from None
         return template
+    if kind in ("torch_generator", "np_generator", "np_randomstate"):   # (loaded into the live one, else a new one)
+        saved = decode(meta["v"], tensors, path=path)
+        if kind == "torch_generator":
+            assert torch is not None, "torch is needed to load a torch.Generator"
+            gen = template if isinstance(template, torch.Generator) else torch.Generator(meta.get("device", "cpu"))
+            gen.set_state(saved)
+        elif kind == "np_generator":
+            gen = template if isinstance(template, np.random.Generator) else \
+                np.random.Generator(getattr(np.random, meta["bit_generator"])())
+            if type(gen.bit_generator).__name__ != meta["bit_generator"]:
+                raise Mismatch(f"{path}: the saved generator was a {meta['bit_generator']}, this one a "
+                               f"{type(gen.bit_generator).__name__}")
+            gen.bit_generator.state = saved
+        else:
+            gen = template if isinstance(template, np.random.RandomState) else np.random.RandomState()
+            gen.set_state(saved)
+        return gen
     if kind == "dict":
         items = [(k, v) for k, v in meta["items"]]
         if template is not _NO and isinstance(template, dict):
