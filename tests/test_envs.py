@@ -353,6 +353,59 @@ class _Counts(gym.Env):
         return obs, 1.0, False, self.t >= 5, {}
 
 
+class _OldApi(gym.Env):
+    """An environment written for gym's old API, in the way ``api`` says."""
+
+    observation_space = gym.spaces.Box(-1, 1, (5,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+
+    def reset(self, *, seed=None, options=None):
+        obs = np.zeros(5, np.float32)
+        return obs if self.api == "reset returns obs" else (obs, {})
+
+    def step(self, action):
+        obs = np.zeros(5, np.float32)
+        if self.api == "step returns done":
+            return obs, 1.0, False, {}
+        return obs if self.api == "step returns obs" else (obs, 1.0, False, False, {})
+
+
+class _UnseededReset(_OldApi):
+    def reset(self):
+        return np.zeros(5, np.float32), {}
+
+
+@pytest.mark.parametrize("api, method, message", [
+    ("step returns done", "step", r"step returned 4 values \(obs, reward, done, info: gym's old API\), where "
+                                  r"gymnasium's step returns 5 values: obs, reward, terminated, truncated, info"),
+    # (five numbers were unpacked as the step's five values: "an observation of shape ()")
+    ("step returns obs", "step", r"step returned an array of shape \(5,\) \(ndarray\), where gymnasium's step returns 5 values"),
+    ("reset returns obs", "reset", r"reset returned an array of shape \(5,\) \(ndarray\), where gymnasium's reset returns "
+                                   r"\(obs, info\)"),
+    ("reset takes no seed", "reset", r"reset takes no 'seed' or 'options' keyword argument"),
+])
+def test_an_environment_of_gyms_old_api_is_refused_at_its_method(api, method, message):
+    """Each failed as an unpacking error (ValueError, TypeError) shown at the loop's own line, as if
+    the loop had unpacked the step wrongly."""
+    env_class = _UnseededReset if api == "reset takes no seed" else _OldApi
+    env = ff.envs.make(env_class, num_envs=2, seed=0, api=api)
+    with pytest.raises(ConfigError, match=rf"environment {env_class.__qualname__}'s {message}") as info:
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+    code = getattr(env_class, method).__code__
+    assert info.value.where is not None and info.value.where.line == code.co_firstlineno
+    assert info.value.where.file.endswith("test_envs.py")
+    env.close()
+    good = ff.envs.make(_OldApi, num_envs=2, seed=0, api="gymnasium's")   # (checked once, then out of the way)
+    good.reset()
+    for _ in range(3):
+        assert good.step(np.zeros(2, np.int64))[0].shape == (2, 5)
+    good.close()
+
+
 def test_normalised_integer_observations_are_float_z_scores_as_gymnasiums():
     # they were cast back to uint8: z-scores of 0.18 and -1.8 became 0 and 255. The reference: the same
     # counts as float64 (gymnasium's own wrapper keeps uint8 statistics of uint8 observations)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ from fragflow.api import fragment as fragment_module
 from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError, TraceError, UnknownEnvError, did_you_mean
-from fragflow.source import user_callsite
+from fragflow.source import definition_of, user_callsite
 
 
 class _EpisodeStats(gym.vector.VectorWrapper):
@@ -467,9 +468,63 @@ def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
 def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
              wrappers: tuple[Callable[[gym.Env], gym.Env], ...]) -> gym.Env:
     env = factory(**kwargs)
+    if isinstance(env, gym.Env):   # (innermost: the user's wrappers unpack its results too)
+        env = _ApiCheck(env)
     for wrap in wrappers:
         env = wrap(env)
     return env
+
+
+class _ApiCheck(gym.Wrapper):
+    """The user's environment, its first reset and step checked against gymnasium's API: one
+    written for gym's old API (``reset()`` returning the observation alone, ``step`` returning
+    ``obs, reward, done, info``) failed in the batching, with an unpacking error that seemed to be
+    the loop's own line, or had an observation of five numbers unpacked as the step's five values.
+    Once both have passed, its methods are the environment's own (no call per step)."""
+
+    def reset(self, **kwargs: Any) -> Any:
+        inner = self.env.reset
+        try:
+            params = inspect.signature(inner).parameters
+        except (TypeError, ValueError):   # (a builtin's: nothing to check)
+            params = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            missing = [k for k in kwargs if k not in params]
+            if missing:
+                raise self._refused("reset", f"takes no {' or '.join(map(repr, missing))} keyword argument",
+                                    "take the arguments gymnasium's reset takes: def reset(self, seed=None, "
+                                    "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
+                                    "return (obs, info)")
+        out = inner(**kwargs)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise self._refused("reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
+                                "return the observation and an info dict: return obs, {}")
+        self.reset = inner   # type: ignore[method-assign, assignment]
+        return out
+
+    def step(self, action: Any) -> Any:
+        out = self.env.step(action)
+        if not (isinstance(out, tuple) and len(out) == 5):
+            old = " (obs, reward, done, info: gym's old API)" if isinstance(out, tuple) and len(out) == 4 else ""
+            raise self._refused("step", f"returned {_described(out)}{old}, where gymnasium's step returns 5 values: "
+                                        "obs, reward, terminated, truncated, info",
+                                "return obs, reward, terminated, truncated, info: done split into terminated (the "
+                                "episode ended by the task's rules) and truncated (cut off, e.g. by a time limit)")
+        self.step = self.env.step   # type: ignore[method-assign]
+        return out
+
+    def _refused(self, method: str, what: str, fix: str) -> ConfigError:
+        cls = type(self.env.unwrapped)
+        return ConfigError(f"environment {cls.__qualname__}'s {method} {what}",
+                           where=definition_of(getattr(cls, method, None)) or user_callsite(), fix=fix)
+
+
+def _described(out: Any) -> str:
+    if isinstance(out, tuple):
+        return f"{len(out)} value{'s' if len(out) != 1 else ''}"
+    if hasattr(out, "shape"):
+        return f"an array of shape {tuple(out.shape)} ({type(out).__name__})"
+    return f"a value of type {type(out).__name__}"
 
 
 def _unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
