@@ -370,7 +370,11 @@ class _OldApi(gym.Env):
         obs = np.zeros(5, np.float32)
         if self.api == "step returns done":
             return obs, 1.0, False, {}
-        return obs if self.api == "step returns obs" else (obs, 1.0, False, False, {})
+        if self.api.startswith("step returns "):   # one of its five values of another type
+            bad = {"no reward": (obs, None, False, False, {}), "a text reward": (obs, "0.5", False, False, {}),
+                   "a text flag": (obs, 1.0, "no", False, {}), "no info": (obs, 1.0, False, False, None)}
+            return bad.get(self.api[len("step returns "):], obs)
+        return obs, np.float64(1.0), np.bool_(False), 0, {}
 
 
 class _UnseededReset(_OldApi):
@@ -386,10 +390,16 @@ class _UnseededReset(_OldApi):
     ("reset returns obs", "reset", r"reset returned an array of shape \(5,\) \(ndarray\), where gymnasium's reset returns "
                                    r"\(obs, info\)"),
     ("reset takes no seed", "reset", r"reset takes no 'seed' or 'options' keyword argument"),
+    # (stored into the batch's arrays: a NaN reward, a False and a True flag, with no error)
+    ("step returns no reward", "step", r"step returned None as its reward, where gymnasium's step returns one number"),
+    ("step returns a text reward", "step", r"step returned '0.5' as its reward"),
+    ("step returns a text flag", "step", r"step returned 'no' as its terminated flag, where gymnasium's step returns "
+                                         r"a bool"),
+    ("step returns no info", "step", r"step returned None as its info, where gymnasium's step returns a dict"),
 ])
-def test_an_environment_of_gyms_old_api_is_refused_at_its_method(api, method, message):
-    """Each failed as an unpacking error (ValueError, TypeError) shown at the loop's own line, as if
-    the loop had unpacked the step wrongly."""
+def test_an_environment_that_breaks_gymnasiums_api_is_refused_at_its_method(api, method, message):
+    """gym's old API failed as an unpacking error (ValueError, TypeError) shown at the loop's own line,
+    as if the loop had unpacked the step wrongly; values of other types were stored, changed, at no line."""
     env_class = _UnseededReset if api == "reset takes no seed" else _OldApi
     env = ff.envs.make(env_class, num_envs=2, seed=0, api=api)
     with pytest.raises(ConfigError, match=rf"environment {env_class.__qualname__}'s {message}") as info:

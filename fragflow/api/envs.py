@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -510,6 +511,18 @@ class _ApiCheck(gym.Wrapper):
                                         "obs, reward, terminated, truncated, info",
                                 "return obs, reward, terminated, truncated, info: done split into terminated (the "
                                 "episode ended by the task's rules) and truncated (cut off, e.g. by a time limit)")
+        # (stored into the batch's float and bool arrays, None became a NaN reward and a False flag, a
+        # string '0.5' a reward and 'no' a True flag, with no error)
+        for i, what, kind in ((1, "reward", "one number"), (2, "terminated flag", "a bool"),
+                              (3, "truncated flag", "a bool")):
+            if not _a_number(out[i]):
+                raise self._refused("step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
+                                            f"returns {kind}", "return a float reward and bool terminated and "
+                                            "truncated flags: return obs, reward, terminated, truncated, info")
+        if not isinstance(out[4], dict):
+            raise self._refused("step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
+                                        "dict", "return a dict (empty if there is nothing to report): "
+                                                "return obs, reward, terminated, truncated, {}")
         self.step = self.env.step   # type: ignore[method-assign]
         return out
 
@@ -519,11 +532,26 @@ class _ApiCheck(gym.Wrapper):
                            where=definition_of(getattr(cls, method, None)) or user_callsite(), fix=fix)
 
 
+def _a_number(value: Any) -> bool:
+    """One real number or flag: Python's, numpy's, or an array of one (a tensor's ``.item()`` need not be taken)."""
+    if isinstance(value, numbers.Real):
+        return True
+    if value is None or isinstance(value, (str, bytes)):
+        return False
+    try:
+        arr = np.asarray(value)
+    except Exception:   # (what numpy cannot take in, the batch cannot store)
+        return False
+    return arr.size == 1 and arr.dtype.kind in "biuf"
+
+
 def _described(out: Any) -> str:
     if isinstance(out, tuple):
         return f"{len(out)} value{'s' if len(out) != 1 else ''}"
     if hasattr(out, "shape"):
         return f"an array of shape {tuple(out.shape)} ({type(out).__name__})"
+    if out is None or isinstance(out, (str, bytes)):
+        return repr(out) if len(repr(out)) <= 40 else f"a {type(out).__name__}"
     return f"a value of type {type(out).__name__}"
 
 
