@@ -5,6 +5,7 @@ import re
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 import fragflow as ff
 from fragflow.api.envs import VectorEnv
@@ -707,6 +708,20 @@ def test_an_observation_a_cast_would_change_is_refused_at_the_step():
     with pytest.raises(ConfigError, match=r"environment 0 returned an observation of dtype float64, but its "
                                           r"observation space Box\(0, 255, \(2,\), uint8\) holds uint8"):
         env.step(np.zeros(2, np.int64))
+    # a list and a Python number have no dtype: they were stored truncated, [0.5, 1.5] as [0, 1], 1.5 as 1
+    for space, step_obs, dtype, held in ((gym.spaces.Box(0, 9, (2,), np.int64), [0.5, 1.5], "float64", "int64"),
+                                         (gym.spaces.Discrete(5), 1.5, "float64", "int64")):
+        env = ff.envs.make(_Odd, num_envs=2, seed=0, space=space, step_obs=step_obs)
+        env.reset()
+        with pytest.raises(ConfigError, match=rf"environment 0 returned an observation of dtype {dtype}, but its "
+                                              rf"observation space .* holds {held}"):
+            env.step(np.zeros(2, np.int64))
+    for space, step_obs in ((gym.spaces.Box(0, 9, (2,), np.int64), [1, 2]), (gym.spaces.Discrete(5), 3),
+                            (gym.spaces.Box(0, 9, (2,), np.float32), [0.5, 1]),   # (values the space holds go)
+                            (gym.spaces.Box(0, 9, (2,), np.float32), torch.tensor([0.5, 1.0]))):
+        env = ff.envs.make(_Odd, num_envs=2, seed=0, space=space, step_obs=step_obs)
+        env.reset()
+        assert np.array_equal(env.step(np.zeros(2, np.int64))[0], np.stack([np.asarray(step_obs, space.dtype)] * 2))
 
 
 @pytest.mark.parametrize("space", [gym.spaces.Text(5), gym.spaces.Sequence(gym.spaces.Discrete(3)),

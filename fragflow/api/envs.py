@@ -128,8 +128,12 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
                 info["final_obs"][i] = o
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
-            if getattr(o, "dtype", obs.dtype) != obs.dtype and not np.can_cast(np.asarray(o).dtype, obs.dtype, "same_kind"):
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {np.asarray(o).dtype}, but "
+            # (a list or a Python number has no dtype: 1.5 in a Discrete space was stored as 1)
+            dtype = getattr(o, "dtype", None)
+            if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
+                dtype = np.asarray(o).dtype
+            if dtype != obs.dtype and not np.can_cast(dtype, obs.dtype, "same_kind"):
+                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}, but "
                                   f"its observation space {self.single_observation_space} holds {obs.dtype}: storing "
                                   "it would truncate or wrap its values", where=user_callsite(),
                                   fix="return observations of the space's dtype, or declare the space the env returns")
