@@ -171,6 +171,19 @@ def {signature}:
     assert "Traceback" not in res.output and not (tmp_path / "never").exists()
 
 
+def test_a_directory_given_as_the_algorithm_is_named_as_one(tmp_path):
+    """It was "no such algorithm file: DIR", of a folder that is there."""
+    (tmp_path / "algos").mkdir()
+    (tmp_path / "algos" / "mine.py").write_text("def train():\n    pass\n")
+    (tmp_path / "empty").mkdir()
+    for folder, fix in (("algos", "fix: give the path of one of its .py files (mine.py)"),
+                        ("empty", "fix: give the path of a .py file, or a built-in algorithm: a2c, ")):
+        res = invoke("run", str(tmp_path / folder), "--out", str(tmp_path / "never"))
+        assert res.exit_code == 2, res.output
+        assert f"{tmp_path / folder} is a directory, not an algorithm file\n  {fix}" in res.stderr
+        assert "no such" not in res.stderr and "Traceback" not in res.output and not (tmp_path / "never").exists()
+
+
 def test_a_target_return_that_is_not_a_finite_number_is_a_usage_error(tmp_path):
     for bad in ("nan", "inf"):   # (accepted: "target nan not reached", null in summary.json: helper round 33 C10)
         res = invoke("run", "ppo", "--target-return", bad, "--out", str(tmp_path / "never"))
