@@ -240,6 +240,11 @@ def test_ctrl_c_stops_the_run_and_still_writes_the_summary(tmp_path):
 def test_checkpoint_backend_and_restart_flags_are_checked(tmp_path):
     res = invoke("run", "ppo", "--checkpoint-every", "soon", "--out", str(tmp_path / "a"))
     assert res.exit_code == 2 and "neither a number of updates nor a duration" in res.stderr
+    for every, what in (("0", "a number of updates"), ("-5", "a number of updates"), ("0s", "a duration")):
+        # (0 was "neither a number of updates nor a duration")
+        res = invoke("run", "ppo", "--checkpoint-every", every, "--out", str(tmp_path / "a"))
+        assert res.exit_code == 2 and f"--checkpoint-every '{every}': the interval between checkpoints is {what} " \
+            "above zero\n  fix: give 1 or more updates" in res.stderr, res.output
     res = invoke("run", "ppo", "--address", "10.0.0.1:6379", "--out", str(tmp_path / "b"))
     assert res.exit_code == 2 and "add --backend ray" in res.stderr
     res = invoke("run", "ppo", "--backend", "slurm", "--out", str(tmp_path / "c"))
