@@ -626,6 +626,55 @@ def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_pat
     assert not (tmp_path / "o").exists() and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("decorator, message", [
+    ('@ff.distribute("pipelined(max_lag=0)")', None),   # the --policy form (refused as an unknown name)
+    ('@ff.distribute("pipelined(max_lag=0)", max_lag=1)', "policy option 'max_lag' is given twice: in "
+                                                           "'pipelined(max_lag=0)' and as a keyword argument"),
+    ('@ff.distribute("pipelined(max_lag=-1)")', "option 'max_lag' of policy 'pipelined' is -1"),
+    # (these two failed inside difflib with a TypeError, exit 1)
+    ("@ff.distribute", "@ff.distribute is given no policy: it was applied to 'train' itself\n"),
+    ("@ff.distribute(2)", "@ff.distribute got 2 where it takes a policy's name\n"),
+])
+def test_a_decorators_policy_may_be_written_as_policy_strings_are_and_nothing_else(tmp_path, write_algo, decorator,
+                                                                                   message):
+    path, marks = write_algo(f'''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {{"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}}, {{}}
+
+        {decorator}  # @dist
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({{"w": np.zeros((4, 2))}})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(2):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+    ''')
+    from tests.test_multiprocess import shm_leftovers
+
+    res = invoke("run", str(path), "--out", str(tmp_path / "o"), "--quiet")
+    assert shm_leftovers() == []
+    if message is None:
+        assert res.exit_code == 0, res.output
+        summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+        assert summary["policy"] == "pipelined" and summary["policy_options"]["max_lag"] == 0
+        return
+    assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
+    assert f"algo.py:{marks['dist']}\n" in res.stderr and "fix: " in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_graph_without_a_policy_prints_the_graph_of_a_program_only_one_process_places(tmp_path, write_algo):
     """`fragflow graph` placed the program with the default policy before printing its graph, which
     no placement changes: a loop reading the learner's state was refused there (round 28 M04)."""
