@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import numpy as np
@@ -488,6 +489,15 @@ def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
         ff.fragment(act)   # a bare @ff.fragment
     with pytest.raises(TraceError, match="declares writes='nope' but has no such parameter"):
         ff.fragment("learner", writes="nope")(lambda state: state)
+    # (name=3 failed as a TypeError joining names once the run had begun, at no line, exit 1;
+    # writes=["state"] as "unhashable type: 'list'")
+    line = sys._getframe().f_lineno + 3
+    with pytest.raises(TraceError, match=r"@ff.fragment got name=3, where it takes the fragment's name, a string\n"
+                                         rf"  at tests/test_trace.py:{line}\n  fix: write @ff.fragment\(\"actor\""):
+        ff.fragment("actor", name=3)
+    with pytest.raises(TraceError, match=r"@ff.fragment got writes=\['state', 'target'\], where it takes the name of "
+                                         r"the one parameter holding the versioned state the learner writes"):
+        ff.fragment("learner", writes=["state", "target"])
 
 
 def test_buffer_misuse(write_algo):
