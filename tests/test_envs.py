@@ -447,6 +447,18 @@ def test_an_observation_of_another_shape_than_the_space_is_refused_at_the_step()
         part.step(np.zeros(2, np.int64))   # (it named environment 0: helper round 27 G04)
 
 
+def test_a_number_of_environments_that_is_not_a_whole_number_is_refused_at_the_make_line():
+    # ("2" failed as "'<' not supported between instances of 'str' and 'int'")
+    for bad in ("2", 2.5, None, True):
+        with pytest.raises(ConfigError, match=rf"ff.envs.make got num_envs={re.escape(repr(bad))}, where it takes a "
+                                              r"whole number") as info:
+            ff.envs.make("CartPole-v1", num_envs=bad, seed=0)
+        assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    env = ff.envs.make("CartPole-v1", num_envs=2.0, seed=0)   # (an integral float runs, as it ran)
+    assert env.reset().shape == (2, 4)
+    env.close()
+
+
 def test_options_make_cannot_apply_and_factories_of_the_wrong_kind_are_refused_at_the_make_line():
     from pettingzoo.classic import tictactoe_v3
 

@@ -500,6 +500,23 @@ def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
         ff.fragment("learner", writes=["state", "target"])
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: ff.RolloutBuffer(8.0), r"RolloutBuffer got num_steps=8.0, where it takes a whole number"),
+    (lambda: ff.RolloutBuffer("8"), r"RolloutBuffer got num_steps='8', where it takes a whole number"),
+    (lambda: ff.ReplayBuffer(1e3), r"ReplayBuffer got capacity=1000.0, where it takes a whole number"),
+    (lambda: ff.ReplayBuffer(1e3, prioritized=True), r"ReplayBuffer got capacity=1000.0"),
+])
+def test_a_buffer_size_that_is_not_an_int_is_refused_at_its_line(make, message):
+    """A float failed at the buffer's first add (RolloutBuffer, ReplayBuffer: TypeError) or at once
+    (prioritized: AttributeError 'bit_length'), a string as "'<' not supported", none at a line of fragflow's."""
+    with pytest.raises(TraceError, match=message + r"(.|\n)*fix: pass an int: ") as info:
+        make()
+    where = info.value.where   # the lambda's line, where the buffer is made
+    assert where is not None and where.file == "tests/test_trace.py"
+    owner = message.split()[0]
+    assert f"lambda: ff.{owner}(" in (ROOT / where.file).read_text().splitlines()[where.line - 1]
+
+
 def test_buffer_misuse(write_algo):
     path, marks = write_algo("""
         import numpy as np

@@ -697,6 +697,10 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     terminates). Every other keyword, ``gamma`` included, is the environment's own.
     """
     where = user_callsite()
+    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Real) or num_envs != int(num_envs):
+        # ("2" failed as "'<' not supported between instances of 'str' and 'int'")
+        raise ConfigError(f"ff.envs.make got num_envs={num_envs!r:.40}, where it takes a whole number", where=where,
+                          fix="pass an int: num_envs=args.num_envs (a dataclass field holding it is annotated int)")
     if num_envs < 1:
         raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
                               fix="pass num_envs=1 or more")
