@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -597,6 +598,24 @@ def act_and_log(params, obs):
     with pytest.raises(TraceError, match=rf"ff.log was called inside fragment 'act_and_log': .*\n  at "
                                          rf"{relpath(path)}:{marks['misuse']}\n  fix: return the values"):
         trace_file(path)
+
+
+@pytest.mark.parametrize("call, message, fix", [
+    ('ff.log(loss=metrics["m"])', "ff.log takes one dict of scalars, but was given 0 positional arguments and "
+                                     "keyword arguments loss", "log a dict: ff.log({'loss': loss})"),
+    ("ff.log(metrics, step=1)", "ff.log takes no step: each row is logged at the run's own counters", "leave step out"),
+    ('ff.log("loss", metrics["m"])', "ff.log takes one dict of scalars, but was given 2 positional arguments",
+     "log a dict: ff.log({'loss': loss})"),
+])
+def test_ff_log_called_as_other_loggers_are_is_refused_at_its_line(write_algo, call, message, fix):
+    """Each failed as "TypeError: _log() got an unexpected keyword argument" (or "takes 1 positional
+    argument"), naming fragflow's function, not what ff.log takes."""
+    path, marks = write_algo(HEADER + ROLLOUTS.format(updates=2, act="act", learn="learn")
+                             + f"        {call}  # @log\n")
+    with pytest.raises(TraceError, match=rf"{re.escape(message)}.*\n  at {relpath(path)}:{marks['log']}\n  fix: "
+                                         rf"{re.escape(fix)}"):
+        trace_file(path)
+    ff.log(scalars={"loss": 0.5})   # (its parameter by name still goes)
 
 
 def test_a_learner_changing_a_leafs_dtype_is_refused_at_its_definition(write_algo):
