@@ -499,6 +499,9 @@ def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
     with pytest.raises(TraceError, match=r"@ff.fragment got writes=\['state', 'target'\], where it takes the name of "
                                          r"the one parameter holding the versioned state the learner writes"):
         ff.fragment("learner", writes=["state", "target"])
+    # (name=["s"] failed as "unhashable type: 'list'" once traced; eagerly it was ignored)
+    with pytest.raises(TraceError, match=r"ff.versioned got name=\['s'\], where it takes the state's name, a string"):
+        ff.versioned({"w": np.zeros(2)}, name=["s"])
 
 
 @pytest.mark.parametrize("make, message", [
