@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import numbers
 import os
 import platform
 import signal
@@ -41,7 +43,7 @@ from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
-from fragflow.source import SourceLoc, definition_of
+from fragflow.source import SourceLoc, definition_of, user_callsite
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -100,6 +102,23 @@ class Compiled:
     @property
     def serial(self) -> bool:
         return self.program is None
+
+
+def _check_given(train: Any, policy: Any, target_return: Any = None) -> None:
+    """What ff.run is given, at the caller's line: a value of another kind failed
+    inside (TypeError "'int' object is not callable", "expected string or bytes-like object",
+    "Unknown format code 'g'"), with no line."""
+    if not callable(train):
+        raise ConfigError(f"ff.run got {train!r:.60} as the training function", where=user_callsite(),
+                          fix="pass the function itself, then its args: ff.run(train, Args(), policy=...)")
+    if policy is not None and not isinstance(policy, str):
+        raise ConfigError(f"ff.run got policy={policy!r:.60}, where it takes a policy's name", where=user_callsite(),
+                          fix="give it as --policy takes it: policy=\"actor_learner(actors=2)\" (`fragflow policies` "
+                              "lists them)")
+    if target_return is not None and (isinstance(target_return, bool) or not isinstance(target_return, numbers.Real)
+                                      or not math.isfinite(target_return)):
+        raise ConfigError(f"ff.run got target_return={target_return!r:.60}, where it takes a mean episode return to "
+                          "reach, a finite number", where=user_callsite(), fix="give a number: target_return=475")
 
 
 def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None = None,
@@ -417,6 +436,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     the compiled program once placed, before the run's progress display starts."""
     from fragflow import backends
 
+    _check_given(train, policy, target_return)
     backends.get(backend)   # an unknown name fails here, before anything runs
     if backend == "ray" and (address or os.environ.get("RAY_ADDRESS")):   # (and a cluster that does not answer)
         from fragflow.backends.ray import reachable

@@ -46,6 +46,12 @@ def load(target: str) -> Program:
     path = Path(target)
     # a folder named like a built-in (a run directory: `--out a2c`) does not hide it
     if path.suffix == ".py" or path.is_file() or (path.exists() and target not in builtin_algorithms()):
+        if path.is_dir():   # (it was "no such algorithm file", of a folder that is there)
+            inside = sorted(p.name for p in path.glob("*.py"))
+            raise UnknownFileError(f"{target} is a directory, not an algorithm file",
+                                   fix=f"give the path of one of its .py files ({', '.join(inside[:6])}"
+                                       f"{', ...' if len(inside) > 6 else ''})" if inside else
+                                   f"give the path of a .py file, or a built-in algorithm: {', '.join(builtin_algorithms())}")
         if not path.is_file():
             raise UnknownFileError(f"no such algorithm file: {target}",
                                    fix=f"give the path of a .py file, or a built-in algorithm: {', '.join(builtin_algorithms())}")

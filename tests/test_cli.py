@@ -171,6 +171,19 @@ def {signature}:
     assert "Traceback" not in res.output and not (tmp_path / "never").exists()
 
 
+def test_a_directory_given_as_the_algorithm_is_named_as_one(tmp_path):
+    """It was "no such algorithm file: DIR", of a folder that is there."""
+    (tmp_path / "algos").mkdir()
+    (tmp_path / "algos" / "mine.py").write_text("def train():\n    pass\n")
+    (tmp_path / "empty").mkdir()
+    for folder, fix in (("algos", "fix: give the path of one of its .py files (mine.py)"),
+                        ("empty", "fix: give the path of a .py file, or a built-in algorithm: a2c, ")):
+        res = invoke("run", str(tmp_path / folder), "--out", str(tmp_path / "never"))
+        assert res.exit_code == 2, res.output
+        assert f"{tmp_path / folder} is a directory, not an algorithm file\n  {fix}" in res.stderr
+        assert "no such" not in res.stderr and "Traceback" not in res.output and not (tmp_path / "never").exists()
+
+
 def test_a_target_return_that_is_not_a_finite_number_is_a_usage_error(tmp_path):
     for bad in ("nan", "inf"):   # (accepted: "target nan not reached", null in summary.json: helper round 33 C10)
         res = invoke("run", "ppo", "--target-return", bad, "--out", str(tmp_path / "never"))
@@ -227,6 +240,11 @@ def test_ctrl_c_stops_the_run_and_still_writes_the_summary(tmp_path):
 def test_checkpoint_backend_and_restart_flags_are_checked(tmp_path):
     res = invoke("run", "ppo", "--checkpoint-every", "soon", "--out", str(tmp_path / "a"))
     assert res.exit_code == 2 and "neither a number of updates nor a duration" in res.stderr
+    for every, what in (("0", "a number of updates"), ("-5", "a number of updates"), ("0s", "a duration")):
+        # (0 was "neither a number of updates nor a duration")
+        res = invoke("run", "ppo", "--checkpoint-every", every, "--out", str(tmp_path / "a"))
+        assert res.exit_code == 2 and f"--checkpoint-every '{every}': the interval between checkpoints is {what} " \
+            "above zero\n  fix: give 1 or more updates" in res.stderr, res.output
     res = invoke("run", "ppo", "--address", "10.0.0.1:6379", "--out", str(tmp_path / "b"))
     assert res.exit_code == 2 and "add --backend ray" in res.stderr
     res = invoke("run", "ppo", "--backend", "slurm", "--out", str(tmp_path / "c"))
@@ -606,6 +624,55 @@ def test_a_decorators_policy_options_are_checked_as_a_policy_strings_are(tmp_pat
     assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
     assert f"algo.py:{marks['dist']}\n" in res.stderr, res.stderr
     assert not (tmp_path / "o").exists() and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("decorator, message", [
+    ('@ff.distribute("pipelined(max_lag=0)")', None),   # the --policy form (refused as an unknown name)
+    ('@ff.distribute("pipelined(max_lag=0)", max_lag=1)', "policy option 'max_lag' is given twice: in "
+                                                           "'pipelined(max_lag=0)' and as a keyword argument"),
+    ('@ff.distribute("pipelined(max_lag=-1)")', "option 'max_lag' of policy 'pipelined' is -1"),
+    # (these two failed inside difflib with a TypeError, exit 1)
+    ("@ff.distribute", "@ff.distribute is given no policy: it was applied to 'train' itself\n"),
+    ("@ff.distribute(2)", "@ff.distribute got 2 where it takes a policy's name\n"),
+])
+def test_a_decorators_policy_may_be_written_as_policy_strings_are_and_nothing_else(tmp_path, write_algo, decorator,
+                                                                                   message):
+    path, marks = write_algo(f'''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {{"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}}, {{}}
+
+        {decorator}  # @dist
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({{"w": np.zeros((4, 2))}})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(2):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs))
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+    ''')
+    from tests.test_multiprocess import shm_leftovers
+
+    res = invoke("run", str(path), "--out", str(tmp_path / "o"), "--quiet")
+    assert shm_leftovers() == []
+    if message is None:
+        assert res.exit_code == 0, res.output
+        summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+        assert summary["policy"] == "pipelined" and summary["policy_options"]["max_lag"] == 0
+        return
+    assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output, res.output
+    assert f"algo.py:{marks['dist']}\n" in res.stderr and "fix: " in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_graph_without_a_policy_prints_the_graph_of_a_program_only_one_process_places(tmp_path, write_algo):

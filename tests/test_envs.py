@@ -5,6 +5,7 @@ import re
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 import fragflow as ff
 from fragflow.api.envs import VectorEnv
@@ -418,6 +419,69 @@ class _Counts(gym.Env):
         return obs, 1.0, False, self.t >= 5, {}
 
 
+class _OldApi(gym.Env):
+    """An environment written for gym's old API, in the way ``api`` says."""
+
+    observation_space = gym.spaces.Box(-1, 1, (5,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+
+    def reset(self, *, seed=None, options=None):
+        obs = np.zeros(5, np.float32)
+        return obs if self.api == "reset returns obs" else (obs, {})
+
+    def step(self, action):
+        obs = np.zeros(5, np.float32)
+        if self.api == "step returns done":
+            return obs, 1.0, False, {}
+        if self.api.startswith("step returns "):   # one of its five values of another type
+            bad = {"no reward": (obs, None, False, False, {}), "a text reward": (obs, "0.5", False, False, {}),
+                   "a text flag": (obs, 1.0, "no", False, {}), "no info": (obs, 1.0, False, False, None)}
+            return bad.get(self.api[len("step returns "):], obs)
+        return obs, np.float64(1.0), np.bool_(False), 0, {}
+
+
+class _UnseededReset(_OldApi):
+    def reset(self):
+        return np.zeros(5, np.float32), {}
+
+
+@pytest.mark.parametrize("api, method, message", [
+    ("step returns done", "step", r"step returned 4 values \(obs, reward, done, info: gym's old API\), where "
+                                  r"gymnasium's step returns 5 values: obs, reward, terminated, truncated, info"),
+    # (five numbers were unpacked as the step's five values: "an observation of shape ()")
+    ("step returns obs", "step", r"step returned an array of shape \(5,\) \(ndarray\), where gymnasium's step returns 5 values"),
+    ("reset returns obs", "reset", r"reset returned an array of shape \(5,\) \(ndarray\), where gymnasium's reset returns "
+                                   r"\(obs, info\)"),
+    ("reset takes no seed", "reset", r"reset takes no 'seed' or 'options' keyword argument"),
+    # (stored into the batch's arrays: a NaN reward, a False and a True flag, with no error)
+    ("step returns no reward", "step", r"step returned None as its reward, where gymnasium's step returns one number"),
+    ("step returns a text reward", "step", r"step returned '0.5' as its reward"),
+    ("step returns a text flag", "step", r"step returned 'no' as its terminated flag, where gymnasium's step returns "
+                                         r"a bool"),
+    ("step returns no info", "step", r"step returned None as its info, where gymnasium's step returns a dict"),
+])
+def test_an_environment_that_breaks_gymnasiums_api_is_refused_at_its_method(api, method, message):
+    """gym's old API failed as an unpacking error (ValueError, TypeError) shown at the loop's own line,
+    as if the loop had unpacked the step wrongly; values of other types were stored, changed, at no line."""
+    env_class = _UnseededReset if api == "reset takes no seed" else _OldApi
+    env = ff.envs.make(env_class, num_envs=2, seed=0, api=api)
+    with pytest.raises(ConfigError, match=rf"environment {env_class.__qualname__}'s {message}") as info:
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+    code = getattr(env_class, method).__code__
+    assert info.value.where is not None and info.value.where.line == code.co_firstlineno
+    assert info.value.where.file.endswith("test_envs.py")
+    env.close()
+    good = ff.envs.make(_OldApi, num_envs=2, seed=0, api="gymnasium's")   # (checked once, then out of the way)
+    good.reset()
+    for _ in range(3):
+        assert good.step(np.zeros(2, np.int64))[0].shape == (2, 5)
+    good.close()
+
+
 def test_normalised_integer_observations_are_float_z_scores_as_gymnasiums():
     # they were cast back to uint8: z-scores of 0.18 and -1.8 became 0 and 255. The reference: the same
     # counts as float64 (gymnasium's own wrapper keeps uint8 statistics of uint8 observations)
@@ -446,6 +510,18 @@ def test_an_observation_of_another_shape_than_the_space_is_refused_at_the_step()
     part.reset()
     with pytest.raises(ConfigError, match=r"environment 2 returned an observation"):   # the run's index, not this share's
         part.step(np.zeros(2, np.int64))   # (it named environment 0: helper round 27 G04)
+
+
+def test_a_number_of_environments_that_is_not_a_whole_number_is_refused_at_the_make_line():
+    # ("2" failed as "'<' not supported between instances of 'str' and 'int'")
+    for bad in ("2", 2.5, None, True):
+        with pytest.raises(ConfigError, match=rf"ff.envs.make got num_envs={re.escape(repr(bad))}, where it takes a "
+                                              r"whole number") as info:
+            ff.envs.make("CartPole-v1", num_envs=bad, seed=0)
+        assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    env = ff.envs.make("CartPole-v1", num_envs=2.0, seed=0)   # (an integral float runs, as it ran)
+    assert env.reset().shape == (2, 4)
+    env.close()
 
 
 def test_options_make_cannot_apply_and_factories_of_the_wrong_kind_are_refused_at_the_make_line():
@@ -709,6 +785,20 @@ def test_an_observation_a_cast_would_change_is_refused_at_the_step():
     with pytest.raises(ConfigError, match=r"environment 0 returned an observation of dtype float64, but its "
                                           r"observation space Box\(0, 255, \(2,\), uint8\) holds uint8"):
         env.step(np.zeros(2, np.int64))
+    # a list and a Python number have no dtype: they were stored truncated, [0.5, 1.5] as [0, 1], 1.5 as 1
+    for space, step_obs, dtype, held in ((gym.spaces.Box(0, 9, (2,), np.int64), [0.5, 1.5], "float64", "int64"),
+                                         (gym.spaces.Discrete(5), 1.5, "float64", "int64")):
+        env = ff.envs.make(_Odd, num_envs=2, seed=0, space=space, step_obs=step_obs)
+        env.reset()
+        with pytest.raises(ConfigError, match=rf"environment 0 returned an observation of dtype {dtype}, but its "
+                                              rf"observation space .* holds {held}"):
+            env.step(np.zeros(2, np.int64))
+    for space, step_obs in ((gym.spaces.Box(0, 9, (2,), np.int64), [1, 2]), (gym.spaces.Discrete(5), 3),
+                            (gym.spaces.Box(0, 9, (2,), np.float32), [0.5, 1]),   # (values the space holds go)
+                            (gym.spaces.Box(0, 9, (2,), np.float32), torch.tensor([0.5, 1.0]))):
+        env = ff.envs.make(_Odd, num_envs=2, seed=0, space=space, step_obs=step_obs)
+        env.reset()
+        assert np.array_equal(env.step(np.zeros(2, np.int64))[0], np.stack([np.asarray(step_obs, space.dtype)] * 2))
 
 
 @pytest.mark.parametrize("space", [gym.spaces.Text(5), gym.spaces.Sequence(gym.spaces.Discrete(3)),

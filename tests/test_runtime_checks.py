@@ -856,3 +856,21 @@ def test_a_scheduler_sent_to_the_learner_process_tracks_its_optimizer_steps_agai
     sent = cloudpickle.loads(cloudpickle.dumps(state))
     _track_scheduled_steps(sent)
     assert first_steps(sent) == [] and sent["opt"]._opt_called
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"train": 42}, "ff.run got 42 as the training function"),   # ('int' object is not callable)
+    ({"policy": 5}, "ff.run got policy=5, where it takes a policy's name"),   # (expected string or bytes-like object)
+    ({"target_return": "475"}, "ff.run got target_return='475', where it takes a mean episode return to reach, a "
+                               "finite number"),   # (Unknown format code 'g' for object of type 'str', once run)
+    ({"target_return": float("nan")}, "ff.run got target_return=nan"),
+])
+def test_what_ff_run_is_given_is_checked_at_the_callers_line(tmp_path, given, message):
+    from fragflow.algorithms import ppo
+
+    kwargs = {"train": ppo.train, "policy": "single_process", **given}
+    line = sys._getframe().f_lineno + 2
+    with pytest.raises(ConfigError, match=re.escape(message) + r"(.|\n)*fix: ") as info:
+        ff.run(kwargs.pop("train"), ppo.Args(total_timesteps=256, num_steps=64), out=tmp_path / "o", **kwargs)
+    assert str(info.value.where) == f"tests/test_runtime_checks.py:{line}"
+    assert not (tmp_path / "o").exists()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+import sys
 import textwrap
 
 import numpy as np
@@ -488,6 +490,35 @@ def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
         ff.fragment(act)   # a bare @ff.fragment
     with pytest.raises(TraceError, match="declares writes='nope' but has no such parameter"):
         ff.fragment("learner", writes="nope")(lambda state: state)
+    # (name=3 failed as a TypeError joining names once the run had begun, at no line, exit 1;
+    # writes=["state"] as "unhashable type: 'list'")
+    line = sys._getframe().f_lineno + 3
+    with pytest.raises(TraceError, match=r"@ff.fragment got name=3, where it takes the fragment's name, a string\n"
+                                         rf"  at tests/test_trace.py:{line}\n  fix: write @ff.fragment\(\"actor\""):
+        ff.fragment("actor", name=3)
+    with pytest.raises(TraceError, match=r"@ff.fragment got writes=\['state', 'target'\], where it takes the name of "
+                                         r"the one parameter holding the versioned state the learner writes"):
+        ff.fragment("learner", writes=["state", "target"])
+    # (name=["s"] failed as "unhashable type: 'list'" once traced; eagerly it was ignored)
+    with pytest.raises(TraceError, match=r"ff.versioned got name=\['s'\], where it takes the state's name, a string"):
+        ff.versioned({"w": np.zeros(2)}, name=["s"])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ff.RolloutBuffer(8.0), r"RolloutBuffer got num_steps=8.0, where it takes a whole number"),
+    (lambda: ff.RolloutBuffer("8"), r"RolloutBuffer got num_steps='8', where it takes a whole number"),
+    (lambda: ff.ReplayBuffer(1e3), r"ReplayBuffer got capacity=1000.0, where it takes a whole number"),
+    (lambda: ff.ReplayBuffer(1e3, prioritized=True), r"ReplayBuffer got capacity=1000.0"),
+])
+def test_a_buffer_size_that_is_not_an_int_is_refused_at_its_line(make, message):
+    """A float failed at the buffer's first add (RolloutBuffer, ReplayBuffer: TypeError) or at once
+    (prioritized: AttributeError 'bit_length'), a string as "'<' not supported", none at a line of fragflow's."""
+    with pytest.raises(TraceError, match=message + r"(.|\n)*fix: pass an int: ") as info:
+        make()
+    where = info.value.where   # the lambda's line, where the buffer is made
+    assert where is not None and where.file == "tests/test_trace.py"
+    owner = message.split()[0]
+    assert f"lambda: ff.{owner}(" in (ROOT / where.file).read_text().splitlines()[where.line - 1]
 
 
 def test_buffer_misuse(write_algo):
@@ -570,6 +601,24 @@ def act_and_log(params, obs):
     with pytest.raises(TraceError, match=rf"ff.log was called inside fragment 'act_and_log': .*\n  at "
                                          rf"{relpath(path)}:{marks['misuse']}\n  fix: return the values"):
         trace_file(path)
+
+
+@pytest.mark.parametrize("call, message, fix", [
+    ('ff.log(loss=metrics["m"])', "ff.log takes one dict of scalars, but was given 0 positional arguments and "
+                                     "keyword arguments loss", "log a dict: ff.log({'loss': loss})"),
+    ("ff.log(metrics, step=1)", "ff.log takes no step: each row is logged at the run's own counters", "leave step out"),
+    ('ff.log("loss", metrics["m"])', "ff.log takes one dict of scalars, but was given 2 positional arguments",
+     "log a dict: ff.log({'loss': loss})"),
+])
+def test_ff_log_called_as_other_loggers_are_is_refused_at_its_line(write_algo, call, message, fix):
+    """Each failed as "TypeError: _log() got an unexpected keyword argument" (or "takes 1 positional
+    argument"), naming fragflow's function, not what ff.log takes."""
+    path, marks = write_algo(HEADER + ROLLOUTS.format(updates=2, act="act", learn="learn")
+                             + f"        {call}  # @log\n")
+    with pytest.raises(TraceError, match=rf"{re.escape(message)}.*\n  at {relpath(path)}:{marks['log']}\n  fix: "
+                                         rf"{re.escape(fix)}"):
+        trace_file(path)
+    ff.log(scalars={"loss": 0.5})   # (its parameter by name still goes)
 
 
 def test_a_learner_changing_a_leafs_dtype_is_refused_at_its_definition(write_algo):

@@ -17,6 +17,7 @@ environments across actor processes reassembles one learner batch from several p
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -28,10 +29,19 @@ from fragflow.errors import TraceError
 from fragflow.source import user_callsite
 
 
+def whole_number(value: Any, owner: str, what: str, example: str) -> None:
+    """Refuse a size that is not an int, at the user's line: a float (``1e6``) or a string failed
+    later, inside the buffer, as a TypeError or AttributeError at its first add or sample."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TraceError(f"{owner} got {what}={value!r:.40}, where it takes a whole number", where=user_callsite(),
+                         fix=f"pass an int: {owner}({example}); a float such as 1e6 is int(1e6), and a dataclass "
+                             "field holding it is annotated int")
+
 class RolloutBuffer:
     """A fixed-length rollout buffer; storage is allocated anew for every rollout."""
 
     def __init__(self, num_steps: int) -> None:
+        whole_number(num_steps, "RolloutBuffer", "num_steps", "args.num_steps")
         if num_steps < 1:
             raise TraceError(f"RolloutBuffer needs num_steps >= 1, got {num_steps}", where=user_callsite(),
                              fix="pass the number of steps per rollout")

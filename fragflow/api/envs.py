@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,7 +51,7 @@ from fragflow.api import fragment as fragment_module
 from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError, TraceError, UnknownEnvError, did_you_mean
-from fragflow.source import user_callsite
+from fragflow.source import definition_of, user_callsite
 
 
 class _EpisodeStats(gym.vector.VectorWrapper):
@@ -126,8 +128,12 @@ class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
                 info["final_obs"][i] = o
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
-            if getattr(o, "dtype", obs.dtype) != obs.dtype and not np.can_cast(np.asarray(o).dtype, obs.dtype, "same_kind"):
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {np.asarray(o).dtype}, but "
+            # (a list or a Python number has no dtype: 1.5 in a Discrete space was stored as 1)
+            dtype = getattr(o, "dtype", None)
+            if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
+                dtype = np.asarray(o).dtype
+            if dtype != obs.dtype and not np.can_cast(dtype, obs.dtype, "same_kind"):
+                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}, but "
                                   f"its observation space {self.single_observation_space} holds {obs.dtype}: storing "
                                   "it would truncate or wrap its values", where=user_callsite(),
                                   fix="return observations of the space's dtype, or declare the space the env returns")
@@ -467,9 +473,90 @@ def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
 def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
              wrappers: tuple[Callable[[gym.Env], gym.Env], ...]) -> gym.Env:
     env = factory(**kwargs)
+    if isinstance(env, gym.Env):   # (innermost: the user's wrappers unpack its results too)
+        env = _ApiCheck(env)
     for wrap in wrappers:
         env = wrap(env)
     return env
+
+
+class _ApiCheck(gym.Wrapper):
+    """The user's environment, its first reset and step checked against gymnasium's API: one
+    written for gym's old API (``reset()`` returning the observation alone, ``step`` returning
+    ``obs, reward, done, info``) failed in the batching, with an unpacking error that seemed to be
+    the loop's own line, or had an observation of five numbers unpacked as the step's five values.
+    Once both have passed, its methods are the environment's own (no call per step)."""
+
+    def reset(self, **kwargs: Any) -> Any:
+        inner = self.env.reset
+        try:
+            params = inspect.signature(inner).parameters
+        except (TypeError, ValueError):   # (a builtin's: nothing to check)
+            params = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            missing = [k for k in kwargs if k not in params]
+            if missing:
+                raise self._refused("reset", f"takes no {' or '.join(map(repr, missing))} keyword argument",
+                                    "take the arguments gymnasium's reset takes: def reset(self, seed=None, "
+                                    "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
+                                    "return (obs, info)")
+        out = inner(**kwargs)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise self._refused("reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
+                                "return the observation and an info dict: return obs, {}")
+        self.reset = inner   # type: ignore[method-assign, assignment]
+        return out
+
+    def step(self, action: Any) -> Any:
+        out = self.env.step(action)
+        if not (isinstance(out, tuple) and len(out) == 5):
+            old = " (obs, reward, done, info: gym's old API)" if isinstance(out, tuple) and len(out) == 4 else ""
+            raise self._refused("step", f"returned {_described(out)}{old}, where gymnasium's step returns 5 values: "
+                                        "obs, reward, terminated, truncated, info",
+                                "return obs, reward, terminated, truncated, info: done split into terminated (the "
+                                "episode ended by the task's rules) and truncated (cut off, e.g. by a time limit)")
+        # (stored into the batch's float and bool arrays, None became a NaN reward and a False flag, a
+        # string '0.5' a reward and 'no' a True flag, with no error)
+        for i, what, kind in ((1, "reward", "one number"), (2, "terminated flag", "a bool"),
+                              (3, "truncated flag", "a bool")):
+            if not _a_number(out[i]):
+                raise self._refused("step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
+                                            f"returns {kind}", "return a float reward and bool terminated and "
+                                            "truncated flags: return obs, reward, terminated, truncated, info")
+        if not isinstance(out[4], dict):
+            raise self._refused("step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
+                                        "dict", "return a dict (empty if there is nothing to report): "
+                                                "return obs, reward, terminated, truncated, {}")
+        self.step = self.env.step   # type: ignore[method-assign]
+        return out
+
+    def _refused(self, method: str, what: str, fix: str) -> ConfigError:
+        cls = type(self.env.unwrapped)
+        return ConfigError(f"environment {cls.__qualname__}'s {method} {what}",
+                           where=definition_of(getattr(cls, method, None)) or user_callsite(), fix=fix)
+
+
+def _a_number(value: Any) -> bool:
+    """One real number or flag: Python's, numpy's, or an array of one (a tensor's ``.item()`` need not be taken)."""
+    if isinstance(value, numbers.Real):
+        return True
+    if value is None or isinstance(value, (str, bytes)):
+        return False
+    try:
+        arr = np.asarray(value)
+    except Exception:   # (what numpy cannot take in, the batch cannot store)
+        return False
+    return arr.size == 1 and arr.dtype.kind in "biuf"
+
+
+def _described(out: Any) -> str:
+    if isinstance(out, tuple):
+        return f"{len(out)} value{'s' if len(out) != 1 else ''}"
+    if hasattr(out, "shape"):
+        return f"an array of shape {tuple(out.shape)} ({type(out).__name__})"
+    if out is None or isinstance(out, (str, bytes)):
+        return repr(out) if len(repr(out)) <= 40 else f"a {type(out).__name__}"
+    return f"a value of type {type(out).__name__}"
 
 
 def _unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
@@ -610,6 +697,10 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     terminates). Every other keyword, ``gamma`` included, is the environment's own.
     """
     where = user_callsite()
+    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Real) or num_envs != int(num_envs):
+        # ("2" failed as "'<' not supported between instances of 'str' and 'int'")
+        raise ConfigError(f"ff.envs.make got num_envs={num_envs!r:.40}, where it takes a whole number", where=where,
+                          fix="pass an int: num_envs=args.num_envs (a dataclass field holding it is annotated int)")
     if num_envs < 1:
         raise UnknownEnvError(f"num_envs must be at least 1, got {num_envs}", where=where,
                               fix="pass num_envs=1 or more")

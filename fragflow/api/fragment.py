@@ -194,6 +194,17 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
     if role not in ROLES:
         raise TraceError(f"unknown fragment role {role!r}", where=where,
                          fix=f"use one of: {', '.join(ROLES)}")
+    # (a name of another type failed as a TypeError joining names, at no line, once the run had
+    # begun; writes=["state"] as an unhashable list)
+    if name is not None and not isinstance(name, str):
+        raise TraceError(f"@ff.fragment got name={name!r:.60}, where it takes the fragment's name, a string",
+                         where=where, fix=f'write @ff.fragment("{role}", name="..."), or leave name out (the '
+                                          "function's own name)")
+    if writes is not _FIRST_PARAM and writes is not None and not isinstance(writes, str):
+        raise TraceError(f"@ff.fragment got writes={writes!r:.60}, where it takes the name of the one parameter "
+                         "holding the versioned state the learner writes", where=where,
+                         fix="write writes=\"state\" (a learner writes one state: give another state a learner of its "
+                             "own, or keep both in one ff.versioned dict), or writes=None")
 
     def wrap(fn: Callable[..., Any]) -> Fragment:
         w: str | None
@@ -212,7 +223,7 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
                                  fix="a learner takes its state as first argument, or declare writes=None")
             w = params[0]
         else:
-            w = writes
+            w = writes if isinstance(writes, str) else None   # (anything else is refused above)
             if w is not None and w not in inspect.signature(fn).parameters:
                 raise TraceError(f"learner '{fn.__name__}' declares writes={w!r} but has no such parameter",
                                  where=definition_of(fn), fix="name one of its parameters, or writes=None")

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from fragflow import context
+from fragflow.api.buffer import whole_number
 from fragflow.api.fragment import Fragment, rows
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import TraceError
@@ -83,6 +84,7 @@ class ReplayBuffer:
 
     def __init__(self, capacity: int, *, seed: int = 0, prioritized: bool = False, alpha: float = 0.6,
                  beta: float = 0.4, eps: float = 1e-6) -> None:
+        whole_number(capacity, "ReplayBuffer", "capacity", "args.buffer_size")
         if capacity < 1:
             raise TraceError(f"ReplayBuffer needs capacity >= 1, got {capacity}", where=user_callsite(),
                              fix="pass the number of transitions to keep")

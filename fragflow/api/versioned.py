@@ -19,7 +19,7 @@ import operator
 from typing import Any
 
 from fragflow import context
-from fragflow.errors import VersionedStateError
+from fragflow.errors import TraceError, VersionedStateError
 from fragflow.source import SourceLoc, user_callsite
 
 
@@ -189,6 +189,10 @@ def versioned(value: Any, name: str = "state") -> Any:
     >>> versioned({"w": 1.0})
     {'w': 1.0}
     """
+    if not isinstance(name, str):   # (name=["s"] failed as "unhashable type: 'list'"; name=5 ran on, unnamed)
+        raise TraceError(f"ff.versioned got name={name!r:.60}, where it takes the state's name, a string",
+                         where=user_callsite(), fix='write ff.versioned(value, name="target"), or leave name out '
+                                                    '("state")')
     interp = context.current()
     if interp is None:
         return value

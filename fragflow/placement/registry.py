@@ -196,7 +196,8 @@ def resolve(policy: str | None, train: Callable[..., Any]) -> tuple[PolicySpec, 
 
 
 def distribute(policy: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Choose the distribution policy of a training function; ``--policy`` overrides it.
+    """Choose the distribution policy of a training function; ``--policy`` overrides it. ``policy``
+    is a name with its options as keywords, or a ``--policy`` string (``"actor_learner(actors=2)"``).
 
     The function itself is unchanged: called directly it runs eagerly.
 
@@ -206,13 +207,29 @@ def distribute(policy: str, **options: Any) -> Callable[[Callable[..., Any]], Ca
     >>> train.__fragflow_policy__
     ('single_process', {})
     """
+    where = user_callsite()
+    fix = 'write @ff.distribute("pipelined") above it, or another policy\'s name with its options: ' \
+        '@ff.distribute("actor_learner", actors=2) (`fragflow policies` lists them)'
+    if callable(policy):   # (both failed inside difflib, with a TypeError)
+        raise UnknownPolicyError(f"@ff.distribute is given no policy: it was applied to "
+                                 f"{getattr(policy, '__qualname__', policy)!r} itself", where=where, fix=fix)
+    if not isinstance(policy, str):
+        raise UnknownPolicyError(f"@ff.distribute got {policy!r:.60} where it takes a policy's name", where=where,
+                                 fix=fix)
     try:   # fail at decoration time on a misspelled name or option, at the decorator's line
-        get(policy).make_options(dict(options))
+        # (its name, or the --policy form, "actor_learner(actors=2)": refused as an unknown name)
+        name, written = parse_policy(policy)
+        both = sorted(set(written) & set(options))
+        if both:
+            raise UnknownPolicyError(f"policy option {both[0]!r} is given twice: in {policy!r} and as a keyword "
+                                     "argument", fix="give each option once")
+        options = {**written, **options}
+        get(name).make_options(dict(options))
     except FragflowError as exc:
-        raise type(exc)(exc.what, where=user_callsite(), fix=exc.fix, detail=exc.detail) from None
+        raise type(exc)(exc.what, where=where, fix=exc.fix, detail=exc.detail) from None
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.__fragflow_policy__ = (policy, dict(options))  # type: ignore[attr-defined]
+        fn.__fragflow_policy__ = (name, dict(options))  # type: ignore[attr-defined]
         return fn
 
     return mark

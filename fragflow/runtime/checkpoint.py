@@ -176,10 +176,14 @@ class Every:
 
     @staticmethod
     def parse(text: str) -> Every:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|)\s*", str(text))
-        if m is None or float(m.group(1)) <= 0:
+        m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*(s|m|h|)\s*", str(text))
+        if m is None:
             raise ConfigError(f"--checkpoint-every {text!r} is neither a number of updates nor a duration",
                               fix="give a number of updates (100) or a duration (90s, 5m, 1h)")
+        if float(m.group(1)) <= 0:   # (it said "neither a number of updates nor a duration" of 0)
+            raise ConfigError(f"--checkpoint-every {text!r}: the interval between checkpoints is "
+                              f"{'a duration' if m.group(2) else 'a number of updates'} above zero",
+                              fix="give 1 or more updates (100) or a duration above zero (90s, 5m, 1h)")
         n, unit = m.group(1), m.group(2)
         if not unit:
             if "." in n:
