@@ -482,6 +482,51 @@ def test_an_environment_that_breaks_gymnasiums_api_is_refused_at_its_method(api,
     good.close()
 
 
+class _Shim(gym.Wrapper):
+    """A user's adapter of an old-API env: gymnasium's five values from its four."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.horizon = env.horizon   # an attribute of the env it wraps, read through self.env
+
+    def reset(self, *, seed=None, options=None):
+        return self.env.reset(seed=seed, options=options), {}
+
+    def step(self, action):
+        obs, reward, done, info = self.env.step(action)
+        return obs, reward, done, False, info
+
+
+class _OldWithHorizon(_OldApi):
+    horizon = 7
+
+    def __init__(self):
+        super().__init__("reset returns obs")
+
+    def step(self, action):
+        return np.zeros(5, np.float32), 1.0, False, {}
+
+
+def test_the_api_check_is_the_outermost_envs_and_leaves_it_unwrapped():
+    """The check wrapped the user's env, innermost: a user's wrapper reading an attribute of the env
+    it wraps failed ('_ApiCheck' object has no attribute), an old-API env a user's wrapper adapts
+    was refused, and the env's spec gained a wrapper gym.make cannot rebuild."""
+    env = ff.envs.make(_OldWithHorizon, num_envs=2, seed=0, wrappers=(_Shim,))
+    env.reset()
+    for _ in range(3):
+        obs, reward, *_ = env.step(np.zeros(2, np.int64))
+    assert obs.shape == (2, 5) and reward.tolist() == [1.0, 1.0]
+    inner = env._env.unwrapped.envs[0]   # (the vector env's first environment, as gymnasium made it)
+    assert isinstance(inner, _Shim) and inner.horizon == 7 and "step" not in vars(inner) and "reset" not in vars(inner)
+    env.close()
+    cartpole = ff.envs.make("CartPole-v1", num_envs=1, seed=0)
+    cartpole.reset()
+    cartpole.step(np.zeros(1, np.int64))
+    spec = cartpole._env.unwrapped.envs[0].spec
+    assert all(w.name != "_ApiCheck" for w in spec.additional_wrappers) and gym.make(spec) is not None
+    cartpole.close()
+
+
 def test_normalised_integer_observations_are_float_z_scores_as_gymnasiums():
     # they were cast back to uint8: z-scores of 0.18 and -1.8 became 0 and 255. The reference: the same
     # counts as float64 (gymnasium's own wrapper keeps uint8 statistics of uint8 observations)
@@ -514,7 +559,7 @@ def test_an_observation_of_another_shape_than_the_space_is_refused_at_the_step()
 
 def test_a_number_of_environments_that_is_not_a_whole_number_is_refused_at_the_make_line():
     # ("2" failed as "'<' not supported between instances of 'str' and 'int'")
-    for bad in ("2", 2.5, None, True):
+    for bad in ("2", 2.5, None, True, float("inf"), float("nan")):   # (inf and nan failed inside the check itself)
         with pytest.raises(ConfigError, match=rf"ff.envs.make got num_envs={re.escape(repr(bad))}, where it takes a "
                                               r"whole number") as info:
             ff.envs.make("CartPole-v1", num_envs=bad, seed=0)

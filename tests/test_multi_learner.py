@@ -77,6 +77,11 @@ def train(args: Args):
 '''
 
 
+def _initial(args):
+    torch.manual_seed(args.seed)
+    return torch.nn.Linear(3, 1)
+
+
 @pytest.fixture
 def program(write_algo):
     path, _ = write_algo(PROGRAM, "regress.py")
@@ -89,7 +94,7 @@ def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program
     one = ff.run(program.train, args, policy="single_process")
     two = ff.run(program.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
     a, b = one.value["net"], two.value["net"]
-    assert not torch.equal(a.weight, torch.nn.Linear(3, 1).weight)
+    assert not torch.equal(a.weight, _initial(args).weight)   # (it learned: not the program's own first weights)
     for p, q in zip(a.parameters(), b.parameters()):
         # equal up to the order of float sums (each learner's mean, then the mean of the two)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -105,7 +110,7 @@ def test_two_learners_stepping_an_optimizer_the_learner_makes_equal_one_learner(
     one = ff.run(program.train, args, policy="single_process")
     two = ff.run(program.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
     a, b = one.value["net"], two.value["net"]
-    assert not torch.equal(a.weight, torch.nn.Linear(3, 1).weight)
+    assert not torch.equal(a.weight, _initial(args).weight)   # (it learned: not the program's own first weights)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert two.summary["updates"] == 6

@@ -2518,7 +2518,7 @@ def train(args: Args):
 
 
 @pytest.mark.parametrize("how, leaf, who", [("actor", r"state\['pi'\]\['weight'\]", "by fragment 'act', or by the loop"),
-                                            ("numpy", r"\(an array of it", "by fragment 'act': output array is read-only"),
+                                            ("numpy", "", ""),
                                             ("loop", r"state\['pi'\]\['bias'\]", "by the loop")])
 @pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)"])
 def test_state_changed_in_place_where_the_actor_runs_only_after_the_trace_is_refused_at_the_loops_line(
@@ -2529,11 +2529,19 @@ def test_state_changed_in_place_where_the_actor_runs_only_after_the_trace_is_ref
     received tensors (and read-only numpy leaves) catch it at the call."""
     path, marks = write_algo(CHANGES_STATE_LATE)
     program = load(str(path))
-    with pytest.raises(VersionedStateError, match=rf"versioned state {leaf}.*{re.escape(who)}.*was changed in place in an "
-                                                  r"acting process, but this policy runs the learner in another process") as info:
-        ff.run(program.train, program.args_cls(how=how), policy=policy)
-    assert f"algo.py:{marks['act']}" in str(info.value)
+    if how == "numpy":   # the write raises where it is made, saying why the array is read-only here
+        with pytest.raises(WorkerFailed, match="read-only") as raised:   # (the user's ValueError, from the actor)
+            ff.run(program.train, program.args_cls(how=how), policy=policy)
+        assert "the numpy arrays of the versioned state are read-only" in str(raised.value)
+        assert f"algo.py\", line {marks['act']}" in str(raised.value)
+    else:
+        with pytest.raises(VersionedStateError, match=rf"versioned state {leaf}.*{re.escape(who)}.*was changed in place "
+                                                      r"in an acting process, but this policy runs the learner in another "
+                                                      r"process") as info:
+            ff.run(program.train, program.args_cls(how=how), policy=policy)
+        assert f"algo.py:{marks['act']}" in str(info.value)
     assert mp.active_children() == [] and shm_leftovers() == []
-    # never changed, or in one process (as eagerly): it runs
-    assert ff.run(program.train, program.args_cls(how=how, start=0), policy=policy).summary["updates"] == 8
-    assert ff.run(program.train, program.args_cls(how=how), policy="single_process").summary["updates"] == 8
+    # never changed, or in one process (as eagerly): it runs (every step; an update may be dropped as stale)
+    for args, where in ((program.args_cls(how=how, start=0), policy), (program.args_cls(how=how), "single_process")):
+        summary = ff.run(program.train, args, policy=where).summary
+        assert summary["status"] == "completed" and summary["env_steps"] == 128, (where, summary["status"])

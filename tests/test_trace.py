@@ -687,9 +687,12 @@ def train():
 """)
     program = load(str(path))
     ff.run(program.train, policy="single_process")   # 4 rows everywhere
-    with pytest.raises(TraceError, match=rf"buffer.add got leaves with different numbers of rows: 'obs' 2, 'done' 4"
-                                         rf"\n  at {relpath(path)}:{marks['add']}\n  fix: give every leaf one row"):
+    with pytest.raises(TraceError, match=rf"buffer.add got leaves with different numbers of rows: 'obs' 2, 'done' 4: "
+                                         r"argument step\['done'\] has a row for every environment of the run, made in "
+                                         rf"the loop .*where this process steps 2 of them\n  at {relpath(path)}:{marks['add']}"
+                                         r"\n  fix: size per-environment arrays with env.num_envs") as info:
         ff.run(program.train, policy="actor_learner(actors=2)")
+    assert "(in loop replica" not in str(info.value)   # (its advice is the message's own: not said twice)
 
 
 def test_versioned_views_passed_through_star_args_run_in_one_process_and_are_refused_elsewhere(write_algo):

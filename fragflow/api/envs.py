@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import numbers
 import os
 from collections.abc import Callable, Sequence
@@ -473,67 +474,93 @@ def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
 def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
              wrappers: tuple[Callable[[gym.Env], gym.Env], ...]) -> gym.Env:
     env = factory(**kwargs)
-    if isinstance(env, gym.Env):   # (innermost: the user's wrappers unpack its results too)
-        env = _ApiCheck(env)
     for wrap in wrappers:
         env = wrap(env)
+    if isinstance(env, gym.Env):   # (outermost: a user's wrapper may adapt an env of gym's old API)
+        _check_api(env)
     return env
 
 
-class _ApiCheck(gym.Wrapper):
-    """The user's environment, its first reset and step checked against gymnasium's API: one
-    written for gym's old API (``reset()`` returning the observation alone, ``step`` returning
-    ``obs, reward, done, info``) failed in the batching, with an unpacking error that seemed to be
-    the loop's own line, or had an observation of five numbers unpacked as the step's five values.
-    Once both have passed, its methods are the environment's own (no call per step)."""
+def _check_api(env: gym.Env) -> None:
+    """Check the environment's first reset and step against gymnasium's API: one written for gym's
+    old API (``reset()`` returning the observation alone, ``step`` returning ``obs, reward, done,
+    info``) failed in the batching, with an unpacking error that seemed to be the loop's own line, or
+    had an observation of five numbers unpacked as the step's five values. The checks are the
+    instance's own ``reset`` and ``step`` until each has passed once, then removed: the class's
+    methods run, with no call per step, and the environment is not wrapped (its attributes, its
+    ``spec`` and ``isinstance`` are the user's)."""
+    cls = type(env)
 
-    def reset(self, **kwargs: Any) -> Any:
-        inner = self.env.reset
+    def reset(*args: Any, **kwargs: Any) -> Any:
+        inner = cls.reset.__get__(env, cls)
         try:
-            params = inspect.signature(inner).parameters
+            params = inspect.signature(_defining(env, "reset")).parameters
         except (TypeError, ValueError):   # (a builtin's: nothing to check)
             params = None
         if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             missing = [k for k in kwargs if k not in params]
             if missing:
-                raise self._refused("reset", f"takes no {' or '.join(map(repr, missing))} keyword argument",
-                                    "take the arguments gymnasium's reset takes: def reset(self, seed=None, "
-                                    "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
-                                    "return (obs, info)")
-        out = inner(**kwargs)
+                raise _refused(env, "reset", f"takes no {' or '.join(map(repr, missing))} keyword argument",
+                               "take the arguments gymnasium's reset takes: def reset(self, seed=None, "
+                               "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
+                               "return (obs, info)")
+        out = inner(*args, **kwargs)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-            raise self._refused("reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
-                                "return the observation and an info dict: return obs, {}")
-        self.reset = inner   # type: ignore[method-assign, assignment]
+            raise _refused(env, "reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
+                           "return the observation and an info dict: return obs, {}")
+        _unpatch(env, "reset")
         return out
 
-    def step(self, action: Any) -> Any:
-        out = self.env.step(action)
+    def step(action: Any) -> Any:
+        out = cls.step(env, action)
         if not (isinstance(out, tuple) and len(out) == 5):
             old = " (obs, reward, done, info: gym's old API)" if isinstance(out, tuple) and len(out) == 4 else ""
-            raise self._refused("step", f"returned {_described(out)}{old}, where gymnasium's step returns 5 values: "
+            raise _refused(env, "step", f"returned {_described(out)}{old}, where gymnasium's step returns 5 values: "
                                         "obs, reward, terminated, truncated, info",
-                                "return obs, reward, terminated, truncated, info: done split into terminated (the "
-                                "episode ended by the task's rules) and truncated (cut off, e.g. by a time limit)")
+                           "return obs, reward, terminated, truncated, info: done split into terminated (the "
+                           "episode ended by the task's rules) and truncated (cut off, e.g. by a time limit)")
         # (stored into the batch's float and bool arrays, None became a NaN reward and a False flag, a
         # string '0.5' a reward and 'no' a True flag, with no error)
         for i, what, kind in ((1, "reward", "one number"), (2, "terminated flag", "a bool"),
                               (3, "truncated flag", "a bool")):
             if not _a_number(out[i]):
-                raise self._refused("step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
+                raise _refused(env, "step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
                                             f"returns {kind}", "return a float reward and bool terminated and "
                                             "truncated flags: return obs, reward, terminated, truncated, info")
         if not isinstance(out[4], dict):
-            raise self._refused("step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
+            raise _refused(env, "step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
                                         "dict", "return a dict (empty if there is nothing to report): "
                                                 "return obs, reward, terminated, truncated, {}")
-        self.step = self.env.step   # type: ignore[method-assign]
+        _unpatch(env, "step")
         return out
 
-    def _refused(self, method: str, what: str, fix: str) -> ConfigError:
-        cls = type(self.env.unwrapped)
-        return ConfigError(f"environment {cls.__qualname__}'s {method} {what}",
-                           where=definition_of(getattr(cls, method, None)) or user_callsite(), fix=fix)
+    try:
+        env.reset = reset   # type: ignore[method-assign]
+        env.step = step     # type: ignore[method-assign]
+    except AttributeError:   # (__slots__, a read-only attribute: left unchecked)
+        _unpatch(env, "reset")
+
+
+def _unpatch(env: gym.Env, method: str) -> None:
+    env.__dict__.pop(method, None)
+
+
+def _defining(env: Any, method: str) -> Any:
+    """The first implementation of ``method`` in the wrapper chain that is not gymnasium's own (a
+    wrapper that only passes the call on): where the user wrote it."""
+    e = env
+    while True:
+        fn = getattr(type(e), method, None)
+        owner = getattr(fn, "__module__", "") or ""
+        if fn is None or not owner.startswith("gymnasium") or not isinstance(getattr(e, "env", None), gym.Env):
+            return fn
+        e = e.env
+
+
+def _refused(env: gym.Env, method: str, what: str, fix: str) -> ConfigError:
+    fn = _defining(env, method)
+    owner = getattr(fn, "__qualname__", "").rsplit(".", 1)[0] or type(env.unwrapped).__qualname__
+    return ConfigError(f"environment {owner}'s {method} {what}", where=definition_of(fn) or user_callsite(), fix=fix)
 
 
 def _a_number(value: Any) -> bool:
@@ -697,7 +724,8 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     terminates). Every other keyword, ``gamma`` included, is the environment's own.
     """
     where = user_callsite()
-    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Real) or num_envs != int(num_envs):
+    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Real) or not math.isfinite(num_envs) or \
+            num_envs != int(num_envs):
         # ("2" failed as "'<' not supported between instances of 'str' and 'int'")
         raise ConfigError(f"ff.envs.make got num_envs={num_envs!r:.40}, where it takes a whole number", where=where,
                           fix="pass an int: num_envs=args.num_envs (a dataclass field holding it is annotated int)")

@@ -258,7 +258,7 @@ class Tracer(Repeats):
                 where=where, fix=typed_key_fix(bad.value) or
                 "versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
                 "torch modules, torch.optim optimizers and their learning-rate schedulers, random generators "
-                "(torch.Generator, numpy's Generator); keep "
+                "(torch.Generator, numpy's Generator or RandomState); keep "
                 "anything else out of it",
             ) from None
         if where is not None and any(rec.created_at == where and rec.versions > 1 for rec in self._states.values()):

@@ -48,7 +48,9 @@ def settle() -> None:
 
 
 def in_worker() -> None:
-    """This process is a worker of a run: it freezes its objects at :func:`settle` (and now)."""
+    """This process is a worker of a run: it freezes its objects now and at :func:`settle`. A worker
+    forked from the driver inherits the driver's frozen objects and its ``_managing`` (and so settles
+    as the driver does); one spawned or started by a fork server freezes here."""
     global _worker
     _worker = True
     if gc.isenabled() and not gc.get_freeze_count():

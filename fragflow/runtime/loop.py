@@ -301,7 +301,12 @@ class LoopInterpreter:
             raise
         except Exception as exc:
             if reads and self._watched and isinstance(exc, ValueError) and "read-only" in str(exc):
-                raise _changed_here(f"(an array of it, by fragment '{name}': {exc})") from exc   # (see _watch)
+                # (which array it was, the error does not say: the state's are read-only here, see _watch)
+                exc.add_note("(fragflow: in an acting process where this policy runs the learner apart, the numpy "
+                             "arrays of the versioned state are read-only: if the array written is one of them, "
+                             "leave it unchanged (work on a copy: array.copy()) or make the change in a learner that "
+                             "writes the state; a change here would stay in this process's copy, unseen by the "
+                             "learner; or run with --policy single_process)")
             exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
             found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
             if found:

@@ -523,8 +523,9 @@ class Monitor:
             self._drain()
         elif self._pending is not None and self.outputs is not None:
             row, self._pending = self._pending, None   # (taken first: a Ctrl-C in the write cannot write it twice)
-            # the evaluation episodes ended by the row's end (the next training step), as what the loop
-            # logs by then is the row's: an evaluation after the update, and its ff.log, in one row
+            # the evaluation episodes ended by the row's end (the next training step where rows end at steps,
+            # else the next update), as what the loop logs by then is the row's: an evaluation after the
+            # update, and its ff.log, in one row
             row["eval_episodes"] = float(self.base_eval_episodes + len(self.eval_episodes))
             row["eval_return_mean"] = sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else math.nan
             self.outputs.write_row(row)

@@ -237,7 +237,8 @@ def _note_split_envs(exc: Exception, replicas: int, index: int) -> None:
     from fragflow.runtime.loop import _about_shapes
 
     notes = getattr(exc, "__notes__", [])
-    if replicas > 1 and _about_shapes(exc) and not any(n.startswith("(while executing") for n in notes):
+    if replicas > 1 and _about_shapes(exc) and not any(n.startswith("(while executing") for n in notes) \
+            and "env.num_envs" not in str(exc):   # (a refusal that names the run's count says so itself)
         exc.add_note(f"(in loop replica {index}, one of {replicas} processes that each step their share of the run's "
                      "environments: size the loop's own per-environment arrays with env.num_envs, this process's "
                      "share, not with the run's count such as args.num_envs)")
