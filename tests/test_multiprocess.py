@@ -2537,3 +2537,57 @@ def test_state_changed_in_place_where_the_actor_runs_only_after_the_trace_is_ref
     # never changed, or in one process (as eagerly): it runs
     assert ff.run(program.train, program.args_cls(how=how, start=0), policy=policy).summary["updates"] == 8
     assert ff.run(program.train, program.args_cls(how=how), policy="single_process").summary["updates"] == 8
+
+
+ACTS_UNDER_INFERENCE_MODE = """
+from dataclasses import dataclass
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+    start: int = 0   # the update from which act changes the state in place (0: never)
+
+@ff.fragment("actor")
+def act(state, obs, u, start):
+    if start and u >= start:
+        state["t"].add_(1.0)
+    return ((torch.as_tensor(obs, dtype=torch.float32) * state["t"]).sum(-1) > 0).long().numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    state["t"] = state["t"] + torch.as_tensor(batch["obs"], dtype=torch.float32).mean((0, 1))
+    return state, {"t": state["t"].sum()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"t": torch.zeros(4)})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            with torch.inference_mode():
+                a = act(state, obs, u, args.start)   # @act
+            obs, *_ = env.step(a)
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)"])
+def test_an_actor_called_under_inference_mode_reads_the_state_as_eagerly(write_algo, policy):
+    """The loop calls the actor under torch.inference_mode(): the received tensors were made there,
+    and tensors made under it keep no version counter, so the check for state changed in place
+    failed every call with torch's 'Inference tensors do not track version counter'. They are made
+    outside it (ordinary tensors, as the state's are eagerly), and a change is still seen."""
+    path, marks = write_algo(ACTS_UNDER_INFERENCE_MODE)
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy=policy).summary["updates"] == 6
+    with pytest.raises(VersionedStateError, match=r"versioned state state\['t'\] \(by fragment 'act'.*was changed "
+                                                  r"in place in an acting process") as info:
+        ff.run(program.train, program.args_cls(start=3), policy=policy)
+    assert f"algo.py:{marks['act']}" in str(info.value)
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -15,8 +15,10 @@ the serial semantics every other placement is checked against.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -407,14 +409,15 @@ class LoopInterpreter:
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
             self._unchanged(handle.name, None)   # (changed since this process's last fragment call: the loop)
-            _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
-            trees, pos = [], 0
-            for root, n in zip(b.paths, b.counts):
-                template = local.value
-                for k in root:
-                    template = template[k]
-                trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
-                pos += n
+            with _counted():
+                _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
+                trees, pos = [], 0
+                for root, n in zip(b.paths, b.counts):
+                    template = local.value
+                    for k in root:
+                        template = template[k]
+                    trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
+                    pos += n
             cached = self._views[handle.name] = (key, trees)
             self._watched[handle.name] = _watch(handle.name, b.paths, trees)
         for root, tree in zip(b.paths, cached[1]):
@@ -680,6 +683,15 @@ def _changed_here(what: str) -> VersionedStateError:
         fix="leave the state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place ops "
             "change it even under torch.no_grad(), optimizer.step() among them), make the change in a learner that "
             "writes the state, or run with --policy single_process")
+
+
+def _counted() -> contextlib.AbstractContextManager[Any]:
+    """Out of torch.inference_mode (a loop that calls the actor under it): tensors made there keep
+    no version counter, which _watch reads, and the state's own tensors are ordinary ones eagerly."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    return torch.inference_mode(False)
 
 
 def _watch(state: str, roots: Any, trees: list[Any]) -> list[tuple[str, Any, int]]:
