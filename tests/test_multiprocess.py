@@ -2545,3 +2545,129 @@ def test_state_changed_in_place_where_the_actor_runs_only_after_the_trace_is_ref
     for args, where in ((program.args_cls(how=how, start=0), policy), (program.args_cls(how=how), "single_process")):
         summary = ff.run(program.train, args, policy=where).summary
         assert summary["status"] == "completed" and summary["env_steps"] == 128, (where, summary["status"])
+
+
+ACTS_UNDER_INFERENCE_MODE = """
+from dataclasses import dataclass
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+    start: int = 0   # the update from which act changes the state in place (0: never)
+
+@ff.fragment("actor")
+def act(state, obs, u, start):
+    if start and u >= start:
+        state["t"].add_(1.0)
+    return ((torch.as_tensor(obs, dtype=torch.float32) * state["t"]).sum(-1) > 0).long().numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    state["t"] = state["t"] + torch.as_tensor(batch["obs"], dtype=torch.float32).mean((0, 1))
+    return state, {"t": state["t"].sum()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"t": torch.zeros(4)})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            with torch.inference_mode():
+                a = act(state, obs, u, args.start)   # @act
+            obs, *_ = env.step(a)
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)"])
+def test_an_actor_called_under_inference_mode_reads_the_state_as_eagerly(write_algo, policy):
+    """The loop calls the actor under torch.inference_mode(): the received tensors were made there,
+    and tensors made under it keep no version counter, so the check for state changed in place
+    failed every call with torch's 'Inference tensors do not track version counter'. They are made
+    outside it (ordinary tensors, as the state's are eagerly), and a change is still seen."""
+    path, marks = write_algo(ACTS_UNDER_INFERENCE_MODE)
+    program = load(str(path))
+    whole = ff.run(program.train, program.args_cls(), policy="single_process").summary
+    summary = ff.run(program.train, program.args_cls(), policy=policy).summary   # (an update may be dropped as stale)
+    assert summary["status"] == "completed" and summary["env_steps"] == whole["env_steps"] and whole["updates"] == 6
+    with pytest.raises(VersionedStateError, match=r"versioned state state\['t'\] \(by fragment 'act'.*was changed "
+                                                  r"in place in an acting process") as info:
+        ff.run(program.train, program.args_cls(start=3), policy=policy)
+    assert f"algo.py:{marks['act']}" in str(info.value)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+DRAWS_FROM_THE_STATES_GENERATOR = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+    kind: str = "torch"
+    draws: bool = True   # act draws its exploration noise from the state's generator (else only the learner does)
+
+def uniform(gen, n):
+    if isinstance(gen, torch.Generator):
+        return torch.rand(n, generator=gen).numpy()
+    return gen.random(n) if isinstance(gen, np.random.Generator) else gen.random_sample(n)
+
+@ff.fragment("actor")
+def act(state, obs, draws):
+    noise = uniform(state["gen"], obs.shape[0]) if draws else 0.5
+    return ((np.asarray(obs) @ state["w"] + noise - 0.5) > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    o = np.asarray(batch["obs"]).reshape(-1, 4)
+    state["w"] = state["w"] - o.mean(0) * 0.01 * uniform(state["gen"], 1)
+    return state, {"w": float(state["w"].sum())}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    gen = {"torch": lambda: torch.Generator().manual_seed(5), "numpy": lambda: np.random.default_rng(5),
+           "legacy": lambda: np.random.RandomState(5)}[args.kind]()
+    state = ff.versioned({"w": np.full(4, 0.1), "gen": gen})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            obs, *_ = env.step(act(state, obs, args.draws))   # @act
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy", "legacy"])
+def test_an_actor_drawing_from_a_generator_of_the_state_is_refused_where_the_learner_runs_apart(write_algo, kind):
+    """A generator in the versioned state is not in the versions sent to the acting side: an actor
+    that drew its noise from it drew from its process's copy, which the learner's draws never met
+    (under pipelined(max_lag=0) the run moved apart from single_process's with no error) and which
+    every actor process held alike (two actors drew the same numbers). The draw is a change of the
+    state in place, refused at the call; an actor given the state that does not draw runs, and in
+    one process the draws are eager's."""
+    path, marks = write_algo(DRAWS_FROM_THE_STATES_GENERATOR)
+    program = load(str(path))
+    eager = program.train(program.args_cls(kind=kind))
+    got = ff.run(program.train, program.args_cls(kind=kind), policy="single_process").value
+    assert np.array_equal(got["w"], eager["w"])
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
+        with pytest.raises(VersionedStateError, match=r"versioned state state\['gen'\] \(a random generator, drawn "
+                                                      r"from by fragment 'act'.*was changed in place in an acting "
+                                                      r"process.*draws the same numbers") as info:
+            ff.run(program.train, program.args_cls(kind=kind), policy=policy)
+        assert f"algo.py:{marks['act']}" in str(info.value)
+        assert mp.active_children() == [] and shm_leftovers() == []
+        quiet = program.train(program.args_cls(kind=kind, draws=False))
+        got = ff.run(program.train, program.args_cls(kind=kind, draws=False), policy=policy).value
+        assert np.array_equal(got["w"], quiet["w"]), policy

@@ -108,6 +108,11 @@ def is_scheduler(x: Any) -> bool:
     return _torch_kind(x) == "scheduler"
 
 
+def is_generator(x: Any) -> bool:
+    """A random generator (``torch.Generator``, numpy's ``Generator`` or ``RandomState``)."""
+    return _torch_kind(x) == "generator"
+
+
 def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
     """(key, tensor) pairs of a module or optimizer, in a fixed order (a scheduler has none)."""
     if kind == "module":

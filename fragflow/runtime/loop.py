@@ -15,8 +15,11 @@ the serial semantics every other placement is checked against.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import pickle
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,6 +34,7 @@ from fragflow.compiler.pytree import (
     NotAnArray,
     fill_skeleton,
     fits,
+    is_generator,
     leaf_paths,
     ordered_like,
     spec_of,
@@ -122,6 +126,8 @@ class LoopInterpreter:
         self._views: dict[str, tuple[tuple[int, int | None], list[Any]]] = {}
         # the torch leaves of each received view, with their version counters then (see _unchanged)
         self._watched: dict[str, list[tuple[str, Any, int]]] = {}
+        # its random generators, with their states then: a draw changes the state as an in-place op does
+        self._drawn: dict[str, list[tuple[str, Any, bytes]]] = {}
         # writes of each state this replica has issued, and how many there were when each version
         # ended (a version is the state after a clock call and every write before the next one)
         self._writes: dict[str, int] = {}
@@ -412,16 +418,18 @@ class LoopInterpreter:
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
             self._unchanged(handle.name, None)   # (changed since this process's last fragment call: the loop)
-            _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
-            trees, pos = [], 0
-            for root, n in zip(b.paths, b.counts):
-                template = local.value
-                for k in root:
-                    template = template[k]
-                trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
-                pos += n
+            with _counted():
+                _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
+                trees, pos = [], 0
+                for root, n in zip(b.paths, b.counts):
+                    template = local.value
+                    for k in root:
+                        template = template[k]
+                    trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
+                    pos += n
             cached = self._views[handle.name] = (key, trees)
             self._watched[handle.name] = _watch(handle.name, b.paths, trees)
+            self._drawn[handle.name] = _generators(b.paths, trees)
         for root, tree in zip(b.paths, cached[1]):
             if path[:len(root)] == root:
                 for k in path[len(root):]:
@@ -439,6 +447,16 @@ class LoopInterpreter:
             if tensor._version != version:
                 raise _changed_here(f"{state}{path} (by fragment '{fragment}', or by the loop before its call)"
                                     if fragment is not None else f"{state}{path} (by the loop)")
+        for path, gen, drawn in self._drawn.get(state, ()):
+            if _state_of(gen) != drawn:
+                by = f"fragment '{fragment}', or the loop before its call" if fragment is not None else "the loop"
+                raise _changed_here(
+                    f"{state}{path} (a random generator, drawn from by {by})",
+                    why="the draws move this process's copy of it (a version carries no generator), not the one the "
+                        "learner draws from and saves, and every acting process holds a copy that draws the same numbers",
+                    fix="draw the acting side's random numbers from a generator the loop makes outside ff.versioned "
+                        "(or from ff.random keys, one per environment), leave the state's generators to its "
+                        "learners, or run with --policy single_process")
 
     def _own_rows(self, leaves: list[Any], whole: tuple[tuple[int, int, int], ...]) -> list[Any]:
         """A leaf the loop made with as many rows as there are environments in all (while tracing,
@@ -677,14 +695,24 @@ class LoopInterpreter:
                 self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
 
 
-def _changed_here(what: str) -> VersionedStateError:
+def _changed_here(what: str, why: str | None = None, fix: str | None = None) -> VersionedStateError:
     return VersionedStateError(
         f"versioned state {what} was changed in place in an acting process, but this policy runs the learner in "
-        "another process: the change stays in this process's copy, the learner never sees it, and the next "
-        "version overwrites it", where=user_callsite(),
-        fix="leave the state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place ops "
-            "change it even under torch.no_grad(), optimizer.step() among them), make the change in a learner that "
-            "writes the state, or run with --policy single_process")
+        "another process: " + (why or "the change stays in this process's copy, the learner never sees it, and the "
+                                      "next version overwrites it"), where=user_callsite(),
+        fix=fix or "leave the state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
+                   "ops change it even under torch.no_grad(), optimizer.step() among them), make the change in a learner "
+                   "that writes the state, or run with --policy single_process (a network in training mode changes its "
+                   "BatchNorm statistics as it runs: call .eval() on it in the actor)")
+
+
+def _counted() -> contextlib.AbstractContextManager[Any]:
+    """Out of torch.inference_mode (a loop that calls the actor under it): tensors made there keep
+    no version counter, which _watch reads, and the state's own tensors are ordinary ones eagerly."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    return torch.inference_mode(False)
 
 
 def _watch(state: str, roots: Any, trees: list[Any]) -> list[tuple[str, Any, int]]:
@@ -703,6 +731,38 @@ def _watch(state: str, roots: Any, trees: list[Any]) -> list[tuple[str, Any, int
             elif hasattr(leaf, "_version"):
                 out.append((prefix + path, leaf, leaf._version))
     return out
+
+
+def _generators(roots: Any, trees: list[Any]) -> list[tuple[str, Any, bytes]]:
+    """The random generators of a received view (the process's own copies: a version does not carry
+    them), with their states."""
+    out: list[tuple[str, Any, bytes]] = []
+
+    def walk(tree: Any, path: str) -> None:
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, f"{path}[{k!r}]")
+        elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            for f, v in zip(tree._fields, tree):
+                walk(v, f"{path}.{f}")
+        elif isinstance(tree, (list, tuple)):
+            for i, v in enumerate(tree):
+                walk(v, f"{path}[{i!r}]")
+        elif is_generator(tree):
+            out.append((path, tree, _state_of(tree)))
+
+    for root, tree in zip(roots, trees):
+        walk(tree, "".join(f"[{k!r}]" for k in root))
+    return out
+
+
+def _state_of(gen: Any) -> bytes:
+    """A random generator's state, which every draw moves."""
+    if isinstance(gen, np.random.RandomState):
+        return pickle.dumps(gen.get_state(legacy=False))
+    if isinstance(gen, np.random.Generator):
+        return pickle.dumps(gen.bit_generator.state)
+    return bytes(gen.get_state().numpy())   # a torch.Generator
 
 
 def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:
