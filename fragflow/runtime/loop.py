@@ -128,6 +128,7 @@ class LoopInterpreter:
         self._watched: dict[str, list[tuple[str, Any, int]]] = {}
         # its random generators, with their states then: a draw changes the state as an in-place op does
         self._drawn: dict[str, list[tuple[str, Any, bytes]]] = {}
+        self._modules: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}   # a received module's tensors (see _received)
         # writes of each state this replica has issued, and how many there were when each version
         # ended (a version is the state after a clock call and every write before the next one)
         self._writes: dict[str, int] = {}
@@ -307,7 +308,7 @@ class LoopInterpreter:
             raise
         except Exception as exc:
             if reads and self._watched and isinstance(exc, ValueError) and "read-only" in str(exc):
-                # (which array it was, the error does not say: the state's are read-only here, see _watch)
+                # (which array it was, the error does not say: the state's are read-only here, see _received)
                 exc.add_note("(fragflow: in an acting process where this policy runs the learner apart, the numpy "
                              "arrays of the versioned state are read-only: if the array written is one of them, "
                              "leave it unchanged (work on a copy: array.copy()) or make the change in a learner that "
@@ -428,8 +429,7 @@ class LoopInterpreter:
                     trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
                     pos += n
             cached = self._views[handle.name] = (key, trees)
-            self._watched[handle.name] = _watch(handle.name, b.paths, trees)
-            self._drawn[handle.name] = _generators(b.paths, trees)
+            self._watched[handle.name], self._drawn[handle.name] = _received(b.paths, trees, self._modules)
         for root, tree in zip(b.paths, cached[1]):
             if path[:len(root)] == root:
                 for k in path[len(root):]:
@@ -442,7 +442,7 @@ class LoopInterpreter:
         """Refuse a received version of ``state`` changed in place in this process (an actor that
         steps the state's optimizer, ``p.add_(...)``): here, apart from the learner, the change is
         lost at the next version. A torch tensor's version counter counts its in-place changes, so
-        this costs an integer per tensor; numpy leaves are read-only (see _watch)."""
+        this costs an integer per tensor; numpy leaves are read-only (see _received)."""
         for path, tensor, version in self._watched.get(state, ()):
             if tensor._version != version:
                 raise _changed_here(f"{state}{path} (by fragment '{fragment}', or by the loop before its call)"
@@ -708,52 +708,49 @@ def _changed_here(what: str, why: str | None = None, fix: str | None = None) -> 
 
 def _counted() -> contextlib.AbstractContextManager[Any]:
     """Out of torch.inference_mode (a loop that calls the actor under it): tensors made there keep
-    no version counter, which _watch reads, and the state's own tensors are ordinary ones eagerly."""
+    no version counter, which _received reads, and the state's own tensors are ordinary ones eagerly."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.is_inference_mode_enabled():
         return contextlib.nullcontext()
     return torch.inference_mode(False)
 
 
-def _watch(state: str, roots: Any, trees: list[Any]) -> list[tuple[str, Any, int]]:
-    """The torch leaves of a received view with their version counters; its numpy leaves made
-    read-only (an in-place write raises where it is made)."""
-    out = []
-    for root, tree in zip(roots, trees):
-        prefix = "".join(f"[{k!r}]" for k in root)
-        try:
-            leaves = leaf_paths(tree)
-        except NotAnArray:
-            continue
-        for path, leaf in leaves:
-            if isinstance(leaf, np.ndarray):
-                leaf.flags.writeable = False
-            elif hasattr(leaf, "_version"):
-                out.append((prefix + path, leaf, leaf._version))
-    return out
+def _received(roots: Any, trees: list[Any], modules: dict[int, tuple[Any, list[tuple[str, Any]]]]
+              ) -> tuple[list[tuple[str, Any, int]], list[tuple[str, Any, bytes]]]:
+    """The torch tensors of a received view with their version counters, and its random generators
+    (the process's own copies: a version does not carry them) with their states; its numpy arrays
+    are made read-only (an in-place write raises where it is made). A module's tensors are the same
+    objects at every version (overwritten in place): ``modules`` keeps them, by module, so that a
+    version costs an integer per tensor, not a walk of the module's state dict."""
+    tensors: list[tuple[str, Any, int]] = []
+    generators: list[tuple[str, Any, bytes]] = []
+    torch = sys.modules.get("torch")
 
-
-def _generators(roots: Any, trees: list[Any]) -> list[tuple[str, Any, bytes]]:
-    """The random generators of a received view (the process's own copies: a version does not carry
-    them), with their states."""
-    out: list[tuple[str, Any, bytes]] = []
-
-    def walk(tree: Any, path: str) -> None:
-        if isinstance(tree, dict):
-            for k, v in tree.items():
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, np.ndarray):
+            x.flags.writeable = False
+        elif isinstance(x, dict):
+            for k, v in x.items():
                 walk(v, f"{path}[{k!r}]")
-        elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
-            for f, v in zip(tree._fields, tree):
+        elif isinstance(x, tuple) and hasattr(x, "_fields"):
+            for f, v in zip(x._fields, x):
                 walk(v, f"{path}.{f}")
-        elif isinstance(tree, (list, tuple)):
-            for i, v in enumerate(tree):
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
                 walk(v, f"{path}[{i!r}]")
-        elif is_generator(tree):
-            out.append((path, tree, _state_of(tree)))
+        elif torch is not None and isinstance(x, torch.Tensor):
+            tensors.append((path, x, x._version))
+        elif torch is not None and isinstance(x, torch.nn.Module):
+            known = modules.get(id(x))
+            if known is None or known[0] is not x:
+                known = modules[id(x)] = (x, leaf_paths(x))
+            tensors.extend((path + p, t, t._version) for p, t in known[1])
+        elif is_generator(x):
+            generators.append((path, x, _state_of(x)))
 
     for root, tree in zip(roots, trees):
         walk(tree, "".join(f"[{k!r}]" for k in root))
-    return out
+    return tensors, generators
 
 
 def _state_of(gen: Any) -> bytes:
