@@ -60,8 +60,8 @@ def policies() -> dict[str, str]:
 
 
 def trace(train: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
-    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.compiler.tracer.trace`)."""
-    from fragflow.compiler.tracer import trace as _trace
+    """Trace a training loop into its fragmented dataflow graph (see :func:`fragflow.compiler.tracing.trace`)."""
+    from fragflow.compiler.tracing import trace as _trace
 
     return _trace(train, *args, **kwargs)
 

@@ -29,7 +29,7 @@ from fragflow.compiler.ir import EdgeKind, Graph
 from fragflow.compiler.loops import defined_in_loop, guard_of, loop_around
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
-from fragflow.compiler.tracer import trace_program
+from fragflow.compiler.tracing import trace_program
 from fragflow.errors import ConfigError, PlacementError, VersionedStateError
 from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
