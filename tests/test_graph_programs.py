@@ -1541,7 +1541,8 @@ def test_a_rollout_an_update_leaves_waiting_past_max_lag_is_dropped_under_served
     from types import SimpleNamespace
 
     from fragflow.lowering.disciplines import Deliver, Drop
-    from fragflow.runtime.service import ServiceRunner, _Piece
+    from fragflow.runtime.gathering import _Piece
+    from fragflow.runtime.service import ServiceRunner
 
     released: list[tuple[str, int, bool]] = []
 

@@ -23,7 +23,7 @@ from fragflow.lowering import ServiceProgram
 from fragflow.lowering.program import WHOLE_MARK
 
 if TYPE_CHECKING:
-    from fragflow.runtime.service import _Piece
+    from fragflow.runtime.gathering import _Piece
 
 
 def _same_value(a: Any, b: Any, backend: str) -> bool:

@@ -47,11 +47,11 @@ from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError, SpecChangedError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls, heap
-from fragflow.runtime.loop import UNVERSIONED, allow_nonfinite
+from fragflow.runtime.gathering import IDLE_WAIT, Gathering, _Piece
+from fragflow.runtime.loop import allow_nonfinite
 from fragflow.runtime.monitor import non_scalar, scalars_in
-from fragflow.runtime.replicas import ReplicaChecks, _same_value
+from fragflow.runtime.replicas import _same_value
 
-IDLE_WAIT = 0.05
 KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of them (see ServiceProgram.keeps)
 KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing) ...
 KEPT_MIN = 8   # ... but for the last this many, whatever their size (two samples taken for one call)
@@ -74,22 +74,7 @@ def _with_globals(fn: types.FunctionType, scope: dict[str, Any]) -> types.Functi
 
 
 
-class _Piece:
-    __slots__ = ("replica", "version", "tag", "sid", "call", "cut", "leaves", "ring", "arrived", "own", "steps")
-
-    def __init__(self, replica: int, version: int, tag: int, aux: int, leaves: list[Any], ring: Any,
-                 own: int = 0, steps: int = 0) -> None:
-        self.replica, self.version, self.tag, self.leaves, self.ring = replica, version, tag, leaves, ring
-        self.steps = steps   # the env steps its replica had made when it made the call
-        # updates its replica's earlier calls of the clock on the same rollout made (a learner called
-        # several times on one rollout): not staleness, the algorithm's own steps
-        self.own = own
-        # its skeleton; the fragment's call number in its loop; the loop's last checkpoint mark
-        self.sid, self.call, self.cut = calls.unpack_aux(aux)
-        self.arrived = time.monotonic()
-
-
-class ServiceRunner(ReplicaChecks):
+class ServiceRunner(Gathering):
     """Runs one service group (also the interpreter for fragment calls nested in its fragments)."""
 
     def __init__(self, program: ServiceProgram, endpoints: Any, checks: dict[str, Any],
@@ -285,162 +270,6 @@ class ServiceRunner(ReplicaChecks):
         before its first piece, but through another queue."""
         while not ready():
             self._take_definition(block=True)
-
-    # -- gathering ---------------------------------------------------------------------------------
-    def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int, int, int]] | None:
-        """Replica ``k``'s next call, if it has arrived: (tag, fragment, ring, meta)."""
-        want = self.next_tag[k]
-        for fragment, ring in self.rings[k].items():
-            meta = ring.peek()
-            if meta is not None and meta[1] == want:
-                return want, fragment, ring, meta
-        if not self.finished[k] and all(r.closed and r.available == 0 for r in self.rings[k].values()):
-            self.finished[k] = True
-        return None
-
-    def _save_due(self) -> bool:
-        return bool(self.saving.get("root")) and self.admission.checkpoint_request() > self.saved_seq
-
-    def _saved_where_loop_is(self, aux: int | None) -> bool:
-        """Whether this group's part of the requested checkpoint is saved now. A loop replica
-        marks its calls after it saved its part (``calls.cut_mark``), and the replicas save at one
-        trip: the states are saved just before the first marked call is taken, so they hold every
-        update of the calls made before the parts and none after, and a resumed run does each
-        update once. That holds where calls are taken round the replicas in order (one replica,
-        or ``max_lag=0``, or ordered gathering): by the first marked call every earlier one is in.
-        Calls gathered as they arrive interleave across the cut: the states are saved as they stand."""
-        if (self.program.producers != 1 and not self.program.ordered) or any(self.finished):
-            return True
-        request = self.admission.checkpoint_request()
-        if aux is None:   # nothing to take: saved where every replica's calls before its cut are in
-            cuts = self.cuts.get(request, {})   # (a loop that makes no call of this group for a while)
-            return (len(cuts) == self.program.producers and not any(self.pools.values())
-                    and all(self.next_tag[k] >= tag for k, tag in cuts.items()))
-        return calls.unpack_aux(aux)[2] == calls.cut_mark(request)
-
-    def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
-        tag, fragment, ring, meta = head
-        if self.program.ordered:
-            self._calls_apart(k, fragment)
-        self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
-        if self._save_due() and self._saved_where_loop_is(meta[2]):
-            self._save(self.admission.checkpoint_request())
-        item = ring.try_get()
-        if item is None:   # the producer moved the head but has not released the semaphore yet
-            item = ring.get()
-        assert item is not None
-        self.next_tag[k] = tag + 1
-        self._calls_made[(k, fragment)] = calls.unpack_aux(meta[2])[1]
-        version, leaves = item
-        if version == UNVERSIONED:   # acted on no state: as fresh as the version that takes it
-            version = self.version
-        again, own = calls.again_of(meta[2]), 0
-        if fragment == self.program.clock:
-            # (at most the updates since its version: a loop that steps no counted env has every call "again")
-            own = min(self._own.get(k, 0), max(self.version - version, 0)) if again else 0
-        if not self._accept(fragment, self.version - version - own):
-            ring.release(dropped=True)
-            if fragment == self.program.clock:
-                self._own[k] = own
-            return None
-        if fragment == self.program.clock:
-            self._own[k] = own + 1
-        piece = _Piece(k, version, tag, meta[2], leaves, ring, own, meta[4])
-        self.pools.setdefault(fragment, []).append(piece)
-        return piece
-
-    def _next(self) -> str | None:
-        """Take pieces until some fragment's pool is complete; its name, or None when every replica is done."""
-        producers = self.program.producers
-        while True:
-            while self._take_definition(block=False):
-                pass
-            if self._save_due() and self._saved_where_loop_is(None):
-                self._save(self.admission.checkpoint_request())
-            if self.program.ordered:
-                # strictly round the replicas in order: the run does not depend on scheduling
-                k = self._cursor
-                head = self._head(k)
-                if head is None:
-                    if all(self.finished):
-                        self._ended_apart()
-                        return None
-                    if self.finished[k]:
-                        # a call the others made that this finished replica never will: stop with the
-                        # reason now (taking the next replica's next piece would pair two of its calls)
-                        self._watch_stall()
-                        self._cursor = (k + 1) % producers
-                    else:
-                        self._watch_stall()
-                        self.endpoints.wait_any(self.program.group, IDLE_WAIT)
-                    continue
-            else:
-                heads = [(k_, h) for k_ in range(producers) if (h := self._head(k_)) is not None]
-                if not heads:
-                    # nothing more has arrived: a request batch whose wait is over is answered as it is
-                    due, wait = self._due()
-                    if due is not None:
-                        return due
-                    if all(self.finished):
-                        self._ended_apart()
-                        return None
-                    self._watch_stall()
-                    self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
-                    continue
-                if any(h[3][3] for _, h in heads):
-                    # admitted rollouts (the balance controller's tickets) are consumed in the order
-                    # they were admitted: the controller's bound counted on it
-                    ready = [kh for kh in heads if kh[1][3][3] <= self._ticket]
-                    self._void -= {k_ for k_, _ in heads}
-                    if not ready:
-                        held = {k_ for k_, _ in heads}
-                        if any(not self.finished[k_] and k_ not in held and k_ not in self._void
-                               for k_ in range(producers)):
-                            self.endpoints.wait_any(self.program.group, IDLE_WAIT)   # being produced
-                        else:
-                            self._ticket = min(h[3][3] for _, h in heads)          # admitted, never produced
-                        continue
-                    k, head = min(ready, key=lambda kh: (kh[1][3][3], kh[0]))
-                    if head[1] == self.program.clock:
-                        self._ticket = head[3][3] + 1
-                else:
-                    # the oldest piece first: it is the one closest to going stale
-                    k, head = min(heads, key=lambda kh: (kh[1][3][0], kh[0]))
-            piece = self._take(k, head)
-            self._cursor = (k + 1) % producers
-            fragment = head[1]
-            if fragment == self.program.clock:
-                self.started[k] = None
-            if piece is not None and len(self.pools[fragment]) >= producers and not self._held(fragment):
-                return fragment
-
-    def _held(self, fragment: str) -> bool:
-        """Served inference with a bound: an update that would leave a rollout still being acted
-        more than ``max_lag`` versions behind when it is learned from waits for that rollout."""
-        if fragment != self.program.clock or self.program.ordered:
-            return False
-        return any(s is not None and not self.finished[k] and self.version + 1 - s > self.program.max_lag
-                   for k, s in enumerate(self.started))
-
-    def _due(self) -> tuple[str | None, float]:
-        """Bounded wait (arrival gathering): the request fragment whose batch is answered now, either
-        complete (every replica still running has asked) or held ``batch_wait`` seconds since its
-        first request; else None and the seconds until the next such deadline."""
-        now, wait = time.monotonic(), IDLE_WAIT
-        clock = self.pools.get(self.program.clock)
-        if clock and len(clock) >= self.program.producers and not self._held(self.program.clock):
-            return self.program.clock, 0.0     # was held for a rollout that has come in (or whose actor ended)
-        for fragment, pool in self.pools.items():
-            if not pool or fragment not in self.replies:
-                continue
-            asked = {p.replica for p in pool}
-            if all(k in asked or self.finished[k] for k in range(self.program.producers)):
-                return fragment, 0.0
-            left = pool[0].arrived + self.program.batch_wait - now
-            if left <= 0:
-                return fragment, 0.0
-            wait = min(wait, left)
-        return None, wait
 
     # -- executing -------------------------------------------------------------------------------
     def _merge(self, fragment: str, pieces: list[_Piece]) -> list[Any]:
