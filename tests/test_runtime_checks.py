@@ -874,3 +874,42 @@ def test_what_ff_run_is_given_is_checked_at_the_callers_line(tmp_path, given, me
         ff.run(kwargs.pop("train"), ppo.Args(total_timesteps=256, num_steps=64), out=tmp_path / "o", **kwargs)
     assert str(info.value.where) == f"tests/test_runtime_checks.py:{line}"
     assert not (tmp_path / "o").exists()
+
+
+def test_a_loop_that_breaks_before_its_first_learner_call_is_told_so(write_algo):
+    """A loop that leaves by a break before any learner call was told only to raise its budget
+    (--set total_timesteps=...), which a break does not heed (helper round 35)."""
+    from fragflow.errors import PlacementError
+
+    path, marks = write_algo("""
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs):
+            return np.zeros(obs.shape[0], dtype=np.int64)
+
+        @ff.fragment("learner")
+        def learn(state, batch):
+            return {"w": state["w"] + 1}, {"m": float(batch["obs"].mean())}
+
+        def train(stop_at=4):
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(1)})
+            buf = ff.RolloutBuffer(8)
+            obs = env.reset()
+            for step in range(1000):   # @loop
+                obs, *_ = env.step(act(state["w"], obs))
+                buf.add(obs=obs)
+                if step == stop_at:
+                    break
+                if step % 8 == 7:
+                    state, m = learn(state, buf.collect())
+            return state
+    """)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=r"the loop ended \(10 env steps\) without calling learner 'learn'") as info:
+        ff.run(program.train, policy="pipelined")
+    assert "where `for step in range(1000)` (" in info.value.fix
+    assert f"algo.py:{marks['loop']}) leaves early (a break), call the learner before it does" in info.value.fix
+    assert ff.run(program.train, 100, policy="pipelined").summary["updates"] >= 1   # (a later break: it runs)

@@ -188,12 +188,15 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     "--policy single_process")
         if not learners and graph.uncalled_learners:
             name, at = graph.uncalled_learners[0]
+            leaving = next((loop for loop in graph.loops if loop.exits), None)   # (a break: not the budget, maybe)
             raise PlacementError(
-                f"policy '{policy}' needs a learner, but the loop ran to its end ({graph.env_steps_traced} env "
+                f"policy '{policy}' needs a learner, but the loop ended ({graph.env_steps_traced} env "
                 f"steps) without calling learner '{name}'" + (f" (defined at {at})" if at is not None else "")
                 + ": no update is made", where=graph.defined_at,
-                fix="give the run a budget of at least one update (e.g. --set total_timesteps=...), "
-                    "or run with --policy single_process")
+                fix="give the run a budget of at least one update (e.g. --set total_timesteps=...)"
+                    + (f"; where `{leaving.header}` ({leaving.where}) leaves early (a break), call the learner "
+                       "before it does" if leaving is not None else "")
+                    + ", or run with --policy single_process")
         raise PlacementError(f"policy '{policy}' needs a learner fragment that writes versioned state; found: {found}"
                              + (" (none writes: declared with writes=None, or given no versioned state)" if learners
                                 else ""),
