@@ -21,6 +21,7 @@ import fragflow as ff
 from fragflow import driver
 from fragflow.program import load
 from fragflow.runtime import checkpoint as ckpt
+from fragflow.runtime import snapshot
 from tests.conftest import ROOT
 
 EXE = str(Path(sys.executable).with_name("fragflow"))
@@ -464,17 +465,17 @@ def test_environment_normalisation_statistics_are_a_saved_component():
     env.reset()
     for _ in range(20):
         env.step(np.zeros((2, 1), np.float32))
-    entries, arrays, _ = ckpt.loop_locals({"env": env})
+    entries, arrays, _ = snapshot.loop_locals({"env": env})
     fresh = ff.envs.make("Pendulum-v1", num_envs=2, seed=0, normalize_obs=True, normalize_reward=True)
     fresh.reset()
-    ckpt.restore_locals(entries, arrays, {"env": fresh})
+    snapshot.restore_locals(entries, arrays, {"env": fresh})
     saved, loaded = env.state_dict(), fresh.state_dict()
     assert saved["obs_rms"]["count"].shape == (2,) and (saved["obs_rms"]["count"] > 20).all()
     assert np.array_equal(loaded["obs_rms"]["count"], saved["obs_rms"]["count"])
     assert np.array_equal(loaded["obs_rms"]["mean"], saved["obs_rms"]["mean"])
     plain = ff.envs.make("Pendulum-v1", num_envs=2, seed=0)
     with pytest.raises(ckpt.Mismatch, match="normalize_obs"):
-        ckpt.restore_locals(entries, arrays, {"env": plain})
+        snapshot.restore_locals(entries, arrays, {"env": plain})
     for e in (env, fresh, plain):
         e.close()
 

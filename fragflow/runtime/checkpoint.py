@@ -18,7 +18,9 @@ loop that are not keys (observations) are not saved: environments are reset on r
 loop rebuilds them from its first lines (a rollout under way is kept by its ``ff.RolloutBuffer``'s
 own ``state_dict``).
 
-How values become JSON and arrays is :mod:`fragflow.runtime.encoding`.
+What a process saves (its loop's locals, random states, versioned states) and how a resumed one
+loads it is :mod:`fragflow.runtime.snapshot`; how values become JSON and arrays,
+:mod:`fragflow.runtime.encoding`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import enum
 import json
 import os
 import pathlib
-import random as pyrandom
 import re
 import shutil
 import time
@@ -41,129 +42,15 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.errors import ConfigError, FragflowError
-from fragflow.runtime.encoding import _NO, Mismatch, Unsupported, _array, _enc, _torch, decode, encode
+from fragflow.errors import ConfigError
+from fragflow.runtime.encoding import Mismatch, Unsupported, decode, encode
+from fragflow.runtime.snapshot import CheckpointError
 
 __all__ = ["Checkpoint", "CheckpointError", "Every", "Mismatch", "RunCheckpoints", "Unsupported", "decode", "encode"]
 
 FORMAT = 1
-RANDOM = "__fragflow_random__"   # in a service group's states part: that process's global random states
 MANIFEST = "manifest.json"
 KEEP = 3
-
-
-class CheckpointError(FragflowError):
-    """A checkpoint cannot be written or read, or does not fit the program resuming from it."""
-
-
-# -- the loop's locals ----------------------------------------------------------------------------------
-def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
-    """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``."""
-    from fragflow.api.random import is_key
-    from fragflow.api.versioned import Pending, Versioned, VersionedView
-
-    torch = _torch()
-    entries: dict[str, Any] = {}
-    arrays: dict[str, np.ndarray] = {}
-    left: list[str] = []
-    for name, x in frame_locals.items():
-        key = f"local.{name}"
-        if id(x) in skip or isinstance(x, (Versioned, VersionedView, Pending)) or name.startswith("__"):
-            continue
-        if x is None or isinstance(x, (bool, int, float, str, np.generic)):
-            entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
-        elif is_key(x):
-            entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
-        elif _jax_key(x):   # jax.random.PRNGKey's (uint32 [..., 2]): random state the loop carries
-            arrays[key] = np.asarray(x)
-            entries[name] = {"as": "jax_key", "k": key}
-        elif isinstance(x, np.random.Generator):
-            entries[name] = {"as": "np_generator", "state": x.bit_generator.state}
-        elif isinstance(x, pyrandom.Random):
-            entries[name] = {"as": "py_random", "state": _py_state(x.getstate())}
-        elif torch is not None and isinstance(x, torch.Generator):
-            arrays[key] = x.get_state().numpy()
-            entries[name] = {"as": "torch_generator", "k": key}
-        elif (callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
-              and not (torch is not None and isinstance(x, (torch.nn.Module, torch.optim.Optimizer)))
-              and not isinstance(x, type)):
-            try:
-                entries[name] = {"as": "component", "type": type(x).__qualname__, "v": _enc(x.state_dict(), key, arrays)}
-            except Unsupported as exc:
-                raise CheckpointError(f"cannot save the loop's {name!r}: its state_dict() holds {exc}",
-                                      fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
-        elif not callable(x) and not isinstance(x, types.ModuleType):
-            left.append(name)
-    return entries, arrays, left
-
-
-def _jax_key(x: Any) -> bool:
-    """A legacy jax PRNG key (``jax.random.PRNGKey``: uint32, last axis 2), or a batch of them."""
-    return type(x).__module__.startswith(("jax", "jaxlib")) and str(getattr(x, "dtype", "")) == "uint32" \
-        and bool(getattr(x, "shape", ())) and x.shape[-1] == 2
-
-
-def _py_state(state: Any) -> Any:
-    return [state[0], list(state[1]), state[2]]
-
-
-def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live: dict[str, Any]) -> dict[str, Any]:
-    """Given the loop's locals as the resumed run has rebuilt them, the values to assign; objects
-    (generators, components) are loaded in place. A saved name the program no longer has is
-    assigned anyway (the loop defines it later)."""
-    torch = _torch()
-    assign: dict[str, Any] = {}
-    for name, e in entries.items():
-        how = e["as"]
-        x = live.get(name)
-        try:
-            if how == "value":
-                cur = live.get(name, _NO)
-                assign[name] = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
-            elif how == "jax_key":
-                import jax.numpy as jnp
-
-                assign[name] = jnp.asarray(_array(arrays, e["k"]))
-            elif how == "np_generator" and isinstance(x, np.random.Generator):
-                x.bit_generator.state = e["state"]
-            elif how == "py_random" and isinstance(x, pyrandom.Random):
-                s = e["state"]
-                x.setstate((s[0], tuple(s[1]), s[2]))
-            elif how == "torch_generator" and torch is not None and isinstance(x, torch.Generator):
-                x.set_state(torch.from_numpy(_array(arrays, e["k"]).copy()))
-            elif how == "component":
-                if x is None or not callable(getattr(x, "load_state_dict", None)):
-                    raise Mismatch(f"the loop's {name!r} ({e['type']}) is not there to load into")
-                x.load_state_dict(decode(e["v"], arrays, path=name))
-        except Mismatch:
-            raise
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise Mismatch(f"the loop's {name!r}: {exc}") from None
-    return assign
-
-
-def global_random() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The process-wide random states: torch's, numpy's legacy one, python's ``random``."""
-    torch = _torch()
-    entries: dict[str, Any] = {}
-    arrays: dict[str, np.ndarray] = {}
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    arrays["random.numpy"] = np.asarray(keys)
-    entries["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
-    entries["python"] = _py_state(pyrandom.getstate())
-    if torch is not None:
-        arrays["random.torch"] = torch.get_rng_state().numpy()
-    return entries, arrays
-
-
-def set_global_random(entries: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-    torch = _torch()
-    name, pos, has_gauss, cached = entries["numpy"]
-    np.random.set_state((name, _array(arrays, "random.numpy"), pos, has_gauss, cached))
-    s = entries["python"]
-    pyrandom.setstate((s[0], tuple(s[1]), s[2]))
-    if torch is not None and "random.torch" in arrays:
-        torch.set_rng_state(torch.from_numpy(arrays["random.torch"].copy()))
 
 
 # -- when -------------------------------------------------------------------------------------------------
@@ -690,96 +577,3 @@ def loop_headers(fn: Any) -> list[list[Any]]:
     file = getattr(getattr(fn, "__code__", None), "co_filename", "")
     linecache.checkcache(file)
     return [[line, linecache.getline(file, line).strip()] for line in loop_lines(fn)]
-
-
-def encode_states(states: dict[str, tuple[int, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The ``states`` part: each versioned state's version and value."""
-    meta: dict[str, Any] = {}
-    arrays: dict[str, np.ndarray] = {}
-    for name, (version, value) in states.items():
-        try:
-            meta[name] = {"version": version, "v": _enc(value, f"state.{name}", arrays)}
-        except Unsupported as exc:
-            raise CheckpointError(f"cannot save versioned state {name!r}: {exc}",
-                                  fix="keep arrays, numbers, modules and optimizers (and dicts/lists of them) in versioned state") from None
-    return meta, arrays
-
-
-def restore_state(part: tuple[Any, dict[str, np.ndarray]], name: str, value: Any, where: Any = None) -> tuple[Any, int]:
-    """Versioned state ``name`` as saved, loaded into the program's freshly built ``value``; and its version."""
-    meta, arrays = part
-    if name not in meta:   # a state no process of the placement wrote or held (loop-only): as the program makes it
-        return value, 0
-    try:
-        restored = decode(meta[name]["v"], arrays, value, name)
-    except Mismatch as exc:
-        raise CheckpointError(f"the checkpoint does not fit this program: {exc}", where=where,
-                              fix="resume with the algorithm and arguments that wrote it (shapes come from the args)") from None
-    return restored, int(meta[name]["version"])
-
-
-def held_by_state(states: dict[str, Any]) -> set[int]:
-    """Ids of the objects the loop's versioned state holds (its modules, optimizers, schedulers):
-    saved with the states, not again as the loop's locals (a scheduler the loop also names would be
-    its copy, never stepped where the learner runs apart, and a resume would load it over the
-    state's)."""
-    from fragflow.compiler.reach import objects_of
-
-    return {id(o) for handle in states.values() for o in objects_of(handle.value)}
-
-
-def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
-    """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``."""
-    entries, arrays, left = loop_locals(snapshot.frame_locals, skip)
-    rng, rng_arrays = global_random()
-    arrays.update(rng_arrays)
-    return ({"line": snapshot.line, "trip": snapshot.trip},
-            ({"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}, arrays))
-
-
-def served_objects(ckpt: Checkpoint) -> dict[str, tuple[Any, dict[str, np.ndarray]]]:
-    """The objects service groups saved (``learner_replay``'s replay buffer), by name: where the
-    resumed placement keeps such an object in the loop, the loop loads it from there, not from its
-    own copy, which that placement never filled."""
-    out: dict[str, tuple[Any, dict[str, np.ndarray]]] = {}
-    for name in ckpt.manifest.get("parts", {}):
-        if name.startswith("objects."):
-            meta, arrays = ckpt.part(name)
-            for key, v in meta.items():
-                out[key] = (v, arrays)
-    return out
-
-
-def resume_point(part: tuple[Any, dict[str, np.ndarray]],
-                 served: dict[str, tuple[Any, dict[str, np.ndarray]]] | None = None,
-                 held_here: Any = None) -> Any:
-    """A loop replica's :class:`~fragflow.runtime.trips.Resume` from its part: when the saved loop
-    starts again, the process's random states are set and the loop's locals loaded (an object a
-    service group saved, ``served``, from that group's part where ``held_here(name)``: the loop
-    now holds it)."""
-    from fragflow.runtime.trips import Resume
-
-    meta, arrays = part
-
-    def restore(frame: Any) -> dict[str, Any]:
-        set_global_random(meta["random"], arrays)
-        entries, found = meta["locals"], arrays
-        if served:
-            entries, found = dict(entries), dict(arrays)
-            for name, e in meta["locals"].items():
-                x = frame.f_locals.get(name)
-                key = getattr(x, "name", None) or type(x).__name__
-                if e["as"] == "component" and key in served and (held_here is None or held_here(key)):
-                    v, more = served[key]
-                    entries[name] = dict(e, v=v)
-                    found.update(more)
-        try:
-            return restore_locals(entries, found, frame.f_locals)
-        except Mismatch as exc:   # named at the loop the checkpoint resumes
-            from fragflow.source import SourceLoc, display_path
-
-            raise CheckpointError(f"the checkpoint does not fit this program: {exc}",
-                                  where=SourceLoc(display_path(frame.f_code.co_filename), int(meta["line"])),
-                                  fix="resume with the algorithm and arguments that wrote it") from None
-
-    return Resume(int(meta["line"]), int(meta["trip"]), restore)

@@ -196,14 +196,14 @@ class LoopInterpreter:
         name = self._state_names(name)
         version = 0
         if self.restored is not None:
-            from fragflow.runtime.checkpoint import restore_state
+            from fragflow.runtime.snapshot import restore_state
 
             value, version = restore_state(self.restored, name, value, where)
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
         self._shapes[handle.name] = structure(value)
         if self.index == 0:   # (restarted too: its first process may have died before it sent it; a service keeps the first)
-            from fragflow.runtime.checkpoint import global_random
+            from fragflow.runtime.snapshot import global_random
 
             blob = cloudpickle.dumps(value)
             # the process's random states as the state is made (after the program's torch.manual_seed):

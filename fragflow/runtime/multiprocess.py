@@ -176,7 +176,7 @@ class Driver:
                     self.checkpoints.abort()
                 self._shutdown()
         if self.checkpoints is not None and self.checkpoints.enabled and self.final:
-            from fragflow.runtime.checkpoint import encode_states
+            from fragflow.runtime.snapshot import encode_states
 
             with signals.shielded():   # (the run has completed: its last checkpoint is written whole)
                 states = encode_states({name: (self.monitor.updates, value) for name, value in self.final.items()})

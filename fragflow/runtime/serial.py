@@ -14,17 +14,11 @@ from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime import trips
-from fragflow.runtime.checkpoint import (
-    RunCheckpoints,
-    encode_states,
-    held_by_state,
-    loop_part,
-    resume_point,
-    served_objects,
-)
+from fragflow.runtime.checkpoint import RunCheckpoints
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 from fragflow.runtime.signals import shielded
+from fragflow.runtime.snapshot import encode_states, held_by_state, loop_part, resume_point, served_objects
 
 
 class MonitorReporter:

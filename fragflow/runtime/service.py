@@ -143,7 +143,7 @@ class ServiceRunner(Gathering):
         self.resume_objects: tuple[Any, Any] | None = None
         self.resume_random: tuple[Any, Any] | None = None
         if self.saving.get("resume"):
-            from fragflow.runtime import checkpoint
+            from fragflow.runtime import checkpoint, snapshot
 
             ckpt = checkpoint.resumed(self.saving)
             assert ckpt is not None
@@ -151,8 +151,8 @@ class ServiceRunner(Gathering):
                 self.resume_objects = ckpt.part(f"objects.{program.group}")
             if f"states.{program.group}" in ckpt.manifest["parts"]:   # (this group's random states, saved with them)
                 meta, arrays = ckpt.part(f"states.{program.group}")
-                if checkpoint.RANDOM in meta:
-                    self.resume_random = (meta[checkpoint.RANDOM], arrays)
+                if snapshot.RANDOM in meta:
+                    self.resume_random = (meta[snapshot.RANDOM], arrays)
 
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -200,7 +200,7 @@ class ServiceRunner(Gathering):
             if msg[1] in self.states:   # (again, from a first loop replica restarted: the learner's own goes on)
                 return True
             if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
-                from fragflow.runtime.checkpoint import set_global_random
+                from fragflow.runtime.snapshot import set_global_random
 
                 set_global_random(*msg[3])
                 if self.resume_random is not None:   # a resumed run's learner draws on from where it was
@@ -584,7 +584,7 @@ class ServiceRunner(Gathering):
 
     def _save(self, seq: int) -> None:
         """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""
-        from fragflow.runtime import checkpoint
+        from fragflow.runtime import checkpoint, snapshot
 
         self.saved_seq = seq
         for old in [s for s in self.cuts if s <= seq]:
@@ -603,9 +603,9 @@ class ServiceRunner(Gathering):
         if objects:   # before the states part: the driver commits once every expected part is in
             checkpoint.deliver(self.results, self.saving, seq, self.driver, f"objects.{group}", objects, arrays, {})
         owned = set(self.program.writes) | set(self.writes) | {b.state for b in self.program.publish}
-        meta, arrays = checkpoint.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
-        rng, rng_arrays = checkpoint.global_random()   # what the learner draws next (torch.randperm, dropout)
-        meta[checkpoint.RANDOM] = rng
+        meta, arrays = snapshot.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
+        rng, rng_arrays = snapshot.global_random()   # what the learner draws next (torch.randperm, dropout)
+        meta[snapshot.RANDOM] = rng
         arrays.update(rng_arrays)
         checkpoint.deliver(self.results, self.saving, seq, self.driver, f"states.{group}", meta, arrays,
                            {"version": self.version})

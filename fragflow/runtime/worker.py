@@ -275,6 +275,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
     from fragflow.runtime import calls, checkpoint, trips
+    from fragflow.runtime.snapshot import held_by_state, loop_part, resume_point, served_objects
 
     tracker = trips.Trips()
     ckpt = checkpoint.resumed(saving)
@@ -282,8 +283,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         interp.restored = checkpoint.merged_states(ckpt)
         remote = interp.program.remote
         part = ckpt.part(f"loop{index}")
-        tracker.resume = checkpoint.resume_point(
-            part, checkpoint.served_objects(ckpt), lambda key: not any(name.startswith(f"{key}.") for name in remote))
+        tracker.resume = resume_point(
+            part, served_objects(ckpt), lambda key: not any(name.startswith(f"{key}.") for name in remote))
         # the remote calls' numbers go on: replicas saved at different trips resume at different calls, and
         # a service gathering calls as they arrive compares the replicas' per-update values at the same call
         interp._calls_of = {str(k): int(v) for k, v in part[0].get("calls", {}).items()}
@@ -298,7 +299,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             reporter.total_steps, reporter.total_episodes = counts[0], counts[1]
             interp._calls_of = dict(counts[2])   # the calls' numbers go on (what the loop logged names them)
             interp.logs = counts[3]
-            tracker.resume = checkpoint.resume_point((meta, arrays))
+            tracker.resume = resume_point((meta, arrays))
     root = saving.get("root")
     admission = endpoints.admission
     replicas = interp.program.replicas
@@ -323,7 +324,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if root and seq > seen[0] and (replicas == 1 or not together
                                        or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
             seen[0] = seq
-            position, part = checkpoint.loop_part(snapshot, checkpoint.held_by_state(interp._states))
+            position, part = loop_part(snapshot, held_by_state(interp._states))
             position["steps"] = reporter.total_steps
             part[0]["calls"] = dict(interp._calls_of)   # (a resumed replica's calls go on from these numbers)
             reporter.flush()   # (what it made before the cut reaches the driver before its part: the cut's counts)
@@ -335,7 +336,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else \
-                checkpoint.loop_part(snapshot, checkpoint.held_by_state(interp._states))[1]
+                loop_part(snapshot, held_by_state(interp._states))[1]
             meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
             # copies: the queue pickles later, in its own thread, while the loop goes on writing
             arrays = {key: np.array(a) for key, a in arrays.items()}
