@@ -492,7 +492,6 @@ def _check_api(env: gym.Env) -> None:
     cls = type(env)
 
     def reset(*args: Any, **kwargs: Any) -> Any:
-        inner = cls.reset.__get__(env, cls)
         try:
             params = inspect.signature(_defining(env, "reset")).parameters
         except (TypeError, ValueError):   # (a builtin's: nothing to check)
@@ -504,7 +503,7 @@ def _check_api(env: gym.Env) -> None:
                                "take the arguments gymnasium's reset takes: def reset(self, seed=None, "
                                "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
                                "return (obs, info)")
-        out = inner(*args, **kwargs)
+        out = cls.reset(env, *args, **kwargs)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise _refused(env, "reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
                            "return the observation and an info dict: return obs, {}")

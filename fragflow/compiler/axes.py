@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from fragflow.api.fragment import Fragment
+from fragflow.compiler.inplace import memory_bounds
 from fragflow.compiler.ir import LeafSpec
 from fragflow.compiler.pytree import backend_of
 
@@ -76,8 +77,6 @@ def view_axis(leaf: Any, known: list[tuple[Any, tuple[str, int]]]) -> tuple[str,
     mine = _layout(leaf)
     if mine is None:
         return None
-    from fragflow.compiler.inplace import memory_bounds
-
     bounds = memory_bounds(leaf)
     for array, (name, axis) in known:
         theirs = _layout(array)

@@ -191,22 +191,27 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
             raise SpecChangedError(message, where=where, fix=fix)
 
 
-def _whole_rows(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:
-    """The axis along which a leaf has every replica's rows where one replica's were traced (its
-    environment axis: the first, or the second of a [time, env] array); -1 where none."""
+def _one_axis_apart(got: tuple[int, ...], traced: tuple[int, ...]) -> int:
+    """The one axis on which two shapes of as many axes differ; -1 where none or several do."""
     if len(got) != len(traced):
         return -1
     differ = [k for k, (g, t) in enumerate(zip(got, traced)) if g != t]
-    return differ[0] if len(differ) == 1 and got[differ[0]] == traced[differ[0]] * replicas else -1
+    return differ[0] if len(differ) == 1 else -1
+
+
+def _whole_rows(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:
+    """The axis along which a leaf has every replica's rows where one replica's were traced (its
+    environment axis: the first of a batch, the second of a [time, env] array); -1 where none."""
+    k = _one_axis_apart(got, traced)
+    return k if k >= 0 and got[k] == traced[k] * replicas else -1
 
 
 def _shared_axis(got: tuple[int, ...], traced: tuple[int, ...], replicas: int) -> int:
     """The axis, behind leading axes of one ([1, env, hidden]), along which a leaf holds this
     process's share of what was traced (0: none, or the first)."""
-    if replicas < 2 or len(got) != len(traced) or len(got) < 2:
+    if replicas < 2 or len(got) < 2:
         return 0
-    differ = [k for k, (g, t) in enumerate(zip(got, traced)) if g != t]
-    k = differ[0] if len(differ) == 1 else 0
+    k = max(_one_axis_apart(got, traced), 0)
     # (only behind axes of one: a [time, env] array is better put in the rollout, as the other message says)
     return k if k > 0 and got[k] * replicas == traced[k] and all(n == 1 for n in got[:k]) else 0
 

@@ -46,14 +46,11 @@ def settle() -> None:
         gc.freeze()
 
 
-
 def in_worker() -> None:
     """This process is a worker of a run: it freezes its objects now and at :func:`settle`. A worker
     forked from the driver inherits the driver's frozen objects and its ``_managing`` (and so settles
     as the driver does); one spawned or started by a fork server freezes here."""
     global _worker
-    _worker = True
-    if gc.isenabled() and not gc.get_freeze_count():
+    _worker = gc.isenabled() and not gc.get_freeze_count()
+    if _worker:
         gc.freeze()
-    else:
-        _worker = False

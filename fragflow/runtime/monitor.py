@@ -505,8 +505,7 @@ class Monitor:
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
             "episodes": float(self.base_episodes + len(self.episodes)),
-            "eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else nan,
-            "eval_episodes": float(self.base_eval_episodes + len(self.eval_episodes)),
+            **self._eval_columns(),
             "restarts": float(self.restarts),
         }
         for name, s in self.channel_stats.items():
@@ -515,6 +514,11 @@ class Monitor:
             row[f"{name}/items_per_second"] = self._rates.get(f"{name}/items_per_second", nan)
             row[f"{name}/bytes_per_second"] = self._rates.get(f"{name}/bytes_per_second", nan)
         return row
+
+    def _eval_columns(self) -> dict[str, float]:
+        """The evaluation columns as the episodes heard so far make them."""
+        return {"eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else math.nan,
+                "eval_episodes": float(self.base_eval_episodes + len(self.eval_episodes))}
 
     def _flush(self) -> None:
         if self._pending is not None and self.marked_replicas:
@@ -526,8 +530,7 @@ class Monitor:
             # the evaluation episodes ended by the row's end (the next training step where rows end at steps,
             # else the next update), as what the loop logs by then is the row's: an evaluation after the
             # update, and its ff.log, in one row
-            row["eval_episodes"] = float(self.base_eval_episodes + len(self.eval_episodes))
-            row["eval_return_mean"] = sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else math.nan
+            row.update(self._eval_columns())
             self.outputs.write_row(row)
         self._pending = None
 
