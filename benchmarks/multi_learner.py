@@ -29,8 +29,19 @@ args = ppo.Args(total_timesteps={steps}, num_envs=16, num_steps=128, hidden={hid
 r = ff.run(ppo.train, args, policy="multi_learner(learners={k}, actors=1)")
 ch = r.summary["channels"]["trajectory"]
 print(json.dumps({{"sps": r.summary["steps_per_second"], "wall": r.summary["wall_seconds"],
-                  "busy": ch["learner_busy_s"], "updates": r.summary["updates"]}}))
+                  "busy": ch["learner_busy_s"], "updates": r.summary["updates"], "learners": ch.get("learners", [])}}))
 """
+
+
+def _breakdown(r: dict) -> str:
+    """Each learner's update time in parts (per update, ms): outside the user's call, its arithmetic,
+    its all-reduces (transfer and the wait for the slowest learner)."""
+    parts = []
+    for t in r.get("learners", []):
+        n = max(t["updates"], 1)
+        parts.append(f"L{t['learner']}: {1e3 * (t['busy_s'] - t['call_s']) / n:.0f}+{1e3 * (t['call_s'] - t['sync_s']) / n:.0f}"
+                     f"+{1e3 * t['sync_s'] / n:.0f} ms ({t['all_reduces'] / n:.0f} all-reduces, {t['threads']} thr)")
+    return ("\n    per update (outside the call + arithmetic + all-reduce): " + "; ".join(parts)) if parts else ""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -47,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
         for k in a.learners:
             runs[k].append(run_json(CODE.format(steps=a.steps, k=k, hidden=a.hidden), env))
             r = runs[k][-1]
-            print(f"K={k}: {r['sps']:,.0f} samples/s, learner 0 busy {r['busy'] / r['wall']:.0%} of {r['wall']:.1f}s",
-                  flush=True)
+            print(f"K={k}: {r['sps']:,.0f} samples/s, learner 0 busy {r['busy'] / r['wall']:.0%} of {r['wall']:.1f}s"
+                  + _breakdown(r), flush=True)
     sps = {k: stats([r["sps"] for r in rs]) for k, rs in runs.items()}
     base = min(a.learners)
     rows = [row(f"PPO hidden={a.hidden}, 10 epochs, 2048 samples/update: learner samples/s, multi_learner K={k} / K={base}",

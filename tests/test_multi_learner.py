@@ -99,6 +99,14 @@ def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program
         # equal up to the order of float sums (each learner's mean, then the mean of the two)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert two.summary["updates"] == 6 and two.summary["env_steps"] == one.summary["env_steps"]
+    # where each learner's update time went: its calls, its all-reduces (each update: one per
+    # gradient step, two, and one closing it), its threads
+    learners = two.summary["channels"]["trajectory"]["learners"]
+    assert [t["learner"] for t in learners] == [0, 1]
+    for t in learners:
+        assert t["updates"] == 6 and t["all_reduces"] == 3 * 6 and t["threads"] >= 1
+        assert 0 < t["sync_s"] < t["busy_s"] and 0 < t["call_s"] < t["busy_s"]
+    assert "learners" not in one.summary.get("channels", {}).get("trajectory", {})
     assert mp.active_children() == [] and shm_leftovers() == []
 
 

@@ -63,6 +63,8 @@ class GradientAllReduce:
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
         self.store: Any = None
+        # where a learner's time goes (see report): its updates, the user's calls in them, the all-reduces
+        self.timing = {"busy_ns": 0, "call_ns": 0, "sync_ns": 0, "all_reduces": 0, "updates": 0}
 
     def _join(self, devices: set[Any]) -> None:
         """Join the process group, with the backend :func:`group_backend` chooses from every
@@ -81,6 +83,7 @@ class GradientAllReduce:
     def _all_reduce(self, tensor: Any, **kwargs: Any) -> None:
         """``all_reduce``; where it fails because another learner ended its run (every loop replica it
         serves left the loop) while this one still updates, the reason, not the transport's error."""
+        t0 = time.perf_counter_ns()
         try:
             self.dist.all_reduce(tensor, **kwargs)
         except RuntimeError:
@@ -99,6 +102,8 @@ class GradientAllReduce:
                 where=call.called_at if call is not None else None,
                 fix="end the loop on a count every replica shares (updates, the configured total of steps), or run "
                     "with one learner (learners=1) or a single-learner policy") from None
+        self.timing["sync_ns"] += time.perf_counter_ns() - t0
+        self.timing["all_reduces"] += 1
 
     def watch(self, state: Any, name: str) -> None:
         """Average what backward accumulates into the parameters of every optimizer in ``state``,
@@ -294,6 +299,18 @@ class GradientAllReduce:
             time.sleep(0.05)
         return [], []
 
+    def report(self) -> None:
+        """Leave where this learner's time went in the store, for the driver's summary (read by
+        :func:`timings`): its updates' time, the user's calls in them, its all-reduces (the wait
+        for the slowest learner included) and its torch threads."""
+        import json
+
+        import torch
+
+        if self.store is not None:
+            self.store.set(f"fragflow.timing.{self.rank}",
+                           json.dumps({**self.timing, "threads": torch.get_num_threads()}))
+
     def close(self, ended: bool = True) -> None:
         """Leave the group; ``ended``: this learner's run ended as the loop did, else it failed: a
         learner still updating reads which to say why its all-reduce failed."""
@@ -343,6 +360,21 @@ def host(world: int, address: str = "127.0.0.1") -> tuple[Any, tuple[str, int]]:
 
     store = dist.TCPStore(address, 0, world + 1, is_master=True, wait_for_workers=False)
     return store, (address, store.port)
+
+
+def timings(store: Any, world: int) -> list[dict[str, Any]]:
+    """The driver's side of :meth:`GradientAllReduce.report`: each learner's time, in seconds (the
+    learners that have reported)."""
+    import json
+
+    out = []
+    for k in range(world):
+        if store.check([f"fragflow.timing.{k}"]):
+            t = json.loads(store.get(f"fragflow.timing.{k}").decode())
+            out.append({"learner": k, "updates": t["updates"], "busy_s": t["busy_ns"] / 1e9,
+                        "call_s": t["call_ns"] / 1e9, "sync_s": t["sync_ns"] / 1e9,
+                        "all_reduces": t["all_reduces"], "threads": t["threads"]})
+    return out
 
 
 def _digits(*values: int) -> list[int]:

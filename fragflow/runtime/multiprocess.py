@@ -160,6 +160,7 @@ class Driver:
         self.endpoints: Any = None
         self._asked_at = 0.0
         self.store: Any = None      # the learners' rendezvous (replicated learners)
+        self.world = 1              # how many of them
 
     def run(self) -> Any:
         try:
@@ -218,7 +219,7 @@ class Driver:
         """What every worker is told besides its program: checkpoints, restarts, the learners' rendezvous."""
         ck = self.checkpoints
         here = getattr(self.backend, "shares_files", True)   # workers on this machine (not Ray's, elsewhere)
-        world = max((s.world for s in self.lowered.services), default=1)
+        world = self.world = max((s.world for s in self.lowered.services), default=1)
         rendezvous = None
         if world > 1:
             from fragflow.runtime import allreduce
@@ -586,6 +587,12 @@ class Driver:
             "lag_histogram": [sum(s["lag_histogram"][i] for s in stats) for i in range(len(stats[0]["lag_histogram"]))],
             **self.endpoints.admission.counters(),
         }
+        if self.store is not None:   # replicated learners: where each one's time went (once they report)
+            from fragflow.runtime import allreduce
+
+            learners = allreduce.timings(self.store, self.world)
+            if learners:
+                merged["learners"] = learners
         return {"trajectory": merged}
 
     def _shutdown(self) -> None:

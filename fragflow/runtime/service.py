@@ -383,7 +383,9 @@ class ServiceRunner(Gathering):
                                              steps=pieces[0].steps if self.program.ordered else -1,
                                              called_at=self.checks.get("called_at", {}).get(fragment),
                                              given=self._unbatched(fragment, leaves) if self.program.ordered else ()):
+                        t1 = time.perf_counter_ns()
                         out = frag.fn(*bound.args, **bound.kwargs)
+                        self.reducer.timing["call_ns"] += time.perf_counter_ns() - t1
                 else:
                     out = frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
@@ -437,6 +439,9 @@ class ServiceRunner(Gathering):
         logged = self._logged(fragment, out)
         # the call's number in loop replica 0, which logs: the driver writes what it logged of it
         call = next((p.call for p in pieces if p.replica == 0), None)
+        if clock and self.reducer is not None:
+            self.reducer.timing["busy_ns"] += time.perf_counter_ns() - t0
+            self.reducer.timing["updates"] += 1
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
             self.results.put(("update", self.version, fragment, call, logged))
@@ -631,6 +636,8 @@ class ServiceRunner(Gathering):
         for pieces in self.pools.values():   # calls no replica completed (arrival gathering at the end)
             for p in pieces:
                 p.ring.release(dropped=True)
+        if self.reducer is not None:   # (before "final": the driver reads it once every process has ended)
+            self.reducer.report()
         self.results.put(("final", self.program.group,
                           {name: cloudpickle.dumps(value) for name, value in self.states.items()}))
 
