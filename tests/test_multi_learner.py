@@ -89,7 +89,14 @@ def program(write_algo):
 
 
 @pytest.mark.parametrize("functional", [False, True])
-def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program, functional):
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program, functional, via, monkeypatch):
+    from fragflow.backends.local import sharedsum
+
+    if via == "gloo":   # (the learners' sums go through shared memory on x86-64, else gloo)
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    elif not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
     args = program.args_cls(functional=functional)
     one = ff.run(program.train, args, policy="single_process")
     two = ff.run(program.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
@@ -104,7 +111,7 @@ def test_two_learners_on_two_shards_equal_one_learner_on_the_whole_batch(program
     learners = two.summary["channels"]["trajectory"]["learners"]
     assert [t["learner"] for t in learners] == [0, 1]
     for t in learners:
-        assert t["updates"] == 6 and t["all_reduces"] == 3 * 6 and t["threads"] >= 1
+        assert t["updates"] == 6 and t["all_reduces"] == 3 * 6 and t["threads"] >= 1 and t["via"] == via
         assert 0 < t["sync_s"] < t["busy_s"] and 0 < t["call_s"] < t["busy_s"]
     assert "learners" not in one.summary.get("channels", {}).get("trajectory", {})
     assert mp.active_children() == [] and shm_leftovers() == []
@@ -335,3 +342,12 @@ def test_a_value_the_loop_computes_over_its_own_share_is_refused_not_learned_apa
         two = ff.run(program.train, alike, policy="multi_learner(learners=2, actors=1, max_lag=0)")
         for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_way_to_sum_the_gradients_is_refused_before_any_worker_starts(program, monkeypatch):
+    monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "nccl2")
+    with pytest.raises(ConfigError, match=r"FRAGFLOW_ALLREDUCE='nccl2' is not a way multi_learner's learners sum"):
+        ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1)")
+    assert mp.active_children() == [] and shm_leftovers() == []
+    # one learner sums nothing: the setting is not read
+    assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["updates"] == 6

@@ -24,6 +24,7 @@ carried in the gradient's, 5,403 and 5,029 against 5,155 and 5,183.)
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections.abc import Iterator
@@ -32,6 +33,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fragflow.errors import ConfigError
+
+
+def setting() -> str:
+    """``FRAGFLOW_ALLREDUCE``: how learners on one machine with their tensors on the CPU sum their
+    gradients: ``shm`` (the default, where the machine allows: see sharedsum) or ``gloo``."""
+    value = os.environ.get("FRAGFLOW_ALLREDUCE", "").strip().lower() or "shm"
+    if value not in ("shm", "gloo"):
+        raise ConfigError(f"FRAGFLOW_ALLREDUCE={value!r} is not a way multi_learner's learners sum their gradients",
+                          fix="unset it (shared memory where the learners share a machine) or set FRAGFLOW_ALLREDUCE=gloo")
+    return value
 
 
 def group_backend(devices: list[str]) -> str:
@@ -44,7 +55,7 @@ def group_backend(devices: list[str]) -> str:
 
 
 class GradientAllReduce:
-    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None) -> None:
+    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None, sums: str = "") -> None:
         import torch.distributed as dist
 
         if rendezvous is None:
@@ -63,6 +74,8 @@ class GradientAllReduce:
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
         self.store: Any = None
+        self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
+        self.shared: Any = None             # its SharedSum, where every learner's tensors are on the CPU
         # where a learner's time goes (see report): its updates, the user's calls in them, the all-reduces
         self.timing = {"busy_ns": 0, "call_ns": 0, "sync_ns": 0, "all_reduces": 0, "updates": 0}
 
@@ -79,31 +92,56 @@ class GradientAllReduce:
             self.device = next(d for d in devices if str(d).startswith("cuda"))
         self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
         self.store = store
+        if self.sums and all(d in ("", "cpu") for d in seen) and setting() != "gloo":
+            from fragflow.backends.local.sharedsum import SharedSum
+
+            self.shared = SharedSum(self.sums, self.rank, self.world)
 
     def _all_reduce(self, tensor: Any, **kwargs: Any) -> None:
         """``all_reduce``; where it fails because another learner ended its run (every loop replica it
         serves left the loop) while this one still updates, the reason, not the transport's error."""
+        import torch
+
         t0 = time.perf_counter_ns()
-        try:
-            self.dist.all_reduce(tensor, **kwargs)
-        except RuntimeError:
-            ended, failed = self._peers_out()
-            if failed:   # another learner's own error is the run's: its report goes to the driver first
-                time.sleep(0.5)
-            if not ended:
-                raise
-            call = self.call
-            raise ConfigError(
-                f"learner(s) {', '.join(map(str, ended))} ended their run (every loop replica they serve left the "
-                f"training loop) while learner {self.rank} still updated"
-                + (f" in '{call.fragment}'" if call is not None else "")
-                + ", and multi_learner averages every update's gradients across the learners: the loop replicas "
-                  "left the loop at different trips (a break on data of their own environments?)",
-                where=call.called_at if call is not None else None,
-                fix="end the loop on a count every replica shares (updates, the configured total of steps), or run "
-                    "with one learner (learners=1) or a single-learner policy") from None
+        if self.shared is not None and not kwargs and tensor.dtype in (torch.float32, torch.float64):
+            self.shared.sum(tensor.numpy(), self._check_peers)   # (every learner's tensors are on the CPU)
+        else:
+            try:
+                self.dist.all_reduce(tensor, **kwargs)
+            except RuntimeError:
+                ended, failed = self._peers_out()
+                if failed:   # another learner's own error is the run's: its report goes to the driver first
+                    time.sleep(0.5)
+                if not ended:
+                    raise
+                raise self._ended(ended) from None
         self.timing["sync_ns"] += time.perf_counter_ns() - t0
         self.timing["all_reduces"] += 1
+
+    def _ended(self, ended: list[int]) -> ConfigError:
+        call = self.call
+        return ConfigError(
+            f"learner(s) {', '.join(map(str, ended))} ended their run (every loop replica they serve left the "
+            f"training loop) while learner {self.rank} still updated"
+            + (f" in '{call.fragment}'" if call is not None else "")
+            + ", and multi_learner averages every update's gradients across the learners: the loop replicas "
+              "left the loop at different trips (a break on data of their own environments?)",
+            where=call.called_at if call is not None else None,
+            fix="end the loop on a count every replica shares (updates, the configured total of steps), or run "
+                "with one learner (learners=1) or a single-learner policy")
+
+    def _check_peers(self) -> None:
+        """While waiting for the others in a shared-memory sum: raise where one of them will not come
+        (it ended its run, or failed: then its own error, reported first, is the run's)."""
+        others = [k for k in range(self.world) if k != self.rank]
+        failed = [k for k in others if self.store.check([f"fragflow.failed.{k}"])]
+        if failed:
+            time.sleep(0.5)
+            raise RuntimeError(f"learner(s) {', '.join(map(str, failed))} failed while learner {self.rank} "
+                               "waited for their gradients")
+        ended = [k for k in others if self.store.check([f"fragflow.ended.{k}"])]
+        if ended:
+            raise self._ended(ended)
 
     def watch(self, state: Any, name: str) -> None:
         """Average what backward accumulates into the parameters of every optimizer in ``state``,
@@ -213,19 +251,31 @@ class GradientAllReduce:
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._agree(numel, closing)   # (its own all-reduce: where it is the update's end, the only one)
             if not closing:
-                self._all_reduce(flat)
+                self._summed(flat, numel, closing)
             self.last = (numel, dtype, device)
             return flat
         digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key),
                               dtype=dtype, device=device)
         flat = torch.cat([*parts, digits, digits * digits])
-        self._all_reduce(flat)
+        self._summed(flat, numel, closing)
         m = digits.numel()
         sums, squares = flat[numel:numel + m].double().cpu(), flat[numel + m:].double().cpu()
         if not torch.equal(sums * sums, squares * self.world):
             self._agree(numel, closing)   # (every learner got the same sums: each asks, and refuses, alike)
         self.last = (numel, dtype, device)
         return flat[:numel]
+
+    def _summed(self, flat: Any, numel: int, closing: bool) -> None:
+        """``flat`` all-reduced in place; where the learners' sizes differ (a shared-memory sum finds
+        it before it sums), :meth:`_agree` says how."""
+        from fragflow.backends.local.sharedsum import SizesDiffer
+
+        try:
+            self._all_reduce(flat)
+        except SizesDiffer:
+            self._agree(numel, closing)
+            raise ConfigError("the learners all-reduced gradients of different sizes outside an update",
+                              fix="compute gradients only inside the learner's update") from None
 
     def _agree(self, numel: int, closing: bool = False) -> None:
         """Every learner must be at the same point of the same update (the same fragment, called by
@@ -302,14 +352,15 @@ class GradientAllReduce:
     def report(self) -> None:
         """Leave where this learner's time went in the store, for the driver's summary (read by
         :func:`timings`): its updates' time, the user's calls in them, its all-reduces (the wait
-        for the slowest learner included) and its torch threads."""
+        for the slowest learner included) and how they went, and its torch threads."""
         import json
 
         import torch
 
         if self.store is not None:
             self.store.set(f"fragflow.timing.{self.rank}",
-                           json.dumps({**self.timing, "threads": torch.get_num_threads()}))
+                           json.dumps({**self.timing, "threads": torch.get_num_threads(),
+                                       "via": "shared memory" if self.shared is not None else self.group_backend}))
 
     def close(self, ended: bool = True) -> None:
         """Leave the group; ``ended``: this learner's run ended as the loop did, else it failed: a
@@ -319,6 +370,9 @@ class GradientAllReduce:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 
@@ -373,7 +427,7 @@ def timings(store: Any, world: int) -> list[dict[str, Any]]:
             t = json.loads(store.get(f"fragflow.timing.{k}").decode())
             out.append({"learner": k, "updates": t["updates"], "busy_s": t["busy_ns"] / 1e9,
                         "call_s": t["call_ns"] / 1e9, "sync_s": t["sync_ns"] / 1e9,
-                        "all_reduces": t["all_reduces"], "threads": t["threads"]})
+                        "all_reduces": t["all_reduces"], "threads": t["threads"], "via": t["via"]})
     return out
 
 

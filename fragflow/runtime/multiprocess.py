@@ -224,6 +224,7 @@ class Driver:
         if world > 1:
             from fragflow.runtime import allreduce
 
+            allreduce.setting()   # (a wrong FRAGFLOW_ALLREDUCE refused before any worker starts)
             self.store, rendezvous = allreduce.host(world, self.backend.rendezvous_host()
                                                     if hasattr(self.backend, "rendezvous_host") else "127.0.0.1")
         return {"root": str(ck.root) if ck is not None and ck.enabled else None,

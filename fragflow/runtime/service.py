@@ -124,7 +124,8 @@ class ServiceRunner(Gathering):
         if program.world > 1:
             from fragflow.runtime.allreduce import GradientAllReduce
 
-            self.reducer = GradientAllReduce(program.rank, program.world, (saving or {}).get("rendezvous"))
+            self.reducer = GradientAllReduce(program.rank, program.world, (saving or {}).get("rendezvous"),
+                                             getattr(endpoints, "sums", ""))
         # checkpoints: where parts go, the newest request served, objects to load on resume
         self.saving = saving or {}
         self.driver = driver

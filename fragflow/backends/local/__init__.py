@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from fragflow.backends.local import sharedsum
 from fragflow.backends.local.channels import (
     ChannelHandles,
     ParamChannel,
@@ -179,6 +180,7 @@ class LocalWiring:
     definitions: dict[str, Any]               # group -> queue
     ready: dict[str, Any]                     # group -> semaphore
     segments: list[Segment] = field(default_factory=list, repr=False)
+    sums: str = ""                            # replicated learners' shared-memory sums (see sharedsum)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -212,6 +214,7 @@ class LocalEndpoints:
         self.wiring = wiring
         self.stop = wiring.stop
         self.results = wiring.results
+        self.sums = wiring.sums
         self.rings: dict[str, Any] = {n: TrajectoryChannel.open(h, wiring.stop) for n, h in wiring.rings.items()}
         self.broadcasts: dict[str, Any] = {n: ParamChannel.open(h, wiring.stop) for n, h in wiring.broadcasts.items()}
         clock = [self.rings[n] for n in wiring.clock_rings]
@@ -280,6 +283,11 @@ class LocalBackend:
             control = Control.create(lowered.loop.replicas)
             segments.append(control)
             wiring.control = control.name
+            world = _learners(lowered)
+            if world > 1 and sharedsum.available():
+                sums = sharedsum.create(world)
+                segments.append(sums)
+                wiring.sums = sums.name
         except BaseException:
             wiring.release()
             raise
@@ -301,7 +309,14 @@ def segment_sizes(lowered: Any) -> list[tuple[str, int]]:
         for b in service.publish:
             sizes.append((f"broadcast of {b.state} ({b.depth} versions)", ParamChannel.nbytes(list(b.specs), b.depth)))
     sizes.append(("control", Control.nbytes(lowered.loop.replicas)))
+    if _learners(lowered) > 1 and sharedsum.available():
+        sizes.append((f"the {_learners(lowered)} learners' gradient sums", sharedsum.nbytes(_learners(lowered))))
     return sizes
+
+
+def _learners(lowered: Any) -> int:
+    """How many learners all-reduce their gradients (multi_learner's K; 1: none)."""
+    return max((s.world for s in lowered.services), default=1)
 
 
 BACKEND = LocalBackend()
