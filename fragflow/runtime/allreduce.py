@@ -11,8 +11,12 @@ the learner runs (functional updates, such as the PPO here, whose Adam is hand-w
 Parameters and optimizer states then stay identical in every learner, so one of them publishes
 the weights for all.
 
-The process group is ``torch.distributed`` with gloo (nccl where each learner's parameters are on a GPU of its own),
-meeting at a TCP store the driver hosts. The user's update must make the same number of backward
+Where every learner's tensors are on the CPU and the backend made them a shared-memory segment
+(the local backend, on x86-64), the gradients are summed there (``backends/local/sharedsum.py``:
+an update's 41 all-reduces of PPO's gradient took 23 ms on 2 cores against 117-126 ms with gloo);
+else, or with ``FRAGFLOW_ALLREDUCE=gloo``, by the process group: ``torch.distributed`` with gloo
+(nccl where each learner's parameters are on a GPU of its own), meeting at a TCP store the driver
+hosts, which every learner joins either way (the checks below all-reduce through it). The user's update must make the same number of backward
 passes in every learner per update (no data-dependent early stop), as in DD-PPO: each all-reduce
 carries a few numbers saying where its learner is (which update, called after how many env steps,
 which gradient of it), and one more, as each update ends, says it ended; the learners refuse the
