@@ -63,9 +63,12 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
         err.print(str(exc), markup=False, highlight=False)
         return typer.Exit(code=1)
     if workers is not None and isinstance(exc, workers.WorkerFailed) and not debug:
-        # the user's code raised in a worker: its traceback (the user's frames) is the message
-        err.print("[bold red]error:[/] the training program raised in a worker process: ", end="", highlight=False)
-        err.print(str(exc), markup=False, highlight=False)
+        # the user's code raised in a worker: its traceback (the user's frames), as in one process
+        where = f"in fragment '{exc.fragment}'" if exc.fragment else "in a worker process"
+        err.print("[bold red]error:[/] ", end="", highlight=False)
+        err.print(f"the training program raised {where} ({exc.who}):", markup=False, highlight=False)
+        sys.stderr.write(exc.tb.rstrip() + "\n")
+        err.print("(internal frames hidden; --debug shows them)", style="dim", highlight=False)
         return typer.Exit(code=1)
     # An exception from the user's own code: show the user's frames (all frames with --debug).
     tb = exc.__traceback__

@@ -886,3 +886,25 @@ def test_a_signal_once_the_run_has_completed_stops_nothing(tmp_path, policy, ext
     assert res.returncode == 0, res.stderr
     assert "done: 1024 env steps" in res.stdout
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+def test_an_error_in_a_worker_shows_the_users_frames_as_in_one_process(tmp_path):
+    """The user's code raising in the learner's process: the fragment, the process, the user's
+    frames and the error, as one process shows them (it printed Python's "Traceback (most recent
+    call last):" header and "learner failed in fragment" after "raised in a worker process")."""
+    from tests.test_checkpoint import PROGRAM
+
+    source = PROGRAM.replace("    return y.numpy(), noise\n", "    if __import__('multiprocessing').parent_process() is not None:\n"
+                             "        raise ValueError('the actor broke')   # (in the worker, not in the trace)\n"
+                             "    return y.numpy(), noise\n", 1)
+    assert "the actor broke" in source
+    (tmp_path / "algo.py").write_text(source)
+    exe = Path(sys.executable).with_name("fragflow")
+    res = subprocess.run([str(exe), "run", str(tmp_path / "algo.py"), "--policy", "pipelined", "--out",
+                          str(tmp_path / "run"), "-q"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("error:")):]
+    assert re.fullmatch(r"error: the training program raised in fragment '\w+' \(actor 0\):", lines[0]), res.stderr
+    assert f'File "{tmp_path / "algo.py"}", line' in lines[1] and "ValueError: the actor broke" in res.stderr
+    assert "Traceback" not in res.stderr and lines[-1] == "(internal frames hidden; --debug shows them)"

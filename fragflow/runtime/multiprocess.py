@@ -43,7 +43,7 @@ class WorkerFailed(Exception):
         who = who or (f"actor {index}" if role == "actor" else role)
         where = f" in fragment '{fragment}'" if fragment else ""
         super().__init__(f"{who} failed{where}:\n{tb.rstrip()}")
-        self.role, self.index, self.fragment, self.tb = role, index, fragment, tb
+        self.role, self.index, self.fragment, self.tb, self.who = role, index, fragment, tb, who
 
 
 class _ProgramExit(Exception):

@@ -359,8 +359,7 @@ def _user_traceback(exc: BaseException) -> str:
     if os.environ.get("FRAGFLOW_DEBUG", "") not in ("", "0"):
         return "".join(traceback.format_exception(exc))
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_internal(f.filename)]
-    return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
-            + "".join(traceback.format_exception_only(exc)))
+    return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
 
 
 def _dumps_or_none(value: Any) -> bytes | None:
