@@ -36,208 +36,23 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import math
 import numbers
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AutoresetMode
 
 from fragflow import context
+from fragflow.api import envcheck
 from fragflow.api import fragment as fragment_module
 from fragflow.api.fragment import Fragment, rows
+from fragflow.api.normalize import Normalize
+from fragflow.api.vector import ARRAY_SPACES, EpisodeStats, SameStepVectorEnv
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError, TraceError, UnknownEnvError, did_you_mean
-from fragflow.source import definition_of, user_callsite
-
-
-class _EpisodeStats(gym.vector.VectorWrapper):
-    """Accumulates raw episode returns and lengths; innermost, so reward wrappers do not touch them."""
-
-    def __init__(self, env: gym.vector.VectorEnv) -> None:
-        super().__init__(env)
-        self.returns = np.zeros(env.num_envs, dtype=np.float64)
-        self.lengths = np.zeros(env.num_envs, dtype=np.int64)
-        self.finished: list[tuple[float, int]] = []
-
-    def reset(self, **kwargs: Any) -> Any:
-        self.returns[:] = 0.0
-        self.lengths[:] = 0
-        return self.env.reset(**kwargs)
-
-    def step(self, actions: Any) -> Any:
-        obs, reward, terminated, truncated, info = self.env.step(actions)
-        self.returns += reward
-        self.lengths += 1
-        done = terminated | truncated
-        if done.any():
-            for i in np.flatnonzero(done):
-                self.finished.append((float(self.returns[i]), int(self.lengths[i])))
-            self.returns[done] = 0.0
-            self.lengths[done] = 0
-        return obs, reward, terminated, truncated, info
-
-
-_ARRAY_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
-
-
-class _SameStepVectorEnv(gym.vector.SyncVectorEnv):
-    """gymnasium's synchronous vector env in same-step autoreset mode, with a leaner ``step`` for
-    array spaces: the transitions it returns are the same, without the per-step bookkeeping of
-    the general one (space iteration, copies, merged infos), which costs several times a
-    CartPole step. ``info`` holds ``final_obs`` and its mask ``_final_obs`` when an episode ended."""
-
-    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], ids: Any) -> None:
-        super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
-        self.ids = [int(i) for i in ids]   # each environment's index in the whole run (what messages name)
-        self._lean = isinstance(self.single_observation_space, _ARRAY_SPACES) and \
-            isinstance(self.single_action_space, _ARRAY_SPACES)
-
-    def reset(self, **kwargs: Any) -> Any:
-        try:
-            return super().reset(**kwargs)
-        except (ValueError, TypeError, AssertionError) as exc:
-            misfit = self._misfit(exc, "reset")
-            if misfit is exc:
-                raise
-            raise misfit from None
-
-    def step(self, actions: Any) -> Any:
-        if not self._lean:
-            try:
-                return super().step(actions)
-            except (ValueError, TypeError, AssertionError) as exc:
-                misfit = self._misfit(exc, "step")
-                if misfit is exc:
-                    raise
-                raise misfit from None
-        n = self.num_envs
-        obs = np.empty_like(self._observations)
-        rewards = np.empty(n, np.float64)
-        terminated = np.empty(n, np.bool_)
-        truncated = np.empty(n, np.bool_)
-        info: dict[str, Any] = {}
-        for i, env in enumerate(self.envs):
-            o, r, te, tr, _ = env.step(actions[i])
-            if te or tr:
-                if not info:
-                    info = {"final_obs": np.full(n, None, dtype=object), "_final_obs": np.zeros(n, np.bool_)}
-                info["final_obs"][i] = o
-                info["_final_obs"][i] = True
-                o, _ = env.reset()
-            # (a list or a Python number has no dtype: 1.5 in a Discrete space was stored as 1)
-            dtype = getattr(o, "dtype", None)
-            if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
-                dtype = np.asarray(o).dtype
-            if dtype != obs.dtype and not np.can_cast(dtype, obs.dtype, "same_kind"):
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}, but "
-                                  f"its observation space {self.single_observation_space} holds {obs.dtype}: storing "
-                                  "it would truncate or wrap its values", where=user_callsite(),
-                                  fix="return observations of the space's dtype, or declare the space the env returns")
-            if np.shape(o) != obs.shape[1:]:   # (assigning would broadcast it silently)
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
-                                  f"observation space {self.single_observation_space} has shape {obs.shape[1:]}",
-                                  where=user_callsite(),
-                                  fix="return observations of the space's shape, or declare the space the env returns")
-            obs[i] = o
-            rewards[i], terminated[i], truncated[i] = r, te, tr
-        return obs, rewards, terminated, truncated, info
-
-    def _misfit(self, exc: BaseException, call: str) -> BaseException:
-        """The error an observation that does not fit the space raised where gymnasium batches the
-        environments' observations (its own step and reset): what it means and how to fix it. Any
-        other error (the environment's own) is returned as it is, to be raised."""
-        tb, batching = exc.__traceback__, False
-        while tb is not None:
-            batching = batching or tb.tb_frame.f_code.co_filename.endswith(_BATCHING)
-            tb = tb.tb_next
-        if not batching:
-            return exc
-        return ConfigError(f"an environment's {call} returned an observation that does not fit its observation "
-                           f"space {self.single_observation_space} ({type(exc).__name__}: {exc})",
-                           where=user_callsite(),
-                           fix="return observations of the space's shape (for a Dict or Tuple space, each part of "
-                               "its own subspace's), or declare the space the env returns")
-
-
-# where gymnasium's vector env puts the environments' observations into one batch
-_BATCHING = (os.path.join("gymnasium", "vector", "utils", "space_utils.py"),)
-
-
-class _RunningMeanStd:
-    """Running mean and variance of each environment's own values, one new value per environment
-    per update (Chan et al.'s parallel update for a batch of one), as a gymnasium normalisation
-    wrapper on each environment keeps them."""
-
-    def __init__(self, num_envs: int, shape: tuple[int, ...]) -> None:
-        self.mean = np.zeros((num_envs, *shape), np.float64)
-        self.var = np.ones((num_envs, *shape), np.float64)
-        self.count = np.full(num_envs, 1e-4)
-
-    def update(self, x: np.ndarray, rows: Any = slice(None)) -> None:
-        """One new value of each environment in ``rows`` (all of them by default)."""
-        mean, var = self.mean[rows], self.var[rows]
-        count = self.count[rows].reshape(-1, *([1] * (self.mean.ndim - 1)))
-        delta, total = x - mean, count + 1.0
-        self.mean[rows] = mean + delta / total
-        self.var[rows] = (var * count + delta**2 * count / total) / total
-        self.count[rows] = self.count[rows] + 1.0
-
-
-class _Normalize(gym.vector.VectorWrapper):
-    """Observation and reward normalisation as CleanRL's continuous PPO applies it: running
-    statistics of each environment's own observations and discounted returns (its gymnasium
-    wrappers wrap each environment), clipped to +-10, so that where the environments are stepped
-    changes nothing. Written for same-step autoreset: gymnasium's own normalisation wrappers refuse
-    that mode because they would leave ``final_obs`` unnormalised; here an environment's final
-    observation updates its statistics and is normalised with them, then its reset observation, as a
-    wrapper on the environment does."""
-
-    def __init__(self, env: gym.vector.VectorEnv, obs: bool, reward: bool, gamma: float, clip: float = 10.0) -> None:
-        super().__init__(env)
-        n = env.num_envs
-        self.obs_rms = _RunningMeanStd(n, env.single_observation_space.shape or ()) if obs else None
-        self.ret_rms = _RunningMeanStd(n, ()) if reward else None
-        self.returns = np.zeros(n)
-        self.gamma, self.clip = gamma, clip
-        space = env.single_observation_space
-        # z-scores of integer observations (images, counts) are floats: as gymnasium's NormalizeObservation
-        floating = isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
-        dtype: Any = space.dtype if floating else np.dtype(np.float32)
-        self._dtype = dtype
-        if obs and isinstance(space, gym.spaces.Box):   # (another space is refused by make)
-            self.single_observation_space = gym.spaces.Box(-clip, clip, space.shape, dtype)
-            self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, n)
-
-    def _obs(self, obs: np.ndarray, update: bool, rows: Any = slice(None)) -> np.ndarray:
-        if self.obs_rms is None:
-            return obs
-        if update:
-            self.obs_rms.update(obs, rows)
-        z = (obs - self.obs_rms.mean[rows]) / np.sqrt(self.obs_rms.var[rows] + 1e-8)
-        return np.clip(z, -self.clip, self.clip).astype(self._dtype)
-
-    def reset(self, **kwargs: Any) -> Any:
-        obs, info = self.env.reset(**kwargs)   # (the discounted returns run on, as gymnasium's NormalizeReward's)
-        return self._obs(obs, True), info
-
-    def step(self, actions: Any) -> Any:
-        obs, reward, terminated, truncated, info = self.env.step(actions)
-        if "final_obs" in info:
-            mask = info["_final_obs"]
-            info = dict(info, final_obs=info["final_obs"].copy())
-            for i in np.flatnonzero(mask):   # as a wrapper on the env: its step's observation, then its reset's
-                info["final_obs"][i] = self._obs(info["final_obs"][i][None], True, slice(i, i + 1))[0]
-        obs = self._obs(obs, True)
-        if self.ret_rms is not None:
-            self.returns = self.returns * self.gamma * (1 - terminated) + reward
-            self.ret_rms.update(self.returns)
-            reward = np.clip(reward / np.sqrt(self.ret_rms.var + 1e-8), -self.clip, self.clip)
-        return obs, reward, terminated, truncated, info
+from fragflow.source import user_callsite
 
 
 class EnvCount(int):
@@ -269,7 +84,7 @@ class VectorEnv:
                        num_envs, seed, ids, name)
         kwargs = dict(env_kwargs or {})
         factory: Callable[..., gym.Env] = functools.partial(gym.make, env_id) if isinstance(env_id, str) else env_id
-        base = _SameStepVectorEnv([functools.partial(_wrapped, factory, kwargs, wrappers)] * self.num_envs, self.ids)
+        base = SameStepVectorEnv([functools.partial(envcheck.wrapped, factory, kwargs, wrappers)] * self.num_envs, self.ids)
         odd = _unbatched_part(base.single_observation_space)
         if odd is not None:
             base.close()
@@ -278,7 +93,7 @@ class VectorEnv:
                               "processes or stored", where=user_callsite(),
                               fix="encode the observation as a Box, Discrete, MultiDiscrete or MultiBinary (or a Dict "
                                   "or Tuple of them) in a wrapper of your env (wrappers=[...]): pad or flatten it")
-        self._stats = _EpisodeStats(base)
+        self._stats = EpisodeStats(base)
         env: gym.vector.VectorEnv = self._stats
         if clip_rewards:   # outside the episode statistics: returns are reported on the raw rewards
             env = gym.wrappers.vector.ClipReward(env, -1.0, 1.0)
@@ -291,7 +106,7 @@ class VectorEnv:
                                   fix="leave clip_actions out, or clip the actions your actor returns yourself")
             env = gym.wrappers.vector.ClipAction(env)
         if normalize_obs or normalize_reward:
-            env = _Normalize(env, normalize_obs, normalize_reward, reward_gamma)
+            env = Normalize(env, normalize_obs, normalize_reward, reward_gamma)
         self._env = env
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
@@ -306,7 +121,7 @@ class VectorEnv:
         reward normalisation (the environments themselves are reset on resume)."""
         norm = getattr(self, "_env", None)
         out: dict[str, Any] = {}
-        if isinstance(norm, _Normalize):
+        if isinstance(norm, Normalize):
             for key, rms in (("obs_rms", norm.obs_rms), ("ret_rms", norm.ret_rms)):
                 if rms is not None:
                     out[key] = {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
@@ -315,7 +130,7 @@ class VectorEnv:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         norm = getattr(self, "_env", None)
         for key in ("obs_rms", "ret_rms"):
-            rms = getattr(norm, key, None) if isinstance(norm, _Normalize) else None
+            rms = getattr(norm, key, None) if isinstance(norm, Normalize) else None
             if (key in state) != (rms is not None):
                 raise ValueError(f"the saved environments {'had' if key in state else 'had no'} {key} statistics "
                                  "(normalize_obs / normalize_reward differ)")
@@ -455,7 +270,7 @@ def _unbatched_part(space: Any) -> Any:
         return next((p for p in map(_unbatched_part, space.spaces.values()) if p is not None), None)
     if isinstance(space, gym.spaces.Tuple):
         return next((p for p in map(_unbatched_part, space.spaces) if p is not None), None)
-    return None if isinstance(space, _ARRAY_SPACES) else space
+    return None if isinstance(space, ARRAY_SPACES) else space
 
 
 def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
@@ -469,150 +284,6 @@ def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
     for i, o in rows:
         out[i] = o
     return out
-
-
-def _wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
-             wrappers: tuple[Callable[[gym.Env], gym.Env], ...]) -> gym.Env:
-    env = factory(**kwargs)
-    for wrap in wrappers:
-        env = wrap(env)
-    if isinstance(env, gym.Env):   # (outermost: a user's wrapper may adapt an env of gym's old API)
-        _check_api(env)
-    return env
-
-
-def _check_api(env: gym.Env) -> None:
-    """Check the environment's first reset and step against gymnasium's API: one written for gym's
-    old API (``reset()`` returning the observation alone, ``step`` returning ``obs, reward, done,
-    info``) failed in the batching, with an unpacking error that seemed to be the loop's own line, or
-    had an observation of five numbers unpacked as the step's five values. The checks are the
-    instance's own ``reset`` and ``step`` until each has passed once, then removed: the class's
-    methods run, with no call per step, and the environment is not wrapped (its attributes, its
-    ``spec`` and ``isinstance`` are the user's)."""
-    cls = type(env)
-
-    def reset(*args: Any, **kwargs: Any) -> Any:
-        try:
-            params = inspect.signature(_defining(env, "reset")).parameters
-        except (TypeError, ValueError):   # (a builtin's: nothing to check)
-            params = None
-        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            missing = [k for k in kwargs if k not in params]
-            if missing:
-                raise _refused(env, "reset", f"takes no {' or '.join(map(repr, missing))} keyword argument",
-                               "take the arguments gymnasium's reset takes: def reset(self, seed=None, "
-                               "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
-                               "return (obs, info)")
-        out = cls.reset(env, *args, **kwargs)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-            raise _refused(env, "reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
-                           "return the observation and an info dict: return obs, {}")
-        _unpatch(env, "reset")
-        return out
-
-    def step(action: Any) -> Any:
-        out = cls.step(env, action)
-        if not (isinstance(out, tuple) and len(out) == 5):
-            old = " (obs, reward, done, info: gym's old API)" if isinstance(out, tuple) and len(out) == 4 else ""
-            raise _refused(env, "step", f"returned {_described(out)}{old}, where gymnasium's step returns 5 values: "
-                                        "obs, reward, terminated, truncated, info",
-                           "return obs, reward, terminated, truncated, info: done split into terminated (the "
-                           "episode ended by the task's rules) and truncated (cut off, e.g. by a time limit)")
-        # (stored into the batch's float and bool arrays, None became a NaN reward and a False flag, a
-        # string '0.5' a reward and 'no' a True flag, with no error)
-        for i, what, kind in ((1, "reward", "one number"), (2, "terminated flag", "a bool"),
-                              (3, "truncated flag", "a bool")):
-            if not _a_number(out[i]):
-                raise _refused(env, "step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
-                                            f"returns {kind}", "return a float reward and bool terminated and "
-                                            "truncated flags: return obs, reward, terminated, truncated, info")
-        if not isinstance(out[4], dict):
-            raise _refused(env, "step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
-                                        "dict", "return a dict (empty if there is nothing to report): "
-                                                "return obs, reward, terminated, truncated, {}")
-        _unpatch(env, "step")
-        return out
-
-    try:
-        env.reset = reset   # type: ignore[method-assign]
-        env.step = step     # type: ignore[method-assign]
-    except AttributeError:   # (__slots__, a read-only attribute: left unchecked)
-        _unpatch(env, "reset")
-
-
-def _unpatch(env: gym.Env, method: str) -> None:
-    env.__dict__.pop(method, None)
-
-
-def _defining(env: Any, method: str) -> Any:
-    """The first implementation of ``method`` in the wrapper chain that is not gymnasium's own (a
-    wrapper that only passes the call on): where the user wrote it."""
-    e = env
-    while True:
-        fn = getattr(type(e), method, None)
-        owner = getattr(fn, "__module__", "") or ""
-        if fn is None or not owner.startswith("gymnasium") or not isinstance(getattr(e, "env", None), gym.Env):
-            return fn
-        e = e.env
-
-
-def _refused(env: gym.Env, method: str, what: str, fix: str) -> ConfigError:
-    fn = _defining(env, method)
-    owner = getattr(fn, "__qualname__", "").rsplit(".", 1)[0] or type(env.unwrapped).__qualname__
-    return ConfigError(f"environment {owner}'s {method} {what}", where=definition_of(fn) or user_callsite(), fix=fix)
-
-
-def _a_number(value: Any) -> bool:
-    """One real number or flag: Python's, numpy's, or an array of one (a tensor's ``.item()`` need not be taken)."""
-    if isinstance(value, numbers.Real):
-        return True
-    if value is None or isinstance(value, (str, bytes)):
-        return False
-    try:
-        arr = np.asarray(value)
-    except Exception:   # (what numpy cannot take in, the batch cannot store)
-        return False
-    return arr.size == 1 and arr.dtype.kind in "biuf"
-
-
-def _described(out: Any) -> str:
-    if isinstance(out, tuple):
-        return f"{len(out)} value{'s' if len(out) != 1 else ''}"
-    if hasattr(out, "shape"):
-        return f"an array of shape {tuple(out.shape)} ({type(out).__name__})"
-    if out is None or isinstance(out, (str, bytes)):
-        return repr(out) if len(repr(out)) <= 40 else f"a {type(out).__name__}"
-    return f"a value of type {type(out).__name__}"
-
-
-def _unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
-    # (make took gamma as normalize_reward's discount once: every keyword but its own is the env's now)
-    renamed = "normalize_reward's discount is reward_gamma= (gamma= goes to the environment); " \
-        if "gamma" in env_kwargs else ""
-    return UnknownEnvError(f"environment {env!r} does not take the keyword arguments given to ff.envs.make "
-                           f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
-                           fix=renamed + "pass only arguments the environment's constructor takes (options of "
-                               "ff.envs.make itself: clip_actions, normalize_obs, normalize_reward, reward_gamma, "
-                               "clip_rewards, wrappers, evaluation)")
-
-
-def _wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.Env], ...]:
-    """``wrappers`` as make applies them, or the error saying what it takes."""
-    fix = ("give a list of wrapper classes or functions of an env, innermost first: "
-           "wrappers=[gym.wrappers.RecordEpisodeStatistics, lambda e: gym.wrappers.TimeLimit(e, 500)]")
-    if callable(wrappers) or isinstance(wrappers, (gym.Env, str)) or not hasattr(wrappers, "__iter__"):
-        raise ConfigError(f"ff.envs.make got wrappers={wrappers!r:.80}, where it takes a list", where=where, fix=fix)
-    listed = tuple(wrappers)
-    for w in listed:
-        if isinstance(w, type) and issubclass(w, gym.vector.VectorWrapper):
-            raise ConfigError(f"ff.envs.make got {w.__qualname__} in wrappers, a wrapper of vector envs, where each "
-                              "environment is wrapped", where=where,
-                              fix=f"give the per-environment gym.wrappers.{w.__name__} if there is one, or make's own "
-                                  "options (normalize_obs, normalize_reward, clip_actions, clip_rewards)")
-        if isinstance(w, gym.Env) or not callable(w):
-            raise ConfigError(f"ff.envs.make got {w!r:.80} among its wrappers: an environment, not a wrapper to "
-                              "apply to each one it makes", where=where, fix=fix)
-    return listed
 
 
 def _parallel_factory(env_id: Any) -> Callable[..., Any] | None:
@@ -744,7 +415,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                          "environments at every call, in whatever process runs the fragment", where=where,
                          fix="make the environments once, in the training function before its loop, and pass "
                              f"their observations to '{inside.name}'")
-    wrappers = _wrapper_list(wrappers, where)
+    wrappers = envcheck.wrapper_list(wrappers, where)
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
     parallel = _parallel_factory(env_id)
@@ -806,7 +477,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         except TypeError as exc:
             if not env_kwargs or "keyword argument" not in str(exc):
                 raise
-            raise _unknown_kwargs(label, env_kwargs, exc, where) from None
+            raise envcheck.unknown_kwargs(label, env_kwargs, exc, where) from None
         if interp is not None:
             interp.adopt(menv)
         return menv
@@ -822,7 +493,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     except TypeError as exc:
         if not env_kwargs or "keyword argument" not in str(exc):
             raise
-        raise _unknown_kwargs(env_id, env_kwargs, exc, where) from None
+        raise envcheck.unknown_kwargs(env_id, env_kwargs, exc, where) from None
     except gym.error.DependencyNotInstalled as exc:
         text = str(exc).lower()
         family = "mujoco" if "mujoco" in text else "ale_py" if ("atari" in text or "opencv" in text) else None
