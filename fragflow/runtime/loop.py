@@ -15,11 +15,8 @@ the serial semantics every other placement is checked against.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import pickle
-import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -34,7 +31,6 @@ from fragflow.compiler.pytree import (
     NotAnArray,
     fill_skeleton,
     fits,
-    is_generator,
     leaf_paths,
     ordered_like,
     spec_of,
@@ -54,7 +50,7 @@ from fragflow.errors import (
 )
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
-from fragflow.runtime import calls, heap
+from fragflow.runtime import calls, heap, received
 from fragflow.runtime.monitor import flat_scalars
 from fragflow.source import SourceLoc, user_callsite
 
@@ -124,11 +120,11 @@ class LoopInterpreter:
         self._last_version = 0
         self._ticket = 0
         self._views: dict[str, tuple[tuple[int, int | None], list[Any]]] = {}
-        # the torch leaves of each received view, with their version counters then (see _unchanged)
+        # the torch leaves of each received view, with their version counters then (see received.check_unchanged)
         self._watched: dict[str, list[tuple[str, Any, int]]] = {}
         # its random generators, with their states then: a draw changes the state as an in-place op does
         self._drawn: dict[str, list[tuple[str, Any, bytes]]] = {}
-        self._modules: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}   # a received module's tensors (see _received)
+        self._modules: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}   # a received module's tensors (see received.received)
         # writes of each state this replica has issued, and how many there were when each version
         # ended (a version is the state after a clock call and every write before the next one)
         self._writes: dict[str, int] = {}
@@ -322,7 +318,7 @@ class LoopInterpreter:
             raise
         if reads and self._watched and frag.role != "learner":
             for state in self._watched:
-                self._unchanged(state, name)
+                received.check_unchanged(self._watched, self._drawn, state, name)
         if frag.evaluation and frag.role == "env":   # its observations, to know them if a served actor gets them
             first = out[0] if isinstance(out, tuple) and out else out
             self._eval_obs = (id(first), first)
@@ -418,8 +414,8 @@ class LoopInterpreter:
         key = (v, self._stamp(handle.name, v))
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
-            self._unchanged(handle.name, None)   # (changed since this process's last fragment call: the loop)
-            with _counted():
+            received.check_unchanged(self._watched, self._drawn, handle.name, None)   # (changed since this process's last fragment call: the loop)
+            with received.counted():
                 _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
                 trees, pos = [], 0
                 for root, n in zip(b.paths, b.counts):
@@ -429,7 +425,7 @@ class LoopInterpreter:
                     trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
                     pos += n
             cached = self._views[handle.name] = (key, trees)
-            self._watched[handle.name], self._drawn[handle.name] = _received(b.paths, trees, self._modules)
+            self._watched[handle.name], self._drawn[handle.name] = received.received(b.paths, trees, self._modules)
         for root, tree in zip(b.paths, cached[1]):
             if path[:len(root)] == root:
                 for k in path[len(root):]:
@@ -437,26 +433,6 @@ class LoopInterpreter:
                 return tree
         raise ConfigError(f"the loop read {handle.name}{''.join(f'[{k!r}]' for k in path)}, which was not traced",
                           where=user_callsite(), fix="read the same state views on every call")
-
-    def _unchanged(self, state: str, fragment: str | None) -> None:
-        """Refuse a received version of ``state`` changed in place in this process (an actor that
-        steps the state's optimizer, ``p.add_(...)``): here, apart from the learner, the change is
-        lost at the next version. A torch tensor's version counter counts its in-place changes, so
-        this costs an integer per tensor; numpy leaves are read-only (see _received)."""
-        for path, tensor, version in self._watched.get(state, ()):
-            if tensor._version != version:
-                raise _changed_here(f"{state}{path} (by fragment '{fragment}', or by the loop before its call)"
-                                    if fragment is not None else f"{state}{path} (by the loop)")
-        for path, gen, drawn in self._drawn.get(state, ()):
-            if _state_of(gen) != drawn:
-                by = f"fragment '{fragment}', or the loop before its call" if fragment is not None else "the loop"
-                raise _changed_here(
-                    f"{state}{path} (a random generator, drawn from by {by})",
-                    why="the draws move this process's copy of it (a version carries no generator), not the one the "
-                        "learner draws from and saves, and every acting process holds a copy that draws the same numbers",
-                    fix="draw the acting side's random numbers from a generator the loop makes outside ff.versioned "
-                        "(or from ff.random keys, one per environment), leave the state's generators to its "
-                        "learners, or run with --policy single_process")
 
     def _own_rows(self, leaves: list[Any], whole: tuple[tuple[int, int, int], ...]) -> list[Any]:
         """A leaf the loop made with as many rows as there are environments in all (while tracing,
@@ -693,73 +669,6 @@ class LoopInterpreter:
         elif isinstance(tree, (list, tuple)):
             for k, v in zip(tree._fields if hasattr(tree, "_fields") else range(len(tree)), tree):
                 self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
-
-
-def _changed_here(what: str, why: str | None = None, fix: str | None = None) -> VersionedStateError:
-    return VersionedStateError(
-        f"versioned state {what} was changed in place in an acting process, but this policy runs the learner in "
-        "another process: " + (why or "the change stays in this process's copy, the learner never sees it, and the "
-                                      "next version overwrites it"), where=user_callsite(),
-        fix=fix or "leave the state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
-                   "ops change it even under torch.no_grad(), optimizer.step() among them), make the change in a learner "
-                   "that writes the state, or run with --policy single_process (a network in training mode changes its "
-                   "BatchNorm statistics as it runs: call .eval() on it in the actor)")
-
-
-def _counted() -> contextlib.AbstractContextManager[Any]:
-    """Out of torch.inference_mode (a loop that calls the actor under it): tensors made there keep
-    no version counter, which _received reads, and the state's own tensors are ordinary ones eagerly."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.is_inference_mode_enabled():
-        return contextlib.nullcontext()
-    return torch.inference_mode(False)
-
-
-def _received(roots: Any, trees: list[Any], modules: dict[int, tuple[Any, list[tuple[str, Any]]]]
-              ) -> tuple[list[tuple[str, Any, int]], list[tuple[str, Any, bytes]]]:
-    """The torch tensors of a received view with their version counters, and its random generators
-    (the process's own copies: a version does not carry them) with their states; its numpy arrays
-    are made read-only (an in-place write raises where it is made). A module's tensors are the same
-    objects at every version (overwritten in place): ``modules`` keeps them, by module, so that a
-    version costs an integer per tensor, not a walk of the module's state dict."""
-    tensors: list[tuple[str, Any, int]] = []
-    generators: list[tuple[str, Any, bytes]] = []
-    torch = sys.modules.get("torch")
-
-    def walk(x: Any, path: str) -> None:
-        if isinstance(x, np.ndarray):
-            x.flags.writeable = False
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{path}[{k!r}]")
-        elif isinstance(x, tuple) and hasattr(x, "_fields"):
-            for f, v in zip(x._fields, x):
-                walk(v, f"{path}.{f}")
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, f"{path}[{i!r}]")
-        elif torch is not None and isinstance(x, torch.Tensor):
-            tensors.append((path, x, x._version))
-        elif torch is not None and isinstance(x, torch.nn.Module):
-            known = modules.get(id(x))
-            if known is None or known[0] is not x:
-                known = modules[id(x)] = (x, leaf_paths(x))
-            tensors.extend((path + p, t, t._version) for p, t in known[1])
-        elif is_generator(x):
-            generators.append((path, x, _state_of(x)))
-
-    for root, tree in zip(roots, trees):
-        walk(tree, "".join(f"[{k!r}]" for k in root))
-    return tensors, generators
-
-
-def _state_of(gen: Any) -> bytes:
-    """A random generator's state, which every draw moves."""
-    if isinstance(gen, np.random.RandomState):
-        return pickle.dumps(gen.get_state(legacy=False))
-    if isinstance(gen, np.random.Generator):
-        return pickle.dumps(gen.bit_generator.state)
-    return bytes(gen.get_state().numpy())   # a torch.Generator
 
 
 def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:
