@@ -35,7 +35,7 @@ def _learner(name: str, rank: int, world: int, sizes: list[int], dtype: str, out
 
 def _run(world: int, sizes: list[list[int]], dtype: str = "float32") -> dict[int, object]:
     ctx = mp.get_context("spawn")
-    seg = sharedsum.create(world)
+    seg = sharedsum.create(world, world)
     out = ctx.Queue()
     procs = [ctx.Process(target=_learner, args=(seg.name, k, world, sizes[k], dtype, out)) for k in range(world)]
     try:
@@ -74,7 +74,7 @@ def test_learners_summing_different_sizes_each_find_it_before_summing():
 
 
 def test_a_learner_waiting_for_one_that_never_comes_asks_its_check():
-    seg = sharedsum.create(2)
+    seg = sharedsum.create(2, 2)
     s = SharedSum(seg.name, 0, 2)
     calls = []
 
@@ -92,3 +92,17 @@ def test_a_learner_waiting_for_one_that_never_comes_asks_its_check():
         s.close()
         seg.close()
         seg.unlink()
+
+
+def test_learners_spin_longer_where_every_process_of_the_run_has_a_core(monkeypatch):
+    monkeypatch.setattr(sharedsum.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert sharedsum.spin_for(9) == sharedsum.SPIN_SPARE and sharedsum.spin_for(17) == sharedsum.SPIN_SECONDS
+    for processes, spin in ((9, sharedsum.SPIN_SPARE), (17, sharedsum.SPIN_SECONDS)):
+        seg = sharedsum.create(8, processes)
+        s = SharedSum(seg.name, 3, 8)
+        try:
+            assert s.spin == spin and s.reached == 0
+        finally:
+            s.close()
+            seg.close()
+            seg.unlink()

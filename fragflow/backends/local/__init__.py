@@ -285,7 +285,7 @@ class LocalBackend:
             wiring.control = control.name
             world = _learners(lowered)
             if world > 1 and sharedsum.available():
-                sums = sharedsum.create(world)
+                sums = sharedsum.create(world, processes + 1)   # (and the driver)
                 segments.append(sums)
                 wiring.sums = sums.name
         except BaseException:

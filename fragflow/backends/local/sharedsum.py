@@ -11,7 +11,8 @@ what size it sums: learners that differ are found there by every one of them ali
 then says how they differ, rather than waiting for a round that never comes).
 
 The barrier is a counter per learner that its learner alone writes: waiting is a read of the K
-counters, spinning briefly and then sleeping, with a check of the caller's (another learner that
+counters, spinning for a while (2 ms where the machine has a core for each of the run's processes,
+0.1 ms where they share cores) and then sleeping, with a check of the caller's (another learner that
 ended its run, the run's stop) every tenth of a second. Stores in program order are seen in that
 order by another core only on x86-64 (TSO), where this is used; elsewhere the learners use gloo.
 
@@ -22,6 +23,7 @@ learners on 2 cores spent 23 ms of each update summing here against 117-126 ms w
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -32,7 +34,8 @@ from fragflow.backends.local.shm import ALIGN, Segment
 
 SLOT = 1 << 20          # bytes: a tensor larger than this is summed in rounds
 LINE = ALIGN // 8       # int64 words per learner: one cache line each
-SPIN_SECONDS = 1e-4     # read the counters this long before sleeping between reads
+SPIN_SECONDS = 1e-4     # read the counters this long before sleeping between reads, where the run's
+SPIN_SPARE = 2e-3       # processes outnumber the machine's cores, else this long (a sleeper wakes late)
 CHECK_EVERY = 0.1       # seconds between the caller's checks while waiting
 
 
@@ -42,7 +45,14 @@ def available() -> bool:
 
 
 def nbytes(world: int) -> int:
-    return world * ALIGN + (world + 1) * SLOT
+    return (world + 1) * ALIGN + (world + 1) * SLOT   # (a line of settings, one per learner; the slots)
+
+
+def spin_for(processes: int) -> float:
+    """How long a learner reads the counters before sleeping: longer where every one of the run's
+    ``processes`` has a core of its own, where spinning takes no core another process needs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN_SPARE if cores > processes else SPIN_SECONDS
 
 
 class SizesDiffer(Exception):
@@ -55,10 +65,12 @@ class SharedSum:
     def __init__(self, name: str, rank: int, world: int) -> None:
         self.seg = Segment.attach(name)
         self.rank, self.world = rank, world
-        words = np.frombuffer(self.seg.mem, np.int64, world * LINE, 0)
+        self.spin = int(np.frombuffer(self.seg.mem, np.int64, 1, 0)[0]) / 1e9
+        words = np.frombuffer(self.seg.mem, np.int64, world * LINE, ALIGN)
         self.counts = words[::LINE]              # each learner's barriers reached
         self.sizes = words.reshape(world, LINE)[:, 1:3]   # each learner's sum: values, bytes a value
-        self.slots = np.frombuffer(self.seg.mem, np.uint8, (world + 1) * SLOT, world * ALIGN).reshape(world + 1, SLOT)
+        self.slots = np.frombuffer(self.seg.mem, np.uint8, (world + 1) * SLOT,
+                                   (world + 1) * ALIGN).reshape(world + 1, SLOT)
         self.reached = int(self.counts[rank])   # (0 in a new segment)
 
     def sum(self, x: np.ndarray, check: Callable[[], None]) -> None:
@@ -92,7 +104,7 @@ class SharedSum:
         counts = self.counts
         if counts.min() >= goal:
             return
-        spin_until = time.perf_counter() + SPIN_SECONDS
+        spin_until = time.perf_counter() + self.spin
         while time.perf_counter() < spin_until:
             if counts.min() >= goal:
                 return
@@ -110,9 +122,12 @@ class SharedSum:
         self.seg.close()
 
 
-def create(world: int) -> Segment:
-    """The driver's side: the segment for ``world`` learners (it unlinks it with the run's others)."""
+def create(world: int, processes: int) -> Segment:
+    """The driver's side: the segment for ``world`` learners of a run of ``processes`` (it unlinks
+    it with the run's others)."""
     seg = Segment.create(nbytes(world))
-    np.frombuffer(seg.mem, np.int64, world * LINE, 0)[:] = 0
+    words = np.frombuffer(seg.mem, np.int64, (world + 1) * LINE, 0)
+    words[:] = 0
+    words[0] = int(1e9 * spin_for(processes))
     return seg
 
