@@ -351,3 +351,31 @@ def test_an_unknown_way_to_sum_the_gradients_is_refused_before_any_worker_starts
     assert mp.active_children() == [] and shm_leftovers() == []
     # one learner sums nothing: the setting is not read
     assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["updates"] == 6
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_gradient_taken_with_create_graph_is_averaged_alike_through_shared_memory_and_gloo(write_algo, monkeypatch,
+                                                                                            via):
+    """torch.autograd.grad(create_graph=True) (a gradient penalty) returns gradients that require grad:
+    the shared-memory sum must take them as gloo does, not refuse them (Tensor.numpy() does)."""
+    from fragflow.backends.local import sharedsum
+
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    elif not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    source = PROGRAM.replace('''            grads = torch.autograd.grad(loss, list(net.parameters()))
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads):
+                    p -= 0.05 * g''', '''            grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+            penalty = sum((g * g).sum() for g in grads)   # (a gradient penalty: differentiated again)
+            opt.zero_grad()
+            (loss + 0.1 * penalty).backward()
+            opt.step()''')
+    assert source != PROGRAM
+    path, _ = write_algo(source, "penalty.py")
+    program = load(str(path))
+    two = ff.run(program.train, program.args_cls(functional=True), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert two.summary["updates"] == 6
+    assert {t["via"] for t in two.summary["channels"]["trajectory"]["learners"]} == {via}
+    assert mp.active_children() == [] and shm_leftovers() == []
