@@ -379,3 +379,21 @@ def test_a_gradient_taken_with_create_graph_is_averaged_alike_through_shared_mem
     assert two.summary["updates"] == 6
     assert {t["via"] for t in two.summary["channels"]["trajectory"]["learners"]} == {via}
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_learners_told_to_sum_through_gloo_get_no_shared_memory_segment(program, monkeypatch):
+    """FRAGFLOW_ALLREDUCE=gloo: the (K + 1) MB segment the learners would not use is not made, nor
+    counted against /dev/shm's room; without it, it is (on x86-64)."""
+    from fragflow.backends.local import LocalBackend, segment_sizes, sharedsum
+    from fragflow.driver import compile
+
+    lowered = compile(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1)").lowered
+    for setting, made in (("gloo", False), ("", sharedsum.available())):
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", setting)
+        wiring = LocalBackend().wire(lowered)
+        try:
+            assert bool(wiring.sums) == made
+            assert any("gradient sums" in what for what, _ in segment_sizes(lowered)) == made
+        finally:
+            wiring.release()
+    assert shm_leftovers() == []
