@@ -13,7 +13,7 @@ the weights for all.
 
 Where every learner's tensors are on the CPU and the backend made them a shared-memory segment
 (the local backend, on x86-64), the gradients are summed there (``backends/local/sharedsum.py``:
-an update's 41 all-reduces of PPO's gradient took 23 ms on 2 cores against 117-126 ms with gloo);
+an update's 41 all-reduces of PPO's gradient took 16-23 ms on 2 cores against 102-109 ms with gloo);
 else, or with ``FRAGFLOW_ALLREDUCE=gloo``, by the process group: ``torch.distributed`` with gloo
 (nccl where each learner's parameters are on a GPU of its own), meeting at a TCP store the driver
 hosts, which every learner joins either way (the checks below all-reduce through it). The user's update must make the same number of backward
