@@ -351,3 +351,49 @@ def test_an_unknown_way_to_sum_the_gradients_is_refused_before_any_worker_starts
     assert mp.active_children() == [] and shm_leftovers() == []
     # one learner sums nothing: the setting is not read
     assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["updates"] == 6
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_gradient_taken_with_create_graph_is_averaged_alike_through_shared_memory_and_gloo(write_algo, monkeypatch,
+                                                                                            via):
+    """torch.autograd.grad(create_graph=True) (a gradient penalty) returns gradients that require grad:
+    the shared-memory sum must take them as gloo does, not refuse them (Tensor.numpy() does)."""
+    from fragflow.backends.local import sharedsum
+
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    elif not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    source = PROGRAM.replace('''            grads = torch.autograd.grad(loss, list(net.parameters()))
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads):
+                    p -= 0.05 * g''', '''            grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+            penalty = sum((g * g).sum() for g in grads)   # (a gradient penalty: differentiated again)
+            opt.zero_grad()
+            (loss + 0.1 * penalty).backward()
+            opt.step()''')
+    assert source != PROGRAM
+    path, _ = write_algo(source, "penalty.py")
+    program = load(str(path))
+    two = ff.run(program.train, program.args_cls(functional=True), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert two.summary["updates"] == 6
+    assert {t["via"] for t in two.summary["channels"]["trajectory"]["learners"]} == {via}
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_learners_told_to_sum_through_gloo_get_no_shared_memory_segment(program, monkeypatch):
+    """FRAGFLOW_ALLREDUCE=gloo: the (K + 1) MB segment the learners would not use is not made, nor
+    counted against /dev/shm's room; without it, it is (on x86-64)."""
+    from fragflow.backends.local import LocalBackend, segment_sizes, sharedsum
+    from fragflow.driver import compile
+
+    lowered = compile(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1)").lowered
+    for setting, made in (("gloo", False), ("", sharedsum.available())):
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", setting)
+        wiring = LocalBackend().wire(lowered)
+        try:
+            assert bool(wiring.sums) == made
+            assert any("gradient sums" in what for what, _ in segment_sizes(lowered)) == made
+        finally:
+            wiring.release()
+    assert shm_leftovers() == []

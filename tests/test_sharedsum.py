@@ -106,3 +106,23 @@ def test_learners_spin_longer_where_every_process_of_the_run_has_a_core(monkeypa
             s.close()
             seg.close()
             seg.unlink()
+
+
+def test_a_learner_waiting_in_a_shared_memory_sum_leaves_when_the_run_stops():
+    """The run's stop (a learner killed by a signal says nothing in the store; an actor failed) ends
+    the wait, as the module's text says, rather than the driver's terminate a few seconds later."""
+    import threading
+
+    from fragflow.backends import Stopped
+    from fragflow.runtime.allreduce import GradientAllReduce
+
+    class Store:   # (no learner has said it ended or failed)
+        def check(self, keys):
+            return False
+
+    stop = threading.Event()
+    stop.set()
+    reducer = GradientAllReduce(0, 2, ("127.0.0.1", 0), "", stop)
+    reducer.store = Store()
+    with pytest.raises(Stopped):
+        reducer._check_peers()

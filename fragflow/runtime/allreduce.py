@@ -13,7 +13,7 @@ the weights for all.
 
 Where every learner's tensors are on the CPU and the backend made them a shared-memory segment
 (the local backend, on x86-64), the gradients are summed there (``backends/local/sharedsum.py``:
-an update's 41 all-reduces of PPO's gradient took 23 ms on 2 cores against 117-126 ms with gloo);
+an update's 41 all-reduces of PPO's gradient took 16-23 ms on 2 cores against 102-109 ms with gloo);
 else, or with ``FRAGFLOW_ALLREDUCE=gloo``, by the process group: ``torch.distributed`` with gloo
 (nccl where each learner's parameters are on a GPU of its own), meeting at a TCP store the driver
 hosts, which every learner joins either way (the checks below all-reduce through it). The user's update must make the same number of backward
@@ -59,7 +59,8 @@ def group_backend(devices: list[str]) -> str:
 
 
 class GradientAllReduce:
-    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None, sums: str = "") -> None:
+    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None, sums: str = "",
+                 stop: Any = None) -> None:
         import torch.distributed as dist
 
         if rendezvous is None:
@@ -80,6 +81,7 @@ class GradientAllReduce:
         self.store: Any = None
         self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
         self.shared: Any = None             # its SharedSum, where every learner's tensors are on the CPU
+        self.stop = stop                    # the run's stop event: a shared-memory sum's wait ends on it
         # where a learner's time goes (see report): its updates, the user's calls in them, the all-reduces
         self.timing = {"busy_ns": 0, "call_ns": 0, "sync_ns": 0, "all_reduces": 0, "updates": 0}
 
@@ -96,7 +98,7 @@ class GradientAllReduce:
             self.device = next(d for d in devices if str(d).startswith("cuda"))
         self.dist.init_process_group(self.group_backend, store=store, rank=self.rank, world_size=self.world)
         self.store = store
-        if self.sums and all(d in ("", "cpu") for d in seen) and setting() != "gloo":
+        if self.sums and all(d in ("", "cpu") for d in seen):   # (no segment: FRAGFLOW_ALLREDUCE=gloo)
             from fragflow.backends.local.sharedsum import SharedSum
 
             self.shared = SharedSum(self.sums, self.rank, self.world)
@@ -108,7 +110,9 @@ class GradientAllReduce:
 
         t0 = time.perf_counter_ns()
         if self.shared is not None and not kwargs and tensor.dtype in (torch.float32, torch.float64):
-            self.shared.sum(tensor.numpy(), self._check_peers)   # (every learner's tensors are on the CPU)
+            # (every learner's tensors are on the CPU; detached: a gradient taken with create_graph=True
+            # requires grad, and is summed in place, as gloo does)
+            self.shared.sum(tensor.detach().numpy(), self._check_peers)
         else:
             try:
                 self.dist.all_reduce(tensor, **kwargs)
@@ -136,7 +140,12 @@ class GradientAllReduce:
 
     def _check_peers(self) -> None:
         """While waiting for the others in a shared-memory sum: raise where one of them will not come
-        (it ended its run, or failed: then its own error, reported first, is the run's)."""
+        (it ended its run, or failed: then its own error, reported first, is the run's), or the run
+        has stopped (a learner killed by a signal says nothing in the store)."""
+        if self.stop is not None and self.stop.is_set():
+            from fragflow.backends import Stopped
+
+            raise Stopped
         others = [k for k in range(self.world) if k != self.rank]
         failed = [k for k in others if self.store.check([f"fragflow.failed.{k}"])]
         if failed:

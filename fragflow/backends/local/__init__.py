@@ -284,7 +284,7 @@ class LocalBackend:
             segments.append(control)
             wiring.control = control.name
             world = _learners(lowered)
-            if world > 1 and sharedsum.available():
+            if _summed_here(lowered):
                 sums = sharedsum.create(world, processes + 1)   # (and the driver)
                 segments.append(sums)
                 wiring.sums = sums.name
@@ -309,7 +309,7 @@ def segment_sizes(lowered: Any) -> list[tuple[str, int]]:
         for b in service.publish:
             sizes.append((f"broadcast of {b.state} ({b.depth} versions)", ParamChannel.nbytes(list(b.specs), b.depth)))
     sizes.append(("control", Control.nbytes(lowered.loop.replicas)))
-    if _learners(lowered) > 1 and sharedsum.available():
+    if _summed_here(lowered):
         sizes.append((f"the {_learners(lowered)} learners' gradient sums", sharedsum.nbytes(_learners(lowered))))
     return sizes
 
@@ -317,6 +317,16 @@ def segment_sizes(lowered: Any) -> list[tuple[str, int]]:
 def _learners(lowered: Any) -> int:
     """How many learners all-reduce their gradients (multi_learner's K; 1: none)."""
     return max((s.world for s in lowered.services), default=1)
+
+
+def _summed_here(lowered: Any) -> bool:
+    """Whether the learners get a shared-memory segment to sum their gradients in: several of them,
+    on x86-64, and FRAGFLOW_ALLREDUCE not gloo (a segment they would not use is not made)."""
+    if _learners(lowered) <= 1 or not sharedsum.available():
+        return False
+    from fragflow.runtime.allreduce import setting
+
+    return setting() != "gloo"
 
 
 BACKEND = LocalBackend()

@@ -17,7 +17,7 @@ ended its run, the run's stop) every tenth of a second. Stores in program order 
 order by another core only on x86-64 (TSO), where this is used; elsewhere the learners use gloo.
 
 PPO's 135k-value gradient, 41 all-reduces an update (`benchmarks/multi_learner.py --gloo`): two
-learners on 2 cores spent 23 ms of each update summing here against 117-126 ms with gloo; eight on
+learners on 2 cores spent 16-23 ms of each update summing here against 102-109 ms with gloo; eight on
 16 cores 57-104 ms against 137-155 ms, most of it the wait for the slowest learner.
 """
 
