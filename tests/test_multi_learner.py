@@ -349,8 +349,9 @@ def test_an_unknown_way_to_sum_the_gradients_is_refused_before_any_worker_starts
     with pytest.raises(ConfigError, match=r"FRAGFLOW_ALLREDUCE='nccl2' is not a way multi_learner's learners sum"):
         ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1)")
     assert mp.active_children() == [] and shm_leftovers() == []
-    # one learner sums nothing: the setting is not read
-    assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["updates"] == 6
+    # refused under any policy, before the trace, as the other FRAGFLOW_ settings are
+    with pytest.raises(ConfigError, match=r"FRAGFLOW_ALLREDUCE='nccl2'"):
+        ff.run(program.train, program.args_cls(), policy="pipelined")
 
 
 @pytest.mark.parametrize("via", ["shared memory", "gloo"])

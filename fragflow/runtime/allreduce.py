@@ -374,6 +374,7 @@ class GradientAllReduce:
             self.store.set(f"fragflow.timing.{self.rank}",
                            json.dumps({**self.timing, "threads": torch.get_num_threads(),
                                        "via": "shared memory" if self.shared is not None else self.group_backend}))
+            self.store.check([f"fragflow.timing.{self.rank}"])   # (a round trip: the store has it before "final")
 
     def close(self, ended: bool = True) -> None:
         """Leave the group; ``ended``: this learner's run ended as the loop did, else it failed: a
