@@ -351,3 +351,22 @@ def test_an_unknown_way_to_sum_the_gradients_is_refused_before_any_worker_starts
     assert mp.active_children() == [] and shm_leftovers() == []
     # one learner sums nothing: the setting is not read
     assert ff.run(program.train, program.args_cls(), policy="pipelined").summary["updates"] == 6
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_gradients_taken_with_create_graph_are_averaged_in_shared_memory_too(write_algo, functional):
+    """`loss.backward(create_graph=True)` or `torch.autograd.grad(..., create_graph=True)` (a
+    double backward's first pass) gives gradients that require grad: the shared-memory sum called
+    .numpy() on them and the learner failed with torch's "Can't call numpy() on Tensor that requires
+    grad", where gloo averaged them (helper A, round after 4dad458)."""
+    source = PROGRAM.replace("grads = torch.autograd.grad(loss, list(net.parameters()))",
+                             "grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)") \
+        .replace("loss.backward()", "loss.backward(create_graph=True)")
+    path, _ = write_algo(source, "create_graph.py")
+    prog = load(str(path))
+    args = prog.args_cls(functional=functional)
+    one = ff.run(prog.train, args, policy="single_process")
+    two = ff.run(prog.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -108,7 +108,9 @@ class GradientAllReduce:
 
         t0 = time.perf_counter_ns()
         if self.shared is not None and not kwargs and tensor.dtype in (torch.float32, torch.float64):
-            self.shared.sum(tensor.numpy(), self._check_peers)   # (every learner's tensors are on the CPU)
+            # (every learner's tensors are on the CPU; detached: gradients taken with create_graph require
+            # grad, and the sum in place is as untracked as gloo's)
+            self.shared.sum(tensor.detach().numpy(), self._check_peers)
         else:
             try:
                 self.dist.all_reduce(tensor, **kwargs)
