@@ -370,3 +370,29 @@ def test_gradients_taken_with_create_graph_are_averaged_in_shared_memory_too(wri
     for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_learners_whose_gradients_are_of_different_parameters_of_one_size_are_refused(write_algo, via, monkeypatch):
+    """A head chosen on each learner's own share (two heads of one size): one learner's gradient was
+    of head 1, the other's of head 2, of as many values, and the learners averaged one head's
+    gradient with the other's and stepped each its own head with it, silently apart (helper A, round
+    after 4dad458): each all-reduce carried its gradient's size, not which parameters it was of."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace("net = torch.nn.Linear(3, 1)", "net = torch.nn.Sequential(torch.nn.Linear(3, 4), "
+                             "torch.nn.Linear(4, 1), torch.nn.Linear(4, 1))") \
+        .replace("loss = ((net(x) - y) ** 2).mean()",
+                 "head = net[1] if float(x[0, 0]) > 0 else net[2]   # a head chosen on this share's first input\n"
+                 "        loss = ((head(net[0](x)) - y) ** 2).mean()") \
+        .replace('@ff.fragment("learner", writes="state")', '@ff.fragment("learner", writes="state")  # @learn')
+    path, marks = write_algo(source, "heads.py")
+    prog = load(str(path))
+    from tests.conftest import relpath
+
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(at gradient "
+                                          r"1 they averaged the gradients of different parameters\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes"):
+        ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert mp.active_children() == [] and shm_leftovers() == []

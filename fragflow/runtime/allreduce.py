@@ -183,7 +183,9 @@ class GradientAllReduce:
         self.queued = False
         pending, self.pending = sorted(self.pending, key=lambda q: self.order[id(q)]), []
         grads = [q.grad for q in pending]
-        flat = self._reduce([g.reshape(-1) for g in grads])
+        # which parameters: learners' gradients of as many values may be of different ones (a branch on the share)
+        which = zlib.crc32(repr([self.order[id(q)] for q in pending]).encode()) % 251 ** 3
+        flat = self._reduce([g.reshape(-1) for g in grads], which=which)
         flat.div_(self.world)
         pos = 0
         for g in grads:
@@ -243,11 +245,12 @@ class GradientAllReduce:
                               where=where, fix="compute gradients with torch (backward() into the parameters of the versioned "
                                   "state's modules or tensors, or torch.autograd.grad), or use a single-learner policy")
 
-    def _reduce(self, parts: list[Any], closing: bool = False) -> Any:
+    def _reduce(self, parts: list[Any], closing: bool = False, which: int = 0) -> Any:
         """``parts`` concatenated and all-reduced (summed), with a few numbers saying where this
         learner is (see :meth:`_agree`) in the same all-reduce: small integers and their squares,
         whose sums are equal across the learners, and exact in float32, where every learner's are
-        the same (K * sum(x^2) == sum(x)^2). Where they differ, :meth:`_agree` says how."""
+        the same (K * sum(x^2) == sum(x)^2). Where they differ, :meth:`_agree` says how. ``which``:
+        a number for the parameters the gradient is of (0: not known)."""
         import torch
 
         numel = sum(int(p.numel()) for p in parts)
@@ -255,23 +258,24 @@ class GradientAllReduce:
         call = self.call
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self._agree(numel, closing)   # (its own all-reduce: where it is the update's end, the only one)
+            self._agree(numel, closing, which)   # (its own all-reduce: where it is the update's end, the only one)
             if not closing:
-                self._summed(flat, numel, closing)
+                self._summed(flat, numel, closing, which)
             self.last = (numel, dtype, device)
             return flat
-        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key),
+        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key,
+                                      which),
                               dtype=dtype, device=device)
         flat = torch.cat([*parts, digits, digits * digits])
-        self._summed(flat, numel, closing)
+        self._summed(flat, numel, closing, which)
         m = digits.numel()
         sums, squares = flat[numel:numel + m].double().cpu(), flat[numel + m:].double().cpu()
         if not torch.equal(sums * sums, squares * self.world):
-            self._agree(numel, closing)   # (every learner got the same sums: each asks, and refuses, alike)
+            self._agree(numel, closing, which)   # (every learner got the same sums: each asks, and refuses, alike)
         self.last = (numel, dtype, device)
         return flat[:numel]
 
-    def _summed(self, flat: Any, numel: int, closing: bool) -> None:
+    def _summed(self, flat: Any, numel: int, closing: bool, which: int = 0) -> None:
         """``flat`` all-reduced in place; where the learners' sizes differ (a shared-memory sum finds
         it before it sums), :meth:`_agree` says how."""
         from fragflow.backends.local.sharedsum import SizesDiffer
@@ -279,13 +283,14 @@ class GradientAllReduce:
         try:
             self._all_reduce(flat)
         except SizesDiffer:
-            self._agree(numel, closing)
+            self._agree(numel, closing, which)
             raise ConfigError("the learners all-reduced gradients of different sizes outside an update",
                               fix="compute gradients only inside the learner's update") from None
 
-    def _agree(self, numel: int, closing: bool = False) -> None:
+    def _agree(self, numel: int, closing: bool = False, which: int = 0) -> None:
         """Every learner must be at the same point of the same update (the same fragment, called by
-        its loop replicas after as many env steps; the same gradient of it, of the same size), else
+        its loop replicas after as many env steps; the same gradient of it, of the same size and
+        parameters), else
         the all-reduce would average, or wait for, what another learner never computes. Those
         numbers, all-reduced to their maximum and minimum, so that every learner sees any difference
         and each refuses the same way, saying what differs: where the sums :meth:`_reduce` carried
@@ -295,11 +300,11 @@ class GradientAllReduce:
         call = self.call
         if call is None:   # (a gradient outside any update: nothing to agree on)
             return
-        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key],
+        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key, which],
                             dtype=torch.float64, device=self.device)
         both = torch.cat([mine, -mine])
         self._all_reduce(both, op=self.dist.ReduceOp.MAX)
-        high, low = both[:5].cpu(), -both[5:].cpu()
+        high, low = both[:6].cpu(), -both[6:].cpu()
         if torch.equal(high, low):
             return
         if high[1] != low[1]:   # (the same message as a gathering policy's: the calls are not paired)
@@ -331,6 +336,8 @@ class GradientAllReduce:
             what = f"one had averaged {n} gradient{'' if n == 1 else 's'} when another ended the update"
         elif high[3] != low[3]:
             what = f"at gradient {int(high[2]) + 1} one averaged {int(low[3]):,} values, another {int(high[3]):,}"
+        elif high[5] != low[5]:
+            what = f"at gradient {int(high[2]) + 1} they averaged the gradients of different parameters"
         else:
             what = "they were updating different state"
         raise ConfigError(
