@@ -396,3 +396,27 @@ def test_learners_whose_gradients_are_of_different_parameters_of_one_size_are_re
                                           rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes"):
         ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_penalty_on_the_averaged_gradient_is_differentiated_as_one_learner_does(write_algo, via, monkeypatch):
+    """A gradient penalty (`torch.autograd.grad(loss, params, create_graph=True)`, then the squared
+    norm of the gradient added to the loss): the learners' penalty's gradient was 1/K of one
+    learner's, as each differentiated the average through its own gradient divided by K (the
+    all-reduce is not differentiated) and the results were averaged again (helper A, round after
+    4dad458; gloo and shared memory alike)."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace("""            opt.zero_grad()
+            loss.backward()""", """            grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+            penalty = sum(g.pow(2).sum() for g in grads)   # the averaged gradient's squared norm
+            opt.zero_grad()
+            (loss + 0.5 * penalty).backward()""")
+    path, _ = write_algo(source, "penalty.py")
+    prog = load(str(path))
+    args = prog.args_cls()
+    one = ff.run(prog.train, args, policy="single_process")
+    two = ff.run(prog.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert mp.active_children() == [] and shm_leftovers() == []

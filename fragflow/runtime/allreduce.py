@@ -194,11 +194,16 @@ class GradientAllReduce:
         self.averaged += 1
 
     def average(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce)."""
+        """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce). Taken
+        with ``create_graph=True``, each average is differentiated as this learner's own gradient
+        (the average's value, plus the gradient less itself): a term on it (a gradient penalty)
+        gives each learner its share's part, which the learners' next average makes the whole
+        batch's, as one learner differentiates it (differentiated through the average, divided by K,
+        it was 1/K of that)."""
         present = [g for g in grads if g is not None]
         if not present:
             return grads
-        flat = self._reduce([g.reshape(-1) for g in present])
+        flat = self._reduce([g.detach().reshape(-1) for g in present])
         flat.div_(self.world)
         out: list[Any] = []
         pos = 0
@@ -206,7 +211,8 @@ class GradientAllReduce:
             if g is None:
                 out.append(None)
                 continue
-            out.append(flat[pos:pos + g.numel()].view_as(g))
+            mean = flat[pos:pos + g.numel()].view_as(g)
+            out.append(mean + (g - g.detach()) if g.requires_grad else mean)   # (the value is the average's, exactly)
             pos += g.numel()
         self.averaged += 1
         return tuple(out)
