@@ -420,3 +420,43 @@ def test_a_penalty_on_the_averaged_gradient_is_differentiated_as_one_learner_doe
     for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_learners_at_a_bfloat16_and_a_float32_gradient_are_refused_not_left_waiting(write_algo):
+    """A bfloat16 head used on each learner's own condition: one learner's backward pass began with
+    the bfloat16 parameters (summed by gloo, its update's place first compared through gloo), the
+    other's with float32 ones (summed in shared memory): each waited for the other at a different
+    sum, for good (helper A, round after 4dad458). Every learner now says where it is through
+    shared memory first, whatever the dtype, and the run is refused at once."""
+    import os
+    import signal
+    import threading
+
+    from fragflow.backends.local import sharedsum
+
+    if not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    source = PROGRAM.replace("net = torch.nn.Linear(3, 1)",
+                             "net = torch.nn.ModuleList([torch.nn.Linear(3, 1).bfloat16(), torch.nn.Linear(3, 1)])") \
+        .replace("loss = ((net(x) - y) ** 2).mean()",
+                 "h = net[1](x)\n"
+                 "        if float(x[0, 0]) > 0:   # a bfloat16 side head, on this share's first input\n"
+                 "            h = h + net[0](x.bfloat16()).float()\n"
+                 "        loss = ((h - y) ** 2).mean()") \
+        .replace("torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)", "pass")
+    path, _ = write_algo(source, "bf16_head.py")
+    prog = load(str(path))
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    from fragflow.runtime.signals import Terminated
+
+    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))   # (a wait for good ends the run, failing)
+    stop.start()
+    try:
+        with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(at "
+                                              r"gradient 1 one averaged 4 values, another 8\)"):
+            ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    except Terminated:
+        pytest.fail("the learners waited for each other for good (stopped after 30 s)")
+    finally:
+        stop.cancel()
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -264,7 +264,18 @@ class GradientAllReduce:
         call = self.call
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self._agree(numel, closing, which)   # (its own all-reduce: where it is the update's end, the only one)
+            if self.shared is not None and call is not None:
+                # where it is, summed in shared memory as an exact gradient's sum is: a learner at this one and
+                # another at a float32 gradient meet at the same sum (their sizes differ), not each at its own
+                digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel,
+                                              call.given_key, which), dtype=torch.float64)
+                both = torch.cat([digits, digits * digits])
+                self._summed(both, numel, closing, which)
+                m = digits.numel()
+                if not torch.equal(both[:m] * both[:m], both[m:] * self.world):
+                    self._agree(numel, closing, which)
+            else:
+                self._agree(numel, closing, which)   # (its own all-reduce: where it is the update's end, the only one)
             if not closing:
                 self._summed(flat, numel, closing, which)
             self.last = (numel, dtype, device)
