@@ -460,3 +460,44 @@ def test_learners_at_a_bfloat16_and_a_float32_gradient_are_refused_not_left_wait
     finally:
         stop.cancel()
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_learner_waiting_in_shared_memory_for_a_killed_one_ends_as_the_run_stops(write_algo, tmp_path):
+    """One learner killed mid-update (no word from it): the other, waiting for its gradient in the
+    shared-memory sum, checked only for learners that said they ended or failed, not the run's stop
+    as sharedsum says, and ran on until the driver terminated it after its JOIN_TIMEOUT (3 s): the
+    run ended 2-3 s later than with gloo, whose connection to the dead learner fails at once
+    (helper A, round after 4dad458)."""
+    import time
+
+    from fragflow.backends.local import sharedsum
+    from fragflow.runtime.multiprocess import JOIN_TIMEOUT, WorkerDied
+
+    if not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    marker = tmp_path / "killed"
+    source = PROGRAM.replace("    for _ in range(2):                                   # two gradient steps per update\n",
+                             f"""    for i in range(2):
+        if i == 1 and args.seed == 5 and os.getpid() != int(os.environ["ROOT_PID"]):   # mid-update, in one learner
+            try:
+                fd = os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                fd = None
+            if fd is not None:
+                os.write(fd, repr(time.time()).encode())
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+""").replace("import numpy as np\n", "import os\nimport signal\nimport time\nimport numpy as np\n", 1)
+    path, _ = write_algo(source, "killed.py")
+    prog = load(str(path))
+    import os
+
+    os.environ["ROOT_PID"] = str(os.getpid())   # (the trace runs the learner in this process: it is not killed)
+    try:
+        with pytest.raises(WorkerDied, match=r"learner.[01] process was killed by signal 9"):
+            ff.run(prog.train, prog.args_cls(seed=5), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+        ended = time.time()
+    finally:
+        del os.environ["ROOT_PID"]
+    assert ended - float(marker.read_text()) < JOIN_TIMEOUT - 1.0   # (not the driver's terminating it)
+    assert mp.active_children() == [] and shm_leftovers() == []

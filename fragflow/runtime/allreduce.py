@@ -59,7 +59,8 @@ def group_backend(devices: list[str]) -> str:
 
 
 class GradientAllReduce:
-    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None, sums: str = "") -> None:
+    def __init__(self, rank: int, world: int, rendezvous: tuple[str, int] | None, sums: str = "",
+                 stop: Any = None) -> None:
         import torch.distributed as dist
 
         if rendezvous is None:
@@ -80,6 +81,7 @@ class GradientAllReduce:
         self.store: Any = None
         self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
         self.shared: Any = None             # its SharedSum, where every learner's tensors are on the CPU
+        self.stop = stop                    # the run's stop event (a shared-memory sum's wait ends with the run)
         # where a learner's time goes (see report): its updates, the user's calls in them, the all-reduces
         self.timing = {"busy_ns": 0, "call_ns": 0, "sync_ns": 0, "all_reduces": 0, "updates": 0}
 
@@ -138,7 +140,8 @@ class GradientAllReduce:
 
     def _check_peers(self) -> None:
         """While waiting for the others in a shared-memory sum: raise where one of them will not come
-        (it ended its run, or failed: then its own error, reported first, is the run's)."""
+        (it ended its run, or failed: then its own error, reported first, is the run's), or where the
+        run stops (a learner killed says nothing: the driver stops the run)."""
         others = [k for k in range(self.world) if k != self.rank]
         failed = [k for k in others if self.store.check([f"fragflow.failed.{k}"])]
         if failed:
@@ -148,6 +151,10 @@ class GradientAllReduce:
         ended = [k for k in others if self.store.check([f"fragflow.ended.{k}"])]
         if ended:
             raise self._ended(ended)
+        if self.stop is not None and self.stop.is_set():
+            from fragflow.backends import Stopped
+
+            raise Stopped
 
     def watch(self, state: Any, name: str) -> None:
         """Average what backward accumulates into the parameters of every optimizer in ``state``,

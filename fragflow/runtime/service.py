@@ -125,7 +125,7 @@ class ServiceRunner(Gathering):
             from fragflow.runtime.allreduce import GradientAllReduce
 
             self.reducer = GradientAllReduce(program.rank, program.world, (saving or {}).get("rendezvous"),
-                                             getattr(endpoints, "sums", ""))
+                                             getattr(endpoints, "sums", ""), self.stop)
         # checkpoints: where parts go, the newest request served, objects to load on resume
         self.saving = saving or {}
         self.driver = driver
