@@ -501,3 +501,26 @@ def test_a_learner_waiting_in_shared_memory_for_a_killed_one_ends_as_the_run_sto
         del os.environ["ROOT_PID"]
     assert ended - float(marker.read_text()) < JOIN_TIMEOUT - 1.0   # (not the driver's terminating it)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_each_learners_time_counts_every_update_of_its_state_not_only_the_clocks(write_algo):
+    """Two learner fragments a trip (a critic's update, then an actor's): the calls' time and the
+    all-reduces' of both were counted, the updates' time of the first only, and a learner's
+    summary said its calls and its all-reduces took longer than its updates (helper A, round after
+    5845188)."""
+    head, rest = PROGRAM.split('@ff.fragment("learner", writes="state")\n')
+    learner = rest[:rest.index("\n\n\n")]
+    source = (head + '@ff.fragment("learner", writes="state")\n' + learner + "\n\n\n"
+              + '@ff.fragment("learner", writes="state")\n' + learner.replace("def learn(", "def learn_again(")
+              + rest[len(learner):]).replace(
+        "        state, metrics = learn(state, xs, ys, args)   # lists of [env, ...] arrays: the env axis is known",
+        "        state, metrics = learn(state, xs, ys, args)   # lists of [env, ...] arrays: the env axis is known\n"
+        "        state, _ = learn_again(state, xs, ys, args)   # a second update of the state, in the same trip")
+    path, _ = write_algo(source, "two_updates.py")
+    prog = load(str(path))
+    two = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    learners = two.summary["channels"]["trajectory"]["learners"]
+    for t in learners:
+        assert t["updates"] == 6 and t["all_reduces"] == 2 * 3 * 6
+        assert 0 < t["sync_s"] < t["busy_s"] and 0 < t["call_s"] < t["busy_s"], t
+    assert mp.active_children() == [] and shm_leftovers() == []
