@@ -360,7 +360,7 @@ class GradientAllReduce:
             what = f"one had averaged {n} gradient{'' if n == 1 else 's'} when another ended the update"
         elif high[3] != low[3]:
             what = f"at gradient {int(high[2]) + 1} one averaged {int(low[3]):,} values, another {int(high[3]):,}"
-        elif high[5] != low[5]:
+        elif high[5] != low[5] and high[0] == low[0]:   # (the same fragment: else its state differs)
             what = f"at gradient {int(high[2]) + 1} they averaged the gradients of different parameters"
         else:
             what = "they were updating different state"
