@@ -398,3 +398,176 @@ def test_learners_told_to_sum_through_gloo_get_no_shared_memory_segment(program,
         finally:
             wiring.release()
     assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_gradients_taken_with_create_graph_are_averaged_in_shared_memory_too(write_algo, functional):
+    """`loss.backward(create_graph=True)` or `torch.autograd.grad(..., create_graph=True)` (a
+    double backward's first pass) gives gradients that require grad: the shared-memory sum called
+    .numpy() on them and the learner failed with torch's "Can't call numpy() on Tensor that requires
+    grad", where gloo averaged them (helper A, round after 4dad458)."""
+    source = PROGRAM.replace("grads = torch.autograd.grad(loss, list(net.parameters()))",
+                             "grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)") \
+        .replace("loss.backward()", "loss.backward(create_graph=True)")
+    path, _ = write_algo(source, "create_graph.py")
+    prog = load(str(path))
+    args = prog.args_cls(functional=functional)
+    one = ff.run(prog.train, args, policy="single_process")
+    two = ff.run(prog.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_learners_whose_gradients_are_of_different_parameters_of_one_size_are_refused(write_algo, via, monkeypatch):
+    """A head chosen on each learner's own share (two heads of one size): one learner's gradient was
+    of head 1, the other's of head 2, of as many values, and the learners averaged one head's
+    gradient with the other's and stepped each its own head with it, silently apart (helper A, round
+    after 4dad458): each all-reduce carried its gradient's size, not which parameters it was of."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace("net = torch.nn.Linear(3, 1)", "net = torch.nn.Sequential(torch.nn.Linear(3, 4), "
+                             "torch.nn.Linear(4, 1), torch.nn.Linear(4, 1))") \
+        .replace("loss = ((net(x) - y) ** 2).mean()",
+                 "head = net[1] if float(x[0, 0]) > 0 else net[2]   # a head chosen on this share's first input\n"
+                 "        loss = ((head(net[0](x)) - y) ** 2).mean()") \
+        .replace('@ff.fragment("learner", writes="state")', '@ff.fragment("learner", writes="state")  # @learn')
+    path, marks = write_algo(source, "heads.py")
+    prog = load(str(path))
+    from tests.conftest import relpath
+
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(at gradient "
+                                          r"1 they averaged the gradients of different parameters\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes"):
+        ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_penalty_on_the_averaged_gradient_is_differentiated_as_one_learner_does(write_algo, via, monkeypatch):
+    """A gradient penalty (`torch.autograd.grad(loss, params, create_graph=True)`, then the squared
+    norm of the gradient added to the loss): the learners' penalty's gradient was 1/K of one
+    learner's, as each differentiated the average through its own gradient divided by K (the
+    all-reduce is not differentiated) and the results were averaged again (helper A, round after
+    4dad458; gloo and shared memory alike)."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace("""            opt.zero_grad()
+            loss.backward()""", """            grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+            penalty = sum(g.pow(2).sum() for g in grads)   # the averaged gradient's squared norm
+            opt.zero_grad()
+            (loss + 0.5 * penalty).backward()""")
+    path, _ = write_algo(source, "penalty.py")
+    prog = load(str(path))
+    args = prog.args_cls()
+    one = ff.run(prog.train, args, policy="single_process")
+    two = ff.run(prog.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_learners_at_a_bfloat16_and_a_float32_gradient_are_refused_not_left_waiting(write_algo):
+    """A bfloat16 head used on each learner's own condition: one learner's backward pass began with
+    the bfloat16 parameters (summed by gloo, its update's place first compared through gloo), the
+    other's with float32 ones (summed in shared memory): each waited for the other at a different
+    sum, for good (helper A, round after 4dad458). Every learner now says where it is through
+    shared memory first, whatever the dtype, and the run is refused at once."""
+    import os
+    import signal
+    import threading
+
+    from fragflow.backends.local import sharedsum
+
+    if not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    source = PROGRAM.replace("net = torch.nn.Linear(3, 1)",
+                             "net = torch.nn.ModuleList([torch.nn.Linear(3, 1).bfloat16(), torch.nn.Linear(3, 1)])") \
+        .replace("loss = ((net(x) - y) ** 2).mean()",
+                 "h = net[1](x)\n"
+                 "        if float(x[0, 0]) > 0:   # a bfloat16 side head, on this share's first input\n"
+                 "            h = h + net[0](x.bfloat16()).float()\n"
+                 "        loss = ((h - y) ** 2).mean()") \
+        .replace("torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)", "pass")
+    path, _ = write_algo(source, "bf16_head.py")
+    prog = load(str(path))
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    from fragflow.runtime.signals import Terminated
+
+    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))   # (a wait for good ends the run, failing)
+    stop.start()
+    try:
+        with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(at "
+                                              r"gradient 1 one averaged 4 values, another 8\)"):
+            ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    except Terminated:
+        pytest.fail("the learners waited for each other for good (stopped after 30 s)")
+    finally:
+        stop.cancel()
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_learner_waiting_in_shared_memory_for_a_killed_one_ends_as_the_run_stops(write_algo, tmp_path):
+    """One learner killed mid-update (no word from it): the other, waiting for its gradient in the
+    shared-memory sum, checked only for learners that said they ended or failed, not the run's stop
+    as sharedsum says, and ran on until the driver terminated it after its JOIN_TIMEOUT (3 s): the
+    run ended 2-3 s later than with gloo, whose connection to the dead learner fails at once
+    (helper A, round after 4dad458)."""
+    import time
+
+    from fragflow.backends.local import sharedsum
+    from fragflow.runtime.multiprocess import JOIN_TIMEOUT, WorkerDied
+
+    if not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    marker = tmp_path / "killed"
+    source = PROGRAM.replace("    for _ in range(2):                                   # two gradient steps per update\n",
+                             f"""    for i in range(2):
+        if i == 1 and args.seed == 5 and os.getpid() != int(os.environ["ROOT_PID"]):   # mid-update, in one learner
+            try:
+                fd = os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                fd = None
+            if fd is not None:
+                os.write(fd, repr(time.time()).encode())
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+""").replace("import numpy as np\n", "import os\nimport signal\nimport time\nimport numpy as np\n", 1)
+    path, _ = write_algo(source, "killed.py")
+    prog = load(str(path))
+    import os
+
+    os.environ["ROOT_PID"] = str(os.getpid())   # (the trace runs the learner in this process: it is not killed)
+    try:
+        with pytest.raises(WorkerDied, match=r"learner.[01] process was killed by signal 9"):
+            ff.run(prog.train, prog.args_cls(seed=5), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+        ended = time.time()
+    finally:
+        del os.environ["ROOT_PID"]
+    assert ended - float(marker.read_text()) < JOIN_TIMEOUT - 1.0   # (not the driver's terminating it)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_each_learners_time_counts_every_update_of_its_state_not_only_the_clocks(write_algo):
+    """Two learner fragments a trip (a critic's update, then an actor's): the calls' time and the
+    all-reduces' of both were counted, the updates' time of the first only, and a learner's
+    summary said its calls and its all-reduces took longer than its updates (helper A, round after
+    5845188)."""
+    head, rest = PROGRAM.split('@ff.fragment("learner", writes="state")\n')
+    learner = rest[:rest.index("\n\n\n")]
+    source = (head + '@ff.fragment("learner", writes="state")\n' + learner + "\n\n\n"
+              + '@ff.fragment("learner", writes="state")\n' + learner.replace("def learn(", "def learn_again(")
+              + rest[len(learner):]).replace(
+        "        state, metrics = learn(state, xs, ys, args)   # lists of [env, ...] arrays: the env axis is known",
+        "        state, metrics = learn(state, xs, ys, args)   # lists of [env, ...] arrays: the env axis is known\n"
+        "        state, _ = learn_again(state, xs, ys, args)   # a second update of the state, in the same trip")
+    path, _ = write_algo(source, "two_updates.py")
+    prog = load(str(path))
+    two = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    learners = two.summary["channels"]["trajectory"]["learners"]
+    for t in learners:
+        assert t["updates"] == 6 and t["all_reduces"] == 2 * 3 * 6
+        assert 0 < t["sync_s"] < t["busy_s"] and 0 < t["call_s"] < t["busy_s"], t
+    assert mp.active_children() == [] and shm_leftovers() == []

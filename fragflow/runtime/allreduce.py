@@ -142,10 +142,6 @@ class GradientAllReduce:
         """While waiting for the others in a shared-memory sum: raise where one of them will not come
         (it ended its run, or failed: then its own error, reported first, is the run's), or the run
         has stopped (a learner killed by a signal says nothing in the store)."""
-        if self.stop is not None and self.stop.is_set():
-            from fragflow.backends import Stopped
-
-            raise Stopped
         others = [k for k in range(self.world) if k != self.rank]
         failed = [k for k in others if self.store.check([f"fragflow.failed.{k}"])]
         if failed:
@@ -155,6 +151,14 @@ class GradientAllReduce:
         ended = [k for k in others if self.store.check([f"fragflow.ended.{k}"])]
         if ended:
             raise self._ended(ended)
+        if self.stop is not None and self.stop.is_set():
+            from fragflow.backends import Stopped
+
+            raise Stopped
+        if self.stop is not None and self.stop.is_set():
+            from fragflow.backends import Stopped
+
+            raise Stopped
 
     def watch(self, state: Any, name: str) -> None:
         """Average what backward accumulates into the parameters of every optimizer in ``state``,
@@ -190,7 +194,9 @@ class GradientAllReduce:
         self.queued = False
         pending, self.pending = sorted(self.pending, key=lambda q: self.order[id(q)]), []
         grads = [q.grad for q in pending]
-        flat = self._reduce([g.reshape(-1) for g in grads])
+        # which parameters: learners' gradients of as many values may be of different ones (a branch on the share)
+        which = zlib.crc32(repr([self.order[id(q)] for q in pending]).encode()) % 251 ** 3
+        flat = self._reduce([g.reshape(-1) for g in grads], which=which)
         flat.div_(self.world)
         pos = 0
         for g in grads:
@@ -199,11 +205,16 @@ class GradientAllReduce:
         self.averaged += 1
 
     def average(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce)."""
+        """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce). Taken
+        with ``create_graph=True``, each average is differentiated as this learner's own gradient
+        (the average's value, plus the gradient less itself): a term on it (a gradient penalty)
+        gives each learner its share's part, which the learners' next average makes the whole
+        batch's, as one learner differentiates it (differentiated through the average, divided by K,
+        it was 1/K of that)."""
         present = [g for g in grads if g is not None]
         if not present:
             return grads
-        flat = self._reduce([g.reshape(-1) for g in present])
+        flat = self._reduce([g.detach().reshape(-1) for g in present])
         flat.div_(self.world)
         out: list[Any] = []
         pos = 0
@@ -211,7 +222,8 @@ class GradientAllReduce:
             if g is None:
                 out.append(None)
                 continue
-            out.append(flat[pos:pos + g.numel()].view_as(g))
+            mean = flat[pos:pos + g.numel()].view_as(g)
+            out.append(mean + (g - g.detach()) if g.requires_grad else mean)   # (the value is the average's, exactly)
             pos += g.numel()
         self.averaged += 1
         return tuple(out)
@@ -250,11 +262,12 @@ class GradientAllReduce:
                               where=where, fix="compute gradients with torch (backward() into the parameters of the versioned "
                                   "state's modules or tensors, or torch.autograd.grad), or use a single-learner policy")
 
-    def _reduce(self, parts: list[Any], closing: bool = False) -> Any:
+    def _reduce(self, parts: list[Any], closing: bool = False, which: int = 0) -> Any:
         """``parts`` concatenated and all-reduced (summed), with a few numbers saying where this
         learner is (see :meth:`_agree`) in the same all-reduce: small integers and their squares,
         whose sums are equal across the learners, and exact in float32, where every learner's are
-        the same (K * sum(x^2) == sum(x)^2). Where they differ, :meth:`_agree` says how."""
+        the same (K * sum(x^2) == sum(x)^2). Where they differ, :meth:`_agree` says how. ``which``:
+        a number for the parameters the gradient is of (0: not known)."""
         import torch
 
         numel = sum(int(p.numel()) for p in parts)
@@ -262,23 +275,35 @@ class GradientAllReduce:
         call = self.call
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self._agree(numel, closing)   # (its own all-reduce: where it is the update's end, the only one)
+            if self.shared is not None and call is not None:
+                # where it is, summed in shared memory as an exact gradient's sum is: a learner at this one and
+                # another at a float32 gradient meet at the same sum (their sizes differ), not each at its own
+                digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel,
+                                              call.given_key, which), dtype=torch.float64)
+                both = torch.cat([digits, digits * digits])
+                self._summed(both, numel, closing, which)
+                m = digits.numel()
+                if not torch.equal(both[:m] * both[:m], both[m:] * self.world):
+                    self._agree(numel, closing, which)
+            else:
+                self._agree(numel, closing, which)   # (its own all-reduce: where it is the update's end, the only one)
             if not closing:
-                self._summed(flat, numel, closing)
+                self._summed(flat, numel, closing, which)
             self.last = (numel, dtype, device)
             return flat
-        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key),
+        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key,
+                                      which),
                               dtype=dtype, device=device)
         flat = torch.cat([*parts, digits, digits * digits])
-        self._summed(flat, numel, closing)
+        self._summed(flat, numel, closing, which)
         m = digits.numel()
         sums, squares = flat[numel:numel + m].double().cpu(), flat[numel + m:].double().cpu()
         if not torch.equal(sums * sums, squares * self.world):
-            self._agree(numel, closing)   # (every learner got the same sums: each asks, and refuses, alike)
+            self._agree(numel, closing, which)   # (every learner got the same sums: each asks, and refuses, alike)
         self.last = (numel, dtype, device)
         return flat[:numel]
 
-    def _summed(self, flat: Any, numel: int, closing: bool) -> None:
+    def _summed(self, flat: Any, numel: int, closing: bool, which: int = 0) -> None:
         """``flat`` all-reduced in place; where the learners' sizes differ (a shared-memory sum finds
         it before it sums), :meth:`_agree` says how."""
         from fragflow.backends.local.sharedsum import SizesDiffer
@@ -286,13 +311,14 @@ class GradientAllReduce:
         try:
             self._all_reduce(flat)
         except SizesDiffer:
-            self._agree(numel, closing)
+            self._agree(numel, closing, which)
             raise ConfigError("the learners all-reduced gradients of different sizes outside an update",
                               fix="compute gradients only inside the learner's update") from None
 
-    def _agree(self, numel: int, closing: bool = False) -> None:
+    def _agree(self, numel: int, closing: bool = False, which: int = 0) -> None:
         """Every learner must be at the same point of the same update (the same fragment, called by
-        its loop replicas after as many env steps; the same gradient of it, of the same size), else
+        its loop replicas after as many env steps; the same gradient of it, of the same size and
+        parameters), else
         the all-reduce would average, or wait for, what another learner never computes. Those
         numbers, all-reduced to their maximum and minimum, so that every learner sees any difference
         and each refuses the same way, saying what differs: where the sums :meth:`_reduce` carried
@@ -302,11 +328,11 @@ class GradientAllReduce:
         call = self.call
         if call is None:   # (a gradient outside any update: nothing to agree on)
             return
-        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key],
+        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key, which],
                             dtype=torch.float64, device=self.device)
         both = torch.cat([mine, -mine])
         self._all_reduce(both, op=self.dist.ReduceOp.MAX)
-        high, low = both[:5].cpu(), -both[5:].cpu()
+        high, low = both[:6].cpu(), -both[6:].cpu()
         if torch.equal(high, low):
             return
         if high[1] != low[1]:   # (the same message as a gathering policy's: the calls are not paired)
@@ -338,6 +364,8 @@ class GradientAllReduce:
             what = f"one had averaged {n} gradient{'' if n == 1 else 's'} when another ended the update"
         elif high[3] != low[3]:
             what = f"at gradient {int(high[2]) + 1} one averaged {int(low[3]):,} values, another {int(high[3]):,}"
+        elif high[5] != low[5] and high[0] == low[0]:   # (the same fragment: else its state differs)
+            what = f"at gradient {int(high[2]) + 1} they averaged the gradients of different parameters"
         else:
             what = "they were updating different state"
         raise ConfigError(

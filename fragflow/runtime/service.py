@@ -440,9 +440,9 @@ class ServiceRunner(Gathering):
         logged = self._logged(fragment, out)
         # the call's number in loop replica 0, which logs: the driver writes what it logged of it
         call = next((p.call for p in pieces if p.replica == 0), None)
-        if clock and self.reducer is not None:
+        if self.reducer is not None and frag.writes is not None:   # (every update's, as its calls' and all-reduces')
             self.reducer.timing["busy_ns"] += time.perf_counter_ns() - t0
-            self.reducer.timing["updates"] += 1
+            self.reducer.timing["updates"] += int(clock)
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
             self.results.put(("update", self.version, fragment, call, logged))
