@@ -571,3 +571,20 @@ def test_each_learners_time_counts_every_update_of_its_state_not_only_the_clocks
         assert t["updates"] == 6 and t["all_reduces"] == 2 * 3 * 6
         assert 0 < t["sync_s"] < t["busy_s"] and 0 < t["call_s"] < t["busy_s"], t
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_the_summary_says_how_the_learners_sums_went_gloo_for_bfloat16(write_algo):
+    """A bfloat16 network under shared memory: its gradients are summed by gloo (numpy has no
+    bfloat16), the learners' places by shared memory; the summary said "shared memory" alone
+    (helper A's note)."""
+    from fragflow.backends.local import sharedsum
+
+    if not sharedsum.available():
+        pytest.skip("the shared-memory sum runs on x86-64 only")
+    source = PROGRAM.replace("net = torch.nn.Linear(3, 1)", "net = torch.nn.Linear(3, 1).bfloat16()") \
+        .replace("loss = ((net(x) - y) ** 2).mean()", "loss = ((net(x.bfloat16()).float() - y) ** 2).mean()")
+    path, _ = write_algo(source, "bf16.py")
+    prog = load(str(path))
+    two = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1)")
+    assert [t["via"] for t in two.summary["channels"]["trajectory"]["learners"]] == ["gloo and shared memory"] * 2
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -84,6 +84,7 @@ class GradientAllReduce:
         self.stop = stop                    # the run's stop event: a shared-memory sum's wait ends on it
         # where a learner's time goes (see report): its updates, the user's calls in them, the all-reduces
         self.timing = {"busy_ns": 0, "call_ns": 0, "sync_ns": 0, "all_reduces": 0, "updates": 0}
+        self.ways: set[str] = set()         # how its sums went (shared memory, gloo, nccl)
 
     def _join(self, devices: set[Any]) -> None:
         """Join the process group, with the backend :func:`group_backend` chooses from every
@@ -113,7 +114,10 @@ class GradientAllReduce:
             # (every learner's tensors are on the CPU; detached: a gradient taken with create_graph=True
             # requires grad, and is summed in place, as gloo does)
             self.shared.sum(tensor.detach().numpy(), self._check_peers)
+            self.ways.add("shared memory")
         else:
+            if not kwargs:   # (a sum: gloo's where the tensor is bfloat16 or float16, or on a GPU)
+                self.ways.add(str(self.group_backend))
             try:
                 self.dist.all_reduce(tensor, **kwargs)
             except RuntimeError:
@@ -401,7 +405,7 @@ class GradientAllReduce:
         if self.store is not None:
             self.store.set(f"fragflow.timing.{self.rank}",
                            json.dumps({**self.timing, "threads": torch.get_num_threads(),
-                                       "via": "shared memory" if self.shared is not None else self.group_backend}))
+                                       "via": " and ".join(sorted(self.ways)) or str(self.group_backend)}))
             self.store.check([f"fragflow.timing.{self.rank}"])   # (a round trip: the store has it before "final")
 
     def close(self, ended: bool = True) -> None:
