@@ -143,6 +143,9 @@ class Monitor:
         self.solved_at_steps: int | None = None
         self._start = time.perf_counter()
         self.replay_time: float | None = None   # events of a trace told afterwards: when they happened
+        # when the loop's first env steps were heard of, and the steps then: the rate counts from there
+        # (the program's setup before its loop, its imports and networks and optimizers, is not in it)
+        self._first: tuple[float, int] | None = None
         self._next_refresh = 0.0
         self._pending: dict[str, float] | None = None
         # one process runs loop and learners: an update's row is complete when env steps come again.
@@ -184,6 +187,7 @@ class Monitor:
     # -- what executors report --------------------------------------------------------
     def start(self) -> None:
         self._start = time.perf_counter()
+        self._first = None
         if self.progress is not None:
             self.progress.start()
 
@@ -192,6 +196,8 @@ class Monitor:
         if tagged:
             self._tagged.setdefault(replica, []).extend(tagged)
         self.env_steps += n
+        if self._first is None and n > 0:   # (those steps were made before now: not in the rate)
+            self._first = (time.perf_counter() if self.replay_time is None else self.replay_time, self.env_steps)
         if self._pending is not None and self.rows_end_at_steps:
             self._flush()
         for ret, length in finished:
@@ -492,6 +498,16 @@ class Monitor:
     def wall_seconds(self) -> float:
         return (time.perf_counter() if self.replay_time is None else self.replay_time) - self._start
 
+    def rate(self, now: float | None = None) -> float:
+        """Env steps per second of this run's loop: since its first env steps (they, and the program's
+        setup before them, are not counted), as CleanRL's SPS and SB3's fps count from the loop's start."""
+        if self._first is None:
+            return 0.0
+        if now is None:
+            now = time.perf_counter() if self.replay_time is None else self.replay_time
+        then, steps = self._first
+        return (self.env_steps - steps) / (now - then) if now > then else 0.0
+
     @property
     def recent_return(self) -> float | None:
         return sum(self.recent) / len(self.recent) if self.recent else None
@@ -501,7 +517,7 @@ class Monitor:
         nan = math.nan
         row = {
             "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": self.base_wall + wall,
-            "steps_per_second": (self.env_steps - self.base_steps) / wall if wall > 0 else 0.0,
+            "steps_per_second": self.rate(),
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
             "episodes": float(self.base_episodes + len(self.episodes)),
@@ -542,14 +558,14 @@ class Monitor:
                 extra += f"  {name}: depth {s['depth']} drops {s['drops']}"
             if self.restarts:
                 extra += f"  restarts {self.restarts}"
-            self.progress.update(self.env_steps, (self.env_steps - self.base_steps) / wall if wall > 0 else 0.0,
+            self.progress.update(self.env_steps, self.rate(now),
                                  self.recent_return, wall, extra)
 
     def summary(self) -> dict[str, Any]:
         wall = self.wall_seconds
         out: dict[str, Any] = {
             "env_steps": self.env_steps, "updates": self.updates, "wall_seconds": round(wall, 3),
-            "steps_per_second": round((self.env_steps - self.base_steps) / wall, 1) if wall > 0 else 0.0,
+            "steps_per_second": round(self.rate(), 1),
             "episodes": self.base_episodes + len(self.episodes),
             "final_return_mean": self.recent_return,
         }
