@@ -344,7 +344,7 @@ import fragflow as ff
 
 @ff.fragment("actor")  # @def
 def act(q, obs):
-    q.eval()   # eagerly the one module: the learner then learns without dropout
+    {act_mode}
     with torch.no_grad():
         return q(torch.as_tensor(obs)).argmax(-1).numpy()
 
@@ -355,6 +355,7 @@ def learn(state, batch):
     state["opt"].zero_grad()
     loss.backward()
     state["opt"].step()
+    {end_mode}
     return state, {{"loss": loss.detach()}}
 
 def train():
@@ -376,15 +377,30 @@ def test_an_actor_setting_the_modes_of_the_state_s_modules_is_refused_apart_unle
     """An actor's q.eval() turns off the learner's dropout eagerly; apart, the learner's copy kept
     training mode and the run silently left single_process's. A learner that sets the mode itself
     learns alike wherever it runs."""
-    path, marks = write_algo(MODES.format(set_mode="pass"))
+    # eagerly the one module: the learner then learns without dropout
+    path, marks = write_algo(MODES.format(act_mode="q.eval()", set_mode="pass", end_mode="pass"))
     program = load(str(path))
     ff.run(program.train, policy="single_process")
     with pytest.raises(PlacementError, match=rf"actor fragment 'act' changes the versioned state 'state' \(argument "
                                              rf"'q': the training mode of its modules.*\n  at {relpath(path)}:"
                                              rf"{marks['def']}\n  fix: set the mode in the learner too"):
         compile(program.train, policy="pipelined")
-    path, _ = write_algo(MODES.format(set_mode='state["q"].train()'))
+    path, _ = write_algo(MODES.format(act_mode="q.eval()", set_mode='state["q"].train()', end_mode="pass"))
     compile(load(str(path)).train, policy="pipelined")   # the learner sets its mode: placed
+
+
+def test_an_actor_acting_in_the_mode_a_learner_leaves_the_state_s_modules_in_is_refused_apart(write_algo):
+    """The other way: a learner that ends with q.eval() has the actor act without dropout eagerly;
+    apart, the actor's copy kept training mode (a version carries tensors, not modes)."""
+    path, marks = write_algo(MODES.format(act_mode="pass", set_mode='state["q"].train()', end_mode='state["q"].eval()'))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act' acts with versioned state 'state' \(argument 'q'\), "
+                                             rf"whose modules' mode learner 'learn' changes.*\n  at {relpath(path)}:"
+                                             rf"{marks['def']}\n  fix: set the mode in 'act' itself"):
+        compile(program.train, policy="pipelined")
+    path, _ = write_algo(MODES.format(act_mode="q.eval()", set_mode='state["q"].train()', end_mode='state["q"].eval()'))
+    compile(load(str(path)).train, policy="pipelined")   # the actor sets its mode: placed
 
 
 def test_an_actor_reaching_a_module_of_the_state_through_a_global_is_refused_where_it_runs_apart(write_algo):

@@ -124,6 +124,9 @@ class Tracer(StateBook):
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self._mode_changes: dict[str, tuple[str, str]] = {}   # fragment -> (state, what) whose modules' mode it set
         self._learner_sets_mode: set[str] = set()   # states whose modules' mode a learner sets itself
+        self._actor_sets_mode: set[str] = set()   # ... an acting fragment sets itself
+        self._learner_mode_changes: dict[str, str] = {}   # state -> the learner that left its modules in another mode
+        self._mode_readers: dict[str, tuple[str, str]] = {}   # acting fragment -> (state, argument) with modules it reads
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
@@ -388,7 +391,9 @@ class Tracer(StateBook):
                 rec.reads_captured = f"'{captured[2]}' through the {captured[0]} '{captured[1]}'"
         # a learner that sets its modules' mode itself (.train() at its start) acts alike wherever an
         # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
-        mode_set = _ModeSet() if frag.role == "learner" and state_args else contextlib.nullcontext()
+        mode_set = _ModeSet() if state_args and (frag.role == "learner" or read) else contextlib.nullcontext()
+        entered = [(state, _modes(bound.arguments[pname])) for pname, state in state_args] \
+            if frag.role == "learner" else []
         with mode_set:
             if rec.reads_captured:
                 with handles_as_values(frag.fn):
@@ -399,7 +404,13 @@ class Tracer(StateBook):
             for pname, state in state_args:
                 value = bound.arguments[pname]
                 if any(id(m) in mode_set.ids for m in _module_list(value)):
-                    self._learner_sets_mode.add(state)
+                    (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).add(state)
+        for (pname, state), (_, was_modes) in zip(state_args, entered):
+            if _modes(bound.arguments[pname]) != was_modes:   # (a learner's .eval() at its end: eagerly actors act so)
+                self._learner_mode_changes.setdefault(state, rec.name)
+        for pname, state, value in read:
+            if _module_list(value):
+                self._mode_readers.setdefault(rec.name, (state, pname))
         for (pname, state, value), was in zip(read, modes):
             if _modes(value) != was:
                 self._mode_changes.setdefault(rec.name, (state, f"'{state}' (argument '{pname}': the training mode "
@@ -684,6 +695,7 @@ class Tracer(StateBook):
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
                               mutates_state=rec.mutates or self._mode_change(rec.name), captures_state=rec.captures,
+                              learner_mode=self._learner_mode(rec.name),
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
                               other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
@@ -706,6 +718,16 @@ class Tracer(StateBook):
         actor's .eval()), apart its own copy keeps its mode."""
         change = self._mode_changes.get(name)
         return change[1] if change is not None and change[0] not in self._learner_sets_mode else ""
+
+    def _learner_mode(self, name: str) -> str:
+        """The state (argument) whose modules acting fragment ``name`` runs in the training mode a learner
+        leaves them in (``q.eval()`` at its end) without setting the mode itself: eagerly it acts in the
+        learner's mode, apart its copy keeps its own (a version carries tensors, not modes)."""
+        reads = self._mode_readers.get(name)
+        if reads is None or reads[0] not in self._learner_mode_changes or reads[0] in self._actor_sets_mode:
+            return ""
+        return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner " \
+               f"'{self._learner_mode_changes[reads[0]]}' changes"
 
     def _splittable(self, rec: NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked

@@ -326,6 +326,13 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 "leave state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
                     "ops change it even under torch.no_grad()), make the change in a learner that writes the state, "
                     "or run with --policy single_process")
+        if n.name in acting and n.learner_mode:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' acts with versioned state {n.learner_mode} (.eval() or .train()), but "
+                f"policy '{policy}' runs it apart from the learner: eagerly it acts in the mode the learner leaves, "
+                "apart its copy keeps its own (a version carries the tensors, not the mode)", where=n.defined_at,
+                fix=f"set the mode in '{n.name}' itself (q.eval() at its start), or leave the modules in training "
+                    "mode at the learner's end, or run with --policy single_process")
         if n.name in acting and n.captures_state:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' reaches an object of the versioned state {n.captures_state} instead "
