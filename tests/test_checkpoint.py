@@ -1368,3 +1368,48 @@ def test_random_generators_in_the_state_run_under_every_policy_as_eagerly_and_re
     # (its environments are reset, so its weights are another run's: its generators went on from the checkpoint)
     got = _generators_of(resumed.value)
     assert np.array_equal(got[1], eager[1]) and got[2:] == eager[2:]
+
+
+def test_a_buffer_of_the_users_own_without_state_dict_is_refused_at_the_checkpoint_not_lost(write_algo, tmp_path):
+    """Its data was left out of the checkpoint unsaid: a resumed run learned from an empty buffer."""
+    path, marks = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 8
+
+        class Memory:  # @cls
+            def __init__(self):
+                self.data = np.zeros((16, 2))
+                self.n = 0
+
+            @ff.fragment("buffer")
+            def add(self, x):
+                self.data[self.n % 16] = x
+                self.n += 1
+
+            @ff.fragment("buffer")
+            def sample(self):
+                return self.data[: max(self.n, 1)].mean(0)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            memory = Memory()
+            for step in range(args.total):
+                memory.add(np.full(2, float(step)))
+                state = learn(state, memory.sample())
+            return state
+    ''', "ownbuffer.py")
+    prog = load(str(path))
+    with pytest.raises(snapshot.CheckpointError, match=rf"cannot save the loop's 'memory': a Memory holds the data its "
+                                                       rf"buffer fragments keep, but has no state_dict\(\).*\n  at "
+                                                       rf"\S*ownbuffer.py:{marks['cls']}\n  fix: give Memory state_dict"):
+        driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b")   # runs without checkpoints

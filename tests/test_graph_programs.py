@@ -3337,6 +3337,17 @@ def test_a_module_given_as_an_argument_is_refused_at_the_call_where_its_fragment
     assert shm_leftovers() == []
 
 
+
+def test_a_module_class_of_the_users_file_is_named_by_its_file_in_the_refusal(write_algo):
+    """A target network of the user's own class was named 'fragflow_user_<file>.QNet', the name
+    fragflow loads the file under, which the user never wrote."""
+    path, _ = write_algo(MODULE_ARGUMENT.replace("frozen = nn.Linear(4, 1)", "frozen = Features()").replace(
+        "def train(", "class Features(nn.Linear):\n    def __init__(self):\n        super().__init__(4, 1)\n\n\ndef train("),
+        "usernet.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=r"is given a torch module, nets\['frozen'\] \(a usernet.Features\), "):
+        compile(program.train, policy="pipelined")
+
 LOOP_CHANGED_KINDS = """
 import types
 from collections import OrderedDict

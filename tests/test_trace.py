@@ -337,6 +337,72 @@ def train():
         compile(program.train, policy="pipelined")
 
 
+MODES = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")  # @def
+def act(q, obs):
+    {act_mode}
+    with torch.no_grad():
+        return q(torch.as_tensor(obs)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    {set_mode}
+    loss = state["q"](torch.as_tensor(batch["obs"])).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    {end_mode}
+    return state, {{"loss": loss.detach()}}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2)
+    torch.manual_seed(0)
+    q = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    state = ff.versioned({{"q": q, "opt": torch.optim.SGD(q.parameters(), lr=0.1)}})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(2):
+            obs, *_ = env.step(act(state["q"], obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+"""
+
+
+def test_an_actor_setting_the_modes_of_the_state_s_modules_is_refused_apart_unless_the_learner_sets_them(write_algo):
+    """An actor's q.eval() turns off the learner's dropout eagerly; apart, the learner's copy kept
+    training mode and the run silently left single_process's. A learner that sets the mode itself
+    learns alike wherever it runs."""
+    # eagerly the one module: the learner then learns without dropout
+    path, marks = write_algo(MODES.format(act_mode="q.eval()", set_mode="pass", end_mode="pass"))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act' changes the versioned state 'state' \(argument "
+                                             rf"'q': the training mode of its modules.*\n  at {relpath(path)}:"
+                                             rf"{marks['def']}\n  fix: set the mode in the learner too"):
+        compile(program.train, policy="pipelined")
+    path, _ = write_algo(MODES.format(act_mode="q.eval()", set_mode='state["q"].train()', end_mode="pass"))
+    compile(load(str(path)).train, policy="pipelined")   # the learner sets its mode: placed
+
+
+def test_an_actor_acting_in_the_mode_a_learner_leaves_the_state_s_modules_in_is_refused_apart(write_algo):
+    """The other way: a learner that ends with q.eval() has the actor act without dropout eagerly;
+    apart, the actor's copy kept training mode (a version carries tensors, not modes)."""
+    path, marks = write_algo(MODES.format(act_mode="pass", set_mode='state["q"].train()', end_mode='state["q"].eval()'))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(PlacementError, match=rf"actor fragment 'act' acts with versioned state 'state' \(argument 'q'\), "
+                                             rf"whose modules' mode learner 'learn' changes.*\n  at {relpath(path)}:"
+                                             rf"{marks['def']}\n  fix: set the mode in 'act' itself"):
+        compile(program.train, policy="pipelined")
+    path, _ = write_algo(MODES.format(act_mode="q.eval()", set_mode='state["q"].train()', end_mode='state["q"].eval()'))
+    compile(load(str(path)).train, policy="pipelined")   # the actor sets its mode: placed
+
+
 def test_an_actor_reaching_a_module_of_the_state_through_a_global_is_refused_where_it_runs_apart(write_algo):
     path, marks = write_algo("""
 import numpy as np

@@ -163,7 +163,8 @@ class Recording:
         if rec.module_arg is None:
             inside = _module_in(value)
             if inside is not None:
-                rec.module_arg = (f"{pname}{inside[0]}", f"{type(inside[1]).__module__}.{type(inside[1]).__qualname__}",
+                module = type(inside[1]).__module__.removeprefix("fragflow_user_")   # (a user's file: its own name)
+                rec.module_arg = (f"{pname}{inside[0]}", f"{module}.{type(inside[1]).__qualname__}",
                                   where or user_callsite())
         return tuple(recorded)
 

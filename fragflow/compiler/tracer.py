@@ -16,6 +16,7 @@ user's ``file:line``. Where the run is one process, it takes the loop over where
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -121,6 +122,11 @@ class Tracer(StateBook):
         self._learned_at: tuple[str, SourceLoc | None] | None = None   # the last learner call: which, where
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
+        self._mode_changes: dict[str, tuple[str, str]] = {}   # fragment -> (state, what) whose modules' mode it set
+        self._learner_sets_mode: set[str] = set()   # states whose modules' mode a learner sets itself
+        self._actor_sets_mode: set[str] = set()   # ... an acting fragment sets itself
+        self._learner_mode_changes: dict[str, str] = {}   # state -> the learner that left its modules in another mode
+        self._mode_readers: dict[str, tuple[str, str]] = {}   # acting fragment -> (state, argument) with modules it reads
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
@@ -357,6 +363,7 @@ class Tracer(StateBook):
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
+        modes = [_modes(value) for _, _, value in read]
         first = sum(rec.calls) == 1
         watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
         if first:
@@ -382,11 +389,32 @@ class Tracer(StateBook):
             captured = captured_state(frag.fn)
             if captured is not None:   # runs as eagerly in one process; other placements refuse it
                 rec.reads_captured = f"'{captured[2]}' through the {captured[0]} '{captured[1]}'"
-        if rec.reads_captured:
-            with handles_as_values(frag.fn):
+        # a learner that sets its modules' mode itself (.train() at its start) acts alike wherever an
+        # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
+        mode_set = _ModeSet() if state_args and (frag.role == "learner" or read) else contextlib.nullcontext()
+        entered = [(state, _modes(bound.arguments[pname])) for pname, state in state_args] \
+            if frag.role == "learner" else []
+        with mode_set:
+            if rec.reads_captured:
+                with handles_as_values(frag.fn):
+                    out = self._traced(rec, frag, bound, where)
+            else:
                 out = self._traced(rec, frag, bound, where)
-        else:
-            out = self._traced(rec, frag, bound, where)
+        if isinstance(mode_set, _ModeSet) and mode_set.ids:
+            for pname, state in state_args:
+                value = bound.arguments[pname]
+                if any(id(m) in mode_set.ids for m in _module_list(value)):
+                    (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).add(state)
+        for (pname, state), (_, was_modes) in zip(state_args, entered):
+            if _modes(bound.arguments[pname]) != was_modes:   # (a learner's .eval() at its end: eagerly actors act so)
+                self._learner_mode_changes.setdefault(state, rec.name)
+        for pname, state, value in read:
+            if _module_list(value):
+                self._mode_readers.setdefault(rec.name, (state, pname))
+        for (pname, state, value), was in zip(read, modes):
+            if _modes(value) != was:
+                self._mode_changes.setdefault(rec.name, (state, f"'{state}' (argument '{pname}': the training mode "
+                                                                "of its modules, set by .eval() or .train())"))
 
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:
@@ -666,7 +694,8 @@ class Tracer(StateBook):
                               output_axes=rec.out_axes or (),
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
-                              mutates_state=rec.mutates, captures_state=rec.captures,
+                              mutates_state=rec.mutates or self._mode_change(rec.name), captures_state=rec.captures,
+                              learner_mode=self._learner_mode(rec.name),
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
                               other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
@@ -682,6 +711,23 @@ class Tracer(StateBook):
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.window.updates, self.env_steps)
+
+    def _mode_change(self, name: str) -> str:
+        """The state whose modules' training mode fragment ``name`` (not a learner) sets, where no learner
+        sets it itself: eagerly the learner then learns in the mode the actor left (dropout off after an
+        actor's .eval()), apart its own copy keeps its mode."""
+        change = self._mode_changes.get(name)
+        return change[1] if change is not None and change[0] not in self._learner_sets_mode else ""
+
+    def _learner_mode(self, name: str) -> str:
+        """The state (argument) whose modules acting fragment ``name`` runs in the training mode a learner
+        leaves them in (``q.eval()`` at its end) without setting the mode itself: eagerly it acts in the
+        learner's mode, apart its copy keeps its own (a version carries tensors, not modes)."""
+        reads = self._mode_readers.get(name)
+        if reads is None or reads[0] not in self._learner_mode_changes or reads[0] in self._actor_sets_mode:
+            return ""
+        return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner " \
+               f"'{self._learner_mode_changes[reads[0]]}' changes"
 
     def _splittable(self, rec: NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked
@@ -750,3 +796,54 @@ def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _per(count: int, updates: int) -> float:
     return round(count / updates, 4)
+
+
+def _module_list(value: Any) -> list[Any]:
+    """The torch modules (and their submodules) a state value holds, in order."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    out: list[Any] = []
+    stack = [value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.nn.Module):
+            out.extend(x.modules())
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed(list(x)))
+    return out
+
+
+def _modes(value: Any) -> list[bool]:
+    """The training mode of each module a state value holds (a version carries tensors, not modes)."""
+    return [m.training for m in _module_list(value)]
+
+
+class _ModeSet:
+    """While a learner is traced: the modules it calls ``.train()``/``.eval()`` on (with their submodules)."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self._original: Any = None
+
+    def __enter__(self) -> _ModeSet:
+        import sys
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            self._original = original = torch.nn.Module.train
+            ids = self.ids
+
+            def train(module: Any, mode: bool = True) -> Any:
+                ids.update(id(m) for m in module.modules())
+                return original(module, mode)
+
+            torch.nn.Module.train = train
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._original is not None:
+            import sys
+            sys.modules["torch"].nn.Module.train = self._original

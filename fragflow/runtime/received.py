@@ -48,7 +48,7 @@ def changed_here(what: str, why: str | None = None, fix: str | None = None) -> V
         fix=fix or "leave the state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
                    "ops change it even under torch.no_grad(), optimizer.step() among them), make the change in a learner "
                    "that writes the state, or run with --policy single_process (a network in training mode changes its "
-                   "BatchNorm statistics as it runs: call .eval() on it in the actor)")
+                   "BatchNorm statistics as it runs: call .eval() on it in the actor, and .train() in the learner)")
 
 
 def counted() -> contextlib.AbstractContextManager[Any]:

@@ -63,8 +63,35 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                 raise CheckpointError(f"cannot save the loop's {name!r}: its state_dict() holds {exc}",
                                       fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
         elif not callable(x) and not isinstance(x, types.ModuleType):
+            if _buffer_of_users(x):   # its data is the run's: a resumed run would learn from an empty one
+                raise CheckpointError(
+                    f"cannot save the loop's {name!r}: a {type(x).__qualname__} holds the data its buffer fragments "
+                    "keep, but has no state_dict()/load_state_dict(), so a run resumed from this checkpoint would "
+                    "go on with it empty", where=_class_line(type(x)),
+                    fix=f"give {type(x).__qualname__} state_dict() (returning its arrays, numbers and generators' "
+                        "states) and load_state_dict(d) (setting them back), or run without --checkpoint-every")
             left.append(name)
     return entries, arrays, left
+
+
+def _class_line(klass: type) -> Any:
+    """Where the user's class is defined (``file:line``), where that can be found."""
+    import inspect
+
+    from fragflow.source import SourceLoc
+
+    try:
+        return SourceLoc.of(inspect.getsourcefile(klass) or "", inspect.getsourcelines(klass)[1])
+    except (OSError, TypeError):
+        return None
+
+
+def _buffer_of_users(x: Any) -> bool:
+    """An object of a class with ``@ff.fragment("buffer")`` methods (a replay buffer of the user's own)."""
+    from fragflow.api.fragment import Fragment
+
+    return any(isinstance(v, Fragment) and v.role == "buffer"
+               for klass in type(x).__mro__ for v in vars(klass).values())
 
 
 def _jax_key(x: Any) -> bool:
