@@ -1368,3 +1368,19 @@ def test_random_generators_in_the_state_run_under_every_policy_as_eagerly_and_re
     # (its environments are reset, so its weights are another run's: its generators went on from the checkpoint)
     got = _generators_of(resumed.value)
     assert np.array_equal(got[1], eager[1]) and got[2:] == eager[2:]
+
+
+def test_ctrl_c_once_a_checkpointed_run_is_placed_writes_its_summary(program, tmp_path):
+    """A Ctrl-C that comes once the trace has ended and the placement is announced ("writing to
+    OUT"), before the run's processes start, stops a run that has begun: summary.json says
+    `interrupted` (it left an empty run directory, without a summary, helper F)."""
+    prog = load(str(program))
+    out = tmp_path / "run"
+
+    def placed(compiled: driver.Compiled) -> None:   # where the CLI prints "writing to OUT"
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        driver.run(prog.train, prog.args_cls(), policy="pipelined", out=out, checkpoint_every=2, on_compiled=placed)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["updates"] == 0
