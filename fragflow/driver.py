@@ -478,16 +478,20 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         handover = _Handover(monitor, begin)
         checkpoints = None
         monitor.start()
-    else:
+    held: list[int] = []   # a Ctrl-C (SIGTERM) once traced and placed, delivered once the run's outputs are made
+    if handover is None:
         compiled = compiled or compile(train, args, policy=policy, on_trace=on_trace)
-        if on_compiled is not None:
-            on_compiled(compiled)
-        monitor, checkpoints, start = _prepared(compiled, compiled.train or train, args, out, every, start, program_ref, display,
-                                                target_return, stop_on_target)
+        with _handling({signal.SIGINT: lambda s, f: held.append(s), signal.SIGTERM: lambda s, f: held.append(s)}):
+            if on_compiled is not None:
+                on_compiled(compiled)
+            monitor, checkpoints, start = _prepared(compiled, compiled.train or train, args, out, every, start, program_ref,
+                                                    display, target_return, stop_on_target)
     status = "failed"
     value = None
     try:
         with _sigterm_as_interrupt(), heap.frozen():
+            if held:   # (raised here, it stops a run that has begun: its summary says so)
+                signal.raise_signal(held[0])
             if handover is not None:
                 compiled = compile(train, args, policy=policy, on_trace=on_trace, handover=handover)
                 if handover.finished:

@@ -1413,3 +1413,40 @@ def test_a_buffer_of_the_users_own_without_state_dict_is_refused_at_the_checkpoi
                                                        rf"\S*ownbuffer.py:{marks['cls']}\n  fix: give Memory state_dict"):
         driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
     driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b")   # runs without checkpoints
+
+
+def test_ctrl_c_once_a_checkpointed_run_is_placed_writes_its_summary(program, tmp_path):
+    """A Ctrl-C that comes once the trace has ended and the placement is announced ("writing to
+    OUT"), before the run's processes start, stops a run that has begun: summary.json says
+    `interrupted` (it left an empty run directory, without a summary, helper F)."""
+    prog = load(str(program))
+    out = tmp_path / "run"
+
+    def placed(compiled: driver.Compiled) -> None:   # where the CLI prints "writing to OUT"
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        driver.run(prog.train, prog.args_cls(), policy="pipelined", out=out, checkpoint_every=2, on_compiled=placed)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["updates"] == 0
+
+
+def test_a_checkpoint_the_resumed_run_writes_before_its_first_row_is_kept(tmp_path):
+    """A run resumed in place removes the checkpoints written after the one it resumed (the timeline
+    it leaves) as its outputs begin, at its first row or episode: a checkpoint it wrote itself before
+    then (its final one, where the update's row reached the driver after it: `pipelined` resumed one
+    update before its end) was removed with them, and the completed run listed none (helper F)."""
+    from fragflow.runtime.outputs import RunOutputs
+
+    root = tmp_path / "run" / "checkpoints"
+
+    def written(name: str) -> Path:
+        manifest = {"counters": {"updates": int(name)}, "written_ns": time.time_ns()}
+        return ckpt.write(root, name, manifest, {"states": ({}, {"w": np.zeros(2)})})
+
+    resumed, stale = written("3"), written("5")
+    outputs = RunOutputs(tmp_path / "run", resumed_at=(3, 768), resumed_from=resumed)
+    final = written("4")   # the resumed run's own, before its first row
+    outputs.write_row({"env_steps": 1024.0, "updates": 4.0})
+    outputs.close()
+    assert resumed.is_dir() and final.is_dir() and not stale.exists()

@@ -95,12 +95,28 @@ class RunOutputs:
         self._late_columns: list[str] = []
         self._resumed_at = resumed_at
         self._resumed_from = resumed_from
+        self._left = self._timeline_left()   # (removed as the run begins: not one this run writes before then)
         self._history = history
         self._tb_writer: Any = None
         self._events: list[tuple[Any, int]] = []   # TensorBoard events not yet handed to its writer
         self._events_due = 0.0
         if resumed_at is None:
             self._begin()
+
+    def _timeline_left(self) -> list[tuple[Path, int]]:
+        """Resumed in place from an older checkpoint: those written after it belong to the timeline
+        left, and a resume from one of them would join the two runs' rows. Listed now, removed as the
+        run begins (at its first row or episode): a checkpoint the resumed run writes before then (its
+        final one, where its last update's row comes after it) is not among them."""
+        from fragflow.runtime.checkpoint import _written_ns, listing
+
+        checkpoints = self.dir / "checkpoints"
+        if self._resumed_at is None or self._resumed_from is None or \
+                self._resumed_from.parent.resolve() != checkpoints.resolve():
+            return []
+        written = [p.resolve() for p in listing(checkpoints)]
+        resumed = self._resumed_from.resolve()
+        return [(p, _written_ns(p)) for p in written[written.index(resumed) + 1:]] if resumed in written else []
 
     @property
     def begun(self) -> bool:
@@ -145,13 +161,12 @@ class RunOutputs:
                 checkpoints.rmdir()   # (where nothing else is in it)
             except OSError:
                 pass
-        elif self._resumed_from is not None and self._resumed_from.parent.resolve() == checkpoints.resolve():
-            # resumed in place from an older checkpoint: those written after it belong to the timeline
-            # left, and a resume from one of them would join the two runs' rows
-            written = [p.resolve() for p in listing(checkpoints)]
-            resumed = self._resumed_from.resolve()
-            for old_dir in written[written.index(resumed) + 1:] if resumed in written else []:
-                shutil.rmtree(old_dir, ignore_errors=True)
+        else:
+            from fragflow.runtime.checkpoint import _written_ns
+
+            for old_dir, when in self._left:   # (one this run wrote since, of the same name, is its own)
+                if old_dir.is_dir() and _written_ns(old_dir) == when:
+                    shutil.rmtree(old_dir, ignore_errors=True)
         from torch.utils.tensorboard import SummaryWriter
 
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
