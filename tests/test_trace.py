@@ -389,6 +389,28 @@ def test_an_actor_setting_the_modes_of_the_state_s_modules_is_refused_apart_unle
     compile(load(str(path)).train, policy="pipelined")   # the learner sets its mode: placed
 
 
+def test_the_mode_of_modules_it_changes_nothing_in_is_not_refused_apart(write_algo):
+    """A plain MLP's .eval() in the actor (no dropout, no norm): its mode changes nothing it
+    computes, so the actor runs apart from a learner that never sets it."""
+    source = MODES.format(act_mode="q.eval()", set_mode="pass", end_mode="pass") \
+        .replace("torch.nn.Dropout(0.5)", "torch.nn.Tanh()")
+    assert "Dropout" not in source
+    path, _ = write_algo(source)
+    compile(load(str(path)).train, policy="pipelined")
+    # a module of the user's own whose forward reads self.training is one whose mode matters
+    source = source.replace("torch.nn.Tanh()", "Noisy()").replace("import torch\n", """import torch
+
+
+class Noisy(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.randn_like(x) if self.training else x
+""", 1)
+    assert "class Noisy" in source
+    path, _ = write_algo(source)
+    with pytest.raises(PlacementError, match="the training mode of its modules"):
+        compile(load(str(path)).train, policy="pipelined")
+
+
 def test_an_actor_acting_in_the_mode_a_learner_leaves_the_state_s_modules_in_is_refused_apart(write_algo):
     """The other way: a learner that ends with q.eval() has the actor act without dropout eagerly;
     apart, the actor's copy kept training mode (a version carries tensors, not modes)."""

@@ -30,7 +30,7 @@ from fragflow import context
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView, own_value
-from fragflow.compiler import probes
+from fragflow.compiler import modes, probes
 from fragflow.compiler.axes import loop_rows
 from fragflow.compiler.inplace import Changed, array_leaves, containers, entries, memory_bounds
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LoopRead, Node, NodeKind
@@ -363,7 +363,7 @@ class Tracer(StateBook):
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
-        modes = [_modes(value) for _, _, value in read]
+        modes_before = [modes.modes(value) for _, _, value in read]
         first = sum(rec.calls) == 1
         watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
         if first:
@@ -391,8 +391,8 @@ class Tracer(StateBook):
                 rec.reads_captured = f"'{captured[2]}' through the {captured[0]} '{captured[1]}'"
         # a learner that sets its modules' mode itself (.train() at its start) acts alike wherever an
         # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
-        mode_set = _ModeSet() if state_args and (frag.role == "learner" or read) else contextlib.nullcontext()
-        entered = [(state, _modes(bound.arguments[pname])) for pname, state in state_args] \
+        mode_set = modes.ModeSet() if state_args and (frag.role == "learner" or read) else contextlib.nullcontext()
+        entered = [(state, modes.modes(bound.arguments[pname])) for pname, state in state_args] \
             if frag.role == "learner" else []
         with mode_set:
             if rec.reads_captured:
@@ -400,19 +400,19 @@ class Tracer(StateBook):
                     out = self._traced(rec, frag, bound, where)
             else:
                 out = self._traced(rec, frag, bound, where)
-        if isinstance(mode_set, _ModeSet) and mode_set.ids:
+        if isinstance(mode_set, modes.ModeSet) and mode_set.ids:
             for pname, state in state_args:
                 value = bound.arguments[pname]
-                if any(id(m) in mode_set.ids for m in _module_list(value)):
+                if any(id(m) in mode_set.ids for m in modes.module_list(value)):
                     (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).add(state)
         for (pname, state), (_, was_modes) in zip(state_args, entered):
-            if _modes(bound.arguments[pname]) != was_modes:   # (a learner's .eval() at its end: eagerly actors act so)
+            if modes.modes(bound.arguments[pname]) != was_modes:   # (a learner's .eval() at its end: eagerly actors act so)
                 self._learner_mode_changes.setdefault(state, rec.name)
         for pname, state, value in read:
-            if _module_list(value):
+            if modes.module_list(value):
                 self._mode_readers.setdefault(rec.name, (state, pname))
-        for (pname, state, value), was in zip(read, modes):
-            if _modes(value) != was:
+        for (pname, state, value), was in zip(read, modes_before):
+            if modes.modes(value) != was:
                 self._mode_changes.setdefault(rec.name, (state, f"'{state}' (argument '{pname}': the training mode "
                                                                 "of its modules, set by .eval() or .train())"))
 
@@ -796,54 +796,3 @@ def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _per(count: int, updates: int) -> float:
     return round(count / updates, 4)
-
-
-def _module_list(value: Any) -> list[Any]:
-    """The torch modules (and their submodules) a state value holds, in order."""
-    import sys
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return []
-    out: list[Any] = []
-    stack = [value]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.nn.Module):
-            out.extend(x.modules())
-        elif isinstance(x, dict):
-            stack.extend(reversed(list(x.values())))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(list(x)))
-    return out
-
-
-def _modes(value: Any) -> list[bool]:
-    """The training mode of each module a state value holds (a version carries tensors, not modes)."""
-    return [m.training for m in _module_list(value)]
-
-
-class _ModeSet:
-    """While a learner is traced: the modules it calls ``.train()``/``.eval()`` on (with their submodules)."""
-
-    def __init__(self) -> None:
-        self.ids: set[int] = set()
-        self._original: Any = None
-
-    def __enter__(self) -> _ModeSet:
-        import sys
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            self._original = original = torch.nn.Module.train
-            ids = self.ids
-
-            def train(module: Any, mode: bool = True) -> Any:
-                ids.update(id(m) for m in module.modules())
-                return original(module, mode)
-
-            torch.nn.Module.train = train
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._original is not None:
-            import sys
-            sys.modules["torch"].nn.Module.train = self._original
