@@ -41,7 +41,7 @@ from fragflow.runtime.checkpoint import find as find_checkpoint
 from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
-from fragflow.runtime.signals import Terminated, keeps_interrupts, shielded
+from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
 from fragflow.source import SourceLoc, definition_of, user_callsite
 
@@ -468,12 +468,14 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         run_dir = out
 
         def begin(compiled: Compiled) -> None:
-            if on_compiled is not None:
-                on_compiled(compiled)
-            if run_dir is not None:
-                monitor.outputs = RunOutputs(run_dir, column_order=compiled.placed.graph.log_columns)
-                monitor.outputs.write_text("graph.txt", format_placed(compiled.placed))
-            monitor.progress = display
+            # (the run has begun: a Ctrl-C as it is announced stops it once its outputs are made, its summary written)
+            with deferred():
+                if on_compiled is not None:
+                    on_compiled(compiled)
+                if run_dir is not None:
+                    monitor.outputs = RunOutputs(run_dir, column_order=compiled.placed.graph.log_columns)
+                    monitor.outputs.write_text("graph.txt", format_placed(compiled.placed))
+                monitor.progress = display
 
         handover = _Handover(monitor, begin)
         checkpoints = None

@@ -2352,6 +2352,25 @@ def test_a_ctrl_c_while_the_channels_are_made_stops_the_run_and_leaves_no_segmen
     assert count[0] >= 2 and mp.active_children() == [] and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_ctrl_c_as_the_run_is_announced_writes_its_summary(write_algo, tmp_path, policy):
+    """A Ctrl-C that comes as the placed run is announced (the CLI's "writing to OUT"), once the trace
+    has ended (under single_process: the run's beginning, its first updates made), stops a run that
+    has begun: summary.json says `interrupted`. No run directory was made, no summary (helper F)."""
+    from fragflow import driver
+
+    path, _ = write_algo(INTERRUPTED)
+    program = load(str(path))
+
+    def placed(compiled: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        driver.run(program.train, None, policy=policy, out=tmp_path / "run", on_compiled=placed)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_two_ctrl_c_in_quick_succession_leave_no_segment(write_algo):
     """A second SIGINT (a signal sent to the process and to its group) broke out of the shutdown's
     joins, and the channels' segments were never unlinked (round 28 L02)."""
