@@ -479,7 +479,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
 
         handover = _Handover(monitor, begin)
         checkpoints = None
-        monitor.start()
+        monitor.start(from_first_step=True)   # (the trace is the run's beginning: the program's setup in it)
     held: list[int] = []   # a Ctrl-C (SIGTERM) once traced and placed, delivered once the run's outputs are made
     if handover is None:
         compiled = compiled or compile(train, args, policy=policy, on_trace=on_trace)

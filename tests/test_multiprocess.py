@@ -2693,16 +2693,16 @@ def test_an_actor_drawing_from_a_generator_of_the_state_is_refused_where_the_lea
 
 
 def test_steps_per_second_count_from_the_loops_first_env_steps(monkeypatch):
-    """The program's setup before its loop (imports, networks, a first torch.optim optimizer, which
-    loads torch._dynamo: 0.9 s on this machine) was in steps_per_second, where CleanRL's SPS and
-    SB3's fps count from the loop's start; wall_seconds stays the whole run's."""
+    """Under single_process the program's setup before its loop (imports, networks, a first
+    torch.optim optimizer, which loads torch._dynamo: 0.9 s on this machine) was in steps_per_second,
+    where CleanRL's SPS and SB3's fps count from the loop's start; wall_seconds stays the whole run's."""
     from fragflow.runtime import monitor as monitor_module
     from fragflow.runtime.monitor import Monitor
 
     clock = [100.0]
     monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: clock[0])
     monitor = Monitor()
-    monitor.start()
+    monitor.start(from_first_step=True)   # (single_process: the clock starts before the program)
     assert monitor.summary()["steps_per_second"] == 0.0   # (no steps yet)
     clock[0] = 110.0   # ten seconds of setup
     monitor.env_step(4, [])   # the first steps heard of (made before now: not in the rate)
@@ -2711,9 +2711,12 @@ def test_steps_per_second_count_from_the_loops_first_env_steps(monkeypatch):
         monitor.env_step(8, [])
     s = monitor.summary()
     assert s["steps_per_second"] == 8.0 and s["wall_seconds"] == 15.0 and s["env_steps"] == 44
-    monitor.start()   # a run that starts afresh (after a trace over several processes): its clock too
+    # a run over several processes starts its clock after the trace, its processes' start in it:
+    # their reports come some steps at a time (a first one may hold a whole warm-up), all counted
+    monitor = Monitor()
+    monitor.start()
     clock[0] += 3.0
-    monitor.env_step(2, [])
+    monitor.env_step(2000, [])
     clock[0] += 2.0
-    monitor.env_step(6, [])
-    assert monitor.summary()["steps_per_second"] == 3.0
+    monitor.env_step(500, [])
+    assert monitor.summary()["steps_per_second"] == 500.0

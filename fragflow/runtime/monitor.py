@@ -143,8 +143,10 @@ class Monitor:
         self.solved_at_steps: int | None = None
         self._start = time.perf_counter()
         self.replay_time: float | None = None   # events of a trace told afterwards: when they happened
-        # when the loop's first env steps were heard of, and the steps then: the rate counts from there
-        # (the program's setup before its loop, its imports and networks and optimizers, is not in it)
+        # where the clock starts before the program does (single_process: the trace is the run's
+        # beginning), the rate counts from the loop's first env steps heard of (when, and the steps
+        # then): the program's setup before its loop, its imports, networks and optimizers, is not in it
+        self.from_first_step = False
         self._first: tuple[float, int] | None = None
         self._next_refresh = 0.0
         self._pending: dict[str, float] | None = None
@@ -185,9 +187,9 @@ class Monitor:
         self._solve_resumed = False   # the run this one resumed had reached the target
 
     # -- what executors report --------------------------------------------------------
-    def start(self) -> None:
+    def start(self, from_first_step: bool = False) -> None:
         self._start = time.perf_counter()
-        self._first = None
+        self.from_first_step, self._first = from_first_step, None
         if self.progress is not None:
             self.progress.start()
 
@@ -499,12 +501,17 @@ class Monitor:
         return (time.perf_counter() if self.replay_time is None else self.replay_time) - self._start
 
     def rate(self, now: float | None = None) -> float:
-        """Env steps per second of this run's loop: since its first env steps (they, and the program's
-        setup before them, are not counted), as CleanRL's SPS and SB3's fps count from the loop's start."""
-        if self._first is None:
-            return 0.0
+        """Env steps per second of this run's loop, as CleanRL's SPS and SB3's fps count from the
+        loop's start: where the clock started before the program (``from_first_step``), since the
+        loop's first env steps (they, and the program's setup before them, are not counted; one
+        process hears of its steps as they are made); else since the run started (after the trace,
+        its processes' start included: their reports come some steps at a time)."""
         if now is None:
             now = time.perf_counter() if self.replay_time is None else self.replay_time
+        if not self.from_first_step:
+            return (self.env_steps - self.base_steps) / (now - self._start) if now > self._start else 0.0
+        if self._first is None:
+            return 0.0
         then, steps = self._first
         return (self.env_steps - steps) / (now - then) if now > then else 0.0
 
