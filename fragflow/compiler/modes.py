@@ -44,6 +44,16 @@ def modes(value: Any) -> list[bool]:
     return [m.training for m in module_list(value)]
 
 
+def moded(value: Any) -> list[tuple[Any, bool]]:
+    """Each module a state value holds whose mode matters, with its training mode now."""
+    return [(m, m.training) for m in module_list(value)]
+
+
+def changed(was: list[tuple[Any, bool]]) -> list[Any]:
+    """The modules of ``moded``'s list whose training mode has changed since."""
+    return [m for m, training in was if m.training != training]
+
+
 class ModeSet:
     """While a learner is traced: the modules it calls ``.train()``/``.eval()`` on (with their submodules)."""
 
