@@ -1405,3 +1405,15 @@ def test_a_learner_setting_the_mode_of_a_target_network_says_nothing_of_the_netw
     path, _ = write_algo(source("q.eval()"))
     with pytest.raises(PlacementError, match="the training mode of its modules"):
         compile(load(str(path)).train, policy="pipelined")
+
+
+def test_a_dropout_of_zero_and_a_norm_without_running_statistics_do_not_depend_on_the_mode(write_algo):
+    """Dropout(0.0) (a Transformer made with dropout=0.0) drops nothing, and a norm without running
+    statistics (InstanceNorm's default, BatchNorm(track_running_stats=False)) uses the batch's in
+    both modes: an actor's .eval() on them changes nothing it computes, and was refused apart."""
+    for module in ("torch.nn.Dropout(0.0)", "torch.nn.BatchNorm1d(8, track_running_stats=False)"):
+        source = MODES.format(act_mode="q.eval()", set_mode="pass", end_mode="pass") \
+            .replace("torch.nn.Dropout(0.5)", module).replace('torch.as_tensor(batch["obs"])', 'torch.as_tensor(batch["obs"]).reshape(-1, 4)')
+        assert module in source
+        path, _ = write_algo(source)
+        compile(load(str(path)).train, policy="pipelined")

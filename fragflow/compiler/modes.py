@@ -30,8 +30,10 @@ def module_list(value: Any) -> list[Any]:
 
 
 def depends_on_mode(nn: Any, module: Any) -> bool:
-    if isinstance(module, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)):
-        return True
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0   # (Dropout(0.0), as a Transformer made with dropout=0.0 holds, drops nothing)
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return module.running_mean is not None   # (without running statistics, as InstanceNorm's default, the batch's in both modes)
     if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):
         return bool(module.dropout)
     cls = type(module)
