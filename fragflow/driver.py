@@ -562,7 +562,8 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
         monitor.resume(start.counters)
     if outputs is not None and start is None:
         outputs.write_text("graph.txt", format_placed(placed))
-    monitor.start()
+    # (one process runs the program again from its start, its setup before its loop with it: not in the rate)
+    monitor.start(from_first_step=compiled.program is None)
     return monitor, checkpoints, start
 
 

@@ -1450,3 +1450,38 @@ def test_a_checkpoint_the_resumed_run_writes_before_its_first_row_is_kept(tmp_pa
     outputs.write_row({"env_steps": 1024.0, "updates": 4.0})
     outputs.close()
     assert resumed.is_dir() and final.is_dir() and not stale.exists()
+
+
+def test_steps_per_second_of_a_checkpointed_single_process_run_count_from_the_loops_first_env_steps(write_algo, tmp_path):
+    """Under single_process steps_per_second count from the loop's first env steps (the program's
+    setup before its loop is in wall_seconds only); a run with --checkpoint-every (or resumed) runs
+    the program again after its trace, and its setup was in them."""
+    path, _ = write_algo('''
+        import time
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 40
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, obs):
+            return {"w": state["w"] * 0.5 + obs.mean()}
+
+        def train(args: Args):
+            time.sleep(1.0)   # the program's setup
+            env = ff.envs.make("CartPole-v1", num_envs=2)
+            state = ff.versioned({"w": np.zeros(2)})
+            obs = env.reset()
+            for _ in range(args.total):
+                obs, *_ = env.step(np.zeros(2, dtype=np.int64))
+                state = learn(state, obs)
+            return state
+    ''', "slowsetup.py")
+    prog = load(str(path))
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=1000)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["env_steps"] == 80 and summary["wall_seconds"] > 1.0
+    assert summary["steps_per_second"] > 80 / (summary["wall_seconds"] - 0.9), summary

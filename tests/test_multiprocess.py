@@ -2720,3 +2720,21 @@ def test_steps_per_second_count_from_the_loops_first_env_steps(monkeypatch):
     clock[0] += 2.0
     monitor.env_step(500, [])
     assert monitor.summary()["steps_per_second"] == 500.0
+
+
+def test_steps_per_second_of_a_run_whose_steps_all_came_in_one_report(monkeypatch):
+    """Under single_process the rate counts from the loop's first env steps heard of; a run whose
+    env steps all come in one report (a user's env fragment that steps a whole rollout in one
+    call, a run of one env.step) has none after them: its steps_per_second came out 0.0, where it
+    is its steps over the run."""
+    from fragflow.runtime import monitor as monitor_module
+    from fragflow.runtime.monitor import Monitor
+
+    clock = [100.0]
+    monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: clock[0])
+    monitor = Monitor()
+    monitor.start(from_first_step=True)
+    clock[0] = 104.0
+    monitor.env_step(1000, [])
+    clock[0] = 105.0
+    assert monitor.summary()["steps_per_second"] == 200.0

@@ -1385,3 +1385,35 @@ def train():
     with pytest.raises(PlacementError, match=rf"learner fragment 'learn' changes its argument batch in place, and its "
                                              rf"next call \({relpath(path)}:{marks['learn']}\) is given that same"):
         compile(program.train, policy="pipelined(max_lag=0)")
+
+
+def test_a_learner_setting_the_mode_of_a_target_network_says_nothing_of_the_network_an_actor_acts_with(write_algo):
+    """Modes are of modules, not of the whole state: a learner's target.eval() (a target network
+    with dropout, in the state beside q) was taken for a change of q's mode, and an actor acting
+    with q (whose mode nobody changes) was refused apart; and it was taken for the learner setting
+    q's mode itself, so an actor's q.eval() (eagerly: the learner then learns q without dropout)
+    was placed apart."""
+    def source(act_mode: str) -> str:
+        text = MODES.format(act_mode=act_mode, set_mode='state["target"].eval()', end_mode="pass") \
+            .replace('state = ff.versioned({"q": q,', 'state = ff.versioned({"target": copy.deepcopy(q), "q": q,') \
+            .replace("import torch\n", "import copy\nimport torch\n", 1)
+        assert '"target"' in text and "import copy" in text
+        return text
+
+    path, _ = write_algo(source("pass"))
+    compile(load(str(path)).train, policy="pipelined")   # q's mode is the same eagerly and apart
+    path, _ = write_algo(source("q.eval()"))
+    with pytest.raises(PlacementError, match="the training mode of its modules"):
+        compile(load(str(path)).train, policy="pipelined")
+
+
+def test_a_dropout_of_zero_and_a_norm_without_running_statistics_do_not_depend_on_the_mode(write_algo):
+    """Dropout(0.0) (a Transformer made with dropout=0.0) drops nothing, and a norm without running
+    statistics (InstanceNorm's default, BatchNorm(track_running_stats=False)) uses the batch's in
+    both modes: an actor's .eval() on them changes nothing it computes, and was refused apart."""
+    for module in ("torch.nn.Dropout(0.0)", "torch.nn.BatchNorm1d(8, track_running_stats=False)"):
+        source = MODES.format(act_mode="q.eval()", set_mode="pass", end_mode="pass") \
+            .replace("torch.nn.Dropout(0.5)", module).replace('torch.as_tensor(batch["obs"])', 'torch.as_tensor(batch["obs"]).reshape(-1, 4)')
+        assert module in source
+        path, _ = write_algo(source)
+        compile(load(str(path)).train, policy="pipelined")

@@ -30,8 +30,10 @@ def module_list(value: Any) -> list[Any]:
 
 
 def depends_on_mode(nn: Any, module: Any) -> bool:
-    if isinstance(module, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)):
-        return True
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0   # (Dropout(0.0), as a Transformer made with dropout=0.0 holds, drops nothing)
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return module.running_mean is not None   # (without running statistics, as InstanceNorm's default, the batch's in both modes)
     if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):
         return bool(module.dropout)
     cls = type(module)
@@ -42,6 +44,16 @@ def depends_on_mode(nn: Any, module: Any) -> bool:
 def modes(value: Any) -> list[bool]:
     """The training mode of each module a state value holds (a version carries tensors, not modes)."""
     return [m.training for m in module_list(value)]
+
+
+def moded(value: Any) -> list[tuple[Any, bool]]:
+    """Each module a state value holds whose mode matters, with its training mode now."""
+    return [(m, m.training) for m in module_list(value)]
+
+
+def changed(was: list[tuple[Any, bool]]) -> list[Any]:
+    """The modules of ``moded``'s list whose training mode has changed since."""
+    return [m for m, training in was if m.training != training]
 
 
 class ModeSet:

@@ -122,11 +122,12 @@ class Tracer(StateBook):
         self._learned_at: tuple[str, SourceLoc | None] | None = None   # the last learner call: which, where
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
-        self._mode_changes: dict[str, tuple[str, str]] = {}   # fragment -> (state, what) whose modules' mode it set
-        self._learner_sets_mode: set[str] = set()   # states whose modules' mode a learner sets itself
-        self._actor_sets_mode: set[str] = set()   # ... an acting fragment sets itself
-        self._learner_mode_changes: dict[str, str] = {}   # state -> the learner that left its modules in another mode
-        self._mode_readers: dict[str, tuple[str, str]] = {}   # acting fragment -> (state, argument) with modules it reads
+        # (modules by id: a learner's target.eval() says nothing of the q an actor acts with)
+        self._mode_changes: dict[str, tuple[str, str, set[int]]] = {}   # fragment -> (state, what, modules) whose mode it set
+        self._learner_sets_mode: set[int] = set()   # modules whose mode a learner sets itself
+        self._actor_sets_mode: set[int] = set()   # ... an acting fragment sets itself
+        self._learner_mode_changes: dict[int, str] = {}   # module -> the learner that left it in another mode
+        self._mode_readers: dict[str, tuple[str, str, set[int]]] = {}   # acting fragment -> (state, argument, modules) it reads
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
@@ -363,7 +364,7 @@ class Tracer(StateBook):
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
-        modes_before = [modes.modes(value) for _, _, value in read]
+        modes_before = [modes.moded(value) for _, _, value in read]
         first = sum(rec.calls) == 1
         watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
         if first:
@@ -392,7 +393,7 @@ class Tracer(StateBook):
         # a learner that sets its modules' mode itself (.train() at its start) acts alike wherever an
         # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
         mode_set = modes.ModeSet() if state_args and (frag.role == "learner" or read) else contextlib.nullcontext()
-        entered = [(state, modes.modes(bound.arguments[pname])) for pname, state in state_args] \
+        entered = [(state, modes.moded(bound.arguments[pname])) for pname, state in state_args] \
             if frag.role == "learner" else []
         with mode_set:
             if rec.reads_captured:
@@ -403,18 +404,21 @@ class Tracer(StateBook):
         if isinstance(mode_set, modes.ModeSet) and mode_set.ids:
             for pname, state in state_args:
                 value = bound.arguments[pname]
-                if any(id(m) in mode_set.ids for m in modes.module_list(value)):
-                    (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).add(state)
-        for (pname, state), (_, was_modes) in zip(state_args, entered):
-            if modes.modes(bound.arguments[pname]) != was_modes:   # (a learner's .eval() at its end: eagerly actors act so)
-                self._learner_mode_changes.setdefault(state, rec.name)
+                (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).update(
+                    id(m) for m in modes.module_list(value) if id(m) in mode_set.ids)
+        for _, was_modes in entered:
+            for m in modes.changed(was_modes):   # (a learner's .eval() at its end: eagerly actors act so)
+                self._learner_mode_changes.setdefault(id(m), rec.name)
         for pname, state, value in read:
-            if modes.module_list(value):
-                self._mode_readers.setdefault(rec.name, (state, pname))
+            found = modes.module_list(value)
+            if found:
+                self._mode_readers.setdefault(rec.name, (state, pname, set()))[2].update(id(m) for m in found)
         for (pname, state, value), was in zip(read, modes_before):
-            if modes.modes(value) != was:
+            flipped = modes.changed(was)
+            if flipped:
                 self._mode_changes.setdefault(rec.name, (state, f"'{state}' (argument '{pname}': the training mode "
-                                                                "of its modules, set by .eval() or .train())"))
+                                                                "of its modules, set by .eval() or .train())", set()))[2] \
+                    .update(id(m) for m in flipped)
 
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:
@@ -717,17 +721,18 @@ class Tracer(StateBook):
         sets it itself: eagerly the learner then learns in the mode the actor left (dropout off after an
         actor's .eval()), apart its own copy keeps its mode."""
         change = self._mode_changes.get(name)
-        return change[1] if change is not None and change[0] not in self._learner_sets_mode else ""
+        return change[1] if change is not None and not change[2] <= self._learner_sets_mode else ""
 
     def _learner_mode(self, name: str) -> str:
         """The state (argument) whose modules acting fragment ``name`` runs in the training mode a learner
         leaves them in (``q.eval()`` at its end) without setting the mode itself: eagerly it acts in the
         learner's mode, apart its copy keeps its own (a version carries tensors, not modes)."""
         reads = self._mode_readers.get(name)
-        if reads is None or reads[0] not in self._learner_mode_changes or reads[0] in self._actor_sets_mode:
+        changed = sorted(reads[2] & self._learner_mode_changes.keys() - self._actor_sets_mode) if reads else []
+        if not changed:
             return ""
         return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner " \
-               f"'{self._learner_mode_changes[reads[0]]}' changes"
+               f"'{self._learner_mode_changes[changed[0]]}' changes"
 
     def _splittable(self, rec: NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked

@@ -159,10 +159,6 @@ class GradientAllReduce:
             from fragflow.backends import Stopped
 
             raise Stopped
-        if self.stop is not None and self.stop.is_set():
-            from fragflow.backends import Stopped
-
-            raise Stopped
 
     def watch(self, state: Any, name: str) -> None:
         """Average what backward accumulates into the parameters of every optimizer in ``state``,

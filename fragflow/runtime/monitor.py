@@ -508,11 +508,9 @@ class Monitor:
         its processes' start included: their reports come some steps at a time)."""
         if now is None:
             now = time.perf_counter() if self.replay_time is None else self.replay_time
-        if not self.from_first_step:
-            return (self.env_steps - self.base_steps) / (now - self._start) if now > self._start else 0.0
-        if self._first is None:
-            return 0.0
-        then, steps = self._first
+        then, steps = self._first if self.from_first_step and self._first is not None else (self._start, self.base_steps)
+        if steps == self.env_steps:   # (a run whose steps all came in one report: its steps over the run)
+            then, steps = self._start, self.base_steps
         return (self.env_steps - steps) / (now - then) if now > then else 0.0
 
     @property
