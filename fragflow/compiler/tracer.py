@@ -402,7 +402,7 @@ class Tracer(StateBook):
             else:
                 out = self._traced(rec, frag, bound, where)
         if isinstance(mode_set, modes.ModeSet) and mode_set.ids:
-            for pname, state in state_args:
+            for pname, _state in state_args:
                 value = bound.arguments[pname]
                 (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).update(
                     id(m) for m in modes.module_list(value) if id(m) in mode_set.ids)
@@ -413,7 +413,7 @@ class Tracer(StateBook):
             found = modes.module_list(value)
             if found:
                 self._mode_readers.setdefault(rec.name, (state, pname, set()))[2].update(id(m) for m in found)
-        for (pname, state, value), was in zip(read, modes_before):
+        for (pname, state, _value), was in zip(read, modes_before):
             flipped = modes.changed(was)
             if flipped:
                 self._mode_changes.setdefault(rec.name, (state, f"'{state}' (argument '{pname}': the training mode "
@@ -728,7 +728,9 @@ class Tracer(StateBook):
         leaves them in (``q.eval()`` at its end) without setting the mode itself: eagerly it acts in the
         learner's mode, apart its copy keeps its own (a version carries tensors, not modes)."""
         reads = self._mode_readers.get(name)
-        changed = sorted(reads[2] & self._learner_mode_changes.keys() - self._actor_sets_mode) if reads else []
+        if reads is None:
+            return ""
+        changed = sorted((reads[2] & self._learner_mode_changes.keys()) - self._actor_sets_mode)
         if not changed:
             return ""
         return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner " \
