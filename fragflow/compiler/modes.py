@@ -5,6 +5,8 @@ sets is not the other's, as it is eagerly. Only modules whose mode changes what 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 
@@ -81,3 +83,67 @@ class ModeSet:
         if self._original is not None:
             import sys
             sys.modules["torch"].nn.Module.train = self._original
+
+
+class ModeBook:
+    """What the trace saw of the state's modules' training modes, module by module (a learner's
+    ``target.eval()`` says nothing of the ``q`` an actor acts with): which a learner or an acting
+    fragment sets itself, which a learner leaves in another mode, which an acting fragment sets and
+    which it acts with."""
+
+    def __init__(self) -> None:
+        self._actor_changes: dict[str, tuple[str, set[int]]] = {}   # acting fragment -> (what, modules) it set
+        self._learner_sets: set[int] = set()   # modules whose mode a learner sets itself
+        self._actor_sets: set[int] = set()     # ... an acting fragment sets itself
+        self._learner_changes: dict[int, str] = {}   # module -> the learner that left it in another mode
+        self._readers: dict[str, tuple[str, str, set[int]]] = {}   # acting fragment -> (state, argument, modules)
+
+    @contextmanager
+    def call(self, name: str, role: str, state_args: list[tuple[str, str]], arguments: dict[str, Any],
+             read: list[tuple[str, str, Any]]) -> Iterator[None]:
+        """Around a traced call of fragment ``name``: ``state_args`` its (argument, state) pairs,
+        ``read`` the (argument, state, value) an acting fragment reads (empty: not watched)."""
+        before = [moded(value) for _, _, value in read]
+        # a learner that sets its modules' mode itself (.train() at its start) acts alike wherever an
+        # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
+        watching = ModeSet() if state_args and (role == "learner" or read) else None
+        entered = [moded(arguments[pname]) for pname, _ in state_args] if role == "learner" else []
+        with watching if watching is not None else nullcontext():
+            yield
+        if watching is not None and watching.ids:
+            for pname, _ in state_args:
+                (self._learner_sets if role == "learner" else self._actor_sets).update(
+                    id(m) for m in module_list(arguments[pname]) if id(m) in watching.ids)
+        for was in entered:
+            for m in changed(was):   # (a learner's .eval() at its end: eagerly actors act so)
+                self._learner_changes.setdefault(id(m), name)
+        for pname, state, value in read:
+            found = module_list(value)
+            if found:
+                self._readers.setdefault(name, (state, pname, set()))[2].update(id(m) for m in found)
+        for (pname, state, _), was in zip(read, before):
+            flipped = changed(was)
+            if flipped:
+                self._actor_changes.setdefault(name, (f"'{state}' (argument '{pname}': the training mode of its "
+                                                      "modules, set by .eval() or .train())", set()))[1] \
+                    .update(id(m) for m in flipped)
+
+    def actor_mode(self, name: str) -> str:
+        """The state whose modules' training mode fragment ``name`` (not a learner) sets, where no learner
+        sets it itself: eagerly the learner then learns in the mode the actor left (dropout off after an
+        actor's .eval()), apart its own copy keeps its mode."""
+        change = self._actor_changes.get(name)
+        return change[0] if change is not None and not change[1] <= self._learner_sets else ""
+
+    def learner_mode(self, name: str) -> str:
+        """The state (argument) whose modules acting fragment ``name`` runs in the training mode a learner
+        leaves them in (``q.eval()`` at its end) without setting the mode itself: eagerly it acts in the
+        learner's mode, apart its copy keeps its own (a version carries tensors, not modes)."""
+        reads = self._readers.get(name)
+        if reads is None:
+            return ""
+        left = sorted((reads[2] & self._learner_changes.keys()) - self._actor_sets)
+        if not left:
+            return ""
+        return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner '{self._learner_changes[left[0]]}' " \
+               "changes"

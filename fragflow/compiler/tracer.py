@@ -16,7 +16,6 @@ user's ``file:line``. Where the run is one process, it takes the loop over where
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import weakref
@@ -122,12 +121,7 @@ class Tracer(StateBook):
         self._learned_at: tuple[str, SourceLoc | None] | None = None   # the last learner call: which, where
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
-        # (modules by id: a learner's target.eval() says nothing of the q an actor acts with)
-        self._mode_changes: dict[str, tuple[str, str, set[int]]] = {}   # fragment -> (state, what, modules) whose mode it set
-        self._learner_sets_mode: set[int] = set()   # modules whose mode a learner sets itself
-        self._actor_sets_mode: set[int] = set()   # ... an acting fragment sets itself
-        self._learner_mode_changes: dict[int, str] = {}   # module -> the learner that left it in another mode
-        self._mode_readers: dict[str, tuple[str, str, set[int]]] = {}   # acting fragment -> (state, argument, modules) it reads
+        self.modes = modes.ModeBook()   # the training modes fragments set and act in
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
@@ -364,7 +358,6 @@ class Tracer(StateBook):
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
-        modes_before = [modes.moded(value) for _, _, value in read]
         first = sum(rec.calls) == 1
         watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
         if first:
@@ -390,35 +383,12 @@ class Tracer(StateBook):
             captured = captured_state(frag.fn)
             if captured is not None:   # runs as eagerly in one process; other placements refuse it
                 rec.reads_captured = f"'{captured[2]}' through the {captured[0]} '{captured[1]}'"
-        # a learner that sets its modules' mode itself (.train() at its start) acts alike wherever an
-        # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
-        mode_set = modes.ModeSet() if state_args and (frag.role == "learner" or read) else contextlib.nullcontext()
-        entered = [(state, modes.moded(bound.arguments[pname])) for pname, state in state_args] \
-            if frag.role == "learner" else []
-        with mode_set:
+        with self.modes.call(rec.name, frag.role, state_args, bound.arguments, read):
             if rec.reads_captured:
                 with handles_as_values(frag.fn):
                     out = self._traced(rec, frag, bound, where)
             else:
                 out = self._traced(rec, frag, bound, where)
-        if isinstance(mode_set, modes.ModeSet) and mode_set.ids:
-            for pname, _state in state_args:
-                value = bound.arguments[pname]
-                (self._learner_sets_mode if frag.role == "learner" else self._actor_sets_mode).update(
-                    id(m) for m in modes.module_list(value) if id(m) in mode_set.ids)
-        for _, was_modes in entered:
-            for m in modes.changed(was_modes):   # (a learner's .eval() at its end: eagerly actors act so)
-                self._learner_mode_changes.setdefault(id(m), rec.name)
-        for pname, state, value in read:
-            found = modes.module_list(value)
-            if found:
-                self._mode_readers.setdefault(rec.name, (state, pname, set()))[2].update(id(m) for m in found)
-        for (pname, state, _value), was in zip(read, modes_before):
-            flipped = modes.changed(was)
-            if flipped:
-                self._mode_changes.setdefault(rec.name, (state, f"'{state}' (argument '{pname}': the training mode "
-                                                                "of its modules, set by .eval() or .train())", set()))[2] \
-                    .update(id(m) for m in flipped)
 
         for (pname, state, value), before in zip(read, fingerprints):
             if fingerprint(value) != before:
@@ -698,8 +668,8 @@ class Tracer(StateBook):
                               output_axes=rec.out_axes or (),
                               static=rec.static, splittable=self._splittable(rec),
                               evaluation=self.fragments[rec.name].evaluation,
-                              mutates_state=rec.mutates or self._mode_change(rec.name), captures_state=rec.captures,
-                              learner_mode=self._learner_mode(rec.name),
+                              mutates_state=rec.mutates, captures_state=rec.captures, actor_mode=self.modes.actor_mode(rec.name),
+                              learner_mode=self.modes.learner_mode(rec.name),
                               reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                               other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
                               other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
@@ -715,26 +685,6 @@ class Tracer(StateBook):
             for (src, dst, kind, src_port, dst_port), er in self._edges.items()
         ]
         return Graph(name, defined_at, tuple(nodes), tuple(edges), self.window.updates, self.env_steps)
-
-    def _mode_change(self, name: str) -> str:
-        """The state whose modules' training mode fragment ``name`` (not a learner) sets, where no learner
-        sets it itself: eagerly the learner then learns in the mode the actor left (dropout off after an
-        actor's .eval()), apart its own copy keeps its mode."""
-        change = self._mode_changes.get(name)
-        return change[1] if change is not None and not change[2] <= self._learner_sets_mode else ""
-
-    def _learner_mode(self, name: str) -> str:
-        """The state (argument) whose modules acting fragment ``name`` runs in the training mode a learner
-        leaves them in (``q.eval()`` at its end) without setting the mode itself: eagerly it acts in the
-        learner's mode, apart its copy keeps its own (a version carries tensors, not modes)."""
-        reads = self._mode_readers.get(name)
-        if reads is None:
-            return ""
-        changed = sorted((reads[2] & self._learner_mode_changes.keys()) - self._actor_sets_mode)
-        if not changed:
-            return ""
-        return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner " \
-               f"'{self._learner_mode_changes[changed[0]]}' changes"
 
     def _splittable(self, rec: NodeRec) -> bool:
         """An env made by ff.envs.make slices itself; a user's own env only if the program asked

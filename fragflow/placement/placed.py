@@ -315,17 +315,18 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         if n.name in acting and n.mutates_state:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' changes the versioned state {n.mutates_state} in place, but policy "
-                f"'{policy}' runs it apart from the learner: " + (
-                    "eagerly the learner then learns in the mode it set (no dropout after .eval()), but apart the "
-                    "learner's copy keeps its own mode" if "training mode" in n.mutates_state else
-                    "the change would stay in its process, and the next version broadcast would overwrite it"),
-                where=n.defined_at,
-                fix=("set the mode in the learner too (state['q'].train() at its start: then each side acts in "
-                     "the mode it sets), or leave the mode to the learner, or run with --policy single_process")
-                if "training mode" in n.mutates_state else
-                "leave state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
+                f"'{policy}' runs it apart from the learner: the change would stay in its process, and the next "
+                "version broadcast would overwrite it", where=n.defined_at,
+                fix="leave state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
                     "ops change it even under torch.no_grad()), make the change in a learner that writes the state, "
                     "or run with --policy single_process")
+        if n.name in acting and n.actor_mode:
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' changes the versioned state {n.actor_mode} in place, but policy "
+                f"'{policy}' runs it apart from the learner: eagerly the learner then learns in the mode it set (no "
+                "dropout after .eval()), but apart the learner's copy keeps its own mode", where=n.defined_at,
+                fix="set the mode in the learner too (state['q'].train() at its start: then each side acts in the "
+                    "mode it sets), or leave the mode to the learner, or run with --policy single_process")
         if n.name in acting and n.learner_mode:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' acts with versioned state {n.learner_mode} (.eval() or .train()), but "

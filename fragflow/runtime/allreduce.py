@@ -278,30 +278,41 @@ class GradientAllReduce:
             if self.shared is not None and call is not None:
                 # where it is, summed in shared memory as an exact gradient's sum is: a learner at this one and
                 # another at a float32 gradient meet at the same sum (their sizes differ), not each at its own
-                digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel,
-                                              call.given_key, which), dtype=torch.float64)
+                digits = self._where_digits(numel, closing, which, torch.float64, "cpu")
                 both = torch.cat([digits, digits * digits])
                 self._summed(both, numel, closing, which)
-                m = digits.numel()
-                if not torch.equal(both[:m] * both[:m], both[m:] * self.world):
-                    self._agree(numel, closing, which)
+                self._check_where(both, numel, closing, which)
             else:
                 self._agree(numel, closing, which)   # (its own all-reduce: where it is the update's end, the only one)
             if not closing:
                 self._summed(flat, numel, closing, which)
             self.last = (numel, dtype, device)
             return flat
-        digits = torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key,
-                                      which),
-                              dtype=dtype, device=device)
+        digits = self._where_digits(numel, closing, which, dtype, device)
         flat = torch.cat([*parts, digits, digits * digits])
         self._summed(flat, numel, closing, which)
-        m = digits.numel()
-        sums, squares = flat[numel:numel + m].double().cpu(), flat[numel + m:].double().cpu()
-        if not torch.equal(sums * sums, squares * self.world):
-            self._agree(numel, closing, which)   # (every learner got the same sums: each asks, and refuses, alike)
+        self._check_where(flat[numel:], numel, closing, which)
         self.last = (numel, dtype, device)
         return flat[:numel]
+
+    def _where_digits(self, numel: int, closing: bool, which: int, dtype: Any, device: Any) -> Any:
+        """Where this learner is, as the digits :meth:`_reduce` sums (see :func:`_digits`)."""
+        import torch
+
+        call = self.call
+        assert call is not None
+        return torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key,
+                                    which), dtype=dtype, device=device)
+
+    def _check_where(self, summed: Any, numel: int, closing: bool, which: int) -> None:
+        """``summed``: the digits' sums, then their squares' sums; every learner got the same ones, and
+        where they tell of learners at different places, each asks :meth:`_agree`, and refuses, alike."""
+        import torch
+
+        m = summed.numel() // 2
+        sums, squares = summed[:m].double().cpu(), summed[m:].double().cpu()
+        if not torch.equal(sums * sums, squares * self.world):
+            self._agree(numel, closing, which)
 
     def _summed(self, flat: Any, numel: int, closing: bool, which: int = 0) -> None:
         """``flat`` all-reduced in place; where the learners' sizes differ (a shared-memory sum finds
