@@ -55,14 +55,14 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
         err.print(f"[bold red]error:[/] {type(exc).__name__}: ", end="", highlight=False)
         err.print(str(exc), markup=False, highlight=False)
         return typer.Exit(code=exc.exit_code)
-    workers = sys.modules.get("fragflow.runtime.multiprocess")
-    if workers is not None and isinstance(exc, workers.WorkerDied):   # no code of the user's raised: nothing to show
+    backends, exits = sys.modules.get("fragflow.backends"), sys.modules.get("fragflow.runtime.exits")
+    if backends is not None and isinstance(exc, backends.WorkerDied):   # no code of the user's raised: nothing to show
         if debug:
             traceback.print_exception(exc)
         err.print("[bold red]error:[/] a worker process died: ", end="", highlight=False)
         err.print(str(exc), markup=False, highlight=False)
         return typer.Exit(code=1)
-    if workers is not None and isinstance(exc, workers.WorkerFailed) and not debug:
+    if exits is not None and isinstance(exc, exits.WorkerFailed) and not debug:
         # the user's code raised in a worker: its traceback (the user's frames), as in one process
         where = f"in fragment '{exc.fragment}'" if exc.fragment else "in a worker process"
         err.print("[bold red]error:[/] ", end="", highlight=False)

@@ -21,7 +21,7 @@ from fragflow.errors import (
     UntracedFragmentError,
 )
 from fragflow.program import load
-from fragflow.runtime.multiprocess import WorkerFailed
+from fragflow.runtime.exits import WorkerFailed
 from tests.conftest import relpath
 from tests.test_multiprocess import same_tree, shm_leftovers, unclocked_rows
 

@@ -18,10 +18,11 @@ import pytest
 
 import fragflow as ff
 from fragflow.algorithms import ppo
+from fragflow.backends import WorkerDied
 from fragflow.compiler.pytree import leaf_paths, to_numpy
 from fragflow.errors import ConfigError, VersionedStateError
 from fragflow.program import load
-from fragflow.runtime.multiprocess import WorkerDied, WorkerFailed
+from fragflow.runtime.exits import WorkerFailed
 from tests.conftest import ROOT, relpath
 
 ARGS = ppo.Args(total_timesteps=4096, num_envs=4, num_steps=64, seed=3)
@@ -505,7 +506,7 @@ def test_the_shared_memory_a_placement_is_checked_for_is_what_its_wiring_makes(m
 def test_an_actor_killed_by_sigbus_is_not_restarted_and_the_error_says_why():
     """A SIGBUS is most likely /dev/shm running out: a restarted actor died the same way, and a later
     restart could fail on ENOSPC, reported as the program's error."""
-    from fragflow.runtime.multiprocess import ended, not_restarted
+    from fragflow.runtime.exits import ended, not_restarted
 
     assert not_restarted("actor", -signal.SIGKILL, None, 0, 3) is None
     assert not_restarted("actor", 1, None, 2, 3) is None

@@ -764,7 +764,7 @@ def test_a_failure_in_the_loops_own_code_names_no_fragment(write_algo):
 
     import fragflow as ff
     from fragflow.program import load
-    from fragflow.runtime.multiprocess import WorkerFailed
+    from fragflow.runtime.exits import WorkerFailed
 
     path, _ = write_algo("""
         import numpy as np

@@ -577,7 +577,7 @@ class Tracer(StateBook):
     def _log_sources(self, tree: Any, where: SourceLoc | None) -> None:
         """Note a name logged both from a learner's output and from the loop's own values: where the
         learner runs in another process, its value and the loop's reach the driver in either order."""
-        from fragflow.runtime.monitor import named_leaves
+        from fragflow.runtime.scalars import named_leaves
 
         for name, leaf in named_leaves(tree):
             origin = self._origin(leaf)
@@ -602,8 +602,8 @@ class Tracer(StateBook):
                 raise TraceError(f"ff.log got {path or 'its value'} with shape {spec.shape}, not a scalar",
                                  where=where, fix="log scalars: reduce it first (x.mean(), x.max()) or log its "
                                                   "elements under names of their own")
-        from fragflow.runtime.monitor import flat_scalars
         from fragflow.runtime.outputs import CHANNEL_COLUMNS, EVAL_COLUMNS, RUN_TAGS, RUNTIME_COLUMNS, tb_tag
+        from fragflow.runtime.scalars import flat_scalars
 
         # (the channel's columns too, though single_process has none: the program must run under every policy)
         taken = RUNTIME_COLUMNS + EVAL_COLUMNS + CHANNEL_COLUMNS

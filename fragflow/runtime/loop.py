@@ -51,7 +51,7 @@ from fragflow.errors import (
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
 from fragflow.runtime import calls, heap, received
-from fragflow.runtime.monitor import flat_scalars
+from fragflow.runtime.scalars import flat_scalars
 from fragflow.source import SourceLoc, user_callsite
 
 REPORT_EVERY = 0.2   # seconds between progress reports to the driver

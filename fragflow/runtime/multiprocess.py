@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +24,9 @@ from fragflow.backends import WorkerDied
 from fragflow.errors import FragflowError
 from fragflow.lowering import Lowered
 from fragflow.runtime import signals
-from fragflow.runtime.monitor import Monitor, StopRun, logged_name
+from fragflow.runtime.exits import SHM_FULL, ProgramExit, WorkerFailed, ended, not_restarted
+from fragflow.runtime.monitor import Monitor, StopRun
+from fragflow.runtime.scalars import by_position, logged_at
 from fragflow.runtime.serial import unwrap
 
 JOIN_TIMEOUT = 3.0
@@ -33,26 +34,6 @@ STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoin
 CHECKPOINT_WAIT = 300.0       # a checkpoint whose parts have not all come by then is given up (and asked again)
 STATS_EVERY = 1.0
 STOP_HEAR_OUT = 5.0          # a run stopped on its target: how long its processes may take to say their last
-
-
-class WorkerFailed(Exception):
-    """A worker process raised: names the process and fragment, carries the user's traceback.
-    ``who`` names the process as the placement uses it (see ``Driver._process_name``)."""
-
-    def __init__(self, role: str, index: int, fragment: str | None, tb: str, who: str | None = None) -> None:
-        who = who or (f"actor {index}" if role == "actor" else role)
-        where = f" in fragment '{fragment}'" if fragment else ""
-        super().__init__(f"{who} failed{where}:\n{tb.rstrip()}")
-        self.role, self.index, self.fragment, self.tb, self.who = role, index, fragment, tb, who
-
-
-class _ProgramExit(Exception):
-    """The program's own ``SystemExit`` or ``KeyboardInterrupt``, raised in a worker: the run stops
-    and the driver raises it, as the program raises it where the loop runs in one process."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(repr(cause))
-        self.cause = cause
 
 
 @contextmanager
@@ -75,56 +56,6 @@ def _no_main_reimport() -> Iterator[None]:
     finally:
         for k, v in saved.items():
             setattr(main, k, v)
-
-
-def _at(scalars: dict[str, float], rest: str, name: str) -> dict[str, float]:
-    """The scalars at ``rest`` in a part, by the names they are logged under as ``name``."""
-    return {logged_name(name, path[len(rest):].lstrip("/")): value for path, value in scalars.items()
-            if not rest or path == rest or path.startswith(rest + "/")}
-
-
-def _by_position(names: Any, rest: str) -> str:
-    """``rest`` with each index that names nothing at its level of ``names`` taken as a position among
-    the names there: the loop indexes a namedtuple output (``metrics[0]``), whose part is reported by
-    its fields' names (``r``, ``s``)."""
-    out: list[str] = []
-    for seg in rest.split("/"):
-        prefix = "/".join(out)
-        level = list(dict.fromkeys(n[len(prefix):].lstrip("/").split("/")[0] for n in names
-                                   if not prefix or n == prefix or n.startswith(prefix + "/")))
-        if seg not in level and seg.isdigit() and int(seg) < len(level):
-            seg = level[int(seg)]
-        out.append(seg)
-    return "/".join(out)
-
-
-SHM_FULL = ("most likely shared memory (/dev/shm) ran out; give it more room (Docker: docker run "
-            "--shm-size=..., its default is 64m) or make the channels smaller (num_envs, num_steps, max_lag)")
-
-
-def ended(code: int) -> str:
-    """How a process with exit code ``code`` ended (-N: killed by signal N)."""
-    if code >= 0:
-        return f"exited with code {code}"
-    if -code == signal.SIGBUS:
-        return f"was killed by signal {-code} (SIGBUS: {SHM_FULL})"
-    return f"was killed by signal {-code}"
-
-
-def not_restarted(role: str, code: int, restartable: str | None, restarts: int, max_restarts: int) -> str | None:
-    """Why a process of ``role`` that ended with exit code ``code`` without a word is not started again
-    (None: it is); ``restartable`` is the placement's reason its actors cannot be (None: they can),
-    ``restarts`` how many times this one was already."""
-    if role != "actor":
-        return "only actors are restarted"
-    if code == -signal.SIGBUS:   # (/dev/shm ran out: a new process would die the same way)
-        return "a process killed by SIGBUS would most likely be killed again"
-    if restartable is not None:
-        return restartable
-    if restarts < max_restarts:
-        return None
-    return ("--max-restarts is 0" if max_restarts == 0 else
-            f"it was restarted {max_restarts} times already (--max-restarts {max_restarts})")
 
 
 class Driver:
@@ -307,7 +238,7 @@ class Driver:
             self.wiring.stop.set()               # still has its rows (a worker's own error: a non-finite write)
             self._hear_out(STOP_HEAR_OUT / 5)
             raise
-        except _ProgramExit as exc:   # (sys.exit(3), a KeyboardInterrupt of its own: exit 3, 130 as in one process)
+        except ProgramExit as exc:   # (sys.exit(3), a KeyboardInterrupt of its own: exit 3, 130 as in one process)
             self.wiring.stop.set()
             self._hear_out(STOP_HEAR_OUT / 5)
             raise exc.cause from None
@@ -383,9 +314,9 @@ class Driver:
                       steps: int | None = None, new_row: bool = False) -> None:
         """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
         update in progress, a later call's replacing an earlier one's)."""
-        chosen = _at(scalars, rest, name)
+        chosen = logged_at(scalars, rest, name)
         if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
-            chosen = _at(scalars, _by_position(scalars, rest), name)
+            chosen = logged_at(scalars, by_position(scalars, rest), name)
         if chosen and update is None:
             self.monitor.log_latest(chosen)
         elif chosen:
@@ -489,7 +420,7 @@ class Driver:
             if isinstance(cause, FragflowError):
                 raise cause
             if isinstance(cause, (SystemExit, KeyboardInterrupt)):
-                raise _ProgramExit(cause)
+                raise ProgramExit(cause)
             dead = self._killed_peer(role, index)
             if dead is not None:   # its peers fail on their connections to it: the death is the cause
                 first = (tb.strip().splitlines() or [""])[-1]

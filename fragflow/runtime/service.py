@@ -49,8 +49,8 @@ from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls, heap
 from fragflow.runtime.gathering import IDLE_WAIT, Gathering, _Piece
 from fragflow.runtime.loop import allow_nonfinite
-from fragflow.runtime.monitor import non_scalar, scalars_in
 from fragflow.runtime.replicas import _same_value
+from fragflow.runtime.scalars import non_scalar, scalars_in
 
 KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of them (see ServiceProgram.keeps)
 KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing) ...
