@@ -8,11 +8,9 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import numbers
 import os
-import platform
 import signal
 import sys
 import time
@@ -25,8 +23,8 @@ from typing import Any
 
 from fragflow import __version__
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.ir import EdgeKind, Graph
-from fragflow.compiler.loops import defined_in_loop, guard_of, loop_around
+from fragflow.compiler.ir import Graph
+from fragflow.compiler.loops import guard_of
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
 from fragflow.compiler.tracing import trace_program
@@ -34,6 +32,13 @@ from fragflow.errors import ConfigError, PlacementError, VersionedStateError
 from fragflow.lowering import Lowered, lower
 from fragflow.placement import registry as policies
 from fragflow.placement.placed import PlacedGraph
+from fragflow.placement.refusals import (
+    left_loop,
+    refuse_defined_in_loop,
+    refuse_unsendable_views,
+    unimportable,
+    unsendable,
+)
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime import calls, heap, serial
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
@@ -43,7 +48,8 @@ from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
-from fragflow.source import SourceLoc, definition_of, user_callsite
+from fragflow.runtime.summary import args_record, run_summary
+from fragflow.source import user_callsite
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -150,7 +156,7 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
 def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: Any, train: Callable[..., Any],
             args: Any, started: float) -> Compiled:
     placed = spec.place(graph, options).verify()
-    _refuse_unsendable_views(placed)
+    refuse_unsendable_views(placed)
     # what the program does that only one process can run: refused first, at its own line (lowering
     # would refuse some of it for a consequence, such as a learner that seems to write two states)
     apart = not (len(placed.groups) == 1 and placed.groups[0].program == "loop")
@@ -203,13 +209,13 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the call, "
                 "or run with --policy single_process")
     if apart:
-        _refuse_defined_in_loop(placed)
+        refuse_defined_in_loop(placed)
     lowered = lower(placed)
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["loops"] = graph.loops   # (a fragment first called after the trace: defined in one?)
     checks["guarded_at"] = {n.name: guard for n in graph.fragments() if (guard := guard_of(n.called_at, graph.loops))}
-    checks["left_loop"] = {n.name: loop for n in graph.fragments() if (loop := _left_loop(graph, n.name)) is not None}
+    checks["left_loop"] = {n.name: loop for n in graph.fragments() if (loop := left_loop(graph, n.name)) is not None}
     checks["captured"] = frozenset(n.name for n in captured)
     # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
     # after the trace, as from update 100 on, would never reach the fragment's copy)
@@ -220,61 +226,15 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         import cloudpickle
 
         module = sys.modules.get(getattr(train, "__module__", ""), None)
-        if module is not None and _unimportable(module):
+        if module is not None and unimportable(module):
             cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
         from fragflow.api.envs import registered_by_user
 
         try:
             program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
         except Exception as exc:
-            raise _unsendable(args, placed.policy, train, exc) from None
+            raise unsendable(args, placed.policy, train, exc) from None
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))
-
-
-def _refuse_defined_in_loop(placed: PlacedGraph) -> None:
-    """A fragment defined in the training loop's body is a new fragment each trip: the trace sees one
-    node per trip it ran, and a process apart from the loop is given those alone (the next trip's is
-    none of them). Where the loop runs it (an actor beside the environments) it runs as eagerly."""
-    graph = placed.graph
-    served = {name for g in placed.groups if g.program != "loop" for name in g.nodes}
-    sites: dict[SourceLoc, list[str]] = {}
-    for n in graph.fragments():
-        if n.defined_at is not None and loop_around(n.defined_at, graph.loops) is not None:
-            sites.setdefault(n.defined_at, []).append(n.name)
-    for at, names in sites.items():
-        if len(names) > 1 and any(name in served for name in names):
-            n = graph.node(next(name for name in names if name in served))
-            loop = loop_around(at, graph.loops)
-            assert loop is not None
-            raise PlacementError(
-                f"{defined_in_loop(n.role or '', names[0], at, loop)} (the trace saw {len(names)}: "
-                f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but policy '{placed.policy}' runs it in "
-                "another process, which is given the fragments the trace saw: the next trip's is none of them",
-                where=at,
-                fix=f"define '{names[0]}' once, before the loop (at the top of the module, or above `{loop.header}`), "
-                    "and call it in the loop; or run with --policy single_process")
-def _left_loop(graph: Any, name: str) -> tuple[Any, str] | None:
-    """(line, header) of the loop a fragment's call is in that replicas could leave at different
-    trips: the innermost around it with an early exit or no known bound (``while True: ... break``),
-    else the outermost; None outside the loops."""
-    loops = graph.loops_of(name)
-    open_ended = [loop for loop in loops if loop.exits or loop.trips is None]
-    loop = open_ended[-1] if open_ended else loops[0] if loops else None
-    return None if loop is None else (loop.where, loop.header)
-
-
-def _unimportable(module: Any) -> bool:
-    """A module a worker started afresh (from the fork server, on Ray) could not import by its name:
-    one the CLI loaded from its path, or one a program loaded with importlib from a file that is not
-    on ``sys.path``. Its functions travel by value."""
-    import importlib.machinery
-
-    name = module.__name__
-    if name.startswith("fragflow_user_"):
-        return True
-    if name == "__main__" or "." in name or getattr(module, "__file__", None) is None:
-        return False   # (__main__'s travel by value anyway; a package's submodule is found through its package)
-    return importlib.machinery.PathFinder.find_spec(name, sys.path) is None
 
 
 class _Handover:
@@ -388,26 +348,6 @@ def _traced_copy(args: Any) -> Any:
         return copy.deepcopy(args)
     except Exception:   # (an object that cannot be copied: traced as it is)
         return args
-
-
-def _refuse_unsendable_views(placed: PlacedGraph) -> None:
-    """A view of versioned state read in another process is a path of keys the broadcast names;
-    one that slices (``state["w"][:4]``) runs in one process only, as eagerly."""
-    if len(placed.groups) == 1 and placed.groups[0].program == "loop":
-        return
-    from fragflow.lowering.program import parse_path
-
-    graph = placed.graph
-    for e in graph.edges_of(EdgeKind.STATE_READ):
-        try:
-            parse_path(e.src_port)
-        except (ValueError, SyntaxError):
-            raise PlacementError(
-                f"fragment '{e.dst}' reads the view {e.src}{e.src_port} of versioned state, which is not a path of "
-                f"keys, and policy '{placed.policy}' sends versions to other processes by path",
-                where=graph.node(e.dst).called_at,
-                fix=f"pass {e.src} (or a view by keys, such as {e.src}['w']) and slice or index the array inside "
-                    f"'{e.dst}', or run with --policy single_process") from None
 
 
 @keeps_interrupts
@@ -538,7 +478,7 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
     checkpoints = None
     if every is not None or start is not None:
         assert out is not None
-        config = _args_record(args)
+        config = args_record(args)
         identity: dict[str, Any] = {"algorithm": placed.graph.name, "fragments": sorted(n.name for n in placed.graph.fragments()),
                     "program": program_ref, "checkpoint_every": None if every is None else
                     (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
@@ -583,7 +523,7 @@ def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backen
     """The run's summary, written with its plots to the run directory."""
     placed = compiled.placed
     outputs = monitor.outputs
-    summary = _summary(placed, args, monitor, status, backend if compiled.program is not None else "local",
+    summary = run_summary(placed, args, monitor, status, backend if compiled.program is not None else "local",
                        compiled.train)
     summary["trace_seconds"] = compiled.seconds
     summary["trace_in_run"] = trace_in_run   # the trace was the run's beginning (in its wall_seconds)
@@ -603,72 +543,6 @@ def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backen
         outputs.plot_returns(monitor.episodes, target_return)
         outputs.close()
     return summary
-
-
-def _unsendable(args: Any, policy: str, train: Callable[..., Any], exc: Exception) -> ConfigError:
-    """Why the program cannot be sent to worker processes: which field of its args does not pickle."""
-    import cloudpickle
-
-    fields = [f.name for f in dataclasses.fields(args)] if dataclasses.is_dataclass(args) else []
-    for name in fields:
-        try:
-            cloudpickle.dumps(getattr(args, name))
-        except Exception as bad:
-            return ConfigError(f"policy '{policy}' sends the program's args to its worker processes, but "
-                               f"args.{name} cannot be sent ({type(bad).__name__}: {bad})",
-                               where=definition_of(train),
-                               fix="keep what cannot be pickled (a lock, an open file, a generator) out of the "
-                                   "args: make it in the training function from a field that can (a path, a "
-                                   "seed), or run with --policy single_process")
-    return ConfigError(f"policy '{policy}' sends the program to its worker processes, but it cannot be pickled "
-                       f"({type(exc).__name__}: {exc})", where=definition_of(train),
-                       fix="keep what cannot be pickled (a lock, an open file, a generator) out of the training "
-                           "function's closure and its args, or run with --policy single_process")
-
-
-def _args_record(args: Any) -> dict[str, Any] | None:
-    """An Args dataclass's fields as the run records them; a field that cannot be copied (a lock,
-    an open file) as its text, so that a run's summary is still written."""
-    if not dataclasses.is_dataclass(args) or isinstance(args, type):
-        return None
-    try:
-        return dataclasses.asdict(args)
-    except Exception:
-        return {f.name: repr(getattr(args, f.name)) for f in dataclasses.fields(args)}
-
-
-def _algorithm_name(train: Any, function: str) -> str:
-    """The algorithm's name: its file's (``a2c`` for ``algorithms/a2c.py``, the stem of a user's file),
-    else its training function's."""
-    module = getattr(train, "__module__", None) or ""
-    for prefix in ("fragflow.algorithms.", "fragflow_user_"):
-        if module.startswith(prefix):
-            return module[len(prefix):]
-    if module == "__main__":
-        main = sys.modules.get("__main__")
-        path = getattr(main, "__file__", None)
-        return os.path.splitext(os.path.basename(path))[0] if path else function
-    return module.rsplit(".", 1)[-1] or function
-
-
-def _summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, backend: str = "local",
-             compiled_train: Any = None) -> dict[str, Any]:
-    import gymnasium
-    import torch
-
-    config = _args_record(args)
-    return {
-        "status": status,
-        "policy": placed.policy,
-        "policy_options": dict(placed.options),
-        "backend": backend,
-        "algorithm": _algorithm_name(compiled_train, placed.graph.name),
-        "args": config,
-        **monitor.summary(),
-        "versions": {"fragflow": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
-                     "gymnasium": gymnasium.__version__},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-    }
 
 
 __all__ = ["Compiled", "RunResult", "compile", "run"]
