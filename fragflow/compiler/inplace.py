@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from fragflow.compiler.pytree import NotAnArray, leaf_paths
-from fragflow.compiler.reach import fingerprint
+from fragflow.compiler.statecheck import fingerprint
 from fragflow.source import SourceLoc
 
 

@@ -18,87 +18,14 @@ import os
 import sys
 import sysconfig
 import types
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from fragflow.api.versioned import Versioned, VersionedView
-from fragflow.compiler.pytree import NotAnArray, leaf_paths, spec_of
-from fragflow.errors import VersionedStateError
-from fragflow.source import SourceLoc, is_internal
-
-
-def fingerprint(tree: Any, counters: bool = True) -> list[int]:
-    """A checksum of each array leaf's bytes, and of a torch tensor its version counter too (any
-    in-place operation moves it, one that leaves the values as they were included: ``w.mul_(1)``,
-    a step on zeros): whether a fragment changed what it read in place. ``counters=False``: the
-    values alone (a view shares its base's counter: a write to another part of the base moves it)."""
-    try:
-        leaves = leaf_paths(tree)
-    except NotAnArray:
-        return []
-    out = []
-    for _, leaf in leaves:
-        if hasattr(leaf, "detach"):
-            if counters and not leaf.is_inference():   # (made under inference_mode: it keeps no version counter)
-                out.append(int(leaf._version))
-            leaf = leaf.detach().cpu().reshape(-1)
-            try:
-                leaf = leaf.numpy()
-            except TypeError:   # a dtype numpy lacks (bfloat16): its bytes
-                leaf = leaf.contiguous().view(_torch_uint8()).numpy()
-        out.append(zlib.crc32(_bytes(leaf)))
-    return out
-
-
-def _bytes(leaf: Any) -> Any:
-    """An array's bytes, whatever its dtype (one the buffer protocol lacks, ml_dtypes' bfloat16, too)."""
-    arr = np.ascontiguousarray(leaf).reshape(-1)
-    return arr.view(np.uint8).data if arr.dtype.kind == "V" or arr.dtype.char == "E" or \
-        type(arr.dtype).__module__.startswith("ml_dtypes") else arr.data
-
-
-def _torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
-def reshaped(learner: str, state: str, given: set[str], got: set[str], where: SourceLoc | None,
-             when: str = "") -> VersionedStateError:
-    """A learner's new state whose leaves are not the state's (``given``: its leaf paths; ``got``:
-    the new state's), at its first write (while tracing) or any later one (``when``: which)."""
-    def some(paths: set[str]) -> str:
-        return ", ".join(sorted(paths)[:4]) + (", ..." if len(paths) > 4 else "") if paths else "none"
-    return VersionedStateError(
-        f"learner '{learner}' returned, as the next version of '{state}', a value that is not shaped "
-        f"like the state it was given (missing: {some(given - got)}; not in the state: {some(got - given)}){when}",
-        where=where, fix=f"return the new state first, with the same structure: return {state}, metrics (a value "
-                         "it adds later belongs in the state from the start: ff.versioned({..., 'extra': "
-                         f"np.zeros(...)}})); a learner that only reads '{state}' (it computes metrics, changes "
-                         "nothing) is declared @ff.fragment(\"learner\", writes=None)")
-
-
-def check_new_state(learner: str, handle: Versioned, leaves: list[tuple[str, Any]], where: SourceLoc | None) -> None:
-    """A learner's first new state (``leaves``) must be shaped like the state it was given: the same
-    leaves, each with its shape, dtype and array library."""
-    try:
-        before = dict(leaf_paths(handle.value))
-    except NotAnArray:
-        return
-    given, got = set(before), {p for p, _ in leaves}
-    if got != given:
-        raise reshaped(learner, handle.name, given, got, where)
-    for p, leaf in leaves:
-        was, now = spec_of(before[p]), spec_of(leaf)
-        if (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):
-            raise VersionedStateError(
-                f"learner '{learner}' returned, as the next version of '{handle.name}', {p} as {now.short()} "
-                f"{now.backend}, but the state it was given holds {was.short()} {was.backend}", where=where,
-                fix="keep every leaf's shape, dtype and array library (cast back, e.g. x.astype(old.dtype)), "
-                    "or create the state as the learner returns it")
+from fragflow.compiler.statecheck import fingerprint
+from fragflow.source import is_internal
 
 
 def objects_of(value: Any) -> list[Any]:
@@ -636,42 +563,3 @@ def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str,
             if state is not None:
                 return kind, name, state
     return None
-
-
-def optimizers_of(value: Any) -> list[Any]:
-    """The torch optimizers a learner's state holds."""
-    return [x for x in objects_of(value) if hasattr(x, "param_groups") and hasattr(x, "step")
-            and type(x).__module__.startswith("torch.optim")] if "torch" in sys.modules else []
-
-
-def schedulers_of(optimizers: list[Any]) -> list[Any]:
-    """Learning-rate schedulers of ``optimizers`` that the training function (a frame up the
-    stack from the learner's call) holds in its variables."""
-    ids = {id(o) for o in optimizers}
-    found: dict[int, Any] = {}
-    frame = sys._getframe(2)
-    while frame is not None:
-        if not is_internal(frame.f_code.co_filename):
-            for v in list(frame.f_locals.values()):
-                try:
-                    held = object.__getattribute__(v, "__dict__").get("optimizer")
-                except (AttributeError, TypeError):
-                    continue
-                if id(held) in ids and isinstance(getattr(v, "last_epoch", None), int):
-                    found[id(v)] = v
-        frame = frame.f_back   # type: ignore[assignment]
-    return list(found.values())
-
-
-def hyper_of(opt: Any) -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """An optimizer's hyper-parameters (learning rate, betas...): what a schedule changes."""
-    return tuple(tuple(sorted((k, v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))))
-                 for g in opt.param_groups)
-
-
-def hyper_change(before: Any, after: Any) -> str:
-    for i, (b, a) in enumerate(zip(before, after)):
-        for (k, v0), (_, v1) in zip(b, a):
-            if v0 != v1:
-                return f"param_groups[{i}]['{k}'] {v0!r} -> {v1!r}"
-    return "its param_groups"

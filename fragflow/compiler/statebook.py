@@ -30,16 +30,10 @@ from fragflow.compiler.pytree import (
     typed_key_note,
     without_optimizers,
 )
-from fragflow.compiler.reach import (
-    again,
-    changed_part,
-    check_new_state,
-    fingerprint,
-    objects_of,
-    reached_now,
-)
+from fragflow.compiler.reach import again, changed_part, objects_of, reached_now
 from fragflow.compiler.recording import NodeRec
 from fragflow.compiler.repeats import Repeats, _leaf_list
+from fragflow.compiler.statecheck import check_new_state, fingerprint
 from fragflow.compiler.watchers import StateUse
 from fragflow.errors import NotArrayPytreeError, VersionedStateError
 from fragflow.source import SourceLoc, user_callsite

@@ -33,6 +33,7 @@ from fragflow.compiler import modes, probes
 from fragflow.compiler.axes import loop_rows
 from fragflow.compiler.inplace import Changed, array_leaves, containers, entries, memory_bounds
 from fragflow.compiler.ir import Edge, EdgeKind, Graph, LoopRead, Node, NodeKind
+from fragflow.compiler.optimizers import hyper_change, hyper_of, optimizers_of, schedulers_of
 from fragflow.compiler.pytree import (
     NotAnArray,
     TensorSpec,
@@ -43,18 +44,14 @@ from fragflow.compiler.pytree import (
 from fragflow.compiler.reach import (
     captured_objects,
     captured_state,
-    fingerprint,
     handles_as_values,
-    hyper_change,
-    hyper_of,
     mutable_data,
-    optimizers_of,
     reached_data,
-    schedulers_of,
 )
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Repeat, strong
 from fragflow.compiler.repeats import _NOT_REPEATED, _leaf_list, _state_param
 from fragflow.compiler.statebook import StateBook, _StateRec
+from fragflow.compiler.statecheck import fingerprint
 from fragflow.compiler.watchers import StateUse, ThreadsSet
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames

@@ -33,7 +33,7 @@ from fragflow.compiler.pytree import (
     structure_paths,
     to_numpy,
 )
-from fragflow.compiler.reach import reshaped
+from fragflow.compiler.statecheck import reshaped
 from fragflow.errors import ConfigError, NonFiniteError, NotArrayPytreeError, SpecChangedError
 from fragflow.source import SourceLoc
 
