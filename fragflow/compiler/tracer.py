@@ -28,18 +28,17 @@ import numpy as np
 from fragflow import context
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
-from fragflow.api.versioned import Versioned, VersionedView, own_value
+from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler import modes, probes
 from fragflow.compiler.axes import loop_rows
+from fragflow.compiler.binding import bind, one_jax_key, star_state
 from fragflow.compiler.inplace import Changed, array_leaves, containers, entries, memory_bounds
-from fragflow.compiler.ir import Edge, EdgeKind, Graph, LoopRead, Node, NodeKind
+from fragflow.compiler.ir import EdgeKind, Graph, LoopRead
+from fragflow.compiler.logchecks import check_scalars, log_sources
 from fragflow.compiler.optimizers import hyper_change, hyper_of, optimizers_of, schedulers_of
 from fragflow.compiler.pytree import (
-    NotAnArray,
     TensorSpec,
     is_static,
-    leaf_paths,
-    spec_of,
 )
 from fragflow.compiler.reach import (
     captured_objects,
@@ -56,8 +55,6 @@ from fragflow.compiler.watchers import StateUse, ThreadsSet
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
-    NotArrayPytreeError,
-    TraceError,
     VersionedStateError,
 )
 from fragflow.runtime import heap
@@ -239,7 +236,7 @@ class Tracer(StateBook):
         if rec.called_at is None:
             rec.called_at = where
         self._expected.discard(id(frag))
-        scalars = self._check_scalars(args[0] if args else kwargs, where) if frag.role == "logger" else {}
+        scalars = check_scalars(args[0] if args else kwargs, where, self._tags) if frag.role == "logger" else {}
         if self._nested is not None:
             here = where or user_callsite()
             (o0, o1), (i0, i1) = self._nested
@@ -257,11 +254,13 @@ class Tracer(StateBook):
             # metrics.csv's columns in the order the loop logs them, whichever process's values reach
             # the driver first in a run over several
             self.log_columns.update(dict.fromkeys(scalars))
-            self._log_sources(args[0] if args else kwargs, where)
+            clash = log_sources(args[0] if args else kwargs, where, self._origin, self._logged_by)
+            if self.log_clash is None:
+                self.log_clash = clash
             if scalars and self.journal is not None:
                 self.journal.append(("log", time.perf_counter(), scalars))
         try:
-            bound = _bind(frag, args, kwargs)
+            bound = bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
         if self._changed_args and self.changed_arg is None:
@@ -313,7 +312,7 @@ class Tracer(StateBook):
                 params.append(("static", pname))
                 static.append(pname)
                 continue
-            resolved = _star_state(frag, pname, value)
+            resolved = star_state(frag, pname, value)
             if resolved is not None:   # state through *args or **kwargs: as eagerly, noted for placement
                 bound.arguments[pname] = resolved
                 params.append(("star", pname))
@@ -369,7 +368,7 @@ class Tracer(StateBook):
         boxes_before = [(entries(box), self._maker(box)) for _, box in boxes]
         if first and frag.role == "actor" and self.shared_key is None:
             # one jax.random key for all the environments: replicas that split them would draw alike
-            key = next((p for p, v in bound.arguments.items() if _one_jax_key(v)), None)
+            key = next((p for p, v in bound.arguments.items() if one_jax_key(v)), None)
             if key is not None:
                 self.shared_key = (rec.name, key, where or user_callsite())
         if first:
@@ -467,7 +466,7 @@ class Tracer(StateBook):
         window = self.window.window
         rec.calls[window] += 1
         try:
-            bound = _bind(frag, args, kwargs)
+            bound = bind(frag, args, kwargs)
         except TypeError:
             return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
         assert self._cycle is not None
@@ -571,61 +570,6 @@ class Tracer(StateBook):
                     self._origins[id(new)] = dataclasses.replace(origin, ref=strong(new))
         return tuple(items) if isinstance(out, tuple) else items[0]
 
-    def _log_sources(self, tree: Any, where: SourceLoc | None) -> None:
-        """Note a name logged both from a learner's output and from the loop's own values: where the
-        learner runs in another process, its value and the loop's reach the driver in either order."""
-        from fragflow.runtime.scalars import named_leaves
-
-        for name, leaf in named_leaves(tree):
-            origin = self._origin(leaf)
-            learner = origin.node if origin is not None and origin.role == "learner" else ""
-            seen = self._logged_by.get(name)
-            if seen is None:
-                self._logged_by[name] = (learner, where or user_callsite())
-            elif self.log_clash is None and bool(seen[0]) != bool(learner):
-                here = where or user_callsite()
-                self.log_clash = (name, seen[0] or learner, seen[1] if seen[0] else here, here if seen[0] else seen[1])
-
-    def _check_scalars(self, tree: Any, where: SourceLoc | None) -> dict[str, float]:
-        """What ``ff.log(tree)`` writes, by column, once checked."""
-        try:
-            leaves = leaf_paths(tree)
-        except NotAnArray as bad:
-            raise NotArrayPytreeError(f"ff.log got {bad.path or 'a value'} of type {type(bad.value).__qualname__}",
-                                      where=where, fix="log numbers or 0-d arrays, e.g. ff.log({'loss': loss})") from None
-        for path, leaf in leaves:
-            spec = spec_of(leaf)
-            if spec.shape and int(np.prod(spec.shape)) != 1:
-                raise TraceError(f"ff.log got {path or 'its value'} with shape {spec.shape}, not a scalar",
-                                 where=where, fix="log scalars: reduce it first (x.mean(), x.max()) or log its "
-                                                  "elements under names of their own")
-        from fragflow.runtime.outputs import CHANNEL_COLUMNS, EVAL_COLUMNS, RUN_TAGS, RUNTIME_COLUMNS, tb_tag
-        from fragflow.runtime.scalars import flat_scalars
-
-        # (the channel's columns too, though single_process has none: the program must run under every policy)
-        taken = RUNTIME_COLUMNS + EVAL_COLUMNS + CHANNEL_COLUMNS
-        scalars = flat_scalars(tree)
-        clash = [name for name in scalars if name in taken]
-        if clash:
-            raise TraceError(f"ff.log got '{clash[0]}', the name of a column the run writes itself "
-                             f"({', '.join(taken)}): it would overwrite it", where=where,
-                             fix=f"log it under a name of its own, e.g. ff.log({{'my_{clash[0]}': ...}})")
-        for name in scalars:
-            tag = tb_tag(name)
-            if tag in RUN_TAGS:
-                column = tag.split("/", 1)[1]
-                raise TraceError(f"ff.log got '{name}', the TensorBoard tag the run writes its own "
-                                 f"{'episodes' if 'episodic' in tag else f'column {column!r}'} "
-                                 "under: the two series would be mixed", where=where,
-                                 fix=f"log it under a name of its own, e.g. ff.log({{'my_{column}': ...}})")
-            other = self._tags.setdefault(tag, (name, where))
-            if other[0] != name:
-                raise TraceError(f"ff.log got '{name}', and '{other[0]}' at {other[1]}: both are TensorBoard tag "
-                                 f"'{tag}' (a name without a '/' is logged under 'losses/'), so the two series "
-                                 "would be mixed", where=where,
-                                 fix=f"rename one of them (ff.log({{'{name}_2': ...}}))")
-        return scalars
-
     # -- recording ------------------------------------------------------------------------
     def _node(self, frag: Fragment) -> NodeRec:
         rec = self._nodes.get(id(frag))
@@ -644,109 +588,10 @@ class Tracer(StateBook):
 
     # -- result ---------------------------------------------------------------------------
     def graph(self, name: str, defined_at: SourceLoc | None) -> Graph:
-        if not self.begins_run:
-            self._loop_changed()   # (changed after the last learner call traced)
-            self._state_changed(self._learned_at, "after")
-        steady = 1 if self.window.window_updates[1] else 0
-        per = max(self.window.window_updates[steady], 1)   # updates inside the window the rates come from
-        nodes: list[Node] = []
-        loop_used = any(k[0] == LOOP for k in self._edges)
-        if loop_used:
-            nodes.append(Node(LOOP, NodeKind.LOOP, defined_at=defined_at))
-        for sname, srec in self._states.items():
-            nodes.append(Node(sname, NodeKind.STATE, defined_at=srec.created_at, versions=srec.versions))
-        for rec in self._nodes.values():
-            backend = "+".join(sorted(rec.backends)) or "python"
-            nodes.append(Node(rec.name, NodeKind.FRAGMENT, role=rec.role, backend=backend,
-                              defined_at=rec.defined_at, called_at=rec.called_at,
-                              rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
-                              arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
-                              out_skeleton=rec.out_skeleton,
-                              output_axes=rec.out_axes or (),
-                              static=rec.static, splittable=self._splittable(rec),
-                              evaluation=self.fragments[rec.name].evaluation,
-                              mutates_state=rec.mutates, captures_state=rec.captures, actor_mode=self.modes.actor_mode(rec.name),
-                              learner_mode=self.modes.learner_mode(rec.name),
-                              reads_captured=rec.reads_captured, other_rows=rec.other_rows,
-                              other_rows_evaluation=rec.other_rows_n not in self._env_sizes,
-                              other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
-                              reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
-                                                          if id(value) not in self._changed_data
-                                                          and id(value) not in self._state_objects)),
-                              changes_data=tuple(sorted(set(rec.changes_data.values()))),
-                              names_data=tuple(sorted({label for i, label in rec.names_data.items()
-                                                       if i in self._changed_data}))))
-        edges = [
-            Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()),
-                 _per(er.crossings[steady], per), er.where)
-            for (src, dst, kind, src_port, dst_port), er in self._edges.items()
-        ]
-        return Graph(name, defined_at, tuple(nodes), tuple(edges), self.window.updates, self.env_steps)
+        from fragflow.compiler.graphout import graph_of
 
-    def _splittable(self, rec: NodeRec) -> bool:
-        """An env made by ff.envs.make slices itself; a user's own env only if the program asked
-        ff.envs.ids for its slice (an evaluation env is never split)."""
-        if rec.role != "env":
-            return True
-        frag = self.fragments[rec.name]
-        return frag.evaluation or getattr(frag.instance, "slices_itself", False) or self.sized_by_ids
+        return graph_of(self, name, defined_at)
 
     def close(self) -> None:
         for resource in self._resources:
             resource.close()
-
-
-
-
-def _one_jax_key(value: Any) -> bool:
-    """A jax.random.PRNGKey (two uint32 words): one key, not one per environment."""
-    return type(value).__module__.startswith("jax") and str(getattr(value, "dtype", "")) == "uint32" and \
-        tuple(getattr(value, "shape", ())) == (2,)
-
-
-def _star_state(frag: Fragment, pname: str, value: Any) -> Any:
-    """The value of a ``*args`` or ``**kwargs`` parameter with the versioned state in it resolved,
-    where it holds some (None where it holds none, or is another parameter)."""
-    param = frag.signature.parameters.get(pname)
-    if param is None or param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-        return None
-    items = list(value) if isinstance(value, tuple) else list(value.values()) if isinstance(value, dict) else []
-    if not any(isinstance(v, (Versioned, VersionedView)) for v in items):
-        return None
-
-    def plain(v: Any) -> Any:
-        return own_value(v) if isinstance(v, (Versioned, VersionedView)) else v
-    return tuple(plain(v) for v in value) if isinstance(value, tuple) else {k: plain(v) for k, v in value.items()}
-
-
-class _Positional:
-    """What ``Signature.bind`` gives for a call passing every parameter by position (most calls),
-    without its cost (a tenth of a traced call's)."""
-
-    __slots__ = ("arguments",)
-    kwargs: dict[str, Any] = {}
-
-    def __init__(self, arguments: dict[str, Any]) -> None:
-        self.arguments = arguments
-
-    @property
-    def args(self) -> tuple[Any, ...]:
-        return tuple(self.arguments.values())
-
-
-
-
-
-def _bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    names = frag.__dict__.get("_ff_positional", False)
-    if names is False:   # the parameter names, where every parameter may be passed by position
-        params = frag.signature.parameters.values()
-        names = frag.__dict__["_ff_positional"] = tuple(p.name for p in params) if all(
-            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) else None
-    if names is not None and not kwargs and len(args) == len(names):
-        return _Positional(dict(zip(names, args)))
-    return frag.signature.bind(*args, **kwargs)
-
-
-def _per(count: int, updates: int) -> float:
-    return round(count / updates, 4)
