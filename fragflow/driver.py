@@ -382,15 +382,18 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         from fragflow.backends.ray import reachable
 
         reachable(address or os.environ["RAY_ADDRESS"])
-    # so does a malformed FRAGFLOW_CHECK_EVERY, FRAGFLOW_THREADS, FRAGFLOW_START_METHOD or FRAGFLOW_ALLREDUCE
+    # so does a malformed FRAGFLOW_CHECK_EVERY, FRAGFLOW_THREADS, FRAGFLOW_START_METHOD, FRAGFLOW_ALLREDUCE
+    # or FRAGFLOW_STALL_WARN
     calls.check_every()
     from fragflow.backends.local import given_start_method
     from fragflow.runtime import allreduce
+    from fragflow.runtime.service import stall_warn
     from fragflow.runtime.worker import threads_for
 
     threads_for(1)
     given_start_method()
     allreduce.setting()
+    stall_warn()
     if max_restarts < 0:
         raise ConfigError(f"max_restarts={max_restarts} is negative", fix="give 0 (never restart) or more")
     every = checkpoint_every if isinstance(checkpoint_every, Every) or checkpoint_every is None \

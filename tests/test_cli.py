@@ -497,6 +497,8 @@ def test_a_run_resumed_into_another_directory_holds_the_whole_run_and_keeps_its_
     ("FRAGFLOW_THREADS", "0", "FRAGFLOW_THREADS='0' is not a whole number of threads of at least 1"),
     ("FRAGFLOW_START_METHOD", "bogus", "FRAGFLOW_START_METHOD='bogus' is not available here"),
     ("FRAGFLOW_ALLREDUCE", "nccl2", "FRAGFLOW_ALLREDUCE='nccl2' is not a way multi_learner's learners sum"),
+    ("FRAGFLOW_STALL_WARN", "abc", "FRAGFLOW_STALL_WARN='abc' is not a number of seconds above 0"),
+    ("FRAGFLOW_STALL_WARN", "0", "FRAGFLOW_STALL_WARN='0' is not a number of seconds above 0"),
 ])
 def test_a_malformed_setting_in_the_environment_is_refused_before_anything_is_written(tmp_path, monkeypatch, variable,
                                                                                        value, message):

@@ -58,6 +58,22 @@ KEPT_MIN = 8   # ... but for the last this many, whatever their size (two sample
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
 
 
+def stall_warn() -> float:
+    """Seconds a call may wait for the other replicas' share before the run warns:
+    ``FRAGFLOW_STALL_WARN`` if set, else :data:`STALL_WARN`; a run checks it before it writes anything."""
+    raw = os.environ.get("FRAGFLOW_STALL_WARN", "").strip()
+    if not raw:
+        return STALL_WARN
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"FRAGFLOW_STALL_WARN={raw!r} is not a number of seconds above 0",
+                          fix=f"unset it ({STALL_WARN:g} s) or set e.g. FRAGFLOW_STALL_WARN=60")
+    return seconds
+
+
 def _size_of(tree: Any) -> int:
     """The bytes of a pytree's leaves, as their specs count them."""
     try:
@@ -140,7 +156,7 @@ class ServiceRunner(Gathering):
         self._names_given: dict[tuple[int, int], bool] = {}   # (replica, skeleton) -> whether it names any
         self._stalled_since = time.monotonic()
         self._stall_warned = False
-        self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
+        self._stall_warn = stall_warn()
         self.resume_objects: tuple[Any, Any] | None = None
         self.resume_random: tuple[Any, Any] | None = None
         if self.saving.get("resume"):
