@@ -1,12 +1,14 @@
-"""What a fragment's code reaches besides its arguments, and whether it changed what it was given
-(in place, or as a learner's new state not shaped like the one it was given).
+"""What a fragment's code reaches besides its arguments, and pictures of that data to see whether the
+loop changed it since (:func:`snapshot`, :func:`changed_part`).
 
 A fragment sees versioned state only through its arguments: that is how a placement hands it the
 version it may act with. The tracer asks, on a fragment's first call, what its closure and the
 globals its code names hold (a ``Versioned`` handle, or an object a versioned state holds, such as
-its ``nn.Module``), and fingerprints the state a fragment reads to see whether it changed it in place.
+its ``nn.Module``), and which data its code reads there, two calls deep (:func:`reached_data`).
 A fragment that reaches a handle that way runs in the loop's own process with the handle's value in
 its place (:func:`handles_as_values`), as it does eagerly; placements over several processes refuse it.
+Whether a fragment changed what it was given in place, and whether a learner's new state is shaped
+like the one it was given, are checked in :mod:`fragflow.compiler.statecheck`.
 """
 
 from __future__ import annotations
