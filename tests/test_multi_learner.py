@@ -469,6 +469,34 @@ def test_a_penalty_on_the_averaged_gradient_is_differentiated_as_one_learner_doe
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_penalty_on_the_gradients_backward_accumulated_is_differentiated_as_one_learner_does(write_algo, via,
+                                                                                               monkeypatch):
+    """`loss.backward(create_graph=True)`, then a penalty on the parameters' `.grad` differentiated
+    again: the learners' penalty gradient was 1/K of one learner's (each .grad was overwritten in
+    place with the average, and the copy differentiated as the learner's own gradient divided by K),
+    where the same penalty through torch.autograd.grad was right. Plain SGD: Adam's step hides a scale."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace("""            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)   # on the averaged gradient""", """            opt.zero_grad()
+            loss.backward(create_graph=True)
+            penalty = sum(p.grad.pow(2).sum() for p in net.parameters())   # the averaged gradient's squared norm
+            opt.zero_grad()
+            (0.5 * penalty).backward()""")
+    assert source != PROGRAM
+    path, _ = write_algo(source, "grad_penalty.py")
+    prog = load(str(path))
+    args = prog.args_cls(own_optimizer=True)
+    one = ff.run(prog.train, args, policy="single_process")
+    two = ff.run(prog.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert not torch.equal(one.value["net"].weight, _initial(args).weight)
+    for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_learners_at_a_bfloat16_and_a_float32_gradient_are_refused_not_left_waiting(write_algo):
     """A bfloat16 head used on each learner's own condition: one learner's backward pass began with
     the bfloat16 parameters (summed by gloo, its update's place first compared through gloo), the

@@ -196,11 +196,15 @@ class GradientAllReduce:
         grads = [q.grad for q in pending]
         # which parameters: learners' gradients of as many values may be of different ones (a branch on the share)
         which = zlib.crc32(repr([self.order[id(q)] for q in pending]).encode()) % 251 ** 3
-        flat = self._reduce([g.reshape(-1) for g in grads], which=which)
+        flat = self._reduce([g.detach().reshape(-1) for g in grads], which=which)
         flat.div_(self.world)
         pos = 0
-        for g in grads:
-            g.copy_(flat[pos:pos + g.numel()].view_as(g))
+        for q, g in zip(pending, grads):
+            mean = flat[pos:pos + g.numel()].view_as(g)
+            if g.requires_grad:   # backward(create_graph=True): differentiated as this learner's own (see average)
+                q.grad = mean + (g - g.detach())
+            else:
+                g.copy_(mean)
             pos += g.numel()
         self.averaged += 1
 
