@@ -132,8 +132,13 @@ class Agents(nn.Module):
 
     @torch.no_grad()
     def observe_returns(self, returns: torch.Tensor, beta: float = 0.99999) -> None:
-        self.ret_mean.mul_(beta).add_((1 - beta) * returns.mean())
-        self.ret_mean_sq.mul_(beta).add_((1 - beta) * (returns**2).mean())
+        mean, mean_sq = returns.mean(), (returns**2).mean()
+        if torch.distributed.is_initialized():   # several learners (multi_learner), each on its share: the whole's
+            moments = torch.stack([returns.sum(), (returns**2).sum(), returns.new_tensor(float(returns.numel()))])
+            torch.distributed.all_reduce(moments)
+            mean, mean_sq = moments[0] / moments[2], moments[1] / moments[2]
+        self.ret_mean.mul_(beta).add_((1 - beta) * mean)
+        self.ret_mean_sq.mul_(beta).add_((1 - beta) * mean_sq)
         self.ret_debias.mul_(beta).add_(1 - beta)
 
 

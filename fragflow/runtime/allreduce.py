@@ -21,6 +21,10 @@ passes in every learner per update (no data-dependent early stop), as in DD-PPO:
 carries a few numbers saying where its learner is (which update, called after how many env steps,
 which gradient of it), and one more, as each update ends, says it ended; the learners refuse the
 run where they differ, rather than average unrelated gradients or wait for one that never comes.
+That last all-reduce also carries a checksum of the new state each learner made: learners whose
+states differ (a value computed from a learner's own share: a running statistic, a counter, a
+BatchNorm's running moments) are refused, the parts that differ named, rather than left to hold
+different states of which learner 0's alone is published and checkpointed.
 (A separate all-reduce of those numbers before each gradient's made two learners on two cores
 15-20% slower: 4,212 and 3,757 samples/s against 5,364 and 4,435 in `benchmarks/multi_learner.py`;
 carried in the gradient's, 5,403 and 5,029 against 5,155 and 5,183.)
@@ -28,6 +32,7 @@ carried in the gradient's, 5,403 and 5,029 against 5,155 and 5,183.)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import zlib
@@ -72,6 +77,7 @@ class GradientAllReduce:
         self.handles: list[Any] = []
         self.group_backend: str | None = None
         self.averaged = 0
+        self.learned = False                # whether any update of this run has averaged a gradient
         self.pending: list[Any] = []        # parameters whose gradient this backward pass accumulated
         self.queued = False
         self.order: dict[int, int] = {}
@@ -171,7 +177,7 @@ class GradientAllReduce:
         if self.group_backend is None:
             tensors = [x for _, x in leaf_paths(state) if isinstance(x, torch.Tensor)]
             self._join({t.device for t in tensors})
-        owned = [p for opt in _optimizers(state) for group in opt.param_groups for p in group["params"]]
+        owned = [p for _, opt in _optimizers(state) for group in opt.param_groups for p in group["params"]]
         for p in [*owned, *_parameters(state)]:   # (in the state's order: the same in every learner)
             if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
                 self.watched.add(id(p))
@@ -234,13 +240,16 @@ class GradientAllReduce:
 
     @contextmanager
     def update(self, fragment: str, required: bool = True, where: Any = None, steps: int = -1,
-               called_at: Any = None, given: tuple[tuple[str, int], ...] = ()) -> Iterator[None]:
+               called_at: Any = None, given: tuple[tuple[str, int], ...] = ()) -> Iterator[Written]:
         """Around a call that writes the learners' state: the gradients it takes with
-        ``torch.autograd.grad`` are averaged too; an update (``required``: the clock) that averaged
-        nothing is refused (the learners would learn apart). ``steps``: the env steps its loop
-        replicas had made when they called it (-1: not the same in every learner by design);
-        ``given``: (path, checksum) of the call's arguments without a batch axis, which every
-        learner must be given alike (a value the loop computes over its replica's share differs)."""
+        ``torch.autograd.grad`` are averaged too. ``steps``: the env steps its loop replicas had made
+        when they called it (-1: not the same in every learner by design); ``given``: (path, checksum)
+        of the call's arguments without a batch axis, which every learner must be given alike (a value
+        the loop computes over its replica's share differs). The caller puts the new state in the
+        :class:`Written` it is given: the update's last all-reduce compares it, and learners whose new
+        states differ (a value each computed from its own share: a running statistic, a coefficient
+        adapted to its share's KL, a counter; a learner that computes no gradient, ``required``: the
+        clock) are refused, naming the part that differs, rather than left to learn apart."""
         import torch
 
         original = torch.autograd.grad
@@ -249,22 +258,23 @@ class GradientAllReduce:
             return self.average(original(*args, **kwargs))
 
         self.averaged = 0
-        key = zlib.crc32(repr([c for _, c in given]).encode()) % 251 ** 3 if given else 0   # (what _digits carries)
+        key = _key([c for _, c in given]) if given else 0   # (what _digits carries)
         self.call = _Call(fragment, zlib.crc32(fragment.encode()) & 0xFFFFFF, steps, where, called_at, given, key)
         torch.autograd.grad = grad
+        written = Written()
         try:
-            yield
+            yield written
         finally:
             torch.autograd.grad = original
-        if self.averaged:   # every learner ends the update here, none still averaging
-            numel, dtype, device = self.last
-            self._reduce([torch.zeros(numel, dtype=dtype, device=device)], closing=True)
+        self.learned = self.learned or self.averaged > 0
+        sums = _state_sums(written.state, written.name)
+        self.call = dataclasses.replace(self.call, state=tuple(sums), state_key=_key([c for _, c in sums]),
+                                        required=required)
+        # every learner ends the update here, none still averaging, each with the state it made (the size of
+        # its last gradient: a learner closing and another at its next gradient meet at one sum)
+        numel, dtype, device = self.last if self.last[1] is not None else (0, torch.float32, self.device)
+        self._reduce([torch.zeros(numel, dtype=dtype, device=device)], closing=True)
         self.call = None
-        if required and self.averaged == 0:
-            raise ConfigError(f"multi_learner averages the gradients '{fragment}' computes, and it computed none "
-                              "(no backward() into the parameters of its versioned state, no torch.autograd.grad)",
-                              where=where, fix="compute gradients with torch (backward() into the parameters of the versioned "
-                                  "state's modules or tensors, or torch.autograd.grad), or use a single-learner policy")
 
     def _reduce(self, parts: list[Any], closing: bool = False, which: int = 0) -> Any:
         """``parts`` concatenated and all-reduced (summed), with a few numbers saying where this
@@ -306,7 +316,7 @@ class GradientAllReduce:
         call = self.call
         assert call is not None
         return torch.tensor(_digits(call.key, call.steps + 1, int(closing), self.averaged, numel, call.given_key,
-                                    which), dtype=dtype, device=device)
+                                    which, call.state_key, len(call.state)), dtype=dtype, device=device)
 
     def _check_where(self, summed: Any, numel: int, closing: bool, which: int) -> None:
         """``summed``: the digits' sums, then their squares' sums; every learner got the same ones, and
@@ -343,11 +353,11 @@ class GradientAllReduce:
         call = self.call
         if call is None:   # (a gradient outside any update: nothing to agree on)
             return
-        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key, which],
-                            dtype=torch.float64, device=self.device)
+        mine = torch.tensor([call.key, call.steps, -1 if closing else self.averaged, numel, call.given_key, which,
+                             call.state_key, len(call.state)], dtype=torch.float64, device=self.device)
         both = torch.cat([mine, -mine])
         self._all_reduce(both, op=self.dist.ReduceOp.MAX)
-        high, low = both[:6].cpu(), -both[6:].cpu()
+        high, low = both[:8].cpu(), -both[8:].cpu()
         if torch.equal(high, low):
             return
         if high[1] != low[1]:   # (the same message as a gathering policy's: the calls are not paired)
@@ -381,6 +391,8 @@ class GradientAllReduce:
             what = f"at gradient {int(high[2]) + 1} one averaged {int(low[3]):,} values, another {int(high[3]):,}"
         elif high[5] != low[5] and high[0] == low[0]:   # (the same fragment: else its state differs)
             what = f"at gradient {int(high[2]) + 1} they averaged the gradients of different parameters"
+        elif high[6] != low[6] and high[0] == low[0]:   # (the same update, ended alike: the states it made differ)
+            raise self._states_apart(bool(high[7] == low[7]))
         else:
             what = "they were updating different state"
         raise ConfigError(
@@ -391,6 +403,46 @@ class GradientAllReduce:
             fix="make the backward passes per update the same in every learner (drop a data-dependent early stop "
                 "under multi_learner, e.g. --set target_kl=None), or run a single-learner policy (pipelined, "
                 "actor_learner)")
+
+    def _states_apart(self, alike: bool) -> ConfigError:
+        """The learners ended an update alike but hold different new states: which parts differ (each
+        learner's checksum of each part, all-reduced to their maximum and minimum, where the states
+        have as many parts: ``alike``), and why that is refused."""
+        import torch
+
+        call = self.call
+        assert call is not None
+        if not self.learned and call.required:   # (no gradient yet: the learner learns without torch's)
+            return ConfigError(
+                f"multi_learner averages the gradients '{call.fragment}' computes, and it computed none (no backward() "
+                "into the parameters of its versioned state, no torch.autograd.grad), while its learners' new states "
+                "differ (each learned from its own share)", where=call.where,
+                fix="compute gradients with torch (backward() into the parameters of the versioned state's modules or "
+                    "tensors, or torch.autograd.grad), or use a single-learner policy")
+        paths: list[str] = []
+        if alike:
+            sums = torch.tensor([c for _, c in call.state], dtype=torch.float64, device=self.device)
+            apart = torch.cat([sums, -sums])
+            self._all_reduce(apart, op=self.dist.ReduceOp.MAX)
+            n = len(call.state)
+            paths = [call.state[i][0] for i in range(n) if apart[i].item() != -apart[n + i].item()]
+        named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "") if paths else \
+            "its structure"
+        norms = any(k in p for p in paths for k in ("running_mean", "running_var", "num_batches_tracked"))
+        why = ("a BatchNorm's running statistics, which each learner keeps over its own share of the batch" if norms
+               else "a value each learner computes from its own share of the batch: a running statistic, a "
+                    "coefficient adapted to its share's KL, a counter of its share's events, a rate set from its loss")
+        return ConfigError(
+            f"after an update of '{call.fragment}' its learners hold different values of {named} ({why}), and "
+            "multi_learner's learners must stay identical: learner 0's state alone is published to the actors, "
+            "reported and checkpointed, so the run would depend on which learner's share it was", where=call.where,
+            fix=("use a norm without running statistics (LayerNorm, GroupNorm, BatchNorm with "
+                 "track_running_stats=False), or run a single-learner policy (pipelined, actor_learner)") if norms else
+                "compute it from what every learner holds alike: a statistic of the whole batch from the learners' "
+                "sums (`if torch.distributed.is_initialized(): torch.distributed.all_reduce(sums)`, in every learner "
+                "alike, as mappo.py's return moments are), the parameters, the update count, an argument without a "
+                "batch axis; or return it as a metric rather than keep it in the versioned state; or run a "
+                "single-learner policy (pipelined, actor_learner)")
 
     def _peers_out(self) -> tuple[list[int], list[int]]:
         """The other learners that left the group: having ended their run, and by an error of their own
@@ -434,17 +486,18 @@ class GradientAllReduce:
             self.dist.destroy_process_group()
 
 
-def _optimizers(tree: Any) -> Any:
+def _optimizers(tree: Any, path: str = "") -> Any:
+    """(path, optimizer) of each optimizer in ``tree``, its path as :func:`leaf_paths` writes them."""
     import torch
 
     if isinstance(tree, torch.optim.Optimizer):
-        yield tree
+        yield path, tree
     elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _optimizers(v)
+        for k, v in tree.items():
+            yield from _optimizers(v, f"{path}[{k!r}]")
     elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _optimizers(v)
+        for i, v in enumerate(tree):
+            yield from _optimizers(v, f"{path}[{i}]")
 
 
 def _parameters(tree: Any) -> Any:
@@ -488,6 +541,34 @@ def timings(store: Any, world: int) -> list[dict[str, Any]]:
     return out
 
 
+def _key(checksums: list[int]) -> int:
+    """One number for a list of checksums, small enough for :func:`_digits`."""
+    return zlib.crc32(repr(checksums).encode()) % 251 ** 3
+
+
+def _state_sums(state: Any, name: str) -> list[tuple[str, int]]:
+    """(path, checksum) of each part of a learner's new state: its arrays, numbers, modules' tensors
+    and optimizers' states (their bytes), and its optimizers' settings (a rate set from a share)."""
+    import torch
+
+    from fragflow.compiler.pytree import NotAnArray, leaf_paths
+    from fragflow.compiler.reach import fingerprint
+
+    if state is None:
+        return []
+    try:
+        leaves = leaf_paths(state, name)
+    except NotAnArray:
+        return []
+    out = [(path, fingerprint(leaf, counters=False)[0]) for path, leaf in leaves]
+    for path, opt in _optimizers(state, name):
+        for i, group in enumerate(opt.param_groups):
+            for k, v in group.items():
+                if k != "params" and not isinstance(v, torch.Tensor):
+                    out.append((f"{path}.param_groups[{i}][{k!r}]", zlib.crc32(repr(v).encode())))
+    return out
+
+
 def _digits(*values: int) -> list[int]:
     """Each value as three digits in base 251: K learners' sums of them and of their squares stay
     under 2**24, exact in float32, up to 267 learners."""
@@ -506,3 +587,14 @@ class _Call:
     called_at: Any
     given: tuple[tuple[str, int], ...] = ()   # (path, checksum) of its arguments without a batch axis
     given_key: int = 0                        # one checksum of them all
+    state: tuple[tuple[str, int], ...] = ()   # (path, checksum) of each part of the new state, as the update ends
+    state_key: int = 0                        # one checksum of them all
+    required: bool = True                     # the clock's update (which must learn)
+
+
+class Written:
+    """What an update (:meth:`GradientAllReduce.update`) wrote: the new state, and its name."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.name = ""

@@ -399,10 +399,14 @@ class ServiceRunner(Gathering):
                     with self.reducer.update(fragment, required=clock, where=frag.defined_at,
                                              steps=pieces[0].steps if self.program.ordered else -1,
                                              called_at=self.checks.get("called_at", {}).get(fragment),
-                                             given=self._unbatched(fragment, leaves) if self.program.ordered else ()):
+                                             given=self._unbatched(fragment, leaves) if self.program.ordered else ()) \
+                            as written:
                         t1 = time.perf_counter_ns()
                         out = frag.fn(*bound.args, **bound.kwargs)
                         self.reducer.timing["call_ns"] += time.perf_counter_ns() - t1
+                        # (the learners compare the new states they made as the update ends)
+                        written.state = out[0] if isinstance(out, tuple) else out
+                        written.name = skel_state_name(skel, frag.writes)
                 else:
                     out = frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:

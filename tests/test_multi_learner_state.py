@@ -1,0 +1,126 @@
+"""multi_learner: every learner holds the same state after each update, or the run is refused.
+
+Learner 0 alone publishes, reports and checkpoints; a value each learner computes from its own share
+of the batch (a running statistic, a counter of its share's events, a BatchNorm's running moments)
+made the learners hold different states, silently, and the run's result was learner 0's share's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import fragflow as ff
+from fragflow.errors import ConfigError
+from fragflow.program import load
+from tests.conftest import relpath
+from tests.test_multi_learner import PROGRAM
+from tests.test_multiprocess import shm_leftovers
+
+ML = "multi_learner(learners=2, actors=1, max_lag=0)"
+LEARN = '@ff.fragment("learner", writes="state")'
+ADAM = '{"net": net, "opt": torch.optim.Adam(net.parameters(), lr=0.05)}'
+STEPS = "    for _ in range(2):                                   # two gradient steps per update"
+
+
+def _close(one, two):
+    for p, q in zip(one.value["net"].state_dict().values(), two.value["net"].state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_counter_of_each_learners_own_share_is_refused_naming_it(write_algo, via, monkeypatch):
+    """A count the learner keeps in its state of its share's events (`if x[0, 0] > 0: n += 1`): the
+    learners counted 2 and 3, and the run reported learner 0's."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace(ADAM, ADAM[:-1] + ', "n": 0}').replace(LEARN, LEARN + "  # @learn") \
+        .replace('    return state, {"loss": loss.detach()}',
+                 '    if float(x[0, 0]) > 0:   # this share\'s first input\n'
+                 '        state["n"] += 1\n    return state, {"loss": loss.detach()}')
+    path, marks = write_algo(source, "counter.py")
+    prog = load(str(path))
+    assert ff.run(prog.train, prog.args_cls(), policy="single_process").value["n"] == 2
+    with pytest.raises(ConfigError, match=r"after an update of 'learn' its learners hold different values of "
+                                          r"state\['n'\] \(a value each learner computes from its own share(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['learn']}\n  fix: compute it from what every "
+                                          r"learner holds alike(.|\n)*torch.distributed.all_reduce"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_batch_norms_running_statistics_over_each_share_are_refused_with_a_norm_that_keeps_none(write_algo):
+    """BatchNorm in the learner's network: each learner's running moments were of its own share."""
+    source = PROGRAM.replace("net = torch.nn.Linear(3, 1)\n    state",
+                             "net = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))\n    state")
+    assert source != PROGRAM
+    path, _ = write_algo(source, "batchnorm.py")
+    prog = load(str(path))
+    with pytest.raises(ConfigError, match=r"different values of state\['net'\]\['0.running_mean'\], "
+                                          r"state\['net'\]\['0.running_var'\] \(a BatchNorm's running statistics(.|\n)*"
+                                          r"fix: use a norm without running statistics"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+    # the fix the message gives runs (the share's own moments normalise its forward pass, as PPO's minibatches)
+    path, _ = write_algo(source.replace("BatchNorm1d(3)", "BatchNorm1d(3, track_running_stats=False)"), "bn_free.py")
+    prog = load(str(path))
+    assert ff.run(prog.train, prog.args_cls(), policy=ML).summary["updates"] == 6
+
+
+def test_a_running_mean_the_learners_all_reduce_is_one_learners(write_algo):
+    """The fix the refusal gives for a statistic of the share: a running mean of the targets over the
+    learners' sums (torch.distributed's group, which multi_learner's learners share) is the whole
+    batch's, and the run one learner's; kept over each share it is refused."""
+    own = PROGRAM.replace(ADAM, ADAM[:-1] + ', "mu": torch.zeros(1)}') \
+        .replace(STEPS, '    state["mu"] = 0.9 * state["mu"] + 0.1 * y.mean()\n    y = y - state["mu"]\n' + STEPS)
+    shared = own.replace('    state["mu"] = 0.9 * state["mu"] + 0.1 * y.mean()', '''    m = y.mean()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(m)
+        m = m / torch.distributed.get_world_size()
+    state["mu"] = 0.9 * state["mu"] + 0.1 * m''')
+    assert own != PROGRAM and shared != own
+    path, _ = write_algo(own, "own_mean.py")
+    prog = load(str(path))
+    with pytest.raises(ConfigError, match=r"different values of state\['mu'\]"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    path, _ = write_algo(shared, "shared_mean.py")
+    prog = load(str(path))
+    one, two = ff.run(prog.train, prog.args_cls(), policy="single_process"), ff.run(prog.train, prog.args_cls(), policy=ML)
+    torch.testing.assert_close(one.value["mu"], two.value["mu"])
+    _close(one, two)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_an_update_every_learner_skips_alike_runs_as_one_learner(write_algo, via, monkeypatch):
+    """A learner that takes no gradient step on some updates, on a count in its state (every learner
+    alike): it was refused as one that 'computed none', though the learners stayed identical."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace(ADAM, ADAM[:-1] + ', "k": 0}').replace(STEPS, '''    state["k"] += 1
+    if state["k"] % 3 == 0:   # no step on every third update
+        return state, {"loss": torch.zeros(())}
+''' + STEPS)
+    path, _ = write_algo(source, "skips.py")
+    prog = load(str(path))
+    one, two = ff.run(prog.train, prog.args_cls(), policy="single_process"), ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert two.value["k"] == 6 and two.summary["updates"] == 6
+    _close(one, two)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_mappos_return_moments_are_the_whole_batchs_under_multi_learner():
+    """MAPPO's ValueNorm kept its running moments of each learner's share: the learners normalised
+    their critics' targets apart and the actors acted with learner 0's moments. Averaged over the
+    learners, after one update they are single_process's (the update itself differs: each learner
+    normalises its own share's advantages)."""
+    from fragflow.algorithms import mappo
+
+    args = mappo.Args(total_timesteps=100, num_envs=4, num_steps=25, update_epochs=1, hidden=16)
+    one = ff.run(mappo.train, args, policy="single_process").value["model"]
+    two = ff.run(mappo.train, args, policy=ML).value["model"]
+    assert float(one.ret_debias) > 0
+    for name in ("ret_mean", "ret_mean_sq", "ret_debias"):
+        torch.testing.assert_close(getattr(one, name), getattr(two, name), rtol=1e-5, atol=0)
+    assert mp.active_children() == [] and shm_leftovers() == []
