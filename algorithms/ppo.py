@@ -291,8 +291,13 @@ def learn(state, batch, lr, args: Args):
                 step += 1
                 adam_step(flat_params, grad, flat_m, flat_v, step, float(lr))
 
-        if args.target_kl is not None and approx_kl > float(args.target_kl):
-            break
+        if args.target_kl is not None:
+            kl = approx_kl.clone()
+            if torch.distributed.is_initialized():   # several learners (multi_learner): all stop on their mean
+                torch.distributed.all_reduce(kl)
+                kl /= torch.distributed.get_world_size()
+            if kl > float(args.target_kl):
+                break
 
     for p in leaves:
         p.requires_grad_(False)

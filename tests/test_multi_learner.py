@@ -284,8 +284,26 @@ def test_learners_whose_backward_passes_differ_in_number_are_refused_at_the_lear
     ff.run(program.train, program.args_cls(), policy="single_process")   # one learner: nothing to agree on
     with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(one had "
                                              r"averaged 1 gradient when another ended the update\)(.|\n)*"
-                                             rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes"):
+                                             rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes "
+                                             r"per update the same in every learner: decide an early stop on a value "
+                                             r"every learner holds alike, its mean over the learners \(`if "
+                                             r"torch.distributed.is_initialized\(\): torch.distributed.all_reduce"):
         ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_ppos_early_stop_is_decided_on_the_learners_mean_kl():
+    """ppo.py's `--set target_kl=...` under multi_learner: each learner stopped on its own share's KL,
+    at different epochs, and the run was refused, with a fix (`--set target_kl=None`) that a program
+    whose threshold is a plain float cannot take. It now stops every learner on their mean KL."""
+    from fragflow.algorithms import ppo
+
+    args = ppo.Args(total_timesteps=8 * 256, num_envs=4, num_steps=64, target_kl=2e-5)
+    full = 8 * args.update_epochs * args.num_minibatches   # Adam steps without an early stop
+    one = ff.run(ppo.train, args, policy="single_process")
+    assert int(one.value["step"]) < full   # (it stops early, on the whole batch's KL)
+    two = ff.run(ppo.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
+    assert two.summary["updates"] == 8 and 8 * args.num_minibatches <= int(two.value["step"]) < full
     assert mp.active_children() == [] and shm_leftovers() == []
 
 

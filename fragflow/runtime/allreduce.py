@@ -400,9 +400,11 @@ class GradientAllReduce:
             "multi_learner averages each gradient with the others' at the same point of the update: every learner "
             "must make the same backward passes per update, whatever its share of the data (an early stop on a "
             "value of its own share, such as `if approx_kl > target_kl: break`, makes them differ)", where=call.where,
-            fix="make the backward passes per update the same in every learner (drop a data-dependent early stop "
-                "under multi_learner, e.g. --set target_kl=None), or run a single-learner policy (pipelined, "
-                "actor_learner)")
+            fix="make the backward passes per update the same in every learner: decide an early stop on a value every "
+                "learner holds alike, its mean over the learners (`if torch.distributed.is_initialized(): "
+                "torch.distributed.all_reduce(kl); kl /= torch.distributed.get_world_size()`, as ppo.py's target_kl "
+                "does), or turn the stop off (a threshold of your Args it never reaches, or a switch), or run a "
+                "single-learner policy (pipelined, actor_learner)")
 
     def _states_apart(self, alike: bool) -> ConfigError:
         """The learners ended an update alike but hold different new states: which parts differ (each
