@@ -214,23 +214,33 @@ class GradientAllReduce:
             pos += g.numel()
         self.averaged += 1
 
-    def average(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    def average(self, grads: tuple[Any, ...], inputs: Any = None) -> tuple[Any, ...]:
         """``torch.autograd.grad``'s result, averaged across the learners (one all-reduce). Taken
         with ``create_graph=True``, each average is differentiated as this learner's own gradient
         (the average's value, plus the gradient less itself): a term on it (a gradient penalty)
         gives each learner its share's part, which the learners' next average makes the whole
         batch's, as one learner differentiates it (differentiated through the average, divided by K,
-        it was 1/K of that)."""
-        present = [g for g in grads if g is not None]
+        it was 1/K of that). A gradient with respect to a tensor the learner computed (one of
+        ``inputs`` that is not a leaf: its outputs for the chain rule, ``a.backward(dl_da)``; a
+        sample mixed with a generator's) is of this learner's own samples, and is its own, not
+        averaged (averaged, sample i of one learner's share was mixed with sample i of another's);
+        the parameters' gradient it leads to is averaged as any. Leaves (parameters, copies of them,
+        a batch's ``x.requires_grad_()``) cannot be told apart: their gradients are averaged."""
+        import torch
+
+        ins = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs) if isinstance(inputs, (list, tuple)) else []
+        mine = [isinstance(x, torch.Tensor) and not x.is_leaf for x in ins] if len(ins) == len(grads) else \
+            [False] * len(grads)
+        present = [g for g, own in zip(grads, mine) if g is not None and not own]
         if not present:
             return grads
         flat = self._reduce([g.detach().reshape(-1) for g in present])
         flat.div_(self.world)
         out: list[Any] = []
         pos = 0
-        for g in grads:
-            if g is None:
-                out.append(None)
+        for g, own in zip(grads, mine):
+            if g is None or own:
+                out.append(g)
                 continue
             mean = flat[pos:pos + g.numel()].view_as(g)
             out.append(mean + (g - g.detach()) if g.requires_grad else mean)   # (the value is the average's, exactly)
@@ -255,7 +265,7 @@ class GradientAllReduce:
         original = torch.autograd.grad
 
         def grad(*args: Any, **kwargs: Any) -> Any:
-            return self.average(original(*args, **kwargs))
+            return self.average(original(*args, **kwargs), kwargs.get("inputs", args[1] if len(args) > 1 else None))
 
         self.averaged = 0
         key = _key([c for _, c in given]) if given else 0   # (what _digits carries)
