@@ -110,6 +110,25 @@ def test_an_update_every_learner_skips_alike_runs_as_one_learner(write_algo, via
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_an_update_one_learner_skips_on_its_own_share_is_refused_through_gloo_too(write_algo, via, monkeypatch):
+    """A step skipped on a value of each learner's own share, at the first update: the learner that
+    skipped ended its update with an all-reduce of another size than the other's first gradient, and
+    gloo aborted that learner's process ('killed by signal 6 without reporting an error')."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace(STEPS, '''    if float(x[0, 0]) > 0.5:   # this share's first input: no step
+        return state, {"loss": torch.zeros(())}
+''' + STEPS).replace(LEARN, LEARN + "  # @learn")
+    path, marks = write_algo(source, "skips_own.py")
+    prog = load(str(path))
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(one had "
+                                          r"averaged 0 gradients when another ended the update\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['learn']}\n"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_mappos_return_moments_are_the_whole_batchs_under_multi_learner():
     """MAPPO's ValueNorm kept its running moments of each learner's share: the learners normalised
     their critics' targets apart and the actors acted with learner 0's moments. Averaged over the

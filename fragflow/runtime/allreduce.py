@@ -84,6 +84,8 @@ class GradientAllReduce:
         self.call: _Call | None = None      # the update in progress: what every learner must agree on
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
+        self.first: tuple[int, Any, Any] = (0, None, None)  # and of the first gradient of the last update with one
+        self.params: list[Any] = []         # the parameters watched (see watch)
         self.store: Any = None
         self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
         self.shared: Any = None             # its SharedSum, where every learner's tensors are on the CPU
@@ -183,6 +185,7 @@ class GradientAllReduce:
                 self.watched.add(id(p))
                 self.order[id(p)] = len(self.order)
                 self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+                self.params.append(p)
 
     def _accumulated(self, p: Any) -> None:
         """A parameter's gradient is accumulated: averaged, with the others of this backward pass, in
@@ -280,9 +283,18 @@ class GradientAllReduce:
         sums = _state_sums(written.state, written.name)
         self.call = dataclasses.replace(self.call, state=tuple(sums), state_key=_key([c for _, c in sums]),
                                         required=required)
-        # every learner ends the update here, none still averaging, each with the state it made (the size of
-        # its last gradient: a learner closing and another at its next gradient meet at one sum)
-        numel, dtype, device = self.last if self.last[1] is not None else (0, torch.float32, self.device)
+        # every learner ends the update here, none still averaging, each with the state it made: of the size of
+        # its last gradient, where a learner closing and another at its next gradient meet at one sum (gloo
+        # needs the sizes alike); having averaged none, of the size of the first gradient it has averaged in
+        # an update, or of all the parameters it watches: another may be at its update's first gradient
+        if self.averaged:
+            numel, dtype, device = self.last
+        elif self.first[1] is not None:
+            numel, dtype, device = self.first
+        else:
+            watched = [p for p in self.params if p.is_floating_point()]
+            numel = sum(int(p.numel()) for p in watched)
+            dtype, device = (watched[0].dtype, watched[0].device) if watched else (torch.float32, self.device)
         self._reduce([torch.zeros(numel, dtype=dtype, device=device)], closing=True)
         self.call = None
 
@@ -297,6 +309,8 @@ class GradientAllReduce:
         numel = sum(int(p.numel()) for p in parts)
         dtype, device = parts[0].dtype, parts[0].device
         call = self.call
+        if call is not None and not closing and self.averaged == 0:
+            self.first = (numel, dtype, device)
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.shared is not None and call is not None:
