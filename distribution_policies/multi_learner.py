@@ -10,9 +10,11 @@ batch (a loss that is a mean over samples), and stay identical, so learner 0 pub
 and reports the metrics (of its share) for all.
 
 The user's update must make the same number of backward passes in every learner per update (no
-early stop that depends on the data, as in DD-PPO); PPO's minibatches are drawn within each
-learner's share, so the minibatches differ from one learner's, while each gradient step is still
-an average over all learners.
+early stop on a learner's own share, as in DD-PPO: ppo.py decides its target_kl stop on the
+learners' mean KL), and leave every learner with the same state (a statistic of its own share is
+refused as each update ends); PPO's minibatches are drawn within each learner's share, so the
+minibatches differ from one learner's, while each gradient step is still an average over all
+learners.
 
 Placement::
 
