@@ -20,12 +20,12 @@ MLP = PROGRAM.replace("net = torch.nn.Linear(3, 1)\n    state",
                       "net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))\n    state")
 
 
-def _equal_runs(write_algo, source, name):
+def _equal_runs(write_algo, source, name, **args):
     assert source != MLP
     path, _ = write_algo(source, name)
     prog = load(str(path))
-    one = ff.run(prog.train, prog.args_cls(), policy="single_process")
-    two = ff.run(prog.train, prog.args_cls(), policy=ML)
+    one = ff.run(prog.train, prog.args_cls(**args), policy="single_process")
+    two = ff.run(prog.train, prog.args_cls(**args), policy=ML)
     for p, q in zip(one.value["net"].parameters(), two.value["net"].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert mp.active_children() == [] and shm_leftovers() == []
@@ -52,3 +52,22 @@ def test_a_penalty_on_each_samples_gradient_with_respect_to_its_features_is_one_
         out = net[2](net[1](h))
         gh = torch.autograd.grad(out.sum(), h, create_graph=True)[0]
         loss = ((out - y) ** 2).mean() + 0.5 * ((gh.norm(dim=1) - 0.5) ** 2).mean()"""), "feature_penalty.py")
+
+
+def test_gradients_with_respect_to_views_of_a_flat_parameter_vector_are_averaged(write_algo):
+    """A functional learner whose parameters are views of one flat tensor that takes gradients (not
+    leaves themselves): their gradients are the parameters', averaged, not each learner's own."""
+    _equal_runs(write_algo, MLP.replace("""            grads = torch.autograd.grad(loss, list(net.parameters()))
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads):
+                    p -= 0.05 * g""", """            flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).requires_grad_(True)
+            views, at = [], 0
+            for p in net.parameters():
+                views.append(flat[at:at + p.numel()].view_as(p))
+                at += p.numel()
+            h = torch.tanh(torch.nn.functional.linear(x, views[0], views[1]))
+            loss = ((torch.nn.functional.linear(h, views[2], views[3]) - y) ** 2).mean()
+            grads = torch.autograd.grad(loss, views)
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads):
+                    p -= 0.05 * g"""), "flat_views.py", functional=True)

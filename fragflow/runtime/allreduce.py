@@ -229,12 +229,13 @@ class GradientAllReduce:
         sample mixed with a generator's) is of this learner's own samples, and is its own, not
         averaged (averaged, sample i of one learner's share was mixed with sample i of another's);
         the parameters' gradient it leads to is averaged as any. Leaves (parameters, copies of them,
-        a batch's ``x.requires_grad_()``) cannot be told apart: their gradients are averaged."""
+        a batch's ``x.requires_grad_()``) cannot be told apart, nor views of them (a flat parameter
+        vector's pieces): their gradients are averaged."""
         import torch
 
         ins = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs) if isinstance(inputs, (list, tuple)) else []
-        mine = [isinstance(x, torch.Tensor) and not x.is_leaf for x in ins] if len(ins) == len(grads) else \
-            [False] * len(grads)
+        mine = [isinstance(x, torch.Tensor) and not x.is_leaf and (x._base is None or not x._base.is_leaf)
+                for x in ins] if len(ins) == len(grads) else [False] * len(grads)
         present = [g for g, own in zip(grads, mine) if g is not None and not own]
         if not present:
             return grads
