@@ -591,7 +591,7 @@ def _state_sums(state: Any, name: str, whole: bool = True) -> list[tuple[str, in
     import torch
 
     from fragflow.compiler.pytree import NotAnArray, leaf_paths
-    from fragflow.compiler.reach import fingerprint
+    from fragflow.compiler.statecheck import fingerprint
 
     if state is None:
         return []
