@@ -129,6 +129,34 @@ def test_an_update_one_learner_skips_on_its_own_share_is_refused_through_gloo_to
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+def test_an_optimizer_setting_that_is_an_object_is_not_compared_by_its_address(write_algo):
+    """A setting of an optimizer's group that is an object (a schedule kept beside the rate): its
+    repr (an address, here its process) differs between the learners' processes, and the learners
+    were refused as holding different states."""
+    source = PROGRAM.replace(ADAM, ADAM.replace("torch.optim.Adam(net.parameters(), lr=0.05)",
+                                                "scheduled(torch.optim.Adam(net.parameters(), lr=0.05))")) \
+        .replace("def train(args: Args):", """class Schedule:
+    def __call__(self, update):
+        return 0.05
+
+    def __repr__(self):   # (an object's repr: here its process, as an address would differ between processes)
+        import os
+        return f"<Schedule in {os.getpid()}>"
+
+
+def scheduled(opt):
+    opt.param_groups[0]["schedule"] = Schedule()   # kept beside the rate
+    return opt
+
+
+def train(args: Args):""")
+    assert source != PROGRAM
+    path, _ = write_algo(source, "setting_object.py")
+    prog = load(str(path))
+    assert ff.run(prog.train, prog.args_cls(), policy=ML).summary["updates"] == 6
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_mappos_return_moments_are_the_whole_batchs_under_multi_learner():
     """MAPPO's ValueNorm kept its running moments of each learner's share: the learners normalised
     their critics' targets apart and the actors acted with learner 0's moments. Averaged over the

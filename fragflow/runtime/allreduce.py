@@ -609,8 +609,8 @@ def _state_sums(state: Any, name: str, whole: bool = True) -> list[tuple[str, in
             out.append((path, zlib.crc32(repr((type(leaf), getattr(leaf, "shape", None))).encode())))
     for path, opt in _optimizers(state, name):
         for i, group in enumerate(opt.param_groups):
-            for k, v in group.items():
-                if k != "params" and not isinstance(v, torch.Tensor):
+            for k, v in group.items():   # (numbers: an object's repr may hold its address, another in each process)
+                if k != "params" and all(isinstance(x, (int, float)) for x in (v if isinstance(v, (tuple, list)) else [v])):
                     out.append((f"{path}.param_groups[{i}][{k!r}]", zlib.crc32(repr(v).encode())))
     return out
 
