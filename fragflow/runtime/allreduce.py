@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fragflow.errors import ConfigError
+from fragflow.runtime import learnerstate
 
 
 def setting() -> str:
@@ -180,7 +181,7 @@ class GradientAllReduce:
         if self.group_backend is None:
             tensors = [x for _, x in leaf_paths(state) if isinstance(x, torch.Tensor)]
             self._join({t.device for t in tensors})
-        owned = [p for _, opt in _optimizers(state) for group in opt.param_groups for p in group["params"]]
+        owned = [p for _, opt in learnerstate.optimizers_at(state) for group in opt.param_groups for p in group["params"]]
         for p in [*owned, *_parameters(state)]:   # (in the state's order: the same in every learner)
             if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
                 self.watched.add(id(p))
@@ -273,7 +274,7 @@ class GradientAllReduce:
             return self.average(original(*args, **kwargs), kwargs.get("inputs", args[1] if len(args) > 1 else None))
 
         self.averaged = 0
-        key = _key([c for _, c in given]) if given else 0   # (what _digits carries)
+        key = learnerstate.key([c for _, c in given]) if given else 0   # (what _digits carries)
         self.call = _Call(fragment, zlib.crc32(fragment.encode()) & 0xFFFFFF, steps, where, called_at, given, key)
         torch.autograd.grad = grad
         written = Written()
@@ -284,8 +285,8 @@ class GradientAllReduce:
         self.learned = self.learned or self.averaged > 0
         whole = self.closes < 16 or self.closes % 16 == 0   # (the same updates in every learner)
         self.closes += 1
-        sums = _state_sums(written.state, written.name, whole)
-        self.call = dataclasses.replace(self.call, state=tuple(sums), state_key=_key([c for _, c in sums]),
+        sums = learnerstate.state_sums(written.state, written.name, whole)
+        self.call = dataclasses.replace(self.call, state=tuple(sums), state_key=learnerstate.key([c for _, c in sums]),
                                         required=required)
         # every learner ends the update here, none still averaging, each with the state it made: of the size of
         # its last gradient, where a learner closing and another at its next gradient meet at one sum (gloo
@@ -437,42 +438,19 @@ class GradientAllReduce:
     def _states_apart(self, alike: bool) -> ConfigError:
         """The learners ended an update alike but hold different new states: which parts differ (each
         learner's checksum of each part, all-reduced to their maximum and minimum, where the states
-        have as many parts: ``alike``), and why that is refused."""
+        have as many parts: ``alike``), and why that is refused (see learnerstate.apart)."""
         import torch
 
         call = self.call
         assert call is not None
-        if not self.learned and call.required:   # (no gradient yet: the learner learns without torch's)
-            return ConfigError(
-                f"multi_learner averages the gradients '{call.fragment}' computes, and it computed none (no backward() "
-                "into the parameters of its versioned state, no torch.autograd.grad), while its learners' new states "
-                "differ (each learned from its own share)", where=call.where,
-                fix="compute gradients with torch (backward() into the parameters of the versioned state's modules or "
-                    "tensors, or torch.autograd.grad), or use a single-learner policy")
         paths: list[str] = []
-        if alike:
+        if alike and (self.learned or not call.required):
             sums = torch.tensor([c for _, c in call.state], dtype=torch.float64, device=self.device)
-            apart = torch.cat([sums, -sums])
-            self._all_reduce(apart, op=self.dist.ReduceOp.MAX)
+            both = torch.cat([sums, -sums])
+            self._all_reduce(both, op=self.dist.ReduceOp.MAX)
             n = len(call.state)
-            paths = [call.state[i][0] for i in range(n) if apart[i].item() != -apart[n + i].item()]
-        named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "") if paths else \
-            "its structure"
-        norms = any(k in p for p in paths for k in ("running_mean", "running_var", "num_batches_tracked"))
-        why = ("a BatchNorm's running statistics, which each learner keeps over its own share of the batch" if norms
-               else "a value each learner computes from its own share of the batch: a running statistic, a "
-                    "coefficient adapted to its share's KL, a counter of its share's events, a rate set from its loss")
-        return ConfigError(
-            f"after an update of '{call.fragment}' its learners hold different values of {named} ({why}), and "
-            "multi_learner's learners must stay identical: learner 0's state alone is published to the actors, "
-            "reported and checkpointed, so the run would depend on which learner's share it was", where=call.where,
-            fix=("use a norm without running statistics (LayerNorm, GroupNorm, BatchNorm with "
-                 "track_running_stats=False), or run a single-learner policy (pipelined, actor_learner)") if norms else
-                "compute it from what every learner holds alike: a statistic of the whole batch from the learners' "
-                "sums (`if torch.distributed.is_initialized(): torch.distributed.all_reduce(sums)`, in every learner "
-                "alike, as mappo.py's return moments are), the parameters, the update count, an argument without a "
-                "batch axis; or return it as a metric rather than keep it in the versioned state; or run a "
-                "single-learner policy (pipelined, actor_learner)")
+            paths = [call.state[i][0] for i in range(n) if both[i].item() != -both[n + i].item()]
+        return learnerstate.apart(call.fragment, paths, call.where, learned=self.learned or not call.required)
 
     def _peers_out(self) -> tuple[list[int], list[int]]:
         """The other learners that left the group: having ended their run, and by an error of their own
@@ -516,20 +494,6 @@ class GradientAllReduce:
             self.dist.destroy_process_group()
 
 
-def _optimizers(tree: Any, path: str = "") -> Any:
-    """(path, optimizer) of each optimizer in ``tree``, its path as :func:`leaf_paths` writes them."""
-    import torch
-
-    if isinstance(tree, torch.optim.Optimizer):
-        yield path, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _optimizers(v, f"{path}[{k!r}]")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _optimizers(v, f"{path}[{i}]")
-
-
 def _parameters(tree: Any) -> Any:
     """The parameters of the modules in ``tree`` and its tensors that take gradients (a bare
     ``nn.Parameter``, an entropy coefficient's log)."""
@@ -568,50 +532,6 @@ def timings(store: Any, world: int) -> list[dict[str, Any]]:
             out.append({"learner": k, "updates": t["updates"], "busy_s": t["busy_ns"] / 1e9,
                         "call_s": t["call_ns"] / 1e9, "sync_s": t["sync_ns"] / 1e9,
                         "all_reduces": t["all_reduces"], "threads": t["threads"], "via": t["via"]})
-    return out
-
-
-def _key(checksums: list[int]) -> int:
-    """One number for a list of checksums, small enough for :func:`_digits`."""
-    return zlib.crc32(repr(checksums).encode()) % 251 ** 3
-
-
-SMALL = 1024
-"""Arrays of up to this many values in a learner's state are compared at every update; larger ones
-(parameters, optimizer moments) at the first 16 and every 16th (see GradientAllReduce.update)."""
-
-
-def _state_sums(state: Any, name: str, whole: bool = True) -> list[tuple[str, int]]:
-    """(path, checksum) of each part of a learner's new state: its arrays, numbers, modules' tensors
-    and optimizers' states (their bytes), and its optimizers' settings (a rate set from a share).
-    ``whole=False``: the arrays of up to :data:`SMALL` values alone (statistics, counters), and the
-    settings, not the parameters and their optimizer's moments (0.55 ms for PPO's 134k parameters
-    with Adam's moments; a large network's copy from a GPU each update would cost more)."""
-    import numpy as np
-    import torch
-
-    from fragflow.compiler.pytree import NotAnArray, leaf_paths
-    from fragflow.compiler.statecheck import fingerprint
-
-    if state is None:
-        return []
-    try:
-        leaves = leaf_paths(state, name)
-    except NotAnArray:
-        return []
-    out = []
-    for path, leaf in leaves:
-        if not whole and (int(leaf.numel()) if isinstance(leaf, torch.Tensor) else int(np.size(leaf))) > SMALL:
-            continue
-        try:
-            out.append((path, fingerprint(leaf, counters=False)[0]))
-        except (RuntimeError, TypeError, ValueError, IndexError):   # (no bytes to read: a sparse tensor's, say)
-            out.append((path, zlib.crc32(repr((type(leaf), getattr(leaf, "shape", None))).encode())))
-    for path, opt in _optimizers(state, name):
-        for i, group in enumerate(opt.param_groups):
-            for k, v in group.items():   # (numbers: an object's repr may hold its address, another in each process)
-                if k != "params" and all(isinstance(x, (int, float)) for x in (v if isinstance(v, (tuple, list)) else [v])):
-                    out.append((f"{path}.param_groups[{i}][{k!r}]", zlib.crc32(repr(v).encode())))
     return out
 
 
