@@ -2305,6 +2305,93 @@ def test_one_learner_for_two_states_is_refused_where_calls_are_gathered_as_they_
     assert same_tree(ordered.value, expected.value)
 
 
+
+PRETRAIN_THEN_ACT = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    pre: int = 6
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.zeros(len(obs), np.int64), np.full(len(obs), w["n"])
+
+@ff.fragment("learner", writes="state")
+def pretrain(state, x):
+    return {"w": {"n": state["w"]["n"] + 1.0}}, {"pre": x.sum()}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": {"n": state["w"]["n"] + 1.0}}, {"lag": state["w"]["n"] - batch["seen"].min()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": {"n": 0.0}})
+    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most
+        state, m = pretrain(state, np.ones(3))
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    lags = []
+    for _ in range(args.updates):   # then online learning, acting with what 'learn' writes
+        for _ in range(2):
+            action, seen = act(state["w"], obs)
+            obs, *_ = env.step(action)
+            buf.add(seen=seen)
+        state, m = learn(state, buf.collect())   # @learn
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)", "async_relaxed(actors=2)",
+                                    "learner_replay", "actor_learner(actors=1, max_lag=3)"])
+def test_a_second_phase_whose_learner_is_not_the_clock_is_refused_where_actors_act_versions_behind(write_algo,
+                                                                                                    policy):
+    """Pretraining (the clock: called most) then online learning with a learner of its own: versions
+    count the clock's calls, so under a lagged policy the second phase's actors acted for good with
+    the version of the pretraining's last calls, silently (pipelined: the lag each rollout was learned
+    with grew 1, 2, 3, 4 over the second phase's four updates, one more at each; max_lag=1 bounded nothing)."""
+    path, marks = write_algo(PRETRAIN_THEN_ACT)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"learner 'learn' writes 'state', which actor 'act' acts with, in "
+                                             rf"`for _ in range\(args.updates\)`, where learner 'pretrain'.*"
+                                             rf"\n  at {relpath(path)}:{marks['learn']}\n  fix: give the other phase "
+                                             rf"a versioned value of its own"):
+        compile(program.train, program.args_cls(), policy=policy)
+
+
+PRETRAIN_APART_THEN_ACT = PRETRAIN_THEN_ACT.replace(
+    '@ff.fragment("learner", writes="state")\ndef pretrain(state, x):',
+    '@ff.fragment("learner", writes="state")\ndef adopt(state, pre):\n    return {"w": {"n": pre["w"]["n"] * 1.0}}\n\n'
+    '@ff.fragment("learner", writes="state")\ndef pretrain(state, x):').replace(
+    "    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most\n"
+    "        state, m = pretrain(state, np.ones(3))\n",
+    "    pre = ff.versioned({'w': {'n': 0.0}}, name='pre')\n    for _ in range(args.pre):\n"
+    "        pre, m = pretrain(pre, np.ones(3))\n    state = adopt(state, pre)\n")
+
+
+@pytest.mark.parametrize("program, policy", [(PRETRAIN_THEN_ACT, "pipelined(max_lag=0)"),
+                                             (PRETRAIN_THEN_ACT, "central_inference(env_workers=1, max_lag=1)"),
+                                             (PRETRAIN_APART_THEN_ACT, "pipelined")])
+def test_a_second_phase_whose_learner_is_not_the_clock_runs_where_actors_act_with_every_write(write_algo, tmp_path,
+                                                                                              program, policy):
+    """Every write is acted with at max_lag=0 and where the actor is served beside the learner; and
+    the refusal's fix (the first phase on a versioned value of its own, handed over once) runs,
+    each rollout learned with the policy's lag."""
+    assert program.count("adopt") in (0, 2)
+    path, _ = write_algo(program)
+    loaded = load(str(path))
+    expected = ff.run(loaded.train, loaded.args_cls(), policy="single_process")
+    run = ff.run(loaded.train, loaded.args_cls(), policy=policy, out=tmp_path / "run")
+    assert float(run.value["w"]["n"]) == float(expected.value["w"]["n"]) == 10.0
+    lags = [float(r["lag"]) for r in unclocked_rows(tmp_path / "run") if r.get("lag")]
+    lagged = "adopt" in program
+    assert lags == ([0.0, 1.0, 1.0, 1.0] if lagged else [0.0] * 4)
+
 TWO_PHASES = """
 from dataclasses import dataclass
 import numpy as np
