@@ -695,6 +695,44 @@ def test_per_update_values_without_a_batch_axis_reach_a_learner_fed_by_two_repli
     assert np.abs(result.value["w"]).sum() > 0
 
 
+
+SERVED_EPSILON_OF_ITS_OWN = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, epsilon):
+    return np.where(obs[:, 0] < epsilon, 0, (obs @ w).argmax(-1))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    epsilon = 0.1 * env.ids[0]   # (a loop's statistic of its own environments: each worker's differs)
+    for u in range(3):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs, epsilon))   # @act
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_an_actors_value_that_differs_between_env_workers_is_refused_as_the_actors(write_algo):
+    """The refusal said the value of a served actor "would be learned" (the words for a learner's
+    argument): an actor acts with it."""
+    path, marks = write_algo(SERVED_EPSILON_OF_ITS_OWN)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"epsilon of 'act' \(f64\[\]\) differs between the loop's replicas.*"
+                                          rf"one replica's would be acted with, for every replica's environments"
+                                          rf".*\n  at {relpath(path)}:{marks['act']}\n"):
+        ff.run(program.train, policy="central_inference(env_workers=2)")
+
 BF16_INFERENCE = """
 import numpy as np
 import torch
