@@ -164,7 +164,7 @@ def _refuse_writes_no_version_counts(graph: Graph, policy: str, service: set[str
                 f"learner '{writer.name}' writes '{state}', which actor '{actor}' acts with, in `{loop.header}`, where "
                 f"learner '{clock}' (whose calls count the run's versions: the writer called most while tracing, at "
                 f"{clock_at}) is never called: no new version is made there, so under policy '{policy}' the actors "
-                f"would act with the version of '{clock}''s last calls for good, not within max_lag of what "
+                f"would act for good with the version of the last calls of '{clock}', not within max_lag of what "
                 f"'{writer.name}' learns", where=writer.called_at,
                 fix="give the other phase a versioned value of its own (pre = ff.versioned(..., name='pre'), which its "
                     "learner writes) and hand it to the acted-with state by a learner called once between the phases "
