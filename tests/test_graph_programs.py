@@ -2412,6 +2412,29 @@ PRETRAIN_APART_THEN_ACT = PRETRAIN_THEN_ACT.replace(
     "        pre, m = pretrain(pre, np.ones(3))\n    state = adopt(state, pre)\n")
 
 
+SECOND_WRITER_NOW_AND_THEN = PRETRAIN_THEN_ACT.replace(
+    "    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most\n"
+    "        state, m = pretrain(state, np.ones(3))\n", "").replace(
+    "    for _ in range(args.updates):   # then online learning, acting with what 'learn' writes\n"
+    "        for _ in range(2):\n",
+    "    for u in range(args.updates):   # a second writer in the steps' loop, the clock around it\n"
+    "        for t in range(2):\n"
+    "            if t == 1 and u % 2 == 0:\n"
+    "                state, _ = pretrain(state, np.ones(3))\n")
+
+
+def test_a_second_writer_called_in_a_loop_whose_outer_loop_calls_the_clock_is_not_refused(write_algo, tmp_path):
+    """The writes of a learner called now and then in the steps' loop belong to the version the
+    next clock call makes: it runs under a lagged policy (each rollout within one version)."""
+    path, _ = write_algo(SECOND_WRITER_NOW_AND_THEN)
+    program = load(str(path))
+    run = ff.run(program.train, program.args_cls(), policy="pipelined", out=tmp_path / "run")
+    assert float(run.value["w"]["n"]) == 6.0
+    lags = [float(r["lag"]) for r in unclocked_rows(tmp_path / "run") if r.get("lag")]
+    # writes since the version acted with (single_process: 1, 0, 1, 0): at most one version's, two at even trips
+    assert lags == [1.0, 1.0, 2.0, 1.0]
+
+
 @pytest.mark.parametrize("program, policy", [(PRETRAIN_THEN_ACT, "pipelined(max_lag=0)"),
                                              (PRETRAIN_THEN_ACT, "central_inference(env_workers=1, max_lag=1)"),
                                              (PRETRAIN_APART_THEN_ACT, "pipelined")])

@@ -137,8 +137,8 @@ def edge_label(src: str, dst: str, dst_port: str, src_port: str = "") -> str:
 def _refuse_writes_no_version_counts(graph: Graph, policy: str, service: set[str]) -> None:
     """Versions count the clock's calls (and take every write made before the next one), so a loop
     in which a learner writes the state an actor on the acting side acts with, but the clock is
-    never called (a second phase of training with a learner of its own, after pretraining with the
-    clock), makes no new version: a policy whose actors act versions behind would act there for good
+    never called, nor in any loop around it (a second phase of training with a learner of its own,
+    after pretraining with the clock), makes no new version: a policy whose actors act versions behind would act there for good
     with the version of the clock's last calls, whatever ``max_lag`` says. At ``max_lag=0`` an actor
     waits for every write made so far, and an actor served beside the learner acts with its newest
     state: both run such a loop as eagerly."""
@@ -154,11 +154,12 @@ def _refuse_writes_no_version_counts(graph: Graph, policy: str, service: set[str
         writer = graph.node(write.src)
         if writer.name == clock or writer.called_at is None:
             continue
+        around = [loop for loop in graph.loops if loop.encloses(writer.called_at)]
+        if not around or any(loop.encloses(clock_at) for loop in around):
+            continue   # (a loop around both: each of its trips calls the clock too, and makes versions)
+        loop = around[0]
         for state, actor in acting:
-            acted_at = graph.node(actor).called_at
-            loop = next((loop for loop in graph.loops if state == write.dst and loop.encloses(writer.called_at)
-                         and loop.encloses(acted_at) and not loop.encloses(clock_at)), None)
-            if loop is None:
+            if state != write.dst or not loop.encloses(graph.node(actor).called_at):
                 continue
             raise PlacementError(
                 f"learner '{writer.name}' writes '{state}', which actor '{actor}' acts with, in `{loop.header}`, where "
