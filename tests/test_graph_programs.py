@@ -695,6 +695,44 @@ def test_per_update_values_without_a_batch_axis_reach_a_learner_fed_by_two_repli
     assert np.abs(result.value["w"]).sum() > 0
 
 
+
+SERVED_EPSILON_OF_ITS_OWN = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs, epsilon):
+    return np.where(obs[:, 0] < epsilon, 0, (obs @ w).argmax(-1))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    epsilon = 0.1 * env.ids[0]   # (a loop's statistic of its own environments: each worker's differs)
+    for u in range(3):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs, epsilon))   # @act
+            buf.add(obs=obs)
+        state, _ = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_an_actors_value_that_differs_between_env_workers_is_refused_as_the_actors(write_algo):
+    """The refusal said the value of a served actor "would be learned" (the words for a learner's
+    argument): an actor acts with it."""
+    path, marks = write_algo(SERVED_EPSILON_OF_ITS_OWN)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"epsilon of 'act' \(f64\[\]\) differs between the loop's replicas.*"
+                                          rf"one replica's would be acted with, for every replica's environments"
+                                          rf".*\n  at {relpath(path)}:{marks['act']}\n"):
+        ff.run(program.train, policy="central_inference(env_workers=2)")
+
 BF16_INFERENCE = """
 import numpy as np
 import torch
@@ -2304,6 +2342,116 @@ def test_one_learner_for_two_states_is_refused_where_calls_are_gathered_as_they_
     ordered = ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
     assert same_tree(ordered.value, expected.value)
 
+
+
+PRETRAIN_THEN_ACT = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    pre: int = 6
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.zeros(len(obs), np.int64), np.full(len(obs), w["n"])
+
+@ff.fragment("learner", writes="state")
+def pretrain(state, x):
+    return {"w": {"n": state["w"]["n"] + 1.0}}, {"pre": x.sum()}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": {"n": state["w"]["n"] + 1.0}}, {"lag": state["w"]["n"] - batch["seen"].min()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": {"n": 0.0}})
+    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most
+        state, m = pretrain(state, np.ones(3))
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    lags = []
+    for _ in range(args.updates):   # then online learning, acting with what 'learn' writes
+        for _ in range(2):
+            action, seen = act(state["w"], obs)
+            obs, *_ = env.step(action)
+            buf.add(seen=seen)
+        state, m = learn(state, buf.collect())   # @learn
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)", "async_relaxed(actors=2)",
+                                    "learner_replay", "actor_learner(actors=1, max_lag=3)"])
+def test_a_second_phase_whose_learner_is_not_the_clock_is_refused_where_actors_act_versions_behind(write_algo,
+                                                                                                    policy):
+    """Pretraining (the clock: called most) then online learning with a learner of its own: versions
+    count the clock's calls, so under a lagged policy the second phase's actors acted for good with
+    the version of the pretraining's last calls, silently (pipelined: the lag each rollout was learned
+    with grew 1, 2, 3, 4 over the second phase's four updates, one more at each; max_lag=1 bounded nothing)."""
+    path, marks = write_algo(PRETRAIN_THEN_ACT)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"learner 'learn' writes 'state', which actor 'act' acts with, in "
+                                             rf"`for _ in range\(args.updates\)`, where learner 'pretrain'.*"
+                                             rf"\n  at {relpath(path)}:{marks['learn']}\n  fix: give the other phase "
+                                             rf"a versioned value of its own"):
+        compile(program.train, program.args_cls(), policy=policy)
+
+
+PRETRAIN_APART_THEN_ACT = PRETRAIN_THEN_ACT.replace(
+    '@ff.fragment("learner", writes="state")\ndef pretrain(state, x):',
+    '@ff.fragment("learner", writes="state")\ndef adopt(state, pre):\n    return {"w": {"n": pre["w"]["n"] * 1.0}}\n\n'
+    '@ff.fragment("learner", writes="state")\ndef pretrain(state, x):').replace(
+    "    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most\n"
+    "        state, m = pretrain(state, np.ones(3))\n",
+    "    pre = ff.versioned({'w': {'n': 0.0}}, name='pre')\n    for _ in range(args.pre):\n"
+    "        pre, m = pretrain(pre, np.ones(3))\n    state = adopt(state, pre)\n")
+
+
+SECOND_WRITER_NOW_AND_THEN = PRETRAIN_THEN_ACT.replace(
+    "    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most\n"
+    "        state, m = pretrain(state, np.ones(3))\n", "").replace(
+    "    for _ in range(args.updates):   # then online learning, acting with what 'learn' writes\n"
+    "        for _ in range(2):\n",
+    "    for u in range(args.updates):   # a second writer in the steps' loop, the clock around it\n"
+    "        for t in range(2):\n"
+    "            if t == 1 and u % 2 == 0:\n"
+    "                state, _ = pretrain(state, np.ones(3))\n")
+
+
+def test_a_second_writer_called_in_a_loop_whose_outer_loop_calls_the_clock_is_not_refused(write_algo, tmp_path):
+    """The writes of a learner called now and then in the steps' loop belong to the version the
+    next clock call makes: it runs under a lagged policy (each rollout within one version)."""
+    path, _ = write_algo(SECOND_WRITER_NOW_AND_THEN)
+    program = load(str(path))
+    run = ff.run(program.train, program.args_cls(), policy="pipelined", out=tmp_path / "run")
+    assert float(run.value["w"]["n"]) == 6.0
+    lags = [float(r["lag"]) for r in unclocked_rows(tmp_path / "run") if r.get("lag")]
+    # writes since the version acted with (single_process: 1, 0, 1, 0): at most one version's, two at even trips
+    assert lags == [1.0, 1.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize("program, policy", [(PRETRAIN_THEN_ACT, "pipelined(max_lag=0)"),
+                                             (PRETRAIN_THEN_ACT, "central_inference(env_workers=1, max_lag=1)"),
+                                             (PRETRAIN_APART_THEN_ACT, "pipelined")])
+def test_a_second_phase_whose_learner_is_not_the_clock_runs_where_actors_act_with_every_write(write_algo, tmp_path,
+                                                                                              program, policy):
+    """Every write is acted with at max_lag=0 and where the actor is served beside the learner; and
+    the refusal's fix (the first phase on a versioned value of its own, handed over once) runs,
+    each rollout learned with the policy's lag."""
+    assert program.count("adopt") in (0, 2)
+    path, _ = write_algo(program)
+    loaded = load(str(path))
+    expected = ff.run(loaded.train, loaded.args_cls(), policy="single_process")
+    run = ff.run(loaded.train, loaded.args_cls(), policy=policy, out=tmp_path / "run")
+    assert float(run.value["w"]["n"]) == float(expected.value["w"]["n"]) == 10.0
+    lags = [float(r["lag"]) for r in unclocked_rows(tmp_path / "run") if r.get("lag")]
+    lagged = "adopt" in program
+    assert lags == ([0.0, 1.0, 1.0, 1.0] if lagged else [0.0] * 4)
 
 TWO_PHASES = """
 from dataclasses import dataclass

@@ -134,6 +134,46 @@ def edge_label(src: str, dst: str, dst_port: str, src_port: str = "") -> str:
     return f"{src}{src_port} -> {dst}.{dst_port}"
 
 
+def _refuse_writes_no_version_counts(graph: Graph, policy: str, service: set[str]) -> None:
+    """Versions count the clock's calls (and take every write made before the next one), so a loop
+    in which a learner writes the state an actor on the acting side acts with, but the clock is
+    never called, nor in any loop around it (a second phase of training with a learner of its own,
+    after pretraining with the clock), makes no new version: a policy whose actors act versions behind would act there for good
+    with the version of the clock's last calls, whatever ``max_lag`` says. At ``max_lag=0`` an actor
+    waits for every write made so far, and an actor served beside the learner acts with its newest
+    state: both run such a loop as eagerly."""
+    from fragflow.errors import PlacementError
+
+    clock = graph.clock()
+    clock_at = graph.node(clock).called_at if clock is not None else None
+    if not any(loop.encloses(clock_at) for loop in graph.loops):
+        return   # (called outside the loops, or from a helper of the user's: where it runs is not known here)
+    acting = [(e.src, e.dst) for e in graph.edges_of(EdgeKind.STATE_READ)
+              if graph.node(e.dst).role == "actor" and e.dst not in service]
+    for write in graph.edges_of(EdgeKind.STATE_WRITE):
+        writer = graph.node(write.src)
+        if writer.name == clock or writer.called_at is None:
+            continue
+        around = [loop for loop in graph.loops if loop.encloses(writer.called_at)]
+        if not around or any(loop.encloses(clock_at) for loop in around):
+            continue   # (a loop around both: each of its trips calls the clock too, and makes versions)
+        loop = around[0]
+        for state, actor in acting:
+            if state != write.dst or not loop.encloses(graph.node(actor).called_at):
+                continue
+            raise PlacementError(
+                f"learner '{writer.name}' writes '{state}', which actor '{actor}' acts with, in `{loop.header}`, where "
+                f"learner '{clock}' (whose calls count the run's versions: the writer called most while tracing, at "
+                f"{clock_at}) is never called: no new version is made there, so under policy '{policy}' the actors "
+                f"would act for good with the version of the last calls of '{clock}', not within max_lag of what "
+                f"'{writer.name}' learns", where=writer.called_at,
+                fix="give the other phase a versioned value of its own (pre = ff.versioned(..., name='pre'), which its "
+                    "learner writes) and hand it to the acted-with state by a learner called once between the phases "
+                    "(state = adopt(state, pre)): the versions then count this loop's learner; or run with max_lag=0, "
+                    "with central_inference (which acts beside the learner with its newest state) or with --policy "
+                    "single_process")
+
+
 def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, Any], ...], actors: int,
                         max_lag: int, overflow: Overflow, trajectory: str, parameters: str,
                         buffers_with_learner: bool = False, inference_with_learner: bool = False,
@@ -209,6 +249,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     service = {n.name for n in learners}
     if inference_with_learner:
         service |= {n.name for n in graph.fragments("actor")}
+    if max_lag > 0:
+        _refuse_writes_no_version_counts(graph, policy, service)
     if buffers_with_learner:
         # a buffer the learner samples moves; one whose output is per environment (a rollout buffer's
         # collect, batched along 'env') stays with the actors that stepped those environments, and

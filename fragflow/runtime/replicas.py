@@ -51,6 +51,7 @@ class ReplicaChecks:
     results: Any
     pools: dict[str, list[_Piece]]
     ring_specs: dict[str, Any]
+    fragments: dict[str, Any]
     finished: list[bool]
     _calls_made: dict[tuple[int, str], int]
     _apart: dict[str, dict[int, tuple[int, list[Any], int]]]
@@ -232,10 +233,14 @@ class ReplicaChecks:
                     "steps: each process then holds its own rows, whatever it fills them with); if not, compute it "
                     "from the batch inside a fragment or keep it in versioned state; or run with one acting process "
                     "(actors=1; env_workers=1 under central_inference)")
+        # (a served actor, central_inference's, acts once for the replicas' environments merged)
+        acts = getattr(self.fragments.get(fragment), "role", None) == "actor"
         return ConfigError(
             f"{path} of '{fragment}' ({ring.specs[j].short()}) differs between the loop's replicas, each "
             "stepping its share of the environments, and has no batch axis to merge them along: "
-            "one replica's would be learned and the others' lost", where=self.checks.get("called_at", {}).get(fragment),
+            + ("one replica's would be acted with, for every replica's environments" if acts else
+               "one replica's would be learned and the others' lost"),
+            where=self.checks.get("called_at", {}).get(fragment),
             fix="pass per-environment data through an env fragment, ff.RolloutBuffer or "
                 "ff.ReplayBuffer (which declare their batch axes), or run with one acting process "
                 "(actors=1; env_workers=1 under central_inference)")
