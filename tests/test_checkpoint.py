@@ -1485,3 +1485,14 @@ def test_steps_per_second_of_a_checkpointed_single_process_run_count_from_the_lo
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["env_steps"] == 80 and summary["wall_seconds"] > 1.0
     assert summary["steps_per_second"] > 80 / (summary["wall_seconds"] - 0.9), summary
+
+
+def test_a_loaded_key_is_saved_again_by_a_checkpoint_cut_before_the_loop_splits_it():
+    """A resumed run checkpointed at its first trip (a schedule in seconds, a Ctrl-C) saw its loaded
+    keys as plain arrays and left them out: a run resumed from that checkpoint drew other numbers."""
+    key = ff.random.keys(0, np.arange(3))
+    entries, arrays, _ = snapshot.loop_locals({"key": key, "n": 3})
+    loaded = snapshot.restore_locals(entries, arrays, {"key": ff.random.keys(1, np.arange(3)), "n": 0})
+    again, again_arrays, left = snapshot.loop_locals(loaded)
+    assert set(again) == {"key", "n"} and not left
+    assert np.array_equal(again_arrays["local.key"], key)

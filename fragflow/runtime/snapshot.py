@@ -108,6 +108,8 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
     """Given the loop's locals as the resumed run has rebuilt them, the values to assign; objects
     (generators, components) are loaded in place. A saved name the program no longer has is
     assigned anyway (the loop defines it later)."""
+    from fragflow.api.random import as_key
+
     torch = _torch()
     assign: dict[str, Any] = {}
     for name, e in entries.items():
@@ -116,7 +118,10 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
         try:
             if how == "value":
                 cur = live.get(name, _NO)
-                assign[name] = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
+                value = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
+                # (the loop's arrays saved are its keys: a resumed run checkpointed again before it
+                # splits them, at its first trip, left them out, and its own resume drew other numbers)
+                assign[name] = as_key(value) if isinstance(value, np.ndarray) else value
             elif how == "jax_key":
                 import jax.numpy as jnp
 
