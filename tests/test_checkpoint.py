@@ -1496,3 +1496,48 @@ def test_a_loaded_key_is_saved_again_by_a_checkpoint_cut_before_the_loop_splits_
     again, again_arrays, left = snapshot.loop_locals(loaded)
     assert set(again) == {"key", "n"} and not left
     assert np.array_equal(again_arrays["local.key"], key)
+
+@pytest.mark.parametrize("max_lag", [1, 2])
+def test_a_pipelined_run_with_max_lag_resumed_equals_the_uninterrupted_run_bit_for_bit(write_algo, tmp_path, monkeypatch,
+                                                                                      max_lag):
+    """The first max_lag trips after the cut act with the versions before the saved one (update i with
+    version i - max_lag): a resumed run acted with the saved version instead, and learned other bits.
+    Resumed twice too: from a checkpoint the resumed run wrote before it had published those versions."""
+    import shutil
+
+    finish = ckpt.finish
+    monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
+                        finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
+    # the actor's output is the data learned from: its parameters' version shows in every later bit
+    path, _ = write_algo(PROGRAM.replace("replay.add(x=noise,", "replay.add(x=(noise + 0.1 * y).astype(np.float32),"),
+                         "lagprog.py")
+    program = load(str(path))
+    args = program.args_cls(num_updates=24)
+    policy = f"pipelined(max_lag={max_lag})"
+
+    def final(run):
+        return {k: v.detach().clone() for k, v in run.value["net"].state_dict().items()}, \
+            [float(r["loss"]) for r in csv.DictReader((run.out / "metrics.csv").open())]
+
+    def same(a, b):
+        return sorted(a[0]) == sorted(b[0]) and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1] == b[1]
+
+    def mids(out):
+        return sorted((p for p in ckpt.listing(out / "checkpoints")
+                       if not json.loads((p / "manifest.json").read_text())["complete"]), key=lambda p: int(p.name))
+
+    whole = final(ff.run(program.train, args, policy=policy, out=tmp_path / "whole", checkpoint_every=5))
+    cuts = mids(tmp_path / "whole")
+    assert cuts and all(int(p.name) > max_lag for p in cuts)
+    first = int(cuts[0].name)
+    shutil.copytree(tmp_path / "whole", tmp_path / "again")
+    # a checkpoint asked for all the time: the resumed run's first ones are cut before it has acted
+    # with a version of its own
+    again = ff.run(program.train, args, policy=policy, resume=tmp_path / "again" / "checkpoints" / str(first),
+                   checkpoint_every="0.001s")
+    assert same(final(again), whole)
+    early = [p for p in mids(tmp_path / "again") if first <= int(p.name) < first + max_lag]
+    assert early, [p.name for p in mids(tmp_path / "again")]
+    shutil.copytree(tmp_path / "again", tmp_path / "twice")
+    twice = ff.run(program.train, args, policy=policy, resume=tmp_path / "twice" / "checkpoints" / early[-1].name)
+    assert same(final(twice), whole)

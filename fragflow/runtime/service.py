@@ -143,6 +143,7 @@ class ServiceRunner(Gathering):
         self._stall_warn = float(os.environ.get("FRAGFLOW_STALL_WARN", STALL_WARN))
         self.resume_objects: tuple[Any, Any] | None = None
         self.resume_random: tuple[Any, Any] | None = None
+        self.acting_before: dict[str, dict[int, list[Any]]] = {}   # (resumed) the acting views before its version 0
         if self.saving.get("resume"):
             from fragflow.runtime import checkpoint, snapshot
 
@@ -154,6 +155,7 @@ class ServiceRunner(Gathering):
                 meta, arrays = ckpt.part(f"states.{program.group}")
                 if snapshot.RANDOM in meta:
                     self.resume_random = (meta[snapshot.RANDOM], arrays)
+                self.acting_before = snapshot.acting_views((meta, arrays))
 
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -613,8 +615,26 @@ class ServiceRunner(Gathering):
         rng, rng_arrays = snapshot.global_random()   # what the learner draws next (torch.randperm, dropout)
         meta[snapshot.RANDOM] = rng
         arrays.update(rng_arrays)
+        if self.program.max_lag and self.program.ordered and self.program.publish:
+            meta[snapshot.ACTING] = snapshot.encode_acting(self._acting_views(), arrays)
         checkpoint.deliver(self.results, self.saving, seq, self.driver, f"states.{group}", meta, arrays,
                            {"version": self.version})
+
+    def _acting_views(self) -> dict[str, dict[int, list[Any]]]:
+        """What the acting side reads of each state it is sent, at the ``max_lag`` versions before
+        this one: under an exact version choice the loop's next trips act with them (update ``i``
+        with version ``i - max_lag``), so a run resumed from this checkpoint must have them. Keyed by
+        how many versions before; none before the run's first (acted with version 0, saved)."""
+        out: dict[str, dict[int, list[Any]]] = {}
+        for b in self.program.publish:
+            views = out[b.state] = {}
+            for k in range(1, self.program.max_lag + 1):
+                v = self.version - k
+                if v >= 0:   # (still in the broadcast, max_lag + 3 versions deep; complete: a newer one is out)
+                    views[k] = self.endpoints.broadcasts[b.state].read(v)[1]
+                elif v in self.acting_before.get(b.state, {}):   # (this run is resumed: before its version 0)
+                    views[k] = self.acting_before[b.state][v]
+        return out
 
     def run(self) -> None:
         ended = False

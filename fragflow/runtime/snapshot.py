@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from fragflow.runtime.checkpoint import Checkpoint
 
 RANDOM = "__fragflow_random__"   # in a service group's states part: that process's global random states
+# ... and the views of the state the acting side reads, of the versions before the saved one (see acting_views)
+ACTING = "__fragflow_acting__"
 
 
 class CheckpointError(FragflowError):
@@ -192,6 +194,27 @@ def restore_state(part: tuple[Any, dict[str, np.ndarray]], name: str, value: Any
         raise CheckpointError(f"the checkpoint does not fit this program: {exc}", where=where,
                               fix="resume with the algorithm and arguments that wrote it (shapes come from the args)") from None
     return restored, int(meta[name]["version"])
+
+
+def encode_acting(views: dict[str, dict[int, list[Any]]], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The ``ACTING`` entry of a states part: of each broadcast state, the leaves the acting side
+    reads of the version ``k`` before the saved one, for ``k`` in 1..max_lag (an exact version
+    choice acts with them on the loop's next trips: a resumed run must too)."""
+    try:
+        return {state: {str(k): _enc(leaves, f"acting.{state}.{k}", arrays) for k, leaves in by.items()}
+                for state, by in views.items()}
+    except Unsupported as exc:   # (the broadcast's leaves are arrays and numbers: not expected)
+        raise CheckpointError(f"cannot save the acting side's views: {exc}") from None
+
+
+def acting_views(part: tuple[Any, dict[str, np.ndarray]] | None) -> dict[str, dict[int, list[Any]]]:
+    """The views :func:`encode_acting` saved, keyed by the version they are in a run resumed from
+    the checkpoint, whose saved version is its version 0: ``-k``."""
+    if part is None:
+        return {}
+    meta, arrays = part
+    return {state: {-int(k): decode(v, arrays, path=f"acting.{state}.{k}") for k, v in by.items()}
+            for state, by in meta.get(ACTING, {}).items()}
 
 
 def held_by_state(states: dict[str, Any]) -> set[int]:

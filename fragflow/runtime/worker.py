@@ -275,12 +275,13 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
     from fragflow.runtime import calls, checkpoint, trips
-    from fragflow.runtime.snapshot import held_by_state, loop_part, resume_point, served_objects
+    from fragflow.runtime.snapshot import acting_views, held_by_state, loop_part, resume_point, served_objects
 
     tracker = trips.Trips()
     ckpt = checkpoint.resumed(saving)
     if ckpt is not None:
         interp.restored = checkpoint.merged_states(ckpt)
+        interp.acting_before = acting_views(interp.restored)
         remote = interp.program.remote
         part = ckpt.part(f"loop{index}")
         tracker.resume = resume_point(
