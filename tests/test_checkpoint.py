@@ -847,7 +847,8 @@ def test_a_flat_loop_checkpointed_mid_rollout_resumes(tmp_path, write_algo):
     path, _ = write_algo(FLAT_ROLLOUT)
     program = load(str(path))
     out = tmp_path / "run"
-    ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=1)", out=out, checkpoint_every=8)
+    # (a schedule in seconds: one in updates is cut at the trip its update count is reached, after a learn)
+    ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=1)", out=out, checkpoint_every="0.05s")
 
     def trip(p):
         loop = json.loads((p / "manifest.json").read_text())["loop"]
@@ -1541,3 +1542,27 @@ def test_a_pipelined_run_with_max_lag_resumed_equals_the_uninterrupted_run_bit_f
     shutil.copytree(tmp_path / "again", tmp_path / "twice")
     twice = ff.run(program.train, args, policy=policy, resume=tmp_path / "twice" / "checkpoints" / early[-1].name)
     assert same(final(twice), whole)
+
+
+@pytest.mark.parametrize("policy", ["learner_replay", "pipelined(max_lag=2)"])
+def test_a_short_run_writes_every_checkpoint_its_schedule_in_updates_asks_for(write_algo, tmp_path, monkeypatch, policy):
+    """The driver asked for a checkpoint once it had heard of the update, and the loop cut it at its
+    next trip: the loop runs ahead of the learner's reports, so a short run cut its first late and
+    ended before the next was asked for (12 updates, every 3: only the final one, or 6 and 12). Asked
+    for ahead, the loop cuts each where it has made 3, 6 and 9 updates."""
+    finish = ckpt.finish
+    monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
+                        finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
+    path, _ = write_algo(PROGRAM.replace("    opt.step()\n", "    opt.step()\n    time.sleep(0.02)\n")
+                         .replace("import torch\n", "import time\nimport torch\n", 1), "shortrun.py")
+    program = load(str(path))
+    driver.run(program.train, program.args_cls(num_updates=12), policy=policy, out=tmp_path / "run",
+               checkpoint_every=3)
+    written = {int(p.name): json.loads((p / "manifest.json").read_text()) for p in ckpt.listing(tmp_path / "run" / "checkpoints")}
+    mids = sorted(n for n, m in written.items() if not m["complete"])
+    # the first is asked for before the run starts: cut where the loop has made 3 updates, its states
+    # saved at that cut; the others as soon as the loop has cut the one before (3 trips of a learner
+    # update of 20 ms to reach the driver and back)
+    assert mids[0] == 3 and len(mids) == 3 and mids[-1] <= 11, mids
+    for n in mids:
+        assert written[n]["loop"]["positions"]["loop0"]["trip"] == n
