@@ -1416,6 +1416,51 @@ def test_a_buffer_of_the_users_own_without_state_dict_is_refused_at_the_checkpoi
     driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b")   # runs without checkpoints
 
 
+def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_too(write_algo, tmp_path):
+    """Its fragments made on the instance (``self.add = ff.fragment("buffer")(self._add)``), not
+    decorated methods of its class: the refusal did not see it, and a resumed run learned from an
+    empty buffer."""
+    path, marks = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 8
+
+        class Memory:  # @cls
+            def __init__(self):
+                self.data = np.zeros((16, 2))
+                self.n = 0
+                self.add = ff.fragment("buffer", name="memory_add")(self._add)
+                self.sample = ff.fragment("buffer", name="memory_sample")(self._sample)
+
+            def _add(self, x):
+                self.data[self.n % 16] = x
+                self.n += 1
+
+            def _sample(self):
+                return self.data[: max(self.n, 1)].mean(0)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            memory = Memory()
+            for step in range(args.total):
+                memory.add(np.full(2, float(step)))
+                state = learn(state, memory.sample())
+            return state
+    ''', "ownbuffer2.py")
+    prog = load(str(path))
+    with pytest.raises(snapshot.CheckpointError, match=rf"cannot save the loop's 'memory': a Memory holds the data its "
+                                                       rf"buffer fragments keep, but has no state_dict\(\).*\n  at "
+                                                       rf"\S*ownbuffer2.py:{marks['cls']}\n  fix: give Memory state_dict"):
+        driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
+
 def test_ctrl_c_once_a_checkpointed_run_is_placed_writes_its_summary(program, tmp_path):
     """A Ctrl-C that comes once the trace has ended and the placement is announced ("writing to
     OUT"), before the run's processes start, stops a run that has begun: summary.json says

@@ -89,11 +89,14 @@ def _class_line(klass: type) -> Any:
 
 
 def _buffer_of_users(x: Any) -> bool:
-    """An object of a class with ``@ff.fragment("buffer")`` methods (a replay buffer of the user's own)."""
+    """An object of a class with ``@ff.fragment("buffer")`` methods (a replay buffer of the user's
+    own), or holding such fragments it made of its methods (``self.add = ff.fragment("buffer")(self._add)``)."""
     from fragflow.api.fragment import Fragment
 
+    own = getattr(x, "__dict__", None)
     return any(isinstance(v, Fragment) and v.role == "buffer"
-               for klass in type(x).__mro__ for v in vars(klass).values())
+               for where in (*(vars(klass) for klass in type(x).__mro__), own if isinstance(own, dict) else {})
+               for v in where.values())
 
 
 def _jax_key(x: Any) -> bool:
