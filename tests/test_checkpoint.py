@@ -179,6 +179,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     # a completed run has nothing to resume
     res = cli("run", "--resume", str(a / "checkpoints" / "8"), "--out", str(tmp_path / "z"), "-q")
     assert res.returncode == 2 and "completed run" in res.stderr
+    assert "tracing" not in res.stderr and "resuming from" not in res.stderr   # (refused before the program ran)
     # a damaged tensor file, a damaged manifest, a directory with no checkpoint
     bad = tmp_path / "bad"
     import shutil

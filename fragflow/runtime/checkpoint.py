@@ -282,6 +282,14 @@ def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: s
     results.put(("ckpt", seq, part, meta, info))
 
 
+def refuse_completed(ckpt: Checkpoint) -> None:
+    """A completed run's last checkpoint (its weights) is not one to resume: refused before the
+    program is traced (its setup run) and a run announced."""
+    if ckpt.manifest.get("complete"):
+        raise CheckpointError(f"checkpoint {ckpt.path} is the end of a completed run: there is nothing to resume",
+                              fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
+
+
 def resumed(saving: dict[str, Any]) -> Checkpoint | None:
     """The checkpoint a worker resumes from: the one the driver read and sent (or its path)."""
     ckpt = saving.get("resume")
@@ -553,9 +561,7 @@ class RunCheckpoints:
         m = self.resume.manifest
         if loops is not None and m.get("loops") is not None:
             self._follow_loops(m["loops"], loops)
-        if m.get("complete"):
-            raise CheckpointError(f"checkpoint {self.resume.path} is the end of a completed run: there is nothing to resume",
-                                  fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
+        refuse_completed(self.resume)
         if m.get("fragments") != fragments:
             raise CheckpointError(f"checkpoint {self.resume.path} was written by another algorithm (fragments "
                                   f"{', '.join(m.get('fragments') or [])}; this one has {', '.join(fragments)})",
