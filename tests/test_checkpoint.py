@@ -1612,3 +1612,19 @@ def test_a_short_run_writes_every_checkpoint_its_schedule_in_updates_asks_for(wr
     assert mids[0] == 3 and len(mids) == 3 and mids[-1] <= 11, mids
     for n in mids:
         assert written[n]["loop"]["positions"]["loop0"]["trip"] == n
+
+
+def test_a_single_process_checkpoint_resumed_under_pipelined_draws_on_where_its_learner_was(program, tmp_path):
+    """Written in one process, the checkpoint holds the process's generators in the loop's part only:
+    resumed with the learner in a process of its own, the learner's torch.randperm started over from
+    the program's seed (its Adam moments came out other bits than the uninterrupted run's)."""
+    prog = load(str(program))
+    args = prog.args_cls(num_updates=12)
+    whole = driver.run(prog.train, args, policy="single_process", out=tmp_path / "one", checkpoint_every=6)
+    again = driver.run(prog.train, args, policy="pipelined(max_lag=0)", out=tmp_path / "two",
+                       resume=tmp_path / "one" / "checkpoints" / "6")
+    a, b = whole.value["opt"].state_dict()["state"], again.value["opt"].state_dict()["state"]
+    for i in a:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[i][k], b[i][k]), (i, k)
+    assert all(torch.equal(x, y) for x, y in zip(whole.value["net"].parameters(), again.value["net"].parameters()))

@@ -156,6 +156,11 @@ class ServiceRunner(Gathering):
                 if snapshot.RANDOM in meta:
                     self.resume_random = (meta[snapshot.RANDOM], arrays)
                 self.acting_before = snapshot.acting_views((meta, arrays))
+            elif "states" in ckpt.manifest["parts"] and "loop0" in ckpt.manifest["parts"]:
+                # written in one process, whose learner drew from the generators the loop's part saved
+                # (it drew the run's first numbers again, as from a program's seed, resumed here)
+                meta, arrays = ckpt.part("loop0")
+                self.resume_random = (meta["random"], arrays)
 
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
