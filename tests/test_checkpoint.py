@@ -1614,14 +1614,20 @@ def test_a_short_run_writes_every_checkpoint_its_schedule_in_updates_asks_for(wr
         assert written[n]["loop"]["positions"]["loop0"]["trip"] == n
 
 
-def test_a_single_process_checkpoint_resumed_under_pipelined_draws_on_where_its_learner_was(program, tmp_path):
+@pytest.mark.parametrize("written, resumed", [("single_process", "pipelined(max_lag=0)"),
+                                               ("pipelined(max_lag=0)", "single_process")])
+def test_a_checkpoint_resumed_under_another_policy_draws_on_where_its_learner_was(program, tmp_path, written, resumed):
     """Written in one process, the checkpoint holds the process's generators in the loop's part only:
     resumed with the learner in a process of its own, the learner's torch.randperm started over from
-    the program's seed (its Adam moments came out other bits than the uninterrupted run's)."""
+    the program's seed (its Adam moments came out other bits than the uninterrupted run's). Written
+    across processes and resumed in one, the learner drew on from the loop's process's generators,
+    which the learner's process had not drawn from. max_lag=0 is single_process bit for bit: so is
+    either resumed under the other."""
     prog = load(str(program))
     args = prog.args_cls(num_updates=12)
-    whole = driver.run(prog.train, args, policy="single_process", out=tmp_path / "one", checkpoint_every=6)
-    again = driver.run(prog.train, args, policy="pipelined(max_lag=0)", out=tmp_path / "two",
+    whole = driver.run(prog.train, args, policy="single_process", out=tmp_path / "whole")
+    driver.run(prog.train, args, policy=written, out=tmp_path / "one", checkpoint_every=6)
+    again = driver.run(prog.train, args, policy=resumed, out=tmp_path / "two",
                        resume=tmp_path / "one" / "checkpoints" / "6")
     a, b = whole.value["opt"].state_dict()["state"], again.value["opt"].state_dict()["state"]
     for i in a:

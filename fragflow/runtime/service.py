@@ -132,6 +132,7 @@ class ServiceRunner(Gathering):
         self.saved_seq = 0
         self.cuts: dict[int, dict[int, int]] = {}   # checkpoint -> replica -> its calls before its part
         self._seeded = False
+        self._seed_random: tuple[dict[str, Any], dict[str, Any]] | None = None   # its random states as seeded
         self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
         self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
         # calls gathered on arrival: each fragment's unbatched leaves at a call, as the first replica sent them
@@ -208,12 +209,13 @@ class ServiceRunner(Gathering):
             if msg[1] in self.states:   # (again, from a first loop replica restarted: the learner's own goes on)
                 return True
             if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
-                from fragflow.runtime.snapshot import set_global_random
+                from fragflow.runtime.snapshot import global_random, set_global_random
 
                 set_global_random(*msg[3])
                 if self.resume_random is not None:   # a resumed run's learner draws on from where it was
                     set_global_random(*self.resume_random)
                 self._seeded = True
+                self._seed_random = global_random()
             self.states[msg[1]] = cloudpickle.loads(msg[2])
             self._shapes[msg[1]] = structure(self.states[msg[1]])
             _track_scheduled_steps(self.states[msg[1]])
@@ -618,6 +620,11 @@ class ServiceRunner(Gathering):
         owned = set(self.program.writes) | set(self.writes) | {b.state for b in self.program.publish}
         meta, arrays = snapshot.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
         rng, rng_arrays = snapshot.global_random()   # what the learner draws next (torch.randperm, dropout)
+        # ... and which of them it drew from (in this run, or in the one it resumed): a resumed run in
+        # one process goes on from these where its loop did not draw (see snapshot.drawn_apart)
+        before = (self.resume_random or ({}, {}))[0].get("drew", [])
+        since = snapshot.drawn((rng, rng_arrays), self._seed_random) if self._seed_random is not None else []
+        rng["drew"] = [g for g in snapshot.GENERATORS if g in before or g in since]
         meta[snapshot.RANDOM] = rng
         arrays.update(rng_arrays)
         if self.program.max_lag and self.program.ordered and self.program.publish:

@@ -163,14 +163,45 @@ def global_random() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return entries, arrays
 
 
-def set_global_random(entries: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+GENERATORS = ("numpy", "python", "torch")
+
+
+def set_global_random(entries: dict[str, Any], arrays: dict[str, np.ndarray],
+                      only: tuple[str, ...] | list[str] = GENERATORS) -> None:
     torch = _torch()
-    name, pos, has_gauss, cached = entries["numpy"]
-    np.random.set_state((name, _array(arrays, "random.numpy"), pos, has_gauss, cached))
-    s = entries["python"]
-    pyrandom.setstate((s[0], tuple(s[1]), s[2]))
-    if torch is not None and "random.torch" in arrays:
+    if "numpy" in only:
+        name, pos, has_gauss, cached = entries["numpy"]
+        np.random.set_state((name, _array(arrays, "random.numpy"), pos, has_gauss, cached))
+    if "python" in only:
+        s = entries["python"]
+        pyrandom.setstate((s[0], tuple(s[1]), s[2]))
+    if "torch" in only and torch is not None and "random.torch" in arrays:
         torch.set_rng_state(torch.from_numpy(arrays["random.torch"].copy()))
+
+
+def drawn(now: tuple[dict[str, Any], dict[str, np.ndarray]], then: tuple[dict[str, Any], dict[str, np.ndarray]]) -> list[str]:
+    """The process-wide generators drawn from between two :func:`global_random` states."""
+    (e1, a1), (e0, a0) = now, then
+    out = []
+    if e1["numpy"] != e0["numpy"] or not np.array_equal(a1["random.numpy"], a0["random.numpy"]):
+        out.append("numpy")
+    if e1["python"] != e0["python"]:
+        out.append("python")
+    if "random.torch" in a1 and ("random.torch" not in a0 or not np.array_equal(a1["random.torch"], a0["random.torch"])):
+        out.append("torch")
+    return out
+
+
+def drawn_apart(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """Of a checkpoint written across processes, the random states of the (first) service whose
+    process drew from its generators, and which it drew from (``entries["drew"]``): a run resumed in
+    one process goes on from those."""
+    for name in ckpt.manifest.get("parts", {}):
+        if name.startswith("states."):
+            meta, arrays = ckpt.part(name)
+            if meta.get(RANDOM, {}).get("drew"):
+                return meta[RANDOM], arrays
+    return None
 
 
 def encode_states(states: dict[str, tuple[int, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -254,17 +285,22 @@ def served_objects(ckpt: Checkpoint) -> dict[str, tuple[Any, dict[str, np.ndarra
 
 def resume_point(part: tuple[Any, dict[str, np.ndarray]],
                  served: dict[str, tuple[Any, dict[str, np.ndarray]]] | None = None,
-                 held_here: Any = None) -> Any:
+                 held_here: Any = None, apart: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> Any:
     """A loop replica's :class:`~fragflow.runtime.trips.Resume` from its part: when the saved loop
     starts again, the process's random states are set and the loop's locals loaded (an object a
     service group saved, ``served``, from that group's part where ``held_here(name)``: the loop
-    now holds it)."""
+    now holds it). ``apart`` (one process resuming a checkpoint written across processes, see
+    :func:`drawn_apart`): a generator a service drew from goes on from the service's state (where
+    the loop's process drew from it too, one process would have interleaved their draws: neither
+    state is where it stood)."""
     from fragflow.runtime.trips import Resume
 
     meta, arrays = part
 
     def restore(frame: Any) -> dict[str, Any]:
         set_global_random(meta["random"], arrays)
+        if apart is not None:
+            set_global_random(apart[0], apart[1], apart[0]["drew"])
         entries, found = meta["locals"], arrays
         if served:
             entries, found = dict(entries), dict(arrays)
