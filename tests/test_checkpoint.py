@@ -1634,3 +1634,31 @@ def test_a_checkpoint_resumed_under_another_policy_draws_on_where_its_learner_wa
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(a[i][k], b[i][k]), (i, k)
     assert all(torch.equal(x, y) for x, y in zip(whole.value["net"].parameters(), again.value["net"].parameters()))
+
+
+def test_ctrl_c_cuts_a_checkpoint_asked_for_ahead_at_the_next_trip(program, tmp_path):
+    """Under pipelined a schedule in updates is asked for ahead (here at update 100000): a Ctrl-C
+    asks the loop to cut it at its next trip instead, and the run stops once it is written."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([EXE, "run", str(program), "--policy", "pipelined(max_lag=2)", "--set", "num_updates=1000000",
+                             "--checkpoint-every", "100000", "--out", str(out), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    written = ckpt.listing(out / "checkpoints")
+    assert len(written) == 1, err
+    m = json.loads((written[0] / "manifest.json").read_text())
+    assert not m["complete"] and 1 <= m["counters"]["updates"] < 100000
+    assert m["loop"]["positions"]["loop0"]["trip"] == m["counters"]["updates"]
+    res = cli("run", "--resume", str(out), "--set", f"num_updates={m['counters']['updates'] + 3}", "-q")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["updates"] == m["counters"]["updates"] + 3
