@@ -283,8 +283,7 @@ def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: s
 
 
 def refuse_completed(ckpt: Checkpoint) -> None:
-    """A completed run's last checkpoint (its weights) is not one to resume: refused before the
-    program is traced (its setup run) and a run announced."""
+    """A completed run's last checkpoint (its weights) is not one to resume: refused before tracing."""
     if ckpt.manifest.get("complete"):
         raise CheckpointError(f"checkpoint {ckpt.path} is the end of a completed run: there is nothing to resume",
                               fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
@@ -440,9 +439,8 @@ class RunCheckpoints:
         self.tracker: Any = None               # the loop's trip tracker, in one process
         self.requested = False                 # one was asked for out of schedule (Ctrl-C)
         self.seq = 0
-        # checkpoints begun and neither committed nor given up (several where one is asked for ahead
-        # while the services still save the last): seq -> (staging directory, the parts expected,
-        # the parts in, their infos)
+        # begun, neither committed nor given up (several where the next is asked for ahead while the
+        # services still save the last): seq -> (staging directory, parts expected, parts in, infos)
         self.staging: dict[int, tuple[Path, set[str], dict[str, Any], dict[str, Any]]] = {}
         if every is not None:
             _prune_stale(self.root)
@@ -482,8 +480,7 @@ class RunCheckpoints:
 
     # -- across processes (the driver's side) -----------------------------------------------------
     @property
-    def staged(self) -> int | None:
-        """The newest checkpoint begun and neither committed nor given up."""
+    def staged(self) -> int | None:   # (the newest of them)
         return max(self.staging, default=None)
 
     def begin(self, expected: set[str]) -> int:
@@ -495,8 +492,7 @@ class RunCheckpoints:
 
     def directory(self, seq: int) -> Path | None:
         """Where checkpoint ``seq``'s parts are written, while it is staged."""
-        entry = self.staging.get(seq)
-        return None if entry is None else entry[0]
+        return self.staging[seq][0] if seq in self.staging else None
 
     def arrived(self, seq: int, part: str, meta: Any, info: dict[str, Any]) -> bool:
         """A process wrote its part; True when every expected part is in."""
@@ -507,10 +503,6 @@ class RunCheckpoints:
         parts[part] = meta
         infos[part] = info
         return expected <= set(parts)
-
-    def infos(self, seq: int) -> dict[str, Any]:
-        """The infos of the parts of staged checkpoint ``seq`` that are in."""
-        return self.staging[seq][3]
 
     def missing(self, seq: int) -> set[str]:
         entry = self.staging.get(seq)

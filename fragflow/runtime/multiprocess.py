@@ -467,7 +467,7 @@ class Driver:
             if ck is not None and seq in ck.staging and part.startswith("loop") and "updates" in info:
                 self._last_cut = max(self._last_cut, int(info["updates"]))
             if ck is not None and ck.arrived(seq, part, meta, info):
-                infos = ck.infos(seq)
+                infos = ck.staging[seq][3]   # (the parts' infos)
                 cuts = {(i.get("line"), i.get("trip")) for k, i in infos.items() if k.startswith("loop")}
                 if self.saving.get("cut_together") and len(cuts) > 1:
                     # replicas that wait for each other saved at different trips (one was past the trip
