@@ -160,6 +160,7 @@ def run(
 
         start = ckpt.find(resume) if resume is not None else None
         if start is not None:
+            ckpt.refuse_completed(start)
             algorithm, policy, args_data = _from_checkpoint(start, algorithm, policy)
             # the run's target goes on with it, as its schedule does (its solve is kept where it is the same)
             target_return = start.counters.get("target_return") if target_return is None else target_return

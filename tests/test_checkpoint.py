@@ -179,6 +179,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     # a completed run has nothing to resume
     res = cli("run", "--resume", str(a / "checkpoints" / "8"), "--out", str(tmp_path / "z"), "-q")
     assert res.returncode == 2 and "completed run" in res.stderr
+    assert "tracing" not in res.stderr and "resuming from" not in res.stderr   # (refused before the program ran)
     # a damaged tensor file, a damaged manifest, a directory with no checkpoint
     bad = tmp_path / "bad"
     import shutil
@@ -847,7 +848,8 @@ def test_a_flat_loop_checkpointed_mid_rollout_resumes(tmp_path, write_algo):
     path, _ = write_algo(FLAT_ROLLOUT)
     program = load(str(path))
     out = tmp_path / "run"
-    ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=1)", out=out, checkpoint_every=8)
+    # (a schedule in seconds: one in updates is cut at the trip its update count is reached, after a learn)
+    ff.run(program.train, program.args_cls(), policy="pipelined(max_lag=1)", out=out, checkpoint_every="0.05s")
 
     def trip(p):
         loop = json.loads((p / "manifest.json").read_text())["loop"]
@@ -1415,6 +1417,51 @@ def test_a_buffer_of_the_users_own_without_state_dict_is_refused_at_the_checkpoi
     driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b")   # runs without checkpoints
 
 
+def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_too(write_algo, tmp_path):
+    """Its fragments made on the instance (``self.add = ff.fragment("buffer")(self._add)``), not
+    decorated methods of its class: the refusal did not see it, and a resumed run learned from an
+    empty buffer."""
+    path, marks = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 8
+
+        class Memory:  # @cls
+            def __init__(self):
+                self.data = np.zeros((16, 2))
+                self.n = 0
+                self.add = ff.fragment("buffer", name="memory_add")(self._add)
+                self.sample = ff.fragment("buffer", name="memory_sample")(self._sample)
+
+            def _add(self, x):
+                self.data[self.n % 16] = x
+                self.n += 1
+
+            def _sample(self):
+                return self.data[: max(self.n, 1)].mean(0)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            memory = Memory()
+            for step in range(args.total):
+                memory.add(np.full(2, float(step)))
+                state = learn(state, memory.sample())
+            return state
+    ''', "ownbuffer2.py")
+    prog = load(str(path))
+    with pytest.raises(snapshot.CheckpointError, match=rf"cannot save the loop's 'memory': a Memory holds the data its "
+                                                       rf"buffer fragments keep, but has no state_dict\(\).*\n  at "
+                                                       rf"\S*ownbuffer2.py:{marks['cls']}\n  fix: give Memory state_dict"):
+        driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
+
 def test_ctrl_c_once_a_checkpointed_run_is_placed_writes_its_summary(program, tmp_path):
     """A Ctrl-C that comes once the trace has ended and the placement is announced ("writing to
     OUT"), before the run's processes start, stops a run that has begun: summary.json says
@@ -1485,3 +1532,133 @@ def test_steps_per_second_of_a_checkpointed_single_process_run_count_from_the_lo
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["env_steps"] == 80 and summary["wall_seconds"] > 1.0
     assert summary["steps_per_second"] > 80 / (summary["wall_seconds"] - 0.9), summary
+
+
+def test_a_loaded_key_is_saved_again_by_a_checkpoint_cut_before_the_loop_splits_it():
+    """A resumed run checkpointed at its first trip (a schedule in seconds, a Ctrl-C) saw its loaded
+    keys as plain arrays and left them out: a run resumed from that checkpoint drew other numbers."""
+    key = ff.random.keys(0, np.arange(3))
+    entries, arrays, _ = snapshot.loop_locals({"key": key, "n": 3})
+    loaded = snapshot.restore_locals(entries, arrays, {"key": ff.random.keys(1, np.arange(3)), "n": 0})
+    again, again_arrays, left = snapshot.loop_locals(loaded)
+    assert set(again) == {"key", "n"} and not left
+    assert np.array_equal(again_arrays["local.key"], key)
+
+@pytest.mark.parametrize("max_lag", [1, 2])
+def test_a_pipelined_run_with_max_lag_resumed_equals_the_uninterrupted_run_bit_for_bit(write_algo, tmp_path, monkeypatch,
+                                                                                      max_lag):
+    """The first max_lag trips after the cut act with the versions before the saved one (update i with
+    version i - max_lag): a resumed run acted with the saved version instead, and learned other bits.
+    Resumed twice too: from a checkpoint the resumed run wrote before it had published those versions."""
+    import shutil
+
+    finish = ckpt.finish
+    monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
+                        finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
+    # the actor's output is the data learned from: its parameters' version shows in every later bit
+    path, _ = write_algo(PROGRAM.replace("replay.add(x=noise,", "replay.add(x=(noise + 0.1 * y).astype(np.float32),"),
+                         "lagprog.py")
+    program = load(str(path))
+    args = program.args_cls(num_updates=24)
+    policy = f"pipelined(max_lag={max_lag})"
+
+    def final(run):
+        return {k: v.detach().clone() for k, v in run.value["net"].state_dict().items()}, \
+            [float(r["loss"]) for r in csv.DictReader((run.out / "metrics.csv").open())]
+
+    def same(a, b):
+        return sorted(a[0]) == sorted(b[0]) and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1] == b[1]
+
+    def mids(out):
+        return sorted((p for p in ckpt.listing(out / "checkpoints")
+                       if not json.loads((p / "manifest.json").read_text())["complete"]), key=lambda p: int(p.name))
+
+    whole = final(ff.run(program.train, args, policy=policy, out=tmp_path / "whole", checkpoint_every=5))
+    cuts = mids(tmp_path / "whole")
+    assert cuts and all(int(p.name) > max_lag for p in cuts)
+    first = int(cuts[0].name)
+    shutil.copytree(tmp_path / "whole", tmp_path / "again")
+    # a checkpoint asked for all the time: the resumed run's first ones are cut before it has acted
+    # with a version of its own
+    again = ff.run(program.train, args, policy=policy, resume=tmp_path / "again" / "checkpoints" / str(first),
+                   checkpoint_every="0.001s")
+    assert same(final(again), whole)
+    early = [p for p in mids(tmp_path / "again") if first <= int(p.name) < first + max_lag]
+    assert early, [p.name for p in mids(tmp_path / "again")]
+    shutil.copytree(tmp_path / "again", tmp_path / "twice")
+    twice = ff.run(program.train, args, policy=policy, resume=tmp_path / "twice" / "checkpoints" / early[-1].name)
+    assert same(final(twice), whole)
+
+
+@pytest.mark.parametrize("policy", ["learner_replay", "pipelined(max_lag=2)"])
+def test_a_short_run_writes_every_checkpoint_its_schedule_in_updates_asks_for(write_algo, tmp_path, monkeypatch, policy):
+    """The driver asked for a checkpoint once it had heard of the update, and the loop cut it at its
+    next trip: the loop runs ahead of the learner's reports, so a short run cut its first late and
+    ended before the next was asked for (12 updates, every 3: only the final one, or 6 and 12). Asked
+    for ahead, the loop cuts each where it has made 3, 6 and 9 updates."""
+    finish = ckpt.finish
+    monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
+                        finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
+    path, _ = write_algo(PROGRAM.replace("    opt.step()\n", "    opt.step()\n    time.sleep(0.02)\n")
+                         .replace("import torch\n", "import time\nimport torch\n", 1), "shortrun.py")
+    program = load(str(path))
+    driver.run(program.train, program.args_cls(num_updates=12), policy=policy, out=tmp_path / "run",
+               checkpoint_every=3)
+    written = {int(p.name): json.loads((p / "manifest.json").read_text()) for p in ckpt.listing(tmp_path / "run" / "checkpoints")}
+    mids = sorted(n for n, m in written.items() if not m["complete"])
+    # the first is asked for before the run starts: cut where the loop has made 3 updates, its states
+    # saved at that cut; the others as soon as the loop has cut the one before (3 trips of a learner
+    # update of 20 ms to reach the driver and back)
+    assert mids[0] == 3 and len(mids) == 3 and mids[-1] <= 11, mids
+    for n in mids:
+        assert written[n]["loop"]["positions"]["loop0"]["trip"] == n
+
+
+@pytest.mark.parametrize("written, resumed", [("single_process", "pipelined(max_lag=0)"),
+                                               ("pipelined(max_lag=0)", "single_process")])
+def test_a_checkpoint_resumed_under_another_policy_draws_on_where_its_learner_was(program, tmp_path, written, resumed):
+    """Written in one process, the checkpoint holds the process's generators in the loop's part only:
+    resumed with the learner in a process of its own, the learner's torch.randperm started over from
+    the program's seed (its Adam moments came out other bits than the uninterrupted run's). Written
+    across processes and resumed in one, the learner drew on from the loop's process's generators,
+    which the learner's process had not drawn from. max_lag=0 is single_process bit for bit: so is
+    either resumed under the other."""
+    prog = load(str(program))
+    args = prog.args_cls(num_updates=12)
+    whole = driver.run(prog.train, args, policy="single_process", out=tmp_path / "whole")
+    driver.run(prog.train, args, policy=written, out=tmp_path / "one", checkpoint_every=6)
+    again = driver.run(prog.train, args, policy=resumed, out=tmp_path / "two",
+                       resume=tmp_path / "one" / "checkpoints" / "6")
+    a, b = whole.value["opt"].state_dict()["state"], again.value["opt"].state_dict()["state"]
+    for i in a:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[i][k], b[i][k]), (i, k)
+    assert all(torch.equal(x, y) for x, y in zip(whole.value["net"].parameters(), again.value["net"].parameters()))
+
+
+def test_ctrl_c_cuts_a_checkpoint_asked_for_ahead_at_the_next_trip(program, tmp_path):
+    """Under pipelined a schedule in updates is asked for ahead (here at update 100000): a Ctrl-C
+    asks the loop to cut it at its next trip instead, and the run stops once it is written."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([EXE, "run", str(program), "--policy", "pipelined(max_lag=2)", "--set", "num_updates=1000000",
+                             "--checkpoint-every", "100000", "--out", str(out), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    written = ckpt.listing(out / "checkpoints")
+    assert len(written) == 1, err
+    m = json.loads((written[0] / "manifest.json").read_text())
+    assert not m["complete"] and 1 <= m["counters"]["updates"] < 100000
+    assert m["loop"]["positions"]["loop0"]["trip"] == m["counters"]["updates"]
+    res = cli("run", "--resume", str(out), "--set", f"num_updates={m['counters']['updates'] + 3}", "-q")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["updates"] == m["counters"]["updates"] + 3

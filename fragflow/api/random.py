@@ -66,6 +66,13 @@ def is_key(x: object) -> bool:
     return isinstance(x, np.ndarray) and _issued.get(id(x)) is x
 
 
+def as_key(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (keys a checkpoint saved, loaded back) known as a key again: a checkpoint taken
+    before the loop splits it saves it as one."""
+    _issued[id(arr)] = arr
+    return arr
+
+
 def _per_env(arr: np.ndarray) -> np.ndarray:
     """Tell a tracer that ``arr`` has the environments on axis 0 (keys are per environment), so a
     policy that splits the environments across processes splits keys that cross with them; and

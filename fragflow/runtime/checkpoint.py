@@ -282,6 +282,13 @@ def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: s
     results.put(("ckpt", seq, part, meta, info))
 
 
+def refuse_completed(ckpt: Checkpoint) -> None:
+    """A completed run's last checkpoint (its weights) is not one to resume: refused before tracing."""
+    if ckpt.manifest.get("complete"):
+        raise CheckpointError(f"checkpoint {ckpt.path} is the end of a completed run: there is nothing to resume",
+                              fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
+
+
 def resumed(saving: dict[str, Any]) -> Checkpoint | None:
     """The checkpoint a worker resumes from: the one the driver read and sent (or its path)."""
     ckpt = saving.get("resume")
@@ -432,7 +439,9 @@ class RunCheckpoints:
         self.tracker: Any = None               # the loop's trip tracker, in one process
         self.requested = False                 # one was asked for out of schedule (Ctrl-C)
         self.seq = 0
-        self.staged: tuple[int, Path, set[str], dict[str, Any], dict[str, Any]] | None = None
+        # begun, neither committed nor given up (several where the next is asked for ahead while the
+        # services still save the last): seq -> (staging directory, parts expected, parts in, infos)
+        self.staging: dict[int, tuple[Path, set[str], dict[str, Any], dict[str, Any]]] = {}
         if every is not None:
             _prune_stale(self.root)
 
@@ -470,32 +479,42 @@ class RunCheckpoints:
         return path
 
     # -- across processes (the driver's side) -----------------------------------------------------
+    @property
+    def staged(self) -> int | None:   # (the newest of them)
+        return max(self.staging, default=None)
+
     def begin(self, expected: set[str]) -> int:
         """Start checkpoint number ``seq``: its parts are written by the processes into ``staging(seq)``."""
         self.seq += 1
         tmp = stage(self.root, "", staging_dir(self.root, self.seq, os.getpid()))
-        self.staged = (self.seq, tmp, set(expected), {}, {})
+        self.staging[self.seq] = (tmp, set(expected), {}, {})
         return self.seq
+
+    def directory(self, seq: int) -> Path | None:
+        """Where checkpoint ``seq``'s parts are written, while it is staged."""
+        return self.staging[seq][0] if seq in self.staging else None
 
     def arrived(self, seq: int, part: str, meta: Any, info: dict[str, Any]) -> bool:
         """A process wrote its part; True when every expected part is in."""
-        if self.staged is None or self.staged[0] != seq:
+        entry = self.staging.get(seq)
+        if entry is None:
             return False
-        _, _, expected, parts, infos = self.staged
+        _, expected, parts, infos = entry
         parts[part] = meta
         infos[part] = info
         return expected <= set(parts)
 
-    def missing(self) -> set[str]:
-        return set() if self.staged is None else self.staged[2] - set(self.staged[3])
+    def missing(self, seq: int) -> set[str]:
+        entry = self.staging.get(seq)
+        return set() if entry is None else entry[1] - set(entry[2])
 
-    def complete(self, counters: dict[str, Any], replicas: int, base: tuple[int, int] = (0, 0)) -> Path:
-        """Commit the staged checkpoint: the parts are all written. The run went on while they
+    def complete(self, seq: int, counters: dict[str, Any], replicas: int, base: tuple[int, int] = (0, 0)) -> Path:
+        """Commit staged checkpoint ``seq``: the parts are all written. The run went on while they
         were: the counters are those of the parts (the updates of the saved states, the steps the
         loops had made when they saved theirs), where the parts tell them; ``base``: the steps and
-        updates of the run this one resumed."""
-        assert self.staged is not None
-        seq, tmp, _, parts, infos = self.staged
+        updates of the run this one resumed. Any older one still staged is given up (committed
+        later, it would be the newest)."""
+        tmp, _, parts, infos = self.staging[seq]
         positions = {k: infos[k] for k in sorted(infos) if k.startswith("loop")}
         counters = dict(counters)
         versions = {info["version"] for k, info in infos.items() if k.startswith("states.") and "version" in info}
@@ -505,16 +524,20 @@ class RunCheckpoints:
             counters["env_steps"] = base[0] + sum(int(p["steps"]) for p in positions.values())
         path = finish(self.root, tmp, str(counters["updates"]), self.manifest(counters, {"replicas": replicas, "positions": positions}, False),
                       parts, self.keep)
-        self.staged = None   # (not before: a run stopped while it is committed removes the staged parts)
+        del self.staging[seq]   # (not before: a run stopped while it is committed removes the staged parts)
+        for older in [s for s in self.staging if s < seq]:
+            shutil.rmtree(self.staging.pop(older)[0], ignore_errors=True)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
         self.written.append(path)
         return path
 
-    def abort(self) -> None:
-        if self.staged is not None:
-            shutil.rmtree(self.staged[1], ignore_errors=True)
-            self.staged = None
+    def abort(self, seq: int | None = None) -> None:
+        """Give up staged checkpoint ``seq`` (default: every one)."""
+        for s in list(self.staging) if seq is None else [seq]:
+            entry = self.staging.pop(s, None)
+            if entry is not None:
+                shutil.rmtree(entry[0], ignore_errors=True)
         if self.schedule is not None:
             self.schedule.asked(None)   # (given up: the next is asked again, when due)
 
@@ -530,9 +553,7 @@ class RunCheckpoints:
         m = self.resume.manifest
         if loops is not None and m.get("loops") is not None:
             self._follow_loops(m["loops"], loops)
-        if m.get("complete"):
-            raise CheckpointError(f"checkpoint {self.resume.path} is the end of a completed run: there is nothing to resume",
-                                  fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
+        refuse_completed(self.resume)
         if m.get("fragments") != fragments:
             raise CheckpointError(f"checkpoint {self.resume.path} was written by another algorithm (fragments "
                                   f"{', '.join(m.get('fragments') or [])}; this one has {', '.join(fragments)})",

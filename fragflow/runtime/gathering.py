@@ -71,30 +71,42 @@ class Gathering(ReplicaChecks):
     def _save_due(self) -> bool:
         return bool(self.saving.get("root")) and self.admission.checkpoint_request() > self.saved_seq
 
-    def _saved_where_loop_is(self, aux: int | None) -> bool:
-        """Whether this group's part of the requested checkpoint is saved now. A loop replica
-        marks its calls after it saved its part (``calls.cut_mark``), and the replicas save at one
-        trip: the states are saved just before the first marked call is taken, so they hold every
-        update of the calls made before the parts and none after, and a resumed run does each
-        update once. That holds where calls are taken round the replicas in order (one replica,
-        or ``max_lag=0``, or ordered gathering): by the first marked call every earlier one is in.
-        Calls gathered as they arrive interleave across the cut: the states are saved as they stand."""
-        if (self.program.producers != 1 and not self.program.ordered) or any(self.finished):
-            return True
+    def _saved_where_loop_is(self, aux: int | None) -> int | None:
+        """The checkpoint this group's part of is saved now, if any. A loop replica marks its calls
+        after it saved its part (``calls.cut_mark``), and the replicas save at one trip: the states
+        are saved just before the first marked call is taken, so they hold every update of the calls
+        made before the parts and none after, and a resumed run does each update once. That holds
+        where calls are taken round the replicas in order (one replica, or ``max_lag=0``, or ordered
+        gathering): by the first marked call every earlier one is in. The driver may have asked for
+        the next checkpoint since the loops cut this one (asked ahead, see the driver's
+        ``_checkpoint_due``): the mark says which. Calls gathered as they arrive interleave across
+        the cut: the states are saved as they stand, for the newest request. A loop that has ended
+        has cut the checkpoint before, or never will (the driver gives it up)."""
         request = self.admission.checkpoint_request()
+        if self.program.producers != 1 and not self.program.ordered:
+            return request
         if aux is None:   # nothing to take: saved where every replica's calls before its cut are in
-            cuts = self.cuts.get(request, {})   # (a loop that makes no call of this group for a while)
-            return (len(cuts) == self.program.producers and not any(self.pools.values())
-                    and all(self.next_tag[k] >= tag for k, tag in cuts.items()))
-        return calls.unpack_aux(aux)[2] == calls.cut_mark(request)
+            for seq in sorted(self.cuts, reverse=True):   # (a loop that makes no call of this group for a while)
+                cuts = self.cuts[seq]
+                if (seq > self.saved_seq and len(cuts) == self.program.producers and not any(self.pools.values())
+                        and all(self.next_tag[k] >= tag for k, tag in cuts.items())):
+                    return seq
+            return None
+        mark = calls.unpack_aux(aux)[2]
+        if not mark:   # (before any cut)
+            return None
+        seq = request - (calls.cut_mark(request) - mark) % calls.CUT_MARKS
+        return seq if seq > self.saved_seq else None
 
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:
         tag, fragment, ring, meta = head
         if self.program.ordered:
             self._calls_apart(k, fragment)
         self._stalled_since = time.monotonic()   # calls still come: nobody waits for good
-        if self._save_due() and self._saved_where_loop_is(meta[2]):
-            self._save(self.admission.checkpoint_request())
+        if self._save_due():
+            seq = self._saved_where_loop_is(meta[2])
+            if seq is not None:
+                self._save(seq)
         item = ring.try_get()
         if item is None:   # the producer moved the head but has not released the semaphore yet
             item = ring.get()
@@ -125,8 +137,10 @@ class Gathering(ReplicaChecks):
         while True:
             while self._take_definition(False):
                 pass
-            if self._save_due() and self._saved_where_loop_is(None):
-                self._save(self.admission.checkpoint_request())
+            if self._save_due():
+                seq = self._saved_where_loop_is(None)
+                if seq is not None:
+                    self._save(seq)
             if self.program.ordered:
                 # strictly round the replicas in order: the run does not depend on scheduling
                 k = self._cursor

@@ -147,6 +147,9 @@ class LoopInterpreter:
         self._defs = {} if endpoints is None else {g: endpoints.definitions(program.service_for(g, replica)) for g in
                                                    {r.group for r in program.remote.values()}}
         self.restored: Any = None             # a checkpoint's states part: versioned state starts from it
+        # (resumed) what the acting side read of each state at the versions before the saved one, by the
+        # version they are in this run (-1, -2, ...): an exact version choice acts with them at first
+        self.acting_before: dict[str, dict[int, list[Any]]] = {}
         self.restarted = False                # a replica started again after its process died
         self.skip_until = 0                   # (restarted) calls its dead process already sent: not sent again
         self.logs = 0                         # ff.log calls made (replica 0 reports them)
@@ -394,6 +397,12 @@ class LoopInterpreter:
             if getattr(choice, "admits", False):
                 self._ticket = self.endpoints.admission.last_ticket
             self._last_version = self.rollout_version
+            if self.acting_before and isinstance(choice, Exact) and self.update < choice.max_lag:
+                # a resumed run's first trips act with the versions before the checkpoint's, as the
+                # uninterrupted run did (the oldest saved: the run's first, which its first trips all took)
+                saved = next(iter(self.acting_before.values()))
+                if saved:
+                    self.rollout_version = max(self.update - choice.max_lag, min(saved))
         return self.rollout_version
 
     def _resolve(self, x: Any) -> Any:
@@ -411,12 +420,15 @@ class LoopInterpreter:
                 value = value[k]
             return value
         v = self._version()
-        key = (v, self._stamp(handle.name, v))
+        key = (v, self._stamp(handle.name, v) if v >= 0 else None)
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
             received.check_unchanged(self._watched, self._drawn, handle.name, None)   # (changed since this process's last fragment call: the loop)
             with received.counted():
-                _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
+                if v < 0:   # (resumed: a version before the checkpoint's, saved with it)
+                    leaves = self.acting_before[handle.name][v]
+                else:
+                    _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
                 trees, pos = [], 0
                 for root, n in zip(b.paths, b.counts):
                     template = local.value
@@ -517,7 +529,7 @@ class LoopInterpreter:
             leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, user_callsite(), self.program.replicas)
         if self.program.reads:
-            version = self._version()
+            version = max(0, self._version())   # (a version before a resumed run's first is stamped as its first)
         else:   # served acting stamps its answers' version; acting on no state depends on none
             version = self._last_version if self._replies else UNVERSIONED
         call = self._calls_of[name] = self._calls_of.get(name, -1) + 1

@@ -90,6 +90,9 @@ class Driver:
         self.wiring: Any = None
         self.endpoints: Any = None
         self._asked_at = 0.0
+        self._cut_at = 0   # the updates the newest checkpoint was asked ahead to be cut at (0: at once)
+        self._last_cut = 0   # the loops' updates (this run's) at their newest cut
+        self._grid = 0       # the updates (this run's) the newest was asked ahead at: N, 2N, ...
         self.store: Any = None      # the learners' rendezvous (replicated learners)
         self.world = 1              # how many of them
 
@@ -181,7 +184,7 @@ class Driver:
 
         endpoints = self.endpoints
         ck = self.checkpoints
-        if ck is not None and ck.staged is not None:
+        if ck is not None and ck.staging:
             # its part will not come, or its marked calls after it (which the learner saves before): the
             # next one is asked for when due
             ck.abort()
@@ -374,37 +377,42 @@ class Driver:
             if msg[1] == "actor":
                 self.monitor.loop_ended(msg[2])
             ck = self.checkpoints
-            if ck is not None and ck.staged is not None and f"loop{msg[2]}" in ck.missing() and msg[1] == "actor":
-                ck.abort()   # that replica's loop has ended: no trip of it is left to save
+            for seq in list(ck.staging) if ck is not None and msg[1] == "actor" else ():
+                if f"loop{msg[2]}" in ck.missing(seq):
+                    ck.abort(seq)   # that replica's loop has ended: no trip of it is left to save
         elif kind == "trip":
             _, k, meta, arrays, seq, update, counts = msg
             self.points[k] = (meta, arrays, seq, update, counts)
         elif kind == "ckpt_data":   # a part sent rather than written: write it into the staging directory
             _, seq, part, meta, arrays, info = msg
             ck = self.checkpoints
-            if ck is not None and ck.staged is not None and ck.staged[0] == seq:
+            staging = ck.directory(seq) if ck is not None else None
+            if staging is not None:
                 from fragflow.runtime.checkpoint import save_part
 
-                save_part(ck.staged[1], part, meta, arrays)
+                save_part(staging, part, meta, arrays)
                 self._handle(("ckpt", seq, part, meta, info))
         elif kind == "ckpt":
             _, seq, part, meta, info = msg
             ck = self.checkpoints
+            if ck is not None and seq in ck.staging and part.startswith("loop") and "updates" in info:
+                self._last_cut = max(self._last_cut, int(info["updates"]))
             if ck is not None and ck.arrived(seq, part, meta, info):
-                assert ck.staged is not None
-                cuts = {(i.get("line"), i.get("trip")) for k, i in ck.staged[4].items() if k.startswith("loop")}
+                infos = ck.staging[seq][3]   # (the parts' infos)
+                cuts = {(i.get("line"), i.get("trip")) for k, i in infos.items() if k.startswith("loop")}
                 if self.saving.get("cut_together") and len(cuts) > 1:
                     # replicas that wait for each other saved at different trips (one was past the trip
                     # named, or in another loop): a resumed run could not go on; ask again at once
-                    ck.abort()
+                    ck.abort(seq)
                     ck.requested = True
                     return
-                at = {int(part[4:]): int(info["steps"]) for part, info in ck.staged[4].items()
+                at = {int(part[4:]): int(info["steps"]) for part, info in infos.items()
                       if part.startswith("loop") and "steps" in info}
                 counters = (self.monitor.counters_at(at) if len(at) == self.lowered.loop.replicas
                             else self.monitor.counters())
-                ck.complete(counters, self.lowered.loop.replicas, (self.monitor.base_steps, self.monitor.base_updates))
-                if ck.stop_after:
+                ck.complete(seq, counters, self.lowered.loop.replicas,
+                            (self.monitor.base_steps, self.monitor.base_updates))
+                if ck.stop_after and not ck.staging:
                     raise KeyboardInterrupt
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
@@ -457,28 +465,54 @@ class Driver:
         ck = self.checkpoints
         if ck is None or not ck.enabled:
             return
-        if ck.staged is not None:
+        # a schedule in updates is asked for ahead, where every service saves at the loops' cut (it
+        # takes their calls in order, or one loop's) and the loops cut by their own count of updates:
+        # asked once the driver had heard of the update, the cut came a report and a message later
+        # (the loop runs ahead of the learner's reports), and a short run ended first; the next is
+        # asked for as soon as the loops have cut the last, while the services still save theirs
+        ahead = (not ck.requested and ck.schedule is not None and ck.schedule.every.updates is not None
+                 and all(s.ordered or s.producers == 1 for s in self.lowered.services))
+        newest = ck.staged
+        if newest is not None:
+            uncut = any(p.startswith("loop") for p in ck.missing(newest))
+            if self._cut_at and uncut:   # asked for ahead: the loops have not come to it yet
+                if ck.requested:   # (Ctrl-C) cut at the loops' next trip instead
+                    ck.requested = False
+                    self._cut_at = 0
+                    self.endpoints.admission.request_checkpoint(newest, 0)
+                self._asked_at = time.monotonic()   # (its parts are waited for from its cut on)
+                return
             waited = time.monotonic() - self._asked_at
             if ck.stop_after and waited > STOP_CHECKPOINT_WAIT:
                 ck.abort()
                 raise KeyboardInterrupt
             if waited > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
                 ck.abort()
-            return
-        if not (ck.requested or ck.due(self.monitor.updates)):
+            if not ahead or uncut or ck.stop_after:
+                return
+        if not (ck.requested or ahead or ck.due(self.monitor.updates)):
             return
         loops = range(self.lowered.loop.replicas)
         if any(("actor", k) in self.finished for k in loops):
             if ck.stop_after:
                 raise KeyboardInterrupt
             return
-        if not ck.requested and ck.schedule is not None:
+        self._cut_at = 0
+        if ahead:   # at N, 2N, ... of this run's updates: the next the loops have not passed
+            assert ck.schedule is not None and ck.schedule.every.updates is not None
+            every = ck.schedule.every.updates
+            self._grid += every
+            if self._grid <= self._last_cut:   # (a cut came late: a trip later where the loops step together)
+                self._grid += every * ((self._last_cut - self._grid) // every + 1)
+            self._cut_at = self.monitor.base_updates + self._grid
+        elif not ck.requested and ck.schedule is not None:
             ck.schedule.asked(self.monitor.updates)
         ck.requested = False
         expected = {f"states.{s.group}" for s in self.lowered.services} | {f"loop{k}" for k in loops}
         seq = ck.begin(expected)
         self._asked_at = time.monotonic()
-        self.endpoints.admission.request_checkpoint(seq)
+        # (the loop counts the updates of this run: a resumed run's start after the checkpoint's)
+        self.endpoints.admission.request_checkpoint(seq, max(self._cut_at - self.monitor.base_updates, 0))
 
     def _check_alive(self) -> None:
         for role, k, p in self.procs:

@@ -18,7 +18,14 @@ from fragflow.runtime.checkpoint import RunCheckpoints
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 from fragflow.runtime.signals import shielded
-from fragflow.runtime.snapshot import encode_states, held_by_state, loop_part, resume_point, served_objects
+from fragflow.runtime.snapshot import (
+    drawn_apart,
+    encode_states,
+    held_by_state,
+    loop_part,
+    resume_point,
+    served_objects,
+)
 
 
 class MonitorReporter:
@@ -119,7 +126,8 @@ def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCh
     tracker = trips.Trips()
     if checkpoints.resume is not None:
         interp.restored = checkpoints.resumed_states()
-        tracker.resume = resume_point(checkpoints.resume.part("loop0"), served_objects(checkpoints.resume))
+        tracker.resume = resume_point(checkpoints.resume.part("loop0"), served_objects(checkpoints.resume),
+                                      apart=drawn_apart(checkpoints.resume))
 
     def on_update(_: int) -> None:
         if checkpoints.due(monitor.updates):

@@ -148,6 +148,7 @@ class ServiceRunner(Gathering):
         self.saved_seq = 0
         self.cuts: dict[int, dict[int, int]] = {}   # checkpoint -> replica -> its calls before its part
         self._seeded = False
+        self._seed_random: tuple[dict[str, Any], dict[str, Any]] | None = None   # its random states as seeded
         self._own: dict[int, int] = {}   # replica -> clock calls learned from on its current rollout
         self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
         # calls gathered on arrival: each fragment's unbatched leaves at a call, as the first replica sent them
@@ -159,6 +160,7 @@ class ServiceRunner(Gathering):
         self._stall_warn = stall_warn()
         self.resume_objects: tuple[Any, Any] | None = None
         self.resume_random: tuple[Any, Any] | None = None
+        self.acting_before: dict[str, dict[int, list[Any]]] = {}   # (resumed) the acting views before its version 0
         if self.saving.get("resume"):
             from fragflow.runtime import checkpoint, snapshot
 
@@ -170,6 +172,12 @@ class ServiceRunner(Gathering):
                 meta, arrays = ckpt.part(f"states.{program.group}")
                 if snapshot.RANDOM in meta:
                     self.resume_random = (meta[snapshot.RANDOM], arrays)
+                self.acting_before = snapshot.acting_views((meta, arrays))
+            elif "states" in ckpt.manifest["parts"] and "loop0" in ckpt.manifest["parts"]:
+                # written in one process, whose learner drew from the generators the loop's part saved
+                # (it drew the run's first numbers again, as from a program's seed, resumed here)
+                meta, arrays = ckpt.part("loop0")
+                self.resume_random = (meta["random"], arrays)
 
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -217,12 +225,13 @@ class ServiceRunner(Gathering):
             if msg[1] in self.states:   # (again, from a first loop replica restarted: the learner's own goes on)
                 return True
             if not self._seeded:   # the loop's random states when it made its first state (see LoopInterpreter.versioned)
-                from fragflow.runtime.snapshot import set_global_random
+                from fragflow.runtime.snapshot import global_random, set_global_random
 
                 set_global_random(*msg[3])
                 if self.resume_random is not None:   # a resumed run's learner draws on from where it was
                     set_global_random(*self.resume_random)
                 self._seeded = True
+                self._seed_random = global_random()
             self.states[msg[1]] = cloudpickle.loads(msg[2])
             self._shapes[msg[1]] = structure(self.states[msg[1]])
             _track_scheduled_steps(self.states[msg[1]])
@@ -631,10 +640,33 @@ class ServiceRunner(Gathering):
         owned = set(self.program.writes) | set(self.writes) | {b.state for b in self.program.publish}
         meta, arrays = snapshot.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
         rng, rng_arrays = snapshot.global_random()   # what the learner draws next (torch.randperm, dropout)
+        # ... and which of them it drew from (in this run, or in the one it resumed): a resumed run in
+        # one process goes on from these where its loop did not draw (see snapshot.drawn_apart)
+        before = (self.resume_random or ({}, {}))[0].get("drew", [])
+        since = snapshot.drawn((rng, rng_arrays), self._seed_random) if self._seed_random is not None else []
+        rng["drew"] = [g for g in snapshot.GENERATORS if g in before or g in since]
         meta[snapshot.RANDOM] = rng
         arrays.update(rng_arrays)
+        if self.program.max_lag and self.program.ordered and self.program.publish:
+            meta[snapshot.ACTING] = snapshot.encode_acting(self._acting_views(), arrays)
         checkpoint.deliver(self.results, self.saving, seq, self.driver, f"states.{group}", meta, arrays,
                            {"version": self.version})
+
+    def _acting_views(self) -> dict[str, dict[int, list[Any]]]:
+        """What the acting side reads of each state it is sent, at the ``max_lag`` versions before
+        this one: under an exact version choice the loop's next trips act with them (update ``i``
+        with version ``i - max_lag``), so a run resumed from this checkpoint must have them. Keyed by
+        how many versions before; none before the run's first (acted with version 0, saved)."""
+        out: dict[str, dict[int, list[Any]]] = {}
+        for b in self.program.publish:
+            views = out[b.state] = {}
+            for k in range(1, self.program.max_lag + 1):
+                v = self.version - k
+                if v >= 0:   # (still in the broadcast, max_lag + 3 versions deep; complete: a newer one is out)
+                    views[k] = self.endpoints.broadcasts[b.state].read(v)[1]
+                elif v in self.acting_before.get(b.state, {}):   # (this run is resumed: before its version 0)
+                    views[k] = self.acting_before[b.state][v]
+        return out
 
     def run(self) -> None:
         ended = False

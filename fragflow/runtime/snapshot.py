@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from fragflow.runtime.checkpoint import Checkpoint
 
 RANDOM = "__fragflow_random__"   # in a service group's states part: that process's global random states
+# ... and the views of the state the acting side reads, of the versions before the saved one (see acting_views)
+ACTING = "__fragflow_acting__"
 
 
 class CheckpointError(FragflowError):
@@ -87,11 +89,14 @@ def _class_line(klass: type) -> Any:
 
 
 def _buffer_of_users(x: Any) -> bool:
-    """An object of a class with ``@ff.fragment("buffer")`` methods (a replay buffer of the user's own)."""
+    """An object of a class with ``@ff.fragment("buffer")`` methods (a replay buffer of the user's
+    own), or holding such fragments it made of its methods (``self.add = ff.fragment("buffer")(self._add)``)."""
     from fragflow.api.fragment import Fragment
 
+    own = getattr(x, "__dict__", None)
     return any(isinstance(v, Fragment) and v.role == "buffer"
-               for klass in type(x).__mro__ for v in vars(klass).values())
+               for where in (*(vars(klass) for klass in type(x).__mro__), own if isinstance(own, dict) else {})
+               for v in where.values())
 
 
 def _jax_key(x: Any) -> bool:
@@ -108,6 +113,8 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
     """Given the loop's locals as the resumed run has rebuilt them, the values to assign; objects
     (generators, components) are loaded in place. A saved name the program no longer has is
     assigned anyway (the loop defines it later)."""
+    from fragflow.api.random import as_key
+
     torch = _torch()
     assign: dict[str, Any] = {}
     for name, e in entries.items():
@@ -116,7 +123,10 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
         try:
             if how == "value":
                 cur = live.get(name, _NO)
-                assign[name] = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
+                value = decode(e["v"], arrays, cur if isinstance(cur, np.ndarray) else _NO, name)
+                # (the loop's arrays saved are its keys: a resumed run checkpointed again before it
+                # splits them, at its first trip, left them out, and its own resume drew other numbers)
+                assign[name] = as_key(value) if isinstance(value, np.ndarray) else value
             elif how == "jax_key":
                 import jax.numpy as jnp
 
@@ -153,14 +163,45 @@ def global_random() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return entries, arrays
 
 
-def set_global_random(entries: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+GENERATORS = ("numpy", "python", "torch")
+
+
+def set_global_random(entries: dict[str, Any], arrays: dict[str, np.ndarray],
+                      only: tuple[str, ...] | list[str] = GENERATORS) -> None:
     torch = _torch()
-    name, pos, has_gauss, cached = entries["numpy"]
-    np.random.set_state((name, _array(arrays, "random.numpy"), pos, has_gauss, cached))
-    s = entries["python"]
-    pyrandom.setstate((s[0], tuple(s[1]), s[2]))
-    if torch is not None and "random.torch" in arrays:
+    if "numpy" in only:
+        name, pos, has_gauss, cached = entries["numpy"]
+        np.random.set_state((name, _array(arrays, "random.numpy"), pos, has_gauss, cached))
+    if "python" in only:
+        s = entries["python"]
+        pyrandom.setstate((s[0], tuple(s[1]), s[2]))
+    if "torch" in only and torch is not None and "random.torch" in arrays:
         torch.set_rng_state(torch.from_numpy(arrays["random.torch"].copy()))
+
+
+def drawn(now: tuple[dict[str, Any], dict[str, np.ndarray]], then: tuple[dict[str, Any], dict[str, np.ndarray]]) -> list[str]:
+    """The process-wide generators drawn from between two :func:`global_random` states."""
+    (e1, a1), (e0, a0) = now, then
+    out = []
+    if e1["numpy"] != e0["numpy"] or not np.array_equal(a1["random.numpy"], a0["random.numpy"]):
+        out.append("numpy")
+    if e1["python"] != e0["python"]:
+        out.append("python")
+    if "random.torch" in a1 and ("random.torch" not in a0 or not np.array_equal(a1["random.torch"], a0["random.torch"])):
+        out.append("torch")
+    return out
+
+
+def drawn_apart(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """Of a checkpoint written across processes, the random states of the (first) service whose
+    process drew from its generators, and which it drew from (``entries["drew"]``): a run resumed in
+    one process goes on from those."""
+    for name in ckpt.manifest.get("parts", {}):
+        if name.startswith("states."):
+            meta, arrays = ckpt.part(name)
+            if meta.get(RANDOM, {}).get("drew"):
+                return meta[RANDOM], arrays
+    return None
 
 
 def encode_states(states: dict[str, tuple[int, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -187,6 +228,27 @@ def restore_state(part: tuple[Any, dict[str, np.ndarray]], name: str, value: Any
         raise CheckpointError(f"the checkpoint does not fit this program: {exc}", where=where,
                               fix="resume with the algorithm and arguments that wrote it (shapes come from the args)") from None
     return restored, int(meta[name]["version"])
+
+
+def encode_acting(views: dict[str, dict[int, list[Any]]], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The ``ACTING`` entry of a states part: of each broadcast state, the leaves the acting side
+    reads of the version ``k`` before the saved one, for ``k`` in 1..max_lag (an exact version
+    choice acts with them on the loop's next trips: a resumed run must too)."""
+    try:
+        return {state: {str(k): _enc(leaves, f"acting.{state}.{k}", arrays) for k, leaves in by.items()}
+                for state, by in views.items()}
+    except Unsupported as exc:   # (the broadcast's leaves are arrays and numbers: not expected)
+        raise CheckpointError(f"cannot save the acting side's views: {exc}") from None
+
+
+def acting_views(part: tuple[Any, dict[str, np.ndarray]] | None) -> dict[str, dict[int, list[Any]]]:
+    """The views :func:`encode_acting` saved, keyed by the version they are in a run resumed from
+    the checkpoint, whose saved version is its version 0: ``-k``."""
+    if part is None:
+        return {}
+    meta, arrays = part
+    return {state: {-int(k): decode(v, arrays, path=f"acting.{state}.{k}") for k, v in by.items()}
+            for state, by in meta.get(ACTING, {}).items()}
 
 
 def held_by_state(states: dict[str, Any]) -> set[int]:
@@ -223,17 +285,22 @@ def served_objects(ckpt: Checkpoint) -> dict[str, tuple[Any, dict[str, np.ndarra
 
 def resume_point(part: tuple[Any, dict[str, np.ndarray]],
                  served: dict[str, tuple[Any, dict[str, np.ndarray]]] | None = None,
-                 held_here: Any = None) -> Any:
+                 held_here: Any = None, apart: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> Any:
     """A loop replica's :class:`~fragflow.runtime.trips.Resume` from its part: when the saved loop
     starts again, the process's random states are set and the loop's locals loaded (an object a
     service group saved, ``served``, from that group's part where ``held_here(name)``: the loop
-    now holds it)."""
+    now holds it). ``apart`` (one process resuming a checkpoint written across processes, see
+    :func:`drawn_apart`): a generator a service drew from goes on from the service's state (where
+    the loop's process drew from it too, one process would have interleaved their draws: neither
+    state is where it stood)."""
     from fragflow.runtime.trips import Resume
 
     meta, arrays = part
 
     def restore(frame: Any) -> dict[str, Any]:
         set_global_random(meta["random"], arrays)
+        if apart is not None:
+            set_global_random(apart[0], apart[1], apart[0]["drew"])
         entries, found = meta["locals"], arrays
         if served:
             entries, found = dict(entries), dict(arrays)

@@ -275,12 +275,13 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
     from fragflow.runtime import calls, checkpoint, trips
-    from fragflow.runtime.snapshot import held_by_state, loop_part, resume_point, served_objects
+    from fragflow.runtime.snapshot import acting_views, held_by_state, loop_part, resume_point, served_objects
 
     tracker = trips.Trips()
     ckpt = checkpoint.resumed(saving)
     if ckpt is not None:
         interp.restored = checkpoint.merged_states(ckpt)
+        interp.acting_before = acting_views(interp.restored)
         remote = interp.program.remote
         part = ckpt.part(f"loop{index}")
         tracker.resume = resume_point(
@@ -311,9 +312,11 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     snapshots = bool(saving.get("snapshots"))
     next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
 
+    def asked() -> bool:   # (a request made ahead, of an updates schedule, is cut once the loop has made them)
+        return admission.checkpoint_request() > seen[0] and interp.update >= admission.checkpoint_at()
+
     def poll() -> bool:
-        return bool((root and admission.checkpoint_request() > seen[0])
-                    or (snapshots and time.monotonic() >= next_snapshot[0]))
+        return bool((root and asked()) or (snapshots and time.monotonic() >= next_snapshot[0]))
 
     def capture(snapshot: trips.Snapshot) -> None:
         part = None
@@ -321,11 +324,12 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         # replicas a service takes calls from in order save at one trip (the first to see the request
         # names its next one): under a policy that steps them together a resumed run finds them where
         # they wait for each other, and the service saves where the calls before that trip are in
-        if root and seq > seen[0] and (replicas == 1 or not together
-                                       or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
+        if root and asked() and (replicas == 1 or not together
+                                 or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
             seen[0] = seq
             position, part = loop_part(snapshot, held_by_state(interp._states))
             position["steps"] = reporter.total_steps
+            position["updates"] = interp.update   # (this run's: the driver asks for the next N after it)
             part[0]["calls"] = dict(interp._calls_of)   # (a resumed replica's calls go on from these numbers)
             reporter.flush()   # (what it made before the cut reaches the driver before its part: the cut's counts)
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)

@@ -15,8 +15,8 @@ import numpy as np
 from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryChannel
 from fragflow.backends.local.shm import Segment
 
-BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT, CUT_SEQ, CUT_TRIP = range(10)
-WORDS = 10
+BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT, CUT_SEQ, CUT_TRIP, CUT_AT = range(11)
+WORDS = 11
 
 
 class Control:
@@ -113,13 +113,20 @@ class Control:
         self.words[LEARN_NS] += ns
         self.words[UPDATES] += 1
 
-    def request_checkpoint(self, seq: int) -> None:
-        """Ask every process for its part of checkpoint ``seq`` (the driver)."""
+    def request_checkpoint(self, seq: int, at: int = 0) -> None:
+        """Ask every process for its part of checkpoint ``seq`` (the driver), cut once a loop replica
+        has made ``at`` updates (see ``checkpoint_at``)."""
+        self.words[CUT_AT] = at   # (first: a replica that sees the new request sees its update too)
         self.words[CHECKPOINT] = seq
 
     def checkpoint_request(self) -> int:
         """The newest checkpoint asked for (0: none yet)."""
         return int(self.words[CHECKPOINT])
+
+    def checkpoint_at(self) -> int:
+        """The updates a loop replica has made at the trip that saves its part of the newest request
+        (0: at its next trip)."""
+        return int(self.words[CUT_AT])
 
     def at_trip(self, replica: int, trip: int) -> None:
         """Loop replica ``replica`` starts ``trip`` (before it asks whether a checkpoint is wanted)."""

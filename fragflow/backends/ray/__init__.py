@@ -218,7 +218,7 @@ class RayAdmission:
     def __init__(self, hub: Any) -> None:
         self.hub = hub
         self.last_ticket = 0
-        self._request = (0.0, 0)
+        self._request = (0.0, 0, 0)
 
     def admit(self, replica: int, max_lag: int) -> int:
         version, self.last_ticket = _get(self.hub.admit.remote(replica, max_lag))
@@ -242,14 +242,18 @@ class RayAdmission:
     def counters(self) -> dict[str, float]:
         return dict(_get(self.hub.counters.remote()))
 
-    def request_checkpoint(self, seq: int) -> None:
-        _get(self.hub.request_checkpoint.remote(seq))
+    def request_checkpoint(self, seq: int, at: int = 0) -> None:
+        _get(self.hub.request_checkpoint.remote(seq, at))
 
     def checkpoint_request(self) -> int:
         now = time.monotonic()
         if now - self._request[0] >= self.POLL:
-            self._request = (now, int(_get(self.hub.checkpoint_request.remote())))
+            seq, at = _get(self.hub.checkpoint_request.remote())
+            self._request = (now, int(seq), int(at))
         return self._request[1]
+
+    def checkpoint_at(self) -> int:
+        return self._request[2]   # (of the request checkpoint_request last read)
 
     def at_trip(self, replica: int, trip: int) -> None:
         pass   # a remote call every trip costs too much: the hub names the trip after the asking replica's

@@ -59,6 +59,7 @@ class Hub:
         self.tickets = 0
         self.wait_ns = self.learn_ns = self.updates = self.admit_wait_ns = 0
         self.checkpoint = 0
+        self.checkpoint_at = 0   # (the loop's updates at the trip that cuts it: see Admission.checkpoint_at)
         self.cut = (0, 0)   # (checkpoint, the trip its loop replicas save their parts at)
 
     # -- rings ---------------------------------------------------------------------------------------
@@ -251,11 +252,11 @@ class Hub:
         return {"learner_wait_s": self.wait_ns / 1e9, "learner_busy_s": self.learn_ns / 1e9,
                 "learner_updates": self.updates, "admission_wait_s": self.admit_wait_ns / 1e9}
 
-    def request_checkpoint(self, seq: int) -> None:
-        self.checkpoint = seq
+    def request_checkpoint(self, seq: int, at: int = 0) -> None:
+        self.checkpoint, self.checkpoint_at = seq, at
 
-    def checkpoint_request(self) -> int:
-        return self.checkpoint
+    def checkpoint_request(self) -> tuple[int, int]:
+        return self.checkpoint, self.checkpoint_at
 
     def cut_trip(self, seq: int, trip: int) -> int:
         if self.cut[0] != seq:
