@@ -41,9 +41,9 @@ from fragflow.placement.refusals import (
 )
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime import calls, heap, serial
+from fragflow.runtime.calls import state_checks
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
-from fragflow.runtime.loop import state_checks
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded

@@ -838,7 +838,7 @@ def test_a_scheduler_sent_to_the_learner_process_tracks_its_optimizer_steps_agai
     import cloudpickle
     import torch
 
-    from fragflow.runtime.service import _track_scheduled_steps
+    from fragflow.compiler.optimizers import track_scheduled_steps
 
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
@@ -854,7 +854,7 @@ def test_a_scheduler_sent_to_the_learner_process_tracks_its_optimizer_steps_agai
 
     assert first_steps(cloudpickle.loads(cloudpickle.dumps(state)))   # what the learner's process got
     sent = cloudpickle.loads(cloudpickle.dumps(state))
-    _track_scheduled_steps(sent)
+    track_scheduled_steps(sent)
     assert first_steps(sent) == [] and sent["opt"]._opt_called
 
 

@@ -47,3 +47,28 @@ def hyper_change(before: Any, after: Any) -> str:
             if v0 != v1:
                 return f"param_groups[{i}]['{k}'] {v0!r} -> {v1!r}"
     return "its param_groups"
+
+
+def track_scheduled_steps(state: Any) -> None:
+    """Wrap again the ``step`` of every optimizer a learning-rate scheduler in ``state`` steps, as
+    the scheduler did when it was made: an optimizer is sent without its instance attributes, and
+    its scheduler's first step then warned that ``optimizer.step()`` had been overridden."""
+    import functools
+    import weakref
+
+    from fragflow.compiler.pytree import is_scheduler
+
+    for sched in (x for x in objects_of(state) if is_scheduler(x)):
+        opt = getattr(sched, "optimizer", None)
+        if opt is None or hasattr(opt.step, "_wrapped_by_lr_sched"):
+            continue
+        step, ref = type(opt).step, weakref.ref(opt)
+
+        def wrapper(*args: Any, _step: Any = step, _ref: Any = ref, **kwargs: Any) -> Any:
+            held = _ref()
+            held._opt_called = True
+            return _step(held, *args, **kwargs)
+
+        wrapper = functools.wraps(step)(wrapper)
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        opt.step = wrapper

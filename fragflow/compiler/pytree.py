@@ -505,3 +505,29 @@ def from_numpy(arr: np.ndarray, backend: str, device: str = "cpu") -> Any:
 
         return jnp.asarray(arr)
     return arr
+
+
+def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:
+    """Rebuild an output from its leaves and their key paths: int keys make tuples, others dicts.
+
+    >>> from_keys(((0,), (1, "a")), [1, 2])
+    (1, {'a': 2})
+    """
+    if len(keys) == 1 and keys[0] == ():
+        return leaves[0]
+    root: dict[Any, Any] = {}
+    for path, leaf in zip(keys, leaves):
+        node = root
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = leaf
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: build(v) for k, v in node.items()}
+        if items and all(isinstance(k, int) for k in items):
+            return tuple(items[i] for i in sorted(items))
+        return items
+
+    return build(root)

@@ -355,3 +355,14 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
                                  f"{when}", where=_loc(where),
                                  fix="lower the learning rate, clip gradients or check the loss for log(0) / division "
                                      "by zero; FRAGFLOW_ALLOW_NONFINITE=1 lets the run go on")
+
+
+def state_checks(graph: Any) -> dict[str, Any]:
+    """What every executor checks after a learner call: the traced state specs and the clock."""
+    from fragflow.compiler.ir import EdgeKind
+
+    state = {(e.src, e.dst): {leaf.src_path: leaf.spec for leaf in e.leaves}
+             for e in graph.edges_of(EdgeKind.STATE_WRITE)}
+    learners = graph.fragments("learner")
+    clock = graph.clock() or (learners[0].name if learners else None)
+    return {"state": state, "clock": clock}

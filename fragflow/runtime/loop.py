@@ -30,10 +30,9 @@ from fragflow.compiler.loops import defined_in_loop, loop_around
 from fragflow.compiler.pytree import (
     NotAnArray,
     fill_skeleton,
-    fits,
+    from_keys,
     leaf_paths,
     ordered_like,
-    spec_of,
     structure,
     to_numpy,
     unflatten_into,
@@ -43,7 +42,6 @@ from fragflow.context import InstanceNames
 from fragflow.errors import (
     ConfigError,
     FragflowError,
-    LearnerOutputOnActingSideError,
     PlacementError,
     UntracedFragmentError,
     VersionedStateError,
@@ -51,7 +49,8 @@ from fragflow.errors import (
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
 from fragflow.runtime import calls, heap, received
-from fragflow.runtime.scalars import flat_scalars
+from fragflow.runtime.looplogs import LoopLogs
+from fragflow.runtime.remotechecks import RemoteChecks
 from fragflow.source import SourceLoc, user_callsite
 
 REPORT_EVERY = 0.2   # seconds between progress reports to the driver
@@ -95,7 +94,7 @@ def _about_shapes(exc: BaseException) -> bool:
     return any(w in text for w in ("size", "shape", "dimension", "broadcast"))
 
 
-class LoopInterpreter:
+class LoopInterpreter(RemoteChecks, LoopLogs):
     """Executes the loop's fragment calls as the placement says (see :mod:`fragflow.context`)."""
 
     def __init__(self, program: LoopProgram, reporter: Reporter, *, replica: int = 0, endpoints: Any = None,
@@ -565,38 +564,6 @@ class LoopInterpreter:
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton)
 
-    def _check_reached(self, frag: Fragment, name: str, reached: Reached) -> None:
-        """Refuse a call of a fragment served in another process whose module data (a global dict's
-        key, a closure's number) the loop changed since the fragment was sent there, after the trace
-        (one changed while traced is refused at placement): its copy would never see the change."""
-        changed = reached.changed(calls.is_checked(self._calls_of.get(name, -1) + 2, self._every))
-        if changed:
-            raise PlacementError(
-                f"{frag.role} fragment '{name}' ({frag.defined_at}) reads the {changed}, which the training loop "
-                f"changed after the trace, but this policy runs '{name}' in another process, with a copy of it as "
-                "it was at the fragment's first call: the change would never reach it", where=user_callsite(),
-                fix=f"pass the value to '{name}' as an argument at the call ({name}(..., epsilon)), or keep it in "
-                    "versioned state a learner writes (a network the loop syncs, a target network: "
-                    "ff.versioned({'net': net}, name='target'), passed to the fragment and synced by a learner "
-                    "fragment that writes it); or run with --policy single_process")
-
-    def _eval_misfit(self, leaves: list[Any], specs: tuple[Any, ...]) -> str:
-        """Why the evaluation env's observations, given to an actor served for the training envs,
-        cannot go through its requests ("": they can, as a second training env's of the same size
-        would): several workers would each send them whole, or their slot is sized for another array
-        (another number of environments, another dtype)."""
-        if self.program.replicas > 1:
-            return (f"for {self.program.replicas} env workers at once, each sending its slice of the training "
-                    "envs, where every worker steps the evaluation env whole")
-        assert self._eval_obs is not None
-        mine = {id(x) for _, x in leaf_paths(self._eval_obs[1])}
-        for x, spec in zip(leaves, specs):
-            got = spec_of(x)
-            if id(x) in mine and not fits(got, spec):
-                return (f"through channels sized for the training envs' calls ({spec.short()}), and the evaluation "
-                        f"env's observations are {got.short()}")
-        return ""
-
     def _lag_of(self, pending: Pending) -> int:
         """How many calls of its fragment the loop made after the one ``pending`` is an output of (a
         learner's output kept past its next calls, for a later call: PPG's value targets)."""
@@ -617,115 +584,3 @@ class LoopInterpreter:
         if route.skeleton is not None:
             return fill_skeleton(route.skeleton, iter(leaves))
         return from_keys(route.outputs, leaves)
-
-    def _refuse_untraced_state(self, name: str, route: Any, arguments: dict[str, Any]) -> None:
-        """Versioned state made after the trace (ff.versioned(...) run again in the loop) given to a
-        fragment of another process, which holds only the states the trace saw: it would wait for it."""
-        for value in arguments.values():
-            held = value if isinstance(value, Versioned) else value.handle if isinstance(value, VersionedView) else None
-            if held is not None and self.program.service_for(route.group, self.index) not in self.program.ship.get(
-                    held.name, ()):
-                raise PlacementError(
-                    f"ff.versioned(...) made new state in the loop after tracing, and '{name}' was given it, but "
-                    f"this policy runs '{name}' in another process, which holds the states the trace saw: the new "
-                    "state would never reach it", where=held.created_at or user_callsite(),
-                    fix="make versioned state once, before the loop, and let the learner return its next value (to "
-                        "start it afresh, return the fresh value from the learner), or run with --policy single_process")
-
-    # -- logging -----------------------------------------------------------------------------
-    def _log(self, tree: Any) -> None:
-        n = self.logs
-        self.logs += 1
-        if self.index != 0 or n < self.skip_logs:
-            return None   # (a restarted replica re-running trips its dead process had made: reported then)
-        self.reporter.log_seq = n   # (the driver counts the loop's logs it heard: a restart skips those)
-        requests: list[tuple[str, int, int, str, str, int]] = []
-        self._check_logged(tree, "", requests)
-        # after an env step, a row of its own (single_process's row ends at the next step)
-        steps, new_row = int(getattr(self.reporter, "total_steps", 0)), self._log_stepped
-        if requests:   # logged where they are computed: the driver writes those of the calls the loop logged
-            self.reporter.logged(requests, steps, new_row)
-        scalars = flat_scalars(_without_pending(tree))
-        if scalars:
-            self.reporter.log(scalars, self.update, steps, new_row)
-        if scalars or requests:
-            self._log_stepped = False
-        return None
-
-
-    def _check_logged(self, tree: Any, name: str, requests: list[tuple[str, int, int, str, str, int]]) -> None:
-        """Each output of another process's fragment sent to ff.log must be in a part its process
-        reports (see lowering's _logged): others would be lost. ``requests`` gets (fragment, its
-        call, the part, the output's path in the part, the name it is logged by, the loop's update: the
-        row it joins, as under single_process) of each."""
-        if isinstance(tree, Pending):
-            part = max(((p, keys) for fragment, p, index, keys in self.program.logged
-                        if fragment == tree.fragment and index == tree.index and tree.path_keys[:len(keys)] == keys),
-                       key=lambda pk: len(pk[1]), default=None)
-            if part is not None:
-                rest = "/".join(str(k) for k in tree.path_keys[len(part[1]):])
-                requests.append((tree.fragment, tree.call, part[0], rest, name, self.update))
-            else:
-                what = f"{'' if tree.index < 0 else f'[{tree.index}]'}{tree.path}"
-                raise LearnerOutputOnActingSideError(
-                    f"ff.log got output {what} of fragment '{tree.fragment}' as {name or 'its value'!r}, which "
-                    "the trace did not see logged: that fragment runs in another process under this policy and "
-                    "logs there the parts of its outputs that ff.log got while tracing, so this value would be lost",
-                    where=user_callsite(),
-                    fix="log the fragment's outputs as it returns them (ff.log(metrics) or "
-                        "ff.log({'name': metrics['key']})) from the first call on; to log an element of an array, "
-                        "return it as a metric of its own; or run with --policy single_process")
-        elif isinstance(tree, dict):
-            for k, v in tree.items():
-                self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
-        elif isinstance(tree, (list, tuple)):
-            for k, v in zip(tree._fields if hasattr(tree, "_fields") else range(len(tree)), tree):
-                self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
-
-
-def from_keys(keys: tuple[tuple[Any, ...], ...], leaves: list[Any]) -> Any:
-    """Rebuild an output from its leaves and their key paths: int keys make tuples, others dicts.
-
-    >>> from_keys(((0,), (1, "a")), [1, 2])
-    (1, {'a': 2})
-    """
-    if len(keys) == 1 and keys[0] == ():
-        return leaves[0]
-    root: dict[Any, Any] = {}
-    for path, leaf in zip(keys, leaves):
-        node = root
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = leaf
-
-    def build(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        items = {k: build(v) for k, v in node.items()}
-        if items and all(isinstance(k, int) for k in items):
-            return tuple(items[i] for i in sorted(items))
-        return items
-
-    return build(root)
-
-
-def _without_pending(tree: Any) -> Any:
-    if isinstance(tree, Pending):
-        return None
-    if isinstance(tree, dict):
-        return {k: _without_pending(v) for k, v in tree.items() if not isinstance(v, Pending)}
-    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-        return type(tree)(_without_pending(v) for v in tree)
-    return tree
-
-
-def state_checks(graph: Any) -> dict[str, Any]:
-    """What every executor checks after a learner call: the traced state specs and the clock."""
-    from fragflow.compiler.ir import EdgeKind
-
-    state = {(e.src, e.dst): {leaf.src_path: leaf.spec for leaf in e.leaves}
-             for e in graph.edges_of(EdgeKind.STATE_WRITE)}
-    learners = graph.fragments("learner")
-    clock = graph.clock() or (learners[0].name if learners else None)
-    return {"state": state, "clock": clock}
-
