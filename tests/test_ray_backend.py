@@ -202,7 +202,7 @@ def test_a_dead_channel_hub_is_a_worker_death_not_the_users_error(monkeypatch):
     import ray
 
     from fragflow.backends import WorkerDied
-    from fragflow.backends import ray as ray_backend
+    from fragflow.backends.ray import endpoints
 
     class Dead:
         exceptions = ray.exceptions
@@ -211,6 +211,6 @@ def test_a_dead_channel_hub_is_a_worker_death_not_the_users_error(monkeypatch):
         def get(ref):
             raise ray.exceptions.RayActorError()
 
-    monkeypatch.setattr(ray_backend, "_ray", lambda: Dead)
+    monkeypatch.setattr(endpoints, "_ray", lambda: Dead)
     with pytest.raises(WorkerDied, match="the run's channel hub \\(a Ray actor\\) died"):
-        ray_backend._get(object())
+        endpoints._get(object())
