@@ -97,6 +97,73 @@ def test_an_agents_episode_is_counted_when_it_ends_not_when_the_last_agent_does(
     assert finished == [[], [(2.0, 2)], [(3.0, 3)], [], [(5.0, 5)], [], [(2.0, 2)]]
 
 
+def test_an_agent_kept_among_the_envs_agents_after_its_episode_ended_is_refused_not_counted_again():
+    """A parallel env that leaves an agent in ``self.agents`` once its episode ended: each later step
+    counted another episode of it (lengths 2, 3, 4 for one episode of length 2), and an env keeping
+    them all never reset."""
+    class Kept(_agents_leaving({"a": 4, "b": 2}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def step(self, actions):
+            agents = list(self.agents)
+            out = super().step(actions)
+            self.agents = agents if self.agents else []   # b stays after its step 2; all leave with a
+            return out
+
+    env = ff.envs.make(Kept, num_envs=1, seed=0)
+    env.reset()
+    env.step(np.zeros((1, 2), np.int64))
+    env.step(np.zeros((1, 2), np.int64))
+    assert env.step.events(None)[1] == [(2.0, 2)]
+    with pytest.raises(ConfigError, match=r"agent 'b' of environment 0 of Kept ended its episode \(terminated or "
+                                          r"truncated\) at an earlier step but is still among the env's agents"
+                                          r"(.|\n)*at .*test_env_families.py:\d+\n  fix: remove an agent from "
+                                          r"self.agents at the step that ends its episode"):
+        env.step(np.zeros((1, 2), np.int64))
+
+
+def test_float_actions_a_discrete_agent_cannot_hold_are_refused_not_truncated():
+    # 0.9 stepped every agent with action 0 (helper round 35 V)
+    env = ff.envs.make("mpe2:simple_spread_v3", num_envs=2, seed=3, max_cycles=4)
+    env.reset()
+    with pytest.raises(ConfigError, match=r"env.step got actions of dtype float64 \(0.9 among them\) for an action "
+                                          r"space of dtype int64 \(Discrete\(5\)\): casting would change them"
+                                          r"(.|\n)*at .*test_env_families.py:\d+"):
+        env.step(np.full((2, 3), 0.9))
+    env.step(np.full((2, 3), 2.0))   # whole numbers: cast
+
+
+def test_a_parallel_envs_observations_and_rewards_its_spaces_do_not_hold_are_refused_at_the_step():
+    """Observations of another shape than the agent's space were batched as they came (or failed in
+    numpy's stack where agents differed), and a None reward was a NaN reward and return."""
+    class Misfit(_agents_leaving({"a": 3, "b": 3}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def __init__(self, bad: str = "shape"):
+            super().__init__()
+            self.bad = bad
+
+        def observation_space(self, agent):   # ("dtype": integer observations, given as float32 ones)
+            return gym.spaces.Box(0, 100, (1,), np.int64) if self.bad == "dtype" else super().observation_space(agent)
+
+        def step(self, actions):
+            obs, reward, term, trunc, info = super().step(actions)
+            if self.bad == "shape":
+                obs = {a: np.zeros(2, np.float32) for a in obs}
+            else:
+                reward = {**reward, "b": None}
+            return obs, reward, term, trunc, info
+
+    for bad, message in (("shape", r"agent 'a' of environment 0 was given by the env's step an observation of shape "
+                                   r"\(2,\) and dtype float32, but its observation space is Box\(-100.0, 100.0, \(1,\), "
+                                   r"float32\): batching it would change its shape(.|\n)*at .*test_env_families.py"),
+                         ("dtype", r"agent 'a' of environment 0 was given by the env's reset an observation of "
+                                   r"shape \(1,\) and dtype float32, but its observation space is Box\(0, 100, \(1,\), "
+                                   r"int64\): storing it would truncate or wrap its values"),
+                         ("reward", r"environment Misfit's step returned None as the reward of agent 'b', where a "
+                                    r"parallel env returns a dict of a number per agent(.|\n)*at .*test_env_families.py")):
+        env = ff.envs.make(Misfit, num_envs=2, seed=0, bad=bad)
+        with pytest.raises(ConfigError, match=message):
+            env.reset()   # (where the dtype misfits: the reset's observations already)
+            env.step(np.zeros((2, 2), np.int64))
+
+
 def test_multiagent_actions_without_an_env_and_an_agent_axis_are_refused_at_the_call():
     """Alike agents: actions for an extra environment or extra agents were cut silently, and
     actions without the agent axis failed with an IndexError from fragflow's code (helper round 29 O02)."""

@@ -68,7 +68,7 @@ def check_api(env: gym.Env) -> None:
         # string '0.5' a reward and 'no' a True flag, with no error)
         for i, what, kind in ((1, "reward", "one number"), (2, "terminated flag", "a bool"),
                               (3, "truncated flag", "a bool")):
-            if not _a_number(out[i]):
+            if not a_number(out[i]):
                 raise _refused(env, "step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
                                             f"returns {kind}", "return a float reward and bool terminated and "
                                             "truncated flags: return obs, reward, terminated, truncated, info")
@@ -108,7 +108,7 @@ def _refused(env: gym.Env, method: str, what: str, fix: str) -> ConfigError:
     return ConfigError(f"environment {owner}'s {method} {what}", where=definition_of(fn) or user_callsite(), fix=fix)
 
 
-def _a_number(value: Any) -> bool:
+def a_number(value: Any) -> bool:
     """One real number or flag: Python's, numpy's, or an array of one (a tensor's ``.item()`` need not be taken)."""
     if isinstance(value, numbers.Real):
         return True
