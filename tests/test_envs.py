@@ -619,32 +619,41 @@ def test_wrappers_and_clip_actions_make_cannot_apply_are_refused_at_the_make_lin
 
 
 class _Misfit(gym.Env):
-    """Returns observations of another shape than its space's: at reset, or (a Dict space) at a step."""
+    """Returns observations that do not fit its space: of another shape at reset, or at a step of a
+    Dict or Tuple space (of another shape, a key missing, a part missing)."""
 
     def __init__(self, where: str) -> None:
         self.where = where
         box = gym.spaces.Box(-1, 1, (3,), np.float32)
-        self.observation_space = gym.spaces.Dict({"pos": box}) if where == "dict step" else box
+        self.observation_space = {"dict step": gym.spaces.Dict({"pos": box}),
+                                  "dict key step": gym.spaces.Dict({"pos": box, "vel": box}),
+                                  "tuple step": gym.spaces.Tuple((box, box))}.get(where, box)
         self.action_space = gym.spaces.Discrete(2)
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
-        obs = np.zeros(2 if self.where == "reset" else 3, np.float32)
-        return ({"pos": obs} if self.where == "dict step" else obs), {}
+        if self.where == "reset":
+            return np.zeros(2, np.float32), {}
+        return self.observation_space.sample(), {}
 
     def step(self, action):
-        return {"pos": np.zeros(2, np.float32)}, 0.0, False, False, {}
+        part = np.zeros(3, np.float32)
+        return {"dict step": {"pos": np.zeros(2, np.float32)}, "dict key step": {"pos": part},
+                "tuple step": (part,)}[self.where], 0.0, False, False, {}
 
 
-@pytest.mark.parametrize("where", ["reset", "dict step"])
+@pytest.mark.parametrize("where", ["reset", "dict step", "dict key step", "tuple step"])
 def test_an_observation_of_another_shape_than_the_space_is_refused_at_reset_and_a_structured_step(where):
-    # numpy's bare 'Output array is the wrong shape' came from gymnasium's batching, with no env or fix
+    # numpy's bare 'Output array is the wrong shape' came from gymnasium's batching, with no env or fix; a
+    # Dict's missing key and a Tuple's missing part were its bare KeyError and IndexError
     env = ff.envs.make(_Misfit, num_envs=2, seed=0, where=where)
     with pytest.raises(ConfigError, match=rf"an environment's {where.split()[-1]} returned an observation that does not "
                                           r"fit its observation space") as info:
         env.reset()
         env.step(np.zeros(2, np.int64))
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    assert {"dict key step": "(it lacks the key 'vel')", "tuple step": "(it has fewer parts than the Tuple)"}.get(
+        where, "Error: ") in info.value.what
     env.close()
 
 

@@ -61,7 +61,7 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
     def reset(self, **kwargs: Any) -> Any:
         try:
             return super().reset(**kwargs)
-        except (ValueError, TypeError, AssertionError) as exc:
+        except (ValueError, TypeError, AssertionError, KeyError, IndexError) as exc:
             misfit = self._misfit(exc, "reset")
             if misfit is exc:
                 raise
@@ -71,7 +71,7 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
         if not self._lean:
             try:
                 return super().step(actions)
-            except (ValueError, TypeError, AssertionError) as exc:
+            except (ValueError, TypeError, AssertionError, KeyError, IndexError) as exc:
                 misfit = self._misfit(exc, "step")
                 if misfit is exc:
                     raise
@@ -118,8 +118,10 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
             tb = tb.tb_next
         if not batching:
             return exc
+        why = f"it lacks the key {exc}" if isinstance(exc, KeyError) else \
+            "it has fewer parts than the Tuple" if isinstance(exc, IndexError) else f"{type(exc).__name__}: {exc}"
         return ConfigError(f"an environment's {call} returned an observation that does not fit its observation "
-                           f"space {self.single_observation_space} ({type(exc).__name__}: {exc})",
+                           f"space {self.single_observation_space} ({why})",
                            where=user_callsite(),
                            fix="return observations of the space's shape (for a Dict or Tuple space, each part of "
                                "its own subspace's), or declare the space the env returns")
