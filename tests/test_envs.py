@@ -691,6 +691,18 @@ def test_keyword_arguments_the_environment_does_not_take_are_refused_at_the_make
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
 
 
+def test_max_episode_steps_given_for_an_env_class_names_the_time_limit_wrapper():
+    # gymnasium.make's keyword, given with a class, was refused with the constructor's TypeError and no way to a limit
+    with pytest.raises(UnknownEnvError, match=r"environment 'Walk' does not take the keyword arguments") as info:
+        ff.envs.make(Walk, num_envs=2, seed=0, length=50, max_episode_steps=4)
+    assert "wrappers=[lambda e: gym.wrappers.TimeLimit(e, 4)]" in (info.value.fix or "")
+    env = ff.envs.make(Walk, num_envs=2, seed=0, length=50, wrappers=[lambda e: gym.wrappers.TimeLimit(e, 4)])
+    env.reset()
+    for _ in range(4):
+        env.step(np.zeros(2, np.int64))
+    assert env.pop_finished() == [(4.0, 4), (4.0, 4)]
+
+
 def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
     # they were summed from float32 rewards: 3 x 0.1 was reported as 0.30000000447034836
     from gymnasium import spaces

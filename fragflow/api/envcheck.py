@@ -135,6 +135,11 @@ def unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: 
     # (make took gamma as normalize_reward's discount once: every keyword but its own is the env's now)
     renamed = "normalize_reward's discount is reward_gamma= (gamma= goes to the environment); " \
         if "gamma" in env_kwargs else ""
+    if "max_episode_steps" in env_kwargs and not isinstance(env, str):   # (gymnasium.make's, for an id)
+        renamed += (f"max_episode_steps= is gymnasium.make's, for a registered id; limit your own env's episodes with "
+                    f"wrappers=[lambda e: gym.wrappers.TimeLimit(e, {env_kwargs['max_episode_steps']!r})]; ")
+    if not isinstance(env, str):
+        env = getattr(env, "__qualname__", None) or env
     return UnknownEnvError(f"environment {env!r} does not take the keyword arguments given to ff.envs.make "
                            f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
                            fix=renamed + "pass only arguments the environment's constructor takes (options of "
