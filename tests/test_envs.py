@@ -428,12 +428,16 @@ class _OldApi(gym.Env):
     def __init__(self, api: str) -> None:
         self.api = api
 
-    def reset(self, *, seed=None, options=None):
+    def reset(self, *, seed=None, options=None):   # (never super().reset(seed=seed): self.np_random is unseeded)
         obs = np.zeros(5, np.float32)
+        if self.api == "reset draws from np_random":
+            obs[0] = self.np_random.uniform()
         return obs if self.api == "reset returns obs" else (obs, {})
 
     def step(self, action):
         obs = np.zeros(5, np.float32)
+        if self.api == "step draws from np_random":
+            obs[0] = self.np_random.uniform()
         if self.api == "step returns done":
             return obs, 1.0, False, {}
         if self.api.startswith("step returns "):   # one of its five values of another type
@@ -462,6 +466,9 @@ class _UnseededReset(_OldApi):
     ("step returns a text flag", "step", r"step returned 'no' as its terminated flag, where gymnasium's step returns "
                                          r"a bool"),
     ("step returns no info", "step", r"step returned None as its info, where gymnasium's step returns a dict"),
+    # (gymnasium made the generator from fresh entropy: other episodes each run, and in each process)
+    ("reset draws from np_random", "reset", r"reset was given seed=0 but did not seed self.np_random"),
+    ("step draws from np_random", "reset", r"reset was given seed=0 but did not seed self.np_random"),
 ])
 def test_an_environment_that_breaks_gymnasiums_api_is_refused_at_its_method(api, method, message):
     """gym's old API failed as an unpacking error (ValueError, TypeError) shown at the loop's own line,

@@ -53,6 +53,8 @@ def check_api(env: gym.Env) -> None:
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise _refused(env, "reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
                            "return the observation and an info dict: return obs, {}")
+        seeded.append(kwargs.get("seed"))
+        _check_seeded(env, seeded[0], "reset")
         _unpatch(env, "reset")
         return out
 
@@ -76,14 +78,36 @@ def check_api(env: gym.Env) -> None:
             raise _refused(env, "step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
                                         "dict", "return a dict (empty if there is nothing to report): "
                                                 "return obs, reward, terminated, truncated, {}")
+        if seeded:   # (a generator first drawn from at the step)
+            _check_seeded(env, seeded[0], "reset")
         _unpatch(env, "step")
         return out
+
+    seeded: list[Any] = []   # the seed the first reset was given
 
     try:
         env.reset = reset   # type: ignore[method-assign]
         env.step = step     # type: ignore[method-assign]
     except AttributeError:   # (__slots__, a read-only attribute: left unchecked)
         _unpatch(env, "reset")
+
+
+def _check_seeded(env: gym.Env, seed: Any, method: str) -> None:
+    """Refuse an environment that was given a seed at its first reset but draws from a
+    ``self.np_random`` it never seeded (its reset does not call ``super().reset(seed=seed)``):
+    gymnasium then makes the generator from fresh entropy, and the episodes differ from run to run,
+    and between policies, silently. A generator the env seeds itself (``self._np_random = ...``, its
+    own ``default_rng(seed)``) is its own business."""
+    base = env.unwrapped
+    made_with = getattr(base, "_np_random_seed", None)
+    if seed is None or getattr(base, "_np_random", None) is None or not isinstance(made_with, int) or \
+            made_with in (seed, -1):
+        return
+    raise _refused(env, method, f"was given seed={seed!r} but did not seed self.np_random, which the environment "
+                                "draws from: gymnasium made it from fresh entropy, so each run (and each process "
+                                "of a policy that splits the environments) would step other episodes",
+                   "call super().reset(seed=seed) at the start of reset (it seeds self.np_random with environment "
+                   "i's seed + i), and draw the environment's randomness from self.np_random")
 
 
 def _unpatch(env: gym.Env, method: str) -> None:
