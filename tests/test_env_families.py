@@ -385,6 +385,29 @@ def test_atari_preprocessing_and_the_cnn_ppo():
             ff.envs.atari("ALE/Pong-v5", num_envs=1, seed=0, **option)
 
 
+def test_atari_preprocessing_refuses_the_ram_observations_it_cannot_process():
+    # gymnasium's preprocessing failed at the first reset, in its own code ("Expected a numpy array with two dimensions")
+    with pytest.raises(ConfigError, match=r"ff.envs.atari was given obs_type='ram': its preprocessing works on the "
+                                          r"screen(.|\n)*test_env_families.py:\d+\n  fix: make the env with "
+                                          r"ff.envs.make\('ALE/Pong-v5', num_envs, seed, obs_type='ram'\)"):
+        ff.envs.atari("ALE/Pong-v5", num_envs=1, seed=0, obs_type="ram")
+    env = ff.envs.make("ALE/Pong-v5", num_envs=1, seed=0, obs_type="ram")
+    assert env.reset().shape == (1, 128)
+    env.close()
+
+
+def test_a_mistyped_pettingzoo_env_and_gymnasiums_episode_limit_are_refused_with_what_the_package_takes():
+    # the typo was matched against gymnasium's ids; max_episode_steps= got the constructor's TypeError alone
+    with pytest.raises(UnknownEnvError, match=r"unknown environment id 'mpe2:simple_tagg_v3': mpe2 has no environment "
+                                              r"'simple_tagg_v3'") as info:
+        ff.envs.make("mpe2:simple_tagg_v3", num_envs=1, seed=0)
+    assert (info.value.fix or "").startswith("did you mean 'mpe2:simple_tag_v3'")
+    with pytest.raises(UnknownEnvError, match=r"does not take the keyword arguments given to ff.envs.make "
+                                              r"\(max_episode_steps\)") as info:
+        ff.envs.make("mpe2:simple_tag_v3", num_envs=1, seed=0, max_episode_steps=10)
+    assert "max_cycles=" in (info.value.fix or "")
+
+
 def test_a_missing_family_names_its_extra():
     with pytest.raises(UnknownEnvError) as err:
         ff.envs.make("nosuchfamily:Thing-v0")

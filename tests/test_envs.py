@@ -710,6 +710,23 @@ def test_max_episode_steps_given_for_an_env_class_names_the_time_limit_wrapper()
     assert env.pop_finished() == [(4.0, 4), (4.0, 4)]
 
 
+def test_an_environment_given_where_make_takes_what_makes_one_is_refused_with_its_id():
+    # the refusal printed the instance's wrapper chain and named no way to pass it
+    one = gym.make("CartPole-v1")
+    with pytest.raises(UnknownEnvError, match=r"ff.envs.make got an environment, CartPoleEnv, where it takes what makes "
+                                              r"one: it makes num_envs=2 environments") as info:
+        ff.envs.make(one, num_envs=2, seed=0)
+    assert "ff.envs.make('CartPole-v1', ...)" in (info.value.fix or "")
+    one.close()
+
+
+def test_a_mistyped_id_of_a_module_is_matched_by_its_name():
+    # 'module:Env-v0' was compared whole with the registry's ids: nothing came close
+    with pytest.raises(UnknownEnvError, match=r"unknown environment id 'gymnasium.envs:CartPol-v1'") as info:
+        ff.envs.make("gymnasium.envs:CartPol-v1", num_envs=1, seed=0)
+    assert (info.value.fix or "").startswith("did you mean 'CartPole-v1'")
+
+
 def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
     # they were summed from float32 rewards: 3 x 0.1 was reported as 0.30000000447034836
     from gymnasium import spaces

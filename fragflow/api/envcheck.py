@@ -155,11 +155,15 @@ def _described(out: Any) -> str:
     return f"a value of type {type(out).__name__}"
 
 
-def unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
+def unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any,
+                   parallel: bool = False) -> UnknownEnvError:
     # (make took gamma as normalize_reward's discount once: every keyword but its own is the env's now)
     renamed = "normalize_reward's discount is reward_gamma= (gamma= goes to the environment); " \
         if "gamma" in env_kwargs else ""
-    if "max_episode_steps" in env_kwargs and not isinstance(env, str):   # (gymnasium.make's, for an id)
+    if "max_episode_steps" in env_kwargs and parallel:
+        renamed += ("max_episode_steps= is gymnasium.make's; a PettingZoo env takes its episode length as a keyword "
+                    "of its own (max_cycles= for MPE and butterfly envs); ")
+    elif "max_episode_steps" in env_kwargs and not isinstance(env, str):   # (gymnasium.make's, for an id)
         renamed += (f"max_episode_steps= is gymnasium.make's, for a registered id; limit your own env's episodes with "
                     f"wrappers=[lambda e: gym.wrappers.TimeLimit(e, {env_kwargs['max_episode_steps']!r})]; ")
     if not isinstance(env, str):
