@@ -727,6 +727,49 @@ def test_a_mistyped_id_of_a_module_is_matched_by_its_name():
     assert (info.value.fix or "").startswith("did you mean 'CartPole-v1'")
 
 
+class _Spaceless(gym.Env):
+    """Without a gymnasium space as its observation space (``kind``), or with one that differs between copies."""
+
+    made = 0
+
+    def __init__(self, kind: str) -> None:
+        _Spaceless.made += 1
+        self.action_space = [0, 1] if kind == "list action space" else gym.spaces.Discrete(2)
+        if kind == "spaces differ":
+            self.observation_space = gym.spaces.Box(-1, 1, (1 + _Spaceless.made % 2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no observation space", r"environment _Spaceless has no observation_space"),
+    ("spaces differ", r"the environments made have different spaces: environment 1's observation_space is Box\(-1.0, "
+                      r"1.0, \(\d,\), float32\), environment 0's Box"),
+])
+def test_an_env_without_gymnasium_spaces_or_with_spaces_that_differ_is_refused_at_the_make_line(kind, message):
+    # gymnasium's vector env failed in its own code: an AttributeError, a TypeError from batch_space, a RuntimeError
+    # naming an option of its own
+    with pytest.raises(ConfigError, match=message) as info:
+        ff.envs.make(_Spaceless, num_envs=2, seed=0, kind=kind)
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    assert info.value.fix
+
+
+def test_an_env_whose_action_space_is_not_a_space_is_refused_at_the_make_line():
+    class Listed(_Spaceless):
+        observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    with pytest.raises(ConfigError, match=r"environment .*Listed has list \[0, 1\] as its action_space, not a "
+                                          r"gymnasium space") as info:
+        ff.envs.make(Listed, num_envs=2, seed=0, kind="list action space")
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+
+
 def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
     # they were summed from float32 rewards: 3 x 0.1 was reported as 0.30000000447034836
     from gymnasium import spaces

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from fragflow.errors import ConfigError, UnknownEnvError
-from fragflow.source import definition_of, user_callsite
+from fragflow.source import SourceLoc, definition_of, is_internal, user_callsite
 
 
 def wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
@@ -23,8 +26,34 @@ def wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
     for wrap in wrappers:
         env = wrap(env)
     if isinstance(env, gym.Env):   # (outermost: a user's wrapper may adapt an env of gym's old API)
+        check_spaces(env)
         check_api(env)
     return env
+
+
+def check_spaces(env: gym.Env) -> None:
+    """Refuse an environment without a gymnasium space as its observation_space or action_space (it
+    failed in gymnasium's vector env, an AttributeError or TypeError from its code)."""
+    for name in ("observation_space", "action_space"):
+        space = getattr(env, name, None)
+        if not isinstance(space, gym.spaces.Space):
+            env.close()
+            owner = type(env.unwrapped).__qualname__
+            raise ConfigError(f"environment {owner} has " + (f"no {name}" if space is None else
+                              f"{type(space).__name__} {space!r:.60} as its {name}, not a gymnasium space"),
+                              where=_make_line(),
+                              fix=f"set self.{name} in the env's __init__ (or as a class attribute) to a gymnasium "
+                                  "space, e.g. gymnasium.spaces.Box(low, high, shape, dtype) or Discrete(n) (a Dict "
+                                  "or Tuple of them for structured ones)")
+
+
+def _make_line() -> SourceLoc | None:
+    """The user's line that made the environments (``ff.envs.make``), past gymnasium's vector env."""
+    frame: FrameType | None = sys._getframe(1)
+    inside = f"{os.sep}gymnasium{os.sep}"
+    while frame is not None and (is_internal(frame.f_code.co_filename) or inside in frame.f_code.co_filename):
+        frame = frame.f_back
+    return SourceLoc.of(frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
 
 def check_api(env: gym.Env) -> None:

@@ -53,7 +53,23 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
     CartPole step. ``info`` holds ``final_obs`` and its mask ``_final_obs`` when an episode ended."""
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], ids: Any) -> None:
-        super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        try:
+            super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        except RuntimeError:   # (gymnasium's, naming an option of its own)
+            envs = getattr(self, "envs", [])
+            odd = next(((i, kind) for kind in ("observation_space", "action_space") for i, env in enumerate(envs)
+                        if getattr(env, kind) != getattr(envs[0], kind)), None)
+            if odd is None:
+                raise
+            for env in envs:
+                env.close()
+            i, kind = odd
+            raise ConfigError(f"the environments made have different spaces: environment {int(ids[i])}'s "
+                              f"{kind} is {getattr(envs[i], kind)}, environment {int(ids[0])}'s "
+                              f"{getattr(envs[0], kind)}", where=user_callsite(),
+                              fix="give every copy the same observation and action spaces (from the constructor's "
+                                  "arguments, not a random draw), or make environments of other spaces with an "
+                                  "ff.envs.make call of their own") from None
         self.ids = [int(i) for i in ids]   # each environment's index in the whole run (what messages name)
         self._lean = isinstance(self.single_observation_space, ARRAY_SPACES) and \
             isinstance(self.single_action_space, ARRAY_SPACES)
