@@ -19,6 +19,9 @@ from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError, UnknownEnvError
 from fragflow.source import definition_of, user_callsite
 
+# the types of one number a step's dicts mostly hold (checked without a_number's general test)
+_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.bool_, np.int64})
+
 
 def _corner(shape: tuple[int, ...]) -> tuple[slice, ...]:
     """The index of an array of ``shape`` placed at the start of a larger one."""
@@ -180,7 +183,8 @@ class MultiAgentVectorEnv(VectorEnv):
                                           ("terminations", "terminated flag", out[2], "a bool"),
                                           ("truncations", "truncated flag", out[3], "a bool")):
             if isinstance(values, dict):
-                bad = next((a for a, v in values.items() if a in live and not a_number(v)), None)
+                bad = next((a for a, v in values.items()
+                            if a in live and type(v) not in _NUMBERS and not a_number(v)), None)
                 if bad is None:
                     continue
                 got = f"{values[bad]!r:.40} as the {entry} of agent {bad!r}"
