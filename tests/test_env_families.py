@@ -202,6 +202,14 @@ def test_unlike_agents_are_padded_to_one_space_with_a_mask_of_each_agents_action
     cont.step(np.full((1, 2, 5), 0.5, np.float32))                     # the speaker's two extra entries are dropped
 
 
+def test_a_multiagent_env_renders_each_environment():
+    env = ff.envs.make("mpe2:simple_tag_v3", num_envs=2, seed=0, max_cycles=5, render_mode="rgb_array")
+    env.reset()
+    frames = env.render()
+    assert len(frames) == 2 and frames[0].ndim == 3 and frames[0].dtype == np.uint8
+    env.close()
+
+
 def test_agents_whose_spaces_cannot_be_padded_are_refused_with_the_fix():
     class Mixed:   # a parallel env's space interface: one agent acts with a Box, the other with Discrete
         possible_agents = ["a", "b"]

@@ -770,6 +770,19 @@ def test_an_env_whose_action_space_is_not_a_space_is_refused_at_the_make_line():
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
 
 
+def test_render_gives_each_environments_frame_as_its_render_mode_makes_it():
+    # the env had no render (AttributeError) although make passes render_mode to each environment
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0, render_mode="rgb_array")
+    env.reset()
+    frames = env.render()
+    assert len(frames) == 2 and all(f.shape == (400, 600, 3) and f.dtype == np.uint8 for f in frames)
+    env.close()
+    text = ff.envs.make("FrozenLake-v1", num_envs=3, seed=0, render_mode="ansi", normalize_reward=True)
+    text.reset()
+    assert [type(t) for t in text.render()] == [str] * 3
+    text.close()
+
+
 def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
     # they were summed from float32 rewards: 3 x 0.1 was reported as 0.30000000447034836
     from gymnasium import spaces

@@ -257,6 +257,11 @@ class VectorEnv:
                 final = _set_rows(obs, [(int(i), info["final_obs"][i]) for i in ended])
         return obs, reward, terminated, truncated, {"final_obs": final}
 
+    def render(self) -> tuple[Any, ...]:
+        """Each environment's ``render()`` (of those this process steps, in ``ids`` order), as the env's
+        ``render_mode`` makes it: a frame each for ``"rgb_array"`` (``ff.envs.make(..., render_mode=...)``)."""
+        return tuple(self._env.render() or ())
+
     def close(self) -> None:
         self._env.close()
 

@@ -266,6 +266,9 @@ class MultiAgentVectorEnv(VectorEnv):
                           where=user_callsite(), fix="sample from logits masked with env.action_mask, e.g. "
                           "logits.masked_fill(~torch.as_tensor(env.action_mask), -1e9)")
 
+    def render(self) -> tuple[Any, ...]:
+        return tuple(env.render() for env in self.envs)
+
     def close(self) -> None:
         for env in self.envs:
             env.close()
