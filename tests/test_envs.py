@@ -947,6 +947,42 @@ def test_an_observation_a_cast_would_change_is_refused_at_the_step():
         assert np.array_equal(env.step(np.zeros(2, np.int64))[0], np.stack([np.asarray(step_obs, space.dtype)] * 2))
 
 
+class _Wide(gym.Env):
+    """int8 observations given as int64 ones: ``big`` (300) where ``at`` says, in range elsewhere."""
+
+    observation_space = gym.spaces.Box(-100, 100, (2,), np.int8)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+
+    def _obs(self, where: str) -> np.ndarray:
+        return np.array([300 if self.at.endswith(where) else -100, 100])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs("reset"), {}
+
+    def step(self, action):   # ("final step": each episode one step long, its observation the final one)
+        return self._obs("step"), 1.0, self.at == "final step", False, {}
+
+
+@pytest.mark.parametrize("at", ["reset", "step", "final step", "nowhere"])
+def test_integer_observations_out_of_the_spaces_range_are_refused_not_wrapped(at):
+    """300 in an int8 space was stored as 44 (a cast within the integers, which numpy's same_kind
+    allows), at the reset and at a step, the last of an episode's included (its final_obs)."""
+    env = ff.envs.make(_Wide, num_envs=2, seed=0, at=at)
+    if at == "nowhere":   # int64 values the space holds are stored
+        assert env.reset().tolist() == [[-100, 100]] * 2 and env.reset().dtype == np.int8
+        assert env.step(np.zeros(2, np.int64))[0].tolist() == [[-100, 100]] * 2
+        return
+    with pytest.raises(ConfigError, match=r"environment 0 returned an observation of dtype int64 with values out of "
+                                          r"int8's range, but its observation space Box\(-100, 100, \(2,\), int8\) "
+                                          r"holds int8: storing it would truncate or wrap its values"):
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+
+
 @pytest.mark.parametrize("space", [gym.spaces.Text(5), gym.spaces.Sequence(gym.spaces.Discrete(3)),
                                    gym.spaces.Graph(gym.spaces.Box(0, 1, (2,)), None),
                                    gym.spaces.OneOf((gym.spaces.Discrete(2), gym.spaces.Discrete(3))),

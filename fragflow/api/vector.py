@@ -76,7 +76,11 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
 
     def reset(self, **kwargs: Any) -> Any:
         try:
-            return super().reset(**kwargs)
+            out = super().reset(**kwargs)
+            if self._lean:   # (gymnasium's batching stores integers out of the dtype's range wrapped)
+                for i, o in enumerate(self._env_obs):
+                    self._fits(i, o, self._observations.dtype, self._observations.shape[1:])
+            return out
         except (ValueError, TypeError, AssertionError, KeyError, IndexError) as exc:
             misfit = self._misfit(exc, "reset")
             if misfit is exc:
@@ -98,31 +102,47 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
         terminated = np.empty(n, np.bool_)
         truncated = np.empty(n, np.bool_)
         info: dict[str, Any] = {}
+        target, shape = obs.dtype, obs.shape[1:]
         for i, env in enumerate(self.envs):
             o, r, te, tr, _ = env.step(actions[i])
             if te or tr:
+                dtype = getattr(o, "dtype", None)   # (the episode's last: final_obs)
+                if dtype is None or dtype != target or np.shape(o) != shape:
+                    self._fits(i, o, target, shape)
                 if not info:
                     info = {"final_obs": np.full(n, None, dtype=object), "_final_obs": np.zeros(n, np.bool_)}
                 info["final_obs"][i] = o
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
-            # (a list or a Python number has no dtype: 1.5 in a Discrete space was stored as 1)
             dtype = getattr(o, "dtype", None)
-            if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
-                dtype = np.asarray(o).dtype
-            if dtype != obs.dtype and not np.can_cast(dtype, obs.dtype, "same_kind"):
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}, but "
-                                  f"its observation space {self.single_observation_space} holds {obs.dtype}: storing "
-                                  "it would truncate or wrap its values", where=user_callsite(),
-                                  fix="return observations of the space's dtype, or declare the space the env returns")
-            if np.shape(o) != obs.shape[1:]:   # (assigning would broadcast it silently)
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
-                                  f"observation space {self.single_observation_space} has shape {obs.shape[1:]}",
-                                  where=user_callsite(),
-                                  fix="return observations of the space's shape, or declare the space the env returns")
+            if dtype is None or dtype != target or np.shape(o) != shape:
+                self._fits(i, o, target, shape)
             obs[i] = o
             rewards[i], terminated[i], truncated[i] = r, te, tr
         return obs, rewards, terminated, truncated, info
+
+    def _fits(self, i: int, o: Any, target: np.dtype, shape: tuple[int, ...]) -> None:
+        """Refuse an observation the batch cannot store as it is: of another shape (assigning would
+        broadcast it), of a dtype storing would truncate (1.5 in a Discrete space was stored as 1),
+        or integers out of the space's dtype's range (300 in an int8 space wrapped to 44)."""
+        dtype = getattr(o, "dtype", None)
+        if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
+            dtype = np.asarray(o).dtype
+        wraps = False
+        if dtype != target and dtype.kind in "iu" and target.kind in "iu":
+            limits, values = np.iinfo(target), np.asarray(o)
+            wraps = values.size > 0 and (values.min() < limits.min or values.max() > limits.max)
+        if wraps or (dtype != target and not np.can_cast(dtype, target, "same_kind")):
+            raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}"
+                              + (f" with values out of {target}'s range" if wraps else "") + ", but its observation "
+                              f"space {self.single_observation_space} holds {target}: storing it would truncate or "
+                              "wrap its values", where=user_callsite(),
+                              fix="return observations of the space's dtype, or declare the space the env returns")
+        if np.shape(o) != shape:   # (assigning would broadcast it silently)
+            raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
+                              f"observation space {self.single_observation_space} has shape {shape}",
+                              where=user_callsite(),
+                              fix="return observations of the space's shape, or declare the space the env returns")
 
     def _misfit(self, exc: BaseException, call: str) -> BaseException:
         """The error an observation that does not fit the space raised where gymnasium batches the
