@@ -140,12 +140,19 @@ def test_a_parallel_envs_observations_and_rewards_its_spaces_do_not_hold_are_ref
             self.bad = bad
 
         def observation_space(self, agent):   # ("dtype": integer observations, given as float32 ones)
-            return gym.spaces.Box(0, 100, (1,), np.int64) if self.bad == "dtype" else super().observation_space(agent)
+            return {"dtype": gym.spaces.Box(0, 100, (1,), np.int64), "wrap": gym.spaces.Box(-100, 100, (1,), np.int8)}.get(
+                self.bad) or super().observation_space(agent)
+
+        def reset(self, seed=None, options=None):
+            obs, info = super().reset(seed, options)
+            return ({a: np.zeros(1, np.int64) for a in obs} if self.bad == "wrap" else obs), info
 
         def step(self, actions):
             obs, reward, term, trunc, info = super().step(actions)
             if self.bad == "shape":
                 obs = {a: np.zeros(2, np.float32) for a in obs}
+            elif self.bad == "wrap":   # (int64 observations: 300 was stored as 44)
+                obs = {a: np.array([300]) for a in obs}
             else:
                 reward = {**reward, "b": None}
             return obs, reward, term, trunc, info
@@ -156,6 +163,9 @@ def test_a_parallel_envs_observations_and_rewards_its_spaces_do_not_hold_are_ref
                          ("dtype", r"agent 'a' of environment 0 was given by the env's reset an observation of "
                                    r"shape \(1,\) and dtype float32, but its observation space is Box\(0, 100, \(1,\), "
                                    r"int64\): storing it would truncate or wrap its values"),
+                         ("wrap", r"agent 'a' of environment 0 was given by the env's step an observation of shape "
+                                  r"\(1,\) and dtype int64, but its observation space is Box\(-100, 100, \(1,\), int8\): "
+                                  r"storing it would truncate or wrap its values"),
                          ("reward", r"environment Misfit's step returned None as the reward of agent 'b', where a "
                                     r"parallel env returns a dict of a number per agent(.|\n)*at .*test_env_families.py")):
         env = ff.envs.make(Misfit, num_envs=2, seed=0, bad=bad)

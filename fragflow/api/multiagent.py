@@ -168,6 +168,9 @@ class MultiAgentVectorEnv(VectorEnv):
             dtype = np.asarray(o).dtype
         shape, target = np.shape(o), getattr(space, "dtype", None)
         fits = shape == space.shape and (target is None or dtype == target or np.can_cast(dtype, target, "same_kind"))
+        if fits and target is not None and dtype != target and dtype.kind in "iu" and target.kind in "iu":
+            limits, values = np.iinfo(target), np.asarray(o)   # (300 in an int8 space was stored as 44)
+            fits = values.size == 0 or limits.min <= values.min() and values.max() <= limits.max
         if not fits:
             raise ConfigError(f"agent {agent!r} of environment {int(self.ids[i])} was given by the env's {call} an "
                               f"observation of shape {shape} and dtype {dtype}, but its observation space is {space}: "
