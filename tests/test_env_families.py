@@ -293,6 +293,32 @@ def test_mappo_with_unlike_agents_takes_only_each_agents_actions_under_every_pol
     assert same_tree(again.value["model"].state_dict(), expected.value["model"].state_dict())
 
 
+@pytest.mark.parametrize("space", [gym.spaces.Box(-1, 1, (2, 3), np.float32), gym.spaces.Discrete(4)])
+def test_mappo_takes_agents_observations_of_any_shape(space):
+    """Observations of more axes than one (butterfly's knights_archers_zombies: [27, 5]) or none (a
+    Discrete space, classic's rps) failed in the actor's torch.cat of the agents' ids."""
+    from fragflow.algorithms import mappo
+
+    class Shaped(_agents_leaving({"a": 4, "b": 2}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def __init__(self, max_cycles: int = 25) -> None:
+            super().__init__()
+
+        def observation_space(self, agent):
+            return space
+
+        def reset(self, seed=None, options=None):
+            _, info = super().reset(seed, options)
+            return {a: space.sample() for a in self.agents}, info
+
+        def step(self, actions):
+            obs, *rest = super().step(actions)
+            return ({a: space.sample() for a in obs}, *rest)
+
+    args = mappo.Args(env_id=Shaped, total_timesteps=32, num_envs=2, num_steps=8, update_epochs=1)  # type: ignore[arg-type]
+    state = mappo.train(args)
+    assert state["model"].pi[0].in_features == int(np.prod(space.shape or (1,))) + 2   # (flat, and the agent's id)
+
+
 def test_mappo_critic_sees_every_agent_and_ippo_only_its_own():
     import torch
 
