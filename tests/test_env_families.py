@@ -452,6 +452,19 @@ def test_a_mistyped_pettingzoo_env_and_gymnasiums_episode_limit_are_refused_with
     assert "max_cycles=" in (info.value.fix or "")
 
 
+def test_the_atari_ids_cleanrl_uses_are_found_before_ale_py_is_imported():
+    """'BreakoutNoFrameskip-v4' (CleanRL's and SB3's id) was an unknown id unless ale_py had been
+    imported already: only ALE/ ids imported it. (A fresh process: this one has imported it.)"""
+    import subprocess
+    import sys
+
+    code = ("import sys, fragflow as ff\nassert 'ale_py' not in sys.modules\n"
+            "env = ff.envs.atari('BreakoutNoFrameskip-v4', num_envs=1, seed=0)\nprint(env.reset().shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(1, 4, 84, 84)" in out.stdout
+
+
 def test_a_missing_family_names_its_extra():
     with pytest.raises(UnknownEnvError) as err:
         ff.envs.make("nosuchfamily:Thing-v0")

@@ -360,13 +360,14 @@ def _registered(env_id: str, where: Any) -> Any:
                 raise UnknownEnvError(f"unknown environment id {env_id!r}: {namespace} has no environment "
                                       f"{env_id.split(':', 1)[1]!r}", where=where, fix=did_you_mean(env_id, ours))
     prefix = env_id.split("/", 1)[0]
-    if prefix == "ALE":   # ale-py registers its games when imported ("ale_py:ALE/Pong-v5" in gymnasium)
-        try:
-            importlib.import_module("ale_py")
-        except ImportError:
-            pass
-        if env_id in gym.registry:
-            return env_id
+    # ale-py registers its games when imported ("ale_py:ALE/Pong-v5" in gymnasium): ALE/ ids, and the
+    # v0/v4 ids CleanRL and SB3 use ("BreakoutNoFrameskip-v4")
+    try:
+        importlib.import_module("ale_py")
+    except ImportError:
+        pass
+    if env_id in gym.registry:
+        return env_id
     hint = _EXTRA_HINT.get(prefix) if "/" in env_id else None
     raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
                           fix=hint or did_you_mean(env_id.split(":", 1)[-1], gym.registry.keys()))
