@@ -120,6 +120,29 @@ def test_an_agent_kept_among_the_envs_agents_after_its_episode_ended_is_refused_
         env.step(np.zeros((1, 2), np.int64))
 
 
+@pytest.mark.parametrize("old", ["reset", "step"])
+def test_a_parallel_env_of_pettingzoos_older_api_is_refused_at_its_method(old):
+    """A reset returning the observations alone failed as a KeyError in fragflow's code; a step
+    returning four values (dones, not terminations and truncations) unpacked as a ValueError there."""
+    class Older(_agents_leaving({"a": 3, "b": 3}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def reset(self, seed=None, options=None):
+            obs, info = super().reset(seed, options)
+            return obs if old == "reset" else (obs, info)
+
+        def step(self, actions):
+            obs, reward, term, trunc, info = super().step(actions)
+            return (obs, reward, term, info) if old == "step" else (obs, reward, term, trunc, info)
+
+    env = ff.envs.make(Older, num_envs=1, seed=0)
+    message = {"reset": r"environment Older's reset returned a dict, where a parallel env's reset returns "
+                        r"\(observations, infos\)",
+               "step": r"environment Older's step returned 4 values \(obs, rewards, dones, infos: PettingZoo's older "
+                       r"API\), where a parallel env's step returns 5 dicts"}[old]
+    with pytest.raises(ConfigError, match=message + r"(.|\n)*at .*test_env_families.py:\d+\n  fix: "):
+        env.reset()
+        env.step(np.zeros((1, 2), np.int64))
+
+
 def test_float_actions_a_discrete_agent_cannot_hold_are_refused_not_truncated():
     # 0.9 stepped every agent with action 0 (helper round 35 V)
     env = ff.envs.make("mpe2:simple_spread_v3", num_envs=2, seed=3, max_cycles=4)

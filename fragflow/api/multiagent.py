@@ -156,7 +156,7 @@ class MultiAgentVectorEnv(VectorEnv):
         self._lengths[:] = 0
         self._out[:] = False
         seeded, self._seeded = self._seeded, True   # (seeded at the first reset only, as a VectorEnv)
-        return np.stack([self._obs(env.reset(seed=None if seeded else int(self.seed) + int(i))[0], k, "reset")
+        return np.stack([self._obs(self._reset_one(env, None if seeded else int(self.seed) + int(i)), k, "reset")
                          for k, (env, i) in enumerate(zip(self.envs, self.ids))])
 
     def _check_obs(self, o: Any, agent: str, i: int, call: str) -> None:
@@ -179,9 +179,32 @@ class MultiAgentVectorEnv(VectorEnv):
                               fix="return each agent the observations its observation_space(agent) declares (shape "
                                   "and dtype), or declare the space the env returns")
 
-    def _check_step(self, env: Any, live: set[str], out: tuple[Any, ...]) -> None:
-        """Refuse a step whose rewards or done flags are not a number per agent (None was stored as a
-        NaN reward, a string as a flag of its truth)."""
+    def _reset_one(self, env: Any, seed: int | None) -> dict[str, Any]:
+        """One environment's reset observations; refused where its reset returns them alone (PettingZoo's
+        older API: it failed as a KeyError in fragflow's code)."""
+        out = env.reset(seed=seed)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict)):
+            got = f"{len(out)} values" if isinstance(out, tuple) else f"a {type(out).__name__}"
+            raise ConfigError(f"environment {self.env_id}'s reset returned {got}, where a parallel env's reset returns "
+                              "(observations, infos), two dicts keyed by agent",
+                              where=definition_of(type(env).reset) or user_callsite(),
+                              fix="return the observations and an info dict per agent: return obs, {a: {} for a in "
+                                  "obs} (PettingZoo's current API)")
+        return out[0]
+
+    def _check_step(self, env: Any, live: set[str], out: Any) -> None:
+        """Refuse a step that does not return PettingZoo's five dicts (four: its older API), or
+        whose rewards or done flags are not a number per agent (None was stored as a NaN reward, a
+        string as a flag of its truth)."""
+        if not (isinstance(out, tuple) and len(out) == 5):
+            got = f"{len(out)} values" if isinstance(out, tuple) else f"a {type(out).__name__}"
+            old = " (obs, rewards, dones, infos: PettingZoo's older API)" if isinstance(out, tuple) and \
+                len(out) == 4 else ""
+            raise ConfigError(f"environment {self.env_id}'s step returned {got}{old}, where a parallel env's step "
+                              "returns 5 dicts keyed by agent: observations, rewards, terminations, truncations, infos",
+                              where=definition_of(type(env).step) or user_callsite(),
+                              fix="return obs, rewards, terminations, truncations, infos: done split into terminated "
+                                  "(the episode ended by the task's rules) and truncated (cut off, e.g. at max_cycles)")
         for what, entry, values, kind in (("rewards", "reward", out[1], "a number"),
                                           ("terminations", "terminated flag", out[2], "a bool"),
                                           ("truncations", "truncated flag", out[3], "a bool")):
@@ -247,7 +270,7 @@ class MultiAgentVectorEnv(VectorEnv):
             if not env.agents:                    # every agent is done: the episode ends here
                 self._returns[i], self._lengths[i], self._out[i] = 0.0, 0, False
                 final.append(step_obs)
-                step_obs = self._obs(env.reset()[0], i, "reset")
+                step_obs = self._obs(self._reset_one(env, None), i, "reset")
             else:
                 final.append(step_obs)
             obs.append(step_obs)
