@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
@@ -125,9 +126,14 @@ def learn(state, rollout, lr, args: Args):
 
 def train(args: Args):
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
+    if not (isinstance(env.single_observation_space, gym.spaces.Box) and len(env.single_observation_space.shape) == 1
+            and isinstance(env.single_action_space, gym.spaces.Discrete)):   # (what its networks take)
+        raise ValueError(f"a2c.py's policy chooses among Discrete actions from vector observations (a Box of one axis); {args.env_id} has "
+                         f"{env.single_observation_space} observations and {env.single_action_space} actions "
+                         "(ppo.py and sac.py act in continuous spaces)")
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
-    model = ActorCritic(obs_dim, int(env.single_action_space.n), args.hidden)  # type: ignore[attr-defined]
+    model = ActorCritic(obs_dim, int(env.single_action_space.n), args.hidden)
     # foreach=True: the default update, bit for bit, in a few vectorised operations rather than a few per tensor
     optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.99, eps=1e-5, foreach=True)
     state = ff.versioned({"model": model, "optimizer": optimizer})

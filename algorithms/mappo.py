@@ -80,9 +80,10 @@ class Agents(nn.Module):
     """The shared policy and the critic, with the inputs each sees built from ``[..., agents, obs]``."""
 
     def __init__(self, obs_dim: int, num_agents: int, num_actions: int, hidden: int, central: bool,
-                 value_norm: bool = False, action_mask: np.ndarray | None = None) -> None:
+                 value_norm: bool = False, action_mask: np.ndarray | None = None, obs_ndim: int = 1) -> None:
         super().__init__()
         self.central = central
+        self.obs_ndim = obs_ndim   # an agent's observation's axes (KAZ's [27, 5]; a Discrete one's none): made flat
         self.value_norm = value_norm
         self.ids: torch.Tensor
         self.register_buffer("ids", torch.eye(num_agents))
@@ -106,12 +107,17 @@ class Agents(nn.Module):
     def _with_ids(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, self.ids.expand(*x.shape[:-1], -1)], -1)
 
+    def _flat(self, obs: torch.Tensor) -> torch.Tensor:
+        """``[..., agents, obs_dim]`` from ``[..., agents, *observation's shape]``."""
+        return obs.unsqueeze(-1) if self.obs_ndim == 0 else obs.flatten(-self.obs_ndim) if self.obs_ndim > 1 else obs
+
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """Per agent; an action that is not the agent's gets a logit of -1e9 (probability 0)."""
-        return self.pi(self._with_ids(obs)).masked_fill(~self.action_mask, -1e9)
+        return self.pi(self._with_ids(self._flat(obs))).masked_fill(~self.action_mask, -1e9)
 
     def head(self, obs: torch.Tensor) -> torch.Tensor:
         """The critic's output: normalised returns with ``value_norm``, else returns."""
+        obs = self._flat(obs)
         if self.central:   # every agent's critic input: all observations of its environment
             obs = obs.flatten(-2).unsqueeze(-2).expand(*obs.shape[:-1], -1)
         return self.vf(self._with_ids(obs)).squeeze(-1)
@@ -228,7 +234,8 @@ def train(args: Args):
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
     model = Agents(obs_dim, env.num_agents, int(env.single_action_space.n), args.hidden,  # type: ignore[attr-defined]
                    central=args.critic == "central", value_norm=args.value_norm,
-                   action_mask=env.action_mask)  # type: ignore[attr-defined]
+                   action_mask=env.action_mask,  # type: ignore[attr-defined]
+                   obs_ndim=len(env.single_observation_space.shape or ()))
     state = ff.versioned({"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=args.learning_rate,
                                                                         eps=1e-5),
                           "key": ff.random.keys(args.seed, np.array([LEARNER_KEY_ID]))})

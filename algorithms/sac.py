@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -219,9 +220,14 @@ def init_state(obs_dim: int, act_dim: int, low: np.ndarray, high: np.ndarray, ar
 
 def train(args: Args):
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
+    if not (isinstance(env.single_observation_space, gym.spaces.Box) and len(env.single_observation_space.shape) == 1
+            and isinstance(env.single_action_space, gym.spaces.Box)):   # (what its networks take)
+        raise ValueError(f"sac.py's policy acts in a continuous (Box) action space from vector observations (a Box of one axis); {args.env_id} has "
+                         f"{env.single_observation_space} observations and {env.single_action_space} actions "
+                         "(dqn.py and ppo.py choose among Discrete actions)")
     torch.manual_seed(args.seed)
     space = env.single_action_space
-    low, high = np.asarray(space.low, np.float32), np.asarray(space.high, np.float32)  # type: ignore[attr-defined]
+    low, high = np.asarray(space.low, np.float32), np.asarray(space.high, np.float32)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))
     nets = init_state(obs_dim, int(np.prod(low.shape)), low, high, args)
     target = ff.versioned({"qf1": copy.deepcopy(nets["qf1"]), "qf2": copy.deepcopy(nets["qf2"])}, name="target")

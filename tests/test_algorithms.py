@@ -246,3 +246,21 @@ def test_dqn_anneals_prioritized_replays_importance_sampling_exponent_to_one(mon
     dqn.train(args)
     assert betas[0] == pytest.approx(0.4 + 0.6 * 110 / 2_000) and betas[-1] == pytest.approx(0.4 + 0.6 * 1_990 / 2_000)
     assert betas == sorted(betas)
+
+
+@pytest.mark.parametrize("name, env_id, message", [
+    ("dqn", "MountainCarContinuous-v0", r"dqn.py learns Q-values of Discrete actions from vector observations"),
+    ("a2c", "FrozenLake-v1", r"a2c.py's policy chooses among Discrete actions from vector observations"),
+    ("impala", "Blackjack-v1", r"impala.py's policy chooses among Discrete actions"),
+    ("sac", "Acrobot-v1", r"sac.py's policy acts in a continuous \(Box\) action space"),
+    ("ppo", "Blackjack-v1", r"ppo.py acts on vector observations \(a Box of one axis\)"),
+])
+def test_an_algorithm_given_an_env_its_networks_cannot_take_says_what_it_takes(name, env_id, message):
+    """DQN on a continuous env failed with "'Box' object has no attribute 'n'", SAC on a discrete one
+    with "'Discrete' object has no attribute 'low'", PPO and A2C on Discrete or Tuple observations inside
+    the actor's matrix product or in int(None)."""
+    import importlib
+
+    module = importlib.import_module(f"fragflow.algorithms.{name}")
+    with pytest.raises(ValueError, match=message + rf"(.|\n)*{env_id} has .* observations and .* actions"):
+        module.train(module.Args(env_id=env_id, total_timesteps=64))

@@ -97,6 +97,106 @@ def test_an_agents_episode_is_counted_when_it_ends_not_when_the_last_agent_does(
     assert finished == [[], [(2.0, 2)], [(3.0, 3)], [], [(5.0, 5)], [], [(2.0, 2)]]
 
 
+def test_an_agent_kept_among_the_envs_agents_after_its_episode_ended_is_refused_not_counted_again():
+    """A parallel env that leaves an agent in ``self.agents`` once its episode ended: each later step
+    counted another episode of it (lengths 2, 3, 4 for one episode of length 2), and an env keeping
+    them all never reset."""
+    class Kept(_agents_leaving({"a": 4, "b": 2}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def step(self, actions):
+            agents = list(self.agents)
+            out = super().step(actions)
+            self.agents = agents if self.agents else []   # b stays after its step 2; all leave with a
+            return out
+
+    env = ff.envs.make(Kept, num_envs=1, seed=0)
+    env.reset()
+    env.step(np.zeros((1, 2), np.int64))
+    env.step(np.zeros((1, 2), np.int64))
+    assert env.step.events(None)[1] == [(2.0, 2)]
+    with pytest.raises(ConfigError, match=r"agent 'b' of environment 0 of Kept ended its episode \(terminated or "
+                                          r"truncated\) at an earlier step but is still among the env's agents"
+                                          r"(.|\n)*at .*test_env_families.py:\d+\n  fix: remove an agent from "
+                                          r"self.agents at the step that ends its episode"):
+        env.step(np.zeros((1, 2), np.int64))
+
+
+@pytest.mark.parametrize("old", ["reset", "step"])
+def test_a_parallel_env_of_pettingzoos_older_api_is_refused_at_its_method(old):
+    """A reset returning the observations alone failed as a KeyError in fragflow's code; a step
+    returning four values (dones, not terminations and truncations) unpacked as a ValueError there."""
+    class Older(_agents_leaving({"a": 3, "b": 3}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def reset(self, seed=None, options=None):
+            obs, info = super().reset(seed, options)
+            return obs if old == "reset" else (obs, info)
+
+        def step(self, actions):
+            obs, reward, term, trunc, info = super().step(actions)
+            return (obs, reward, term, info) if old == "step" else (obs, reward, term, trunc, info)
+
+    env = ff.envs.make(Older, num_envs=1, seed=0)
+    message = {"reset": r"environment Older's reset returned a dict, where a parallel env's reset returns "
+                        r"\(observations, infos\)",
+               "step": r"environment Older's step returned 4 values \(obs, rewards, dones, infos: PettingZoo's older "
+                       r"API\), where a parallel env's step returns 5 dicts"}[old]
+    with pytest.raises(ConfigError, match=message + r"(.|\n)*at .*test_env_families.py:\d+\n  fix: "):
+        env.reset()
+        env.step(np.zeros((1, 2), np.int64))
+
+
+def test_float_actions_a_discrete_agent_cannot_hold_are_refused_not_truncated():
+    # 0.9 stepped every agent with action 0 (helper round 35 V)
+    env = ff.envs.make("mpe2:simple_spread_v3", num_envs=2, seed=3, max_cycles=4)
+    env.reset()
+    with pytest.raises(ConfigError, match=r"env.step got actions of dtype float64 \(0.9 among them\) for an action "
+                                          r"space of dtype int64 \(Discrete\(5\)\): casting would change them"
+                                          r"(.|\n)*at .*test_env_families.py:\d+"):
+        env.step(np.full((2, 3), 0.9))
+    env.step(np.full((2, 3), 2.0))   # whole numbers: cast
+
+
+def test_a_parallel_envs_observations_and_rewards_its_spaces_do_not_hold_are_refused_at_the_step():
+    """Observations of another shape than the agent's space were batched as they came (or failed in
+    numpy's stack where agents differed), and a None reward was a NaN reward and return."""
+    class Misfit(_agents_leaving({"a": 3, "b": 3}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def __init__(self, bad: str = "shape"):
+            super().__init__()
+            self.bad = bad
+
+        def observation_space(self, agent):   # ("dtype": integer observations, given as float32 ones)
+            return {"dtype": gym.spaces.Box(0, 100, (1,), np.int64), "wrap": gym.spaces.Box(-100, 100, (1,), np.int8)}.get(
+                self.bad) or super().observation_space(agent)
+
+        def reset(self, seed=None, options=None):
+            obs, info = super().reset(seed, options)
+            return ({a: np.zeros(1, np.int64) for a in obs} if self.bad == "wrap" else obs), info
+
+        def step(self, actions):
+            obs, reward, term, trunc, info = super().step(actions)
+            if self.bad == "shape":
+                obs = {a: np.zeros(2, np.float32) for a in obs}
+            elif self.bad == "wrap":   # (int64 observations: 300 was stored as 44)
+                obs = {a: np.array([300]) for a in obs}
+            else:
+                reward = {**reward, "b": None}
+            return obs, reward, term, trunc, info
+
+    for bad, message in (("shape", r"agent 'a' of environment 0 was given by the env's step an observation of shape "
+                                   r"\(2,\) and dtype float32, but its observation space is Box\(-100.0, 100.0, \(1,\), "
+                                   r"float32\): batching it would change its shape(.|\n)*at .*test_env_families.py"),
+                         ("dtype", r"agent 'a' of environment 0 was given by the env's reset an observation of "
+                                   r"shape \(1,\) and dtype float32, but its observation space is Box\(0, 100, \(1,\), "
+                                   r"int64\): storing it would truncate or wrap its values"),
+                         ("wrap", r"agent 'a' of environment 0 was given by the env's step an observation of shape "
+                                  r"\(1,\) and dtype int64, but its observation space is Box\(-100, 100, \(1,\), int8\): "
+                                  r"storing it would truncate or wrap its values"),
+                         ("reward", r"environment Misfit's step returned None as the reward of agent 'b', where a "
+                                    r"parallel env returns a dict of a number per agent(.|\n)*at .*test_env_families.py")):
+        env = ff.envs.make(Misfit, num_envs=2, seed=0, bad=bad)
+        with pytest.raises(ConfigError, match=message):
+            env.reset()   # (where the dtype misfits: the reset's observations already)
+            env.step(np.zeros((2, 2), np.int64))
+
+
 def test_multiagent_actions_without_an_env_and_an_agent_axis_are_refused_at_the_call():
     """Alike agents: actions for an extra environment or extra agents were cut silently, and
     actions without the agent axis failed with an IndexError from fragflow's code (helper round 29 O02)."""
@@ -133,6 +233,14 @@ def test_unlike_agents_are_padded_to_one_space_with_a_mask_of_each_agents_action
     assert cont.action_mask.tolist() == [[True] * 3 + [False] * 2, [True] * 5]   # type: ignore[attr-defined]
     cont.reset()
     cont.step(np.full((1, 2, 5), 0.5, np.float32))                     # the speaker's two extra entries are dropped
+
+
+def test_a_multiagent_env_renders_each_environment():
+    env = ff.envs.make("mpe2:simple_tag_v3", num_envs=2, seed=0, max_cycles=5, render_mode="rgb_array")
+    env.reset()
+    frames = env.render()
+    assert len(frames) == 2 and frames[0].ndim == 3 and frames[0].dtype == np.uint8
+    env.close()
 
 
 def test_agents_whose_spaces_cannot_be_padded_are_refused_with_the_fix():
@@ -206,6 +314,32 @@ def test_mappo_with_unlike_agents_takes_only_each_agents_actions_under_every_pol
     assert split.summary["episodes"] == 32 and shm_leftovers() == []
     again = ff.run(mappo.train, args, policy="pipelined(max_lag=0)")
     assert same_tree(again.value["model"].state_dict(), expected.value["model"].state_dict())
+
+
+@pytest.mark.parametrize("space", [gym.spaces.Box(-1, 1, (2, 3), np.float32), gym.spaces.Discrete(4)])
+def test_mappo_takes_agents_observations_of_any_shape(space):
+    """Observations of more axes than one (butterfly's knights_archers_zombies: [27, 5]) or none (a
+    Discrete space, classic's rps) failed in the actor's torch.cat of the agents' ids."""
+    from fragflow.algorithms import mappo
+
+    class Shaped(_agents_leaving({"a": 4, "b": 2}, ["a", "b"])):   # type: ignore[misc, valid-type]
+        def __init__(self, max_cycles: int = 25) -> None:
+            super().__init__()
+
+        def observation_space(self, agent):
+            return space
+
+        def reset(self, seed=None, options=None):
+            _, info = super().reset(seed, options)
+            return {a: space.sample() for a in self.agents}, info
+
+        def step(self, actions):
+            obs, *rest = super().step(actions)
+            return ({a: space.sample() for a in obs}, *rest)
+
+    args = mappo.Args(env_id=Shaped, total_timesteps=32, num_envs=2, num_steps=8, update_epochs=1)  # type: ignore[arg-type]
+    state = mappo.train(args)
+    assert state["model"].pi[0].in_features == int(np.prod(space.shape or (1,))) + 2   # (flat, and the agent's id)
 
 
 def test_mappo_critic_sees_every_agent_and_ippo_only_its_own():
@@ -316,6 +450,42 @@ def test_atari_preprocessing_and_the_cnn_ppo():
     for option in ({"frameskip": 4}, {"wrappers": []}):   # (Python's "multiple values for keyword": round 27 G06)
         with pytest.raises(ConfigError, match=rf"ff.envs.atari was given {next(iter(option))}=(.|\n)*test_env_families.py"):
             ff.envs.atari("ALE/Pong-v5", num_envs=1, seed=0, **option)
+
+
+def test_atari_preprocessing_refuses_the_ram_observations_it_cannot_process():
+    # gymnasium's preprocessing failed at the first reset, in its own code ("Expected a numpy array with two dimensions")
+    with pytest.raises(ConfigError, match=r"ff.envs.atari was given obs_type='ram': its preprocessing works on the "
+                                          r"screen(.|\n)*test_env_families.py:\d+\n  fix: make the env with "
+                                          r"ff.envs.make\('ALE/Pong-v5', num_envs, seed, obs_type='ram'\)"):
+        ff.envs.atari("ALE/Pong-v5", num_envs=1, seed=0, obs_type="ram")
+    env = ff.envs.make("ALE/Pong-v5", num_envs=1, seed=0, obs_type="ram")
+    assert env.reset().shape == (1, 128)
+    env.close()
+
+
+def test_a_mistyped_pettingzoo_env_and_gymnasiums_episode_limit_are_refused_with_what_the_package_takes():
+    # the typo was matched against gymnasium's ids; max_episode_steps= got the constructor's TypeError alone
+    with pytest.raises(UnknownEnvError, match=r"unknown environment id 'mpe2:simple_tagg_v3': mpe2 has no environment "
+                                              r"'simple_tagg_v3'") as info:
+        ff.envs.make("mpe2:simple_tagg_v3", num_envs=1, seed=0)
+    assert (info.value.fix or "").startswith("did you mean 'mpe2:simple_tag_v3'")
+    with pytest.raises(UnknownEnvError, match=r"does not take the keyword arguments given to ff.envs.make "
+                                              r"\(max_episode_steps\)") as info:
+        ff.envs.make("mpe2:simple_tag_v3", num_envs=1, seed=0, max_episode_steps=10)
+    assert "max_cycles=" in (info.value.fix or "")
+
+
+def test_the_atari_ids_cleanrl_uses_are_found_before_ale_py_is_imported():
+    """'BreakoutNoFrameskip-v4' (CleanRL's and SB3's id) was an unknown id unless ale_py had been
+    imported already: only ALE/ ids imported it. (A fresh process: this one has imported it.)"""
+    import subprocess
+    import sys
+
+    code = ("import sys, fragflow as ff\nassert 'ale_py' not in sys.modules\n"
+            "env = ff.envs.atari('BreakoutNoFrameskip-v4', num_envs=1, seed=0)\nprint(env.reset().shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(1, 4, 84, 84)" in out.stdout
 
 
 def test_a_missing_family_names_its_extra():

@@ -428,12 +428,16 @@ class _OldApi(gym.Env):
     def __init__(self, api: str) -> None:
         self.api = api
 
-    def reset(self, *, seed=None, options=None):
+    def reset(self, *, seed=None, options=None):   # (never super().reset(seed=seed): self.np_random is unseeded)
         obs = np.zeros(5, np.float32)
+        if self.api == "reset draws from np_random":
+            obs[0] = self.np_random.uniform()
         return obs if self.api == "reset returns obs" else (obs, {})
 
     def step(self, action):
         obs = np.zeros(5, np.float32)
+        if self.api == "step draws from np_random":
+            obs[0] = self.np_random.uniform()
         if self.api == "step returns done":
             return obs, 1.0, False, {}
         if self.api.startswith("step returns "):   # one of its five values of another type
@@ -462,6 +466,9 @@ class _UnseededReset(_OldApi):
     ("step returns a text flag", "step", r"step returned 'no' as its terminated flag, where gymnasium's step returns "
                                          r"a bool"),
     ("step returns no info", "step", r"step returned None as its info, where gymnasium's step returns a dict"),
+    # (gymnasium made the generator from fresh entropy: other episodes each run, and in each process)
+    ("reset draws from np_random", "reset", r"reset was given seed=0 but did not seed self.np_random"),
+    ("step draws from np_random", "reset", r"reset was given seed=0 but did not seed self.np_random"),
 ])
 def test_an_environment_that_breaks_gymnasiums_api_is_refused_at_its_method(api, method, message):
     """gym's old API failed as an unpacking error (ValueError, TypeError) shown at the loop's own line,
@@ -619,32 +626,41 @@ def test_wrappers_and_clip_actions_make_cannot_apply_are_refused_at_the_make_lin
 
 
 class _Misfit(gym.Env):
-    """Returns observations of another shape than its space's: at reset, or (a Dict space) at a step."""
+    """Returns observations that do not fit its space: of another shape at reset, or at a step of a
+    Dict or Tuple space (of another shape, a key missing, a part missing)."""
 
     def __init__(self, where: str) -> None:
         self.where = where
         box = gym.spaces.Box(-1, 1, (3,), np.float32)
-        self.observation_space = gym.spaces.Dict({"pos": box}) if where == "dict step" else box
+        self.observation_space = {"dict step": gym.spaces.Dict({"pos": box}),
+                                  "dict key step": gym.spaces.Dict({"pos": box, "vel": box}),
+                                  "tuple step": gym.spaces.Tuple((box, box))}.get(where, box)
         self.action_space = gym.spaces.Discrete(2)
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
-        obs = np.zeros(2 if self.where == "reset" else 3, np.float32)
-        return ({"pos": obs} if self.where == "dict step" else obs), {}
+        if self.where == "reset":
+            return np.zeros(2, np.float32), {}
+        return self.observation_space.sample(), {}
 
     def step(self, action):
-        return {"pos": np.zeros(2, np.float32)}, 0.0, False, False, {}
+        part = np.zeros(3, np.float32)
+        return {"dict step": {"pos": np.zeros(2, np.float32)}, "dict key step": {"pos": part},
+                "tuple step": (part,)}[self.where], 0.0, False, False, {}
 
 
-@pytest.mark.parametrize("where", ["reset", "dict step"])
+@pytest.mark.parametrize("where", ["reset", "dict step", "dict key step", "tuple step"])
 def test_an_observation_of_another_shape_than_the_space_is_refused_at_reset_and_a_structured_step(where):
-    # numpy's bare 'Output array is the wrong shape' came from gymnasium's batching, with no env or fix
+    # numpy's bare 'Output array is the wrong shape' came from gymnasium's batching, with no env or fix; a
+    # Dict's missing key and a Tuple's missing part were its bare KeyError and IndexError
     env = ff.envs.make(_Misfit, num_envs=2, seed=0, where=where)
     with pytest.raises(ConfigError, match=rf"an environment's {where.split()[-1]} returned an observation that does not "
                                           r"fit its observation space") as info:
         env.reset()
         env.step(np.zeros(2, np.int64))
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    assert {"dict key step": "(it lacks the key 'vel')", "tuple step": "(it has fewer parts than the Tuple)"}.get(
+        where, "Error: ") in info.value.what
     env.close()
 
 
@@ -680,6 +696,91 @@ def test_keyword_arguments_the_environment_does_not_take_are_refused_at_the_make
                                               r"to ff.envs.make \(horizon\)") as info:
         ff.envs.make("CartPole-v1", num_envs=2, seed=0, horizon=3)
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+
+
+def test_max_episode_steps_given_for_an_env_class_names_the_time_limit_wrapper():
+    # gymnasium.make's keyword, given with a class, was refused with the constructor's TypeError and no way to a limit
+    with pytest.raises(UnknownEnvError, match=r"environment 'Walk' does not take the keyword arguments") as info:
+        ff.envs.make(Walk, num_envs=2, seed=0, length=50, max_episode_steps=4)
+    assert "wrappers=[lambda e: gym.wrappers.TimeLimit(e, 4)]" in (info.value.fix or "")
+    env = ff.envs.make(Walk, num_envs=2, seed=0, length=50, wrappers=[lambda e: gym.wrappers.TimeLimit(e, 4)])
+    env.reset()
+    for _ in range(4):
+        env.step(np.zeros(2, np.int64))
+    assert env.pop_finished() == [(4.0, 4), (4.0, 4)]
+
+
+def test_an_environment_given_where_make_takes_what_makes_one_is_refused_with_its_id():
+    # the refusal printed the instance's wrapper chain and named no way to pass it
+    one = gym.make("CartPole-v1")
+    with pytest.raises(UnknownEnvError, match=r"ff.envs.make got an environment, CartPoleEnv, where it takes what makes "
+                                              r"one: it makes num_envs=2 environments") as info:
+        ff.envs.make(one, num_envs=2, seed=0)
+    assert "ff.envs.make('CartPole-v1', ...)" in (info.value.fix or "")
+    one.close()
+
+
+def test_a_mistyped_id_of_a_module_is_matched_by_its_name():
+    # 'module:Env-v0' was compared whole with the registry's ids: nothing came close
+    with pytest.raises(UnknownEnvError, match=r"unknown environment id 'gymnasium.envs:CartPol-v1'") as info:
+        ff.envs.make("gymnasium.envs:CartPol-v1", num_envs=1, seed=0)
+    assert (info.value.fix or "").startswith("did you mean 'CartPole-v1'")
+
+
+class _Spaceless(gym.Env):
+    """Without a gymnasium space as its observation space (``kind``), or with one that differs between copies."""
+
+    made = 0
+
+    def __init__(self, kind: str) -> None:
+        _Spaceless.made += 1
+        self.action_space = [0, 1] if kind == "list action space" else gym.spaces.Discrete(2)
+        if kind == "spaces differ":
+            self.observation_space = gym.spaces.Box(-1, 1, (1 + _Spaceless.made % 2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no observation space", r"environment _Spaceless has no observation_space"),
+    ("spaces differ", r"the environments made have different spaces: environment 1's observation_space is Box\(-1.0, "
+                      r"1.0, \(\d,\), float32\), environment 0's Box"),
+])
+def test_an_env_without_gymnasium_spaces_or_with_spaces_that_differ_is_refused_at_the_make_line(kind, message):
+    # gymnasium's vector env failed in its own code: an AttributeError, a TypeError from batch_space, a RuntimeError
+    # naming an option of its own
+    with pytest.raises(ConfigError, match=message) as info:
+        ff.envs.make(_Spaceless, num_envs=2, seed=0, kind=kind)
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    assert info.value.fix
+
+
+def test_an_env_whose_action_space_is_not_a_space_is_refused_at_the_make_line():
+    class Listed(_Spaceless):
+        observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    with pytest.raises(ConfigError, match=r"environment .*Listed has list \[0, 1\] as its action_space, not a "
+                                          r"gymnasium space") as info:
+        ff.envs.make(Listed, num_envs=2, seed=0, kind="list action space")
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+
+
+def test_render_gives_each_environments_frame_as_its_render_mode_makes_it():
+    # the env had no render (AttributeError) although make passes render_mode to each environment
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0, render_mode="rgb_array")
+    env.reset()
+    frames = env.render()
+    assert len(frames) == 2 and all(f.shape == (400, 600, 3) and f.dtype == np.uint8 for f in frames)
+    env.close()
+    text = ff.envs.make("FrozenLake-v1", num_envs=3, seed=0, render_mode="ansi", normalize_reward=True)
+    text.reset()
+    assert [type(t) for t in text.render()] == [str] * 3
+    text.close()
 
 
 def test_multi_agent_episode_returns_add_the_environments_rewards_unrounded():
@@ -844,6 +945,42 @@ def test_an_observation_a_cast_would_change_is_refused_at_the_step():
         env = ff.envs.make(_Odd, num_envs=2, seed=0, space=space, step_obs=step_obs)
         env.reset()
         assert np.array_equal(env.step(np.zeros(2, np.int64))[0], np.stack([np.asarray(step_obs, space.dtype)] * 2))
+
+
+class _Wide(gym.Env):
+    """int8 observations given as int64 ones: ``big`` (300) where ``at`` says, in range elsewhere."""
+
+    observation_space = gym.spaces.Box(-100, 100, (2,), np.int8)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+
+    def _obs(self, where: str) -> np.ndarray:
+        return np.array([300 if self.at.endswith(where) else -100, 100])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs("reset"), {}
+
+    def step(self, action):   # ("final step": each episode one step long, its observation the final one)
+        return self._obs("step"), 1.0, self.at == "final step", False, {}
+
+
+@pytest.mark.parametrize("at", ["reset", "step", "final step", "nowhere"])
+def test_integer_observations_out_of_the_spaces_range_are_refused_not_wrapped(at):
+    """300 in an int8 space was stored as 44 (a cast within the integers, which numpy's same_kind
+    allows), at the reset and at a step, the last of an episode's included (its final_obs)."""
+    env = ff.envs.make(_Wide, num_envs=2, seed=0, at=at)
+    if at == "nowhere":   # int64 values the space holds are stored
+        assert env.reset().tolist() == [[-100, 100]] * 2 and env.reset().dtype == np.int8
+        assert env.step(np.zeros(2, np.int64))[0].tolist() == [[-100, 100]] * 2
+        return
+    with pytest.raises(ConfigError, match=r"environment 0 returned an observation of dtype int64 with values out of "
+                                          r"int8's range, but its observation space Box\(-100, 100, \(2,\), int8\) "
+                                          r"holds int8: storing it would truncate or wrap its values"):
+        env.reset()
+        env.step(np.zeros(2, np.int64))
 
 
 @pytest.mark.parametrize("space", [gym.spaces.Text(5), gym.spaces.Sequence(gym.spaces.Discrete(3)),

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from fragflow.errors import ConfigError, UnknownEnvError
-from fragflow.source import definition_of, user_callsite
+from fragflow.source import SourceLoc, definition_of, is_internal, user_callsite
 
 
 def wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
@@ -23,8 +26,34 @@ def wrapped(factory: Callable[..., gym.Env], kwargs: dict[str, Any],
     for wrap in wrappers:
         env = wrap(env)
     if isinstance(env, gym.Env):   # (outermost: a user's wrapper may adapt an env of gym's old API)
+        check_spaces(env)
         check_api(env)
     return env
+
+
+def check_spaces(env: gym.Env) -> None:
+    """Refuse an environment without a gymnasium space as its observation_space or action_space (it
+    failed in gymnasium's vector env, an AttributeError or TypeError from its code)."""
+    for name in ("observation_space", "action_space"):
+        space = getattr(env, name, None)
+        if not isinstance(space, gym.spaces.Space):
+            env.close()
+            owner = type(env.unwrapped).__qualname__
+            raise ConfigError(f"environment {owner} has " + (f"no {name}" if space is None else
+                              f"{type(space).__name__} {space!r:.60} as its {name}, not a gymnasium space"),
+                              where=_make_line(),
+                              fix=f"set self.{name} in the env's __init__ (or as a class attribute) to a gymnasium "
+                                  "space, e.g. gymnasium.spaces.Box(low, high, shape, dtype) or Discrete(n) (a Dict "
+                                  "or Tuple of them for structured ones)")
+
+
+def _make_line() -> SourceLoc | None:
+    """The user's line that made the environments (``ff.envs.make``), past gymnasium's vector env."""
+    frame: FrameType | None = sys._getframe(1)
+    inside = f"{os.sep}gymnasium{os.sep}"
+    while frame is not None and (is_internal(frame.f_code.co_filename) or inside in frame.f_code.co_filename):
+        frame = frame.f_back
+    return SourceLoc.of(frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
 
 def check_api(env: gym.Env) -> None:
@@ -53,6 +82,8 @@ def check_api(env: gym.Env) -> None:
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise _refused(env, "reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
                            "return the observation and an info dict: return obs, {}")
+        seeded.append(kwargs.get("seed"))
+        _check_seeded(env, seeded[0], "reset")
         _unpatch(env, "reset")
         return out
 
@@ -68,7 +99,7 @@ def check_api(env: gym.Env) -> None:
         # string '0.5' a reward and 'no' a True flag, with no error)
         for i, what, kind in ((1, "reward", "one number"), (2, "terminated flag", "a bool"),
                               (3, "truncated flag", "a bool")):
-            if not _a_number(out[i]):
+            if not a_number(out[i]):
                 raise _refused(env, "step", f"returned {_described(out[i])} as its {what}, where gymnasium's step "
                                             f"returns {kind}", "return a float reward and bool terminated and "
                                             "truncated flags: return obs, reward, terminated, truncated, info")
@@ -76,14 +107,36 @@ def check_api(env: gym.Env) -> None:
             raise _refused(env, "step", f"returned {_described(out[4])} as its info, where gymnasium's step returns a "
                                         "dict", "return a dict (empty if there is nothing to report): "
                                                 "return obs, reward, terminated, truncated, {}")
+        if seeded:   # (a generator first drawn from at the step)
+            _check_seeded(env, seeded[0], "reset")
         _unpatch(env, "step")
         return out
+
+    seeded: list[Any] = []   # the seed the first reset was given
 
     try:
         env.reset = reset   # type: ignore[method-assign]
         env.step = step     # type: ignore[method-assign]
     except AttributeError:   # (__slots__, a read-only attribute: left unchecked)
         _unpatch(env, "reset")
+
+
+def _check_seeded(env: gym.Env, seed: Any, method: str) -> None:
+    """Refuse an environment that was given a seed at its first reset but draws from a
+    ``self.np_random`` it never seeded (its reset does not call ``super().reset(seed=seed)``):
+    gymnasium then makes the generator from fresh entropy, and the episodes differ from run to run,
+    and between policies, silently. A generator the env seeds itself (``self._np_random = ...``, its
+    own ``default_rng(seed)``) is its own business."""
+    base = env.unwrapped
+    made_with = getattr(base, "_np_random_seed", None)
+    if seed is None or getattr(base, "_np_random", None) is None or not isinstance(made_with, int) or \
+            made_with in (seed, -1):
+        return
+    raise _refused(env, method, f"was given seed={seed!r} but did not seed self.np_random, which the environment "
+                                "draws from: gymnasium made it from fresh entropy, so each run (and each process "
+                                "of a policy that splits the environments) would step other episodes",
+                   "call super().reset(seed=seed) at the start of reset (it seeds self.np_random with environment "
+                   "i's seed + i), and draw the environment's randomness from self.np_random")
 
 
 def _unpatch(env: gym.Env, method: str) -> None:
@@ -108,7 +161,7 @@ def _refused(env: gym.Env, method: str, what: str, fix: str) -> ConfigError:
     return ConfigError(f"environment {owner}'s {method} {what}", where=definition_of(fn) or user_callsite(), fix=fix)
 
 
-def _a_number(value: Any) -> bool:
+def a_number(value: Any) -> bool:
     """One real number or flag: Python's, numpy's, or an array of one (a tensor's ``.item()`` need not be taken)."""
     if isinstance(value, numbers.Real):
         return True
@@ -131,10 +184,19 @@ def _described(out: Any) -> str:
     return f"a value of type {type(out).__name__}"
 
 
-def unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any) -> UnknownEnvError:
+def unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any,
+                   parallel: bool = False) -> UnknownEnvError:
     # (make took gamma as normalize_reward's discount once: every keyword but its own is the env's now)
     renamed = "normalize_reward's discount is reward_gamma= (gamma= goes to the environment); " \
         if "gamma" in env_kwargs else ""
+    if "max_episode_steps" in env_kwargs and parallel:
+        renamed += ("max_episode_steps= is gymnasium.make's; a PettingZoo env takes its episode length as a keyword "
+                    "of its own (max_cycles= for MPE and butterfly envs); ")
+    elif "max_episode_steps" in env_kwargs and not isinstance(env, str):   # (gymnasium.make's, for an id)
+        renamed += (f"max_episode_steps= is gymnasium.make's, for a registered id; limit your own env's episodes with "
+                    f"wrappers=[lambda e: gym.wrappers.TimeLimit(e, {env_kwargs['max_episode_steps']!r})]; ")
+    if not isinstance(env, str):
+        env = getattr(env, "__qualname__", None) or env
     return UnknownEnvError(f"environment {env!r} does not take the keyword arguments given to ff.envs.make "
                            f"({', '.join(sorted(env_kwargs))}): {exc}", where=where,
                            fix=renamed + "pass only arguments the environment's constructor takes (options of "

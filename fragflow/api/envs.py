@@ -38,6 +38,7 @@ import functools
 import importlib
 import math
 import numbers
+import pkgutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -256,6 +257,11 @@ class VectorEnv:
                 final = _set_rows(obs, [(int(i), info["final_obs"][i]) for i in ended])
         return obs, reward, terminated, truncated, {"final_obs": final}
 
+    def render(self) -> tuple[Any, ...]:
+        """Each environment's ``render()`` (of those this process steps, in ``ids`` order), as the env's
+        ``render_mode`` makes it: a frame each for ``"rgb_array"`` (``ff.envs.make(..., render_mode=...)``)."""
+        return tuple(self._env.render() or ())
+
     def close(self) -> None:
         self._env.close()
 
@@ -345,17 +351,26 @@ def _registered(env_id: str, where: Any) -> Any:
             module = None
         if module is not None and _parallel_factory(module) is not None:
             return module
+        package = importlib.import_module(namespace)
+        if hasattr(package, "__path__"):   # a package of environment modules (mpe2, pettingzoo.butterfly): their names
+            names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
+            ours = [f"{namespace}:{n}" for n in names if n[-1].isdigit() and "_v" in n] + \
+                [f"{namespace}:{k}" for k in gym.registry if k.startswith(f"{namespace}/")]
+            if ours:
+                raise UnknownEnvError(f"unknown environment id {env_id!r}: {namespace} has no environment "
+                                      f"{env_id.split(':', 1)[1]!r}", where=where, fix=did_you_mean(env_id, ours))
     prefix = env_id.split("/", 1)[0]
-    if prefix == "ALE":   # ale-py registers its games when imported ("ale_py:ALE/Pong-v5" in gymnasium)
-        try:
-            importlib.import_module("ale_py")
-        except ImportError:
-            pass
-        if env_id in gym.registry:
-            return env_id
+    # ale-py registers its games when imported ("ale_py:ALE/Pong-v5" in gymnasium): ALE/ ids, and the
+    # v0/v4 ids CleanRL and SB3 use ("BreakoutNoFrameskip-v4")
+    try:
+        importlib.import_module("ale_py")
+    except ImportError:
+        pass
+    if env_id in gym.registry:
+        return env_id
     hint = _EXTRA_HINT.get(prefix) if "/" in env_id else None
     raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
-                          fix=hint or did_you_mean(env_id, gym.registry.keys()))
+                          fix=hint or did_you_mean(env_id.split(":", 1)[-1], gym.registry.keys()))
 
 
 # the extra that registers an env family when it is missing
@@ -419,8 +434,16 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
     parallel = _parallel_factory(env_id)
+    if isinstance(env_id, gym.Env) and parallel is None:   # (one environment: it cannot make num_envs of them)
+        spec = getattr(env_id, "spec", None)
+        raise UnknownEnvError(f"ff.envs.make got an environment, {type(env_id.unwrapped).__name__}, where it takes what "
+                              f"makes one: it makes num_envs={num_envs} environments, each seeded seed + i",
+                              where=where, fix=(f"pass its id, ff.envs.make({spec.id!r}, ...), or " if spec is not None
+                                                else "pass its class, or ") + "a function that makes it: "
+                              "ff.envs.make(lambda: gym.make(...), ...) or ff.envs.make(lambda: MyEnv(...), ...); keyword "
+                              "arguments of make go to the env")
     if parallel is None and not isinstance(env_id, str) and not callable(env_id):
-        raise UnknownEnvError(f"ff.envs.make got {type(env_id).__name__} {env_id!r} as the environment",
+        raise UnknownEnvError(f"ff.envs.make got {type(env_id).__name__} {env_id!r:.200} as the environment",
                               where=where, fix="pass a gymnasium id, a gymnasium.Env subclass, a function that returns "
                                                "a gymnasium.Env, or a PettingZoo parallel env")
     first: Any = None
@@ -477,7 +500,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         except TypeError as exc:
             if not env_kwargs or "keyword argument" not in str(exc):
                 raise
-            raise envcheck.unknown_kwargs(label, env_kwargs, exc, where) from None
+            raise envcheck.unknown_kwargs(label, env_kwargs, exc, where, parallel=True) from None
         if interp is not None:
             interp.adopt(menv)
         return menv
@@ -531,6 +554,11 @@ def atari(env_id: str, num_envs: int = 1, seed: int = 0, *, frame_stack: int = 4
                               "and the preprocessing you want")):
         if option in env_kwargs:
             raise ConfigError(f"ff.envs.atari was given {option}=: {why}", where=user_callsite(), fix=fix)
+    if env_kwargs.get("obs_type") == "ram":   # (gymnasium's preprocessing failed at the first reset, in its own code)
+        raise ConfigError("ff.envs.atari was given obs_type='ram': its preprocessing works on the screen (84x84 "
+                          "grayscale frames), not on the console's 128 bytes of RAM", where=user_callsite(),
+                          fix=f"make the env with ff.envs.make({env_id!r}, num_envs, seed, obs_type='ram') and the "
+                              "wrappers you want (wrappers=[...]), or leave obs_type out")
     if ":" not in env_id and env_id.startswith("ALE/"):
         env_id = f"ale_py:{env_id}"    # registers the ALE/ ids
     wrappers = [lambda e: gym.wrappers.AtariPreprocessing(e, noop_max=noop_max, frame_skip=4, screen_size=84),

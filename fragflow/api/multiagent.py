@@ -13,10 +13,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from fragflow.api.envcheck import a_number
 from fragflow.api.envs import VectorEnv
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError, UnknownEnvError
-from fragflow.source import user_callsite
+from fragflow.source import definition_of, user_callsite
+
+# the types of one number a step's dicts mostly hold (checked without a_number's general test)
+_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.bool_, np.int64})
 
 
 def _corner(shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -132,8 +136,11 @@ class MultiAgentVectorEnv(VectorEnv):
         done, self._finished = self._finished, []
         return done
 
-    def _obs(self, obs: dict[str, Any]) -> np.ndarray:
+    def _obs(self, obs: dict[str, Any], i: int, call: str) -> np.ndarray:
         space: Any = self.single_observation_space
+        for a in self.agents:   # (one of another shape was broadcast, or batched as it came: the space says otherwise)
+            if a in obs:
+                self._check_obs(obs[a], a, i, call)
         if not self._padded:
             return np.stack([np.asarray(obs[a], space.dtype) if a in obs else np.zeros(space.shape, space.dtype)
                              for a in self.agents])
@@ -149,13 +156,75 @@ class MultiAgentVectorEnv(VectorEnv):
         self._lengths[:] = 0
         self._out[:] = False
         seeded, self._seeded = self._seeded, True   # (seeded at the first reset only, as a VectorEnv)
-        return np.stack([self._obs(env.reset(seed=None if seeded else int(self.seed) + int(i))[0])
-                         for env, i in zip(self.envs, self.ids)])
+        return np.stack([self._obs(self._reset_one(env, None if seeded else int(self.seed) + int(i)), k, "reset")
+                         for k, (env, i) in enumerate(zip(self.envs, self.ids))])
+
+    def _check_obs(self, o: Any, agent: str, i: int, call: str) -> None:
+        """Refuse an agent's observation that its own space does not hold: another shape (batched as
+        it came where every agent's was so, else a numpy error), or a dtype storing would truncate."""
+        space: Any = self.agent_observation_spaces[agent]
+        dtype = getattr(o, "dtype", None)
+        if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
+            dtype = np.asarray(o).dtype
+        shape, target = np.shape(o), getattr(space, "dtype", None)
+        fits = shape == space.shape and (target is None or dtype == target or np.can_cast(dtype, target, "same_kind"))
+        if fits and target is not None and dtype != target and dtype.kind in "iu" and target.kind in "iu":
+            limits, values = np.iinfo(target), np.asarray(o)   # (300 in an int8 space was stored as 44)
+            fits = values.size == 0 or limits.min <= values.min() and values.max() <= limits.max
+        if not fits:
+            raise ConfigError(f"agent {agent!r} of environment {int(self.ids[i])} was given by the env's {call} an "
+                              f"observation of shape {shape} and dtype {dtype}, but its observation space is {space}: "
+                              + ("storing it would truncate or wrap its values" if shape == space.shape else
+                                 "batching it would change its shape"), where=user_callsite(),
+                              fix="return each agent the observations its observation_space(agent) declares (shape "
+                                  "and dtype), or declare the space the env returns")
+
+    def _reset_one(self, env: Any, seed: int | None) -> dict[str, Any]:
+        """One environment's reset observations; refused where its reset returns them alone (PettingZoo's
+        older API: it failed as a KeyError in fragflow's code)."""
+        out = env.reset(seed=seed)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict)):
+            got = f"{len(out)} values" if isinstance(out, tuple) else f"a {type(out).__name__}"
+            raise ConfigError(f"environment {self.env_id}'s reset returned {got}, where a parallel env's reset returns "
+                              "(observations, infos), two dicts keyed by agent",
+                              where=definition_of(type(env).reset) or user_callsite(),
+                              fix="return the observations and an info dict per agent: return obs, {a: {} for a in "
+                                  "obs} (PettingZoo's current API)")
+        return out[0]
+
+    def _check_step(self, env: Any, live: set[str], out: Any) -> None:
+        """Refuse a step that does not return PettingZoo's five dicts (four: its older API), or
+        whose rewards or done flags are not a number per agent (None was stored as a NaN reward, a
+        string as a flag of its truth)."""
+        if not (isinstance(out, tuple) and len(out) == 5):
+            got = f"{len(out)} values" if isinstance(out, tuple) else f"a {type(out).__name__}"
+            old = " (obs, rewards, dones, infos: PettingZoo's older API)" if isinstance(out, tuple) and \
+                len(out) == 4 else ""
+            raise ConfigError(f"environment {self.env_id}'s step returned {got}{old}, where a parallel env's step "
+                              "returns 5 dicts keyed by agent: observations, rewards, terminations, truncations, infos",
+                              where=definition_of(type(env).step) or user_callsite(),
+                              fix="return obs, rewards, terminations, truncations, infos: done split into terminated "
+                                  "(the episode ended by the task's rules) and truncated (cut off, e.g. at max_cycles)")
+        for what, entry, values, kind in (("rewards", "reward", out[1], "a number"),
+                                          ("terminations", "terminated flag", out[2], "a bool"),
+                                          ("truncations", "truncated flag", out[3], "a bool")):
+            if isinstance(values, dict):
+                bad = next((a for a, v in values.items()
+                            if a in live and type(v) not in _NUMBERS and not a_number(v)), None)
+                if bad is None:
+                    continue
+                got = f"{values[bad]!r:.40} as the {entry} of agent {bad!r}"
+            else:
+                got = f"{type(values).__name__} {values!r:.40} as its {what}"
+            raise ConfigError(f"environment {self.env_id}'s step returned {got}, where a parallel env returns a dict "
+                              f"of {kind} per agent", where=definition_of(type(env).step) or user_callsite(),
+                              fix="return obs, rewards, terminations, truncations, infos: dicts keyed by agent, a "
+                                  "float reward and bool flags for each agent that acted")
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         a = to_numpy(actions)
         if self.single_action_space.dtype is not None and a.dtype != self.single_action_space.dtype:
-            a = a.astype(self.single_action_space.dtype)
+            a = self._cast(a, self.single_action_space.dtype, "actions")   # (0.9 for a Discrete space stepped 0)
         n, k = self.num_envs, self.num_agents
         if a.shape[:2] != (n, k) or (self._action_n is not None and ((a >= self._action_n).any() or (a < 0).any())):
             self._refuse(a)
@@ -167,15 +236,27 @@ class MultiAgentVectorEnv(VectorEnv):
         cut = self._action_cut
         for i, env in enumerate(self.envs):
             live = set(env.agents)
-            o, r, te, tr, _ = env.step({agent: a[i, j] if cut is None else a[i, j][cut[j]]
+            kept = [agent for j, agent in enumerate(self.agents) if agent in live and self._out[i, j]]
+            if kept:
+                raise ConfigError(f"agent {kept[0]!r} of environment {int(self.ids[i])} of {self.env_id} ended its "
+                                  "episode (terminated or truncated) at an earlier step but is still among the "
+                                  "env's agents: each step would count another episode of it, and the environment, "
+                                  "whose episode ends when no agent is left, would never reset",
+                                  where=definition_of(type(env).step) or user_callsite(),
+                                  fix="remove an agent from self.agents at the step that ends its episode, as "
+                                      "PettingZoo's parallel API has it (self.agents = [a for a in self.agents if "
+                                      "not (terminations[a] or truncations[a])])")
+            stepped = env.step({agent: a[i, j] if cut is None else a[i, j][cut[j]]
                                         for j, agent in enumerate(self.agents) if agent in live})
+            self._check_step(env, live, stepped)
+            o, r, te, tr, _ = stepped
             for j, agent in enumerate(self.agents):
                 if agent in live:
                     raw[i, j] = reward[i, j] = r.get(agent, 0.0)
                     terminated[i, j], truncated[i, j] = bool(te.get(agent, False)), bool(tr.get(agent, False))
                 else:
                     terminated[i, j] = True       # it left the episode earlier
-            step_obs = self._obs(o)
+            step_obs = self._obs(o, i, "step")
             self._returns[i] += raw[i]
             self._lengths[i] += np.array([agent in live for agent in self.agents])
             # an agent's episode ends at its own last step (the others may go on for long after), or
@@ -189,7 +270,7 @@ class MultiAgentVectorEnv(VectorEnv):
             if not env.agents:                    # every agent is done: the episode ends here
                 self._returns[i], self._lengths[i], self._out[i] = 0.0, 0, False
                 final.append(step_obs)
-                step_obs = self._obs(env.reset()[0])
+                step_obs = self._obs(self._reset_one(env, None), i, "reset")
             else:
                 final.append(step_obs)
             obs.append(step_obs)
@@ -210,6 +291,9 @@ class MultiAgentVectorEnv(VectorEnv):
                           f"the padded Discrete({int(self.single_action_space.n)}))",  # type: ignore[attr-defined]
                           where=user_callsite(), fix="sample from logits masked with env.action_mask, e.g. "
                           "logits.masked_fill(~torch.as_tensor(env.action_mask), -1e9)")
+
+    def render(self) -> tuple[Any, ...]:
+        return tuple(env.render() for env in self.envs)
 
     def close(self) -> None:
         for env in self.envs:

@@ -53,15 +53,35 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
     CartPole step. ``info`` holds ``final_obs`` and its mask ``_final_obs`` when an episode ended."""
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], ids: Any) -> None:
-        super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        try:
+            super().__init__(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        except RuntimeError:   # (gymnasium's, naming an option of its own)
+            envs = getattr(self, "envs", [])
+            odd = next(((i, kind) for kind in ("observation_space", "action_space") for i, env in enumerate(envs)
+                        if getattr(env, kind) != getattr(envs[0], kind)), None)
+            if odd is None:
+                raise
+            for env in envs:
+                env.close()
+            i, kind = odd
+            raise ConfigError(f"the environments made have different spaces: environment {int(ids[i])}'s "
+                              f"{kind} is {getattr(envs[i], kind)}, environment {int(ids[0])}'s "
+                              f"{getattr(envs[0], kind)}", where=user_callsite(),
+                              fix="give every copy the same observation and action spaces (from the constructor's "
+                                  "arguments, not a random draw), or make environments of other spaces with an "
+                                  "ff.envs.make call of their own") from None
         self.ids = [int(i) for i in ids]   # each environment's index in the whole run (what messages name)
         self._lean = isinstance(self.single_observation_space, ARRAY_SPACES) and \
             isinstance(self.single_action_space, ARRAY_SPACES)
 
     def reset(self, **kwargs: Any) -> Any:
         try:
-            return super().reset(**kwargs)
-        except (ValueError, TypeError, AssertionError) as exc:
+            out = super().reset(**kwargs)
+            if self._lean:   # (gymnasium's batching stores integers out of the dtype's range wrapped)
+                for i, o in enumerate(self._env_obs):
+                    self._fits(i, o, self._observations.dtype, self._observations.shape[1:])
+            return out
+        except (ValueError, TypeError, AssertionError, KeyError, IndexError) as exc:
             misfit = self._misfit(exc, "reset")
             if misfit is exc:
                 raise
@@ -71,7 +91,7 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
         if not self._lean:
             try:
                 return super().step(actions)
-            except (ValueError, TypeError, AssertionError) as exc:
+            except (ValueError, TypeError, AssertionError, KeyError, IndexError) as exc:
                 misfit = self._misfit(exc, "step")
                 if misfit is exc:
                     raise
@@ -82,31 +102,47 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
         terminated = np.empty(n, np.bool_)
         truncated = np.empty(n, np.bool_)
         info: dict[str, Any] = {}
+        target, shape = obs.dtype, obs.shape[1:]
         for i, env in enumerate(self.envs):
             o, r, te, tr, _ = env.step(actions[i])
             if te or tr:
+                dtype = getattr(o, "dtype", None)   # (the episode's last: final_obs)
+                if dtype is None or dtype != target or np.shape(o) != shape:
+                    self._fits(i, o, target, shape)
                 if not info:
                     info = {"final_obs": np.full(n, None, dtype=object), "_final_obs": np.zeros(n, np.bool_)}
                 info["final_obs"][i] = o
                 info["_final_obs"][i] = True
                 o, _ = env.reset()
-            # (a list or a Python number has no dtype: 1.5 in a Discrete space was stored as 1)
             dtype = getattr(o, "dtype", None)
-            if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
-                dtype = np.asarray(o).dtype
-            if dtype != obs.dtype and not np.can_cast(dtype, obs.dtype, "same_kind"):
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}, but "
-                                  f"its observation space {self.single_observation_space} holds {obs.dtype}: storing "
-                                  "it would truncate or wrap its values", where=user_callsite(),
-                                  fix="return observations of the space's dtype, or declare the space the env returns")
-            if np.shape(o) != obs.shape[1:]:   # (assigning would broadcast it silently)
-                raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
-                                  f"observation space {self.single_observation_space} has shape {obs.shape[1:]}",
-                                  where=user_callsite(),
-                                  fix="return observations of the space's shape, or declare the space the env returns")
+            if dtype is None or dtype != target or np.shape(o) != shape:
+                self._fits(i, o, target, shape)
             obs[i] = o
             rewards[i], terminated[i], truncated[i] = r, te, tr
         return obs, rewards, terminated, truncated, info
+
+    def _fits(self, i: int, o: Any, target: np.dtype, shape: tuple[int, ...]) -> None:
+        """Refuse an observation the batch cannot store as it is: of another shape (assigning would
+        broadcast it), of a dtype storing would truncate (1.5 in a Discrete space was stored as 1),
+        or integers out of the space's dtype's range (300 in an int8 space wrapped to 44)."""
+        dtype = getattr(o, "dtype", None)
+        if not isinstance(dtype, np.dtype):   # (a list, a number, a tensor)
+            dtype = np.asarray(o).dtype
+        wraps = False
+        if dtype != target and dtype.kind in "iu" and target.kind in "iu":
+            limits, values = np.iinfo(target), np.asarray(o)
+            wraps = values.size > 0 and (values.min() < limits.min or values.max() > limits.max)
+        if wraps or (dtype != target and not np.can_cast(dtype, target, "same_kind")):
+            raise ConfigError(f"environment {self.ids[i]} returned an observation of dtype {dtype}"
+                              + (f" with values out of {target}'s range" if wraps else "") + ", but its observation "
+                              f"space {self.single_observation_space} holds {target}: storing it would truncate or "
+                              "wrap its values", where=user_callsite(),
+                              fix="return observations of the space's dtype, or declare the space the env returns")
+        if np.shape(o) != shape:   # (assigning would broadcast it silently)
+            raise ConfigError(f"environment {self.ids[i]} returned an observation of shape {np.shape(o)}, but its "
+                              f"observation space {self.single_observation_space} has shape {shape}",
+                              where=user_callsite(),
+                              fix="return observations of the space's shape, or declare the space the env returns")
 
     def _misfit(self, exc: BaseException, call: str) -> BaseException:
         """The error an observation that does not fit the space raised where gymnasium batches the
@@ -118,8 +154,10 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
             tb = tb.tb_next
         if not batching:
             return exc
+        why = f"it lacks the key {exc}" if isinstance(exc, KeyError) else \
+            "it has fewer parts than the Tuple" if isinstance(exc, IndexError) else f"{type(exc).__name__}: {exc}"
         return ConfigError(f"an environment's {call} returned an observation that does not fit its observation "
-                           f"space {self.single_observation_space} ({type(exc).__name__}: {exc})",
+                           f"space {self.single_observation_space} ({why})",
                            where=user_callsite(),
                            fix="return observations of the space's shape (for a Dict or Tuple space, each part of "
                                "its own subspace's), or declare the space the env returns")
