@@ -35,7 +35,7 @@ from fragflow.compiler.pytree import (
 )
 from fragflow.compiler.statecheck import reshaped
 from fragflow.errors import ConfigError, NonFiniteError, NotArrayPytreeError, SpecChangedError
-from fragflow.source import SourceLoc
+from fragflow.source import SourceLoc, user_callsite
 
 Skeleton = tuple[Any, ...]
 
@@ -148,10 +148,11 @@ def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], A
 def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None,
                  replicas: int = 1) -> None:
     """The leaves a call sends must match the traced specs its ring was sized for (``replicas``: the
-    loop's processes, each stepping its share of the environments)."""
+    loop's processes, each stepping its share of the environments; ``where``: the call's line, None
+    for the user's line on the stack, found only if it is refused)."""
     if len(leaves) != len(specs):
         raise SpecChangedError(f"fragment '{fragment}' was called with {len(leaves)} array leaves, "
-                               f"but it was traced with {len(specs)}", where=where,
+                               f"but it was traced with {len(specs)}", where=where or user_callsite(),
                                fix="pass the same pytree on every call (channels are sized from the traced call)")
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         got = spec_of(x)
@@ -188,7 +189,7 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                        "merged across processes along the env axis: buf.add(..., score=score)), or beside "
                        "per-environment data the fragment also takes, and slice, reshape or flatten it inside the "
                        "fragment; or run with one actor")
-            raise SpecChangedError(message, where=where, fix=fix)
+            raise SpecChangedError(message, where=where or user_callsite(), fix=fix)
 
 
 def _one_axis_apart(got: tuple[int, ...], traced: tuple[int, ...]) -> int:
