@@ -913,3 +913,33 @@ def test_a_loop_that_breaks_before_its_first_learner_call_is_told_so(write_algo)
     assert "where `for step in range(1000)` (" in info.value.fix
     assert f"algo.py:{marks['loop']}) leaves early (a break), call the learner before it does" in info.value.fix
     assert ff.run(program.train, 100, policy="pipelined").summary["updates"] >= 1   # (a later break: it runs)
+
+
+def test_a_loop_replicas_reports_reach_the_driver_in_one_put_per_interval_in_order():
+    """A loop replica's mark at each update and its logs were each a put of their own on its report
+    queue, each waking the queue's feeder thread, which took the GIL from the loop (a twentieth of a
+    pipelined DQN actor's time): they go in the outbox, in order, sent whole every 0.2 s, and the
+    driver takes each as if it had come alone."""
+    from fragflow.runtime.worker import QueueReporter
+
+    class Queue:
+        def __init__(self):
+            self.puts = []
+
+        def put(self, msg):
+            self.puts.append(msg)
+
+    q = Queue()
+    reporter = QueueReporter(q, 0)
+    expected = []
+    for update in range(1, 51):
+        reporter.env_step(4, [(1.0, 4)] if update % 10 == 0 else [], False)
+        reporter.mark(update)
+        expected.append(("steps", 0, 4 * update, update // 10, [(4 * update, 1.0, 4)] if update % 10 == 0 else [],
+                         [], [(update, 4 * update, update // 10)]))
+        reporter.log({"x": float(update)}, update, 4 * update, False)
+        expected.append(("log", {"x": float(update)}, update, 4 * update, False, 0))
+    reporter.flush()
+    assert len(q.puts) <= 2   # (one at the end; one more where the 0.2 s passed on a loaded machine)
+    got = [m for put in q.puts for m in (put[1] if put[0] == "batch" else [put])]
+    assert got == expected

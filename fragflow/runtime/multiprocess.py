@@ -334,7 +334,16 @@ class Driver:
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
-        if kind == "steps":
+        if kind == "batch":   # a loop replica's reports, sent together (see QueueReporter): each, in order
+            stop: BaseException | None = None
+            for part in msg[1]:
+                try:
+                    self._handle(part)
+                except (StopRun, Exception) as failed:   # (the rest still counts, as when they came one by one)
+                    stop = stop or failed
+            if stop is not None:
+                raise stop
+        elif kind == "steps":
             _, k, steps, episodes, finished, evaluated, marks = msg
             heard_steps, heard_episodes = self.heard.get(k, (0, 0))
             new = finished[max(0, len(finished) - (episodes - heard_episodes)):] if episodes > heard_episodes else []

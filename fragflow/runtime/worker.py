@@ -78,6 +78,12 @@ def _die_with_parent(parent: int) -> None:
 class QueueReporter:
     """A loop replica's events, batched to the driver every 0.2 s.
 
+    Everything it reports (its counts, an update's mark, what the loop logs) goes into one outbox,
+    in the order it happened, sent whole every ``REPORT_EVERY`` seconds and wherever the driver must
+    have all of it (a checkpoint's cut, the loop's end, its failure): each put wakes the queue's
+    feeder thread, which took the GIL from the loop for a few hundred microseconds where a put was
+    made at every update (a mark and a log: a twentieth of a pipelined DQN actor's time).
+
     Counts are cumulative (env steps and episodes since the replica's loop began), so the driver
     counts each step and episode once: a restarted replica re-running trips its dead process
     already reported (or had done without reporting) starts from the counts of its snapshot, and
@@ -94,6 +100,7 @@ class QueueReporter:
         self.eval: list[tuple[int, int, float, int]] = []   # (updates, env steps made then, return, length)
         self.updates_made = 0
         self.dirty = False
+        self.outbox: list[tuple[Any, ...]] = []   # reports not sent yet, in order
         self.next = time.monotonic() + REPORT_EVERY
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
@@ -113,11 +120,13 @@ class QueueReporter:
 
     def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
             new_row: bool = False) -> None:
-        self.results.put(("log", scalars, update, steps, new_row, self.log_seq))
+        self.outbox.append(("log", scalars, update, steps, new_row, self.log_seq))
+        self._due()
 
     def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
                new_row: bool = False) -> None:
-        self.results.put(("logged", requests, steps, new_row, self.log_seq))
+        self.outbox.append(("logged", requests, steps, new_row, self.log_seq))
+        self._due()
 
     def mark(self, update: int) -> None:
         """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
@@ -125,13 +134,25 @@ class QueueReporter:
         self.marks.append((update, self.total_steps, self.total_episodes))
         self.updates_made = update
         self.dirty = True
-        self.flush()
+        self._counts()   # (the mark ends its report: the driver counts what was made by then)
+        self._due()
+
+    def _counts(self) -> None:
+        if self.dirty:
+            self.outbox.append(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes,
+                                self.eval, self.marks))
+            self.episodes, self.eval, self.marks, self.dirty = [], [], [], False
+
+    def _due(self) -> None:
+        if time.monotonic() >= self.next:
+            self.flush()
 
     def flush(self) -> None:
-        if self.dirty:
-            self.results.put(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes, self.eval,
-                              self.marks))
-            self.episodes, self.eval, self.marks, self.dirty = [], [], [], False
+        """Send everything reported so far."""
+        self._counts()
+        if self.outbox:
+            self.results.put(self.outbox[0] if len(self.outbox) == 1 else ("batch", self.outbox))
+            self.outbox = []
         self.next = time.monotonic() + REPORT_EVERY
 
 
@@ -157,6 +178,15 @@ def main(*args: Any) -> None:
         prof.dump_stats(os.path.join(out, f"{args[0]}{args[1]}.prof"))
 
 
+def _flush(reporter: QueueReporter | None) -> None:
+    """What a loop replica that stops or fails had not sent yet, sent (where its queue still takes it)."""
+    if reporter is not None:
+        try:
+            reporter.flush()
+        except Exception:   # (its queue closed: the driver has stopped listening)
+            pass
+
+
 def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: dict[str, Any] | None = None) -> None:
     # The driver coordinates shutdown; Ctrl-C in a terminal reaches the whole process group.
     if getattr(wiring, "watch_parent", True):   # a local process (a Ray actor is ended by Ray)
@@ -169,6 +199,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
 
     endpoints = None
     worker: Any = None
+    reporter: QueueReporter | None = None
     results = wiring.results
     try:   # (a program that cannot be loaded here, a module it needs missing, is reported as any error)
         try:
@@ -220,8 +251,10 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             worker.run()
         results.put(("done", role, index))
     except Stopped:
+        _flush(reporter)
         results.put(("stopped", role, index))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the driver
+        _flush(reporter)   # (what the loop made before it failed has its rows, as it had when sent at once)
         fragment = getattr(worker, "current", None)
         results.put(("error", role, index, fragment, _user_traceback(exc), _dumps_or_none(exc)))
         sys.exit(1)
