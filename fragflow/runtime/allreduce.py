@@ -430,8 +430,8 @@ class GradientAllReduce:
             "must make the same backward passes per update, whatever its share of the data (an early stop on a "
             "value of its own share, such as `if approx_kl > target_kl: break`, makes them differ)", where=call.where,
             fix="make the backward passes per update the same in every learner: decide an early stop on a value every "
-                "learner holds alike, its mean over the learners (`if torch.distributed.is_initialized(): "
-                "torch.distributed.all_reduce(kl); kl /= torch.distributed.get_world_size()`, as ppo.py's target_kl "
+                "learner holds alike, its mean over the learners (`if ff.learners() > 1: "
+                "torch.distributed.all_reduce(kl); kl /= ff.learners()`, as ppo.py's target_kl "
                 "does), or turn the stop off (a threshold of your Args it never reaches, or a switch), or run a "
                 "single-learner policy (pipelined, actor_learner)")
 
