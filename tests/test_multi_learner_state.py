@@ -129,6 +129,43 @@ def test_an_update_one_learner_skips_on_its_own_share_is_refused_through_gloo_to
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_second_learner_one_learner_skips_on_its_own_share_is_refused_through_gloo_too(write_algo, via, monkeypatch):
+    """Two learner fragments whose gradients differ in size (the clock's net, a wider head), the
+    head's step skipped on a value of each learner's own share after the first update: the learner
+    that skipped ended the head's update with an all-reduce of the size of the first gradient of its
+    last update with one (the clock's, just before), the other learner all-reduced the head's first
+    gradient, and gloo aborted the learners' processes (a worker killed by signal 6) rather than the
+    run being refused."""
+    source = PROGRAM.replace('''def train(args: Args):''', '''@ff.fragment("learner", writes="head")  # @head
+def learn_head(head, xs, update):
+    x = torch.as_tensor(np.stack(xs)).reshape(-1, 3)
+    if update >= 2 and float(x[0, 0]) > 0.0:   # this share's first input: no step
+        return head
+    loss = head["net"](x).pow(2).mean()
+    head["opt"].zero_grad()
+    loss.backward()
+    head["opt"].step()
+    return head
+
+
+def train(args: Args):''').replace('''        state, metrics = learn(state, xs, ys, args)''', '''        state, metrics = learn(state, xs, ys, args)
+        head = learn_head(head, xs, update)''').replace('''    key = ff.random.keys(args.seed, ff.envs.ids(args.num_envs))''', '''    wide = torch.nn.Linear(3, 8)
+    head = ff.versioned({"net": wide, "opt": torch.optim.SGD(wide.parameters(), lr=0.01)}, name="head")
+    key = ff.random.keys(args.seed, ff.envs.ids(args.num_envs))''')
+    assert source.count("learn_head") == 2 and "wide" in source
+    path, marks = write_algo(source, "skips_head.py")
+    prog = load(str(path))
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn_head' "
+                                          r"\(one had averaged 0 gradients when another ended the update\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['head']}\n"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_an_optimizer_setting_that_is_an_object_is_not_compared_by_its_address(write_algo):
     """A setting of an optimizer's group that is an object (a schedule kept beside the rate): its
     repr (an address, here its process) differs between the learners' processes, and the learners

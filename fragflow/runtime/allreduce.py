@@ -86,7 +86,8 @@ class GradientAllReduce:
         self.call: _Call | None = None      # the update in progress: what every learner must agree on
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
-        self.first: tuple[int, Any, Any] = (0, None, None)  # and of the first gradient of the last update with one
+        # and of the first gradient of each fragment's last update with one
+        self.firsts: dict[str, tuple[int, Any, Any]] = {}
         self.params: list[Any] = []         # the parameters watched (see watch)
         self.store: Any = None
         self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
@@ -290,14 +291,19 @@ class GradientAllReduce:
                                         required=required)
         # every learner ends the update here, none still averaging, each with the state it made: of the size of
         # its last gradient, where a learner closing and another at its next gradient meet at one sum (gloo
-        # needs the sizes alike); having averaged none, of the size of the first gradient it has averaged in
-        # an update, or of all the parameters it watches: another may be at its update's first gradient
+        # needs the sizes alike); having averaged none, of the size of the first gradient it has averaged in an
+        # update of this fragment (another learner may be at this update's first gradient: not the size of
+        # another fragment's, whose parameters differ), or of the parameters it watches of the state written
         if self.averaged:
             numel, dtype, device = self.last
-        elif self.first[1] is not None:
-            numel, dtype, device = self.first
+        elif fragment in self.firsts:
+            numel, dtype, device = self.firsts[fragment]
         else:
+            written_params = {id(p) for p in _parameters(written.state)} | {
+                id(p) for _, opt in learnerstate.optimizers_at(written.state) for group in opt.param_groups
+                for p in group["params"]}
             watched = [p for p in self.params if p.is_floating_point()]
+            watched = [p for p in watched if id(p) in written_params] or watched
             numel = sum(int(p.numel()) for p in watched)
             dtype, device = (watched[0].dtype, watched[0].device) if watched else (torch.float32, self.device)
         self._reduce([torch.zeros(numel, dtype=dtype, device=device)], closing=True)
@@ -315,7 +321,7 @@ class GradientAllReduce:
         dtype, device = parts[0].dtype, parts[0].device
         call = self.call
         if call is not None and not closing and self.averaged == 0:
-            self.first = (numel, dtype, device)
+            self.firsts[call.fragment] = (numel, dtype, device)
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.shared is not None and call is not None:
