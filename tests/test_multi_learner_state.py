@@ -166,6 +166,42 @@ def train(args: Args):''').replace('''        state, metrics = learn(state, xs, 
     assert mp.active_children() == [] and shm_leftovers() == []
 
 
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_second_step_of_other_parameters_one_learner_skips_is_refused_through_gloo_too(write_algo, via, monkeypatch):
+    """One update of two backward passes into different parameters (a critic's, then a wider actor
+    head's, as SAC's), the second skipped on a value of each learner's own share after the first
+    update: the learner that skipped ended the update with an all-reduce of its last gradient's size
+    (the critic's), the other all-reduced the head's gradient, and gloo aborted the learners'
+    processes (a worker killed by signal 6) rather than the run being refused."""
+    source = PROGRAM.replace(ADAM, '''{"net": net, "opt": torch.optim.Adam(net.parameters(), lr=0.05),
+                          "head": torch.nn.Linear(3, 8), "n": 0}''').replace(STEPS, '''    state["n"] += 1
+    for _ in range(1):
+        loss = ((net(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if state["n"] >= 3 and float(x[0, 0]) > 0.0:   # this share's first input: no step of the head
+        return state, {"loss": loss.detach()}
+    head_loss = state["head"](x).pow(2).mean()
+    state["head"].zero_grad()
+    head_loss.backward()
+    with torch.no_grad():
+        for p in state["head"].parameters():
+            p -= 0.01 * p.grad
+''' + STEPS).replace(LEARN, LEARN + "  # @learn")
+    assert "head_loss" in source and "# @learn" in source
+    path, marks = write_algo(source, "skips_second.py")
+    prog = load(str(path))
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' "
+                                          r"\(one had averaged 1 gradient when another ended the update\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['learn']}\n"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
 def test_an_optimizer_setting_that_is_an_object_is_not_compared_by_its_address(write_algo):
     """A setting of an optimizer's group that is an object (a schedule kept beside the rate): its
     repr (an address, here its process) differs between the learners' processes, and the learners

@@ -86,8 +86,8 @@ class GradientAllReduce:
         self.call: _Call | None = None      # the update in progress: what every learner must agree on
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
-        # and of the first gradient of each fragment's last update with one
-        self.firsts: dict[str, tuple[int, Any, Any]] = {}
+        # and of each gradient of the updates of each fragment, in order (the longest of its updates so far)
+        self.sizes: dict[str, list[tuple[int, Any, Any]]] = {}
         self.params: list[Any] = []         # the parameters watched (see watch)
         self.store: Any = None
         self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
@@ -289,15 +289,16 @@ class GradientAllReduce:
         sums = learnerstate.state_sums(written.state, written.name, whole)
         self.call = dataclasses.replace(self.call, state=tuple(sums), state_key=learnerstate.key([c for _, c in sums]),
                                         required=required)
-        # every learner ends the update here, none still averaging, each with the state it made: of the size of
-        # its last gradient, where a learner closing and another at its next gradient meet at one sum (gloo
-        # needs the sizes alike); having averaged none, of the size of the first gradient it has averaged in an
-        # update of this fragment (another learner may be at this update's first gradient: not the size of
-        # another fragment's, whose parameters differ), or of the parameters it watches of the state written
-        if self.averaged:
+        # every learner ends the update here, none still averaging, each with the state it made, in an
+        # all-reduce of the size of the gradient another learner may be at instead (gloo needs the sizes alike):
+        # this fragment's next gradient, as an earlier update of it took it (a backward pass into other
+        # parameters, a critic's then an actor's), else its last gradient's; having averaged none in any update
+        # of it, of the parameters it watches of the state written (another may be at its first gradient)
+        sizes = self.sizes.setdefault(fragment, [])
+        if self.averaged < len(sizes):
+            numel, dtype, device = sizes[self.averaged]
+        elif self.averaged:
             numel, dtype, device = self.last
-        elif fragment in self.firsts:
-            numel, dtype, device = self.firsts[fragment]
         else:
             written_params = {id(p) for p in _parameters(written.state)} | {
                 id(p) for _, opt in learnerstate.optimizers_at(written.state) for group in opt.param_groups
@@ -320,8 +321,10 @@ class GradientAllReduce:
         numel = sum(int(p.numel()) for p in parts)
         dtype, device = parts[0].dtype, parts[0].device
         call = self.call
-        if call is not None and not closing and self.averaged == 0:
-            self.firsts[call.fragment] = (numel, dtype, device)
+        if call is not None and not closing:   # (the update's gradients in order: see update)
+            sizes = self.sizes.setdefault(call.fragment, [])
+            if self.averaged >= len(sizes):
+                sizes.append((numel, dtype, device))
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.shared is not None and call is not None:
