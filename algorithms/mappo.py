@@ -139,7 +139,7 @@ class Agents(nn.Module):
     @torch.no_grad()
     def observe_returns(self, returns: torch.Tensor, beta: float = 0.99999) -> None:
         mean, mean_sq = returns.mean(), (returns**2).mean()
-        if torch.distributed.is_initialized():   # several learners (multi_learner), each on its share: the whole's
+        if ff.learners() > 1:   # several learners (multi_learner), each on its share: the whole's
             moments = torch.stack([returns.sum(), (returns**2).sum(), returns.new_tensor(float(returns.numel()))])
             torch.distributed.all_reduce(moments)
             mean, mean_sq = moments[0] / moments[2], moments[1] / moments[2]

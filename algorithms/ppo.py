@@ -293,9 +293,9 @@ def learn(state, batch, lr, args: Args):
 
         if args.target_kl is not None:
             kl = approx_kl.clone()
-            if torch.distributed.is_initialized():   # several learners (multi_learner): all stop on their mean
+            if ff.learners() > 1:   # several learners (multi_learner): all stop on their mean
                 torch.distributed.all_reduce(kl)
-                kl /= torch.distributed.get_world_size()
+                kl /= ff.learners()
             if kl > float(args.target_kl):
                 break
 

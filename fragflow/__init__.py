@@ -52,6 +52,22 @@ def delivered() -> list[tuple[int, int]]:
     return list(pieces) if pieces else [(0, 0)]
 
 
+def learners() -> int:
+    """Inside a learner fragment: how many learners make each of its updates together, each on its
+    share of the batch (``multi_learner``'s ``learners``, whose process group is then
+    ``torch.distributed``'s default group); 1 anywhere else, whatever process group the program
+    initialised itself. A statistic of the whole batch is the learners' all-reduced sums:
+    ``if ff.learners() > 1: torch.distributed.all_reduce(sums)``.
+
+    >>> learners()
+    1
+    """
+    from fragflow import context
+
+    reducer = getattr(context.current(), "reducer", None)
+    return int(reducer.world) if reducer is not None else 1
+
+
 def policies() -> dict[str, str]:
     """Registered distribution policies and the system each mirrors."""
     from fragflow.placement.registry import available
@@ -77,5 +93,5 @@ def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult
     return _run(train, args, **kwargs)
 
 
-__all__ = ["ReplayBuffer", "RolloutBuffer", "delivered", "distribute", "envs", "fragment", "log", "policies", "random", "run", "trace",
+__all__ = ["ReplayBuffer", "RolloutBuffer", "delivered", "distribute", "envs", "fragment", "learners", "log", "policies", "random", "run", "trace",
            "versioned", "__version__"]

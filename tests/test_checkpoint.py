@@ -1462,6 +1462,46 @@ def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_to
                                                        rf"\S*ownbuffer2.py:{marks['cls']}\n  fix: give Memory state_dict"):
         driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
 
+def test_an_object_holding_a_saved_buffers_fragment_is_not_refused_as_a_buffer(write_algo, tmp_path):
+    """An object of the loop's that keeps a reference to a buffer fragment of another object
+    (``self.remember = memory.add``, the loop's ff.ReplayBuffer, saved with the checkpoint) was
+    refused at the first checkpoint as a buffer of the user's own without state_dict: the fragments
+    in its ``__dict__`` were taken as its own."""
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 8
+
+        class Agent:
+            def __init__(self, memory):
+                self.remember = memory.add   # (the buffer's fragment: its data is the buffer's)
+                self.scale = 0.5
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch, scale):
+            return {"w": state["w"] * scale + batch["x"].mean(0)}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            memory = ff.ReplayBuffer(16, seed=1)
+            agent = Agent(memory)
+            for step in range(args.total):
+                agent.remember(x=np.full(2, float(step)))
+                state = learn(state, memory.sample(2), agent.scale)
+            return state
+    ''', "heldfragment.py")
+    prog = load(str(path))
+    whole = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
+    resumed = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b",
+                         resume=tmp_path / "a" / "checkpoints" / "4")
+    assert resumed.summary["resumed_at"]["updates"] == 4
+    assert np.array_equal(whole.value["w"], resumed.value["w"])
+
+
 def test_ctrl_c_once_a_checkpointed_run_is_placed_writes_its_summary(program, tmp_path):
     """A Ctrl-C that comes once the trace has ended and the placement is announced ("writing to
     OUT"), before the run's processes start, stops a run that has begun: summary.json says

@@ -287,7 +287,8 @@ def test_learners_whose_backward_passes_differ_in_number_are_refused_at_the_lear
                                              rf"at {relpath(path)}:{marks['learn']}\n  fix: make the backward passes "
                                              r"per update the same in every learner: decide an early stop on a value "
                                              r"every learner holds alike, its mean over the learners \(`if "
-                                             r"torch.distributed.is_initialized\(\): torch.distributed.all_reduce"):
+                                             r"ff.learners\(\) > 1: torch.distributed.all_reduce\(kl\); "
+                                             r"kl /= ff.learners\(\)`"):
         ff.run(program.train, program.args_cls(), policy="multi_learner(learners=2, actors=1, max_lag=0)")
     assert mp.active_children() == [] and shm_leftovers() == []
 
@@ -305,6 +306,31 @@ def test_ppos_early_stop_is_decided_on_the_learners_mean_kl():
     two = ff.run(ppo.train, args, policy="multi_learner(learners=2, actors=1, max_lag=0)")
     assert two.summary["updates"] == 8 and 8 * args.num_minibatches <= int(two.value["step"]) < full
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_process_group_the_program_made_itself_leaves_ppos_early_stop_its_own():
+    """A program that initialises torch.distributed itself (torchrun around single_process runs of
+    several seeds, for its own reasons): ppo.py took it for multi_learner's learners and decided its
+    target_kl stop on the KL all-reduced over that group and divided by its size (here a world of 2
+    whose all-reduce keeps this process's value: half the KL), so the run was not the one without
+    the group. The learners' group is multi_learner's alone (ff.learners())."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fragflow.algorithms import ppo
+    from fragflow.compiler.pytree import leaf_paths
+
+    args = ppo.Args(total_timesteps=4 * 256, num_envs=4, num_steps=64, target_kl=2e-5)
+    alone = ff.run(ppo.train, args, policy="single_process")
+    assert int(alone.value["step"]) < 4 * args.update_epochs * args.num_minibatches   # (it stops early)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        grouped = ff.run(ppo.train, args, policy="single_process")
+    finally:
+        dist.destroy_process_group()
+    assert int(grouped.value["step"]) == int(alone.value["step"])
+    for (path, a), (_, b) in zip(leaf_paths(alone.value["params"]), leaf_paths(grouped.value["params"])):
+        assert torch.equal(a, b), path
 
 
 def test_a_learner_called_on_each_replicas_own_condition_is_refused_at_the_call(write_algo):

@@ -75,9 +75,9 @@ def test_a_running_mean_the_learners_all_reduce_is_one_learners(write_algo):
     own = PROGRAM.replace(ADAM, ADAM[:-1] + ', "mu": torch.zeros(1)}') \
         .replace(STEPS, '    state["mu"] = 0.9 * state["mu"] + 0.1 * y.mean()\n    y = y - state["mu"]\n' + STEPS)
     shared = own.replace('    state["mu"] = 0.9 * state["mu"] + 0.1 * y.mean()', '''    m = y.mean()
-    if torch.distributed.is_initialized():
+    if ff.learners() > 1:
         torch.distributed.all_reduce(m)
-        m = m / torch.distributed.get_world_size()
+        m = m / ff.learners()
     state["mu"] = 0.9 * state["mu"] + 0.1 * m''')
     assert own != PROGRAM and shared != own
     path, _ = write_algo(own, "own_mean.py")
@@ -124,6 +124,79 @@ def test_an_update_one_learner_skips_on_its_own_share_is_refused_through_gloo_to
     prog = load(str(path))
     with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' \(one had "
                                           r"averaged 0 gradients when another ended the update\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['learn']}\n"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_second_learner_one_learner_skips_on_its_own_share_is_refused_through_gloo_too(write_algo, via, monkeypatch):
+    """Two learner fragments whose gradients differ in size (the clock's net, a wider head), the
+    head's step skipped on a value of each learner's own share after the first update: the learner
+    that skipped ended the head's update with an all-reduce of the size of the first gradient of its
+    last update with one (the clock's, just before), the other learner all-reduced the head's first
+    gradient, and gloo aborted the learners' processes (a worker killed by signal 6) rather than the
+    run being refused."""
+    source = PROGRAM.replace('''def train(args: Args):''', '''@ff.fragment("learner", writes="head")  # @head
+def learn_head(head, xs, update):
+    x = torch.as_tensor(np.stack(xs)).reshape(-1, 3)
+    if update >= 2 and float(x[0, 0]) > 0.0:   # this share's first input: no step
+        return head
+    loss = head["net"](x).pow(2).mean()
+    head["opt"].zero_grad()
+    loss.backward()
+    head["opt"].step()
+    return head
+
+
+def train(args: Args):''').replace('''        state, metrics = learn(state, xs, ys, args)''', '''        state, metrics = learn(state, xs, ys, args)
+        head = learn_head(head, xs, update)''').replace('''    key = ff.random.keys(args.seed, ff.envs.ids(args.num_envs))''', '''    wide = torch.nn.Linear(3, 8)
+    head = ff.versioned({"net": wide, "opt": torch.optim.SGD(wide.parameters(), lr=0.01)}, name="head")
+    key = ff.random.keys(args.seed, ff.envs.ids(args.num_envs))''')
+    assert source.count("learn_head") == 2 and "wide" in source
+    path, marks = write_algo(source, "skips_head.py")
+    prog = load(str(path))
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn_head' "
+                                          r"\(one had averaged 0 gradients when another ended the update\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['head']}\n"):
+        ff.run(prog.train, prog.args_cls(), policy=ML)
+    assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_second_step_of_other_parameters_one_learner_skips_is_refused_through_gloo_too(write_algo, via, monkeypatch):
+    """One update of two backward passes into different parameters (a critic's, then a wider actor
+    head's, as SAC's), the second skipped on a value of each learner's own share after the first
+    update: the learner that skipped ended the update with an all-reduce of its last gradient's size
+    (the critic's), the other all-reduced the head's gradient, and gloo aborted the learners'
+    processes (a worker killed by signal 6) rather than the run being refused."""
+    source = PROGRAM.replace(ADAM, '''{"net": net, "opt": torch.optim.Adam(net.parameters(), lr=0.05),
+                          "head": torch.nn.Linear(3, 8), "n": 0}''').replace(STEPS, '''    state["n"] += 1
+    for _ in range(1):
+        loss = ((net(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if state["n"] >= 3 and float(x[0, 0]) > 0.0:   # this share's first input: no step of the head
+        return state, {"loss": loss.detach()}
+    head_loss = state["head"](x).pow(2).mean()
+    state["head"].zero_grad()
+    head_loss.backward()
+    with torch.no_grad():
+        for p in state["head"].parameters():
+            p -= 0.01 * p.grad
+''' + STEPS).replace(LEARN, LEARN + "  # @learn")
+    assert "head_loss" in source and "# @learn" in source
+    path, marks = write_algo(source, "skips_second.py")
+    prog = load(str(path))
+    ff.run(prog.train, prog.args_cls(), policy="single_process")
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    with pytest.raises(ConfigError, match=r"the learners made different gradients in one update of 'learn' "
+                                          r"\(one had averaged 1 gradient when another ended the update\)(.|\n)*"
                                           rf"at {relpath(path)}:{marks['learn']}\n"):
         ff.run(prog.train, prog.args_cls(), policy=ML)
     assert mp.active_children() == [] and shm_leftovers() == []

@@ -86,7 +86,8 @@ class GradientAllReduce:
         self.call: _Call | None = None      # the update in progress: what every learner must agree on
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
-        self.first: tuple[int, Any, Any] = (0, None, None)  # and of the first gradient of the last update with one
+        # and of each gradient of the updates of each fragment, in order (the longest of its updates so far)
+        self.sizes: dict[str, list[tuple[int, Any, Any]]] = {}
         self.params: list[Any] = []         # the parameters watched (see watch)
         self.store: Any = None
         self.sums = sums                    # the run's shared-memory segment for summing (learners of one machine)
@@ -288,16 +289,22 @@ class GradientAllReduce:
         sums = learnerstate.state_sums(written.state, written.name, whole)
         self.call = dataclasses.replace(self.call, state=tuple(sums), state_key=learnerstate.key([c for _, c in sums]),
                                         required=required)
-        # every learner ends the update here, none still averaging, each with the state it made: of the size of
-        # its last gradient, where a learner closing and another at its next gradient meet at one sum (gloo
-        # needs the sizes alike); having averaged none, of the size of the first gradient it has averaged in
-        # an update, or of all the parameters it watches: another may be at its update's first gradient
-        if self.averaged:
+        # every learner ends the update here, none still averaging, each with the state it made, in an
+        # all-reduce of the size of the gradient another learner may be at instead (gloo needs the sizes alike):
+        # this fragment's next gradient, as an earlier update of it took it (a backward pass into other
+        # parameters, a critic's then an actor's), else its last gradient's; having averaged none in any update
+        # of it, of the parameters it watches of the state written (another may be at its first gradient)
+        sizes = self.sizes.setdefault(fragment, [])
+        if self.averaged < len(sizes):
+            numel, dtype, device = sizes[self.averaged]
+        elif self.averaged:
             numel, dtype, device = self.last
-        elif self.first[1] is not None:
-            numel, dtype, device = self.first
         else:
+            written_params = {id(p) for p in _parameters(written.state)} | {
+                id(p) for _, opt in learnerstate.optimizers_at(written.state) for group in opt.param_groups
+                for p in group["params"]}
             watched = [p for p in self.params if p.is_floating_point()]
+            watched = [p for p in watched if id(p) in written_params] or watched
             numel = sum(int(p.numel()) for p in watched)
             dtype, device = (watched[0].dtype, watched[0].device) if watched else (torch.float32, self.device)
         self._reduce([torch.zeros(numel, dtype=dtype, device=device)], closing=True)
@@ -314,8 +321,10 @@ class GradientAllReduce:
         numel = sum(int(p.numel()) for p in parts)
         dtype, device = parts[0].dtype, parts[0].device
         call = self.call
-        if call is not None and not closing and self.averaged == 0:
-            self.first = (numel, dtype, device)
+        if call is not None and not closing:   # (the update's gradients in order: see update)
+            sizes = self.sizes.setdefault(call.fragment, [])
+            if self.averaged >= len(sizes):
+                sizes.append((numel, dtype, device))
         if call is None or dtype not in (torch.float32, torch.float64):   # (bfloat16 sums are not exact)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.shared is not None and call is not None:
@@ -430,8 +439,8 @@ class GradientAllReduce:
             "must make the same backward passes per update, whatever its share of the data (an early stop on a "
             "value of its own share, such as `if approx_kl > target_kl: break`, makes them differ)", where=call.where,
             fix="make the backward passes per update the same in every learner: decide an early stop on a value every "
-                "learner holds alike, its mean over the learners (`if torch.distributed.is_initialized(): "
-                "torch.distributed.all_reduce(kl); kl /= torch.distributed.get_world_size()`, as ppo.py's target_kl "
+                "learner holds alike, its mean over the learners (`if ff.learners() > 1: "
+                "torch.distributed.all_reduce(kl); kl /= ff.learners()`, as ppo.py's target_kl "
                 "does), or turn the stop off (a threshold of your Args it never reaches, or a switch), or run a "
                 "single-learner policy (pipelined, actor_learner)")
 

@@ -91,7 +91,7 @@ def apart(fragment: str, paths: list[str], where: Any, learned: bool = True) -> 
         fix=("use a norm without running statistics (LayerNorm, GroupNorm, BatchNorm with "
              "track_running_stats=False), or run a single-learner policy (pipelined, actor_learner)") if norms else
             "compute it from what every learner holds alike: a statistic of the whole batch from the learners' "
-            "sums (`if torch.distributed.is_initialized(): torch.distributed.all_reduce(sums)`, in every learner "
+            "sums (`if ff.learners() > 1: torch.distributed.all_reduce(sums)`, in every learner "
             "alike, as mappo.py's return moments are), the parameters, the update count, an argument without a "
             "batch axis; or return it as a metric rather than keep it in the versioned state; or run a "
             "single-learner policy (pipelined, actor_learner)")

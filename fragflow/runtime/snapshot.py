@@ -90,13 +90,17 @@ def _class_line(klass: type) -> Any:
 
 def _buffer_of_users(x: Any) -> bool:
     """An object of a class with ``@ff.fragment("buffer")`` methods (a replay buffer of the user's
-    own), or holding such fragments it made of its methods (``self.add = ff.fragment("buffer")(self._add)``)."""
+    own), or holding such fragments it made of its methods (``self.add = ff.fragment("buffer")(self._add)``;
+    not another object's it keeps, ``self.remember = memory.add``, whose data is that object's)."""
     from fragflow.api.fragment import Fragment
 
+    def buffer(v: Any) -> bool:
+        return isinstance(v, Fragment) and v.role == "buffer"
+
     own = getattr(x, "__dict__", None)
-    return any(isinstance(v, Fragment) and v.role == "buffer"
-               for where in (*(vars(klass) for klass in type(x).__mro__), own if isinstance(own, dict) else {})
-               for v in where.values())
+    return (any(buffer(v) for klass in type(x).__mro__ for v in vars(klass).values())
+            or any(buffer(v) and (v.instance is x or getattr(v.fn, "__self__", None) is x)
+                   for v in (own.values() if isinstance(own, dict) else ())))
 
 
 def _jax_key(x: Any) -> bool:
