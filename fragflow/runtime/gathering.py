@@ -56,6 +56,7 @@ class Gathering(ReplicaChecks):
     _take_definition: Callable[[bool], bool]
     _accept: Callable[[str, int], bool]
     _save: Callable[[int], None]
+    _reports_due: Callable[[], None]
 
     def _head(self, k: int) -> tuple[int, str, Any, tuple[int, int, int, int, int]] | None:
         """Replica ``k``'s next call, if it has arrived: (tag, fragment, ring, meta)."""
@@ -156,6 +157,7 @@ class Gathering(ReplicaChecks):
                         self._cursor = (k + 1) % producers
                     else:
                         self._watch_stall()
+                        self._reports_due()
                         self.endpoints.wait_any(self.program.group, IDLE_WAIT)
                     continue
             else:
@@ -169,6 +171,7 @@ class Gathering(ReplicaChecks):
                         self._ended_apart()
                         return None
                     self._watch_stall()
+                    self._reports_due()
                     self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
                     continue
                 if any(h[3][3] for _, h in heads):

@@ -5,6 +5,7 @@ the ring slots their views lie in are freed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -40,6 +41,7 @@ class Outgoing:
     acting_before: dict[str, dict[int, list[Any]]]
     _answered: dict[str, list[str]]
     _seed_random: tuple[dict[str, Any], dict[str, Any]] | None
+    flush_reports: Callable[[], None]
 
     def _answer(self, fragment: str, out: Any, pieces: list[_Piece]) -> None:
         """Send each requesting replica its part of a request's outputs (split along their batch axes)."""
@@ -160,6 +162,7 @@ class Outgoing:
         """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""
         from fragflow.runtime import checkpoint, snapshot
 
+        self.flush_reports()   # (the updates it made before the cut reach the driver before its part)
         self.saved_seq = seq
         for old in [s for s in self.cuts if s <= seq]:
             del self.cuts[old]

@@ -178,13 +178,17 @@ def main(*args: Any) -> None:
         prof.dump_stats(os.path.join(out, f"{args[0]}{args[1]}.prof"))
 
 
-def _flush(reporter: QueueReporter | None) -> None:
-    """What a loop replica that stops or fails had not sent yet, sent (where its queue still takes it)."""
-    if reporter is not None:
-        try:
+def _flush(reporter: QueueReporter | None, worker: Any = None) -> None:
+    """What a process that stops or fails had not reported yet, sent (where its queue still takes
+    it): a loop replica's counts and logs, a service group's updates."""
+    try:
+        if reporter is not None:
             reporter.flush()
-        except Exception:   # (its queue closed: the driver has stopped listening)
-            pass
+        flush = getattr(worker, "flush_reports", None)
+        if flush is not None:
+            flush()
+    except Exception:   # (its queue closed: the driver has stopped listening)
+        pass
 
 
 def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: dict[str, Any] | None = None) -> None:
@@ -251,10 +255,10 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             worker.run()
         results.put(("done", role, index))
     except Stopped:
-        _flush(reporter)
+        _flush(reporter, worker)
         results.put(("stopped", role, index))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the driver
-        _flush(reporter)   # (what the loop made before it failed has its rows, as it had when sent at once)
+        _flush(reporter, worker)   # (what the loop made before it failed has its rows, as it had when sent at once)
         fragment = getattr(worker, "current", None)
         results.put(("error", role, index, fragment, _user_traceback(exc), _dumps_or_none(exc)))
         sys.exit(1)
