@@ -546,6 +546,44 @@ def test_rows_the_loop_samples_itself_are_refused_where_replicas_would_each_send
     assert shm_leftovers() == []
 
 
+OFFLINE = """
+import numpy as np
+import fragflow as ff
+
+DATA = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.1 * batch["obs"].mean(0)}, {}
+
+def train():
+    state = ff.versioned({"w": np.zeros(4)})
+    rng = np.random.default_rng(1)
+    for _ in range(12):                        # offline: minibatches of a fixed dataset, no environment
+        state, _ = learn(state, {"obs": DATA[rng.integers(0, 256, 32)]})  # @learn
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["async_relaxed(actors=2)", "actor_learner(actors=2)"])
+def test_calls_with_nothing_to_merge_are_refused_where_calls_are_gathered_as_they_arrive(write_algo, policy):
+    """An offline learner's minibatches, sampled in the loop with no environment: every replica sends
+    the same whole calls, and an update gathered on arrival took two calls of one replica, learning
+    one minibatch and losing the other, so the run learned minibatches 1, 3, 5, ... and then 1, 2, 3
+    again, silently, as the timing fell. Refused at the learner's line; in order it runs as in one
+    process."""
+    path, marks = write_algo(OFFLINE)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"batch\['obs'\] of 'learn' \(f32\[32,4\]\) changes from call to call "
+                                          rf"\(calls 1 and 2\)(.|\n)*at {relpath(path)}:{marks['learn']}\n"
+                                          rf"  fix: run with one acting process \(actors=1\) or max_lag=0"):
+        ff.run(program.train, policy=policy)
+    assert shm_leftovers() == []
+    expected = ff.run(program.train, policy="single_process")
+    for ok in ("actor_learner(actors=2, max_lag=0)", "async_relaxed(actors=1)"):
+        assert same_tree(ff.run(program.train, policy=ok).value, expected.value), ok
+
+
 OWN_BUFFER = """
 import numpy as np
 import fragflow as ff
