@@ -3003,6 +3003,56 @@ def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_serv
 
 
 
+MODEL_MADE_TRANSITIONS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("actor")
+def imagine(w, obs):                          # two model-made transitions from each observation
+    return {"obs": np.concatenate([obs, obs * 0.5]).astype(np.float32)}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, imagined):
+    g = batch["obs"].mean(0) + (0.0 if imagined is None else imagined["obs"].mean(0))
+    return {"w": state["w"] + 0.01 * g[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train(apart: bool):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb, model_rb = ff.ReplayBuffer(256, seed=0), ff.ReplayBuffer(256, seed=1)
+    obs = env.reset()
+    for step in range(40):
+        rb.add(obs=obs.astype(np.float32))  # @add
+        (model_rb if apart else rb).add(**imagine(state["w"], obs))
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8:
+            state, _ = learn(state, rb.sample(8), model_rb.sample(8) if apart else None)
+    return state
+"""
+
+
+def test_a_replay_buffer_given_transitions_of_another_number_is_refused_with_a_fix_for_buffers(write_algo):
+    """Dyna's model-made transitions (four a step) added beside the environments' own (two) to one
+    ff.ReplayBuffer: refused where the buffer lives beside the learner, with the learner's fix (a
+    fragment of their own, `replay.add_b = ff.fragment(..., name='replay.add_b')(replay.add.fn)`,
+    which a built-in buffer's method is not) and no line of the user's. The fix a buffer takes, a
+    second buffer for them, runs there as in one process."""
+    path, marks = write_algo(MODEL_MADE_TRANSITIONS)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"buffer fragment 'replay.add' is given transition\['obs'\] of shape "
+                                             rf"f32\[4,4\] .*\n  at {relpath(path)}:{marks['add']}\n  fix: where two "
+                                             rf"calls add different numbers of transitions .*keep the others in a buffer "
+                                             rf"of their own \(a second ff.ReplayBuffer"):
+        compile(program.train, False, policy="learner_replay(max_lag=0)")
+    expected = ff.run(program.train, True, policy="single_process")
+    result = ff.run(program.train, True, policy="learner_replay(max_lag=0)")
+    assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
+
+
 LEARNER_FILLS_A_LIST = """
 import numpy as np
 import fragflow as ff
