@@ -16,6 +16,7 @@ from fragflow.errors import (
     ConfigError,
     LearnerOutputOnActingSideError,
     PlacementError,
+    ShapeChangedError,
     SpecChangedError,
     TraceError,
     UntracedFragmentError,
@@ -3050,6 +3051,54 @@ def test_a_replay_buffer_given_transitions_of_another_number_is_refused_with_a_f
         compile(program.train, False, policy="learner_replay(max_lag=0)")
     expected = ff.run(program.train, True, policy="single_process")
     result = ff.run(program.train, True, policy="learner_replay(max_lag=0)")
+    assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
+
+
+TWO_SAMPLE_SIZES = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("actor")
+def imagine(w, batch):                        # model-made transitions from a few replayed states
+    return {"obs": (batch["obs"] * 0.5).astype(np.float32)}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train(sliced: bool):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb, model_rb = ff.ReplayBuffer(256, seed=0), ff.ReplayBuffer(256, seed=1)
+    obs = env.reset()
+    for step in range(40):
+        rb.add(obs=obs.astype(np.float32))
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8:
+            batch = rb.sample(8)
+            few = {k: v[:2] for k, v in batch.items()} if sliced else rb.sample(2)  # @few
+            model_rb.add(**imagine(state["w"], few))
+            state, _ = learn(state, batch)
+    return state
+"""
+
+
+def test_a_replay_buffer_sampled_in_two_sizes_is_refused_with_a_fix_for_buffers(write_algo, tmp_path):
+    """Dyna's few replayed states to imagine from, sampled beside the learner's batch: refused, as a
+    fragment whose output shape changes, with the fix for variable-size data (pad or bucket it), which
+    a sample's size is not. The fix a buffer takes, one sample sliced, runs as in one process."""
+    path, marks = write_algo(TWO_SAMPLE_SIZES)
+    program = load(str(path))
+    with pytest.raises(ShapeChangedError, match=rf"'replay.sample' changed its output between calls(.|\n)*"
+                                                rf"at {relpath(path)}:{marks['few']}\n  fix: sample one size from a "
+                                                rf"buffer: draw the largest batch and slice the smaller ones from it"):
+        ff.run(program.train, False, policy="single_process", out=tmp_path / "refused")
+    expected = ff.run(program.train, True, policy="single_process", out=tmp_path / "one")
+    result = ff.run(program.train, True, policy="pipelined(max_lag=0)", out=tmp_path / "two")
     assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
 
 
