@@ -303,7 +303,7 @@ class ReplicaChecks:
         """Calls gathered as they arrive, of a fragment given nothing with a batch axis (a batch the
         loop samples from its own dataset, with no environment in it): each replica sends the whole
         call, and an update takes any of the pieces, two calls of one replica among them, so one
-        call's values would be learned and the other's lost. Values that change from one call to the
+        call's data would be learned and the other's lost. Arrays that change from one call to the
         next are refused once the replicas are seen to send the same values at one of those calls or later
         (values of their own, which differ between them at a call, are refused as such first), at the
         latest at every replica's second call, whatever the timing."""
@@ -316,7 +316,9 @@ class ReplicaChecks:
             if last is None or last[0] == p.call or fragment in self._changed:
                 continue
             for j, before, now in zip(plain, last[1], values):
-                if not _same_value(before, now, ring.specs[j].backend):
+                # (a number that changes, a rate or coefficient of the update, is the oldest piece's, as beside
+                # batched data: arrays are the call's data)
+                if ring.specs[j].shape and not _same_value(before, now, ring.specs[j].backend):
                     self._changed[fragment] = (j, last[0], p.call)
                     break
         changed = self._changed.get(fragment)
