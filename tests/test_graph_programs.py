@@ -3102,6 +3102,50 @@ def test_a_replay_buffer_sampled_in_two_sizes_is_refused_with_a_fix_for_buffers(
     assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
 
 
+ONE_TRANSITION_AT_A_TIME = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb = ff.ReplayBuffer(256, seed=0)
+    obs = env.reset()
+    for step in range(40):
+        for i in range(env.num_envs):            # one transition at a time, as a relabeling loop (HER) adds them
+            rb.add(obs=obs[i][None].astype(np.float32))  # @add
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8:
+            state, _ = learn(state, rb.sample(8))
+    return state
+"""
+
+
+def test_transitions_added_one_at_a_time_beside_the_learner_are_refused_as_such(write_algo):
+    """Hindsight relabeling adds each transition alone ([1, ...]) to an ff.ReplayBuffer, whose rows are
+    the environments': where it lives beside the learner with two acting processes it was refused as
+    "the loop's 1 environments across 2 processes: they do not divide evenly", fix: make num_envs a
+    multiple of 2, which it was. Refused naming the rows and the loop's environments, with the fixes
+    that run (the buffer with the actors, or one acting process)."""
+    path, marks = write_algo(ONE_TRANSITION_AT_A_TIME)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"buffer fragment 'replay.add' is given transition\['obs'\] with 1 row "
+                                          rf"\(f32\[1,4\]\), not one per environment \(the loop steps 2\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['add']}\n  fix: add one row per environment "
+                                          rf"each call, or keep the buffer with the actors \(actor_learner"):
+        compile(program.train, policy="learner_replay(actors=2)")
+    for ok in ("actor_learner(actors=2, max_lag=0)", "learner_replay(actors=1)"):
+        assert ff.run(program.train, policy=ok).summary["updates"] == 32, ok
+
+
 LEARNER_FILLS_A_LIST = """
 import numpy as np
 import fragflow as ff
