@@ -16,6 +16,7 @@ from fragflow.errors import (
     ConfigError,
     LearnerOutputOnActingSideError,
     PlacementError,
+    ShapeChangedError,
     SpecChangedError,
     TraceError,
     UntracedFragmentError,
@@ -544,6 +545,44 @@ def test_rows_the_loop_samples_itself_are_refused_where_replicas_would_each_send
                                           rf"(.|\n)*at {relpath(path)}:{marks['learn']}\n  fix: pass per-environment data"):
         ff.run(program.train, policy=f"actor_learner(actors=2, max_lag={lag})")
     assert shm_leftovers() == []
+
+
+OFFLINE = """
+import numpy as np
+import fragflow as ff
+
+DATA = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.1 * batch["obs"].mean(0)}, {}
+
+def train():
+    state = ff.versioned({"w": np.zeros(4)})
+    rng = np.random.default_rng(1)
+    for _ in range(12):                        # offline: minibatches of a fixed dataset, no environment
+        state, _ = learn(state, {"obs": DATA[rng.integers(0, 256, 32)]})  # @learn
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["async_relaxed(actors=2)", "actor_learner(actors=2)"])
+def test_calls_with_nothing_to_merge_are_refused_where_calls_are_gathered_as_they_arrive(write_algo, policy):
+    """An offline learner's minibatches, sampled in the loop with no environment: every replica sends
+    the same whole calls, and an update gathered on arrival took two calls of one replica, learning
+    one minibatch and losing the other, so the run learned minibatches 1, 3, 5, ... and then 1, 2, 3
+    again, silently, as the timing fell. Refused at the learner's line; in order it runs as in one
+    process."""
+    path, marks = write_algo(OFFLINE)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"batch\['obs'\] of 'learn' \(f32\[32,4\]\) changes from call to call "
+                                          rf"\(calls 1 and 2\)(.|\n)*at {relpath(path)}:{marks['learn']}\n"
+                                          rf"  fix: run with one acting process \(actors=1\) or max_lag=0"):
+        ff.run(program.train, policy=policy)
+    assert shm_leftovers() == []
+    expected = ff.run(program.train, policy="single_process")
+    for ok in ("actor_learner(actors=2, max_lag=0)", "async_relaxed(actors=1)"):
+        assert same_tree(ff.run(program.train, policy=ok).value, expected.value), ok
 
 
 OWN_BUFFER = """
@@ -2963,6 +3002,148 @@ def test_one_actor_on_two_training_envs_of_different_sizes_is_refused_where_serv
     served = ff.run(program.train, 2, policy="central_inference(env_workers=2)")
     assert all(np.array_equal(x["w"], y["w"]) for x, y in zip(one.value, served.value))
 
+
+
+MODEL_MADE_TRANSITIONS = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("actor")
+def imagine(w, obs):                          # two model-made transitions from each observation
+    return {"obs": np.concatenate([obs, obs * 0.5]).astype(np.float32)}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, imagined):
+    g = batch["obs"].mean(0) + (0.0 if imagined is None else imagined["obs"].mean(0))
+    return {"w": state["w"] + 0.01 * g[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train(apart: bool):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb, model_rb = ff.ReplayBuffer(256, seed=0), ff.ReplayBuffer(256, seed=1)
+    obs = env.reset()
+    for step in range(40):
+        rb.add(obs=obs.astype(np.float32))  # @add
+        (model_rb if apart else rb).add(**imagine(state["w"], obs))
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8:
+            state, _ = learn(state, rb.sample(8), model_rb.sample(8) if apart else None)
+    return state
+"""
+
+
+def test_a_replay_buffer_given_transitions_of_another_number_is_refused_with_a_fix_for_buffers(write_algo):
+    """Dyna's model-made transitions (four a step) added beside the environments' own (two) to one
+    ff.ReplayBuffer: refused where the buffer lives beside the learner, with the learner's fix (a
+    fragment of their own, `replay.add_b = ff.fragment(..., name='replay.add_b')(replay.add.fn)`,
+    which a built-in buffer's method is not) and no line of the user's. The fix a buffer takes, a
+    second buffer for them, runs there as in one process."""
+    path, marks = write_algo(MODEL_MADE_TRANSITIONS)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"buffer fragment 'replay.add' is given transition\['obs'\] of shape "
+                                             rf"f32\[4,4\] .*\n  at {relpath(path)}:{marks['add']}\n  fix: where two "
+                                             rf"calls add different numbers of transitions .*keep the others in a buffer "
+                                             rf"of their own \(a second ff.ReplayBuffer"):
+        compile(program.train, False, policy="learner_replay(max_lag=0)")
+    expected = ff.run(program.train, True, policy="single_process")
+    result = ff.run(program.train, True, policy="learner_replay(max_lag=0)")
+    assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
+
+
+TWO_SAMPLE_SIZES = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("actor")
+def imagine(w, batch):                        # model-made transitions from a few replayed states
+    return {"obs": (batch["obs"] * 0.5).astype(np.float32)}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train(sliced: bool):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb, model_rb = ff.ReplayBuffer(256, seed=0), ff.ReplayBuffer(256, seed=1)
+    obs = env.reset()
+    for step in range(40):
+        rb.add(obs=obs.astype(np.float32))
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8:
+            batch = rb.sample(8)
+            few = {k: v[:2] for k, v in batch.items()} if sliced else rb.sample(2)  # @few
+            model_rb.add(**imagine(state["w"], few))
+            state, _ = learn(state, batch)
+    return state
+"""
+
+
+def test_a_replay_buffer_sampled_in_two_sizes_is_refused_with_a_fix_for_buffers(write_algo, tmp_path):
+    """Dyna's few replayed states to imagine from, sampled beside the learner's batch: refused, as a
+    fragment whose output shape changes, with the fix for variable-size data (pad or bucket it), which
+    a sample's size is not. The fix a buffer takes, one sample sliced, runs as in one process."""
+    path, marks = write_algo(TWO_SAMPLE_SIZES)
+    program = load(str(path))
+    with pytest.raises(ShapeChangedError, match=rf"'replay.sample' changed its output between calls(.|\n)*"
+                                                rf"at {relpath(path)}:{marks['few']}\n  fix: sample one size from a "
+                                                rf"buffer: draw the largest batch and slice the smaller ones from it"):
+        ff.run(program.train, False, policy="single_process", out=tmp_path / "refused")
+    expected = ff.run(program.train, True, policy="single_process", out=tmp_path / "one")
+    result = ff.run(program.train, True, policy="pipelined(max_lag=0)", out=tmp_path / "two")
+    assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
+
+
+ONE_TRANSITION_AT_A_TIME = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    rb = ff.ReplayBuffer(256, seed=0)
+    obs = env.reset()
+    for step in range(40):
+        for i in range(env.num_envs):            # one transition at a time, as a relabeling loop (HER) adds them
+            rb.add(obs=obs[i][None].astype(np.float32))  # @add
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8:
+            state, _ = learn(state, rb.sample(8))
+    return state
+"""
+
+
+def test_transitions_added_one_at_a_time_beside_the_learner_are_refused_as_such(write_algo):
+    """Hindsight relabeling adds each transition alone ([1, ...]) to an ff.ReplayBuffer, whose rows are
+    the environments': where it lives beside the learner with two acting processes it was refused as
+    "the loop's 1 environments across 2 processes: they do not divide evenly", fix: make num_envs a
+    multiple of 2, which it was. Refused naming the rows and the loop's environments, with the fixes
+    that run (the buffer with the actors, or one acting process)."""
+    path, marks = write_algo(ONE_TRANSITION_AT_A_TIME)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"buffer fragment 'replay.add' is given transition\['obs'\] with 1 row "
+                                          rf"\(f32\[1,4\]\), not one per environment \(the loop steps 2\)(.|\n)*"
+                                          rf"at {relpath(path)}:{marks['add']}\n  fix: add one row per environment "
+                                          rf"each call, or keep the buffer with the actors \(actor_learner"):
+        compile(program.train, policy="learner_replay(actors=2)")
+    for ok in ("actor_learner(actors=2, max_lag=0)", "learner_replay(actors=1)"):
+        assert ff.run(program.train, policy=ok).summary["updates"] == 32, ok
 
 
 LEARNER_FILLS_A_LIST = """

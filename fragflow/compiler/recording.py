@@ -270,8 +270,13 @@ class Recording:
                 f"fragment '{rec.name}' changed its output between calls:\n"
                 f"    before: {_describe(rec.out_specs)}\n    now:    {_describe(specs)}",
                 where=rec.defined_at or where,
-                fix="a fragment must return the same pytree with the same shapes and dtypes every call "
-                    "(pad or bucket variable-size data; channels are sized from the traced specs)")
+                fix="sample one size from a buffer: draw the largest batch and slice the smaller ones from it "
+                    "(small = {k: v[:n] for k, v in batch.items()}), or keep a buffer per size"
+                if rec.role == "buffer" and rec.arity == 0 and [p for p, _ in specs] == [p for p, _ in rec.out_specs]
+                and all(len(a.shape) == len(b.shape) >= 1 and a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
+                        for (_, a), (_, b) in zip(specs, rec.out_specs)) else
+                "a fragment must return the same pytree with the same shapes and dtypes every call "
+                "(pad or bucket variable-size data; channels are sized from the traced specs)")
         rec.backends.update(s.backend for _, s in specs if s.backend != "python")
         if written_specs:   # (a torch learner returning its TD errors as numpy computes with torch)
             rec.backends.update(s.backend for s in written_specs if s.backend != "python")

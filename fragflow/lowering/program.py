@@ -253,6 +253,18 @@ def _split(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, placed: P
                 "from the actor), keep it in the loop, or run with one acting process")
     total = shape[leaf.axis]
     if total % replicas or (leaf.axis_name == "env" and _asked_per(placed) and _asked_per(placed) * replicas != total):
+        envs = _loop_envs(graph)
+        if leaf.axis_name == "env" and envs is not None and envs != total and graph.node(fragment).role == "buffer":
+            # (rows of the loop's own making: transitions added one at a time, an episode relabeled)
+            raise ConfigError(
+                f"buffer fragment '{fragment}' is given {leaf.dst_path} with {total} row{'s' * (total != 1)} "
+                f"({leaf.spec.short()}), not one per environment (the loop steps {envs}), but policy "
+                f"'{placed.policy}' sends it each of its {_processes(replicas)}' rows of the environments, "
+                f"{envs // replicas if envs % replicas == 0 else envs / replicas} each",
+                where=graph.node(fragment).called_at,
+                fix="add one row per environment each call, or keep the buffer with the actors (actor_learner: each "
+                    "process's buffer holds its own environments' transitions), or run with one acting process "
+                    "(actors=1)")
         if leaf.axis_name == "env":
             _refuse_env_split(placed, total, replicas, graph.node(fragment).called_at)
         raise ConfigError(f"policy '{placed.policy}' splits '{leaf.dst_path}' of '{fragment}' ({total} along its "
@@ -279,6 +291,19 @@ def _local_rows(graph: Graph, in_loop: set[str], replicas: int) -> dict[str, tup
         if found:
             out[name] = found
     return out
+
+
+def _loop_envs(graph: Graph) -> int | None:
+    """The number of training environments the loop steps (its first such env's), if known."""
+    for node in graph.fragments("env"):
+        if node.evaluation:
+            continue
+        specs = dict(node.outputs)
+        for path, axis_name, axis in node.output_axes:
+            spec = specs.get(path)
+            if axis_name == "env" and spec is not None and len(spec.shape) > axis:
+                return spec.shape[axis]
+    return None
 
 
 def _asked_per(placed: PlacedGraph) -> int:

@@ -315,12 +315,17 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         if n.name in service and n.other_inputs and not n.other_rows:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' is given {n.other_inputs}, but policy '{policy}' runs it in another "
-                "process, whose channels are sized for one shape", where=n.defined_at,
-                fix=f"where one call is given data of varying size (an episode, a filtered batch), pad it to a fixed "
-                    f"size and pass the true length or a mask beside it; where two calls differ, give the calls with "
-                    f"the other shape a fragment of their own: the same function under another name "
-                    f"({n.name}_b = ff.fragment(..., name='{n.name}_b')({n.name}.fn), with the arguments of "
-                    f"'{n.name}''s decorator); or run with --policy single_process")
+                "process, whose channels are sized for one shape", where=n.defined_at or n.called_at,
+                fix=("where two calls add different numbers of transitions (model-made or relabeled ones beside "
+                     "the environments' own), keep the others in a buffer of their own (a second ff.ReplayBuffer, "
+                     "sampled beside the first), or add them in calls of one size; or run with a policy that keeps "
+                     "the buffer with the actors (actor_learner, pipelined), or --policy single_process"
+                     if n.role == "buffer" else
+                     f"where one call is given data of varying size (an episode, a filtered batch), pad it to a fixed "
+                     f"size and pass the true length or a mask beside it; where two calls differ, give the calls with "
+                     f"the other shape a fragment of their own: the same function under another name "
+                     f"({n.name}_b = ff.fragment(..., name='{n.name}_b')({n.name}.fn), with the arguments of "
+                     f"'{n.name}''s decorator); or run with --policy single_process"))
         if n.name in service and n.other_rows and not n.other_rows_evaluation:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' is called on {n.other_rows} (two training envs of different sizes), "

@@ -55,6 +55,9 @@ class ReplicaChecks:
     finished: list[bool]
     _calls_made: dict[tuple[int, str], int]
     _apart: dict[str, dict[int, tuple[int, list[Any], int]]]
+    _whole: dict[tuple[str, int], tuple[int, list[Any]]]
+    _changed: dict[str, tuple[int, int, int]]
+    _alike: dict[str, set[int]]
     _stalled_since: float
     _stall_warned: bool
     _stall_warn: float
@@ -268,6 +271,9 @@ class ReplicaChecks:
         plain = [j for j, axis in enumerate(ring.axes) if axis is None and j not in ring.counts]
         if not plain:
             return
+        # nothing given with a batch axis: every replica sends the whole call (see _whole_calls_alike)
+        whole = self.program.producers > 1 and all(axis is None for j, axis in enumerate(ring.axes)
+                                                   if j not in ring.counts)
         seen = self._apart.setdefault(fragment, {})
         for p in pieces:
             first = seen.get(p.call)
@@ -285,3 +291,49 @@ class ReplicaChecks:
                     if first[2] != p.steps:   # the calls come from different moments: that is why
                         raise self._apart_in_time(fragment, j, p.call, ((first[0], first[2]), (p.replica, p.steps)))
                     raise self._differs(fragment, j)
+            if whole:
+                alike = self._alike.setdefault(fragment, set())
+                alike.add(p.call)
+                if len(alike) > 64:   # (the oldest calls: replicas are never that far apart)
+                    alike.discard(min(alike))
+        if whole:
+            self._whole_calls_alike(fragment, plain, pieces)
+
+    def _whole_calls_alike(self, fragment: str, plain: list[int], pieces: list[_Piece]) -> None:
+        """Calls gathered as they arrive, of a fragment given nothing with a batch axis (a batch the
+        loop samples from its own dataset, with no environment in it): each replica sends the whole
+        call, and an update takes any of the pieces, two calls of one replica among them, so one
+        call's data would be learned and the other's lost. Arrays that change from one call to the
+        next are refused once the replicas are seen to send the same values at one of those calls or later
+        (values of their own, which differ between them at a call, are refused as such first), at the
+        latest at every replica's second call, whatever the timing."""
+        ring = self.ring_specs[fragment]
+        for p in pieces:
+            values = [np.array(to_numpy(p.leaves[j]), copy=True) if ring.specs[j].backend != "python" else p.leaves[j]
+                      for j in plain]
+            last = self._whole.get((fragment, p.replica))
+            self._whole[(fragment, p.replica)] = (p.call, values)
+            if last is None or last[0] == p.call or fragment in self._changed:
+                continue
+            for j, before, now in zip(plain, last[1], values):
+                # (a number that changes, a rate or coefficient of the update, is the oldest piece's, as beside
+                # batched data: arrays are the call's data)
+                if ring.specs[j].shape and not _same_value(before, now, ring.specs[j].backend):
+                    self._changed[fragment] = (j, last[0], p.call)
+                    break
+        changed = self._changed.get(fragment)
+        # (a call of the other replicas dropped as stale is never compared: any later one alike will do)
+        if changed is not None and any(c >= changed[1] for c in self._alike.get(fragment, ())):
+            j, a, b = changed
+            path = ring.paths[j] if j < len(ring.paths) else f"argument leaf {j}"
+            path = path[len(WHOLE_MARK):] if path.startswith(WHOLE_MARK) else path
+            raise ConfigError(
+                f"{path} of '{fragment}' ({ring.specs[j].short()}) changes from call to call (calls {a + 1} "
+                f"and {b + 1}), and nothing '{fragment}' is given has a batch axis: each of the loop's "
+                f"{self.program.producers} replicas sends the whole call, and calls gathered as they arrive "
+                "make an update of any of them, two calls of one replica among them, so one call's values "
+                "would be learned and the other's lost",
+                where=self.checks.get("called_at", {}).get(fragment),
+                fix="run with one acting process (actors=1) or max_lag=0, whose calls are taken in order, or "
+                    "pass per-environment data through ff.ReplayBuffer or ff.RolloutBuffer (which declare "
+                    "their batch axes)")

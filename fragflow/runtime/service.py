@@ -153,6 +153,10 @@ class ServiceRunner(Outgoing, Gathering):
         self.given: dict[tuple[int, str, int], dict[str, Any]] = {}   # see _take_definition
         # calls gathered on arrival: each fragment's unbatched leaves at a call, as the first replica sent them
         self._apart: dict[str, dict[int, tuple[int, list[Any], int]]] = {}
+        # calls gathered on arrival of a fragment given no batch axis: each replica's last call's values
+        self._whole: dict[tuple[str, int], tuple[int, list[Any]]] = {}
+        self._changed: dict[str, tuple[int, int, int]] = {}   # (leaf, call, next call) whose values changed
+        self._alike: dict[str, set[int]] = {}   # the calls at which two replicas were seen to send the same values
         self._gifts: dict[str, Any] = {}   # the current call's
         self._names_given: dict[tuple[int, int], bool] = {}   # (replica, skeleton) -> whether it names any
         self._stalled_since = time.monotonic()
