@@ -11,10 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import cloudpickle
@@ -28,34 +25,13 @@ from fragflow.runtime.exits import SHM_FULL, ProgramExit, WorkerFailed, ended, n
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.scalars import by_position, logged_at
 from fragflow.runtime.serial import unwrap
+from fragflow.runtime.worker import no_main_reimport
 
 JOIN_TIMEOUT = 3.0
 STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoint may take
 CHECKPOINT_WAIT = 300.0       # a checkpoint whose parts have not all come by then is given up (and asked again)
 STATS_EVERY = 1.0
 STOP_HEAR_OUT = 5.0          # a run stopped on its target: how long its processes may take to say their last
-
-
-@contextmanager
-def _no_main_reimport() -> Iterator[None]:
-    """Start workers without re-running the user's script in them.
-
-    The spawn start method re-imports ``__main__`` in every child unless the script guards its
-    entry point with ``if __name__ == "__main__":``. Workers here need nothing from ``__main__``:
-    the program arrives cloudpickled (by value for functions defined there), so the main module's
-    path is hidden while the children start.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if main is not None and hasattr(main, k)}
-    try:
-        if "__file__" in saved:
-            delattr(main, "__file__")
-        if "__spec__" in saved:
-            main.__spec__ = None  # type: ignore[union-attr]
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
 
 
 class Driver:
@@ -130,7 +106,7 @@ class Driver:
         self.endpoints = self.wiring.attach()
         roles = [(s.group, 0) for s in self.lowered.services] + [("actor", k) for k in range(self.lowered.loop.replicas)]
         self.saving = self._saving()
-        with _no_main_reimport():
+        with no_main_reimport():
             for role, k in roles:
                 with signals.deferred():   # (a signal during a fork is otherwise dropped, and the run goes on)
                     p = self.backend.start(worker.main, (role, k, os.getpid(), self.program,
@@ -204,7 +180,7 @@ class Driver:
         saving = dict(self.saving, restart={"point": self.points.get(k), "skip_until": puts,
                                             "skip_logs": self.logs_heard if k == 0 else 0})
         try:
-            with _no_main_reimport():
+            with no_main_reimport():
                 p = self.backend.start(worker.main, ("actor", k, os.getpid(), self.program,
                                                      self._wiring_for("actor", k), saving),
                                        f"fragflow-actor-{k}-r{self.restarts[k]}")

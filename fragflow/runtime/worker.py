@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import cloudpickle
@@ -408,3 +410,25 @@ def _dumps_or_none(value: Any) -> bytes | None:
         return cloudpickle.dumps(value)
     except Exception:
         return None
+
+
+@contextmanager
+def no_main_reimport() -> Iterator[None]:
+    """Start workers without re-running the user's script in them.
+
+    The spawn start method re-imports ``__main__`` in every child unless the script guards its
+    entry point with ``if __name__ == "__main__":``. Workers here need nothing from ``__main__``:
+    the program arrives cloudpickled (by value for functions defined there), so the main module's
+    path is hidden while the children start.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if main is not None and hasattr(main, k)}
+    try:
+        if "__file__" in saved:
+            delattr(main, "__file__")
+        if "__spec__" in saved:
+            main.__spec__ = None  # type: ignore[union-attr]
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
