@@ -337,6 +337,12 @@ class ParamHandles:
     depth: int
 
 
+# the longest sleep between two looks at a version not published yet: an actor waiting for the
+# learner's next version wakes within it (1 ms cost pipelined A2C 5% and SAC 7% of their steps/s on
+# two cores, against a few microseconds of CPU for each look while it waits)
+VERSION_POLL_MAX = 1e-4
+
+
 class ParamChannel:
     def __init__(self, handles: ParamHandles, segment: Segment, stop: Any = None) -> None:
         self.h = handles
@@ -426,7 +432,7 @@ class ParamChannel:
             if self.stop is not None and self.stop.is_set():
                 raise Stopped
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, VERSION_POLL_MAX)
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
         """Sleep until ``latest >= version``; returns latest. Honours the stop event."""
@@ -438,7 +444,7 @@ class ParamChannel:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"parameter version {version} not published in {timeout}s")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, VERSION_POLL_MAX)
         return self.latest
 
     def detach(self) -> None:
