@@ -917,7 +917,7 @@ def test_a_loop_that_breaks_before_its_first_learner_call_is_told_so(write_algo)
 
 def test_a_loop_replicas_reports_reach_the_driver_in_one_put_per_interval_in_order():
     """A loop replica's mark at each update and its logs were each a put of their own on its report
-    queue, each waking the queue's feeder thread, which took the GIL from the loop (a twentieth of a
+    queue, each waking the queue's feeder thread, which took the GIL from the loop (0.24 s of 8.8 s of a
     pipelined DQN actor's time): they go in the outbox, in order, sent whole every 0.2 s, and the
     driver takes each as if it had come alone."""
     from fragflow.runtime.worker import QueueReporter

@@ -53,8 +53,6 @@ from fragflow.runtime.looplogs import LoopLogs
 from fragflow.runtime.remotechecks import RemoteChecks
 from fragflow.source import SourceLoc, user_callsite
 
-REPORT_EVERY = 0.2   # seconds between progress reports to the driver
-
 
 class Reporter(Protocol):
     """Where a loop's events go: the monitor (one process) or the driver's queue (a worker)."""

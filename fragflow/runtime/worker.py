@@ -84,7 +84,8 @@ class QueueReporter:
     in the order it happened, sent whole every ``REPORT_EVERY`` seconds and wherever the driver must
     have all of it (a checkpoint's cut, the loop's end, its failure): each put wakes the queue's
     feeder thread, which took the GIL from the loop for a few hundred microseconds where a put was
-    made at every update (a mark and a log: a twentieth of a pipelined DQN actor's time).
+    made at every update (a mark and a log: 1.9 s of 20.5 s in a profile of pipelined SAC's actor,
+    0.24 s of 8.8 s of DQN's).
 
     Counts are cumulative (env steps and episodes since the replica's loop began), so the driver
     counts each step and episode once: a restarted replica re-running trips its dead process
