@@ -1,6 +1,7 @@
 """The live progress display: env steps, steps/s, recent return, elapsed and ETA.
 
-On a terminal it is a rich progress bar; elsewhere (CI, a pipe) a plain line every few seconds.
+On a terminal it is a rich progress bar; elsewhere (CI, a pipe) a plain line as soon as the first env
+steps are counted (the workers run), then one every few seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ProgressDisplay:
         self.interactive = self.console.is_terminal
         self.plain_interval = plain_interval
         self._last_plain = 0.0
+        self._stepped = False   # a plain line has counted env steps
         self._progress: Progress | None = None
         self._task: TaskID | None = None
 
@@ -56,8 +58,9 @@ class ProgressDisplay:
                                   figures=self._figures(env_steps, sps, ret, elapsed))
             return
         now = time.monotonic()
-        if now - self._last_plain >= self.plain_interval:
+        if now - self._last_plain >= self.plain_interval or (env_steps > 0 and not self._stepped):
             self._last_plain = now
+            self._stepped = env_steps > 0
             total = f"/{self.total}" if self.total else ""
             eta = ""
             if self.total and sps > 0:

@@ -757,6 +757,25 @@ def test_the_progress_bar_keeps_its_figures_on_a_narrow_terminal(width, name, to
         assert figure in last, last
 
 
+def test_plain_progress_counts_the_first_steps_at_once_then_every_few_seconds():
+    """Without a terminal (CI, a pipe) the first line that counts env steps is printed as they are
+    reported, so that a log shows the workers run; the lines after it keep their interval."""
+    import io
+
+    from rich.console import Console
+
+    from fragflow.progress import ProgressDisplay
+
+    out = io.StringIO()
+    display = ProgressDisplay("dqn", 1000, console=Console(file=out, width=200), plain_interval=60.0)
+    display.start()
+    for steps in (0, 0, 40, 80, 120):
+        display.update(steps, 100.0, None, 0.5)
+    display.stop()
+    lines = out.getvalue().splitlines()
+    assert lines == ["dqn: started", "dqn: 40/1000 env steps  100 steps/s  return -  elapsed 0s  eta 10s"], lines
+
+
 def test_a_replay_sample_the_loop_reads_is_refused_before_anything_is_written(tmp_path, write_algo):
     """Under learner_replay the sample is made in the learner's process: the loop reading it was
     refused at its first update, after the run directory was written (round 34 B9)."""
