@@ -1708,3 +1708,29 @@ def test_ctrl_c_cuts_a_checkpoint_asked_for_ahead_at_the_next_trip(program, tmp_
     res = cli("run", "--resume", str(out), "--set", f"num_updates={m['counters']['updates'] + 3}", "-q")
     assert res.returncode == 0, res.stderr
     assert json.loads((out / "summary.json").read_text())["updates"] == m["counters"]["updates"] + 3
+
+
+def test_a_process_killed_while_it_deletes_an_old_checkpoint_leaves_no_half_deleted_one_listed(tmp_path, monkeypatch):
+    """The checkpoints older than the newest `keep` are deleted: a process killed during that left a
+    directory with its manifest and without its parts, listed (and offered to --resume) as complete."""
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    part = {"states.learner": ({"version": 1}, {"w": np.arange(4.0)})}
+    for n in (1, 2, 3):
+        ckpt.write(root, str(n), {"written_ns": n}, part, keep=3)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):   # deletes the parts, then the process dies
+        for f in Path(path).glob("*.safetensors"):
+            f.unlink()
+        raise SystemExit(137)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(SystemExit):
+        ckpt.write(root, "4", {"written_ns": 4}, part, keep=3)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    listed = ckpt.listing(root)
+    assert [p.name for p in listed] == ["2", "3", "4"]
+    for p in listed:
+        assert (p / "states.learner.safetensors").is_file(), p

@@ -160,8 +160,20 @@ def finish(root: Path, tmp: Path, name: str, manifest: dict[str, Any], parts: di
     else:
         tmp.rename(final)
     for old_dir in listing(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old_dir, ignore_errors=True)
+        remove(old_dir)
     return final
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint directory: renamed out of the listing first (one atomic step), so that a
+    process killed while it deletes leaves no half-deleted checkpoint among the complete ones, only
+    a ``.old-`` directory that the next run checkpointing there removes."""
+    gone = path.with_name(f".old-{path.name}-{os.getpid()}")
+    try:
+        path.rename(gone)
+    except OSError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _json_default(x: Any) -> Any:
