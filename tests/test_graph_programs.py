@@ -16,7 +16,6 @@ from fragflow.errors import (
     ConfigError,
     LearnerOutputOnActingSideError,
     PlacementError,
-    ShapeChangedError,
     SpecChangedError,
     TraceError,
     UntracedFragmentError,
@@ -3081,25 +3080,102 @@ def train(sliced: bool):
         if step >= 8:
             batch = rb.sample(8)
             few = {k: v[:2] for k, v in batch.items()} if sliced else rb.sample(2)  # @few
-            model_rb.add(**imagine(state["w"], few))
+            model_rb.add(**imagine(state["w"], few))  # @imagine
             state, _ = learn(state, batch)
     return state
 """
 
 
-def test_a_replay_buffer_sampled_in_two_sizes_is_refused_with_a_fix_for_buffers(write_algo, tmp_path):
-    """Dyna's few replayed states to imagine from, sampled beside the learner's batch: refused, as a
-    fragment whose output shape changes, with the fix for variable-size data (pad or bucket it), which
-    a sample's size is not. The fix a buffer takes, one sample sliced, runs as in one process."""
+def test_a_replay_buffer_sampled_in_two_sizes_runs_as_in_one_process_where_each_sample_stays_on_its_side(
+        write_algo, tmp_path):
+    """Dyna's few replayed states to imagine from, sampled beside the learner's batch: each call's
+    sample goes where its consumer is, sized by that consumer's own calls, so nothing needs one size.
+    It was refused while tracing, under every policy and single_process too, though it runs eagerly
+    (open problem 1). Under learner_replay the few states would cross from the learner's process to the
+    acting side's 'imagine': refused at their line, with the fix."""
     path, marks = write_algo(TWO_SAMPLE_SIZES)
     program = load(str(path))
-    with pytest.raises(ShapeChangedError, match=rf"'replay.sample' changed its output between calls(.|\n)*"
-                                                rf"at {relpath(path)}:{marks['few']}\n  fix: sample one size from a "
-                                                rf"buffer: draw the largest batch and slice the smaller ones from it"):
-        ff.run(program.train, False, policy="single_process", out=tmp_path / "refused")
-    expected = ff.run(program.train, True, policy="single_process", out=tmp_path / "one")
-    result = ff.run(program.train, True, policy="pipelined(max_lag=0)", out=tmp_path / "two")
+    expected = ff.run(program.train, False, policy="single_process", out=tmp_path / "one")
+    assert same_tree(expected.value, program.train(False))   # as eagerly
+    result = ff.run(program.train, False, policy="pipelined(max_lag=0)", out=tmp_path / "two")
     assert same_tree(result.value, expected.value) and result.summary["updates"] == expected.summary["updates"] == 32
+    with pytest.raises(PlacementError, match=rf"places 'replay.sample' in the learner process, but its output  is used "
+                                             rf"by actor fragment 'imagine' on the acting side\n  at "
+                                             rf"{relpath(path)}:{marks['imagine']}\n  fix: use a policy that keeps the "
+                                             rf"buffer with the actors"):
+        compile(program.train, False, policy="learner_replay(max_lag=0)")
+
+
+OWN_BUFFER_TWO_SIZES = """
+import numpy as np
+import fragflow as ff
+
+class Ring:                                  # a replay buffer of the user's own, numpy storage
+    def __init__(self, n):
+        self.obs, self.i, self.n = np.zeros((n, 4), np.float32), 0, n
+
+    @ff.fragment("buffer")
+    def add(self, obs):
+        self.obs[np.arange(self.i, self.i + len(obs)) % self.n] = obs
+        self.i += len(obs)
+
+    @ff.fragment("buffer")
+    def sample(self, size):
+        return {"obs": self.obs[np.random.default_rng(self.i + size).integers(0, min(self.i, self.n), size)]}
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {}
+
+@ff.fragment("learner", writes=None)
+def diagnose(state, batch):                  # a metric on a larger sample
+    return {"q_big": (batch["obs"] @ state["w"]).max(-1).mean(), "n_big": float(len(batch["obs"]))}
+
+def train(one_learner: bool):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    ring = Ring(64)
+    obs = env.reset()
+    for step in range(40):
+        ring.add(obs)
+        obs, *_ = env.step(act(state["w"], obs))
+        if step >= 8 and step % 4 == 0:
+            state, _ = learn(state, ring.sample(16))
+            if one_learner:
+                state, _ = learn(state, ring.sample(32))  # @again
+            else:
+                ff.log(diagnose(state, ring.sample(32)))
+    return state
+"""
+
+
+def test_a_buffer_of_the_users_own_sampled_for_two_learners_in_two_sizes_runs_as_in_one_process(write_algo, tmp_path):
+    """A DQN-like loop whose user-written buffer is sampled for the learner (16) and for a diagnostic
+    learner (32): it was refused while tracing under every policy, single_process included, though it
+    runs eagerly (open problem 1). Each learner's channel carries its own size, wherever the buffer
+    lives; one learner given both sizes is refused where the buffer is with the learner, at its
+    definition, naming both calls, with a fix."""
+    import csv
+
+    path, marks = write_algo(OWN_BUFFER_TWO_SIZES)
+    program = load(str(path))
+    expected = ff.run(program.train, False, policy="single_process", out=tmp_path / "one")
+    assert same_tree(expected.value, program.train(False))   # as eagerly
+    logged = [(r["q_big"], r["n_big"]) for r in csv.DictReader((tmp_path / "one" / "metrics.csv").open())]
+    assert len(logged) == 8 and {n for _, n in logged} == {"32.0"}
+    for i, policy in enumerate(["learner_replay(max_lag=0)", "actor_learner(actors=1, max_lag=0)", "pipelined(max_lag=0)"]):
+        result = ff.run(program.train, False, policy=policy, out=tmp_path / str(i))
+        assert same_tree(result.value, expected.value) and result.summary["updates"] == 8, policy
+        assert [(r["q_big"], r["n_big"]) for r in csv.DictReader((tmp_path / str(i) / "metrics.csv").open())] == logged
+    assert same_tree(ff.run(program.train, True, policy="single_process").value, program.train(True))
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' is given batch\['obs'\] of shape f32\[32,4\] at "
+                                             rf"{relpath(path)}:{marks['again']} as well as f32\[16,4\] at (.|\n)*"
+                                             rf"fix: .*give the calls with the other shape a fragment of their own"):
+        compile(program.train, True, policy="learner_replay(max_lag=0)")
 
 
 ONE_TRANSITION_AT_A_TIME = """

@@ -265,6 +265,13 @@ class Recording:
             # channel carries them, its process logs what each call returns
             seen = {p for p, _ in rec.out_specs}
             rec.out_specs = rec.out_specs + [(p, s) for p, s in specs if p not in seen]
+        elif specs != rec.out_specs and rec.role == "buffer" and _sizes_differ(rec.out_specs, specs):
+            # a buffer sampled in several sizes (the learner's batch, a diagnostic's larger one): what
+            # crosses to another process is its consumers' arguments, each sized by its own calls (a
+            # fragment given two sizes is refused at placement, naming both calls); the buffer's own
+            # outputs size no channel (where its process is not its consumers', the edges carry the
+            # consumers' sizes; a buffer output read by the loop itself there is refused at its line)
+            pass
         elif specs != rec.out_specs:
             raise ShapeChangedError(
                 f"fragment '{rec.name}' changed its output between calls:\n"
@@ -373,6 +380,17 @@ def _rows_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, Tens
     return all(a == b or (a.dtype == b.dtype and a.backend == b.backend and a.shape[1:] == b.shape[1:]
                           and a.shape[:1] == (rows,) and b.shape[:1] == (now_rows,))
                for (_, a), (_, b) in zip(before, now))
+
+
+def _sizes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]]) -> bool:
+    """Whether two calls' outputs differ only in their leading size, the same one in every leaf (a
+    buffer's sample of another size)."""
+    if [p for p, _ in before] != [p for p, _ in now]:
+        return False
+    sizes = {b.shape[0] for (_, a), (_, b) in zip(before, now) if a != b and len(b.shape) >= 1}
+    return len(sizes) == 1 and all(
+        a == b or (a.dtype == b.dtype and a.backend == b.backend and len(a.shape) == len(b.shape) >= 1
+                   and a.shape[1:] == b.shape[1:]) for (_, a), (_, b) in zip(before, now))
 
 
 def _describe(specs: list[tuple[str, TensorSpec]]) -> str:
