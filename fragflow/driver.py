@@ -216,6 +216,10 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     checks["loops"] = graph.loops   # (a fragment first called after the trace: defined in one?)
     checks["guarded_at"] = {n.name: guard for n in graph.fragments() if (guard := guard_of(n.called_at, graph.loops))}
     checks["left_loop"] = {n.name: loop for n in graph.fragments() if (loop := left_loop(graph, n.name)) is not None}
+    # (what a refusal of replicas leaving the loop apart suggests: the policy with max_lag=0, where an evaluation
+    # env's return decides)
+    checks["policy"] = (placed.policy, dict(placed.options))
+    checks["evaluates"] = any(n.evaluation for n in graph.fragments("env"))
     checks["captured"] = frozenset(n.name for n in captured)
     # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
     # after the trace, as from update 100 on, would never reach the fragment's copy)

@@ -39,6 +39,8 @@ class LoopSpec:
     last: int
     guards: tuple[tuple[int, int], ...] = ()   # lines of the ``if`` statements in its body
     exits: bool = False                        # its body has a ``break`` or ``continue`` of its own
+    # where its body leaves it: (line, ``break`` or ``return``, the ``if`` around it, as written, or "")
+    leaves: tuple[tuple[int, str, str], ...] = ()
 
     def encloses(self, where: SourceLoc | None) -> bool:
         return where is not None and where.file == self.where.file and self.first <= where.line <= self.last
@@ -119,6 +121,7 @@ class LoopWatcher:
         self.loops: dict[int, tuple[str, int, str | None]] = {}   # line -> (header, last line, range bound)
         self.guards: dict[int, tuple[tuple[int, int], ...]] = {}   # line -> its body's if statements
         self.exits: dict[int, bool] = {}
+        self.leaves: dict[int, tuple[tuple[int, str, str], ...]] = {}
         self.trips: dict[int, int | None] = {}
         self._previous: Any = None
         self.value: Any = None
@@ -147,6 +150,7 @@ class LoopWatcher:
                 self.guards[line] = tuple((n.lineno + start - 1, (n.end_lineno or n.lineno) + start - 1)
                                           for n in body if isinstance(n, ast.If))
                 self.exits[line] = _exits(node)
+                self.leaves[line] = tuple((at + start - 1, kind, test) for at, kind, test in _leaves(node))
 
     def line_now(self) -> int | None:
         """The line the training function runs now (a call made from inside it), or None."""
@@ -198,7 +202,7 @@ class LoopWatcher:
 
     def specs(self) -> list[LoopSpec]:
         return [LoopSpec(SourceLoc(self.file, line), header, self.trips.get(line), line, last,
-                         self.guards.get(line, ()), self.exits.get(line, False))
+                         self.guards.get(line, ()), self.exits.get(line, False), self.leaves.get(line, ()))
                 for line, (header, last, _) in sorted(self.loops.items())]
 
 
@@ -229,3 +233,39 @@ def _exits(loop: ast.For | ast.While) -> bool:
             continue
         todo.extend(ast.iter_child_nodes(node))
     return False
+
+
+def _leaves(loop: ast.For | ast.While) -> list[tuple[int, str, str]]:
+    """(line, ``break`` or ``return``, the innermost ``if`` around it as written, or "") of each
+    statement that leaves this loop early: its own ``break`` (not a loop's inside it) and any
+    ``return`` in its body.
+
+    >>> tree = ast.parse("for u in range(9):\\n    for s in range(3):\\n        break\\n    if r > 1:\\n        break\\n")
+    >>> _leaves(tree.body[0])
+    [(5, 'break', 'if r > 1')]
+    """
+    found: list[tuple[int, str, str]] = []
+
+    def walk(nodes: list[ast.stmt], test: str, own: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Break) and own:
+                found.append((node.lineno, "break", test))
+            elif isinstance(node, ast.Return):
+                found.append((node.lineno, "return", test))
+            elif isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+                walk(node.body, test, False)        # (its break leaves that loop; a return leaves them all)
+                walk(node.orelse, test, own)
+            elif isinstance(node, ast.If):
+                walk(node.body, f"if {ast.unparse(node.test)}", own)
+                walk(node.orelse, f"if not ({ast.unparse(node.test)})", own)
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                walk(node.body, test, own)
+            elif isinstance(node, ast.Try):
+                for part in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                    walk(part, test, own)
+            elif isinstance(node, ast.Match):
+                for case in node.cases:
+                    walk(case.body, test, own)
+
+    walk(loop.body, "", True)
+    return sorted(found)

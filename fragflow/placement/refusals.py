@@ -38,14 +38,17 @@ def refuse_defined_in_loop(placed: PlacedGraph) -> None:
                 where=at,
                 fix=f"define '{names[0]}' once, before the loop (at the top of the module, or above `{loop.header}`), "
                     "and call it in the loop; or run with --policy single_process")
-def left_loop(graph: Any, name: str) -> tuple[Any, str] | None:
-    """(line, header) of the loop a fragment's call is in that replicas could leave at different
-    trips: the innermost around it with an early exit or no known bound (``while True: ... break``),
-    else the outermost; None outside the loops."""
+def left_loop(graph: Any, name: str) -> tuple[Any, str, tuple[tuple[SourceLoc, str, str], ...]] | None:
+    """(line, header, where its body leaves it) of the loop a fragment's call is in that replicas could
+    leave at different trips: the innermost around it with an early exit or no known bound (``while
+    True: ... break``), else the outermost; None outside the loops. Where it is left: each ``break``
+    or ``return`` in its body, with the ``if`` around it as written (or "")."""
     loops = graph.loops_of(name)
-    open_ended = [loop for loop in loops if loop.exits or loop.trips is None]
+    open_ended = [loop for loop in loops if loop.exits or loop.trips is None or loop.leaves]
     loop = open_ended[-1] if open_ended else loops[0] if loops else None
-    return None if loop is None else (loop.where, loop.header)
+    if loop is None:
+        return None
+    return loop.where, loop.header, tuple((SourceLoc(loop.where.file, at), kind, test) for at, kind, test in loop.leaves)
 
 
 def unimportable(module: Any) -> bool:

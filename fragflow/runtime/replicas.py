@@ -155,17 +155,37 @@ class ReplicaChecks:
         loop = self.checks.get("left_loop", {}).get(fragment)
         guard = self.checks.get("guarded_at", {}).get(fragment)
         made = ", ".join(f"replica {k}: {self._calls_made.get((k, fragment), -1) + 1}" for k in sorted(ended + going))
+        leaves: tuple[Any, ...] = loop[2] if loop is not None and len(loop) > 2 else ()
+        exits = " and ".join(f"`{kind}` at {at}" + (f" (under `{test}`)" if test else "") for at, kind, test in leaves)
         return ConfigError(
             f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
             f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
             "(or, gathered as they arrive, a piece of several): the replicas left the loop"
-            f"{f' (`{loop[1]}`, at {loop[0]})' if loop else ''} at different trips (a break on data of their own "
-            f"environments?) or call '{fragment}'{f' (at {called_at})' if called_at else ''} under an `if` on such "
+            f"{f' (`{loop[1]}`, at {loop[0]})' if loop else ''} at different trips"
+            + (f", by its {exits}, on a value each replica computes on its own (data of its own environments"
+               + (", or an evaluation of the version it acts with, which differs between replicas that act with "
+                  "the newest version" if not self.program.ordered and self.checks.get("evaluates") else "") + ")"
+               if exits else " (a break on data of their own environments?)")
+            + f", or call '{fragment}'{f' (at {called_at})' if called_at else ''} under an `if` on such "
             f"data{f' (the `if` at {guard})' if guard else ''} (calls of it taken: {made})",
-            where=loop[0] if loop else called_at,
-            fix="end the loop on a count every replica shares (updates, the configured total of steps) and call "
-                "fragments on a schedule every replica shares, or run with one replica (actors=1, env_workers=1) "
-                "or --policy single_process")
+            where=leaves[0][0] if len(leaves) == 1 and not guard else loop[0] if loop else called_at,
+            fix=self._leaving_fix())
+
+    def _leaving_fix(self) -> str:
+        """How to leave the loop at the same trip in every replica: on a count they share, or, where an
+        evaluation env's return decides and the calls are gathered as they arrive (each replica acts
+        with the newest version), with the policy at max_lag=0, where every replica acts and evaluates
+        with the same version (each steps the evaluation env whole, from the same seed)."""
+        policy, options = self.checks.get("policy", ("", {}))
+        exact = ""
+        if not self.program.ordered and self.checks.get("evaluates") and options.get("max_lag"):
+            count = next((f"{k}={options[k]}, " for k in ("actors", "env_workers") if k in options), "")
+            exact = (f"where it is an evaluation env's return, run with --policy \"{policy}({count}max_lag=0)\" or "
+                     "pipelined: every replica then evaluates the same version and leaves at the same trip; ")
+        return (exact + "end the loop on a count every replica shares (updates, the configured total of steps) and "
+                "call fragments on a schedule every replica shares, or run with one replica (actors=1, "
+                "env_workers=1) or --policy single_process (a learner's metric cannot decide it where the learner "
+                "runs apart: the loop does not have its value)")
 
     def _ended_apart(self) -> None:
         """Every replica ended its loop: each must have made as many calls of each fragment as the
