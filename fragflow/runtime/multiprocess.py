@@ -106,6 +106,12 @@ class Driver:
         self.endpoints = self.wiring.attach()
         roles = [(s.group, 0) for s in self.lowered.services] + [("actor", k) for k in range(self.lowered.loop.replicas)]
         self.saving = self._saving()
+        ck = self.checkpoints
+        if ck is not None and ck.enabled and ck.schedule is not None and ck.schedule.every.updates is not None:
+            # a schedule in updates asked for ahead is asked for before any loop runs: its first cut is
+            # where the loops have made N updates, however late this process comes to its loop below (a
+            # loaded machine); it was asked there, and a short run's loop could be past N, or ended
+            self._checkpoint_due()
         with no_main_reimport():
             for role, k in roles:
                 with signals.deferred():   # (a signal during a fork is otherwise dropped, and the run goes on)
