@@ -46,6 +46,7 @@ from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls, heap
 from fragflow.runtime.gathering import IDLE_WAIT, Gathering, _Piece
 from fragflow.runtime.loop import allow_nonfinite
+from fragflow.runtime.outbox import Outbox
 from fragflow.runtime.outgoing import Outgoing, owned
 from fragflow.runtime.replicas import _same_value
 
@@ -53,7 +54,6 @@ KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of th
 KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing) ...
 KEPT_MIN = 8   # ... but for the last this many, whatever their size (two samples taken for one call)
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
-REPORT_EVERY = 0.2   # seconds between the group's reports to the driver (its updates, what it logs)
 
 
 def stall_warn() -> float:
@@ -103,8 +103,7 @@ class ServiceRunner(Outgoing, Gathering):
         self.version = 0
         self.writes: dict[str, int] = {}   # writes of each state executed (the stamps of its broadcast)
         self.current = program.clock
-        self._outbox: list[tuple[Any, ...]] = []   # reports to the driver not sent yet
-        self._report_at = time.monotonic() + REPORT_EVERY
+        self._outbox = Outbox(self.results)   # reports to the driver not sent yet (its updates, what it logs)
         self.fragments: dict[str, Fragment] = {}
         self.instances: dict[str, Any] = {}
         self._module_globals: dict[str, dict[str, Any]] = {}   # a module's globals, as its first fragment brought them
@@ -484,24 +483,19 @@ class ServiceRunner(Outgoing, Gathering):
 
     def _report(self, msg: tuple[Any, ...]) -> None:
         """A report to the driver, into the outbox (see :meth:`flush_reports`)."""
-        self._outbox.append(msg)
+        self._outbox.add(msg)
         self._reports_due()
 
     def _reports_due(self) -> None:
         # (a run cut into checkpoints by updates: the driver asks for the next one as it hears of them)
-        if self._outbox and (time.monotonic() >= self._report_at or self.saving.get("root")):
+        if self._outbox.items and (self._outbox.due() or self.saving.get("root")):
             self.flush_reports()
 
     def flush_reports(self) -> None:
-        """Send the reports not sent yet, in order, in one put: each put wakes the queue's feeder
-        thread, which took the GIL from the learner for a few hundred microseconds at every update
-        (a fifth of a pipelined A2C learner's time). Sent every ``REPORT_EVERY`` seconds, while the
-        group waits for calls, and where the driver must have them all (a checkpoint part, the end);
-        at once where the run is checkpointed."""
-        if self._outbox:
-            self.results.put(self._outbox[0] if len(self._outbox) == 1 else ("batch", self._outbox))
-            self._outbox = []
-        self._report_at = time.monotonic() + REPORT_EVERY
+        """Send the reports not sent yet, in order, in one put (see :mod:`fragflow.runtime.outbox`):
+        every ``REPORT_EVERY`` seconds, while the group waits for calls, and where the driver must have
+        them all (a checkpoint part, the end); at once where the run is checkpointed."""
+        self._outbox.send()
 
     def _accept(self, fragment: str, lag: int) -> bool:
         """Whether a piece ``lag`` versions behind is learned from. Served inference with a bound keeps

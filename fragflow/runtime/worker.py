@@ -23,9 +23,8 @@ import numpy as np
 
 from fragflow import context
 from fragflow.runtime import heap
+from fragflow.runtime.outbox import Outbox
 from fragflow.source import is_internal
-
-REPORT_EVERY = 0.2
 
 
 def threads_for(group_threads: int) -> int:
@@ -82,10 +81,7 @@ class QueueReporter:
 
     Everything it reports (its counts, an update's mark, what the loop logs) goes into one outbox,
     in the order it happened, sent whole every ``REPORT_EVERY`` seconds and wherever the driver must
-    have all of it (a checkpoint's cut, the loop's end, its failure): each put wakes the queue's
-    feeder thread, which took the GIL from the loop for a few hundred microseconds where a put was
-    made at every update (a mark and a log: 1.9 s of 20.5 s in a profile of pipelined SAC's actor,
-    0.24 s of 8.8 s of DQN's).
+    have all of it (a checkpoint's cut, the loop's end, its failure): see :mod:`fragflow.runtime.outbox`.
 
     Counts are cumulative (env steps and episodes since the replica's loop began), so the driver
     counts each step and episode once: a restarted replica re-running trips its dead process
@@ -103,8 +99,7 @@ class QueueReporter:
         self.eval: list[tuple[int, int, float, int]] = []   # (updates, env steps made then, return, length)
         self.updates_made = 0
         self.dirty = False
-        self.outbox: list[tuple[Any, ...]] = []   # reports not sent yet, in order
-        self.next = time.monotonic() + REPORT_EVERY
+        self.outbox = Outbox(results)   # reports not sent yet, in order
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None:
         if evaluation:   # every acting replica steps the whole evaluation env: the first one reports it
@@ -115,7 +110,7 @@ class QueueReporter:
             self.total_episodes += len(episodes)
             self.episodes.extend((self.total_steps, ret, length) for ret, length in episodes)
         self.dirty = True
-        if time.monotonic() >= self.next:
+        if self.outbox.due():
             self.flush()
 
     def update(self) -> None:
@@ -123,12 +118,12 @@ class QueueReporter:
 
     def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
             new_row: bool = False) -> None:
-        self.outbox.append(("log", scalars, update, steps, new_row, self.log_seq))
+        self.outbox.add(("log", scalars, update, steps, new_row, self.log_seq))
         self._due()
 
     def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
                new_row: bool = False) -> None:
-        self.outbox.append(("logged", requests, steps, new_row, self.log_seq))
+        self.outbox.add(("logged", requests, steps, new_row, self.log_seq))
         self._due()
 
     def mark(self, update: int) -> None:
@@ -142,21 +137,18 @@ class QueueReporter:
 
     def _counts(self) -> None:
         if self.dirty:
-            self.outbox.append(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes,
+            self.outbox.add(("steps", self.replica, self.total_steps, self.total_episodes, self.episodes,
                                 self.eval, self.marks))
             self.episodes, self.eval, self.marks, self.dirty = [], [], [], False
 
     def _due(self) -> None:
-        if time.monotonic() >= self.next:
+        if self.outbox.due():
             self.flush()
 
     def flush(self) -> None:
         """Send everything reported so far."""
         self._counts()
-        if self.outbox:
-            self.results.put(self.outbox[0] if len(self.outbox) == 1 else ("batch", self.outbox))
-            self.outbox = []
-        self.next = time.monotonic() + REPORT_EVERY
+        self.outbox.send()
 
 
 def main(*args: Any) -> None:
