@@ -592,6 +592,26 @@ def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
         ff.versioned({"w": np.zeros(2)}, name=["s"])
 
 
+def test_a_partial_or_a_callable_object_as_a_fragment_is_refused_at_its_line_with_the_fix():
+    """ff.fragment("actor")(functools.partial(_act, scale=2.0)) failed as "AttributeError: 'functools.partial'
+    object has no attribute '__name__'" from fragflow's own code, exit code 1 (helper bad, B1)."""
+    import functools
+
+    def _act(state, obs, scale):
+        return obs * scale
+
+    class Policy:
+        def __call__(self, obs):
+            return obs
+
+    line = sys._getframe().f_lineno + 3
+    with pytest.raises(TraceError, match=r"@ff.fragment got functools.partial\(_act, scale=2.0\), not a function "
+                                         rf"defined with def or lambda\n  at tests/test_trace.py:{line}\n  fix: "):
+        ff.fragment("actor")(functools.partial(_act, scale=2.0))
+    with pytest.raises(TraceError, match=r"@ff.fragment got a Policy object, not a function(.|\n)*fix: "):
+        ff.fragment("learner", writes=None)(Policy())
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: ff.RolloutBuffer(8.0), r"RolloutBuffer got num_steps=8.0, where it takes a whole number"),
     (lambda: ff.RolloutBuffer("8"), r"RolloutBuffer got num_steps='8', where it takes a whole number"),

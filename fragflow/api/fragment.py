@@ -208,6 +208,17 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
 
     def wrap(fn: Callable[..., Any]) -> Fragment:
         w: str | None
+        if not isinstance(getattr(fn, "__name__", None), str) or not hasattr(fn, "__qualname__"):
+            # (a functools.partial, a callable object: it failed as an AttributeError from fragflow's code)
+            got = (f"functools.partial({getattr(fn.func, '__name__', '...')}"
+                   f"{''.join(f', {a!r:.20}' for a in fn.args)}"
+                   f"{''.join(f', {k}={v!r:.20}' for k, v in fn.keywords.items())})"
+                   if isinstance(fn, functools.partial) else f"a {type(fn).__name__} object")
+            raise TraceError(f"@ff.fragment got {got}, not a function defined with def or lambda", where=where,
+                             fix=f'define a function that calls it and mark that one: @ff.fragment("{role}") '
+                                 "def act(state, obs): return f(state, obs) (a partial's bound values as "
+                                 "arguments at the call, or as its defaults); for an object, mark its method in its class: "
+                                 f'@ff.fragment("{role}") def __call__(self, ...)')
         if role != "learner":
             if writes is not _FIRST_PARAM and writes is not None:
                 raise TraceError(f"fragment '{fn.__name__}' has role {role!r} but declares writes={writes!r}",
