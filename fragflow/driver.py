@@ -145,7 +145,8 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
     traced = args if args is None or (handover is not None and spec.one_process) else _traced_copy(args)
     call_args = () if traced is None else (traced,)
     if handover is not None:
-        handover.prepare(lambda graph, fragments: _placed(graph, fragments, spec, options, train, args, started))
+        handover.prepare(lambda graph, fragments, restore=None: _placed(graph, fragments, spec, options, train, args,
+                                                                        started, restore))
         handover.one_process = spec.one_process
     graph, fragments = trace_program(train, *call_args, on_progress=on_trace, handover=handover)
     if handover is not None and handover.compiled is not None:
@@ -154,7 +155,9 @@ def compile(train: Callable[..., Any], args: Any = None, *, policy: str | None =
 
 
 def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: Any, train: Callable[..., Any],
-            args: Any, started: float) -> Compiled:
+            args: Any, started: float, restore: Callable[[], None] | None = None) -> Compiled:
+    """``restore``: puts the user's module data back as it was before the trace, where the trace is
+    still under way (a handover's) and the run starts afresh in processes sent the program."""
     placed = spec.place(graph, options).verify()
     refuse_unsendable_views(placed)
     # what the program does that only one process can run: refused first, at its own line (lowering
@@ -229,6 +232,9 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     if lowered.services:
         import cloudpickle
 
+        if restore is not None:   # (the run starts from the module as imported, not as the trace left it)
+            restore()
+
         module = sys.modules.get(getattr(train, "__module__", ""), None)
         if module is not None and unimportable(module):
             cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
@@ -258,9 +264,9 @@ class _Handover:
         self.tracer: Any = None
         self.one_process = False     # the placement is one process whatever the graph (no probes needed)
         self._recent: deque[float] = deque(maxlen=RETURN_WINDOW)   # the trace's last training returns
-        self._place: Callable[[Graph, dict[str, Fragment]], Compiled] | None = None
+        self._place: Callable[..., Compiled] | None = None
 
-    def prepare(self, place: Callable[[Graph, dict[str, Fragment]], Compiled]) -> None:
+    def prepare(self, place: Callable[..., Compiled]) -> None:
         self._place = place
 
     def reached(self, finished: list[tuple[float, int]]) -> bool:
@@ -279,7 +285,7 @@ class _Handover:
     def __call__(self, tracer: Any) -> Any:
         assert self._place is not None and tracer.traced is not None
         self.tracer = tracer
-        compiled = self.compiled = self._place(*tracer.traced)
+        compiled = self.compiled = self._place(*tracer.traced, restore=getattr(tracer.module_data, "restore", None))
         if not compiled.serial:
             return None
         import torch

@@ -4739,3 +4739,63 @@ def test_a_fragment_defined_in_the_loop_is_refused_as_such_where_it_runs_apart(w
                                                     rf"tracing ended(.|\n)*  at {at}\n  fix: define it once, before the loop"):
         ff.run(program.train, policy="pipelined")
     assert shm_leftovers() == []
+
+
+MODULE_DATA = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+STEP = 0
+HISTORY = []
+CFG = {"eps": 1.0}
+SCALE = np.ones(1)
+CALLS = 0
+
+@ff.fragment("actor")
+def act(state, obs, eps):
+    global CALLS
+    CALLS += 1                                  # (a fragment's own counter, in the loop's process)
+    return (obs @ state["w"] * eps).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))[:, None]}, {"m": float(batch["obs"].mean())}
+
+def train():
+    global STEP
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.linspace(-1, 1, 8).reshape(4, 2)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(5):
+        for _ in range(4):
+            STEP += 1
+            obs, *_ = env.step(act(state, obs, CFG["eps"] * SCALE[0]))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        HISTORY.append(u)
+        CFG["eps"] = CFG["eps"] * 0.5          # an exploration schedule kept in the module
+        SCALE[0] += 1.0
+        ff.log({"step": STEP, "eps": CFG["eps"]})
+    return state, STEP, len(HISTORY), CFG["eps"], float(SCALE[0]), CALLS
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_module_data_the_loop_changes_starts_the_run_as_before_the_trace(write_algo, policy):
+    """A loop keeping a counter, a list, a schedule in the module (`global STEP; STEP += 1`,
+    `HISTORY.append`, `CFG["eps"] *= 0.5`, `SCALE[0] += 1`) ran, under a policy of several
+    processes, from the values the trace had left: STEP 25 for 20, the actor given eps 0.25 and
+    SCALE 3 at the first step (so other actions, another state), silently (helper bad, B2)."""
+    path, _ = write_algo(MODULE_DATA)
+    program = load(str(path))
+    eager = program.train()
+    program = load(str(path))   # (afresh: the eager run changed the module's data)
+    expected = ff.run(program.train, policy="single_process").value
+    assert same_tree(expected, eager)
+    program = load(str(path))
+    result = ff.run(program.train, policy=policy).value
+    assert [np.asarray(x).tolist() for x in result[1:]] == [20, 5, 0.03125, 6.0, 20]   # (CALLS: each replica's)
+    assert same_tree(result[0], eager[0])
+    assert shm_leftovers() == []

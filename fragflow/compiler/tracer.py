@@ -149,6 +149,7 @@ class Tracer(StateBook):
         self.log_clash: tuple[str, str, SourceLoc | None, SourceLoc | None] | None = None   # see Graph.log_clash
         self.shared_key: tuple[str, str, SourceLoc | None] | None = None   # see Graph.shared_key
         self.handover: Callable[[Tracer], Any] | None = None
+        self.module_data: Any = None   # the user's module data before the trace (moduledata.ModuleData)
         self.taken_by: Any = None
         self.failed: BaseException | None = None
         self.on_taken: Callable[[], None] | None = None

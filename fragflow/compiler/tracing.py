@@ -16,6 +16,7 @@ from fragflow.api.fragment import Fragment
 from fragflow.compiler import probes
 from fragflow.compiler.ir import Graph
 from fragflow.compiler.loops import LoopWatcher
+from fragflow.compiler.moduledata import ModuleData
 from fragflow.compiler.reach import function_reads
 from fragflow.compiler.tracer import Tracer, _StopTracing
 from fragflow.compiler.watchers import ThreadsSet, rng_state, set_rng_state, watch_env_makers
@@ -115,6 +116,10 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         tracer.begins_run = one_process
         tracer.on_taken = watcher.stop
     saved = rng_state()
+    # (the user's module data as imported: put back where the trace unwinds, as the random states are)
+    module_data = tracer.module_data = ModuleData([
+        getattr(train, "__globals__", {}),
+        *(getattr(getattr(f.fn, "__func__", f.fn), "__globals__", {}) for f in module_fragments)])
     import torch
 
     from fragflow.runtime.worker import threads_for
@@ -160,6 +165,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         if tracer.taken_by is None:
             tracer.close()
             set_rng_state(saved)
+            module_data.restore()
         torch.set_num_threads(threads)
     if tracer.failed is not None:
         raise tracer.failed

@@ -1,0 +1,108 @@
+"""The user's module data as it was before the trace, put back where the trace unwinds.
+
+Under a policy of several processes the trace runs the loop and its fragments for real, then the
+run starts afresh in its processes, which fork from the driver or are sent the program (its module
+pickled by value where it was loaded from a file path). What the trace did to the module's data
+went with it: a loop's ``global step; step += 1``, a schedule it keeps in a global dict
+(``CFG["eps"] *= 0.5``), a list it appends to, an array it changes in place, a global network
+an optimizer of the module steps; the run started from the values the trace left (a counter at 25
+for 16 steps, the first actions taken with the exploration rate of the trace's last update).
+Eagerly, and under ``single_process`` (whose run the trace begins), the loop starts from the
+module as it was imported. So the names of the training function's module, and of its module's
+fragments' modules, are bound again to the values they held, and what those values hold is put
+back in place (the same objects: a fragment, an optimizer, a closure that holds one sees it put
+back): a list's, dict's or set's items (one level deep, and so on into the containers and arrays
+they hold, to a few levels), an array's or tensor's values, a module's parameters and buffers, an
+optimizer's state. Other objects (an instance of the user's class, a replay buffer made at module
+level) are left as the trace left them, and so are arrays over 16 MB (64 MB in all).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import numpy as np
+
+_DEPTH = 3
+_MAX_BYTES = 64 << 20    # (arrays beyond this many bytes in all, or one larger than _MAX_ARRAY, a data set the
+_MAX_ARRAY = 16 << 20    # module loads, are not copied: left as the trace leaves them)
+
+
+class ModuleData:
+    def __init__(self, scopes: list[dict[str, Any]]) -> None:
+        self._names: list[tuple[dict[str, Any], str, Any]] = []
+        self._items: list[tuple[Any, Any]] = []     # (container, shallow copy)
+        self._arrays: list[tuple[Any, Any]] = []    # (array or tensor, copy of its values)
+        self._optimizers: list[tuple[Any, Any]] = []
+        self._bytes = 0
+        self._seen: set[int] = set()
+        done: set[int] = set()
+        for scope in scopes:
+            if id(scope) in done:
+                continue
+            done.add(id(scope))
+            for name, value in list(scope.items()):
+                if name.startswith("__"):
+                    continue
+                self._names.append((scope, name, value))
+                self._take(value, 0)
+
+    def _take(self, value: Any, depth: int) -> None:
+        if id(value) in self._seen or depth > _DEPTH:
+            return
+        kind = type(value)
+        if kind in (list, dict, set):
+            self._seen.add(id(value))
+            self._items.append((value, copy.copy(value)))
+            for item in (value.values() if kind is dict else value if kind is list else ()):
+                self._take(item, depth + 1)
+        elif isinstance(value, np.ndarray) and value.flags.writeable and value.dtype != object:
+            self._array(value, value.nbytes, lambda: value.copy())
+        elif (torch := sys.modules.get("torch")) is not None:
+            if isinstance(value, torch.Tensor):
+                self._array(value, value.numel() * value.element_size(), lambda: value.detach().clone())
+            elif isinstance(value, torch.nn.Module):
+                self._seen.add(id(value))
+                for t in [*value.parameters(), *value.buffers()]:
+                    self._take(t, depth)
+            elif isinstance(value, torch.optim.Optimizer):
+                self._seen.add(id(value))
+                try:
+                    self._optimizers.append((value, copy.deepcopy(value.state_dict())))
+                except Exception:   # (an optimizer whose state cannot be copied is left as it is)
+                    pass
+
+    def _array(self, value: Any, nbytes: int, copied: Any) -> None:
+        self._seen.add(id(value))
+        if nbytes > _MAX_ARRAY or self._bytes + nbytes > _MAX_BYTES:
+            return
+        self._bytes += nbytes
+        self._arrays.append((value, copied()))
+
+    def restore(self) -> None:
+        for scope, name, value in self._names:
+            if scope.get(name, value) is not value or name not in scope:
+                scope[name] = value
+        for container, saved in self._items:
+            if type(container) is list:
+                container[:] = saved
+            else:
+                container.clear()
+                container.update(saved)
+        for array, saved in self._arrays:
+            if isinstance(array, np.ndarray):
+                if array.shape == saved.shape:
+                    np.copyto(array, saved)
+            else:
+                import torch
+
+                if array.shape == saved.shape and array.dtype == saved.dtype:
+                    with torch.no_grad():
+                        array.copy_(saved)
+        for opt, saved in self._optimizers:
+            try:
+                opt.load_state_dict(saved)
+            except Exception:
+                pass
