@@ -4752,6 +4752,13 @@ CFG = {"eps": 1.0}
 SCALE = np.ones(1)
 CALLS = 0
 
+class Tracker:
+    def __init__(self):
+        self.best = -1.0
+        self.seen = []
+
+TRACKER = Tracker()
+
 @ff.fragment("actor")
 def act(state, obs, eps):
     global CALLS
@@ -4777,15 +4784,18 @@ def train():
         HISTORY.append(u)
         CFG["eps"] = CFG["eps"] * 0.5          # an exploration schedule kept in the module
         SCALE[0] += 1.0
+        TRACKER.best = max(TRACKER.best, float(u))
+        TRACKER.seen.append(u)
+        TRACKER.last = u
         ff.log({"step": STEP, "eps": CFG["eps"]})
-    return state, STEP, len(HISTORY), CFG["eps"], float(SCALE[0]), CALLS
+    return state, STEP, len(HISTORY), CFG["eps"], float(SCALE[0]), CALLS, TRACKER.best, len(TRACKER.seen)
 """
 
 
 @pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
 def test_module_data_the_loop_changes_starts_the_run_as_before_the_trace(write_algo, policy):
     """A loop keeping a counter, a list, a schedule in the module (`global STEP; STEP += 1`,
-    `HISTORY.append`, `CFG["eps"] *= 0.5`, `SCALE[0] += 1`) ran, under a policy of several
+    `HISTORY.append`, `CFG["eps"] *= 0.5`, `SCALE[0] += 1`, an object's attributes) ran, under a policy of several
     processes, from the values the trace had left: STEP 25 for 20, the actor given eps 0.25 and
     SCALE 3 at the first step (so other actions, another state), silently (helper bad, B2)."""
     path, _ = write_algo(MODULE_DATA)
@@ -4796,6 +4806,6 @@ def test_module_data_the_loop_changes_starts_the_run_as_before_the_trace(write_a
     assert same_tree(expected, eager)
     program = load(str(path))
     result = ff.run(program.train, policy=policy).value
-    assert [np.asarray(x).tolist() for x in result[1:]] == [20, 5, 0.03125, 6.0, 20]   # (CALLS: each replica's)
+    assert [np.asarray(x).tolist() for x in result[1:]] == [20, 5, 0.03125, 6.0, 20, 4.0, 5]   # (CALLS: each replica's)
     assert same_tree(result[0], eager[0])
     assert shm_leftovers() == []

@@ -13,8 +13,9 @@ fragments' modules, are bound again to the values they held, and what those valu
 back in place (the same objects: a fragment, an optimizer, a closure that holds one sees it put
 back): a list's, dict's or set's items (one level deep, and so on into the containers and arrays
 they hold, to a few levels), an array's or tensor's values, a module's parameters and buffers, an
-optimizer's state. Other objects (an instance of the user's class, a replay buffer made at module
-level) are left as the trace left them, and so are arrays over 16 MB (64 MB in all).
+optimizer's state, the attributes of an object of a class of those modules (a tracker, the user's own
+buffer). Other objects (fragflow's buffers, a library's objects) are left as the trace left them,
+and so are arrays over 16 MB (64 MB in all).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class ModuleData:
         self._optimizers: list[tuple[Any, Any]] = []
         self._bytes = 0
         self._seen: set[int] = set()
+        self._objects: list[tuple[Any, dict[str, Any]]] = []   # (object of a user's class, its attributes)
+        self._modules = {scope.get("__name__") for scope in scopes} - {None}
         done: set[int] = set()
         for scope in scopes:
             if id(scope) in done:
@@ -58,6 +61,12 @@ class ModuleData:
             self._items.append((value, copy.copy(value)))
             for item in (value.values() if kind is dict else value if kind is list else ()):
                 self._take(item, depth + 1)
+        elif self._users(value):
+            self._seen.add(id(value))
+            fields = {k: v for k, v in vars(value).items() if k != "_fragflow_bound"}
+            self._objects.append((value, fields))
+            for item in fields.values():
+                self._take(item, depth + 1)
         elif isinstance(value, np.ndarray) and value.flags.writeable and value.dtype != object:
             self._array(value, value.nbytes, lambda: value.copy())
         elif (torch := sys.modules.get("torch")) is not None:
@@ -74,6 +83,12 @@ class ModuleData:
                 except Exception:   # (an optimizer whose state cannot be copied is left as it is)
                     pass
 
+    def _users(self, value: Any) -> bool:
+        """An object of a class of the user's modules (a tracker, a schedule object, the user's buffer),
+        with a plain ``__dict__``: its attributes are put back."""
+        module = getattr(type(value), "__module__", "")
+        return module in self._modules and not isinstance(value, type) and type(getattr(value, "__dict__", None)) is dict
+
     def _array(self, value: Any, nbytes: int, copied: Any) -> None:
         self._seen.add(id(value))
         if nbytes > _MAX_ARRAY or self._bytes + nbytes > _MAX_BYTES:
@@ -85,6 +100,11 @@ class ModuleData:
         for scope, name, value in self._names:
             if scope.get(name, value) is not value or name not in scope:
                 scope[name] = value
+        for obj, fields in self._objects:
+            attributes = vars(obj)
+            for key in [k for k in attributes if k not in fields and k != "_fragflow_bound"]:
+                del attributes[key]
+            attributes.update(fields)
         for container, saved in self._items:
             if type(container) is list:
                 container[:] = saved
