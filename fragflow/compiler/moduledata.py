@@ -112,16 +112,22 @@ class ModuleData:
                 container.clear()
                 container.update(saved)
         for array, saved in self._arrays:
+            # (only what changed: a copy bumps a tensor's version counter, which the run's checks of
+            # what a fragment reaches read as the loop's change)
             if isinstance(array, np.ndarray):
-                if array.shape == saved.shape:
+                if array.shape == saved.shape and not np.array_equal(array, saved, equal_nan=saved.dtype.kind in "fc"):
                     np.copyto(array, saved)
             else:
                 import torch
 
-                if array.shape == saved.shape and array.dtype == saved.dtype:
+                if array.shape == saved.shape and array.dtype == saved.dtype and not torch.equal(array, saved):
                     with torch.no_grad():
                         array.copy_(saved)
         for opt, saved in self._optimizers:
+            if not opt.state and not saved["state"] and [{k: v for k, v in g.items() if k != "params"}
+                                                         for g in opt.param_groups] == \
+                    [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]:
+                continue   # (unchanged: not steps, as a fresh optimizer's)
             try:
                 opt.load_state_dict(saved)
             except Exception:
