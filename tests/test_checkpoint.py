@@ -1456,6 +1456,65 @@ def test_a_buffer_of_the_users_own_without_state_dict_is_refused_at_the_checkpoi
     driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b")   # runs without checkpoints
 
 
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1)", "learner_replay"])
+def test_a_buffer_of_the_users_own_without_state_dict_runs_where_actors_can_be_restarted(write_algo, tmp_path, policy):
+    """No checkpoint asked for: a restartable actor's snapshot of where it stands (taken about once a
+    second) was refused like a checkpoint, and the run failed a second in with a CheckpointError
+    telling the user to run without --checkpoint-every, which they had not given. The snapshot
+    leaves such a buffer out (a restarted actor starts it empty), as it does one too big to send."""
+    from tests.test_multiprocess import shm_leftovers
+
+    path, _ = write_algo('''
+        import time
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 30
+
+        class Memory:
+            def __init__(self):
+                self.data = np.zeros((16, 2))
+                self.n = 0
+
+            @ff.fragment("buffer")
+            def add(self, x):
+                self.data[self.n % 16] = x
+                self.n += 1
+
+            @ff.fragment("buffer")
+            def sample(self):
+                return self.data[: max(self.n, 1)].mean(0)
+
+        @ff.fragment("actor")
+        def act(key):
+            time.sleep(0.05)             # 1.5 s of trips: past the first snapshot, a second in
+            return ff.random.uniform(key, (2,))[0]
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            memory = Memory()
+            key = ff.random.keys(0, ff.envs.ids(1))
+            for step in range(args.total):
+                key, sub = ff.random.split(key)
+                memory.add(act(sub))
+                state = learn(state, memory.sample())
+            return state
+    ''', "ownbuffer_restartable.py")
+    prog = load(str(path))
+    expected = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a")
+    result = driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "b")
+    assert result.summary["status"] == "completed" and result.summary["updates"] == 30
+    assert np.array_equal(result.value["w"], expected.value["w"])
+    assert shm_leftovers() == []
+
+
 def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_too(write_algo, tmp_path):
     """Its fragments made on the instance (``self.add = ff.fragment("buffer")(self._add)``), not
     decorated methods of its class: the refusal did not see it, and a resumed run learned from an

@@ -29,8 +29,11 @@ class CheckpointError(FragflowError):
 
 
 # -- the loop's locals ----------------------------------------------------------------------------------
-def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
-    """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``."""
+def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset(),
+                strict: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
+    """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``. ``strict``
+    (a checkpoint): a buffer of the user's own that cannot be saved is refused; else (an actor's
+    restart snapshot, which the user never asked for) it is left out, as a buffer too big for one is."""
     from fragflow.api.random import is_key
     from fragflow.api.versioned import Pending, Versioned, VersionedView
 
@@ -65,7 +68,7 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                 raise CheckpointError(f"cannot save the loop's {name!r}: its state_dict() holds {exc}",
                                       fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
         elif not callable(x) and not isinstance(x, types.ModuleType):
-            if _buffer_of_users(x):   # its data is the run's: a resumed run would learn from an empty one
+            if strict and _buffer_of_users(x):   # its data is the run's: a resumed run would learn from an empty one
                 raise CheckpointError(
                     f"cannot save the loop's {name!r}: a {type(x).__qualname__} holds the data its buffer fragments "
                     "keep, but has no state_dict()/load_state_dict(), so a run resumed from this checkpoint would "
@@ -265,9 +268,11 @@ def held_by_state(states: dict[str, Any]) -> set[int]:
     return {id(o) for handle in states.values() for o in objects_of(handle.value)}
 
 
-def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset()) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
-    """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``."""
-    entries, arrays, left = loop_locals(snapshot.frame_locals, skip)
+def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(),
+              strict: bool = True) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
+    """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``
+    (``strict``: see :func:`loop_locals`)."""
+    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict)
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
     return ({"line": snapshot.line, "trip": snapshot.trip},

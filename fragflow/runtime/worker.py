@@ -372,7 +372,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else \
-                loop_part(snapshot, held_by_state(interp._states))[1]
+                loop_part(snapshot, held_by_state(interp._states), strict=False)[1]
             meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
             # copies: the queue pickles later, in its own thread, while the loop goes on writing
             arrays = {key: np.array(a) for key, a in arrays.items()}
