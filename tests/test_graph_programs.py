@@ -461,6 +461,56 @@ def test_a_recurrent_memory_the_loop_carries_is_split_with_the_environments(writ
     assert [(leaf.axis_name, leaf.axis) for leaf in graph.node("act").inputs if leaf.dst_path == "h"] == [("env", 0)]
 
 
+PER_STEP_IN_COLLECT = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    aligned = np.array_equal(batch["first"], batch["obs"][..., 0])
+    return state + 0.01 * (batch["first"] * batch["reward"]).mean(), {"aligned": float(aligned)}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned(np.ones(4))
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for _ in range(4):
+        firsts = []
+        for _ in range(8):
+            action = act(state, obs)
+            buf.add(obs=obs, reward=np.ones(env.num_envs))
+            firsts.append(obs[:, 0])
+            obs, *_ = env.step(action)
+        state, m = learn(state, buf.collect(first=np.stack(firsts)))   # [time, env], given to collect
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"])
+def test_a_time_by_env_array_given_to_collect_is_split_and_merged_with_the_rollout(write_algo, policy):
+    """An array the loop stacks per step, ``[time, env]``, given to ``collect`` beside the rollout
+    (``buf.collect(logp=np.stack(logps))``, a recurrent PPO's): collect declared every such leaf
+    ``[env, ...]``, so the learner's channel was sized by halving its time axis and the run stopped
+    with a SpecChangedError claiming the trace saw f32[4,4] for the f32[8,2] a process sent. It is
+    the rollout's ``[time, env]``: split and merged with it, the run is single_process's."""
+    path, _ = write_algo(PER_STEP_IN_COLLECT)
+    program = load(str(path))
+    expected = ff.run(program.train, policy="single_process")
+    result = ff.run(program.train, policy=policy)
+    assert same_tree(result.value, expected.value)
+    assert result.summary["updates"] == 4
+    graph = compile(program.train, policy="single_process").placed.graph
+    edge = next(e for e in graph.edges if e.src == "buffer.collect" and e.dst == "learn")
+    assert {leaf.src_path: (leaf.axis_name, leaf.axis) for leaf in edge.leaves}["['first']"] == ("env", 1)
+    assert shm_leftovers() == []
+
+
 SIZED_BY_NUM_ENVS = """
 import numpy as np
 import fragflow as ff

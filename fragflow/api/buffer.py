@@ -50,6 +50,7 @@ class RolloutBuffer:
         self.num_steps = num_steps
         self._storage: dict[str, Any] | None = None
         self._step_keys: frozenset[str] = frozenset()
+        self._time_major: frozenset[str] = frozenset()   # collect()'s leaves that start [time, env]
         self._order: tuple[str, ...] | None = None
         self._views: dict[str, Any] = {}
         self._t = 0
@@ -111,6 +112,7 @@ class RolloutBuffer:
             raise TraceError(f"{self.name}.collect got {sorted(clash)}, which are also step keys",
                              where=user_callsite(), fix="give the collect() arguments other names")
         self._step_keys = frozenset(self._storage)
+        self._time_major = frozenset(k for k, v in last.items() if _time_major(v, self.num_steps, self._storage))
         batch = dict({k: _as_added(v) for k, v in self._storage.items()}, **last)
         self._storage, self._t = None, 0
         return batch
@@ -141,9 +143,20 @@ class RolloutBuffer:
 
     def _axes(self, path: str) -> tuple[str, int]:
         """The ``env`` axis of a collected batch's leaf: 1 for step data ``[time, env, ...]``, 0 for
-        the ``last`` leaves ``[env, ...]``."""
+        the ``last`` leaves ``[env, ...]``, 1 for a ``last`` leaf the loop stacked per step, which
+        starts ``[time, env]`` as the steps do (``collect(logp=np.stack(logps))``)."""
         key = path[2:].split("'")[0] if path.startswith("['") else ""
-        return ("env", 1 if key in self._step_keys else 0)
+        return ("env", 1 if key in self._step_keys or key in self._time_major else 0)
+
+
+def _time_major(x: Any, num_steps: int, storage: dict[str, Any]) -> bool:
+    """Whether a ``collect`` argument starts ``[time, env]`` like the step data: its first two sizes
+    are the rollout's steps and environments (where the two counts are equal, nothing tells it from
+    an ``[env, ...]`` leaf, which it is taken for, as before)."""
+    shape = getattr(x, "shape", None)
+    envs = {v.shape[1] for v in storage.values() if not isinstance(v, dict) and len(getattr(v, "shape", ())) >= 2}
+    return (shape is not None and len(shape) >= 2 and len(envs) == 1 and shape[0] == num_steps
+            and shape[1] in envs and num_steps not in envs)
 
 
 def _view(storage: Any) -> Any:
