@@ -511,6 +511,26 @@ def test_a_time_by_env_array_given_to_collect_is_split_and_merged_with_the_rollo
     assert shm_leftovers() == []
 
 
+@pytest.mark.parametrize("extra, what", [("np.arange(3.0)", "f64[3]) is taken as one row per environment"),
+                                         ("np.float32(0.5)", "f32[]) is taken as one row per environment")])
+def test_a_value_given_to_collect_that_is_not_per_environment_is_refused_as_such(write_algo, extra, what):
+    """A constant given to ``collect`` beside the rollout is taken as ``[env, ...]``, as a bootstrap
+    value is: a vector of 3 with 4 environments was refused as "the loop's 3 environments", which 2
+    processes cannot split evenly (fix: make num_envs a multiple of actors), and a number as "one
+    number per step". The refusal says what it is and the fix that runs: an argument of its own."""
+    path, marks = write_algo(PER_STEP_IN_COLLECT.replace(
+        "buf.collect(first=np.stack(firsts))", f"buf.collect(first=np.stack(firsts), c={extra})").replace(
+        "# [time, env], given to collect", "# @learn"))
+    program = load(str(path))
+    with pytest.raises(PlacementError) as err:
+        ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    assert str(err.value.where).endswith(f"algo.py:{marks['learn']}")
+    assert f"'batch['c']' of 'learn' ({what}, as what a rollout buffer's collect() is given is" in str(err.value)
+    assert "the loop steps 4 environments" in str(err.value)
+    assert err.value.fix.startswith("pass it to 'learn' as an argument of its own")
+    assert shm_leftovers() == []
+
+
 SIZED_BY_NUM_ENVS = """
 import numpy as np
 import fragflow as ff

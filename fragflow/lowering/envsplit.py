@@ -24,6 +24,18 @@ def split_spec(leaf: LeafSpec, replicas: int, fragment: str, graph: Graph, place
     if leaf.axis is None or replicas == 1:
         return leaf.spec
     shape = list(leaf.spec.shape)
+    counts = _env_counts(graph)
+    if leaf.axis_name == "env" and leaf.axis == 0 and counts and graph.node(fragment).role != "buffer" \
+            and (not shape or shape[0] not in counts):
+        # (a value given to a rollout buffer's collect() is taken as [env, ...], as a bootstrap value is)
+        rows = f"{shape[0]} row{'s' * (shape[0] != 1)}" if shape else "one number"
+        raise PlacementError(
+            f"'{leaf.dst_path}' of '{fragment}' ({leaf.spec.short()}) is taken as one row per environment, as "
+            f"what a rollout buffer's collect() is given is, but it has {rows}, and the loop steps "
+            f"{' or '.join(map(str, sorted(counts)))} environments: policy '{placed.policy}' would split it across "
+            f"its {_processes(replicas)} as if it were", where=graph.node(fragment).called_at,
+            fix=f"pass it to '{fragment}' as an argument of its own (a value that is not per environment goes "
+                "whole), or give it one row per environment")
     if leaf.axis >= len(shape):   # (a Python number per step in a rollout: [T], no environment axis)
         raise PlacementError(
             f"'{leaf.dst_path}' of '{fragment}' ({leaf.spec.short()}) has no {leaf.axis_name} axis (axis "
@@ -66,6 +78,18 @@ def _loop_envs(graph: Graph) -> int | None:
             if axis_name == "env" and spec is not None and len(spec.shape) > axis:
                 return spec.shape[axis]
     return None
+
+
+def _env_counts(graph: Graph) -> set[int]:
+    """The numbers of training environments the loop's envs step (empty: none known)."""
+    counts = set()
+    for node in graph.fragments("env"):
+        specs = dict(node.outputs)
+        for path, axis_name, axis in () if node.evaluation else node.output_axes:
+            spec = specs.get(path)
+            if axis_name == "env" and spec is not None and len(spec.shape) > axis:
+                counts.add(spec.shape[axis])
+    return counts
 
 
 def _asked_per(placed: PlacedGraph) -> int:
