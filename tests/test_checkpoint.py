@@ -1515,6 +1515,78 @@ def test_a_buffer_of_the_users_own_without_state_dict_runs_where_actors_can_be_r
     assert shm_leftovers() == []
 
 
+@pytest.mark.parametrize("policy", ["actor_learner(actors=1)", "learner_replay"])
+def test_an_actor_holding_a_buffer_of_the_users_own_without_state_dict_is_not_restarted_empty(write_algo, policy):
+    """Its restart snapshot leaves such a buffer out: restarted, the actor went on with it empty and
+    the run failed in the user's sample() (or learned from a few transitions). It is not restarted:
+    the run stops saying why and how to have it restarted. Under learner_replay the buffer is the
+    learner's (the loop's copy is unused): the actor is restarted and the run completes."""
+    import multiprocessing as mp
+
+    from fragflow.backends import WorkerDied
+    from tests.test_multiprocess import kill_actor_later, shm_leftovers
+
+    path, _ = write_algo('''
+        import time
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            total: int = 100
+
+        class Memory:
+            def __init__(self):
+                self.data = np.zeros((16, 2))
+                self.n = 0
+
+            @ff.fragment("buffer")
+            def add(self, x):
+                self.data[self.n % 16] = x
+                self.n += 1
+
+            @ff.fragment("buffer")
+            def sample(self):
+                assert self.n > 0, "sampled from an empty memory"
+                return self.data[: self.n].mean(0)
+
+        @ff.fragment("actor")
+        def act(key):
+            time.sleep(0.04)             # 4 s of trips: killed 1.5 s in, after its first snapshot
+            return ff.random.uniform(key, (2,))[0]
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, x):
+            return {"w": state["w"] * 0.5 + x}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(2)})
+            memory = Memory()
+            key = ff.random.keys(0, ff.envs.ids(1))
+            for step in range(args.total):
+                key, sub = ff.random.split(key)
+                memory.add(act(sub))
+                state = learn(state, memory.sample())
+            return state
+    ''', "ownbuffer_killed.py")
+    prog = load(str(path))
+    killer = kill_actor_later(name="fragflow-actor-0", after=1.5)
+    try:
+        if policy.startswith("actor_learner"):
+            with pytest.raises(WorkerDied, match=r"not restarted: its loop's 'memory' \(a Memory\) holds the data its "
+                                                 r"buffer fragments keep but has no state_dict\(\)/load_state_dict\(\)"):
+                driver.run(prog.train, prog.args_cls(), policy=policy)
+        else:
+            result = driver.run(prog.train, prog.args_cls(), policy=policy)
+            assert result.summary["status"] == "completed" and result.summary["restarts"] == 1
+            assert result.summary["updates"] == 100
+    finally:
+        killer.join()
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
 def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_too(write_algo, tmp_path):
     """Its fragments made on the instance (``self.add = ff.fragment("buffer")(self._add)``), not
     decorated methods of its class: the refusal did not see it, and a resumed run learned from an

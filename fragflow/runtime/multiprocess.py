@@ -526,6 +526,11 @@ class Driver:
                 how = ended(code)
                 why = not_restarted(role, code, self.lowered.loop.restartable, self.restarts.get(k, 0),
                                     self.max_restarts)
+                lost = (self.points.get(k) or ({},))[0].get("lost") if role == "actor" else None
+                if why is None and lost:
+                    why = (f"its loop's {', '.join(f'{n!r} (a {cls})' for n, cls, _ in lost)} holds the data its buffer fragments keep but has no "
+                           "state_dict()/load_state_dict(), so a restarted actor would go on with it empty (give "
+                           "the class both to have such an actor restarted)")
                 if why is None:
                     self._restart(k, how)
                     continue

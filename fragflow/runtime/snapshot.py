@@ -275,8 +275,12 @@ def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(),
     entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict)
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
-    return ({"line": snapshot.line, "trip": snapshot.trip},
-            ({"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}, arrays))
+    meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}
+    if not strict:   # (a restart snapshot: buffers of the user's own it could not take, which a restart would empty)
+        # (name, class, the prefix of its fragments' names: where a service holds it, the loop's copy is unused)
+        meta["lost"] = [[n, type(x).__qualname__, getattr(x, "name", None) or type(x).__name__] for n in left
+                        if _buffer_of_users(x := snapshot.frame_locals.get(n))]
+    return ({"line": snapshot.line, "trip": snapshot.trip}, (meta, arrays))
 
 
 def served_objects(ckpt: Checkpoint) -> dict[str, tuple[Any, dict[str, np.ndarray]]]:

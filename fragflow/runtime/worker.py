@@ -373,6 +373,9 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else \
                 loop_part(snapshot, held_by_state(interp._states), strict=False)[1]
+            remote = interp.program.remote
+            meta["lost"] = [lost for lost in meta.get("lost", ())
+                            if not any(name.startswith(f"{lost[2]}.") for name in remote)]
             meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
             # copies: the queue pickles later, in its own thread, while the loop goes on writing
             arrays = {key: np.array(a) for key, a in arrays.items()}
