@@ -943,3 +943,71 @@ def test_a_loop_replicas_reports_reach_the_driver_in_one_put_per_interval_in_ord
     assert len(q.puts) <= 2   # (one at the end; one more where the 0.2 s passed on a loaded machine)
     got = [m for put in q.puts for m in (put[1] if put[0] == "batch" else [put])]
     assert got == expected
+
+
+NOISY = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    keys: bool = False
+
+class Noise:   # Ornstein-Uhlenbeck-like exploration noise, as DDPG programs keep it
+    def __init__(self, seed, n):
+        self.rng = np.random.default_rng(seed)
+        self.x = np.zeros((n, 1))
+
+    def __call__(self):
+        self.x = 0.8 * self.x + self.rng.normal(size=self.x.shape)
+        return self.x
+
+@ff.fragment("actor")
+def act(params, obs, noise):
+    return np.clip(obs[:, :1] @ params["w"] + noise, -2.0, 2.0).astype(np.float32)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"][..., :1].mean()}, {"a": batch["action"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("Pendulum-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((1, 1), np.float32)})
+    noise = None if args.keys else Noise(0, env.num_envs)
+    key = ff.random.keys(0, env.ids)
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            key, sub = ff.random.split(key)
+            eps = ff.random.normal(sub, (1,)) if args.keys else noise()
+            action = act(state, obs, eps)
+            next_obs, *_ = env.step(action)
+            buf.add(obs=obs, action=action)
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, keys, warned", [("actor_learner(actors=2, max_lag=0)", False, True),
+                                                  ("actor_learner(actors=2, max_lag=0)", True, False),
+                                                  ("pipelined(max_lag=0)", False, False),
+                                                  ("single_process", False, False)])
+def test_a_generator_the_loop_holds_is_named_where_loop_processes_split_the_environments(write_algo, policy, keys,
+                                                                                         warned):
+    """Each loop process holds a copy of a generator the loop made, so the noise it draws for its
+    own environments repeats across processes: a DDPG program's first q_loss was 61.42 under
+    learner_replay(actors=2, max_lag=0) against 58.12 in one process, and nothing said why."""
+    path, _ = write_algo(NOISY)
+    prog = load(str(path))
+    r = ff.run(prog.train, prog.args_cls(keys=keys), policy=policy)
+    notes = [n for n in r.summary.get("notes", []) if "random generator" in n]
+    if warned:
+        assert len(notes) == 1 and "`noise.rng` (a numpy.Generator)" in notes[0] and "ff.random" in notes[0], notes
+        assert re.search(rf"\({relpath(path)}:26, `train`\)", notes[0]), notes[0]
+    else:
+        assert notes == []
+    assert shm_leftovers() == []

@@ -334,3 +334,35 @@ def resume_point(part: tuple[Any, dict[str, np.ndarray]],
                                   fix="resume with the algorithm and arguments that wrote it") from None
 
     return Resume(int(meta["line"]), int(meta["trip"]), restore)
+
+
+def copied_generators(frame: Any, replicas: int) -> str | None:
+    """A warning, where the loop holds random generators of its own (``rng = np.random.default_rng(s)``,
+    an exploration-noise object of the user's class holding one): each of the ``replicas`` loop
+    processes, which split the environments, holds a copy of it, so numbers drawn from it for each
+    process's environments repeat across processes where one process would draw a number for each."""
+    torch = _torch()
+    kinds = (np.random.Generator, pyrandom.Random, np.random.RandomState) + ((torch.Generator,) if torch else ())
+    module = frame.f_globals.get("__name__")
+    found: list[str] = []
+    for name, x in frame.f_locals.items():
+        if name.startswith("__"):
+            continue
+        if isinstance(x, kinds):
+            found.append(f"`{name}` (a {type(x).__module__.split('.')[0]}.{type(x).__name__})")
+        elif getattr(type(x), "__module__", None) == module and type(getattr(x, "__dict__", None)) is dict:
+            found += [f"`{name}.{attr}` (a {type(v).__module__.split('.')[0]}.{type(v).__name__})"
+                      for attr, v in vars(x).items() if isinstance(v, kinds)]
+    if not found:
+        return None
+    from fragflow.source import display_path
+
+    code = frame.f_code
+    return (f"the training loop ({display_path(code.co_filename)}:{code.co_firstlineno}, `{code.co_name}`) holds the random "
+            f"generator{'s' if len(found) > 1 else ''} {', '.join(found)}: each of the {replicas} loop processes, "
+            "which split the environments, holds a copy, so numbers it draws for its own environments (exploration "
+            "noise) repeat across processes (the second process's first environment gets what the first process's "
+            "first environment gets) where one process would draw a number for each. For numbers per environment "
+            "use ff.random keys (`key = ff.random.keys(seed, env.ids)`, then `key, sub = ff.random.split(key)` and "
+            "`ff.random.normal(sub, shape)`), the same under every policy; or run one loop process (actors=1, "
+            "env_workers=1, or --policy single_process)")

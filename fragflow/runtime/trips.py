@@ -44,6 +44,7 @@ class Trips:
         self.pending = False           # a checkpoint is wanted at the next trip start
         self.poll: Callable[[], bool] | None = None   # asked at every trip start when set (a shared request)
         self.on_start: Callable[[int], None] | None = None   # told each trip as it starts, before ``poll``
+        self.first: Callable[[FrameType], None] | None = None   # given the loop's frame at its first trip, once
         self.position: tuple[int, int] | None = None
         self._whiles: dict[int, int] = {}
 
@@ -92,6 +93,9 @@ class Trips:
 
     def _start(self, frame: FrameType, line: int, trip: int) -> None:
         self.position = (line, trip)
+        if self.first is not None:
+            first, self.first = self.first, None
+            first(frame)
         if self.on_start is not None:
             self.on_start(trip)
         if self.pending or (self.poll is not None and self.poll()):

@@ -307,7 +307,14 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
     from fragflow.runtime import calls, checkpoint, trips
-    from fragflow.runtime.snapshot import acting_views, held_by_state, loop_part, resume_point, served_objects
+    from fragflow.runtime.snapshot import (
+        acting_views,
+        copied_generators,
+        held_by_state,
+        loop_part,
+        resume_point,
+        served_objects,
+    )
 
     tracker = trips.Trips()
     ckpt = checkpoint.resumed(saving)
@@ -387,6 +394,12 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
 
     tracker.poll = poll
     tracker.capture = capture
+    if replicas > 1 and index == 0 and restart is None:
+        def first(frame: Any) -> None:
+            message = copied_generators(frame, replicas)
+            if message:
+                endpoints.results.put(("warn", message))
+        tracker.first = first
     if together and replicas > 1:
         tracker.on_start = lambda trip: admission.at_trip(index, trip)
     trips.install(tracker)
