@@ -214,3 +214,29 @@ def test_a_dead_channel_hub_is_a_worker_death_not_the_users_error(monkeypatch):
     monkeypatch.setattr(endpoints, "_ray", lambda: Dead)
     with pytest.raises(WorkerDied, match="the run's channel hub \\(a Ray actor\\) died"):
         endpoints._get(object())
+
+
+def test_ray_not_installed_is_refused_before_anything_runs_or_is_written(tmp_path, monkeypatch):
+    """Without Ray the run was traced and its directory written (graph.txt, a failed summary.json)
+    before the message came, from the wiring."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fragflow.errors import ConfigError
+    from tests.conftest import ROOT
+
+    monkeypatch.setitem(sys.modules, "ray", None)   # (import ray raises ImportError)
+    with pytest.raises(ConfigError, match="the Ray backend needs Ray, which is not installed"):
+        ff.run(ppo.train, INVARIANT, policy="pipelined", backend="ray", out=tmp_path / "api")
+    assert not (tmp_path / "api").exists()
+    fake = tmp_path / "noray" / "ray"   # (the CLI in a process of its own, where `import ray` fails)
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)])}
+    res = subprocess.run([str(Path(sys.executable).with_name("fragflow")), "run", "ppo", "--backend", "ray",
+                          "--policy", "pipelined", "--out", str(tmp_path / "cli"), "-q"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert 'fix: pip install "fragflow[ray]"' in res.stderr and "tracing" not in res.stderr
+    assert not (tmp_path / "cli").exists()

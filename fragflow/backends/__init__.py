@@ -113,6 +113,9 @@ def get(name: str, address: str | None = None) -> Backend:
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}", fix=did_you_mean(name, BACKENDS))
     module = importlib.import_module(BACKENDS[name])
+    available = getattr(module, "available", None)
+    if available is not None:   # (what the backend needs, Ray, missing: refused before anything runs)
+        available()
     backend: Backend = module.BACKEND
     if address is not None:
         if not hasattr(backend, "address"):

@@ -35,7 +35,7 @@ from fragflow.errors import ConfigError
 from .endpoints import RayAdmission, RayBroadcast, RayQueue, RayRing, _get, _ray
 from .hub import Hub
 
-__all__ = ["BACKEND", "RayBackend"]
+__all__ = ["BACKEND", "RayBackend", "available"]
 
 
 class RayStop:
@@ -181,6 +181,12 @@ class _Worker:
         except SystemExit as exc:
             return int(exc.code or 0) if not isinstance(exc.code, str) else 1
         return 0
+
+
+def available() -> None:
+    """Ray is importable, else the ConfigError that says how to install it (asked by ``backends.get``,
+    before the program is traced or its run directory written)."""
+    _ray()
 
 
 def connect(address: str | None = None) -> None:
