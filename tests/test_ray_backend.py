@@ -240,3 +240,46 @@ def test_ray_not_installed_is_refused_before_anything_runs_or_is_written(tmp_pat
     assert res.returncode == 2, res.stderr
     assert 'fix: pip install "fragflow[ray]"' in res.stderr and "tracing" not in res.stderr
     assert not (tmp_path / "cli").exists()
+
+
+def test_a_ray_actor_that_exits_is_not_said_to_be_killed_by_a_signal(ray_cluster, write_algo):
+    """Ray says only that an actor died, not how: a worker whose environment called os._exit(7) was
+    reported "killed by signal 9" (the local backend says "exited with code 7")."""
+    from fragflow.backends import WorkerDied
+    from fragflow.program import load
+
+    path, _ = write_algo("""
+        import os
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("actor")
+        def act(w, obs, step):
+            if step == 6 and obs.shape[0] == 1:   # (an actor's own env, not the trace's two)
+                os._exit(7)
+            return (obs @ w).argmax(-1)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1e-3 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+        def train(updates=4):
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros((4, 2))})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            step = 0
+            for _ in range(updates):
+                for _ in range(4):
+                    obs, *_ = env.step(act(state["w"], obs, step))
+                    step += 1
+                    buf.add(obs=obs)
+                state, _ = learn(state, buf.collect())
+            return state
+    """, "exits.py")
+    program = load(str(path))
+    with pytest.raises(WorkerDied, match=r"actor \d process died \(its Ray actor: killed, crashed or exited; Ray does "
+                                         r"not say which\) without reporting an error; not restarted: --max-restarts "
+                                         r"is 0") as failed:
+        ff.run(program.train, policy="actor_learner(actors=2)", backend="ray", max_restarts=0)
+    assert "signal" not in str(failed.value)

@@ -446,7 +446,7 @@ class Driver:
             for r, k, p in self.procs:
                 if (r, k) != (role, index) and (r, k) not in self.finished and p.exitcode is not None and p.exitcode < 0:
                     who = self._process_name(r, k, None)
-                    return f"{who} process {ended(p.exitcode)}"
+                    return f"{who} process {getattr(p, 'died', None) or ended(p.exitcode)}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -523,7 +523,7 @@ class Driver:
                             "its workers, or start the run from the folder that holds it" if "ModuleNotFoundError" in failure
                             else "")
                     raise WorkerDied(f"{who} process failed before it could report: {failure}{hint}")
-                how = ended(code)
+                how = getattr(p, "died", None) or ended(code)   # (a Ray actor: Ray does not say how it ended)
                 why = not_restarted(role, code, self.lowered.loop.restartable, self.restarts.get(k, 0),
                                     self.max_restarts)
                 lost = (self.points.get(k) or ({},))[0].get("lost") if role == "actor" else None

@@ -124,6 +124,7 @@ class RayProcess:
         self._code: int | None = None
         self._pid: int | None = None
         self.failure: str | None = None   # what it raised before it could report (a module its program needs)
+        self.died: str | None = None      # how it ended, where Ray cannot tell (see ``exitcode``)
 
     @property
     def exitcode(self) -> int | None:
@@ -138,8 +139,9 @@ class RayProcess:
                     self.failure = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else \
                         str(exc).strip().splitlines()[-1]
                     self._code = 1
-                except Exception:   # the actor died (killed, or crashed in native code)
-                    self._code = -signal.SIGKILL
+                except Exception:   # the actor died: Ray says so, not how (a signal, a crash, os._exit)
+                    self._code = -signal.SIGKILL   # (counted as a death by signal: a peer's failure follows from it)
+                    self.died = "died (its Ray actor: killed, crashed or exited; Ray does not say which)"
         return self._code
 
     def join(self, timeout: float | None = None) -> None:
