@@ -389,9 +389,11 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     _check_given(train, policy, target_return)
     backends.get(backend)   # an unknown name fails here, before anything runs
     if backend == "ray" and (address or os.environ.get("RAY_ADDRESS")):   # (and a cluster that does not answer)
-        from fragflow.backends.ray import reachable
+        from fragflow.backends import ray as ray_backend
 
-        reachable(address or os.environ["RAY_ADDRESS"])
+        ray_backend.reachable(address or os.environ["RAY_ADDRESS"])
+        # joined now: one that answers but refuses the join (its token, another Ray version) before the trace
+        ray_backend.connect(address)
     # so does a malformed FRAGFLOW_CHECK_EVERY, FRAGFLOW_THREADS, FRAGFLOW_START_METHOD, FRAGFLOW_ALLREDUCE
     # or FRAGFLOW_STALL_WARN
     calls.check_every()

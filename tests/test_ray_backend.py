@@ -283,3 +283,29 @@ def test_a_ray_actor_that_exits_is_not_said_to_be_killed_by_a_signal(ray_cluster
                                          r"is 0") as failed:
         ff.run(program.train, policy="actor_learner(actors=2)", backend="ray", max_restarts=0)
     assert "signal" not in str(failed.value)
+
+
+def test_a_cluster_that_refuses_the_join_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A cluster that answers but refuses the join (its token not given, another Ray version) was
+    joined only once the program was traced and the run directory written: it is joined first."""
+    import ray
+
+    from fragflow.backends import ray as ray_backend
+    from fragflow.errors import ConfigError
+
+    class Refusing:   # (Ray as it answers such a cluster, after its own retries)
+        exceptions = ray.exceptions
+
+        @staticmethod
+        def is_initialized():
+            return False
+
+        @staticmethod
+        def init(**kwargs):
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379")
+
+    monkeypatch.setattr(ray_backend, "reachable", lambda address: None)   # (its port answers as a Ray head's)
+    monkeypatch.setattr(ray_backend, "_ray", lambda: Refusing)
+    with pytest.raises(ConfigError, match="cannot join a Ray cluster at 10.0.0.5:6379: Failed to connect"):
+        ff.run(ppo.train, INVARIANT, policy="pipelined", backend="ray", address="10.0.0.5:6379", out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
