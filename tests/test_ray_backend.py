@@ -309,3 +309,27 @@ def test_a_cluster_that_refuses_the_join_is_refused_before_anything_is_written(t
     with pytest.raises(ConfigError, match="cannot join a Ray cluster at 10.0.0.5:6379: Failed to connect"):
         ff.run(ppo.train, INVARIANT, policy="pipelined", backend="ray", address="10.0.0.5:6379", out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_given_another_cluster_than_the_one_this_process_joined_is_refused(ray_cluster, monkeypatch):
+    """A process already connected to Ray (an earlier run's own instance, or the user's ray.init)
+    ran a run given another cluster's address on the one it was connected to, without a word."""
+    from fragflow.backends import ray as ray_backend
+    from fragflow.errors import ConfigError
+
+    current = str(ray_cluster.get_runtime_context().gcs_address)
+    other = "127.0.0.1:" + ("6379" if not current.endswith(":6379") else "6380")
+    monkeypatch.setattr(ray_backend, "reachable", lambda address: None)   # (as if a cluster answered there)
+    with pytest.raises(ConfigError, match=f"already connected to the Ray cluster at {current}, not {other}"):
+        ff.run(ppo.train, INVARIANT, policy="pipelined", backend="ray", address=other)
+    ray_backend.connect(current)   # the cluster it is connected to: nothing to refuse
+
+
+def test_a_run_without_an_address_does_not_take_an_earlier_runs(ray_cluster):
+    """The backend kept the address an earlier run in this process was given: a later run without one
+    joined (or was refused for) that cluster rather than the one the process is connected to."""
+    from fragflow import backends
+
+    current = str(ray_cluster.get_runtime_context().gcs_address)
+    assert backends.get("ray", current).address == current
+    assert backends.get("ray").address is None

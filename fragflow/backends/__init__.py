@@ -117,8 +117,8 @@ def get(name: str, address: str | None = None) -> Backend:
     if available is not None:   # (what the backend needs, Ray, missing: refused before anything runs)
         available()
     backend: Backend = module.BACKEND
-    if address is not None:
-        if not hasattr(backend, "address"):
-            raise ConfigError(f"backend {name!r} takes no address", fix="--address is for --backend ray")
+    if hasattr(backend, "address"):   # (this run's: not an earlier run's in this process)
         backend.address = address
+    elif address is not None:
+        raise ConfigError(f"backend {name!r} takes no address", fix="--address is for --backend ray")
     return backend

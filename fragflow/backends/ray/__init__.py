@@ -194,10 +194,12 @@ def available() -> None:
 def connect(address: str | None = None) -> None:
     """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local instance of the run's own."""
     ray = _ray()
-    if ray.is_initialized():
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if ray.is_initialized():   # (an earlier run's instance, or the program's own ray.init: the one it joined)
+        if address:
+            _joined(ray, address)
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = address or os.environ.get("RAY_ADDRESS") or None
     # Ray's core worker puts a native handler of its own on SIGTERM (it aborts the process): the
     # run's handler, which stops the workers and writes summary.json, is put back after it
     main = threading.current_thread() is threading.main_thread()
@@ -222,6 +224,28 @@ def connect(address: str | None = None) -> None:
     finally:
         if main and term is not None:
             signal.signal(signal.SIGTERM, term)
+
+
+def _joined(ray: Any, address: str) -> None:
+    """This process is connected to Ray already (it joins one cluster): refuse an address of another
+    one. Told apart by the port of its control store (the same cluster is named by several hosts:
+    127.0.0.1, the machine's address or name); a Ray Client connection, or an address of another
+    scheme, is not compared."""
+    if address == "local" or "://" in address:
+        return
+    given = _current_cluster() if address == "auto" else address
+    try:
+        current = str(ray.get_runtime_context().gcs_address)
+    except Exception:   # (a Ray Client connection has none to compare)
+        return
+    if not given or not current:
+        return
+    port, now = given.rpartition(":")[2], current.rpartition(":")[2]
+    if port.isdigit() and now.isdigit() and int(port) != int(now):
+        raise ConfigError(f"this process is already connected to the Ray cluster at {current}, not {address}: "
+                          "a process joins one Ray cluster",
+                          fix="run on the cluster it is connected to (leave the address out), or call "
+                              "ray.shutdown() first")
 
 
 def reachable(address: str, timeout: float = 10.0) -> None:
