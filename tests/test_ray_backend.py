@@ -333,3 +333,27 @@ def test_a_run_without_an_address_does_not_take_an_earlier_runs(ray_cluster):
     current = str(ray_cluster.get_runtime_context().gcs_address)
     assert backends.get("ray", current).address == current
     assert backends.get("ray").address is None
+
+
+def test_address_local_starts_the_runs_own_instance_as_no_address_does(monkeypatch):
+    """`--address local` (Ray's name for a new instance) called ray.init(address="local") bare: with
+    the dashboard, on the machine's network address, where a run without an address starts one on
+    loopback without it."""
+    from fragflow.backends import ray as ray_backend
+
+    calls = []
+
+    class Recording:
+        @staticmethod
+        def is_initialized():
+            return False
+
+        @staticmethod
+        def init(**kwargs):
+            calls.append(kwargs)
+
+    monkeypatch.setattr(ray_backend, "_ray", lambda: Recording)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_backend.connect(None)
+    ray_backend.connect("local")
+    assert len(calls) == 2 and calls[0] == calls[1] and calls[0]["include_dashboard"] is False, calls

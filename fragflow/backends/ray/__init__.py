@@ -195,6 +195,8 @@ def connect(address: str | None = None) -> None:
     """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local instance of the run's own."""
     ray = _ray()
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address == "local":   # (Ray's name for a new instance of this run's own: started as without an address)
+        address = None
     if ray.is_initialized():   # (an earlier run's instance, or the program's own ray.init: the one it joined)
         if address:
             _joined(ray, address)
