@@ -25,16 +25,11 @@ loads it is :mod:`fragflow.runtime.snapshot`; how values become JSON and arrays,
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import os
-import pathlib
 import re
 import shutil
 import time
-import types
-import typing
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +39,10 @@ import numpy as np
 
 from fragflow.errors import ConfigError
 from fragflow.runtime.encoding import Mismatch, Unsupported, decode, encode
+from fragflow.runtime.savedargs import args_from
 from fragflow.runtime.snapshot import CheckpointError
 
-__all__ = ["Checkpoint", "CheckpointError", "Every", "Mismatch", "RunCheckpoints", "Unsupported", "decode", "encode"]
+__all__ = ["Checkpoint", "CheckpointError", "args_from", "Every", "Mismatch", "RunCheckpoints", "Unsupported", "decode", "encode"]
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -280,7 +276,8 @@ def find(target: str | os.PathLike[str]) -> Checkpoint:
 def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: str, meta: Any,
             arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:
     """A worker's part of checkpoint ``seq``: written into the driver's staging directory when
-    they share a filesystem (the local backend), else sent to the driver, which writes it."""
+    they share a filesystem (the local backend), else sent to the driver, which writes it. A
+    checkpoint the loops cut on their own schedule (``cut_every``) is staged by its first part."""
     if saving.get("ship"):
         results.put(("ckpt_data", seq, part, meta, arrays, info))
         return
@@ -288,6 +285,8 @@ def deliver(results: Any, saving: dict[str, Any], seq: int, driver: int, part: s
 
     tmp = staging_dir(Path(saving["root"]), seq, driver)
     try:
+        if saving.get("cut_every"):   # (cut by the loops on their own: the driver stages it as its first part comes)
+            tmp.mkdir(parents=True, exist_ok=True)
         save_part(tmp, part, meta, arrays)
     except (OSError, SafetensorError):   # the driver gave this one up (an actor ended meanwhile)
         return
@@ -344,94 +343,6 @@ def merged_states(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, np.ndarra
     return meta, arrays
 
 
-def args_from(cls: type | None, data: dict[str, Any] | None) -> Any:
-    """The Args dataclass a manifest recorded, each value back in its field's type (a list back to a
-    tuple where the annotation or the default is one); one that does not fit is refused."""
-    if cls is None or data is None:
-        return None
-    from fragflow.config import field_types
-
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:   # (a field renamed or removed since: its saved value would be dropped without a word)
-        raise CheckpointError(f"the checkpoint's args hold {', '.join(map(repr, unknown))}, which {cls.__name__} has no "
-                              f"field for (its fields: {', '.join(fields)})",
-                              fix="resume with the algorithm file that wrote the checkpoint (or give the field its "
-                                  "old name back)")
-    types = field_types(cls)
-    values = {}
-    for name, f in fields.items():
-        if name not in data:
-            continue   # (a field added since: its default)
-        v = _rebuilt(data[name], types.get(name))
-        if isinstance(v, list) and isinstance(f.default, tuple):
-            v = tuple(v)
-        if not _fits(v, types.get(name)):
-            raise CheckpointError(f"the checkpoint's args hold {name}={v!r}, which does not fit {cls.__name__}.{name}: "
-                                  f"{getattr(types.get(name), '__name__', types.get(name))}",
-                                  fix="resume with the algorithm file that wrote the checkpoint, or repair the "
-                                      "manifest's args")
-        values[name] = v
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise CheckpointError(f"the checkpoint's args do not fit {cls.__name__}: {exc}",
-                              fix="resume with the algorithm file that wrote the checkpoint") from None
-
-
-def _rebuilt(value: Any, annotation: Any) -> Any:
-    """A value as JSON saved it, back in the field's type where the annotation says (a tuple saved
-    as a list, a nested dataclass as a dict, a path or an enum as text)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(annotation):
-            rebuilt = _rebuilt(value, option)
-            if _fits(rebuilt, option) and option is not type(None):
-                return rebuilt
-        return value
-    if isinstance(value, list) and (annotation is tuple or origin is tuple):
-        return tuple(value)
-    if isinstance(annotation, type):
-        if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
-            return args_from(annotation, value)
-        if issubclass(annotation, pathlib.PurePath) and isinstance(value, str):
-            return annotation(value)
-        if issubclass(annotation, enum.Enum) and not isinstance(value, annotation):
-            try:
-                return annotation[str(value).rsplit(".", 1)[-1]]
-            except KeyError:
-                try:
-                    return annotation(value)
-                except ValueError:
-                    return value
-    return value
-
-
-def _fits(value: Any, annotation: Any) -> bool:
-    """Whether a saved value can be the field's (the simple annotations checked; any other passes)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, option) for option in typing.get_args(annotation))
-    if origin is typing.Literal:
-        return value in typing.get_args(annotation)
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
-    if annotation is tuple or origin is tuple:
-        return isinstance(value, tuple)
-    if isinstance(annotation, type) and (dataclasses.is_dataclass(annotation) or
-                                         issubclass(annotation, (pathlib.PurePath, enum.Enum))):
-        return isinstance(value, annotation)
-    return True
-
-
 # -- one run's checkpoints -------------------------------------------------------------------------------
 class RunCheckpoints:
     """The checkpoints of one run: when to write (``every``), what the manifest records, and the
@@ -454,6 +365,9 @@ class RunCheckpoints:
         # begun, neither committed nor given up (several where the next is asked for ahead while the
         # services still save the last): seq -> (staging directory, parts expected, parts in, infos)
         self.staging: dict[int, tuple[Path, set[str], dict[str, Any], dict[str, Any]]] = {}
+        self.begun: dict[int, float] = {}      # seq -> when it was staged (its parts are waited for from then)
+        self.given_up: set[int] = set()        # their parts, still coming, are dropped
+        self.committed = 0                     # the newest committed (an older one's parts are dropped)
         if every is not None:
             _prune_stale(self.root)
 
@@ -500,7 +414,30 @@ class RunCheckpoints:
         self.seq += 1
         tmp = stage(self.root, "", staging_dir(self.root, self.seq, os.getpid()))
         self.staging[self.seq] = (tmp, set(expected), {}, {})
+        self.begun[self.seq] = time.monotonic()
         return self.seq
+
+    def adopt(self, seq: int, expected: set[str]) -> bool:
+        """A part of checkpoint ``seq`` came, which the loops cut on their own (a schedule they know,
+        see ``worker._loop_saving``): staged from now on, in the directory the processes write its
+        parts into; False where it was given up or a newer one committed (its directory removed)."""
+        if seq in self.staging:
+            return True
+        tmp = staging_dir(self.root, seq, os.getpid())
+        if seq in self.given_up or seq <= self.committed:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        self.seq = max(self.seq, seq)
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.staging[seq] = (tmp, set(expected), {}, {})
+        self.begun[seq] = time.monotonic()
+        return True
+
+    def sweep(self) -> None:
+        """Remove every staging directory of this run (the run has ended and its processes with it:
+        parts of checkpoints never committed, written after they were given up)."""
+        for tmp in self.root.glob(f".tmp-req*-{os.getpid()}") if self.root.is_dir() else ():
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def directory(self, seq: int) -> Path | None:
         """Where checkpoint ``seq``'s parts are written, while it is staged."""
@@ -537,7 +474,10 @@ class RunCheckpoints:
         path = finish(self.root, tmp, str(counters["updates"]), self.manifest(counters, {"replicas": replicas, "positions": positions}, False),
                       parts, self.keep)
         del self.staging[seq]   # (not before: a run stopped while it is committed removes the staged parts)
+        self.begun.pop(seq, None)
+        self.committed = max(self.committed, seq)
         for older in [s for s in self.staging if s < seq]:
+            self.begun.pop(older, None)
             shutil.rmtree(self.staging.pop(older)[0], ignore_errors=True)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
@@ -547,6 +487,8 @@ class RunCheckpoints:
     def abort(self, seq: int | None = None) -> None:
         """Give up staged checkpoint ``seq`` (default: every one)."""
         for s in list(self.staging) if seq is None else [seq]:
+            self.given_up.add(s)
+            self.begun.pop(s, None)
             entry = self.staging.pop(s, None)
             if entry is not None:
                 shutil.rmtree(entry[0], ignore_errors=True)

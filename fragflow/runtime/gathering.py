@@ -70,7 +70,11 @@ class Gathering(ReplicaChecks):
         return None
 
     def _save_due(self) -> bool:
-        return bool(self.saving.get("root")) and self.admission.checkpoint_request() > self.saved_seq
+        if not self.saving.get("root"):
+            return False
+        if self.saving.get("cut_every"):
+            return True   # the loops' marks say which (they cut on their own schedule: see worker._loop_saving)
+        return self.admission.checkpoint_request() > self.saved_seq
 
     def _saved_where_loop_is(self, aux: int | None) -> int | None:
         """The checkpoint this group's part of is saved now, if any. A loop replica marks its calls
@@ -79,13 +83,13 @@ class Gathering(ReplicaChecks):
         made before the parts and none after, and a resumed run does each update once. That holds
         where calls are taken round the replicas in order (one replica, or ``max_lag=0``, or ordered
         gathering): by the first marked call every earlier one is in. The driver may have asked for
-        the next checkpoint since the loops cut this one (asked ahead, see the driver's
-        ``_checkpoint_due``): the mark says which. Calls gathered as they arrive interleave across
+        the next checkpoint since the loops cut this one, or the loops cut the next on their own
+        schedule: the mark says which (the first checkpoint after the last one saved with that mark:
+        the loops never run 127 checkpoints ahead of the service). Calls gathered as they arrive interleave across
         the cut: the states are saved as they stand, for the newest request. A loop that has ended
         has cut the checkpoint before, or never will (the driver gives it up)."""
-        request = self.admission.checkpoint_request()
         if self.program.producers != 1 and not self.program.ordered:
-            return request
+            return self.admission.checkpoint_request()
         if aux is None:   # nothing to take: saved where every replica's calls before its cut are in
             for seq in sorted(self.cuts, reverse=True):   # (a loop that makes no call of this group for a while)
                 cuts = self.cuts[seq]
@@ -96,7 +100,11 @@ class Gathering(ReplicaChecks):
         mark = calls.unpack_aux(aux)[2]
         if not mark:   # (before any cut)
             return None
-        seq = request - (calls.cut_mark(request) - mark) % calls.CUT_MARKS
+        if self.saving.get("cut_every"):   # cut on the loops' own schedule: after the last one saved
+            seq = self.saved_seq + (mark - calls.cut_mark(self.saved_seq)) % calls.CUT_MARKS
+        else:   # asked for by the driver: the newest request, or one before it
+            request = self.admission.checkpoint_request()
+            seq = request - (calls.cut_mark(request) - mark) % calls.CUT_MARKS
         return seq if seq > self.saved_seq else None
 
     def _take(self, k: int, head: tuple[int, str, Any, tuple[int, int, int, int, int]]) -> _Piece | None:

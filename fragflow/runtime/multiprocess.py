@@ -66,9 +66,7 @@ class Driver:
         self.wiring: Any = None
         self.endpoints: Any = None
         self._asked_at = 0.0
-        self._cut_at = 0   # the updates the newest checkpoint was asked ahead to be cut at (0: at once)
-        self._last_cut = 0   # the loops' updates (this run's) at their newest cut
-        self._grid = 0       # the updates (this run's) the newest was asked ahead at: N, 2N, ...
+        self._asks = 0     # the requests made of loops that cut on their own schedule (Ctrl-C)
         self.store: Any = None      # the learners' rendezvous (replicated learners)
         self.world = 1              # how many of them
 
@@ -86,6 +84,8 @@ class Driver:
                 if self.checkpoints is not None:
                     self.checkpoints.abort()
                 self._shutdown()
+                if self.checkpoints is not None and self.checkpoints.enabled:
+                    self.checkpoints.sweep()   # (parts its processes wrote of ones never committed)
         if self.checkpoints is not None and self.checkpoints.enabled and self.final:
             from fragflow.runtime.snapshot import encode_states
 
@@ -106,12 +106,6 @@ class Driver:
         self.endpoints = self.wiring.attach()
         roles = [(s.group, 0) for s in self.lowered.services] + [("actor", k) for k in range(self.lowered.loop.replicas)]
         self.saving = self._saving()
-        ck = self.checkpoints
-        if ck is not None and ck.enabled and ck.schedule is not None and ck.schedule.every.updates is not None:
-            # a schedule in updates asked for ahead is asked for before any loop runs: its first cut is
-            # where the loops have made N updates, however late this process comes to its loop below (a
-            # loaded machine); it was asked there, and a short run's loop could be past N, or ended
-            self._checkpoint_due()
         with no_main_reimport():
             for role, k in roles:
                 with signals.deferred():   # (a signal during a fork is otherwise dropped, and the run goes on)
@@ -152,12 +146,28 @@ class Driver:
                 # loop replicas whose calls a service takes round them in order save at one trip (see
                 # worker._loop_saving); others each at their next one, nearest the learner's save
                 "cut_together": any(s.ordered for s in self.lowered.services),
+                # a schedule in updates that the loops cut on their own (see worker._loop_saving)
+                "cut_every": self.cut_every,
                 "rendezvous": rendezvous,
                 # the environment as it is now, as a forked or spawned worker would have it: a fork server
                 # started earlier holds its start's; on other machines (Ray), only fragflow's settings
                 "environ": (dict(os.environ) if here
                             else {k: v for k, v in os.environ.items() if k.startswith("FRAGFLOW_")}),
                 "environ_whole": here}
+
+    @property
+    def cut_every(self) -> int | None:
+        """N, where the loops cut a checkpoint each time they have made N more updates, on their own:
+        a schedule in updates, where every service takes their calls in order or one loop's (so that
+        it saves its part at their cut). Each was asked for by this process once it had heard of the
+        last cut, and a driver slow to hear of them (a loaded machine) got the first and the final
+        one; cut where the loops are, they come at N, 2N, 3N, ... whatever this process's speed."""
+        ck = self.checkpoints
+        if ck is None or not ck.enabled or ck.schedule is None or ck.schedule.every.updates is None:
+            return None
+        if not all(s.ordered or s.producers == 1 for s in self.lowered.services):
+            return None
+        return int(ck.schedule.every.updates)
 
     def _restart(self, k: int, how: str) -> None:
         """Start loop replica ``k`` again in a new process: from where it last said it stood, with the
@@ -377,7 +387,7 @@ class Driver:
         elif kind == "ckpt_data":   # a part sent rather than written: write it into the staging directory
             _, seq, part, meta, arrays, info = msg
             ck = self.checkpoints
-            staging = ck.directory(seq) if ck is not None else None
+            staging = ck.directory(seq) if ck is not None and self._staged(seq) else None
             if staging is not None:
                 from fragflow.runtime.checkpoint import save_part
 
@@ -386,16 +396,15 @@ class Driver:
         elif kind == "ckpt":
             _, seq, part, meta, info = msg
             ck = self.checkpoints
-            if ck is not None and seq in ck.staging and part.startswith("loop") and "updates" in info:
-                self._last_cut = max(self._last_cut, int(info["updates"]))
-            if ck is not None and ck.arrived(seq, part, meta, info):
+            if ck is not None and self._staged(seq) and ck.arrived(seq, part, meta, info):
                 infos = ck.staging[seq][3]   # (the parts' infos)
                 cuts = {(i.get("line"), i.get("trip")) for k, i in infos.items() if k.startswith("loop")}
                 if self.saving.get("cut_together") and len(cuts) > 1:
                     # replicas that wait for each other saved at different trips (one was past the trip
-                    # named, or in another loop): a resumed run could not go on; ask again at once
+                    # named, or in another loop): a resumed run could not go on; ask again at once (on
+                    # their own schedule, the loops cut the next when it comes)
                     ck.abort(seq)
-                    ck.requested = True
+                    ck.requested = ck.requested or not self.cut_every
                     return
                 at = {int(part[4:]): int(info["steps"]) for part, info in infos.items()
                       if part.startswith("loop") and "steps" in info}
@@ -403,7 +412,10 @@ class Driver:
                             else self.monitor.counters())
                 ck.complete(seq, counters, self.lowered.loop.replicas,
                             (self.monitor.base_steps, self.monitor.base_updates))
-                if ck.stop_after and not ck.staging:
+                # (Ctrl-C: stopped once the checkpoint cut at the loops' next trip is written, not one
+                # they cut on their own schedule before they heard of it)
+                if ck.stop_after and not ck.staging and (not self.cut_every or all(
+                        int(i.get("asked", 0)) >= self._asks for k, i in infos.items() if k.startswith("loop"))):
                     raise KeyboardInterrupt
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
@@ -425,6 +437,24 @@ class Driver:
                 first = (tb.strip().splitlines() or [""])[-1]
                 raise WorkerDied(f"{dead} without reporting an error; {exc.args[0].splitlines()[0]} {first}") from None
             raise exc from cause
+
+    def _staged(self, seq: int) -> bool:
+        """Whether checkpoint ``seq`` is staged (a part of one the loops cut on their own schedule
+        stages it, unless it was given up)."""
+        ck = self.checkpoints
+        if ck is None:
+            return False
+        if seq in ck.staging or not self.cut_every:
+            return seq in ck.staging
+        expected = {f"states.{s.group}" for s in self.lowered.services} | {
+            f"loop{k}" for k in range(self.lowered.loop.replicas)}
+        if not ck.adopt(seq, expected):
+            return False
+        ended = {f"loop{k}" for r, k in self.finished if r == "actor"}
+        if ended & ck.missing(seq):
+            ck.abort(seq)   # a replica whose loop has ended will not cut it
+            return False
+        return True
 
     def _process_name(self, role: str, index: int, fragment: str | None) -> str:
         """A worker by its part in the placement: the loop's replicas only step environments where every
@@ -456,54 +486,57 @@ class Driver:
         ck = self.checkpoints
         if ck is None or not ck.enabled:
             return
-        # a schedule in updates is asked for ahead, where every service saves at the loops' cut (it
-        # takes their calls in order, or one loop's) and the loops cut by their own count of updates:
-        # asked once the driver had heard of the update, the cut came a report and a message later
-        # (the loop runs ahead of the learner's reports), and a short run ended first; the next is
-        # asked for as soon as the loops have cut the last, while the services still save theirs
-        ahead = (not ck.requested and ck.schedule is not None and ck.schedule.every.updates is not None
-                 and all(s.ordered or s.producers == 1 for s in self.lowered.services))
+        if self.cut_every:
+            self._own_schedule_due()
+            return
         newest = ck.staged
         if newest is not None:
-            uncut = any(p.startswith("loop") for p in ck.missing(newest))
-            if self._cut_at and uncut:   # asked for ahead: the loops have not come to it yet
-                if ck.requested:   # (Ctrl-C) cut at the loops' next trip instead
-                    ck.requested = False
-                    self._cut_at = 0
-                    self.endpoints.admission.request_checkpoint(newest, 0)
-                self._asked_at = time.monotonic()   # (its parts are waited for from its cut on)
-                return
             waited = time.monotonic() - self._asked_at
             if ck.stop_after and waited > STOP_CHECKPOINT_WAIT:
                 ck.abort()
                 raise KeyboardInterrupt
             if waited > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
                 ck.abort()
-            if not ahead or uncut or ck.stop_after:
-                return
-        if not (ck.requested or ahead or ck.due(self.monitor.updates)):
+            return
+        if not (ck.requested or ck.due(self.monitor.updates)):
             return
         loops = range(self.lowered.loop.replicas)
         if any(("actor", k) in self.finished for k in loops):
             if ck.stop_after:
                 raise KeyboardInterrupt
             return
-        self._cut_at = 0
-        if ahead:   # at N, 2N, ... of this run's updates: the next the loops have not passed
-            assert ck.schedule is not None and ck.schedule.every.updates is not None
-            every = ck.schedule.every.updates
-            self._grid += every
-            if self._grid <= self._last_cut:   # (a cut came late: a trip later where the loops step together)
-                self._grid += every * ((self._last_cut - self._grid) // every + 1)
-            self._cut_at = self.monitor.base_updates + self._grid
-        elif not ck.requested and ck.schedule is not None:
+        if not ck.requested and ck.schedule is not None:
             ck.schedule.asked(self.monitor.updates)
         ck.requested = False
         expected = {f"states.{s.group}" for s in self.lowered.services} | {f"loop{k}" for k in loops}
         seq = ck.begin(expected)
         self._asked_at = time.monotonic()
-        # (the loop counts the updates of this run: a resumed run's start after the checkpoint's)
-        self.endpoints.admission.request_checkpoint(seq, max(self._cut_at - self.monitor.base_updates, 0))
+        self.endpoints.admission.request_checkpoint(seq, 0)
+
+    def _own_schedule_due(self) -> None:
+        """The loops cut on their own schedule (see :attr:`cut_every`): this process commits each
+        checkpoint as its parts come in, gives up one whose parts have not all come in
+        ``CHECKPOINT_WAIT`` (the next comes on schedule), and asks for one out of schedule on Ctrl-C,
+        cut at the loops' next trip."""
+        ck = self.checkpoints
+        assert ck is not None
+        now = time.monotonic()
+        for seq, begun in list(ck.begun.items()):
+            if now - begun > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
+                ck.abort(seq)
+        if ck.stop_after and self._asks and now - self._asked_at > STOP_CHECKPOINT_WAIT:
+            ck.abort()
+            raise KeyboardInterrupt
+        if not ck.requested:
+            return
+        if any(("actor", k) in self.finished for k in range(self.lowered.loop.replicas)):
+            if ck.stop_after:
+                raise KeyboardInterrupt
+            return
+        ck.requested = False
+        self._asks += 1
+        self._asked_at = now
+        self.endpoints.admission.request_checkpoint(self._asks, 0)
 
     def _check_alive(self) -> None:
         for role, k, p in self.procs:

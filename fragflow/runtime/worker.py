@@ -340,6 +340,23 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             interp._calls_of = dict(counts[2])   # the calls' numbers go on (what the loop logged names them)
             interp.logs = counts[3]
             tracker.resume = resume_point((meta, arrays))
+    every = int(saving.get("cut_every") or 0)
+    # a schedule in updates the loops cut on their own (where every service takes their calls in order,
+    # or one loop's): where this replica has made N, 2N, 3N, ... updates (the next multiple of N once
+    # it passed one within a trip), numbering its cuts 1, 2, 3, ...; the driver commits each as its
+    # parts come in, however long it takes to hear of them. ``served``: the last request the driver
+    # made out of schedule (Ctrl-C: at the next trip); ``pending``: the cut decided and not yet made
+    # (replicas stepped together cut at the trip the first of them names)
+    cut: dict[str, Any] = {"next": every, "served": 0, "pending": None}
+    if restart is not None and every:
+        point: Any = restart["point"]
+        stood: Any = point[4] if point is not None else ()
+        if len(stood) > 4:   # (where it stood in the schedule, at its last restart point)
+            seen_before, cut["next"] = stood[4]
+        else:
+            seen_before, cut["next"] = 0, (interp.update // every + 1) * every
+    else:
+        seen_before = 0
     root = saving.get("root")
     admission = endpoints.admission
     replicas = interp.program.replicas
@@ -347,28 +364,43 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     # a replica saves its part of the checkpoint being asked for when it starts: the driver may have
     # asked before this process came up (a loaded machine, a schedule of seconds), and a restarted
     # replica's dead process's part, if it had sent it, is given up with the checkpoint
-    seen = [0]
+    seen = [seen_before]
     snapshots = bool(saving.get("snapshots"))
     next_snapshot = [time.monotonic() + SNAPSHOT_EVERY]
 
-    def asked() -> bool:   # (a request made ahead, of an updates schedule, is cut once the loop has made them)
-        return admission.checkpoint_request() > seen[0] and interp.update >= admission.checkpoint_at()
+    def wanted() -> int | None:
+        """The checkpoint whose part this trip saves (or, stepped together, names the trip of), if any."""
+        if not every:   # the driver's request (a request of an updates schedule made ahead: once the loop has made them)
+            seq = admission.checkpoint_request()
+            return seq if seq > seen[0] and interp.update >= admission.checkpoint_at() else None
+        if cut["pending"] is None:
+            request = admission.checkpoint_request()
+            if request > cut["served"]:
+                cut["served"] = request
+                cut["pending"] = seen[0] + 1
+            elif interp.update >= cut["next"]:
+                cut["pending"] = seen[0] + 1
+        return cut["pending"]
 
     def poll() -> bool:
-        return bool((root and asked()) or (snapshots and time.monotonic() >= next_snapshot[0]))
+        return bool((root and wanted() is not None) or (snapshots and time.monotonic() >= next_snapshot[0]))
 
     def capture(snapshot: trips.Snapshot) -> None:
         part = None
-        seq = admission.checkpoint_request()
+        seq = wanted() if root else None
         # replicas a service takes calls from in order save at one trip (the first to see the request
         # names its next one): under a policy that steps them together a resumed run finds them where
         # they wait for each other, and the service saves where the calls before that trip are in
-        if root and asked() and (replicas == 1 or not together
-                                 or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
+        if seq is not None and (replicas == 1 or not together
+                                or snapshot.trip >= admission.cut_trip(seq, snapshot.trip + 1)):
             seen[0] = seq
+            if every:
+                cut["pending"], cut["next"] = None, (interp.update // every + 1) * every
             position, part = loop_part(snapshot, held_by_state(interp._states))
             position["steps"] = reporter.total_steps
-            position["updates"] = interp.update   # (this run's: the driver asks for the next N after it)
+            position["updates"] = interp.update   # (this run's)
+            if every:   # the last out-of-schedule request it had heard of (Ctrl-C: stopped at a cut after it)
+                position["asked"] = cut["served"]
             part[0]["calls"] = dict(interp._calls_of)   # (a resumed replica's calls go on from these numbers)
             reporter.flush()   # (what it made before the cut reaches the driver before its part: the cut's counts)
             checkpoint.deliver(endpoints.results, saving, seq, driver, f"loop{index}", *part, position)
@@ -388,7 +420,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             arrays = {key: np.array(a) for key, a in arrays.items()}
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
                                    (reporter.total_steps, reporter.total_episodes, dict(interp._calls_of),
-                                    interp.logs)))
+                                    interp.logs, (seen[0], cut["next"]))))
             cost = time.monotonic() - t0
             next_snapshot[0] = time.monotonic() + max(SNAPSHOT_EVERY, SNAPSHOT_COST * cost)
 
