@@ -141,6 +141,36 @@ def test_fragment_whose_output_shape_changes(write_algo):
         trace_file(path)
 
 
+def test_a_fragment_output_that_is_sometimes_none_is_refused_naming_the_none(write_algo):
+    """An output that was None in one call and an array in another was described by its leaves alone
+    ("before: [0]: i64[2] / now: [0]: i64[2], [1]: f64[2]"): the None was never named. The message
+    says which output was None in which call and an array in which, at the calls' lines, and how to
+    return one every call."""
+    path, marks = write_algo("""
+        import fragflow as ff
+        import numpy as np
+
+        @ff.fragment("actor")  # @def
+        def act(obs):
+            a = np.argmax(obs, axis=-1)
+            return a, (None if obs[0, 0] > 0 else a * 1.0)
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            for step in range(4):
+                obs = np.full((2, 4), 1.0 if step == 0 else -1.0)
+                a, extra = act(obs)  # @call
+    """)
+    where = f"{relpath(path)}:{marks['call']}"
+    with pytest.raises(ShapeChangedError, match=(
+            rf"'act' changed its output between calls:\n    before: \[0\]: i64\[2\], \[1\]: None\n"
+            rf"    now:    \[0\]: i64\[2\], \[1\]: f64\[2\]\n"
+            rf"    output \[1\] was None in one call \(at {where}\) and an f64\[2\] array in another \(at {where}\)"
+            rf"[^\n]*\n  at {where}\n  fix: return an array of the same shape every call")) as info:
+        trace_file(path)
+    assert "np.zeros" in str(info.value) and "flag" in str(info.value)
+
+
 def test_learner_output_used_as_plain_data_by_actor(write_algo):
     path, marks = write_algo(HEADER + """
 @ff.fragment("actor")

@@ -324,6 +324,20 @@ def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
         out.append((path, tree))
 
 
+def none_paths(tree: Any, prefix: str = "") -> list[str]:
+    """The paths, in :func:`leaf_paths`'s notation, at which ``tree`` holds ``None`` (where a call
+    returned no value in place of an array)."""
+    if tree is None:
+        return [prefix]
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in none_paths(v, f"{prefix}[{k!r}]")]
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return [p for f, v in zip(tree._fields, tree) for p in none_paths(v, f"{prefix}.{f}")]
+    if type(tree) in (list, tuple):
+        return [p for i, v in enumerate(tree) for p in none_paths(v, f"{prefix}[{i}]")]
+    return []
+
+
 class _Leaf:
     """Where an array leaf goes in an output's skeleton (see :func:`skeleton_of`)."""
 

@@ -27,6 +27,7 @@ from fragflow.compiler.pytree import (
     TensorSpec,
     _torch_kind,
     leaf_paths,
+    none_paths,
     skeleton_of,
     spec_of,
     typed_key_fix,
@@ -49,6 +50,7 @@ class NodeRec:
     calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
     out_specs: list[tuple[str, TensorSpec]] | None = None
     out_skeleton: Any = None   # the first call's output without its leaves (what has none: None, {})
+    out_nones: list[str] = field(default_factory=list)   # the first call's outputs that were None
     names_data: dict[int, str] = field(default_factory=dict)     # module data its code reaches (id -> label)
     changes_data: dict[int, str] = field(default_factory=dict)   # ... and of it, what it changed in place
     # what its code reaches without its arguments, as it was after its first call: (label, holder, name,
@@ -253,6 +255,7 @@ class Recording:
         if rec.out_specs is None:
             rec.out_specs, rec.rows = specs, rows
             rec.out_skeleton = skeleton_of(out)
+            rec.out_nones = _output_nones(frag, out)
         elif specs != rec.out_specs and rec.rows is not None and rows is not None and rows != rec.rows \
                 and _rows_differ(rec.out_specs, specs, rec.rows, rows):
             # the same policy acting on an evaluation env of another size: the first call's specs size
@@ -272,6 +275,15 @@ class Recording:
             # outputs size no channel (where its process is not its consumers', the edges carry the
             # consumers' sizes; a buffer output read by the loop itself there is refused at its line)
             pass
+        elif specs != rec.out_specs and (none := _none_changed(rec, specs, _output_nones(frag, out), where)):
+            raise ShapeChangedError(
+                f"fragment '{rec.name}' changed its output between calls:\n"
+                f"    before: {_describe(rec.out_specs, rec.out_nones)}\n"
+                f"    now:    {_describe(specs, _output_nones(frag, out))}\n    {none}",
+                where=where or rec.defined_at,
+                fix="return an array of the same shape every call: where there is no value, an array of "
+                    "zeros (np.zeros(shape, dtype)) in its place, and if the loop must know, a flag (an array: "
+                    "np.array(has_value)) returned beside it")
         elif specs != rec.out_specs:
             raise ShapeChangedError(
                 f"fragment '{rec.name}' changed its output between calls:\n"
@@ -393,5 +405,49 @@ def _sizes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, Ten
                    and a.shape[1:] == b.shape[1:]) for (_, a), (_, b) in zip(before, now))
 
 
-def _describe(specs: list[tuple[str, TensorSpec]]) -> str:
-    return ", ".join(f"{p or 'out'}: {s.short()}" for p, s in specs) or "nothing"
+def _describe(specs: list[tuple[str, TensorSpec]], nones: list[str] | None = None) -> str:
+    nones = nones or []
+    described = [(p, s.short()) for p, s in specs] + [(p, "None") for p in nones]
+    return ", ".join(f"{p or 'out'}: {s}" for p, s in sorted(described, key=lambda d: _order(d[0], specs, nones))) \
+        or "nothing"
+
+
+def _order(path: str, specs: list[tuple[str, TensorSpec]], nones: list[str]) -> tuple[int, str, int]:
+    """Leaves and Nones in the output's order: by the output's top-level item they are in."""
+    top = path[1:path.index("]")] if path.startswith("[") and "]" in path else ""
+    kids = [p for p, _ in specs] + list(nones)
+    return (int(top), "", kids.index(path)) if top.isdigit() else (-1, top, kids.index(path))
+
+
+def _output_nones(frag: Fragment, out: Any) -> list[str]:
+    """The paths of a call's outputs that are None (as :meth:`_output_leaves` names its leaves)."""
+    first = 1 if frag.writes is not None else 0
+    if frag.writes is not None and not isinstance(out, tuple):
+        return []
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return [p for i, item in enumerate(out) if i >= first for p in none_paths(item, f"[{i}]")]
+    return none_paths(out)
+
+
+def _none_changed(rec: NodeRec, specs: list[tuple[str, TensorSpec]], nones: list[str], where: Any) -> str:
+    """Where an output was None in one call and arrays in another: which, and in which calls."""
+    def under(path: str, leaves: list[tuple[str, TensorSpec]]) -> list[TensorSpec]:
+        return [s for p, s in leaves if p == path or p.startswith((f"{path}[", f"{path}."))]
+
+    def what(leaves: list[TensorSpec]) -> str:
+        one = leaves[0].short()
+        return f"{'an' if one[:1] in 'fi' else 'a'} {one} array" if len(leaves) == 1 else \
+            "arrays (" + ", ".join(s.short() for s in leaves) + ")"
+
+    why = "channels between processes are sized by a fragment's outputs, and None has no shape to size one by"
+    for path in rec.out_nones:
+        now = under(path, specs)
+        if now:
+            return (f"output {path or 'out'} was None in one call (at {rec.called_at}) and {what(now)} in another "
+                    f"(at {where}): {why}")
+    for path in nones:
+        before = under(path, rec.out_specs or [])
+        if before:
+            return (f"output {path or 'out'} was {what(before)} in one call (at {rec.called_at}) and None in "
+                    f"another (at {where}): {why}")
+    return ""
