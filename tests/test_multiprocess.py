@@ -1033,10 +1033,16 @@ def test_learners_whose_replicas_leave_the_loop_at_different_trips_stop_the_run_
         """    w = torch.ones(4, 2, requires_grad=True)
     state = ff.versioned({"w": w, "opt": torch.optim.SGD([w], lr=0.01)})""").replace(
         "np.argmax(obs @ w, axis=-1)", "np.argmax(obs @ w.detach().numpy(), axis=-1)")
-    path, _ = write_algo(torch_learner, "uneven_end_torch.py")
+    path, marks = write_algo(torch_learner, "uneven_end_torch.py")
     program = load(str(path))
     assert ff.run(program.train, policy="single_process").summary["updates"] == 3
-    with pytest.raises(ConfigError, match=r"learner\(s\) 0 ended their run .* while learner 1 still updated in 'learn'"):
+    # (it named no `break`: the loop, its `break` and the `if` around it, as the loop replicas' own message)
+    with pytest.raises(ConfigError, match=rf"learner\(s\) 0 ended their run .* while learner 1 still updated in 'learn'"
+                                          rf".* left the loop \(`while True`, at {relpath(path)}:{marks['loop']}\) at "
+                                          rf"different trips, by its `break` at {relpath(path)}:{marks['break']} \(under "
+                                          rf"`if updates >= \(3 if 0 in env.ids else 6\)`\), on a value each replica "
+                                          rf"computes on its own \(data of its own environments\)\n"
+                                          rf"  at {relpath(path)}:{marks['break']}\n"):
         ff.run(program.train, policy="multi_learner")
     assert mp.active_children() == []
     assert shm_leftovers() == []

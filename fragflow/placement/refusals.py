@@ -51,6 +51,29 @@ def left_loop(graph: Any, name: str) -> tuple[Any, str, tuple[tuple[SourceLoc, s
     return loop.where, loop.header, tuple((SourceLoc(loop.where.file, at), kind, test) for at, kind, test in loop.leaves)
 
 
+def left_apart(loop: tuple[Any, ...] | None, values: str = "data of its own environments") -> str:
+    """What a message says of loop replicas that left the loop :func:`left_loop` found (None: not
+    known) at different trips: the loop's header and line, and each ``break`` or ``return`` in its
+    body with the ``if`` around it, on ``values`` each replica computes on its own. It follows "left
+    the loop"; every message that says so says it in these words."""
+    if loop is None:
+        return " at different trips (a break on data of their own environments?)"
+    leaves: tuple[Any, ...] = loop[2] if len(loop) > 2 else ()
+    exits = " and ".join(f"`{kind}` at {at}" + (f" (under `{test}`)" if test else "") for at, kind, test in leaves)
+    return (f" (`{loop[1]}`, at {loop[0]}) at different trips"
+            + (f", by its {exits}, on a value each replica computes on its own ({values})" if exits
+               else " (a break on data of their own environments?)"))
+
+
+def left_at(loop: tuple[Any, ...] | None) -> SourceLoc | None:
+    """The line such a message is raised at: the loop's one ``break`` or ``return``, else the loop's
+    own line (None: not known)."""
+    if loop is None:
+        return None
+    leaves: tuple[Any, ...] = loop[2] if len(loop) > 2 else ()
+    return leaves[0][0] if len(leaves) == 1 else loop[0]
+
+
 def unimportable(module: Any) -> bool:
     """A module a worker started afresh (from the fork server, on Ray) could not import by its name:
     one the CLI loaded from its path, or one a program loaded with importlib from a file that is not

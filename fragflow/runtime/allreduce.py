@@ -96,6 +96,8 @@ class GradientAllReduce:
         # where a learner's time goes (see report): its updates, the user's calls in them, the all-reduces
         self.timing = {"busy_ns": 0, "call_ns": 0, "sync_ns": 0, "all_reduces": 0, "updates": 0}
         self.ways: set[str] = set()         # how its sums went (shared memory, gloo, nccl)
+        # fragment -> the loop its call is in that replicas could leave apart (placement.refusals.left_loop)
+        self.left_loop: dict[str, Any] = {}
 
     def _join(self, devices: set[Any]) -> None:
         """Join the process group, with the backend :func:`group_backend` chooses from every
@@ -142,14 +144,17 @@ class GradientAllReduce:
         self.timing["all_reduces"] += 1
 
     def _ended(self, ended: list[int]) -> ConfigError:
+        from fragflow.placement.refusals import left_apart, left_at
+
         call = self.call
+        loop = self.left_loop.get(call.fragment) if call is not None else None
         return ConfigError(
             f"learner(s) {', '.join(map(str, ended))} ended their run (every loop replica they serve left the "
             f"training loop) while learner {self.rank} still updated"
             + (f" in '{call.fragment}'" if call is not None else "")
             + ", and multi_learner averages every update's gradients across the learners: the loop replicas "
-              "left the loop at different trips (a break on data of their own environments?)",
-            where=call.called_at if call is not None else None,
+              "left the loop" + left_apart(loop),
+            where=left_at(loop) or (call.called_at if call is not None else None),
             fix="end the loop on a count every replica shares (updates, the configured total of steps), or run "
                 "with one learner (learners=1) or a single-learner policy")
 

@@ -21,6 +21,7 @@ from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError
 from fragflow.lowering import ServiceProgram
 from fragflow.lowering.program import WHOLE_MARK
+from fragflow.placement.refusals import left_apart, left_at
 
 if TYPE_CHECKING:
     from fragflow.runtime.gathering import _Piece
@@ -155,20 +156,17 @@ class ReplicaChecks:
         loop = self.checks.get("left_loop", {}).get(fragment)
         guard = self.checks.get("guarded_at", {}).get(fragment)
         made = ", ".join(f"replica {k}: {self._calls_made.get((k, fragment), -1) + 1}" for k in sorted(ended + going))
-        leaves: tuple[Any, ...] = loop[2] if loop is not None and len(loop) > 2 else ()
-        exits = " and ".join(f"`{kind}` at {at}" + (f" (under `{test}`)" if test else "") for at, kind, test in leaves)
+        values = "data of its own environments" + (
+            ", or an evaluation of the version it acts with, which differs between replicas that act with the "
+            "newest version" if not self.program.ordered and self.checks.get("evaluates") else "")
         return ConfigError(
             f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
             f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
             "(or, gathered as they arrive, a piece of several): the replicas left the loop"
-            f"{f' (`{loop[1]}`, at {loop[0]})' if loop else ''} at different trips"
-            + (f", by its {exits}, on a value each replica computes on its own (data of its own environments"
-               + (", or an evaluation of the version it acts with, which differs between replicas that act with "
-                  "the newest version" if not self.program.ordered and self.checks.get("evaluates") else "") + ")"
-               if exits else " (a break on data of their own environments?)")
+            + left_apart(loop, values)
             + f", or call '{fragment}'{f' (at {called_at})' if called_at else ''} under an `if` on such "
             f"data{f' (the `if` at {guard})' if guard else ''} (calls of it taken: {made})",
-            where=leaves[0][0] if len(leaves) == 1 and not guard else loop[0] if loop else called_at,
+            where=(left_at(loop) if not guard else loop[0] if loop else None) or called_at,
             fix=self._leaving_fix())
 
     def _leaving_fix(self) -> str:

@@ -141,6 +141,7 @@ class ServiceRunner(Outgoing, Gathering):
 
             self.reducer = GradientAllReduce(program.rank, program.world, (saving or {}).get("rendezvous"),
                                              getattr(endpoints, "sums", ""), endpoints.stop)
+            self.reducer.left_loop = checks.get("left_loop", {})   # (where the loop replicas may leave apart)
         # checkpoints: where parts go, the newest request served, objects to load on resume
         self.saving = saving or {}
         self.driver = driver
