@@ -21,6 +21,7 @@ from fragflow.backends import WorkerDied
 from fragflow.errors import FragflowError
 from fragflow.lowering import Lowered
 from fragflow.runtime import signals
+from fragflow.runtime.drivercuts import DriverCheckpoints
 from fragflow.runtime.exits import SHM_FULL, ProgramExit, WorkerFailed, ended, not_restarted
 from fragflow.runtime.monitor import Monitor, StopRun
 from fragflow.runtime.scalars import by_position, logged_at
@@ -28,13 +29,11 @@ from fragflow.runtime.serial import unwrap
 from fragflow.runtime.worker import no_main_reimport
 
 JOIN_TIMEOUT = 3.0
-STOP_CHECKPOINT_WAIT = 30.0   # Ctrl-C: how long the parts of the last checkpoint may take
-CHECKPOINT_WAIT = 300.0       # a checkpoint whose parts have not all come by then is given up (and asked again)
 STATS_EVERY = 1.0
 STOP_HEAR_OUT = 5.0          # a run stopped on its target: how long its processes may take to say their last
 
 
-class Driver:
+class Driver(DriverCheckpoints):
     def __init__(self, lowered: Lowered, program: bytes, monitor: Monitor, backend: str = "local",
                  checkpoints: Any = None, max_restarts: int = 3, address: str | None = None) -> None:
         self.checkpoints = checkpoints
@@ -154,20 +153,6 @@ class Driver:
                 "environ": (dict(os.environ) if here
                             else {k: v for k, v in os.environ.items() if k.startswith("FRAGFLOW_")}),
                 "environ_whole": here}
-
-    @property
-    def cut_every(self) -> int | None:
-        """N, where the loops cut a checkpoint each time they have made N more updates, on their own:
-        a schedule in updates, where every service takes their calls in order or one loop's (so that
-        it saves its part at their cut). Each was asked for by this process once it had heard of the
-        last cut, and a driver slow to hear of them (a loaded machine) got the first and the final
-        one; cut where the loops are, they come at N, 2N, 3N, ... whatever this process's speed."""
-        ck = self.checkpoints
-        if ck is None or not ck.enabled or ck.schedule is None or ck.schedule.every.updates is None:
-            return None
-        if not all(s.ordered or s.producers == 1 for s in self.lowered.services):
-            return None
-        return int(ck.schedule.every.updates)
 
     def _restart(self, k: int, how: str) -> None:
         """Start loop replica ``k`` again in a new process: from where it last said it stood, with the
@@ -384,39 +369,8 @@ class Driver:
         elif kind == "trip":
             _, k, meta, arrays, seq, update, counts = msg
             self.points[k] = (meta, arrays, seq, update, counts)
-        elif kind == "ckpt_data":   # a part sent rather than written: write it into the staging directory
-            _, seq, part, meta, arrays, info = msg
-            ck = self.checkpoints
-            staging = ck.directory(seq) if ck is not None and self._staged(seq) else None
-            if staging is not None:
-                from fragflow.runtime.checkpoint import save_part
-
-                save_part(staging, part, meta, arrays)
-                self._handle(("ckpt", seq, part, meta, info))
-        elif kind == "ckpt":
-            _, seq, part, meta, info = msg
-            ck = self.checkpoints
-            if ck is not None and self._staged(seq) and ck.arrived(seq, part, meta, info):
-                infos = ck.staging[seq][3]   # (the parts' infos)
-                cuts = {(i.get("line"), i.get("trip")) for k, i in infos.items() if k.startswith("loop")}
-                if self.saving.get("cut_together") and len(cuts) > 1:
-                    # replicas that wait for each other saved at different trips (one was past the trip
-                    # named, or in another loop): a resumed run could not go on; ask again at once (on
-                    # their own schedule, the loops cut the next when it comes)
-                    ck.abort(seq)
-                    ck.requested = ck.requested or not self.cut_every
-                    return
-                at = {int(part[4:]): int(info["steps"]) for part, info in infos.items()
-                      if part.startswith("loop") and "steps" in info}
-                counters = (self.monitor.counters_at(at) if len(at) == self.lowered.loop.replicas
-                            else self.monitor.counters())
-                ck.complete(seq, counters, self.lowered.loop.replicas,
-                            (self.monitor.base_steps, self.monitor.base_updates))
-                # (Ctrl-C: stopped once the checkpoint cut at the loops' next trip is written, not one
-                # they cut on their own schedule before they heard of it)
-                if ck.stop_after and not ck.staging and (not self.cut_every or all(
-                        int(i.get("asked", 0)) >= self._asks for k, i in infos.items() if k.startswith("loop"))):
-                    raise KeyboardInterrupt
+        elif kind in ("ckpt_data", "ckpt"):   # a process's part of a checkpoint (see DriverCheckpoints)
+            self._checkpoint_part(msg)
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
             if role == "actor":   # its loop has ended: the rows it marked are written with their own steps
@@ -437,24 +391,6 @@ class Driver:
                 first = (tb.strip().splitlines() or [""])[-1]
                 raise WorkerDied(f"{dead} without reporting an error; {exc.args[0].splitlines()[0]} {first}") from None
             raise exc from cause
-
-    def _staged(self, seq: int) -> bool:
-        """Whether checkpoint ``seq`` is staged (a part of one the loops cut on their own schedule
-        stages it, unless it was given up)."""
-        ck = self.checkpoints
-        if ck is None:
-            return False
-        if seq in ck.staging or not self.cut_every:
-            return seq in ck.staging
-        expected = {f"states.{s.group}" for s in self.lowered.services} | {
-            f"loop{k}" for k in range(self.lowered.loop.replicas)}
-        if not ck.adopt(seq, expected):
-            return False
-        ended = {f"loop{k}" for r, k in self.finished if r == "actor"}
-        if ended & ck.missing(seq):
-            ck.abort(seq)   # a replica whose loop has ended will not cut it
-            return False
-        return True
 
     def _process_name(self, role: str, index: int, fragment: str | None) -> str:
         """A worker by its part in the placement: the loop's replicas only step environments where every
@@ -480,63 +416,6 @@ class Driver:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
-
-    def _checkpoint_due(self) -> None:
-        """Ask every process for its part of a checkpoint when one is due (or Ctrl-C asked for one)."""
-        ck = self.checkpoints
-        if ck is None or not ck.enabled:
-            return
-        if self.cut_every:
-            self._own_schedule_due()
-            return
-        newest = ck.staged
-        if newest is not None:
-            waited = time.monotonic() - self._asked_at
-            if ck.stop_after and waited > STOP_CHECKPOINT_WAIT:
-                ck.abort()
-                raise KeyboardInterrupt
-            if waited > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
-                ck.abort()
-            return
-        if not (ck.requested or ck.due(self.monitor.updates)):
-            return
-        loops = range(self.lowered.loop.replicas)
-        if any(("actor", k) in self.finished for k in loops):
-            if ck.stop_after:
-                raise KeyboardInterrupt
-            return
-        if not ck.requested and ck.schedule is not None:
-            ck.schedule.asked(self.monitor.updates)
-        ck.requested = False
-        expected = {f"states.{s.group}" for s in self.lowered.services} | {f"loop{k}" for k in loops}
-        seq = ck.begin(expected)
-        self._asked_at = time.monotonic()
-        self.endpoints.admission.request_checkpoint(seq, 0)
-
-    def _own_schedule_due(self) -> None:
-        """The loops cut on their own schedule (see :attr:`cut_every`): this process commits each
-        checkpoint as its parts come in, gives up one whose parts have not all come in
-        ``CHECKPOINT_WAIT`` (the next comes on schedule), and asks for one out of schedule on Ctrl-C,
-        cut at the loops' next trip."""
-        ck = self.checkpoints
-        assert ck is not None
-        now = time.monotonic()
-        for seq, begun in list(ck.begun.items()):
-            if now - begun > CHECKPOINT_WAIT:   # a part that never came (its process was restarted meanwhile)
-                ck.abort(seq)
-        if ck.stop_after and self._asks and now - self._asked_at > STOP_CHECKPOINT_WAIT:
-            ck.abort()
-            raise KeyboardInterrupt
-        if not ck.requested:
-            return
-        if any(("actor", k) in self.finished for k in range(self.lowered.loop.replicas)):
-            if ck.stop_after:
-                raise KeyboardInterrupt
-            return
-        ck.requested = False
-        self._asks += 1
-        self._asked_at = now
-        self.endpoints.admission.request_checkpoint(self._asks, 0)
 
     def _check_alive(self) -> None:
         for role, k, p in self.procs:
