@@ -1895,8 +1895,8 @@ def test_a_checkpoint_resumed_under_another_policy_draws_on_where_its_learner_wa
 
 
 def test_ctrl_c_cuts_a_checkpoint_asked_for_ahead_at_the_next_trip(program, tmp_path):
-    """Under pipelined a schedule in updates is asked for ahead (here at update 100000): a Ctrl-C
-    asks the loop to cut it at its next trip instead, and the run stops once it is written."""
+    """Under pipelined a schedule in updates is the loop's own (here its first cut at update 100000): a
+    Ctrl-C asks the loop for one at its next trip, and the run stops once it is written."""
     out = tmp_path / "run"
     proc = subprocess.Popen([EXE, "run", str(program), "--policy", "pipelined(max_lag=2)", "--set", "num_updates=1000000",
                              "--checkpoint-every", "100000", "--out", str(out), "--quiet"], cwd=ROOT,
