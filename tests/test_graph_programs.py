@@ -4879,3 +4879,21 @@ def test_module_data_the_loop_changes_starts_the_run_as_before_the_trace(write_a
     assert [np.asarray(x).tolist() for x in result[1:]] == [20, 5, 0.03125, 6.0, 20, 4.0, 5]   # (CALLS: each replica's)
     assert same_tree(result[0], eager[0])
     assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)"])
+def test_module_data_held_in_a_tuple_starts_the_run_as_before_the_trace(write_algo, policy):
+    """A list or dict the module holds in a tuple (`BOUNDS = ([], {"n": 0})`, a namedtuple of
+    them) was left as the trace left it, under a policy of several processes: the run started with
+    the trace's items in it, where eagerly it starts empty."""
+    source = MODULE_DATA.replace("TRACKER = Tracker()", "TRACKER = Tracker()\nBOUNDS = ([], {\"n\": 0})").replace(
+        "        TRACKER.last = u\n", "        TRACKER.last = u\n        BOUNDS[0].append(u)\n        BOUNDS[1][\"n\"] += 1\n").replace(
+        "len(TRACKER.seen)\n", "len(TRACKER.seen), len(BOUNDS[0]), BOUNDS[1][\"n\"]\n")
+    path, _ = write_algo(source)
+    program = load(str(path))
+    eager = program.train()
+    assert list(eager[-2:]) == [5, 5]
+    program = load(str(path))
+    result = ff.run(program.train, policy=policy).value
+    assert list(result[-2:]) == [5, 5]
+    assert shm_leftovers() == []

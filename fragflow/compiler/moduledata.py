@@ -12,7 +12,7 @@ module as it was imported. So the names of the training function's module, and o
 fragments' modules, are bound again to the values they held, and what those values hold is put
 back in place (the same objects: a fragment, an optimizer, a closure that holds one sees it put
 back): a list's, dict's or set's items (one level deep, and so on into the containers and arrays
-they hold, to a few levels), an array's or tensor's values, a module's parameters and buffers, an
+they hold, to a few levels; a tuple's items, the tuple itself being unchangeable), an array's or tensor's values, a module's parameters and buffers, an
 optimizer's state, the attributes of an object of a class of those modules (a tracker, the user's own
 buffer). Other objects (fragflow's buffers, a library's objects) are left as the trace left them,
 and so are arrays over 16 MB (64 MB in all).
@@ -60,6 +60,10 @@ class ModuleData:
             self._seen.add(id(value))
             self._items.append((value, copy.copy(value)))
             for item in (value.values() if kind is dict else value if kind is list else ()):
+                self._take(item, depth + 1)
+        elif isinstance(value, tuple):   # (itself unchangeable, a namedtuple too: what it holds is put back)
+            self._seen.add(id(value))
+            for item in value:
                 self._take(item, depth + 1)
         elif self._users(value):
             self._seen.add(id(value))
