@@ -194,7 +194,9 @@ def test_single_process_runs_the_loop_once_from_where_the_trace_stops(write_algo
     compiled = compile(program.train, args, policy="single_process")
     again = ff.run(program.train, args, compiled=compiled, out=tmp_path / "again")
     assert_same_tree(again.value[0], eager_state)
-    assert again.value[1]["act"] > 160                   # the trace's calls, then the run's: why the run takes over
+    # compiled apart, the trace does not begin the run: the module's data is put back as it was before it,
+    # and the run counts its own calls, as eagerly
+    assert again.value[1] == eager_calls
     assert again.episodes == run.episodes
 
     def rows(run_dir):

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import copy
 import sys
+import types
 from typing import Any
 
 import numpy as np
 
 _DEPTH = 3
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type)
 _MAX_BYTES = 64 << 20    # (arrays beyond this many bytes in all, or one larger than _MAX_ARRAY, a data set the
 _MAX_ARRAY = 16 << 20    # module loads, are not copied: left as the trace leaves them)
 
@@ -49,7 +51,8 @@ class ModuleData:
             for name, value in list(scope.items()):
                 if name.startswith("__"):
                     continue
-                self._names.append((scope, name, value))
+                if not isinstance(value, _CODE):   # (functions, classes, modules: code, not data; the trace's
+                    self._names.append((scope, name, value))   # watchers rebind some, as set_num_threads)
                 self._take(value, 0)
 
     def _take(self, value: Any, depth: int) -> None:

@@ -165,7 +165,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         if tracer.taken_by is None:
             tracer.close()
             set_rng_state(saved)
-            module_data.restore()
+            if not tracer.begins_run:   # (a single_process run's beginning: what it did is the run's, as eagerly)
+                module_data.restore()
         torch.set_num_threads(threads)
     if tracer.failed is not None:
         raise tracer.failed
