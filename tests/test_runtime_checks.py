@@ -963,6 +963,8 @@ class Noise:   # Ornstein-Uhlenbeck-like exploration noise, as DDPG programs kee
         self.x = 0.8 * self.x + self.rng.normal(size=self.x.shape)
         return self.x
 
+NOISE = Noise(1, 1)
+
 @ff.fragment("actor")
 def act(params, obs, noise):
     return np.clip(obs[:, :1] @ params["w"] + noise, -2.0, 2.0).astype(np.float32)
@@ -981,7 +983,7 @@ def train(args: Args):
     for _ in range(3):
         for _ in range(4):
             key, sub = ff.random.split(key)
-            eps = ff.random.normal(sub, (1,)) if args.keys else noise()
+            eps = EPS
             action = act(state, obs, eps)
             next_obs, *_ = env.step(action)
             buf.add(obs=obs, action=action)
@@ -992,22 +994,24 @@ def train(args: Args):
 """
 
 
-@pytest.mark.parametrize("policy, keys, warned", [("actor_learner(actors=2, max_lag=0)", False, True),
-                                                  ("actor_learner(actors=2, max_lag=0)", True, False),
-                                                  ("pipelined(max_lag=0)", False, False),
-                                                  ("single_process", False, False)])
-def test_a_generator_the_loop_holds_is_named_where_loop_processes_split_the_environments(write_algo, policy, keys,
+@pytest.mark.parametrize("policy, draw, warned", [("actor_learner(actors=2, max_lag=0)", "noise()", "noise.rng"),
+                                                  ("actor_learner(actors=2, max_lag=0)", "NOISE()", "NOISE.rng"),
+                                                  ("actor_learner(actors=2, max_lag=0)", "ff.random.normal(sub, (1,))", None),
+                                                  ("pipelined(max_lag=0)", "noise()", None),
+                                                  ("single_process", "noise()", None)])
+def test_a_generator_the_loop_holds_is_named_where_loop_processes_split_the_environments(write_algo, policy, draw,
                                                                                          warned):
     """Each loop process holds a copy of a generator the loop made, so the noise it draws for its
     own environments repeats across processes: a DDPG program's first q_loss was 61.42 under
     learner_replay(actors=2, max_lag=0) against 58.12 in one process, and nothing said why."""
-    path, _ = write_algo(NOISY)
+    path, _ = write_algo(NOISY.replace("EPS", draw))   # the noise: the loop's object's, the module's, or keys'
     prog = load(str(path))
-    r = ff.run(prog.train, prog.args_cls(keys=keys), policy=policy)
+    r = ff.run(prog.train, prog.args_cls(keys="random" in draw), policy=policy)
     notes = [n for n in r.summary.get("notes", []) if "random generator" in n]
     if warned:
-        assert len(notes) == 1 and "`noise.rng` (a numpy.Generator)" in notes[0] and "ff.random" in notes[0], notes
-        assert re.search(rf"\({relpath(path)}:26, `train`\)", notes[0]), notes[0]
+        assert len(notes) == 1 and f"`{warned}` (a numpy.Generator)" in notes[0] and "ff.random" in notes[0], notes
+        line = path.read_text().splitlines().index("def train(args: Args):") + 1
+        assert re.search(rf"\({relpath(path)}:{line}, `train`\)", notes[0]), notes[0]
     else:
         assert notes == []
     assert shm_leftovers() == []

@@ -345,7 +345,9 @@ def copied_generators(frame: Any, replicas: int) -> str | None:
     kinds = (np.random.Generator, pyrandom.Random, np.random.RandomState) + ((torch.Generator,) if torch else ())
     module = frame.f_globals.get("__name__")
     found: list[str] = []
-    for name, x in frame.f_locals.items():
+    names = {name: x for name in frame.f_code.co_names
+             if not name.startswith("__") and (x := frame.f_globals.get(name, _NO)) is not _NO}   # (the module's it reads)
+    for name, x in [*frame.f_locals.items(), *names.items()]:
         if name.startswith("__"):
             continue
         if isinstance(x, kinds):
@@ -353,12 +355,13 @@ def copied_generators(frame: Any, replicas: int) -> str | None:
         elif getattr(type(x), "__module__", None) == module and type(getattr(x, "__dict__", None)) is dict:
             found += [f"`{name}.{attr}` (a {type(v).__module__.split('.')[0]}.{type(v).__name__})"
                       for attr, v in vars(x).items() if isinstance(v, kinds)]
+    found = list(dict.fromkeys(found))
     if not found:
         return None
     from fragflow.source import display_path
 
     code = frame.f_code
-    return (f"the training loop ({display_path(code.co_filename)}:{code.co_firstlineno}, `{code.co_name}`) holds the random "
+    return (f"the training loop ({display_path(code.co_filename)}:{code.co_firstlineno}, `{code.co_name}`) holds or reads the random "
             f"generator{'s' if len(found) > 1 else ''} {', '.join(found)}: each of the {replicas} loop processes, "
             "which split the environments, holds a copy, so numbers it draws for its own environments (exploration "
             "noise) repeat across processes (the second process's first environment gets what the first process's "
