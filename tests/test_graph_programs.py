@@ -4897,3 +4897,88 @@ def test_module_data_held_in_a_tuple_starts_the_run_as_before_the_trace(write_al
     result = ff.run(program.train, policy=policy).value
     assert list(result[-2:]) == [5, 5]
     assert shm_leftovers() == []
+
+
+def test_a_global_the_loop_sets_before_its_loop_is_read_by_a_served_learner_when_checkpointed(write_algo, tmp_path):
+    """Module data was put back before the graph was made where no handover ran (a checkpointed run,
+    `compile`): its check of what the loop changes between the learner's calls then compared the
+    learner's first read (0.5, set before the loop) with the value put back (1.0), and refused a
+    program that runs eagerly and, without --checkpoint-every, under the same policy."""
+    path, _ = write_algo('''
+        import numpy as np
+        import fragflow as ff
+
+        CFG = {"lr": 1.0}
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], dtype=np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + CFG["lr"]}, {"lr": CFG["lr"]}
+
+        def train():
+            CFG["lr"] = 0.5
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(1)})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for _ in range(6):
+                for _ in range(4):
+                    obs, *_ = env.step(act(obs))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+            return state
+    ''')
+    prog = load(str(path))
+    compile(prog.train, policy="pipelined(max_lag=0)")
+    assert prog.module.CFG == {"lr": 1.0}   # (put back after the trace)
+    r = ff.run(prog.train, policy="pipelined(max_lag=0)", out=tmp_path / "run", checkpoint_every=2)
+    assert r.value["w"].tolist() == [3.0]
+    assert shm_leftovers() == []
+
+
+def test_a_global_function_the_loop_rebinds_starts_the_run_as_imported(write_algo, tmp_path):
+    """A loop that rebinds a global to another function (`global schedule; schedule = ...`): the run's
+    processes were given the trace's function, so its first rows used the schedule eagerly set only
+    after the first update."""
+    import csv
+
+    path, _ = write_algo('''
+        import numpy as np
+        import fragflow as ff
+
+        def warm():
+            return 0.0
+
+        schedule = warm
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], dtype=np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1}, {"w": state["w"].sum()}
+
+        def train():
+            global schedule
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(1)})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for u in range(4):
+                for _ in range(4):
+                    obs, *_ = env.step(act(obs))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+                ff.log({"s": schedule()})
+                schedule = lambda: 1.0   # noqa: E731
+            return state
+    ''')
+    prog = load(str(path))
+    ff.run(prog.train, policy="pipelined(max_lag=0)", out=tmp_path / "run")
+    rows = csv.DictReader((tmp_path / "run" / "metrics.csv").open())
+    assert [float(row["s"]) for row in rows] == [0.0, 1.0, 1.0, 1.0]

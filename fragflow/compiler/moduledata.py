@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import copy
 import sys
-import types
 from typing import Any
 
 import numpy as np
 
 _DEPTH = 3
-_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type)
 _MAX_BYTES = 64 << 20    # (arrays beyond this many bytes in all, or one larger than _MAX_ARRAY, a data set the
 _MAX_ARRAY = 16 << 20    # module loads, are not copied: left as the trace leaves them)
 
@@ -51,9 +49,14 @@ class ModuleData:
             for name, value in list(scope.items()):
                 if name.startswith("__"):
                     continue
-                if not isinstance(value, _CODE):   # (functions, classes, modules: code, not data; the trace's
-                    self._names.append((scope, name, value))   # watchers rebind some, as set_num_threads)
+                self._names.append((scope, name, value))
                 self._take(value, 0)
+
+    def watched(self, names: list[tuple[dict[str, Any], str]]) -> None:
+        """Names the trace's watchers rebind and put back themselves (an imported ``set_num_threads``):
+        not rebound here (undone while torch's own stays patched, the program could not be pickled)."""
+        skip = {(id(scope), name) for scope, name in names}
+        self._names = [(scope, name, value) for scope, name, value in self._names if (id(scope), name) not in skip]
 
     def _take(self, value: Any, depth: int) -> None:
         if id(value) in self._seen or depth > _DEPTH:

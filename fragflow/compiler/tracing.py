@@ -129,7 +129,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     threads_set = tracer.threads_set = ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
+    module_data.watched(imported)
     unwatch_envs = watch_env_makers(own_envs, watcher.line_now)
+    completed = False   # the trace ran to its end (not raised out of)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
@@ -156,6 +158,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 tracer.taken_by = tracer.handover(tracer)
             except BaseException as exc:
                 tracer.failed = exc
+        completed = True
     finally:
         unwatch_envs()
         torch.set_num_threads = threads_set.original
@@ -165,11 +168,19 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         if tracer.taken_by is None:
             tracer.close()
             set_rng_state(saved)
-            if not tracer.begins_run:   # (a single_process run's beginning: what it did is the run's, as eagerly)
-                module_data.restore()
         torch.set_num_threads(threads)
-    if tracer.failed is not None:
-        raise tracer.failed
-    if tracer.traced is not None:
-        return tracer.traced
-    return finish()
+        # the module's data put back once the graph is made (its checks compare what the loop changed
+        # with the data as the fragments first read it), not where a single_process run's beginning made it
+        # (what it did is the run's, as eagerly)
+        restore = tracer.taken_by is None and not tracer.begins_run
+        if restore and not completed:   # (the trace raised: no graph to make)
+            module_data.restore()
+    try:
+        if tracer.failed is not None:
+            raise tracer.failed
+        if tracer.traced is not None:
+            return tracer.traced
+        return finish()
+    finally:
+        if restore:
+            module_data.restore()
