@@ -4982,3 +4982,45 @@ def test_a_global_function_the_loop_rebinds_starts_the_run_as_imported(write_alg
     ff.run(prog.train, policy="pipelined(max_lag=0)", out=tmp_path / "run")
     rows = csv.DictReader((tmp_path / "run" / "metrics.csv").open())
     assert [float(row["s"]) for row in rows] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_a_module_level_scheduler_starts_the_run_with_its_optimizers_rate(write_algo, tmp_path):
+    """A module's optimizer was put back after the trace but not its scheduler: the rate started as
+    imported while the scheduler's epoch kept the trace's steps, so the decay came early."""
+    import csv
+
+    path, _ = write_algo('''
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        W = torch.zeros(1, requires_grad=True)
+        OPT = torch.optim.SGD([W], lr=1.0)
+        SCHED = torch.optim.lr_scheduler.StepLR(OPT, step_size=3, gamma=0.5)
+
+        @ff.fragment("actor")
+        def act(obs):
+            return np.zeros(obs.shape[0], dtype=np.int64)
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            return {"w": state["w"] + 1}, {"w": state["w"].sum()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(1)})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for u in range(6):
+                for _ in range(4):
+                    obs, *_ = env.step(act(obs))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+                ff.log({"lr": OPT.param_groups[0]["lr"]})
+                SCHED.step()
+            return state
+    ''')
+    prog = load(str(path))
+    ff.run(prog.train, policy="pipelined(max_lag=0)", out=tmp_path / "run")
+    rows = csv.DictReader((tmp_path / "run" / "metrics.csv").open())
+    assert [float(row["lr"]) for row in rows] == [1.0, 1.0, 1.0, 0.5, 0.5, 0.5]

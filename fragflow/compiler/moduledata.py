@@ -13,7 +13,7 @@ fragments' modules, are bound again to the values they held, and what those valu
 back in place (the same objects: a fragment, an optimizer, a closure that holds one sees it put
 back): a list's, dict's or set's items (one level deep, and so on into the containers and arrays
 they hold, to a few levels; a tuple's items, the tuple itself being unchangeable), an array's or tensor's values, a module's parameters and buffers, an
-optimizer's state, the attributes of an object of a class of those modules (a tracker, the user's own
+optimizer's state and a learning-rate scheduler's, the attributes of an object of a class of those modules (a tracker, the user's own
 buffer). Other objects (fragflow's buffers, a library's objects) are left as the trace left them,
 and so are arrays over 16 MB (64 MB in all).
 """
@@ -37,6 +37,7 @@ class ModuleData:
         self._items: list[tuple[Any, Any]] = []     # (container, shallow copy)
         self._arrays: list[tuple[Any, Any]] = []    # (array or tensor, copy of its values)
         self._optimizers: list[tuple[Any, Any]] = []
+        self._schedulers: list[tuple[Any, Any]] = []
         self._bytes = 0
         self._seen: set[int] = set()
         self._objects: list[tuple[Any, dict[str, Any]]] = []   # (object of a user's class, its attributes)
@@ -92,6 +93,12 @@ class ModuleData:
                     self._optimizers.append((value, copy.deepcopy(value.state_dict())))
                 except Exception:   # (an optimizer whose state cannot be copied is left as it is)
                     pass
+            elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):   # (its epoch with its optimizer's rate)
+                self._seen.add(id(value))
+                try:
+                    self._schedulers.append((value, copy.deepcopy(value.state_dict())))
+                except Exception:
+                    pass
 
     def _users(self, value: Any) -> bool:
         """An object of a class of the user's modules (a tracker, a schedule object, the user's buffer),
@@ -140,5 +147,10 @@ class ModuleData:
                 continue   # (unchanged: not steps, as a fresh optimizer's)
             try:
                 opt.load_state_dict(saved)
+            except Exception:
+                pass
+        for sched, saved in self._schedulers:
+            try:
+                sched.load_state_dict(copy.deepcopy(saved))
             except Exception:
                 pass
