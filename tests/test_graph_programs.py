@@ -531,6 +531,23 @@ def test_a_value_given_to_collect_that_is_not_per_environment_is_refused_as_such
     assert shm_leftovers() == []
 
 
+def test_a_time_by_env_array_given_to_collect_with_as_many_steps_as_environments_is_refused_saying_so(write_algo):
+    """With as many steps as environments a stacked ``[time, env]`` array cannot be told from one row
+    per environment and is split as one: the run stopped with a SpecChangedError blaming data
+    "sliced, reshaped or flattened". It says the sizes are the trace's swapped, and the fix."""
+    from fragflow.errors import SpecChangedError
+
+    path, marks = write_algo(PER_STEP_IN_COLLECT.replace("ff.RolloutBuffer(8)", "ff.RolloutBuffer(4)").replace(
+        "for _ in range(8):", "for _ in range(4):").replace("# [time, env], given to collect", "# @learn"))
+    program = load(str(path))
+    with pytest.raises(SpecChangedError) as err:
+        ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    assert "first two sizes are the trace's swapped" in str(err.value) and "sliced" not in str(err.value)
+    assert err.value.fix.startswith("give the value to the buffer at each step")
+    assert str(err.value.where).endswith(f"algo.py:{marks['learn']}")
+    assert shm_leftovers() == []
+
+
 SIZED_BY_NUM_ENVS = """
 import numpy as np
 import fragflow as ff

@@ -168,6 +168,15 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                             "on their first axis (a recurrent state in the [1, env, hidden] layout)")
                 fix = ("keep the environments first in what the loop holds ([env, hidden]) and move the axis inside "
                        "the fragment where the network wants it (h.transpose(0, 1), h[None]); or run with one actor")
+            elif replicas > 1 and got.dtype == spec.dtype and len(got.shape) >= 2 and got.shape[0] != got.shape[1] \
+                    and got.shape[:2] == spec.shape[1::-1] and got.shape[2:] == spec.shape[2:]:
+                message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
+                            "the environments, and this leaf's first two sizes are the trace's swapped: an array "
+                            "of [time, env] the loop stacked and gave to collect() (np.stack of a value per step), "
+                            "where the rollout has as many steps as environments, was taken as one row per "
+                            "environment ([env, ...]) and split on its first axis")
+                fix = ("give the value to the buffer at each step (buf.add(..., logp=logp)), so that it travels as "
+                       "the rollout does; or make num_steps differ from num_envs; or run with one actor")
             elif replicas > 1 and got.dtype == spec.dtype and (k := _whole_rows(got.shape, spec.shape, replicas)) >= 0:
                 on = f" on axis {k}" if k else ""   # ([time, env] beside a rollout: returns the loop computes)
                 message += (f"; the training loop runs in {replicas} processes here, each stepping "
