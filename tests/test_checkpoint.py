@@ -1946,3 +1946,65 @@ def test_a_process_killed_while_it_deletes_an_old_checkpoint_leaves_no_half_dele
     assert [p.name for p in listed] == ["2", "3", "4"]
     for p in listed:
         assert (p / "states.learner.safetensors").is_file(), p
+
+
+STEPPED = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.argmax(obs @ w, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean((0, 1))[:, None] * np.array([1.0, -1.0])}, {"r": batch["reward"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0, max_episode_steps=5)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(14):                  # a trip: one update
+        for _ in range(4):
+            obs2, r, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs, reward=r)
+            obs = obs2
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_replicas_stepped_together_that_hear_of_a_request_a_trip_apart_keep_one_numbering(tmp_path, write_algo,
+                                                                                          monkeypatch):
+    """Each loop replica numbers its own cuts. One that took an out-of-schedule request (Ctrl-C's) as the
+    scheduled cut it made at that trip, while the other heard of the request a trip later and took it as
+    a cut of its own, numbered every cut after one apart from the other: each later checkpoint had its
+    parts at different trips and was given up (and Ctrl-C waited 30 s, then stopped without its own).
+    The replicas take a request as one checkpoint, the one the first of them names."""
+    from fragflow.backends.local import control
+
+    monkeypatch.setenv("FRAGFLOW_START_METHOD", "fork")   # (the workers inherit the patch)
+    request, at_trip = control.Control.checkpoint_request, control.Control.at_trip
+    hears = {1: 4, 0: 5}   # the trip from which each replica sees a request: replica 1 as its scheduled cut is due
+
+    def trip(self, replica, t):
+        self._heard_at = (replica, t)
+        return at_trip(self, replica, t)
+
+    def late(self):
+        where = getattr(self, "_heard_at", None)
+        return max(request(self), 1) if where is not None and where[1] >= hears[where[0]] else request(self)
+
+    monkeypatch.setattr(control.Control, "at_trip", trip)
+    monkeypatch.setattr(control.Control, "checkpoint_request", late)
+    finish = ckpt.finish
+    monkeypatch.setattr(ckpt, "finish", lambda root, tmp, name, manifest, parts, keep=3:
+                        finish(root, tmp, name, manifest, parts, 100))   # every checkpoint kept
+    path, _ = write_algo(STEPPED)
+    program = load(str(path))
+    out = tmp_path / "run"
+    ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)", out=out, checkpoint_every=4)
+    mids = _mid_run_checkpoints(out)
+    assert [m["counters"]["updates"] for m in mids] == [5, 9, 13], [m["counters"] for m in mids]

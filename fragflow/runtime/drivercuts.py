@@ -137,7 +137,7 @@ class DriverCheckpoints:
                 # named, or in another loop): a resumed run could not go on; ask again at once (on
                 # their own schedule, the loops cut the next when it comes)
                 ck.abort(seq)
-                ck.requested = ck.requested or not self.cut_every
+                ck.requested = ck.requested or not self.cut_every or bool(ck.stop_after)
                 return
             at = {int(part[4:]): int(info["steps"]) for part, info in infos.items()
                   if part.startswith("loop") and "steps" in info}
@@ -147,6 +147,8 @@ class DriverCheckpoints:
                         (self.monitor.base_steps, self.monitor.base_updates))
             # (Ctrl-C: stopped once the checkpoint cut at the loops' next trip is written, not one
             # they cut on their own schedule before they heard of it)
-            if ck.stop_after and not ck.staging and (not self.cut_every or all(
+            # (replicas stepped together cut at one trip: one that had heard of the request when it cut is
+            # enough, the others having taken the request as that checkpoint too, see worker's wanted)
+            if ck.stop_after and not ck.staging and (not self.cut_every or any(
                     int(i.get("asked", 0)) >= self._asks for k, i in infos.items() if k.startswith("loop"))):
                 raise KeyboardInterrupt

@@ -352,7 +352,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         point: Any = restart["point"]
         stood: Any = point[4] if point is not None else ()
         if len(stood) > 4:   # (where it stood in the schedule, at its last restart point)
-            seen_before, cut["next"] = stood[4]
+            seen_before, cut["next"], *served = stood[4]
+            cut["served"] = served[0] if served else 0   # (a request taken already is not taken again)
         else:
             seen_before, cut["next"] = 0, (interp.update // every + 1) * every
     else:
@@ -377,7 +378,12 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             request = admission.checkpoint_request()
             if request > cut["served"]:
                 cut["served"] = request
-                cut["pending"] = seen[0] + 1
+                # replicas stepped together take it as one checkpoint (the first to take it names it): one
+                # that had decided its scheduled cut before the request came, while another took the request
+                # as that cut, counts it served there, rather than number its cuts one apart from then on
+                serving = admission.request_seq(request, seen[0] + 1) if together and replicas > 1 else seen[0] + 1
+                if serving > seen[0]:
+                    cut["pending"] = serving
             elif interp.update >= cut["next"]:
                 cut["pending"] = seen[0] + 1
         return cut["pending"]
@@ -420,7 +426,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             arrays = {key: np.array(a) for key, a in arrays.items()}
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
                                    (reporter.total_steps, reporter.total_episodes, dict(interp._calls_of),
-                                    interp.logs, (seen[0], cut["next"]))))
+                                    interp.logs, (seen[0], cut["next"], cut["served"]))))
             cost = time.monotonic() - t0
             next_snapshot[0] = time.monotonic() + max(SNAPSHOT_EVERY, SNAPSHOT_COST * cost)
 

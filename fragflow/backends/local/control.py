@@ -15,8 +15,9 @@ import numpy as np
 from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryChannel
 from fragflow.backends.local.shm import Segment
 
-BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT, CUT_SEQ, CUT_TRIP, CUT_AT = range(11)
-WORDS = 11
+BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT, CUT_SEQ, CUT_TRIP, CUT_AT, \
+    REQ, REQ_SEQ = range(13)
+WORDS = 13
 
 
 class Control:
@@ -141,6 +142,15 @@ class Control:
                 ahead = int(self.words[WORDS + self._replicas:WORDS + 2 * self._replicas].max(initial=0)) + 1
                 self.words[CUT_SEQ], self.words[CUT_TRIP] = seq, max(trip, ahead)
             return int(self.words[CUT_TRIP])
+
+    def request_seq(self, request: int, seq: int) -> int:
+        """The checkpoint that serves out-of-schedule request ``request`` (Ctrl-C's) where the loop
+        replicas number their cuts themselves: the first replica to take it sets it (its next
+        cut, ``seq``), the others get it (one that has cut it already counts it served)."""
+        with self.lock:
+            if int(self.words[REQ]) != request:
+                self.words[REQ], self.words[REQ_SEQ] = request, seq
+            return int(self.words[REQ_SEQ])
 
     def counters(self) -> dict[str, float]:
         w = self.words

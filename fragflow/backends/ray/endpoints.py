@@ -237,6 +237,9 @@ class RayAdmission:
     def cut_trip(self, seq: int, trip: int) -> int:
         return int(_get(self.hub.cut_trip.remote(seq, trip)))
 
+    def request_seq(self, request: int, seq: int) -> int:
+        return int(_get(self.hub.request_seq.remote(request, seq)))
+
 
 class RayQueue:
     """A queue of the hub (reports, definitions): ``put``, ``get(timeout)``, ``get_nowait``."""

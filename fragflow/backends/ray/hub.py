@@ -61,6 +61,7 @@ class Hub:
         self.checkpoint = 0
         self.checkpoint_at = 0   # (the loop's updates at the trip that cuts it: see Admission.checkpoint_at)
         self.cut = (0, 0)   # (checkpoint, the trip its loop replicas save their parts at)
+        self.req = (0, 0)   # (an out-of-schedule request, the checkpoint that serves it: see request_seq)
 
     # -- rings ---------------------------------------------------------------------------------------
     async def put(self, name: str, leaves: list[Any], version: int, tag: int, aux: int, order: int, nbytes: int,
@@ -262,6 +263,11 @@ class Hub:
         if self.cut[0] != seq:
             self.cut = (seq, trip)
         return self.cut[1]
+
+    def request_seq(self, request: int, seq: int) -> int:
+        if self.req[0] != request:
+            self.req = (request, seq)
+        return self.req[1]
 
     # -- queues and the stop flag ---------------------------------------------------------------------
     def qput(self, name: str, obj: Any) -> None:
