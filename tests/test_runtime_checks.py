@@ -1002,8 +1002,9 @@ def train(args: Args):
 def test_a_generator_the_loop_holds_is_named_where_loop_processes_split_the_environments(write_algo, policy, draw,
                                                                                          warned):
     """Each loop process holds a copy of a generator the loop made, so the noise it draws for its
-    own environments repeats across processes: a DDPG program's first q_loss was 61.42 under
-    learner_replay(actors=2, max_lag=0) against 58.12 in one process, and nothing said why."""
+    own environments repeats across processes: a DDPG program's losses under
+    learner_replay(actors=2, max_lag=0) differed from one process's from the first update, and
+    nothing said why."""
     path, _ = write_algo(NOISY.replace("EPS", draw))   # the noise: the loop's object's, the module's, or keys'
     prog = load(str(path))
     r = ff.run(prog.train, prog.args_cls(keys="random" in draw), policy=policy)
