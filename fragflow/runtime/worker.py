@@ -89,7 +89,6 @@ class QueueReporter:
     the driver takes only what goes beyond what it has heard."""
 
     def __init__(self, results: Any, replica: int) -> None:
-        self.results = results
         self.replica = replica
         self.total_steps = 0
         self.log_seq = 0   # the loop's number of the ff.log call being reported
@@ -110,8 +109,7 @@ class QueueReporter:
             self.total_episodes += len(episodes)
             self.episodes.extend((self.total_steps, ret, length) for ret, length in episodes)
         self.dirty = True
-        if self.outbox.due():
-            self.flush()
+        self._due()
 
     def update(self) -> None:
         pass
