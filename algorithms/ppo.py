@@ -133,22 +133,10 @@ def tanh(x: torch.Tensor) -> torch.Tensor:
     return _Tanh.apply(x) if x.requires_grad else torch.tanh(x)
 
 
-def mlp(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+def mlp(layers: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
     for lyr in layers[:-1]:
-        x = tanh(linear(x, lyr["w"], lyr["b"]))
-    return linear(x, layers[-1]["w"], layers[-1]["b"])
-
-
-def rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T + b`` with every row computed the same way whatever the batch size.
-
-    Matrix-multiply kernels block differently for different batch sizes, which changes float
-    rounding: one process acting for 8 environments would act slightly differently from two
-    processes acting for 4 each. A batched product of one-row matrices runs the same one-row
-    kernel for every environment, so a run does not depend on how a policy splits the
-    environments (tests check it). Used on the acting side, where batches are small.
-    """
-    return torch.baddbmm(b, x.unsqueeze(1), w.t().expand(x.shape[0], -1, -1)).squeeze(1)
+        x = tanh(F.linear(x, lyr["w"], lyr["b"]))
+    return F.linear(x, layers[-1]["w"], layers[-1]["b"])
 
 
 def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
@@ -157,7 +145,7 @@ def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
     out = mlp(params["actor"], obs)
     if "logstd" in params:
         logstd = params["logstd"].expand_as(out)
-        dist = torch.distributions.Normal(out, logstd.exp())
+        dist = torch.distributions.Normal(out, logstd.exp(), validate_args=False)
         return dist.log_prob(action).sum(-1), dist.entropy().sum(-1), value
     logp_all = F.log_softmax(out, dim=-1)
     logp = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
@@ -165,24 +153,64 @@ def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
     return logp, entropy, value
 
 
-# ACT: one inference step for every environment. Sampling noise comes from per-environment keys,
-# so environment i draws the same numbers wherever a policy places it.
+# ACT: one inference step for every environment, in numpy: a row per environment is a few thousand
+# multiply-adds, where each torch call costs microseconds of its own (numpy's calls cost a fraction
+# of that: about half the time of an acting step's arithmetic). The same float32 arithmetic as
+# ``evaluate`` up to rounding. Sampling noise comes from per-environment keys, so environment i draws
+# the same numbers wherever a policy places it.
+LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
+
+
+def as_numpy(tree: Any) -> Any:
+    """The parameters' arrays, shared with the tensors (no copy)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().numpy()
+    if isinstance(tree, dict):
+        return {k: as_numpy(v) for k, v in tree.items()}
+    return [as_numpy(v) for v in tree]
+
+
+def linear_np(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return x @ w.T + b
+
+
+def rowwise_linear_np(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``x @ w.T + b`` with every row computed the same way whatever the batch size.
+
+    Matrix-multiply kernels block differently for different batch sizes, which changes float
+    rounding: one process acting for 8 environments would act slightly differently from two
+    processes acting for 4 each. A stack of one-row products runs the same one-row product for
+    every environment, so a run does not depend on how a policy splits the environments (tests
+    check it).
+    """
+    return np.matmul(x[:, None, :], w.T)[:, 0] + b
+
+
+def mlp_np(layers: list[dict[str, np.ndarray]], x: np.ndarray, linear=linear_np) -> np.ndarray:
+    for lyr in layers[:-1]:
+        x = np.tanh(linear(x, lyr["w"], lyr["b"]))
+    return linear(x, layers[-1]["w"], layers[-1]["b"])
+
+
 @ff.fragment("actor")
 def act(params, obs, key, invariant: bool = False):
-    linear = rowwise_linear if invariant else F.linear
-    with torch.no_grad():
-        obs = torch.as_tensor(obs, dtype=torch.float32)
-        value = mlp(params["critic"], obs, linear).squeeze(-1)
-        out = mlp(params["actor"], obs, linear)
-        if "logstd" in params:
-            std = params["logstd"].exp().expand_as(out)
-            action = out + std * torch.from_numpy(ff.random.normal(key, (out.shape[-1],)).astype(np.float32))
-            logprob = torch.distributions.Normal(out, std).log_prob(action).sum(-1)
-        else:
-            # Gumbel-max: argmax(logits + Gumbel noise) is a sample of the categorical
-            gumbel = torch.from_numpy(ff.random.gumbel(key, (out.shape[-1],)).astype(np.float32))
-            action = torch.argmax(out + gumbel, dim=-1)
-            logprob = torch.log_softmax(out, dim=-1).gather(-1, action[:, None])[:, 0]
+    linear = rowwise_linear_np if invariant else linear_np
+    p = as_numpy(params)
+    x = np.asarray(obs, dtype=np.float32)
+    value = mlp_np(p["critic"], x, linear)[:, 0]
+    out = mlp_np(p["actor"], x, linear)
+    if "logstd" in p:
+        logstd = np.broadcast_to(p["logstd"], out.shape)
+        std = np.exp(logstd)
+        action = out + std * ff.random.normal(key, (out.shape[-1],)).astype(np.float32)
+        # the Normal's log-density, as torch.distributions.Normal computes it
+        logprob = (-((action - out) ** 2) / (2 * std**2) - logstd - LOG_SQRT_2PI).sum(-1)
+    else:
+        # Gumbel-max: argmax(logits + Gumbel noise) is a sample of the categorical
+        action = np.argmax(out + ff.random.gumbel(key, (out.shape[-1],)).astype(np.float32), axis=-1)
+        shifted = out - out.max(-1, keepdims=True)
+        logp_all = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        logprob = np.take_along_axis(logp_all, action[:, None], -1)[:, 0]
     return action, logprob, value
 
 

@@ -107,7 +107,8 @@ class Actor(nn.Module):
         x_t = mean + std * noise
         y_t = torch.tanh(x_t)
         action = y_t * self.action_scale + self.action_bias
-        log_prob = torch.distributions.Normal(mean, std).log_prob(x_t)
+        # (validate_args=False: the same numbers without checking the arguments each call, ~10 us)
+        log_prob = torch.distributions.Normal(mean, std, validate_args=False).log_prob(x_t)
         log_prob = log_prob - torch.log(self.action_scale * (1 - y_t.pow(2)) + 1e-6)   # the tanh squashing
         return action, log_prob.sum(1, keepdim=True)
 

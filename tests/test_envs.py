@@ -625,6 +625,43 @@ def test_wrappers_and_clip_actions_make_cannot_apply_are_refused_at_the_make_lin
     env.close()
 
 
+class _Recorded(gym.Env):
+    """A Box action space of two dimensions with bounds of its own per dimension; it records the
+    actions it is given."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Box(np.array([-1.0, 0.0], np.float32), np.array([2.0, 0.5], np.float32))
+
+    def __init__(self) -> None:
+        self.got: list[np.ndarray] = []
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.got.append(np.array(action, copy=True))
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+def test_clip_actions_clips_each_environment_s_action_to_the_box_as_gymnasium_s_clip_action():
+    envs: list[_Recorded] = []
+
+    def factory() -> gym.Env:
+        envs.append(_Recorded())
+        return envs[-1]
+
+    env = ff.envs.make(factory, num_envs=3, seed=0, clip_actions=True)
+    assert env.single_action_space == gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)   # as gymnasium's wrapper
+    env.reset()
+    actions = np.array([[5.0, -3.0], [-0.5, 0.25], [-7.0, 9.0]])
+    for given in (actions, actions.astype(np.float32), torch.as_tensor(actions, dtype=torch.float32)):
+        env.step(given)
+    expected = [[2.0, 0.0], [-0.5, 0.25], [-1.0, 0.5]]
+    for i, e in enumerate(envs[-3:]):
+        assert len(e.got) == 3 and all(g.dtype == np.float32 and g.tolist() == expected[i] for g in e.got)
+    env.close()
+
+
 class _Misfit(gym.Env):
     """Returns observations that do not fit its space: of another shape at reset, or at a step of a
     Dict or Tuple space (of another shape, a key missing, a part missing)."""

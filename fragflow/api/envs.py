@@ -49,7 +49,7 @@ from fragflow import context
 from fragflow.api import envcheck
 from fragflow.api import fragment as fragment_module
 from fragflow.api.fragment import Fragment, rows
-from fragflow.api.normalize import Normalize
+from fragflow.api.normalize import ClipActions, Normalize
 from fragflow.api.vector import ARRAY_SPACES, EpisodeStats, SameStepVectorEnv
 from fragflow.compiler.pytree import to_numpy
 from fragflow.errors import ConfigError, TraceError, UnknownEnvError, did_you_mean
@@ -105,7 +105,7 @@ class VectorEnv:
                                   f"this environment's action space is {env.single_action_space}",
                                   where=user_callsite(),
                                   fix="leave clip_actions out, or clip the actions your actor returns yourself")
-            env = gym.wrappers.vector.ClipAction(env)
+            env = ClipActions(env)
         if normalize_obs or normalize_reward:
             env = Normalize(env, normalize_obs, normalize_reward, reward_gamma)
         self._env = env
