@@ -207,6 +207,53 @@ def test_every_process_runs_torch_with_the_placements_thread_count(program, poli
         torch.set_num_threads(before)
 
 
+BLAS_THREADS = """
+import os
+import numpy as np
+import torch
+from threadpoolctl import threadpool_info
+import fragflow as ff
+
+def blas_threads():
+    if os.getpid() == int(os.environ["DRIVER_PID"]):   # (the trace: the driver's process keeps the user's)
+        return [torch.get_num_threads()]
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+@ff.fragment("actor")
+def act(w, obs):
+    assert blas_threads() and set(blas_threads()) == {torch.get_num_threads()}, (blas_threads(), torch.get_num_threads())
+    return np.argmax(np.tanh(np.repeat(obs, 128, axis=0) @ w)[:obs.shape[0]], axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    assert blas_threads() and set(blas_threads()) == {torch.get_num_threads()}, (blas_threads(), torch.get_num_threads())
+    return {"w": state["w"] + np.float32(1e-3) * batch["obs"].mean()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2), np.float32)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_worker_processes_run_numpy_s_blas_with_the_placement_s_thread_count(write_algo, monkeypatch):
+    """numpy's OpenBLAS started a thread per core in every worker: a 256 x 64 product in an acting
+    process took ten times one thread's time on two cores the learner shared."""
+    path, _ = write_algo(BLAS_THREADS, "blas_threads.py")
+    monkeypatch.setenv("FRAGFLOW_THREADS", "1")
+    monkeypatch.setenv("DRIVER_PID", str(os.getpid()))
+    result = ff.run(load(str(path)).train, policy="pipelined")
+    assert result.summary["updates"] == 3
+
+
 TWO_WRITERS = """
 import numpy as np
 import torch

@@ -40,6 +40,18 @@ def threads_for(group_threads: int) -> int:
     return int(env)
 
 
+def limit_threads(n: int) -> None:
+    """``n`` threads for torch's operations and for numpy's BLAS (matrix products) in this worker
+    process. numpy's OpenBLAS otherwise starts a thread per core for a product of a few hundred
+    rows, which on a machine whose cores the run's other processes hold made a 256 x 64 product
+    ten times slower than one thread does."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(n)
+    threadpool_limits(n, user_api="blas")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -190,8 +202,6 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the driver's handler
         _die_with_parent(parent)
-    import torch
-
     from fragflow.backends import Stopped
 
     endpoints = None
@@ -218,7 +228,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
         if role == "actor":
             from fragflow.runtime.loop import LoopInterpreter
 
-            torch.set_num_threads(threads_for(lowered.loop.threads))
+            limit_threads(threads_for(lowered.loop.threads))
             reporter = QueueReporter(results, index)
             worker = LoopInterpreter(lowered.loop, reporter, replica=index, endpoints=endpoints, checks=checks)
             tracker = _loop_saving(worker, reporter, index, parent, endpoints, saving) if saving else None
@@ -243,7 +253,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             from fragflow.runtime.service import ServiceRunner
 
             program = next(s for s in lowered.services if s.group == role)
-            torch.set_num_threads(threads_for(program.threads))
+            limit_threads(threads_for(program.threads))
             worker = ServiceRunner(program, endpoints, checks, saving=saving, driver=parent)
             worker.run()
         results.put(("done", role, index))
