@@ -289,6 +289,7 @@ class _Handover:
         if not compiled.serial:
             return None
         import torch
+        from threadpoolctl import threadpool_limits
 
         from fragflow.runtime.worker import threads_for
 
@@ -323,6 +324,7 @@ class _Handover:
         if not set_by_program and torch.get_num_threads() == threads_for(1):   # as the trace set them: the run's
             set_threads = tracer.threads_set.original if tracer.threads_set is not None else torch.set_num_threads
             set_threads(threads_for(compiled.lowered.loop.threads))
+            threadpool_limits(threads_for(compiled.lowered.loop.threads), user_api="blas")   # (put back as the trace ends)
         return interp
 
 

@@ -121,11 +121,13 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
         getattr(train, "__globals__", {}),
         *(getattr(getattr(f.fn, "__func__", f.fn), "__globals__", {}) for f in module_fragments)])
     import torch
+    from threadpoolctl import threadpool_limits
 
     from fragflow.runtime.worker import threads_for
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
+    blas = threadpool_limits(threads_for(1), user_api="blas")   # (numpy's matrix products: the same)
     threads_set = tracer.threads_set = ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
@@ -169,6 +171,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
             tracer.close()
             set_rng_state(saved)
         torch.set_num_threads(threads)
+        blas.restore_original_limits()
         # the module's data put back once the graph is made (its checks compare what the loop changed
         # with the data as the fragments first read it), not where a single_process run's beginning made it
         # (what it did is the run's, as eagerly)

@@ -95,11 +95,13 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
     With ``checkpoints`` the loop is checkpointed at the start of a top-level loop's trip once
     one is due, and resumed from the one it names (see :mod:`fragflow.runtime.checkpoint`)."""
     import torch
+    from threadpoolctl import threadpool_limits
 
     from fragflow.runtime.worker import threads_for
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads_for(program.threads))
+    blas = threadpool_limits(threads_for(program.threads), user_api="blas")   # (numpy's matrix products)
     interp = interpreter(program, monitor, checks)
     tracker = _checkpointing(interp, monitor, checkpoints) if checkpoints is not None else None
     previous = trips.install(tracker) if tracker is not None else None
@@ -116,6 +118,7 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
                 trips.install(previous)
             interp.close()
             torch.set_num_threads(before)
+            blas.restore_original_limits()
 
 
 def _states(interp: LoopInterpreter) -> tuple[Any, Any]:
