@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fragflow.api import random
 from fragflow.api.buffer import RolloutBuffer
 from fragflow.api.fragment import fragment
+from fragflow.api.inference import numpy_forward
 from fragflow.api.log import log
 from fragflow.api.replay import ReplayBuffer
 from fragflow.api.versioned import versioned
@@ -93,5 +94,5 @@ def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult
     return _run(train, args, **kwargs)
 
 
-__all__ = ["ReplayBuffer", "RolloutBuffer", "delivered", "distribute", "envs", "fragment", "learners", "log", "policies", "random", "run", "trace",
+__all__ = ["ReplayBuffer", "RolloutBuffer", "delivered", "distribute", "envs", "fragment", "learners", "log", "numpy_forward", "policies", "random", "run", "trace",
            "versioned", "__version__"]

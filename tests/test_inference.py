@@ -1,0 +1,58 @@
+"""ff.numpy_forward: a torch MLP's forward pass in numpy, for acting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fragflow as ff
+from fragflow.errors import ConfigError
+
+
+def _close(module: nn.Module, x: np.ndarray) -> bool:
+    with torch.no_grad():
+        expected = module(torch.as_tensor(x)).numpy()
+    got = ff.numpy_forward(module, x)
+    return got.dtype == np.float32 and got.shape == expected.shape and np.allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_forward_computes_what_the_module_computes():
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    nets = [nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)),
+            nn.Sequential(nn.Linear(4, 6, bias=False), nn.Sigmoid(), nn.Identity(), nn.Sequential(nn.Linear(6, 2))),
+            nn.Linear(4, 2)]
+    for net in nets:
+        assert _close(net, x)
+        assert _close(net, x[:1])
+    assert np.allclose(ff.numpy_forward(nets[0], torch.as_tensor(x)), ff.numpy_forward(nets[0], x))   # a tensor in
+
+
+def test_numpy_forward_reads_the_weights_anew_after_every_change():
+    """Its numpy views are kept while the tensors, their storage and their version counters are the
+    same: an optimizer's step, `.data =` and load_state_dict each change the result."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = np.ones((3, 4), np.float32)
+    first = ff.numpy_forward(net, x)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.as_tensor(x)).sum().backward()
+    opt.step()
+    stepped = ff.numpy_forward(net, x)
+    assert not np.allclose(first, stepped) and _close(net, x)
+    with torch.no_grad():
+        net[2].bias.data = torch.full((2,), 5.0)
+    assert _close(net, x) and not np.allclose(ff.numpy_forward(net, x), stepped)
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    net.load_state_dict(other.state_dict())
+    assert np.allclose(ff.numpy_forward(net, x), ff.numpy_forward(other, x)) and _close(net, x)
+
+
+def test_numpy_forward_refuses_a_layer_it_does_not_compute_at_the_user_s_line():
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match=r"but got a LayerNorm") as info:
+        ff.numpy_forward(net, np.zeros((1, 4), np.float32))
+    assert info.value.where is not None and info.value.where.file.endswith("test_inference.py")
+    assert "call the module itself" in info.value.fix
