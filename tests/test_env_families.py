@@ -498,3 +498,27 @@ def test_options_make_does_not_apply_to_a_pettingzoo_env_are_refused_not_ignored
     with pytest.raises(UnknownEnvError, match=r"ff.envs.make does not apply normalize_obs, wrappers to a PettingZoo "
                                               r"environment"):
         ff.envs.make("mpe2:simple_spread_v3", num_envs=1, max_cycles=4, normalize_obs=True, wrappers=[lambda e: e])
+
+
+def test_a_pettingzoo_id_of_an_aec_env_or_of_an_env_whose_package_is_missing_is_refused_with_the_cause(
+        tmp_path, monkeypatch):
+    """Both were 'pettingzoo.classic has no environment 'tictactoe_v3'', fixed with 'did you mean
+    'pettingzoo.classic:tictactoe_v3''; the AEC env's module given itself was 'got module ...'."""
+    from pettingzoo.classic import tictactoe_v3
+
+    for env_id in ("pettingzoo.classic:tictactoe_v3", tictactoe_v3):
+        with pytest.raises(UnknownEnvError, match=r"PettingZoo AEC environment, whose agents act one at a time") as info:
+            ff.envs.make(env_id, num_envs=2, seed=0)
+        assert "aec_to_parallel" in (info.value.fix or "")
+        assert info.value.where is not None and info.value.where.file.endswith("test_env_families.py")
+    family = tmp_path / "myfamily"
+    family.mkdir()
+    (family / "__init__.py").write_text("")
+    (family / "board_v1.py").write_text("import not_installed_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownEnvError, match=r"environment 'myfamily:board_v1' needs the package "
+                                              r"'not_installed_dependency_xyz', which is not installed") as info:
+        ff.envs.make("myfamily:board_v1", num_envs=2, seed=0)
+    assert (info.value.fix or "").startswith("pip install not_installed_dependency_xyz")
+    with pytest.raises(UnknownEnvError, match=r"myfamily has no environment 'board_v2'"):   # (a typo: still one)
+        ff.envs.make("myfamily:board_v2", num_envs=2, seed=0)

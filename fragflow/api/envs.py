@@ -39,6 +39,7 @@ import importlib
 import math
 import numbers
 import pkgutil
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -292,6 +293,15 @@ def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
     return out
 
 
+def aec_refused(what: str, where: Any) -> UnknownEnvError:
+    """The refusal of a PettingZoo AEC environment (its agents act in turn), with the fix."""
+    return UnknownEnvError(f"ff.envs.make got {what}, whose agents act one at a time; it steps parallel "
+                           "environments, where all agents act together", where=where,
+                           fix="pass the module's parallel_env where it has one, or a function that wraps the AEC env "
+                               "with pettingzoo.utils.conversions.aec_to_parallel (for games whose agents all act at "
+                               "every step; a turn-based game such as tictactoe cannot be stepped that way)")
+
+
 def _parallel_factory(env_id: Any) -> Callable[..., Any] | None:
     """The ``parallel_env`` constructor of a PettingZoo environment module, or None."""
     factory = getattr(env_id, "parallel_env", None)
@@ -345,12 +355,23 @@ def _registered(env_id: str, where: Any) -> Any:
                                   f"({exc})", where=where, fix=_EXTRA_HINT.get(namespace, f"pip install {namespace}")) from None
         if env_id.split(":", 1)[1] in gym.registry:
             return env_id.split(":", 1)[1]
+        path = env_id.replace(":", ".")
         try:   # "mpe2:simple_spread_v3": a PettingZoo environment module of that package
-            module = importlib.import_module(env_id.replace(":", "."))
-        except ImportError:
+            module = importlib.import_module(path)
+        except ImportError as exc:
+            missing = getattr(exc, "name", None)
+            if missing and missing != path and not path.startswith(f"{missing}."):   # (the module is there, not what it imports)
+                sub = namespace.split(".")[1] if namespace.startswith("pettingzoo.") else None
+                raise UnknownEnvError(f"environment {env_id!r} needs the package {missing!r}, which is not installed "
+                                      f"({exc})", where=where,
+                                      fix=f"pip install {missing}" + (f' (pip install "pettingzoo[{sub}]" installs '
+                                                                     f"what PettingZoo's {sub} environments need)"
+                                                                     if sub else "")) from None
             module = None
         if module is not None and _parallel_factory(module) is not None:
             return module
+        if module is not None and callable(getattr(module, "env", None)):   # a PettingZoo module of AEC envs only
+            raise aec_refused(f"{env_id!r}, a PettingZoo AEC environment", where)
         package = importlib.import_module(namespace)
         if hasattr(package, "__path__"):   # a package of environment modules (mpe2, pettingzoo.butterfly): their names
             names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
@@ -434,6 +455,8 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
     if isinstance(env_id, str):
         env_id = _registered(env_id, where)
     parallel = _parallel_factory(env_id)
+    if isinstance(env_id, types.ModuleType) and parallel is None and callable(getattr(env_id, "env", None)):
+        raise aec_refused(f"the module {env_id.__name__}, of a PettingZoo AEC environment", where)
     if isinstance(env_id, gym.Env) and parallel is None:   # (one environment: it cannot make num_envs of them)
         spec = getattr(env_id, "spec", None)
         raise UnknownEnvError(f"ff.envs.make got an environment, {type(env_id.unwrapped).__name__}, where it takes what "
@@ -451,12 +474,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         first = env_id(**env_kwargs)           # a factory: of a gymnasium env or of a PettingZoo parallel env?
         if hasattr(first, "agent_iter"):        # PettingZoo's AEC API: agents act in turn
             first.close()
-            raise UnknownEnvError(f"ff.envs.make got a PettingZoo AEC environment ({type(first).__name__}), whose "
-                                  "agents act one at a time; it steps parallel environments, where all agents act "
-                                  "together", where=where,
-                                  fix="pass the module's parallel_env where it has one, or a function that wraps the "
-                                      "AEC env with pettingzoo.utils.conversions.aec_to_parallel (for games whose "
-                                      "agents all act at every step)")
+            raise aec_refused(f"a PettingZoo AEC environment ({type(first).__name__})", where)
         if hasattr(first, "possible_agents"):
             parallel = env_id
         elif not isinstance(first, (gym.Env, gym.vector.VectorEnv)):
