@@ -432,6 +432,8 @@ class _OldApi(gym.Env):
         obs = np.zeros(5, np.float32)
         if self.api == "reset draws from np_random":
             obs[0] = self.np_random.uniform()
+        if self.api.startswith("reset returns info "):   # an info of another type than a dict
+            return obs, {"reset returns info None": None, "reset returns info []": []}[self.api]
         return obs if self.api == "reset returns obs" else (obs, {})
 
     def step(self, action):
@@ -460,6 +462,10 @@ class _UnseededReset(_OldApi):
     ("reset returns obs", "reset", r"reset returned an array of shape \(5,\) \(ndarray\), where gymnasium's reset returns "
                                    r"\(obs, info\)"),
     ("reset takes no seed", "reset", r"reset takes no 'seed' or 'options' keyword argument"),
+    # (it said "reset returned 2 values, where gymnasium's reset returns (obs, info)": two values it had returned)
+    ("reset returns info None", "reset", r"reset returned None as its info, where gymnasium's reset returns \(obs, "
+                                         r"info\) with info a dict"),
+    ("reset returns info []", "reset", r"reset returned a value of type list as its info, where gymnasium's reset"),
     # (stored into the batch's arrays: a NaN reward, a False and a True flag, with no error)
     ("step returns no reward", "step", r"step returned None as its reward, where gymnasium's step returns one number"),
     ("step returns a text reward", "step", r"step returned '0.5' as its reward"),

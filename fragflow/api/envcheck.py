@@ -79,7 +79,12 @@ def check_api(env: gym.Env) -> None:
                                "options=None), calling super().reset(seed=seed) to seed self.np_random, and "
                                "return (obs, info)")
         out = cls.reset(env, *args, **kwargs)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        if isinstance(out, tuple) and len(out) == 2 and not isinstance(out[1], dict):
+            raise _refused(env, "reset", f"returned {_described(out[1])} as its info, where gymnasium's reset returns "
+                                         "(obs, info) with info a dict",
+                           "return the observation and an info dict (empty if there is nothing to report): "
+                           "return obs, {}")
+        if not (isinstance(out, tuple) and len(out) == 2):
             raise _refused(env, "reset", f"returned {_described(out)}, where gymnasium's reset returns (obs, info)",
                            "return the observation and an info dict: return obs, {}")
         seeded.append(kwargs.get("seed"))
