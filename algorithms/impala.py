@@ -141,10 +141,13 @@ def learn(state, rollout, lr, args: Args):
 
 def train(args: Args):
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
-    if not (isinstance(env.single_observation_space, gym.spaces.Box) and len(env.single_observation_space.shape) == 1
-            and isinstance(env.single_action_space, gym.spaces.Discrete)):   # (what its networks take)
+    agents = getattr(env, "num_agents", None)   # (a PettingZoo env's: an agent axis after the env axis)
+    for_agents = f" for each of its {agents} agents, a PettingZoo env's (mappo.py acts for every agent)" if agents else ""
+    if agents is not None or not (isinstance(env.single_observation_space, gym.spaces.Box)
+                                  and len(env.single_observation_space.shape) == 1
+                                  and isinstance(env.single_action_space, gym.spaces.Discrete)):   # (what its networks take)
         raise ValueError(f"impala.py's policy chooses among Discrete actions from vector observations (a Box of one axis); {args.env_id} has "
-                         f"{env.single_observation_space} observations and {env.single_action_space} actions "
+                         f"{env.single_observation_space} observations and {env.single_action_space} actions{for_agents} "
                          "(ppo.py and sac.py act in continuous spaces)")
     torch.manual_seed(args.seed)
     obs_dim = int(np.prod(env.single_observation_space.shape or (1,)))

@@ -432,11 +432,14 @@ def train(args: Args):
     normalize = continuous if args.normalize is None else args.normalize
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed, clip_actions=continuous,
                        normalize_obs=normalize, normalize_reward=normalize, reward_gamma=args.gamma)
-    if not (isinstance(env.single_observation_space, gym.spaces.Box) and len(env.single_observation_space.shape) == 1
-            and isinstance(env.single_action_space, (gym.spaces.Discrete, gym.spaces.Box))):   # (what its networks take)
+    agents = getattr(env, "num_agents", None)   # (a PettingZoo env's: an agent axis after the env axis)
+    for_agents = f" for each of its {agents} agents, a PettingZoo env's (mappo.py acts for every agent)" if agents else ""
+    if agents is not None or not (isinstance(env.single_observation_space, gym.spaces.Box)
+                                  and len(env.single_observation_space.shape) == 1
+                                  and isinstance(env.single_action_space, (gym.spaces.Discrete, gym.spaces.Box))):   # (what its networks take)
         raise ValueError(f"ppo.py acts on vector observations (a Box of one axis) in a Discrete or Box action space; "
                          f"{args.env_id} has {env.single_observation_space} observations and "
-                         f"{env.single_action_space} actions (ppo_atari.py acts on Atari's frames)")
+                         f"{env.single_action_space} actions{for_agents} (ppo_atari.py acts on Atari's frames)")
     state = ff.versioned(init_state(env, args))
     buffer = ff.RolloutBuffer(args.num_steps)
     key = ff.random.keys(args.seed, env.ids)

@@ -221,10 +221,13 @@ def init_state(obs_dim: int, act_dim: int, low: np.ndarray, high: np.ndarray, ar
 
 def train(args: Args):
     env = ff.envs.make(args.env_id, num_envs=args.num_envs, seed=args.seed)
-    if not (isinstance(env.single_observation_space, gym.spaces.Box) and len(env.single_observation_space.shape) == 1
-            and isinstance(env.single_action_space, gym.spaces.Box)):   # (what its networks take)
+    agents = getattr(env, "num_agents", None)   # (a PettingZoo env's: an agent axis after the env axis)
+    for_agents = f" for each of its {agents} agents, a PettingZoo env's (mappo.py acts for every agent)" if agents else ""
+    if agents is not None or not (isinstance(env.single_observation_space, gym.spaces.Box)
+                                  and len(env.single_observation_space.shape) == 1
+                                  and isinstance(env.single_action_space, gym.spaces.Box)):   # (what its networks take)
         raise ValueError(f"sac.py's policy acts in a continuous (Box) action space from vector observations (a Box of one axis); {args.env_id} has "
-                         f"{env.single_observation_space} observations and {env.single_action_space} actions "
+                         f"{env.single_observation_space} observations and {env.single_action_space} actions{for_agents} "
                          "(dqn.py and ppo.py choose among Discrete actions)")
     torch.manual_seed(args.seed)
     space = env.single_action_space

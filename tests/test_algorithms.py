@@ -264,3 +264,16 @@ def test_an_algorithm_given_an_env_its_networks_cannot_take_says_what_it_takes(n
     module = importlib.import_module(f"fragflow.algorithms.{name}")
     with pytest.raises(ValueError, match=message + rf"(.|\n)*{env_id} has .* observations and .* actions"):
         module.train(module.Args(env_id=env_id, total_timesteps=64))
+
+
+@pytest.mark.parametrize("name", ["ppo", "a2c", "impala", "dqn", "sac"])
+def test_an_algorithm_of_one_agent_given_a_pettingzoo_env_says_so_and_names_mappo(name):
+    """A PettingZoo env's spaces are each agent's, so the check above let PPO, A2C and IMPALA go on, to fail
+    in the actor on the agent axis ("The size of tensor a (3) must match the size of tensor b (2)",
+    "operands could not be broadcast together"); DQN failed at env.step, naming the agent axis."""
+    import importlib
+
+    module = importlib.import_module(f"fragflow.algorithms.{name}")
+    with pytest.raises(ValueError, match=r"mpe2:simple_spread_v3 has Box\(.*\) observations and Discrete\(5\) actions "
+                                         r"for each of its 3 agents, a PettingZoo env's \(mappo.py acts for every agent\)"):
+        module.train(module.Args(env_id="mpe2:simple_spread_v3", total_timesteps=64))
