@@ -452,6 +452,26 @@ def test_atari_preprocessing_and_the_cnn_ppo():
             ff.envs.atari("ALE/Pong-v5", num_envs=1, seed=0, **option)
 
 
+def test_atari_refuses_what_is_not_an_atari_games_id_for_what_it_is():
+    """CartPole was refused as "does not take the keyword arguments given to ff.envs.make (frameskip)" and
+    a PettingZoo env as "ff.envs.make does not apply clip_rewards, wrappers": options the user never
+    gave; a function making the game failed in fragflow's code ("argument of type 'function' is not
+    iterable")."""
+    for env_id in ("CartPole-v1", "mpe2:simple_spread_v3"):
+        with pytest.raises(ConfigError, match=rf"ff.envs.atari makes Atari games \(ale-py's\), with their "
+                                              rf"preprocessing, and '{env_id}' is not one") as info:
+            ff.envs.atari(env_id, num_envs=1, seed=0)
+        assert (info.value.fix or "").startswith(f"make it with ff.envs.make('{env_id}', num_envs, seed)")
+        assert info.value.where is not None and info.value.where.file.endswith("test_env_families.py")
+    with pytest.raises(ConfigError, match=r"ff.envs.atari got <lambda>, where it takes an Atari game's id") as info:
+        ff.envs.atari(lambda: gym.make("ALE/Pong-v5"), num_envs=1, seed=0)   # type: ignore[arg-type]
+    assert info.value.where is not None and info.value.where.file.endswith("test_env_families.py")
+    for game in ("ALE/Pong-v5", "ale_py:ALE/Pong-v5", "PongNoFrameskip-v4"):   # (each of ale-py's kinds of id runs)
+        env = ff.envs.atari(game, num_envs=1, seed=0)
+        assert env.reset().shape == (1, 4, 84, 84)
+        env.close()
+
+
 def test_atari_preprocessing_refuses_the_ram_observations_it_cannot_process():
     # gymnasium's preprocessing failed at the first reset, in its own code ("Expected a numpy array with two dimensions")
     with pytest.raises(ConfigError, match=r"ff.envs.atari was given obs_type='ram': its preprocessing works on the "

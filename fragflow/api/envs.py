@@ -35,10 +35,8 @@ every agent's episode is an episode, with that agent's return.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import numbers
-import pkgutil
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,11 +47,12 @@ import numpy as np
 from fragflow import context
 from fragflow.api import envcheck
 from fragflow.api import fragment as fragment_module
+from fragflow.api.envids import EXTRA_HINT, aec_refused, atari_game, parallel_factory, registered
 from fragflow.api.fragment import Fragment, rows
 from fragflow.api.normalize import ClipActions, Normalize
 from fragflow.api.vector import ARRAY_SPACES, EpisodeStats, SameStepVectorEnv
 from fragflow.compiler.pytree import to_numpy
-from fragflow.errors import ConfigError, TraceError, UnknownEnvError, did_you_mean
+from fragflow.errors import ConfigError, TraceError, UnknownEnvError
 from fragflow.source import user_callsite
 
 
@@ -293,21 +292,6 @@ def _set_rows(batch: Any, rows: list[tuple[int, Any]]) -> Any:
     return out
 
 
-def aec_refused(what: str, where: Any) -> UnknownEnvError:
-    """The refusal of a PettingZoo AEC environment (its agents act in turn), with the fix."""
-    return UnknownEnvError(f"ff.envs.make got {what}, whose agents act one at a time; it steps parallel "
-                           "environments, where all agents act together", where=where,
-                           fix="pass the module's parallel_env where it has one, or a function that wraps the AEC env "
-                               "with pettingzoo.utils.conversions.aec_to_parallel (for games whose agents all act at "
-                               "every step; a turn-based game such as tictactoe cannot be stepped that way)")
-
-
-def _parallel_factory(env_id: Any) -> Callable[..., Any] | None:
-    """The ``parallel_env`` constructor of a PettingZoo environment module, or None."""
-    factory = getattr(env_id, "parallel_env", None)
-    return factory if callable(factory) else None
-
-
 _KNOWN_AT_IMPORT = frozenset(gym.registry)
 
 
@@ -339,66 +323,6 @@ def ids(num_envs: int) -> np.ndarray:
     if asked is not None:
         asked(num_envs)
     return interp.env_ids(num_envs)
-
-
-def _registered(env_id: str, where: Any) -> Any:
-    """The registered id (``module:Env-v0`` imports ``module`` first, as gymnasium does), or the
-    PettingZoo environment module ``package:env_module`` names."""
-    if env_id in gym.registry:
-        return env_id
-    namespace = env_id.split(":", 1)[0] if ":" in env_id else None
-    if namespace is not None:   # "module:Env-v0" imports the module that registers it, as gymnasium does
-        try:
-            importlib.import_module(namespace)
-        except ImportError as exc:
-            raise UnknownEnvError(f"environment {env_id!r} needs the module {namespace!r}, which is not installed "
-                                  f"({exc})", where=where, fix=_EXTRA_HINT.get(namespace, f"pip install {namespace}")) from None
-        if env_id.split(":", 1)[1] in gym.registry:
-            return env_id.split(":", 1)[1]
-        path = env_id.replace(":", ".")
-        try:   # "mpe2:simple_spread_v3": a PettingZoo environment module of that package
-            module = importlib.import_module(path)
-        except ImportError as exc:
-            missing = getattr(exc, "name", None)
-            if missing and missing != path and not path.startswith(f"{missing}."):   # (the module is there, not what it imports)
-                sub = namespace.split(".")[1] if namespace.startswith("pettingzoo.") else None
-                raise UnknownEnvError(f"environment {env_id!r} needs the package {missing!r}, which is not installed "
-                                      f"({exc})", where=where,
-                                      fix=f"pip install {missing}" + (f' (pip install "pettingzoo[{sub}]" installs '
-                                                                     f"what PettingZoo's {sub} environments need)"
-                                                                     if sub else "")) from None
-            module = None
-        if module is not None and _parallel_factory(module) is not None:
-            return module
-        if module is not None and callable(getattr(module, "env", None)):   # a PettingZoo module of AEC envs only
-            raise aec_refused(f"{env_id!r}, a PettingZoo AEC environment", where)
-        package = importlib.import_module(namespace)
-        if hasattr(package, "__path__"):   # a package of environment modules (mpe2, pettingzoo.butterfly): their names
-            names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
-            ours = [f"{namespace}:{n}" for n in names if n[-1].isdigit() and "_v" in n] + \
-                [f"{namespace}:{k}" for k in gym.registry if k.startswith(f"{namespace}/")]
-            if ours:
-                raise UnknownEnvError(f"unknown environment id {env_id!r}: {namespace} has no environment "
-                                      f"{env_id.split(':', 1)[1]!r}", where=where, fix=did_you_mean(env_id, ours))
-    prefix = env_id.split("/", 1)[0]
-    # ale-py registers its games when imported ("ale_py:ALE/Pong-v5" in gymnasium): ALE/ ids, and the
-    # v0/v4 ids CleanRL and SB3 use ("BreakoutNoFrameskip-v4")
-    try:
-        importlib.import_module("ale_py")
-    except ImportError:
-        pass
-    if env_id in gym.registry:
-        return env_id
-    hint = _EXTRA_HINT.get(prefix) if "/" in env_id else None
-    raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
-                          fix=hint or did_you_mean(env_id.split(":", 1)[-1], gym.registry.keys()))
-
-
-# the extra that registers an env family when it is missing
-_EXTRA_HINT = {"ale_py": 'pip install "fragflow[atari]"', "ALE": 'pip install "fragflow[atari]"',
-               "mujoco": 'pip install "fragflow[mujoco]"', "mpe2": 'pip install "fragflow[multiagent]"',
-               "pettingzoo": 'pip install "fragflow[multiagent]"'}
-
 
 
 def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
@@ -453,8 +377,8 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                              f"their observations to '{inside.name}'")
     wrappers = envcheck.wrapper_list(wrappers, where)
     if isinstance(env_id, str):
-        env_id = _registered(env_id, where)
-    parallel = _parallel_factory(env_id)
+        env_id = registered(env_id, where)
+    parallel = parallel_factory(env_id)
     if isinstance(env_id, types.ModuleType) and parallel is None and callable(getattr(env_id, "env", None)):
         raise aec_refused(f"the module {env_id.__name__}, of a PettingZoo AEC environment", where)
     if isinstance(env_id, gym.Env) and parallel is None:   # (one environment: it cannot make num_envs of them)
@@ -539,7 +463,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
         text = str(exc).lower()
         family = "mujoco" if "mujoco" in text else "ale_py" if ("atari" in text or "opencv" in text) else None
         raise UnknownEnvError(f"environment {env_id!r} needs a package that is not installed: {exc}", where=where,
-                              fix=_EXTRA_HINT[family] if family else "install the package the message names") from None
+                              fix=EXTRA_HINT[family] if family else "install the package the message names") from None
     space = env._stats.single_observation_space
     if normalize_obs and not isinstance(space, gym.spaces.Box):
         env.close()
@@ -564,6 +488,14 @@ def atari(env_id: str, num_envs: int = 1, seed: int = 0, *, frame_stack: int = 4
     >>> env.reset().shape                                # doctest: +SKIP
     (2, 4, 84, 84)
     """
+    where = user_callsite()
+    if not isinstance(env_id, str):   # (it failed in fragflow's code: "argument of type 'function' is not iterable")
+        raise ConfigError(f"ff.envs.atari got {getattr(env_id, '__name__', type(env_id).__name__)}, where it takes "
+                          "an Atari game's id", where=where,
+                          fix="pass the game's id ('ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'); an env a function of "
+                              "yours makes: ff.envs.make(fn, num_envs, seed, wrappers=[...], clip_rewards=True) with the "
+                              "preprocessing you want (gym.wrappers.AtariPreprocessing, FrameStackObservation)")
+    atari_game(env_id, where)
     for option, why, fix in (("frameskip", "its preprocessing skips 4 frames itself (ALE's own frame skip stays 1)",
                               "leave frameskip out; for another skip, make the env with ff.envs.make and your own "
                               "AtariPreprocessing(frame_skip=...) in wrappers=[...]"),
