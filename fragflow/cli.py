@@ -152,6 +152,7 @@ def run(
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     claimed: list[Path | None] = [None]   # the default run directory this run made, removed if refused unwritten
+    overridden: list[str] = []   # a resumed run's args --set changed from the checkpoint's
     result: Any = None   # the run's, once it has completed
     try:
         from fragflow import driver
@@ -170,7 +171,8 @@ def run(
             if set_:
                 from fragflow.config import apply_overrides
 
-                args = apply_overrides(program.args_cls, set_, where=program.where, base=args)
+                saved, args = args, apply_overrides(program.args_cls, set_, where=program.where, base=args)
+                overridden = _changed_args(saved, args)
         else:
             program, args = _load(algorithm or DEFAULT_ALGORITHM, set_)
         if checkpoint_every is None and start is not None:
@@ -239,9 +241,32 @@ def run(
         # (a signal once the run has completed and written its outputs: it has nothing left to stop)
     except Exception as exc:
         _unclaim(claimed[0])
-        raise _fail(exc, debug) from None
+        raise _fail(_with_overrides(exc, overridden), debug) from None
     with shielded():   # (the run has completed: what it says of its outputs is said whole, and it exits 0)
         _report(result, run_dir, target_return)
+
+
+def _changed_args(saved: Any, given: Any) -> list[str]:
+    """``name=saved -> given`` for each field of a resumed run's args that --set changed."""
+    import dataclasses
+
+    return [f"{f.name}={getattr(saved, f.name)!r} -> {getattr(given, f.name)!r}" for f in dataclasses.fields(given)
+            if getattr(saved, f.name) != getattr(given, f.name)]
+
+
+def _with_overrides(exc: Exception, overridden: list[str]) -> Exception:
+    """A checkpoint that does not fit the program it resumes, where --set changed the checkpoint's
+    args (another env, another network size): the error names those changes (its fix said only
+    'resume with the arguments that wrote it')."""
+    from fragflow.runtime.snapshot import CheckpointError
+
+    if not overridden or not isinstance(exc, CheckpointError) or \
+            not exc.what.startswith("the checkpoint does not fit this program"):
+        return exc
+    return CheckpointError(exc.what, where=exc.where, detail=exc.detail,
+                           fix=f"--set changed the checkpoint's args ({', '.join(overridden)}), and the program they "
+                               "make no longer fits what it saved: resume without those --set (its args are the "
+                               "checkpoint's), or start a new run with them")
 
 
 def _report(result: Any, run_dir: Path, target_return: float | None) -> None:

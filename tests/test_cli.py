@@ -492,6 +492,21 @@ def test_a_run_resumed_into_another_directory_holds_the_whole_run_and_keeps_its_
     assert resumed["solved_at_steps"] == first["solved_at_steps"] and resumed["target_return"] == 5
 
 
+def test_a_resume_whose_set_changes_what_the_checkpoint_saved_names_the_change(tmp_path, monkeypatch):
+    """--resume with --set env_id=Acrobot-v1 (or another network size) refused the checkpoint's shapes with
+    the fix 'resume with the algorithm and arguments that wrote it', not saying --set had changed them."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--policy", "single_process", "--set", "total_timesteps=400", "--quiet"]
+    assert invoke("run", "a2c", *small, "--checkpoint-every", "2", "--out", "r").exit_code == 0
+    res = invoke("run", "--resume", "r/checkpoints/6", "--set", "hidden=32", "--set", "seed=1", "--out", "s", "--quiet")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "the checkpoint does not fit this program" in res.stderr
+    assert "fix: --set changed the checkpoint's args (hidden=64 -> 32), and the program they make no longer fits " \
+        "what it saved: resume without those --set" in " ".join(res.stderr.split()), res.stderr
+    res = invoke("run", "--resume", "r/checkpoints/6", "--set", "learning_rate=0.001", "--out", "t", "--quiet")
+    assert res.exit_code == 0, res.output   # (a change the saved state fits resumes)
+
+
 @pytest.mark.parametrize("variable, value, message", [
     ("FRAGFLOW_THREADS", "abc", "FRAGFLOW_THREADS='abc' is not a whole number of threads of at least 1"),
     ("FRAGFLOW_THREADS", "0", "FRAGFLOW_THREADS='0' is not a whole number of threads of at least 1"),
