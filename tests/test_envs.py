@@ -741,6 +741,36 @@ def test_keyword_arguments_the_environment_does_not_take_are_refused_at_the_make
     assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
 
 
+def _helper(a):
+    return a
+
+
+class _BuggyInit(gym.Env):
+    """An env whose own constructor has a bug: a call with a keyword its helper does not take."""
+
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, length=3):
+        _helper(a=length, b=2)
+
+
+def _made(length=3):
+    return gym.make("CartPole-v1")
+
+
+def test_a_keyword_a_factory_does_not_take_is_refused_and_a_typeerror_of_the_envs_own_code_is_its_own():
+    """A factory function given a keyword it does not take failed in fragflow's code (a bare TypeError at
+    'first = env_id(**env_kwargs)'); a TypeError of the env's own code ('_helper() got an unexpected keyword
+    argument 'b'') was refused as the env not taking make's keywords (length), hiding the user's bug."""
+    with pytest.raises(UnknownEnvError, match=r"environment '_made' does not take the keyword arguments given to "
+                                              r"ff.envs.make \(nokw\)") as info:
+        ff.envs.make(_made, num_envs=2, seed=0, nokw=5)
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    with pytest.raises(TypeError, match=r"_helper\(\) got an unexpected keyword argument 'b'"):
+        ff.envs.make(_BuggyInit, num_envs=2, seed=0, length=5)
+
+
 def test_max_episode_steps_given_for_an_env_class_names_the_time_limit_wrapper():
     # gymnasium.make's keyword, given with a class, was refused with the constructor's TypeError and no way to a limit
     with pytest.raises(UnknownEnvError, match=r"environment 'Walk' does not take the keyword arguments") as info:

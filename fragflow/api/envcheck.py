@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import os
+import re
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -187,6 +188,17 @@ def _described(out: Any) -> str:
     if out is None or isinstance(out, (str, bytes)):
         return repr(out) if len(repr(out)) <= 40 else f"a {type(out).__name__}"
     return f"a value of type {type(out).__name__}"
+
+
+def about_kwargs(exc: TypeError, env_kwargs: dict[str, Any]) -> bool:
+    """Whether a TypeError raised while making the environment is its constructor refusing keyword
+    arguments given to make, rather than an error of the env's own code (``helper(b=2)`` in its
+    ``__init__``, which was reported as the env not taking make's keywords)."""
+    text = str(exc)
+    if not env_kwargs or "keyword argument" not in text:
+        return False
+    named = re.findall(r"keyword argument '(\w+)'", text)
+    return not named or any(name in env_kwargs for name in named)
 
 
 def unknown_kwargs(env: Any, env_kwargs: dict[str, Any], exc: TypeError, where: Any,

@@ -395,7 +395,12 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                                                "a gymnasium.Env, or a PettingZoo parallel env")
     first: Any = None
     if parallel is None and not isinstance(env_id, str) and not (isinstance(env_id, type) and issubclass(env_id, gym.Env)):
-        first = env_id(**env_kwargs)           # a factory: of a gymnasium env or of a PettingZoo parallel env?
+        try:   # a factory: of a gymnasium env or of a PettingZoo parallel env?
+            first = env_id(**env_kwargs)
+        except TypeError as exc:   # (a keyword it does not take came out as a TypeError in fragflow's code)
+            if not envcheck.about_kwargs(exc, env_kwargs):
+                raise
+            raise envcheck.unknown_kwargs(env_id, env_kwargs, exc, where) from None
         if hasattr(first, "agent_iter"):        # PettingZoo's AEC API: agents act in turn
             first.close()
             raise aec_refused(f"a PettingZoo AEC environment ({type(first).__name__})", where)
@@ -440,7 +445,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
             menv = MultiAgentVectorEnv(parallel, num_envs, seed, ids=ids, name=name, label=label,
                                        evaluation=evaluation, env_kwargs=env_kwargs, first=first)
         except TypeError as exc:
-            if not env_kwargs or "keyword argument" not in str(exc):
+            if not envcheck.about_kwargs(exc, env_kwargs):
                 raise
             raise envcheck.unknown_kwargs(label, env_kwargs, exc, where, parallel=True) from None
         if interp is not None:
@@ -456,7 +461,7 @@ def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0,
                         evaluation=evaluation, env_kwargs=env_kwargs, wrappers=wrappers,
                         clip_rewards=clip_rewards)
     except TypeError as exc:
-        if not env_kwargs or "keyword argument" not in str(exc):
+        if not envcheck.about_kwargs(exc, env_kwargs):
             raise
         raise envcheck.unknown_kwargs(env_id, env_kwargs, exc, where) from None
     except gym.error.DependencyNotInstalled as exc:
