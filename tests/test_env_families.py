@@ -97,6 +97,25 @@ def test_an_agents_episode_is_counted_when_it_ends_not_when_the_last_agent_does(
     assert finished == [[], [(2.0, 2)], [(3.0, 3)], [], [(5.0, 5)], [], [(2.0, 2)]]
 
 
+def test_a_multiagent_reward_of_one_number_in_an_array_is_that_number():
+    """An agent's reward np.array([1.0]) passed the step's check (one number) and failed storing it:
+    'setting an array element with a sequence' in fragflow's code (numpy 2)."""
+    base = _agents_leaving({"a": 3, "b": 2}, ["a", "b"])
+
+    class ArrayRewards(base):   # type: ignore[valid-type, misc]
+        def step(self, actions):
+            obs, rewards, term, trunc, infos = super().step(actions)
+            return obs, {a: np.array([r]) for a, r in rewards.items()}, term, trunc, infos
+
+    env = ff.envs.make(ArrayRewards, num_envs=2, seed=0)
+    env.reset()
+    finished = []
+    for _ in range(3):
+        _, reward, _, _, _ = env.step(np.zeros((2, 2), np.int64))
+        finished += env.step.events(None)[1]
+    assert reward.tolist() == [[1.0, 0.0], [1.0, 0.0]] and sorted(finished) == [(2.0, 2)] * 2 + [(3.0, 3)] * 2
+
+
 def test_an_agent_kept_among_the_envs_agents_after_its_episode_ended_is_refused_not_counted_again():
     """A parallel env that leaves an agent in ``self.agents`` once its episode ended: each later step
     counted another episode of it (lengths 2, 3, 4 for one episode of length 2), and an env keeping

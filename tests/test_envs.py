@@ -771,6 +771,44 @@ def test_a_keyword_a_factory_does_not_take_is_refused_and_a_typeerror_of_the_env
         ff.envs.make(_BuggyInit, num_envs=2, seed=0, length=5)
 
 
+class _ArrayReward(gym.Env):
+    """Rewards as numpy arrays of one number (shape (1,)); from step ``wide`` on, of two."""
+
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, wide=0):
+        self.wide, self.t = wide, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        reward = np.array([0.5, 0.5]) if self.wide and self.t >= self.wide else np.array([0.5])
+        return np.zeros(2, np.float32), reward, np.array([self.t >= 3]), False, {}
+
+
+def test_a_reward_of_one_number_in_an_array_is_that_number_and_an_array_of_more_is_refused_at_any_step():
+    """numpy 2 stores no array as an element: a reward np.array([0.5]), which the first step's check
+    takes as one number, failed in fragflow's vector env ('setting an array element with a sequence'),
+    and so did an array of two returned after the first step."""
+    env = ff.envs.make(_ArrayReward, num_envs=2, seed=0)
+    env.reset()
+    for _ in range(3):
+        _, reward, terminated, _, _ = env.step(np.zeros(2, np.int64))
+    assert reward.tolist() == [0.5, 0.5] and terminated.all() and env.pop_finished() == [(1.5, 3), (1.5, 3)]
+    env = ff.envs.make(_ArrayReward, num_envs=2, seed=0, wide=2)
+    env.reset()
+    env.step(np.zeros(2, np.int64))
+    with pytest.raises(ConfigError, match=r"environment _ArrayReward's step returned an array of shape \(2,\) "
+                                          r"\(ndarray\) as its reward, where gymnasium's step returns one number") as info:
+        env.step(np.zeros(2, np.int64))
+    assert info.value.where is not None and info.value.where.line == _ArrayReward.step.__code__.co_firstlineno
+
+
 def test_max_episode_steps_given_for_an_env_class_names_the_time_limit_wrapper():
     # gymnasium.make's keyword, given with a class, was refused with the constructor's TypeError and no way to a limit
     with pytest.raises(UnknownEnvError, match=r"environment 'Walk' does not take the keyword arguments") as info:

@@ -180,6 +180,18 @@ def a_number(value: Any) -> bool:
     return arr.size == 1 and arr.dtype.kind in "biuf"
 
 
+def one_number(env: gym.Env, value: Any, what: str) -> Any:
+    """A step's reward or flag that the batch could not store as it is: an array of one number (a
+    tensor's, numpy's of shape ``(1,)``) as that number; anything else refused at the env's step
+    (its first step's check passed, a later step returned it)."""
+    if a_number(value):
+        return np.asarray(value).item()
+    raise _refused(env, "step", f"returned {_described(value)} as its {what}, where gymnasium's step returns "
+                                f"{'one number' if what == 'reward' else 'a bool'}",
+                   "return a float reward and bool terminated and truncated flags: return obs, reward, terminated, "
+                   "truncated, info")
+
+
 def _described(out: Any) -> str:
     if isinstance(out, tuple):
         return f"{len(out)} value{'s' if len(out) != 1 else ''}"

@@ -252,7 +252,9 @@ class MultiAgentVectorEnv(VectorEnv):
             o, r, te, tr, _ = stepped
             for j, agent in enumerate(self.agents):
                 if agent in live:
-                    raw[i, j] = reward[i, j] = r.get(agent, 0.0)
+                    value = r.get(agent, 0.0)
+                    # (an array of one number, checked by _check_step: numpy 2 stores none as an element)
+                    raw[i, j] = reward[i, j] = value if type(value) in _NUMBERS else np.asarray(value).item()
                     terminated[i, j], truncated[i, j] = bool(te.get(agent, False)), bool(tr.get(agent, False))
                 else:
                     terminated[i, j] = True       # it left the episode earlier

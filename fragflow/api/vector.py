@@ -12,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from fragflow.api import envcheck
 from fragflow.errors import ConfigError
 from fragflow.source import user_callsite
 
@@ -118,7 +119,11 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
             if dtype is None or dtype != target or np.shape(o) != shape:
                 self._fits(i, o, target, shape)
             obs[i] = o
-            rewards[i], terminated[i], truncated[i] = r, te, tr
+            try:
+                rewards[i], terminated[i], truncated[i] = r, te, tr
+            except (TypeError, ValueError):   # (numpy 2 stores no array of one number as an element)
+                rewards[i], terminated[i], truncated[i] = (envcheck.one_number(env, x, what) for x, what in
+                                                           ((r, "reward"), (te, "terminated flag"), (tr, "truncated flag")))
         return obs, rewards, terminated, truncated, info
 
     def _fits(self, i: int, o: Any, target: np.dtype, shape: tuple[int, ...]) -> None:
