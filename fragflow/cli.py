@@ -98,7 +98,18 @@ def _load(algorithm: str, sets: list[str] | None) -> tuple[Any, Any]:
             raise ConfigError("--set was given but the training function takes no Args dataclass",
                               where=program.where, fix="annotate the first parameter: def train(args: Args)")
         return program, None
-    return program, apply_overrides(program.args_cls, sets or [], where=program.where)
+    return program, apply_overrides(program.args_cls, sets or [], where=program.where, train_params=_others(program))
+
+
+def _others(program: Any) -> tuple[str, ...]:
+    """The training function's parameters after its Args (``train(args, log_every=2)``'s
+    ``log_every``), which ``--set`` does not set: named where a key is one of them."""
+    import inspect
+
+    try:
+        return tuple(inspect.signature(program.train).parameters)[1:]
+    except (TypeError, ValueError):
+        return ()
 
 
 def _check_callable(program: Any) -> None:
@@ -171,7 +182,8 @@ def run(
             if set_:
                 from fragflow.config import apply_overrides
 
-                saved, args = args, apply_overrides(program.args_cls, set_, where=program.where, base=args)
+                saved, args = args, apply_overrides(program.args_cls, set_, where=program.where, base=args,
+                                                    train_params=_others(program))
                 overridden = _changed_args(saved, args)
         else:
             program, args = _load(algorithm or DEFAULT_ALGORITHM, set_)

@@ -108,7 +108,8 @@ def coerce(raw: Any, annotation: Any) -> Any:
         raise ValueError(f"expected one of {', '.join(m.name for m in annotation)}, got {raw!r}")
     if isinstance(annotation, type) and issubclass(annotation, pathlib.PurePath):
         return annotation(raw)
-    raise ValueError(f"cannot set a field of type {annotation} from the command line (--set takes bool, int, float, "
+    shown = annotation.__qualname__ if isinstance(annotation, type) else annotation
+    raise ValueError(f"cannot set a field of type {shown} from the command line (--set takes bool, int, float, "
                      "str, Literal, Optional, Enum, Path, and tuples and lists of those): set it in the program")
 
 
@@ -133,46 +134,124 @@ def _sequence(raw: str, annotation: Any, kind: type) -> Any:
     return tuple(values) if kind is tuple else values
 
 
-def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = None, base: Any = None) -> Any:
+def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = None, base: Any = None,
+                    train_params: tuple[str, ...] = ()) -> Any:
     """An ``args_cls`` instance (``base`` or the defaults) with ``key=value`` overrides; every
-    problem reported in one error."""
-    types_ = field_types(args_cls)
-    values: dict[str, Any] = {}
-    given: dict[str, str] = {}
+    problem reported in one error. A field holding a dataclass is set field by field with a dotted
+    key (``opt.lr=0.01``), as tyro writes it (``train_params``: the training function's other
+    parameters, named where a key is one of them)."""
     problems: list[str] = []
-    for item in sets:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep:
-            problems.append(f"--set {item!r}: expected key=value")
-            continue
-        plain = vars(args_cls).get(key)
-        if key not in types_ and key in vars(args_cls) and not key.startswith("_") and not callable(plain) and \
-                not isinstance(plain, (property, staticmethod, classmethod)):
-            # `lr = 0.01` without a type: a class attribute the dataclass does not take as a field
-            problems.append(f"--set {key}: {args_cls.__name__}.{key} has no type annotation, so it is a class "
-                            f"attribute, not a field (write it {key}: {type(vars(args_cls)[key]).__name__} = "
-                            f"{vars(args_cls)[key]!r})")
-            continue
-        if key not in types_:
-            problems.append(f"--set {key}: {args_cls.__name__} has no field '{key}'; {did_you_mean(key, types_)}")
-            continue
-        if key in given:
-            problems.append(f"--set {key} is given twice ({given[key]}, {raw.strip()}): give each field once")
-            continue
-        given[key] = raw.strip()
-        try:
-            values[key] = coerce(raw.strip(), types_[key])
-        except ValueError as exc:
-            problems.append(f"--set {key}={raw}: {exc}")
+    values = _overrides(args_cls, sets, base, "", problems, train_params)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
-                          fix=f"the fields of {args_cls.__name__} are: {', '.join(types_)}")
+                          fix=f"the fields of {args_cls.__name__} are: {', '.join(_settable(args_cls))}")
     try:
-        return dataclasses.replace(base, **values) if base is not None else args_cls(**values)
+        return _built(args_cls, values, base)
     except (ValueError, TypeError) as exc:
         missing = [f.name for f in dataclasses.fields(args_cls) if f.name not in values and
                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         fix = (f"give {', '.join(missing)} with --set (e.g. --set {missing[0]}=...), or a default in "
                f"{args_cls.__name__}" if missing and base is None else "change the values given with --set")
         raise ConfigError(f"invalid configuration: {exc}", where=where, fix=fix) from None
+
+
+def _nested(annotation: Any) -> type | None:
+    """The dataclass a field holds (``OptCfg``, or ``Optional[OptCfg]``'s), or None."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    found = [a for a in options if isinstance(a, type) and dataclasses.is_dataclass(a)]
+    return found[0] if len(found) == 1 else None
+
+
+def _settable(cls: type, prefix: str = "", depth: int = 0) -> list[str]:
+    """The keys --set takes for ``cls``: its fields, a nested dataclass's as ``field.sub``."""
+    out: list[str] = []
+    for name, annotation in field_types(cls).items():
+        sub = _nested(annotation)
+        out.extend(_settable(sub, f"{prefix}{name}.", depth + 1) if sub is not None and depth < 4
+                   else [f"{prefix}{name}"])
+    return out
+
+
+def _default(cls: type, name: str) -> Any:
+    """The value ``cls`` gives field ``name`` where it is not given (dataclasses.MISSING: none)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _built(cls: type, values: dict[str, Any], base: Any) -> Any:
+    """``cls`` from ``values``, where a nested dataclass's entry is ``(sub_cls, its values, its base)``."""
+    done = {k: _built(*v) if isinstance(v, _Sub) else v for k, v in values.items()}
+    return dataclasses.replace(base, **done) if base is not None else cls(**done)
+
+
+class _Sub(tuple):
+    """A nested dataclass's overrides: (its class, its values, the instance they change or None)."""
+
+
+def _overrides(args_cls: type, sets: list[str], base: Any, prefix: str, problems: list[str],
+               train_params: tuple[str, ...] = ()) -> dict[str, Any]:
+    types_ = field_types(args_cls)
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    nested: dict[str, list[str]] = {}
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep:
+            problems.append(f"--set {item!r}: expected key=value")
+            continue
+        head, dot, rest = key.partition(".")
+        if dot and head in types_ and _nested(types_[head]) is not None:
+            nested.setdefault(head, []).append(f"{rest}={raw}")
+            continue
+        plain = vars(args_cls).get(key)
+        if key not in types_ and key in vars(args_cls) and not key.startswith("_") and not callable(plain) and \
+                not isinstance(plain, (property, staticmethod, classmethod)):
+            # `lr = 0.01` without a type: a class attribute the dataclass does not take as a field
+            problems.append(f"--set {prefix}{key}: {args_cls.__name__}.{key} has no type annotation, so it is a "
+                            f"class attribute, not a field (write it {key}: {type(vars(args_cls)[key]).__name__} = "
+                            f"{vars(args_cls)[key]!r})")
+            continue
+        if key not in types_:
+            if key in train_params:
+                problems.append(f"--set {key}: '{key}' is a parameter of the training function, not a field of "
+                                f"{args_cls.__name__}: fragflow run calls it with {args_cls.__name__} alone, so the "
+                                f"parameter keeps its default (to set it from the command line, make it a field of "
+                                f"{args_cls.__name__})")
+            else:
+                problems.append(f"--set {prefix}{key}: {args_cls.__name__} has no field '{key}'; "
+                                f"{did_you_mean(key, _settable(args_cls))}")
+            continue
+        if key in given:
+            problems.append(f"--set {prefix}{key} is given twice ({given[key]}, {raw.strip()}): give each field once")
+            continue
+        given[key] = raw.strip()
+        sub = _nested(types_[key])
+        if sub is not None and not (typing.get_origin(types_[key]) in (typing.Union, types.UnionType)
+                                    and raw.strip().lower() in ("none", "null")):
+            problems.append(f"--set {prefix}{key}={raw.strip()}: {key} holds the dataclass {sub.__name__}, whose fields "
+                            f"are set one by one: " + ", ".join(f"--set {prefix}{k}=..." for k in _settable(sub, f"{key}.")))
+            continue
+        try:
+            values[key] = None if sub is not None else coerce(raw.strip(), types_[key])
+        except ValueError as exc:
+            problems.append(f"--set {prefix}{key}={raw}: {exc}")
+    for head, subsets in nested.items():
+        if head in values:   # (extra=none beside extra.lr=...)
+            problems.append(f"--set {prefix}{head}={given[head]} and --set {prefix}{head}.*: give one or the other")
+            continue
+        sub = _nested(types_[head])
+        assert sub is not None
+        inner = getattr(base, head) if base is not None else _default(args_cls, head)
+        if inner is dataclasses.MISSING or inner is None:
+            inner = None    # no instance to change: the nested dataclass is built from its own defaults
+        elif not isinstance(inner, sub):
+            problems.append(f"--set {prefix}{head}.*: {prefix}{head} holds {type(inner).__name__}, not a {sub.__name__}")
+            continue
+        values[head] = _Sub((sub, _overrides(sub, subsets, inner, f"{prefix}{head}.", problems), inner))
+    return values

@@ -602,6 +602,46 @@ def train(args: Args):
     assert res.exit_code == 2 and re.search(message, res.stderr) and "Traceback" not in res.output, res.output
 
 
+def test_set_takes_a_nested_dataclass_field_and_names_a_parameter_of_the_training_function(tmp_path, write_algo):
+    """``--set opt.lr=0.01`` for ``opt: OptCfg`` was refused ("Args has no field 'opt.lr'"), and
+    ``--set log_every=3`` for ``train(args, log_every=2)`` said Args has no such field, with no word
+    that --set does not reach the training function's other parameters (helper round 37 A)."""
+    path, _ = write_algo('''
+import numpy as np
+import fragflow as ff
+from dataclasses import dataclass, field
+
+@dataclass
+class OptCfg:
+    lr: float = 0.5
+    clip: float = 1.0
+
+@dataclass
+class Args:
+    steps: int = 4
+    opt: OptCfg = field(default_factory=OptCfg)
+
+@ff.fragment("actor")
+def act(obs):
+    return np.zeros(len(obs), np.int64)
+
+def train(args: Args, log_every: int = 2):
+    assert isinstance(args.opt, OptCfg)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    obs = env.reset()
+    for _ in range(args.steps):
+        obs, *_ = env.step(act(obs))
+''')
+    res = invoke("run", str(path), "--set", "opt.lr=0.01", "--policy", "single_process", "--out", str(tmp_path / "o"),
+                 "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["args"]["opt"] == {"lr": 0.01, "clip": 1.0}
+    res = invoke("run", str(path), "--set", "log_every=3", "--policy", "single_process", "--out", str(tmp_path / "p"))
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "--set log_every: 'log_every' is a parameter of the training function, not a field of Args" in res.stderr
+    assert "fix: the fields of Args are: steps, opt.lr, opt.clip" in res.stderr and not (tmp_path / "p").exists()
+
+
 @pytest.mark.parametrize("policy, option, message", [
     ("pipelined", "max_lag=0.5", "option 'max_lag' of policy 'pipelined'"),
     ("actor_learner", "overflow=3", "expected one of drop, deliver, block"),

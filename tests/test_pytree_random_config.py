@@ -99,9 +99,42 @@ def test_overrides_set_tuples_lists_enums_and_paths():
     msg = str(info.value)
     assert "--set pair=1,2,3: expected 2 comma-separated values" in msg
     assert "expected one of RED, BLUE, got 'green'" in msg and "expected an integer, got 'a'" in msg
-    assert "cannot set a field of type <class 'dict'> from the command line (--set takes bool, int" in msg
+    assert "cannot set a field of type dict from the command line (--set takes bool, int" in msg
     with pytest.raises(ConfigError, match=r"does not say the type of its items: annotate it as tuple\[int, \.\.\.\]"):
         apply_overrides(Shapes, ["bare=3,4"])   # (its items became strings: review of round 33)
+
+
+@dataclass(frozen=True)
+class OptCfg:
+    lr: float = 3e-4
+    max_grad_norm: float = 0.5
+
+
+@dataclass
+class Nested:
+    seed: int = 1
+    opt: OptCfg = field(default_factory=lambda: OptCfg(lr=1e-3))
+    extra: OptCfg | None = None
+
+
+def test_overrides_set_a_nested_dataclass_field_by_field():
+    """A field holding a dataclass (CleanRL's tyro configs, ``--opt.lr``) was refused: "Args has no
+    field 'opt.lr'", and ``opt=...`` named the class as ``<class 'module.OptCfg'>`` (helper round 37 A)."""
+    args = apply_overrides(Nested, ["opt.max_grad_norm=1.5", "seed=3"])
+    assert args == Nested(seed=3, opt=OptCfg(lr=1e-3, max_grad_norm=1.5))   # the field's own default kept
+    assert apply_overrides(Nested, ["extra.lr=0.1"]).extra == OptCfg(lr=0.1)   # None: built from its defaults
+    base = Nested(opt=OptCfg(lr=0.5))
+    assert apply_overrides(Nested, ["opt.lr=0.25"], base=base).opt == OptCfg(lr=0.25)   # (a resume's --set)
+    assert base.opt.lr == 0.5
+    assert apply_overrides(Nested, ["extra=none"]).extra is None
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Nested, ["opt=0.01", "opt.lrr=1", "opt.lr=fast"])
+    msg = str(info.value)
+    assert "--set opt=0.01: opt holds the dataclass OptCfg, whose fields are set one by one: --set opt.lr=..., " \
+           "--set opt.max_grad_norm=..." in msg
+    assert "--set opt.lrr: OptCfg has no field 'lrr'; did you mean 'lr'?" in msg
+    assert "--set opt.lr=fast: expected a number, got 'fast'" in msg
+    assert "the fields of Nested are: seed, opt.lr, opt.max_grad_norm, extra.lr, extra.max_grad_norm" in msg
 
 
 def test_every_bad_override_is_reported_at_once():
