@@ -145,11 +145,27 @@ def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], A
     return kids if kind == "list" else tuple(kids)
 
 
+def argument_paths(skel: Skeleton, path: str = "") -> list[str]:
+    """Where each leaf of a call's skeleton (:func:`split_arguments`'s) is in its arguments, in leaf
+    order and written as :func:`_split` writes them (``batch['obs']``), for messages."""
+    kind = skel[0]
+    if kind == "leaf":
+        return [path]
+    if kind == "dict":
+        return [p for k, c in zip(skel[1], skel[2]) for p in argument_paths(c, f"{path}[{k!r}]" if path else str(k))]
+    if kind == "namedtuple":
+        return [p for f, c in zip(skel[1]._fields, skel[2]) for p in argument_paths(c, f"{path}.{f}")]
+    if kind in ("list", "tuple"):
+        return [p for i, c in enumerate(skel[1]) for p in argument_paths(c, f"{path}[{i}]")]
+    return []
+
+
 def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, paths: list[str] | None = None) -> None:
     """The leaves a call sends must match the traced specs its ring was sized for (``replicas``: the
     loop's processes, each stepping its share of the environments; ``where``: the call's line, None
-    for the user's line on the stack, found only if it is refused)."""
+    for the user's line on the stack, found only if it is refused; ``paths``: where each leaf is in
+    the call's arguments, which the message names)."""
     if len(leaves) != len(specs):
         raise SpecChangedError(f"fragment '{fragment}' was called with {len(leaves)} array leaves, "
                                f"but it was traced with {len(specs)}", where=where or user_callsite(),
@@ -157,7 +173,9 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         got = spec_of(x)
         if not fits(got, spec):
-            message = (f"fragment '{fragment}' got argument leaf {i} as {got.short()} {got.backend}, "
+            leaf = f"{paths[i]} (argument leaf {i})" if paths is not None and i < len(paths) and paths[i] \
+                else f"argument leaf {i}"
+            message = (f"fragment '{fragment}' got {leaf} as {got.short()} {got.backend}, "
                        f"but it was traced as {spec.short()} {spec.backend}")
             fix = "keep every argument's shape and dtype fixed across calls (pad or bucket variable-size data)"
             inner = _shared_axis(got.shape, spec.shape, replicas) if got.dtype == spec.dtype else None
