@@ -240,6 +240,90 @@ def test_resume_under_actor_learner_continues_version_and_counters(tmp_path):
     assert steps[0] > m["counters"]["env_steps"] - 1 and steps == sorted(steps)
 
 
+SLOW_SECOND_ACTOR = """
+import time
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+import fragflow as ff
+
+
+class Slow(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.slow = seed >= 2   # environments 2 and 3: the second actor's
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if self.slow:
+            time.sleep(0.003)
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+@dataclass(frozen=True)
+class Args:
+    trips: int = 24
+
+
+@ff.fragment("actor")
+def act(state, obs):
+    return np.zeros(len(obs), np.int64)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1.0, "n": state["n"] + 1}, {"n": float(state["n"])}
+
+
+def train(args: Args):
+    env = ff.envs.make(Slow, num_envs=4, seed=0)
+    state = ff.versioned({"w": torch.zeros(1), "n": 0})
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for trip in range(args.trips):
+        for _ in range(2):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    act(state, obs)   # once more after its last update, as a final evaluation would
+    return state
+"""
+
+
+def test_a_run_resumed_from_replicas_saved_trips_apart_ends_where_calls_are_taken_as_they_arrive(tmp_path, write_algo):
+    """Under actor_learner(actors=2) the replicas are saved at different trips (the first, whose
+    environments are fast, two or three ahead), and the rollouts sent before the cut but not yet
+    learned from are not saved: the resumed replicas have different numbers of trips left, so once
+    the first has ended its loop the second made more calls than can pair, and its wait for the
+    version its last actor call needs (after its last update) never ended: the run hung, the
+    learner warning after 30 s that it waited for the first replica's call (helper round 37 A).
+    The learner now sees that every replica still running waits for a version none can make and
+    releases the waits: they act with the newest version and the run ends."""
+    path, _ = write_algo(SLOW_SECOND_ACTOR)
+    out = tmp_path / "run"
+    res = cli("run", str(path), "--policy", "actor_learner(actors=2)", "--checkpoint-every", "3", "--out", str(out), "-q")
+    assert res.returncode == 0, res.stderr
+    apart = []
+    for c in ckpt.listing(out / "checkpoints"):
+        m = json.loads((c / "manifest.json").read_text())
+        trips = [pos["trip"] for pos in m["loop"]["positions"].values()] if not m["complete"] else []
+        if trips and max(trips) > min(trips) + 1:
+            apart.append(c)
+    assert apart   # (the second actor's environments are slow: the first is ahead where the checkpoint is cut)
+    res = cli("run", "--resume", str(apart[-1]), "--set", "trips=48", "-q")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["env_steps"] == 48 * 2 * 4
+
+
 @pytest.mark.parametrize("policy", ["actor_learner(actors=1, max_lag=0)", "pipelined", "pipelined(actors=2)",
                                     "central_inference(env_workers=2)", "multi_learner(learners=2, actors=1, max_lag=0)"])
 def test_the_actors_and_the_learner_save_the_same_cut_of_the_run(tmp_path, policy):

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+WAIT_POLL = 0.05   # seconds between a waiting producer's looks at whether its wait was released
+
 
 class VersionSource(Protocol):
     """What a version choice reads: the broadcast of the producer's parameters."""
@@ -33,13 +35,16 @@ class VersionSource(Protocol):
     @property
     def latest(self) -> int: ...
 
-    def wait_for(self, version: int) -> int: ...
+    def wait_for(self, version: int, timeout: float | None = None) -> int: ...
 
 
 class Admission(Protocol):
-    """The balance controller: admits a producer's next rollout."""
+    """The balance controller: admits a producer's next rollout (and hears which version a
+    producer waits for, see Latest)."""
 
     def admit(self, replica: int, max_lag: int) -> int: ...
+    def waiting(self, replica: int, version: int) -> None: ...
+    def waits_released(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,28 @@ class Latest:
     max_lag: int
 
     def choose(self, update: int, params: VersionSource, admission: Admission | None, replica: int) -> int:
-        return params.wait_for(max(0, update - self.max_lag))
+        target = max(0, update - self.max_lag)
+        if admission is None:
+            return params.wait_for(target)
+        try:
+            return params.wait_for(target, timeout=WAIT_POLL)
+        except TimeoutError:
+            pass
+        # it waits on, and says so: where the other replicas have ended their loops (a resumed run's
+        # replicas, saved at different trips, have different numbers of trips left, and the
+        # rollouts sent before the cut and not yet learned from were not saved), the version may
+        # never come, as the learner needs a piece it would send only after it; the learner then
+        # releases the waits (Gathering._release_if_stuck) and it acts with the newest
+        admission.waiting(replica, target)
+        try:
+            while True:
+                try:
+                    return params.wait_for(target, timeout=WAIT_POLL)
+                except TimeoutError:
+                    if admission.waits_released():
+                        return params.latest
+        finally:
+            admission.waiting(replica, -1)
 
 
 @dataclass(frozen=True)

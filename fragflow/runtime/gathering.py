@@ -50,6 +50,7 @@ class Gathering(ReplicaChecks):
     started: list[int | None]
     cuts: dict[int, dict[int, int]]
     _cursor: int
+    _released: bool = False   # (see _release_if_stuck)
     _ticket: int
     _void: set[int]
     _own: dict[int, int]
@@ -178,6 +179,7 @@ class Gathering(ReplicaChecks):
                     if all(self.finished):
                         self._ended_apart()
                         return None
+                    self._release_if_stuck()
                     self._watch_stall()
                     self._reports_due()
                     self.endpoints.wait_any(self.program.group, min(IDLE_WAIT, wait))
@@ -208,6 +210,22 @@ class Gathering(ReplicaChecks):
                 self.started[k] = None
             if piece is not None and len(self.pools[fragment]) >= producers and not self._held(fragment):
                 return fragment
+
+    def _release_if_stuck(self) -> None:
+        """Gathered on arrival, nothing has come, a replica has ended its loop and every replica still
+        running waits for a version past the newest: none can come (an update needs a piece only a
+        waiting replica would send after it; a resumed run's replicas, saved at different trips, have
+        different numbers of trips left, and the pieces sent before the cut but not learned from were
+        not saved), so the run would wait for good. The waits are released: each acts with the newest
+        version, and a piece a finished replica leaves unpaired at the end is dropped."""
+        if self._released or not any(self.finished) or not hasattr(self.admission, "waiting_for"):
+            return
+        if len(self.pools.get(self.program.clock, ())) >= self.program.producers:
+            return
+        running = [k for k in range(self.program.producers) if not self.finished[k]]
+        if running and all(self.admission.waiting_for(k) > self.version for k in running):
+            self.admission.release_waits()
+            self._released = True
 
     def _held(self, fragment: str) -> bool:
         """Served inference with a bound: an update that would leave a rollout still being acted

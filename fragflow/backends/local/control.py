@@ -16,8 +16,9 @@ from fragflow.backends.local.channels import ParamChannel, Stopped, TrajectoryCh
 from fragflow.backends.local.shm import Segment
 
 BUSY, IN_PRODUCTION, WAIT_NS, LEARN_NS, UPDATES, ADMIT_WAIT_NS, TICKETS, CHECKPOINT, CUT_SEQ, CUT_TRIP, CUT_AT, \
-    REQ, REQ_SEQ = range(13)
-WORDS = 13
+    REQ, REQ_SEQ, RELEASED = range(14)
+WORDS = 14
+PER_REPLICA = 3
 
 
 class Control:
@@ -35,17 +36,18 @@ class Control:
         self.clock_rings = clock_rings or []
         self.params = params
         self.last_ticket = 0   # the admission order of this process's last admitted rollout
-        self._replicas = max((len(self.words) - WORDS) // 2, 1)
+        self._replicas = max((len(self.words) - WORDS) // PER_REPLICA, 1)
 
     @staticmethod
     def nbytes(replicas: int = 1) -> int:
         """The size of the segment :meth:`create` makes."""
-        return (WORDS + 2 * max(replicas, 1)) * 8
+        return (WORDS + PER_REPLICA * max(replicas, 1)) * 8
 
     @staticmethod
     def create(replicas: int = 1) -> Segment:
-        """The run's words, then two per loop replica: rollouts it was admitted and has not produced,
-        and the trip it last started (of the top-level loop it is in)."""
+        """The run's words, then three per loop replica: rollouts it was admitted and has not produced,
+        the trip it last started (of the top-level loop it is in), and the version it waits for plus
+        one (0: none)."""
         seg = Segment.create(Control.nbytes(replicas))
         seg.buf[:].fill(0)
         return seg
@@ -151,6 +153,22 @@ class Control:
             if int(self.words[REQ]) != request:
                 self.words[REQ], self.words[REQ_SEQ] = request, seq
             return int(self.words[REQ_SEQ])
+
+    def waiting(self, replica: int, version: int) -> None:
+        """Loop replica ``replica`` waits for parameter version ``version`` (-1: no longer)."""
+        self.words[WORDS + 2 * self._replicas + replica] = version + 1
+
+    def waiting_for(self, replica: int) -> int:
+        """The version loop replica ``replica`` waits for (-1: none)."""
+        return int(self.words[WORDS + 2 * self._replicas + replica]) - 1
+
+    def release_waits(self) -> None:
+        """No version the replicas still wait for can come (see Gathering._release_if_stuck): they
+        act with the newest from now on."""
+        self.words[RELEASED] = 1
+
+    def waits_released(self) -> bool:
+        return bool(self.words[RELEASED])
 
     def counters(self) -> dict[str, float]:
         w = self.words

@@ -240,6 +240,18 @@ class RayAdmission:
     def request_seq(self, request: int, seq: int) -> int:
         return int(_get(self.hub.request_seq.remote(request, seq)))
 
+    def waiting(self, replica: int, version: int) -> None:
+        _get(self.hub.waiting.remote(replica, version))
+
+    def waiting_for(self, replica: int) -> int:
+        return int(_get(self.hub.waiting_for.remote(replica)))
+
+    def release_waits(self) -> None:
+        _get(self.hub.release_waits.remote())
+
+    def waits_released(self) -> bool:
+        return bool(_get(self.hub.waits_released.remote()))
+
 
 class RayQueue:
     """A queue of the hub (reports, definitions): ``put``, ``get(timeout)``, ``get_nowait``."""

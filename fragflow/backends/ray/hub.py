@@ -62,6 +62,8 @@ class Hub:
         self.checkpoint_at = 0   # (the loop's updates at the trip that cuts it: see Admission.checkpoint_at)
         self.cut = (0, 0)   # (checkpoint, the trip its loop replicas save their parts at)
         self.req = (0, 0)   # (an out-of-schedule request, the checkpoint that serves it: see request_seq)
+        self.waits = [-1] * max(replicas, 1)   # the version each loop replica waits for (see Admission.waiting)
+        self.released = False
 
     # -- rings ---------------------------------------------------------------------------------------
     async def put(self, name: str, leaves: list[Any], version: int, tag: int, aux: int, order: int, nbytes: int,
@@ -268,6 +270,18 @@ class Hub:
         if self.req[0] != request:
             self.req = (request, seq)
         return self.req[1]
+
+    def waiting(self, replica: int, version: int) -> None:
+        self.waits[replica] = version
+
+    def waiting_for(self, replica: int) -> int:
+        return self.waits[replica]
+
+    def release_waits(self) -> None:
+        self.released = True
+
+    def waits_released(self) -> bool:
+        return self.released
 
     # -- queues and the stop flag ---------------------------------------------------------------------
     def qput(self, name: str, obj: Any) -> None:
