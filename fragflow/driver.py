@@ -222,7 +222,8 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     # (what a refusal of replicas leaving the loop apart suggests: the policy with max_lag=0, where an evaluation
     # env's return decides)
     checks["policy"] = (placed.policy, dict(placed.options))
-    checks["evaluates"] = any(n.evaluation for n in graph.fragments("env"))
+    # (an evaluation env first stepped after the trace, every few updates, decides it as well)
+    checks["evaluates"] = graph.makes_evaluation or any(n.evaluation for n in graph.fragments("env"))
     checks["captured"] = frozenset(n.name for n in captured)
     # module data a fragment reaches, which the run checks where it is served apart (the loop changing it
     # after the trace, as from update 100 on, would never reach the fragment's copy)

@@ -1020,6 +1020,25 @@ def test_replicas_leaving_the_loop_apart_on_an_evaluation_are_stopped_at_the_bre
     assert shm_leftovers() == []
 
 
+def test_replicas_leaving_apart_on_an_evaluation_first_made_after_the_trace_are_given_the_evaluations_fix(write_algo):
+    """The same, evaluating every 4 updates: the trace (2 updates) never stepped the evaluation env,
+    and the message said only "a break on data of their own environments?" with a fix of a count, one
+    replica or single_process, not the max_lag=0 policy where every replica evaluates the same version
+    (helper round 37 A: a `while` on a solved evaluation, evaluated every 3 updates). The program's
+    evaluation env, made before the loop, says it now."""
+    from fragflow.errors import ConfigError
+
+    path, marks = write_algo(EVAL_BREAK.replace("if eval_return >= target:",
+                                                "if eval_return >= (50.0 if 0 in env.ids else target):")
+                             .replace("if update % 2 == 1:", "if update % 4 == 3:"), "eval_break_late.py")
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=rf"an evaluation of the version it acts with(.|\n)*"
+                                          rf"  at {relpath(path)}:{marks['break']}\n"
+                                          rf"  fix: where it is an evaluation env's return, run with --policy "
+                                          rf"\"actor_learner\(actors=2, max_lag=0\)\" or pipelined"):
+        ff.run(program.train, policy="actor_learner(actors=2)")
+
+
 def test_learners_whose_replicas_leave_the_loop_at_different_trips_stop_the_run_with_the_reason(write_algo):
     """The learner still updating failed in gloo's all-reduce ('Connection closed by peer') (helper round 33 A4)."""
     from fragflow.errors import ConfigError

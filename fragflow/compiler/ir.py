@@ -172,6 +172,8 @@ class Graph:
     loop_reads_changed: tuple[tuple[str, str], ...] = ()
     # an actor given one jax.random key for all its environments: (the actor, its parameter, the call)
     shared_key: tuple[str, str, SourceLoc | None] | None = None
+    # the program made an evaluation env (ff.envs.make(..., evaluation=True)), stepped while tracing or first after
+    makes_evaluation: bool = False
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
