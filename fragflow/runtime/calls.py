@@ -161,11 +161,11 @@ def argument_paths(skel: Skeleton, path: str = "") -> list[str]:
 
 
 def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None,
-                 replicas: int = 1, paths: list[str] | None = None) -> None:
+                 replicas: int = 1, skeleton: Skeleton | None = None) -> None:
     """The leaves a call sends must match the traced specs its ring was sized for (``replicas``: the
     loop's processes, each stepping its share of the environments; ``where``: the call's line, None
-    for the user's line on the stack, found only if it is refused; ``paths``: where each leaf is in
-    the call's arguments, which the message names)."""
+    for the user's line on the stack, found only if it is refused; ``skeleton``: the call's, which
+    says where each leaf is in its arguments, for the message)."""
     if len(leaves) != len(specs):
         raise SpecChangedError(f"fragment '{fragment}' was called with {len(leaves)} array leaves, "
                                f"but it was traced with {len(specs)}", where=where or user_callsite(),
@@ -173,8 +173,8 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         got = spec_of(x)
         if not fits(got, spec):
-            leaf = f"{paths[i]} (argument leaf {i})" if paths is not None and i < len(paths) and paths[i] \
-                else f"argument leaf {i}"
+            paths = argument_paths(skeleton) if skeleton is not None else []   # (only here: it costs)
+            leaf = f"{paths[i]} (argument leaf {i})" if i < len(paths) and paths[i] else f"argument leaf {i}"
             message = (f"fragment '{fragment}' got {leaf} as {got.short()} {got.backend}, "
                        f"but it was traced as {spec.short()} {spec.backend}")
             fix = "keep every argument's shape and dtype fixed across calls (pad or bucket variable-size data)"
