@@ -165,6 +165,8 @@ def as_numpy(tree: Any) -> Any:
     """The parameters' arrays, shared with the tensors (no copy)."""
     if isinstance(tree, torch.Tensor):
         return tree.detach().numpy()
+    if isinstance(tree, np.ndarray):
+        return tree
     if isinstance(tree, dict):
         return {k: as_numpy(v) for k, v in tree.items()}
     return [as_numpy(v) for v in tree]

@@ -325,7 +325,7 @@ class _Handover:
         if not set_by_program and torch.get_num_threads() == threads_for(1):   # as the trace set them: the run's
             set_threads = tracer.threads_set.original if tracer.threads_set is not None else torch.set_num_threads
             set_threads(threads_for(compiled.lowered.loop.threads))
-            threadpool_limits(threads_for(compiled.lowered.loop.threads), user_api="blas")   # (put back as the trace ends)
+        threadpool_limits(torch.get_num_threads(), user_api="blas")   # numpy's as torch's (put back as the trace ends)
         return interp
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -56,3 +58,34 @@ def test_numpy_forward_refuses_a_layer_it_does_not_compute_at_the_user_s_line():
         ff.numpy_forward(net, np.zeros((1, 4), np.float32))
     assert info.value.where is not None and info.value.where.file.endswith("test_inference.py")
     assert "call the module itself" in info.value.fix
+
+
+def test_numpy_forward_refuses_what_it_would_compute_differently_from_the_module():
+    """A computed weight (weight normalisation, old and new style), forward hooks, float64 weights: each refused at the call,
+    where numpy_forward would read a missing weight, skip the hooks or compute in another dtype."""
+    x = np.zeros((2, 4), np.float32)
+    parametrized = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # (torch's deprecation of the old weight_norm)
+        normed = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 2)))
+    hooked = nn.Sequential(nn.Linear(4, 2))
+    hooked[0].register_forward_hook(lambda module, args, out: out * 2)
+    hooked_outer = nn.Sequential(nn.Linear(4, 2))
+    hooked_outer.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    cases = [(normed, "has forward hooks"), (parametrized, "but got a ParametrizedLinear"), (hooked, "has forward hooks"), (hooked_outer, "has forward hooks"),
+             (nn.Linear(4, 2).double(), "torch.float64 weights")]
+    for net, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            ff.numpy_forward(net, x)
+        assert info.value.where is not None and info.value.where.file.endswith("test_inference.py")
+
+
+def test_numpy_forward_of_weights_made_in_inference_mode_and_of_a_saturated_sigmoid():
+    with torch.inference_mode():
+        net = nn.Sequential(nn.Linear(4, 3), nn.Sigmoid())
+    x = np.full((2, 4), -200.0, np.float32)
+    with torch.inference_mode():
+        expected = net(torch.as_tensor(x)).numpy()
+    with np.errstate(over="raise"):   # (1 / (1 + exp(-x)) overflowed for large negative x)
+        got = ff.numpy_forward(net, x)
+    assert np.allclose(got, expected, atol=1e-6)

@@ -37,3 +37,30 @@ def test_flat_clone_copies_into_views_of_one_tensor():
     flat.zero_()
     assert float(copy["a"][0].sum()) == 0.0 and float(copy["b"].sum()) == 0.0
     assert float(tree["a"][0].sum()) == 6.0 and copy["a"][0].shape == (2, 3)
+
+
+def test_numpy_act_gives_the_log_probabilities_and_values_the_learner_computes():
+    """act computes in numpy what evaluate computes in torch: the log-probability of the action it
+    chose and the state value, for discrete and continuous actions; the batch-size-invariant form
+    computes every row as a batch of one does."""
+    import numpy as np
+
+    import fragflow as ff
+
+    for continuous, n_act in ((False, 3), (True, 2)):
+        params = ppo.init_params(5, n_act, continuous, 16, seed=3)
+        if continuous:
+            params["logstd"] = torch.full((1, n_act), -0.5)
+        obs = np.random.default_rng(1).normal(size=(6, 5)).astype(np.float32)
+        key = ff.random.keys(0, np.arange(6))
+        for invariant in (False, True):
+            action, logprob, value = ppo.act.fn(params, obs, key, invariant)
+            assert logprob.dtype == np.float32 and value.dtype == np.float32 and value.shape == logprob.shape == (6,)
+            assert action.dtype == (np.float32 if continuous else np.int64)
+            ref_logprob, _, ref_value = ppo.evaluate(params, torch.as_tensor(obs), torch.as_tensor(action))
+            np.testing.assert_allclose(logprob, ref_logprob.detach().numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(value, ref_value.detach().numpy(), rtol=1e-5, atol=1e-5)
+        rows = [ppo.act.fn(params, obs[i:i + 1], key[i:i + 1], True) for i in range(6)]
+        together = ppo.act.fn(params, obs, key, True)
+        for j in range(3):
+            assert np.array_equal(np.concatenate([r[j] for r in rows]), together[j])

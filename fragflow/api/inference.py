@@ -24,9 +24,7 @@ def numpy_forward(module: Any, x: Any) -> np.ndarray:
     ``nn.Tanh``, ``nn.ReLU``, ``nn.Sigmoid`` and ``nn.Identity`` layers whose parameters are on the
     CPU. ``x``: an array or tensor with the batch first; returns float32."""
     out = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float32)
-    for layer in (module if type(module) is _nn().Sequential else (module,)):
-        out = _apply(layer, out)
-    return out
+    return _apply(module, out)
 
 
 _NN: Any = None
@@ -46,24 +44,39 @@ def _nn() -> Any:
 
 def _arrays(layer: Any) -> tuple[np.ndarray, np.ndarray | None]:
     params = layer._parameters
-    w, b = params["weight"], params["bias"]
+    w, b = params.get("weight"), params.get("bias")
     hit = _VIEWS.get(layer)
-    if hit is not None and hit[0] is w and hit[1] is b and hit[2] == w._version and hit[3] == w.data_ptr() and \
-            (b is None or (hit[4] == b._version and hit[5] == b.data_ptr())):
-        return hit[6], hit[7]
-    if w.device.type != "cpu":
-        raise ConfigError(f"ff.numpy_forward computes on the CPU, but this {layer} has its weights on {w.device}",
-                          where=user_callsite(), fix="call the module itself where its parameters live on an accelerator")
+    # (the views share the tensors' memory, so an in-place change shows through them; a tensor or
+    # storage replaced, `.data = ...` or a new Parameter, is read anew)
+    if hit is not None and hit[0] is w and hit[1] is b and hit[2] == w.data_ptr() and \
+            (b is None or hit[3] == b.data_ptr()):
+        return hit[4], hit[5]
+    if w is None:
+        raise ConfigError(f"ff.numpy_forward reads a Linear layer's weight, but this {layer} computes its weight "
+                          "(a parametrization, such as weight or spectral normalisation)", where=user_callsite(),
+                          fix="call the module itself for a layer whose weight is computed")
+    if w.device.type != "cpu" or w.dtype != _torch().float32:
+        raise ConfigError(f"ff.numpy_forward computes float32 on the CPU, but this {layer} has {w.dtype} weights on "
+                          f"{w.device}", where=user_callsite(),
+                          fix="call the module itself where its parameters are of another dtype or on an accelerator")
     wt = w.detach().numpy().T
     bn = b.detach().numpy() if b is not None else None
-    _VIEWS[layer] = (w, b, w._version, w.data_ptr(), None if b is None else b._version,
-                     None if b is None else b.data_ptr(), wt, bn)
+    _VIEWS[layer] = (w, b, w.data_ptr(), None if b is None else b.data_ptr(), wt, bn)
     return wt, bn
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
     nn = _nn()
     kind = type(layer)
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        raise ConfigError(f"ff.numpy_forward computes a layer's own arithmetic, but this {layer} has forward hooks, "
+                          "which it would skip", where=user_callsite(), fix="call the module itself (its hooks run)")
     if kind is nn.Linear:
         wt, b = _arrays(layer)
         return x @ wt + b if b is not None else x @ wt
@@ -72,7 +85,7 @@ def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
     if kind is nn.ReLU:
         return np.maximum(x, np.float32(0))
     if kind is nn.Sigmoid:
-        return 1 / (1 + np.exp(-x))
+        return np.tanh(x * np.float32(0.5)) * np.float32(0.5) + np.float32(0.5)   # (no overflow for large -x)
     if kind is nn.Identity:
         return x
     if kind is nn.Sequential:

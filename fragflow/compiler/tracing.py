@@ -129,13 +129,13 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
-    blas = threadpool_limits(threads_for(1), user_api="blas")   # (numpy's matrix products: the same)
     threads_set = tracer.threads_set = ThreadsSet(torch)   # (a program that sets its own keeps them, in the run it begins too)
     setattr(torch, "set_num_threads", threads_set)  # noqa: B010
     imported = threads_set.rebind()   # (and where the user's modules imported it by name)
     module_data.watched(imported)
     unwatch_envs = watch_env_makers(own_envs, watcher.line_now)
     completed = False   # the trace ran to its end (not raised out of)
+    blas = threadpool_limits(threads_for(1), user_api="blas")   # (numpy's matrix products: as torch's)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):

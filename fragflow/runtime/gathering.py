@@ -223,7 +223,10 @@ class Gathering(ReplicaChecks):
         if len(self.pools.get(self.program.clock, ())) >= self.program.producers:
             return
         running = [k for k in range(self.program.producers) if not self.finished[k]]
-        if running and all(self.admission.waiting_for(k) > self.version for k in running):
+        if running and all(self.admission.waiting_for(k) > self.version for k in running) and \
+                all(self._head(k) is None for k in range(self.program.producers)):
+            # (the pieces looked at again after the waits: a replica puts its piece before it waits, so
+            # one put and then waited on since the caller looked is seen here, and nothing is released)
             self.admission.release_waits()
             self._released = True
 

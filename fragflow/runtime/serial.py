@@ -94,31 +94,24 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
 
     With ``checkpoints`` the loop is checkpointed at the start of a top-level loop's trip once
     one is due, and resumed from the one it names (see :mod:`fragflow.runtime.checkpoint`)."""
-    import torch
-    from threadpoolctl import threadpool_limits
+    from fragflow.runtime.worker import threads, threads_for
 
-    from fragflow.runtime.worker import threads_for
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads_for(program.threads))
-    blas = threadpool_limits(threads_for(program.threads), user_api="blas")   # (numpy's matrix products)
-    interp = interpreter(program, monitor, checks)
-    tracker = _checkpointing(interp, monitor, checkpoints) if checkpoints is not None else None
-    previous = trips.install(tracker) if tracker is not None else None
-    try:
-        with context.using(interp):
-            value = train(*args)
-        with shielded():   # the run has completed: a signal now stops nothing, and its last checkpoint is written whole
-            if checkpoints is not None and checkpoints.enabled:
-                checkpoints.commit(monitor.counters(), None, {"states": _states(interp)}, complete=True)
-        return unwrap(value)
-    finally:
-        with shielded():   # (its environments closed whole, however the run ended)
-            if tracker is not None:
-                trips.install(previous)
-            interp.close()
-            torch.set_num_threads(before)
-            blas.restore_original_limits()
+    with threads(threads_for(program.threads)):   # (torch's and numpy's; put back however the run ends)
+        interp = interpreter(program, monitor, checks)
+        tracker = _checkpointing(interp, monitor, checkpoints) if checkpoints is not None else None
+        previous = trips.install(tracker) if tracker is not None else None
+        try:
+            with context.using(interp):
+                value = train(*args)
+            with shielded():   # the run has completed: a signal now stops nothing, and its last checkpoint is written whole
+                if checkpoints is not None and checkpoints.enabled:
+                    checkpoints.commit(monitor.counters(), None, {"states": _states(interp)}, complete=True)
+            return unwrap(value)
+        finally:
+            with shielded():   # (its environments closed whole, however the run ended)
+                if tracker is not None:
+                    trips.install(previous)
+                interp.close()
 
 
 def _states(interp: LoopInterpreter) -> tuple[Any, Any]:

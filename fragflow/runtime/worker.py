@@ -52,6 +52,21 @@ def limit_threads(n: int) -> None:
     threadpool_limits(n, user_api="blas")
 
 
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's and numpy's BLAS threads at ``n`` within, the counts before put back after."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    with threadpool_limits(n, user_api="blas"):
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

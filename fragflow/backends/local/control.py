@@ -102,6 +102,7 @@ class Control:
         try:
             self.words[IN_PRODUCTION] -= self.words[WORDS + replica]
             self.words[WORDS + replica] = 0
+            self.waiting(replica, -1)   # (a wait it was in: its restarted process waits anew)
         finally:
             self.lock.release()
 

@@ -240,6 +240,7 @@ class Hub:
     def forget(self, replica: int) -> None:
         self.in_production -= self.per_replica[replica]
         self.per_replica[replica] = 0
+        self.waits[replica] = -1   # (a wait it was in: its restarted process waits anew)
 
     def set_busy(self, busy: bool) -> None:
         self.busy = int(busy)
