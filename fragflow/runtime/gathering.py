@@ -192,11 +192,11 @@ class Gathering(ReplicaChecks):
                     if not ready:
                         held = {k_ for k_, _ in heads}
                         if any(not self.finished[k_] and k_ not in held and k_ not in self._void
-                               for k_ in range(producers)):
+                               and self._producing(k_) for k_ in range(producers)):
                             self.endpoints.wait_any(self.program.group, IDLE_WAIT)   # being produced
-                        else:
+                        elif all(self._head(k_) is None for k_ in range(producers) if k_ not in held):
                             self._ticket = min(h[3][3] for _, h in heads)          # admitted, never produced
-                        continue
+                        continue   # (else a piece arrived since the heads were read: looked at again)
                     k, head = min(ready, key=lambda kh: (kh[1][3][3], kh[0]))
                     if head[1] == self.program.clock:
                         self._ticket = head[3][3] + 1
@@ -210,6 +210,14 @@ class Gathering(ReplicaChecks):
                 self.started[k] = None
             if piece is not None and len(self.pools[fragment]) >= producers and not self._held(fragment):
                 return fragment
+
+    def _producing(self, k: int) -> bool:
+        """Whether loop replica ``k`` holds an admission it has not yet put a rollout for. A replica
+        restarted after its process died, once heard from again, is no longer void, but the ticket
+        its dead process was admitted with will never come: with nothing in production (waiting to
+        be admitted, which needs the learner to consume), waiting for it would deadlock the run."""
+        producing = getattr(self.admission, "producing", None)
+        return producing is None or producing(k) > 0
 
     def _release_if_stuck(self) -> None:
         """Gathered on arrival, nothing has come, a replica has ended its loop and every replica still

@@ -155,6 +155,10 @@ class Control:
                 self.words[REQ], self.words[REQ_SEQ] = request, seq
             return int(self.words[REQ_SEQ])
 
+    def producing(self, replica: int) -> int:
+        """Rollouts loop replica ``replica`` was admitted to make and has not yet put."""
+        return int(self.words[WORDS + replica])
+
     def waiting(self, replica: int, version: int) -> None:
         """Loop replica ``replica`` waits for parameter version ``version`` (-1: no longer)."""
         self.words[WORDS + 2 * self._replicas + replica] = version + 1

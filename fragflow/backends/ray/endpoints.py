@@ -246,6 +246,9 @@ class RayAdmission:
     def waiting_for(self, replica: int) -> int:
         return int(_get(self.hub.waiting_for.remote(replica)))
 
+    def producing(self, replica: int) -> int:
+        return int(_get(self.hub.producing.remote(replica)))
+
     def release_waits(self) -> None:
         _get(self.hub.release_waits.remote())
 

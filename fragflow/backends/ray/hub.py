@@ -278,6 +278,9 @@ class Hub:
     def waiting_for(self, replica: int) -> int:
         return self.waits[replica]
 
+    def producing(self, replica: int) -> int:
+        return self.per_replica[replica]
+
     def release_waits(self) -> None:
         self.released = True
 
