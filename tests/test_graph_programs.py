@@ -544,7 +544,25 @@ def test_a_time_by_env_array_given_to_collect_with_as_many_steps_as_environments
         ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
     assert "first two sizes are the trace's swapped" in str(err.value) and "sliced" not in str(err.value)
     assert err.value.fix.startswith("give the value to the buffer at each step")
+    assert err.value.fix.endswith("; or run with actor_learner(actors=1)")
     assert str(err.value.where).endswith(f"algo.py:{marks['learn']}")
+    assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize("policy, one", [("async_relaxed(actors=2)", "async_relaxed(actors=1)"),
+                                         ("central_inference(env_workers=2)", "central_inference(env_workers=1)")])
+def test_a_shape_refusal_of_split_environments_names_the_policy_with_one_acting_process(write_algo, policy, one):
+    """The shape refusals of a policy that splits the environments ended their fix with "or run
+    with one actor", whatever the policy (central_inference's acting processes are env workers):
+    the fix names the option that runs."""
+    from fragflow.errors import SpecChangedError
+
+    path, _ = write_algo(PER_STEP_IN_COLLECT.replace("ff.RolloutBuffer(8)", "ff.RolloutBuffer(4)").replace(
+        "for _ in range(8):", "for _ in range(4):"))
+    program = load(str(path))
+    with pytest.raises(SpecChangedError, match="first two sizes are the trace's swapped") as err:
+        ff.run(program.train, policy=policy)
+    assert err.value.fix.endswith(f"; or run with {one}")
     assert shm_leftovers() == []
 
 
@@ -4509,8 +4527,10 @@ def test_a_recurrent_state_with_the_environments_second_is_refused_with_a_fix_th
     path, marks = write_algo(RECURRENT_LAYOUT)
     program = load(str(path))
     with pytest.raises(SpecChangedError, match=rf"has them on axis 1, not first(.|\n)*at {relpath(path)}:{marks['act']}"
-                                               rf"\n  fix: keep the environments first"):
+                                               rf"\n  fix: keep the environments first") as info:
         ff.run(program.train, policy="central_inference(env_workers=2)")
+    # (its fix ended "or run with one actor": central_inference's acting processes are env workers)
+    assert info.value.fix.endswith("; or run with central_inference(env_workers=1)")
     one = ff.run(program.train, True, policy="single_process")
     served = ff.run(program.train, True, policy="central_inference(env_workers=2)")
     assert np.array_equal(one.value["w"], served.value["w"])

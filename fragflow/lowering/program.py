@@ -40,7 +40,7 @@ from fragflow.compiler.tracer import LOOP
 from fragflow.errors import PlacementError
 from fragflow.lowering import disciplines
 from fragflow.lowering.envsplit import check_env_split, split_spec
-from fragflow.placement.placed import Channel, Group, PlacedGraph
+from fragflow.placement.placed import Channel, Group, PlacedGraph, one_acting_process
 
 
 def parse_path(text: str) -> tuple[Any, ...]:
@@ -128,6 +128,7 @@ class LoopProgram:
     # the loop may make with every environment's rows (sized with the run's count, not
     # ``env.num_envs``): named in the note of a failure of the fragment (LoopInterpreter._run_sized)
     rows: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    one_process: str = "one acting process"   # how a fix names this policy with one acting process
 
     def service_for(self, group: str, replica: int) -> str:
         """The service instance loop replica ``replica`` sends ``group``'s calls to."""
@@ -506,5 +507,5 @@ def lower(placed: PlacedGraph) -> Lowered:
                           routes or None,
                           tuple((f, part, item.index, item.keys) for s in services if s.rank == 0
                                 for f, items in s.logs.items() for part, item in enumerate(items)),
-                          _local_rows(graph, in_loop, loop.replicas))
+                          _local_rows(graph, in_loop, loop.replicas), one_acting_process(placed.policy, placed.options))
     return Lowered(placed, program, tuple(services))

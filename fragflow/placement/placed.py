@@ -129,6 +129,16 @@ class PlacedGraph:
         return self
 
 
+def one_acting_process(policy: str, options: tuple[tuple[str, Any], ...]) -> str:
+    """How a fix names running ``policy`` with one acting process (the option that says how many)."""
+    opts = dict(options)
+    if "env_workers" in opts:
+        return f"{policy}(env_workers=1)"
+    if "learners" in opts:   # (each learner takes its own actors: one acting process is another policy)
+        return "a policy with one acting process (pipelined)"
+    return f"{policy}(actors=1)"
+
+
 def edge_label(src: str, dst: str, dst_port: str, src_port: str = "") -> str:
     """``act[1] -> buffer.add.step``: the output (``src_port``, as the edges are listed) and the argument."""
     return f"{src}{src_port} -> {dst}.{dst_port}"
@@ -506,8 +516,7 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
     if actors > 1:
         opts = dict(options)
         who = "env worker" if "env_workers" in opts else "actor"
-        one = (f"{policy}(env_workers=1)" if "env_workers" in opts else
-               "a policy with one acting process (pipelined)" if "learners" in opts else f"{policy}(actors=1)")
+        one = one_acting_process(policy, options)
         # the acting processes a learner process merges the calls of (multi_learner: each learner its own)
         merged = actors // int(opts["learners"]) if "learners" in opts else actors
         # buffers of the user's own fed per-environment data (each process's then holds its own)

@@ -161,11 +161,12 @@ def argument_paths(skel: Skeleton, path: str = "") -> list[str]:
 
 
 def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str, where: SourceLoc | None,
-                 replicas: int = 1, skeleton: Skeleton | None = None) -> None:
+                 replicas: int = 1, skeleton: Skeleton | None = None, one: str = "one acting process") -> None:
     """The leaves a call sends must match the traced specs its ring was sized for (``replicas``: the
     loop's processes, each stepping its share of the environments; ``where``: the call's line, None
     for the user's line on the stack, found only if it is refused; ``skeleton``: the call's, which
-    says where each leaf is in its arguments, for the message)."""
+    says where each leaf is in its arguments, for the message; ``one``: the policy with one acting
+    process, as a fix names it: ``actor_learner(actors=1)``, ``central_inference(env_workers=1)``)."""
     if len(leaves) != len(specs):
         raise SpecChangedError(f"fragment '{fragment}' was called with {len(leaves)} array leaves, "
                                f"but it was traced with {len(specs)}", where=where or user_callsite(),
@@ -185,7 +186,7 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                             "first: fragflow follows per-environment arrays the loop makes with the environments "
                             "on their first axis (a recurrent state in the [1, env, hidden] layout)")
                 fix = ("keep the environments first in what the loop holds ([env, hidden]) and move the axis inside "
-                       "the fragment where the network wants it (h.transpose(0, 1), h[None]); or run with one actor")
+                       "the fragment where the network wants it (h.transpose(0, 1), h[None]); or run with " + one)
             elif replicas > 1 and got.dtype == spec.dtype and len(got.shape) >= 2 and got.shape[0] != got.shape[1] \
                     and got.shape[:2] == spec.shape[1::-1] and got.shape[2:] == spec.shape[2:]:
                 message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
@@ -194,7 +195,7 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                             "where the rollout has as many steps as environments, was taken as one row per "
                             "environment ([env, ...]) and split on its first axis")
                 fix = ("give the value to the buffer at each step (buf.add(..., logp=logp)), so that it travels as "
-                       "the rollout does; or make num_steps differ from num_envs; or run with one actor")
+                       "the rollout does; or make num_steps differ from num_envs; or run with " + one)
             elif replicas > 1 and got.dtype == spec.dtype and (k := _whole_rows(got.shape, spec.shape, replicas)) >= 0:
                 on = f" on axis {k}" if k else ""   # ([time, env] beside a rollout: returns the loop computes)
                 message += (f"; the training loop runs in {replicas} processes here, each stepping "
@@ -205,7 +206,7 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                 fix = ("size per-environment arrays with env.num_envs (the environments this process steps) or make "
                        "them from env.ids (ff.random.keys(seed, env.ids)), or pass them in the rollout; compute "
                        "anything else from the batch inside a fragment or keep it in versioned state; or run with "
-                       "one actor")
+                       + one)
             elif replicas > 1 and got.dtype == spec.dtype and got.shape != spec.shape:
                 message += (f"; the training loop runs in {replicas} processes here, each stepping its share of "
                             "the environments, and this leaf was made in the loop from per-environment data whose "
@@ -215,7 +216,7 @@ def check_leaves(leaves: list[Any], specs: tuple[TensorSpec, ...], fragment: str
                 fix = ("pass per-environment data in the rollout, as the buffer returns it ([time, env, ...] arrays, "
                        "merged across processes along the env axis: buf.add(..., score=score)), or beside "
                        "per-environment data the fragment also takes, and slice, reshape or flatten it inside the "
-                       "fragment; or run with one actor")
+                       "fragment; or run with " + one)
             raise SpecChangedError(message, where=where or user_callsite(), fix=fix)
 
 

@@ -525,7 +525,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         if route.whole:
             leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, None, self.program.replicas,
-                           None if route.whole else skeleton)
+                           None if route.whole else skeleton, self.program.one_process)
         if self.program.reads:
             version = max(0, self._version())   # (a version before a resumed run's first is stamped as its first)
         else:   # served acting stamps its answers' version; acting on no state depends on none
