@@ -1133,6 +1133,74 @@ def test_a_learner_output_first_logged_after_the_trace_reaches_a_row_where_calls
     assert len(once) == 1 and once[0] in [r["loss"] for r in rows]
 
 
+LOG_EVERY_SECOND = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    log_every: int = 2
+    num_updates: int = 20
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["w"] + 1e-3 * batch["obs"].mean()
+    return {"w": w, "n": state["n"] + 1}, {"loss": float(np.abs(w).sum()), "n": float(state["n"])}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones(1), "n": 0})
+    buf = ff.RolloutBuffer(16)
+    obs = env.reset()
+    for update in range(args.num_updates):
+        for _ in range(16):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        if update % args.log_every == 0:
+            ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2)"])
+def test_a_loop_logging_every_second_update_has_those_rows_and_their_steps_where_calls_are_gathered_on_arrival(
+        write_algo, tmp_path, policy):
+    """Gathered on arrival, a loop that logs the learner's metrics at every second update got them in
+    every row (the driver wrote every name the trace saw at every update), and the rows counted the
+    env steps that had reached the driver (the workers report every 0.2 s: a short run's rows 1-17 said
+    0 steps). The rows now hold what loop replica 0 logged of the calls each update merged (at most
+    its 10 logged calls, each the row of the update that computed it, as under single_process), and
+    the steps each replica had made at its latest call taken: 64 a merged update, 1280 in all."""
+    path, _ = write_algo(LOG_EVERY_SECOND, "every_second.py")
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "one")
+    result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "two")
+    one = list(csv.DictReader((tmp_path / "one" / "metrics.csv").open()))
+    rows = list(csv.DictReader((tmp_path / "two" / "metrics.csv").open()))
+    assert [r["n"] for r in one] == [f"{float(u)}" if u % 2 == 0 else "" for u in range(20)]
+    assert {"loss", "n"} <= set(rows[0]) and set(one[0]) <= set(rows[0])
+    updates = result.summary["updates"]
+    drops = result.summary["channels"]["trajectory"]["drops"]
+    assert [float(r["updates"]) for r in rows] == [float(u) for u in range(1, updates + 1)]
+    logged = [r for r in rows if r["loss"] != ""]
+    assert 10 - drops <= len(logged) <= 10   # (a call dropped as stale is in no update)
+    assert all(float(r["n"]) == float(r["updates"]) - 1 for r in logged)   # each the value of its row's update
+    steps = [float(r["env_steps"]) for r in rows]
+    assert all(s % 32 == 0 and s >= 64 * j for j, s in enumerate(steps, 1)) and steps == sorted(steps)
+    assert steps[-1] <= 1280 and result.summary["env_steps"] == 1280
+    if drops == 0:
+        assert steps == [64.0 * j for j in range(1, 21)] and len(logged) == 10
+    episodes = [float(r["episodes"]) for r in rows]
+    assert episodes == sorted(episodes) and episodes[-1] <= result.summary["episodes"]
+
+
 @pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
 def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(write_algo, tmp_path, policy):
     """Where the learner runs apart, what the loop logs of its outputs reaches the same rows as under

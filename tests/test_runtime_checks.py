@@ -984,9 +984,9 @@ def test_a_loop_replicas_reports_reach_the_driver_in_one_put_per_interval_in_ord
     expected = []
     for update in range(1, 51):
         reporter.env_step(4, [(1.0, 4)] if update % 10 == 0 else [], False)
-        reporter.mark(update)
+        reporter.mark(update, update - 1)   # (the clock fragment's call number goes with the mark)
         expected.append(("steps", 0, 4 * update, update // 10, [(4 * update, 1.0, 4)] if update % 10 == 0 else [],
-                         [], [(update, 4 * update, update // 10)]))
+                         [], [(update, 4 * update, update // 10, update - 1)]))
         reporter.log({"x": float(update)}, update, 4 * update, False)
         expected.append(("log", {"x": float(update)}, update, 4 * update, False, 0))
     reporter.flush()

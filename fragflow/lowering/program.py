@@ -103,7 +103,8 @@ class Remote:
 class Logged:
     """A part of a fragment's output its service reports after each call: the scalars of the
     subtree at ``index``/``keys``; ``names``: the (path in it, name) pairs the trace saw it logged
-    by, written where calls are gathered on arrival (elsewhere the loop says what it logs)."""
+    by (empty for a part reported only because it holds scalars; the loop says, at each call it
+    logs, which part it logged and by what name)."""
 
     index: int
     keys: tuple[Any, ...]
@@ -275,8 +276,7 @@ def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
     """The parts of ``fragment``'s outputs its service reports after each call, for the loop to log
     what it logs of them: each part the loop sent to ``ff.log`` while tracing, as the widest subtree
     logged whole (``ff.log(metrics)``: every key the learner returns, keys first returned later
-    included), with the names it was logged by (where calls are gathered on arrival the service's
-    reports are written by those names); and of a learner every output that holds scalars only, or
+    included), with the names it was logged by; and of a learner every output that holds scalars only, or
     nothing (a metrics dict empty while tracing), which the loop may log from some call on."""
     node = graph.node(fragment)
     produced = [parse_path(path) for path, _ in node.outputs]

@@ -50,6 +50,7 @@ class Gathering(ReplicaChecks):
     started: list[int | None]
     cuts: dict[int, dict[int, int]]
     _cursor: int
+    taken_steps: list[int]
     _released: bool = False   # (see _release_if_stuck)
     _ticket: int
     _void: set[int]
@@ -134,6 +135,7 @@ class Gathering(ReplicaChecks):
             ring.release(dropped=True)
             if fragment == self.program.clock:
                 self._own[k] = own
+                self.taken_steps[k] = max(self.taken_steps[k], meta[4])
             return None
         if fragment == self.program.clock:
             self._own[k] = own + 1

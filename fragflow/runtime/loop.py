@@ -64,7 +64,7 @@ class Reporter(Protocol):
     def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
             new_row: bool = False) -> None: ...
     def flush(self) -> None: ...
-    def mark(self, update: int) -> None: ...
+    def mark(self, update: int, call: int = -1) -> None: ...
     def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,
                new_row: bool = False) -> None: ...
 
@@ -550,7 +550,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
                 self.endpoints.admission.produced(self.index)
             self.update += 1
             self.rollout_version = None
-            self.reporter.mark(self.update)
+            self.reporter.mark(self.update, call)
         if route.sync:
             return self._reply(name, route)
         shape = route.skeleton if isinstance(route.skeleton, tuple) and len(route.skeleton) == route.arity else None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fragflow.progress import ProgressDisplay
+from fragflow.runtime.arrivalrows import ArrivalRows
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.scalars import flat_scalars
 
@@ -36,7 +37,7 @@ class StopRun(BaseException):
     """Unwinds the training loop when the run is done early (target reached with stop_on_target)."""
 
 
-class Monitor:
+class Monitor(ArrivalRows):
     def __init__(self, *, outputs: RunOutputs | None = None,
                  progress: ProgressDisplay | None = None, target_return: float | None = None,
                  stop_on_target: bool = False) -> None:
@@ -98,6 +99,7 @@ class Monitor:
         self.notes: list[str] = []
         self.unwritten_rows = 0   # rows of a stopped run's last updates left out (see _drain)
         self._solve_resumed = False   # the run this one resumed had reached the target
+        self._arrival_init()
 
     # -- what executors report --------------------------------------------------------
     def start(self, from_first_step: bool = False) -> None:
@@ -146,6 +148,7 @@ class Monitor:
     def loop_ended(self, replica: int) -> None:
         self._ended.add(replica)
         self._drain()
+        self._drain_held()
 
     def log_at(self, update: int | None, scalars: dict[str, float], steps: int | None = None,
                new_row: bool = False) -> None:
@@ -455,7 +458,9 @@ class Monitor:
                 "eval_episodes": float(self.base_eval_episodes + len(self.eval_episodes))}
 
     def _flush(self) -> None:
-        if self._pending is not None and self.marked_replicas:
+        if self.arrival:
+            self._hold_pending()   # (see arrivalrows: the row waits for the loops' reports)
+        elif self._pending is not None and self.marked_replicas:
             self._waiting.append(self._pending)
             self._pending = None
             self._drain()
@@ -514,6 +519,7 @@ class Monitor:
         self._early.clear()
         self._flush()
         self._drain(force=True)
+        self._drain_held(force=True)
         self._write_loop_rows(self.updates - self.base_updates + 1)
         if self.marked_replicas:   # what no row took
             self._episodes_to_board({r: len(eps) for r, eps in self._tagged.items()}, len(self._eval_tagged))

@@ -45,12 +45,8 @@ class Driver(DriverCheckpoints):
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
         self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
         self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int, int, bool]]] = {}
-        # gathered on arrival: each learner's latest values, and the loop's requests for names the
-        # trace did not see logged (made after it: `if update % 10 == 9: ff.log(m)`) before any came
-        self._latest_logs: dict[str, dict[int, dict[str, float]]] = {}
-        self._unseen_asks: dict[str, list[tuple[int, str, str]]] = {}
-        # each reporting service's parts (see lowering's _logged), by fragment
-        self.parts = {f: items for s in lowered.services if s.rank == 0 for f, items in s.logs.items()}
+        # gathered on arrival: the update (of this run) that merged each of loop replica 0's calls
+        self._merged_into: dict[tuple[str, int], int] = {}
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -247,18 +243,22 @@ class Driver(DriverCheckpoints):
     # next update, see Monitor.mark), whichever message reaches the driver first.
     _KEEP_CALLS = 256   # calls of a fragment kept for the other side's word
 
-    def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float]]) -> None:
-        if call is None or not self.monitor.marked_replicas:
-            # gathered on arrival from several replicas: an update's row cannot wait for replica 0's
-            # word on calls it may have no part in; logged by the names the trace saw, the update's
-            # last call's values
-            parts = self.parts.get(fragment, ())
-            for part, scalars in logged.items():
-                for rest, name in parts[part].names if part < len(parts) else ():
-                    self._write_logged(None, scalars, rest, name)
-            self._latest_logs[fragment] = logged
-            for part, rest, name in self._unseen_asks.pop(fragment, ()):
-                self._write_logged(None, logged.get(part, {}), rest, name)
+    def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float]],
+                  calls: tuple[int, ...] = ()) -> None:
+        if call is None:   # (gathered on arrival, an update of other replicas' calls: replica 0 logged none of it)
+            return
+        if not self.monitor.marked_replicas:
+            # gathered on arrival from several replicas: what replica 0 logged of its calls (``calls``:
+            # an update may merge two of its calls) goes into the row of the update that merged them
+            # (the row waits for replica 0's next clock call: see arrivalrows), as under single_process
+            # into the row of the update that computed it
+            update = self.monitor.updates - self.monitor.base_updates
+            for c in calls or (call,):
+                for part, rest, name, *_ in self._asked_for.pop((fragment, c), ()):
+                    self._write_logged(update, logged.get(part, {}), rest, name, into=True)
+                self._computed_logs[(fragment, c)] = logged
+                self._merged_into[(fragment, c)] = update
+                self._forget_logs(fragment, c)
             return
         for part, rest, name, asked_at, steps, new_row in self._asked_for.pop((fragment, call), ()):
             self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row)
@@ -276,35 +276,36 @@ class Driver(DriverCheckpoints):
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update, steps, new_row))
             self._forget_logs(fragment, call)
 
-    def _asked_unseen(self, fragment: str, part: int, rest: str, name: str) -> None:
-        """Calls gathered on arrival: the loop logged a part of a learner's output by a name the trace
-        did not see it logged by (first logged after the trace): that learner's latest values, once,
-        into the row of the update in progress (the next values where none came yet), as the loop
-        asks; not at every update, as the names the trace saw are, nor lost."""
-        parts = self.parts.get(fragment, ())
-        if part < len(parts) and (rest, name) in parts[part].names:
-            return
-        latest = self._latest_logs.get(fragment)
-        if latest is None:
-            self._unseen_asks.setdefault(fragment, []).append((part, rest, name))
+    def _asked_on_arrival(self, fragment: str, call: int, part: int, rest: str, name: str) -> None:
+        """Calls gathered on arrival: the loop (replica 0) logged ``part`` of its call ``call`` of
+        ``fragment``: into the row of the update that merged that call, whichever came first (none
+        where the call was dropped as stale: no update learned from it)."""
+        update = self._merged_into.get((fragment, call))
+        computed = self._computed_logs.get((fragment, call))
+        if update is not None and computed is not None:
+            self._write_logged(update, computed.get(part, {}), rest, name, into=True)
         else:
-            self._write_logged(None, latest.get(part, {}), rest, name)
+            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, 0, 0, False))
+            self._forget_logs(fragment, call)
 
     def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str,
-                      steps: int | None = None, new_row: bool = False) -> None:
+                      steps: int | None = None, new_row: bool = False, into: bool = False) -> None:
         """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
-        update in progress, a later call's replacing an earlier one's)."""
+        update in progress, a later call's replacing an earlier one's; ``into``: gathered on arrival,
+        the row of this run's ``update``-th update)."""
         chosen = logged_at(scalars, rest, name)
         if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
             chosen = logged_at(scalars, by_position(scalars, rest), name)
-        if chosen and update is None:
+        if chosen and into and update is not None:
+            self.monitor.log_into(update, chosen)
+        elif chosen and update is None:
             self.monitor.log_latest(chosen)
         elif chosen:
             self.monitor.log_at(update, chosen, steps, new_row)
 
     def _forget_logs(self, fragment: str, call: int) -> None:
         store: dict[tuple[str, int], Any]
-        for store in (self._computed_logs, self._asked_for):
+        for store in (self._computed_logs, self._asked_for, self._merged_into):
             if len(store) > 4 * self._KEEP_CALLS:
                 for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS]:
                     del store[key]
@@ -332,11 +333,17 @@ class Driver(DriverCheckpoints):
                 # (evaluation episodes before the marks: a mark may write the row that holds them)
                 for update, at, ret, length in evaluated:
                     self.monitor.eval_episode(ret, length, (update, at))
-                for update, _, _ in marks:   # the mark ends its message: what was heard is what it had made
+                for update, *_ in marks:   # the mark ends its message: what was heard is what it had made
                     self.monitor.mark(k, update, self.heard[k][0])
+                if self.monitor.arrival:   # (its steps and clock calls heard: the rows that wait for them)
+                    self.monitor.heard_from(k, self.heard[k][0], max((m[3] for m in marks), default=-1))
         elif kind == "update":
-            self.monitor.update()
-            self._computed(*msg[2:])
+            if self.monitor.arrival:   # (each replica's steps at its latest call taken: known of one learner's)
+                taken = msg[5] if len(msg[5]) == self.lowered.loop.replicas else None
+                self.monitor.arrived_update(taken, max(msg[6], default=None))
+            else:
+                self.monitor.update()
+            self._computed(msg[2], msg[3], msg[4], msg[6])
         elif kind == "logs":
             self._computed(*msg[1:])
         elif kind == "logged":
@@ -344,9 +351,9 @@ class Driver(DriverCheckpoints):
             if self.monitor.marked_replicas:
                 for fragment, call, part, rest, name, update in msg[1]:
                     self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
-            else:   # gathered on arrival: the names the trace saw are logged as computed (above)
-                for fragment, _, part, rest, name, _ in msg[1]:
-                    self._asked_unseen(fragment, part, rest, name)
+            else:   # gathered on arrival: into the row of the update that merged the call
+                for fragment, call, part, rest, name, _ in msg[1]:
+                    self._asked_on_arrival(fragment, call, part, rest, name)
         elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
             self.logs_heard = max(self.logs_heard, msg[5] + 1)
             self.monitor.log_at(msg[2], msg[1], msg[3], msg[4])
@@ -498,5 +505,7 @@ def execute(lowered: Lowered, program: bytes, monitor: Monitor, checkpoints: Any
             s.producers == 1 or s.ordered for s in services) and (len(services) == 1 or all(
             s.world == len(services) for s in services)):
         monitor.marked_replicas = lowered.loop.replicas   # each update takes one call of every replica
+    elif services and lowered.loop.replicas > 1:
+        monitor.arrival = True   # calls gathered as they arrive (see arrivalrows)
     return Driver(lowered, program, monitor, backend, checkpoints=checkpoints, max_restarts=max_restarts,
                   address=address).run()

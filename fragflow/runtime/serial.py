@@ -52,7 +52,7 @@ class MonitorReporter:
     def flush(self) -> None:
         pass
 
-    def mark(self, update: int) -> None:
+    def mark(self, update: int, call: int = -1) -> None:
         pass
 
     def logged(self, requests: list[tuple[str, int, int, str, str, int]], steps: int = 0,

@@ -130,6 +130,9 @@ class ServiceRunner(Outgoing, Gathering):
         self._ticket = 1      # the next admission ticket to consume (balanced admission)
         self._void: set[int] = set()   # replicas restarted and not heard from since: no ticket of theirs is coming
         self.finished = [False] * program.producers
+        # each replica's env steps at its latest clock call taken (learned from, or dropped as stale): where
+        # calls are gathered on arrival, an update's metrics row counts these (see Monitor.arrived_update)
+        self.taken_steps = [0] * program.producers
         # served inference under arrival gathering: the version each replica's current rollout was
         # first answered with (None between its clock call and its next request)
         self.started: list[int | None] = [None] * program.producers
@@ -468,19 +471,22 @@ class ServiceRunner(Outgoing, Gathering):
             self.admission.set_busy(False)
         for p, lag in zip(pieces, lags):
             p.ring.release(lag=lag)
+            if clock:
+                self.taken_steps[p.replica] = max(self.taken_steps[p.replica], p.steps)
         if clock and not self.program.ordered and self.replies:   # served inference, bounded (see _held)
             self._expire(fragment)
         logged = self._logged(fragment, out)
         # the call's number in loop replica 0, which logs: the driver writes what it logged of it
         call = next((p.call for p in pieces if p.replica == 0), None)
+        mine = tuple(p.call for p in pieces if p.replica == 0)   # (gathered on arrival: it may merge several)
         if self.reducer is not None and frag.writes is not None:   # (every update's, as its calls' and all-reduces')
             self.reducer.timing["busy_ns"] += time.perf_counter_ns() - t0
             self.reducer.timing["updates"] += int(clock)
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
-            self._report(("update", self.version, fragment, call, logged))
+            self._report(("update", self.version, fragment, call, logged, tuple(self.taken_steps), mine))
         elif logged and lead:
-            self._report(("logs", fragment, call, logged))
+            self._report(("logs", fragment, call, logged, mine))
 
     def _report(self, msg: tuple[Any, ...]) -> None:
         """A report to the driver, into the outbox (see :meth:`flush_reports`)."""

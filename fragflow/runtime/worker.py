@@ -121,7 +121,7 @@ class QueueReporter:
         self.log_seq = 0   # the loop's number of the ff.log call being reported
         self.total_episodes = 0
         self.episodes: list[tuple[int, float, int]] = []   # (this replica's env steps at its end, return, length)
-        self.marks: list[tuple[int, int, int]] = []
+        self.marks: list[tuple[int, int, int, int]] = []
         self.eval: list[tuple[int, int, float, int]] = []   # (updates, env steps made then, return, length)
         self.updates_made = 0
         self.dirty = False
@@ -151,10 +151,11 @@ class QueueReporter:
         self.outbox.add(("logged", requests, steps, new_row, self.log_seq))
         self._due()
 
-    def mark(self, update: int) -> None:
-        """The loop made its ``update``-th clock call: what it had stepped then goes with it, so the
-        driver's metrics row of that update says what single_process's says (not what had arrived)."""
-        self.marks.append((update, self.total_steps, self.total_episodes))
+    def mark(self, update: int, call: int = -1) -> None:
+        """The loop made its ``update``-th clock call (``call``: the clock fragment's call number): what
+        it had stepped then goes with it, so the driver's metrics row of that update says what
+        single_process's says (not what had arrived)."""
+        self.marks.append((update, self.total_steps, self.total_episodes, call))
         self.updates_made = update
         self.dirty = True
         self._counts()   # (the mark ends its report: the driver counts what was made by then)

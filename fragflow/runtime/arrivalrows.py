@@ -1,0 +1,101 @@
+"""Metrics rows where one learner gathers its loop replicas' calls as they arrive (a mixin of
+:class:`~fragflow.runtime.monitor.Monitor`): ``actor_learner(actors>=2, max_lag>=1)``,
+``async_relaxed(actors>=2)``.
+
+An update takes the calls that came first, not one of every replica's in order, so its row cannot
+count the replicas' steps at their calls of that update (marks, as where calls are taken in order).
+It counts, for each replica, the env steps it had made at its latest clock call the learner had
+taken by then (learned from, or dropped as stale): the steps that update had learned from, as
+single_process's row counts the steps made before its update, and the episodes each replica had
+ended by those steps. The workers' reports come in batches (every 0.2 s), so what had reached the
+driver when the update ended was none of that (a short run's rows all said 0 steps, or all the
+run's last count). A row waits until each replica's steps up to its count have been heard, and,
+where it holds loop replica 0's call, until replica 0 has made its next clock call: what the loop
+logged of that call has come by then (the loop logs it after the call), and goes into that row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_HELD_ROWS = 4096   # rows held for the loops' reports: beyond it the oldest is written as it stands
+
+
+class ArrivalRows:
+    """The rows of an arrival-gathered run (the attributes below are the monitor's)."""
+
+    arrival: bool = False   # set by execute(): one learner gathers several replicas' calls on arrival
+    outputs: Any
+    updates: int
+    base_updates: int
+    base_steps: int
+    _pending: dict[str, float] | None
+    _ended: set[int]
+    _runtime_row: Any
+    _episode_columns: Any
+    _ended_by: Any
+    _eval_columns: Any
+    log_scalars: Any
+
+    def _arrival_init(self) -> None:
+        # rows in order: (row, each replica's steps at its latest call taken, loop replica 0's clock call in it)
+        self._held: list[tuple[dict[str, float], dict[int, int] | None, int | None]] = []
+        self._heard_from: dict[int, tuple[int, int]] = {}   # replica -> (its steps heard, its last clock call heard)
+
+    def heard_from(self, replica: int, steps: int, call: int) -> None:
+        """The driver has heard ``steps`` env steps of loop replica ``replica`` and its clock calls up
+        to number ``call`` (-1: none)."""
+        old = self._heard_from.get(replica, (0, -1))
+        self._heard_from[replica] = (max(old[0], steps), max(old[1], call))
+        self._drain_held()
+
+    def arrived_update(self, taken: tuple[int, ...] | None, call: int | None) -> None:
+        """An update of an arrival-gathered run: ``taken``, each replica's steps at its latest clock
+        call the learner had taken (None: not known, the steps heard are counted); ``call``: loop
+        replica 0's clock call the update merged, if any."""
+        self.updates += 1
+        self._hold_pending()
+        row = self._runtime_row()
+        self._held.append((row, None if taken is None else dict(enumerate(taken)), call))
+        self._pending = row
+        self._drain_held()
+
+    def log_into(self, update: int, scalars: dict[str, float]) -> None:
+        """Values of this run's ``update``-th update (what the loop logged of the call it merged):
+        into its row, else (written already: the loop logged them after its next clock call) into
+        the current one."""
+        for row, _, _ in self._held:
+            if int(row["updates"]) - self.base_updates == update:
+                row.update(scalars)
+                return
+        self.log_scalars(scalars)
+
+    def _hold_pending(self) -> None:
+        """The current row is complete but for the loops' reports: it waits with the rows before it."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not any(row is pending for row, _, _ in self._held):
+            self._held.append((pending, None, None))   # (the loop's own values, before the first update)
+        self._drain_held()
+
+    def _ready(self, taken: dict[int, int] | None, call: int | None) -> bool:
+        if taken is not None and not all(r in self._ended or self._heard_from.get(r, (0, -1))[0] >= s
+                                          for r, s in taken.items()):
+            return False
+        return call is None or 0 in self._ended or self._heard_from.get(0, (0, -1))[1] > call
+
+    def _drain_held(self, force: bool = False) -> None:
+        while self._held:
+            row, taken, call = self._held[0]
+            if not force and (row is self._pending or
+                              (not self._ready(taken, call) and len(self._held) <= MAX_HELD_ROWS)):
+                return
+            self._held.pop(0)   # (taken first: a Ctrl-C in the write cannot write it twice)
+            if row is self._pending:
+                self._pending = None
+            if taken is not None:
+                row["env_steps"] = float(self.base_steps + sum(taken.values()))
+                self._episode_columns(row, self._ended_by(taken))
+            # the evaluation episodes heard by the row's end, as what the loop logs by then is the row's
+            row.update(self._eval_columns())
+            if self.outputs is not None:
+                self.outputs.write_row(row)
