@@ -226,8 +226,10 @@ class Gathering(ReplicaChecks):
         running waits for a version past the newest: none can come (an update needs a piece only a
         waiting replica would send after it; a resumed run's replicas, saved at different trips, have
         different numbers of trips left, and the pieces sent before the cut but not learned from were
-        not saved), so the run would wait for good. The waits are released: each acts with the newest
-        version, and a piece a finished replica leaves unpaired at the end is dropped."""
+        not saved), so the run would wait for good. The waits are released, for the rest of the run and
+        for every replica (a wait whose version has not come within two polls, 0.1 s, then acts with the
+        newest version: see disciplines.Latest), and a piece a finished replica leaves unpaired at the
+        end is dropped."""
         if self._released or not any(self.finished) or not hasattr(self.admission, "waiting_for"):
             return
         if len(self.pools.get(self.program.clock, ())) >= self.program.producers:
