@@ -9,9 +9,14 @@ taken by then (learned from, or dropped as stale): the steps that update had lea
 single_process's row counts the steps made before its update, and the episodes each replica had
 ended by those steps. The workers' reports come in batches (every 0.2 s), so what had reached the
 driver when the update ended was none of that (a short run's rows all said 0 steps, or all the
-run's last count). A row waits until each replica's steps up to its count have been heard, and,
-where it holds loop replica 0's call, until replica 0 has made its next clock call: what the loop
-logged of that call has come by then (the loop logs it after the call), and goes into that row.
+run's last count).
+
+The loop's replicas run the same loop and replica 0 speaks for them (as it logs the loop's own
+values): the run's j-th update's row holds what replica 0 logged of its j-th clock call (of this
+run), with the j-th update's values, so the rows are single_process's rows (a loop logging every
+second update: every second row). A row waits until each replica's steps up to its count have been
+heard and replica 0 has made its next clock call (what the loop logs of a call comes before it), or
+has ended.
 """
 
 from __future__ import annotations
@@ -38,32 +43,33 @@ class ArrivalRows:
     log_scalars: Any
 
     def _arrival_init(self) -> None:
-        # rows in order: (row, each replica's steps at its latest call taken, loop replica 0's clock call in it)
-        self._held: list[tuple[dict[str, float], dict[int, int] | None, int | None]] = []
+        # rows in order: (row, each replica's steps at its latest call taken, whether it is an update's)
+        self._held: list[tuple[dict[str, float], dict[int, int] | None, bool]] = []
         self._heard_from: dict[int, tuple[int, int]] = {}   # replica -> (its steps heard, its last clock call heard)
+        self.first_call0: int | None = None   # loop replica 0's first clock call (number) of this run
 
-    def heard_from(self, replica: int, steps: int, call: int) -> None:
-        """The driver has heard ``steps`` env steps of loop replica ``replica`` and its clock calls up
-        to number ``call`` (-1: none)."""
+    def heard_from(self, replica: int, steps: int, calls: list[int]) -> None:
+        """The driver has heard ``steps`` env steps of loop replica ``replica`` and its clock calls
+        numbered ``calls`` (those of its report)."""
         old = self._heard_from.get(replica, (0, -1))
-        self._heard_from[replica] = (max(old[0], steps), max(old[1], call))
+        self._heard_from[replica] = (max(old[0], steps), max([old[1], *calls]))
+        if replica == 0 and calls and self.first_call0 is None:
+            self.first_call0 = min(calls)
         self._drain_held()
 
-    def arrived_update(self, taken: tuple[int, ...] | None, call: int | None) -> None:
+    def arrived_update(self, taken: tuple[int, ...] | None) -> None:
         """An update of an arrival-gathered run: ``taken``, each replica's steps at its latest clock
-        call the learner had taken (None: not known, the steps heard are counted); ``call``: loop
-        replica 0's clock call the update merged, if any."""
+        call the learner had taken (None: not known, the steps heard are counted)."""
         self.updates += 1
         self._hold_pending()
         row = self._runtime_row()
-        self._held.append((row, None if taken is None else dict(enumerate(taken)), call))
+        self._held.append((row, None if taken is None else dict(enumerate(taken)), True))
         self._pending = row
         self._drain_held()
 
     def log_into(self, update: int, scalars: dict[str, float]) -> None:
-        """Values of this run's ``update``-th update (what the loop logged of the call it merged):
-        into its row, else (written already: the loop logged them after its next clock call) into
-        the current one."""
+        """Values for this run's ``update``-th update's row: into it, else (written already: the
+        loop logged them after its next clock call) into the current one."""
         for row, _, _ in self._held:
             if int(row["updates"]) - self.base_updates == update:
                 row.update(scalars)
@@ -74,20 +80,23 @@ class ArrivalRows:
         """The current row is complete but for the loops' reports: it waits with the rows before it."""
         pending, self._pending = self._pending, None
         if pending is not None and not any(row is pending for row, _, _ in self._held):
-            self._held.append((pending, None, None))   # (the loop's own values, before the first update)
+            self._held.append((pending, None, False))   # (the loop's own values, before the first update)
         self._drain_held()
 
-    def _ready(self, taken: dict[int, int] | None, call: int | None) -> bool:
+    def _ready(self, row: dict[str, float], taken: dict[int, int] | None, update: bool) -> bool:
         if taken is not None and not all(r in self._ended or self._heard_from.get(r, (0, -1))[0] >= s
                                           for r, s in taken.items()):
             return False
-        return call is None or 0 in self._ended or self._heard_from.get(0, (0, -1))[1] > call
+        if not update or 0 in self._ended:
+            return True
+        j = int(row["updates"]) - self.base_updates   # (replica 0's call first_call0 + j - 1 is this row's)
+        return self.first_call0 is not None and self._heard_from[0][1] >= self.first_call0 + j
 
     def _drain_held(self, force: bool = False) -> None:
         while self._held:
-            row, taken, call = self._held[0]
+            row, taken, update = self._held[0]
             if not force and (row is self._pending or
-                              (not self._ready(taken, call) and len(self._held) <= MAX_HELD_ROWS)):
+                              (not self._ready(row, taken, update) and len(self._held) <= MAX_HELD_ROWS)):
                 return
             self._held.pop(0)   # (taken first: a Ctrl-C in the write cannot write it twice)
             if row is self._pending:

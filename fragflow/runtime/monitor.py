@@ -198,13 +198,6 @@ class Monitor(ArrivalRows):
                 if self.outputs is not None:
                     self.outputs.write_row(row)
 
-    def log_latest(self, scalars: dict[str, float]) -> None:
-        """Scalars of the update in progress, a later call's replacing an earlier one's (a learner
-        called several times in an update, its outputs logged as the trace saw them)."""
-        row = self._pending if self._pending is not None else self._runtime_row()
-        row.update(scalars)
-        self._pending = row
-
     def _mark_of(self, replica: int, update: int) -> tuple[int, int] | None:
         return self._marks.get(replica, {}).get(self._first_mark.get(replica, 1) - 1 + update)
 

@@ -45,8 +45,10 @@ class Driver(DriverCheckpoints):
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
         self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
         self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int, int, bool]]] = {}
-        # gathered on arrival: the update (of this run) that merged each of loop replica 0's calls
+        # gathered on arrival: the update (of this run) that merged each of loop replica 0's calls of a
+        # fragment other than the clock (the clock's j-th update's row is its j-th call's: see arrivalrows)
         self._merged_into: dict[tuple[str, int], int] = {}
+        self._clocks = {s.clock for s in lowered.services}
         self.lowered = lowered
         self.program = program
         self.monitor = monitor
@@ -245,20 +247,20 @@ class Driver(DriverCheckpoints):
 
     def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float]],
                   calls: tuple[int, ...] = ()) -> None:
-        if call is None:   # (gathered on arrival, an update of other replicas' calls: replica 0 logged none of it)
-            return
         if not self.monitor.marked_replicas:
-            # gathered on arrival from several replicas: what replica 0 logged of its calls (``calls``:
-            # an update may merge two of its calls) goes into the row of the update that merged them
-            # (the row waits for replica 0's next clock call: see arrivalrows), as under single_process
-            # into the row of the update that computed it
+            # gathered on arrival from several replicas: the clock's j-th update has the row, and the
+            # values, of replica 0's j-th call (see arrivalrows); another fragment's, the row of the
+            # update in progress when it merged replica 0's call (``calls``: one, two or none of them)
             update = self.monitor.updates - self.monitor.base_updates
-            for c in calls or (call,):
-                for part, rest, name, *_ in self._asked_for.pop((fragment, c), ()):
+            key = f"{fragment}@update" if fragment in self._clocks else fragment   # (the clock's: by its update)
+            for c in (update,) if fragment in self._clocks else calls:
+                for part, rest, name, *_ in self._asked_for.pop((key, c), ()):
                     self._write_logged(update, logged.get(part, {}), rest, name, into=True)
-                self._computed_logs[(fragment, c)] = logged
-                self._merged_into[(fragment, c)] = update
-                self._forget_logs(fragment, c)
+                self._computed_logs[(key, c)] = logged
+                self._merged_into[(key, c)] = update
+                self._forget_logs(key, c)
+            return
+        if call is None:   # (replica 0's call is in every update where calls are taken in order)
             return
         for part, rest, name, asked_at, steps, new_row in self._asked_for.pop((fragment, call), ()):
             self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row)
@@ -278,8 +280,11 @@ class Driver(DriverCheckpoints):
 
     def _asked_on_arrival(self, fragment: str, call: int, part: int, rest: str, name: str) -> None:
         """Calls gathered on arrival: the loop (replica 0) logged ``part`` of its call ``call`` of
-        ``fragment``: into the row of the update that merged that call, whichever came first (none
-        where the call was dropped as stale: no update learned from it)."""
+        ``fragment``, whichever came first: the clock's j-th call of this run into the j-th update's
+        row, with that update's values (none where the run made fewer updates: calls dropped as
+        stale); another fragment's into the row of the update in progress when it merged that call."""
+        if fragment in self._clocks:   # its call numbered first_call0 + j - 1 is the j-th update's
+            fragment, call = f"{fragment}@update", call - (self.monitor.first_call0 or 0) + 1
         update = self._merged_into.get((fragment, call))
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
@@ -288,18 +293,15 @@ class Driver(DriverCheckpoints):
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, 0, 0, False))
             self._forget_logs(fragment, call)
 
-    def _write_logged(self, update: int | None, scalars: dict[str, float], rest: str, name: str,
+    def _write_logged(self, update: int, scalars: dict[str, float], rest: str, name: str,
                       steps: int | None = None, new_row: bool = False, into: bool = False) -> None:
-        """The scalars at ``rest`` in a part, logged as ``name`` (into ``update``'s row, or None: the
-        update in progress, a later call's replacing an earlier one's; ``into``: gathered on arrival,
-        the row of this run's ``update``-th update)."""
+        """The scalars at ``rest`` in a part, logged as ``name`` into ``update``'s row (``into``:
+        gathered on arrival, the row of this run's ``update``-th update)."""
         chosen = logged_at(scalars, rest, name)
         if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
             chosen = logged_at(scalars, by_position(scalars, rest), name)
-        if chosen and into and update is not None:
+        if chosen and into:
             self.monitor.log_into(update, chosen)
-        elif chosen and update is None:
-            self.monitor.log_latest(chosen)
         elif chosen:
             self.monitor.log_at(update, chosen, steps, new_row)
 
@@ -336,14 +338,14 @@ class Driver(DriverCheckpoints):
                 for update, *_ in marks:   # the mark ends its message: what was heard is what it had made
                     self.monitor.mark(k, update, self.heard[k][0])
                 if self.monitor.arrival:   # (its steps and clock calls heard: the rows that wait for them)
-                    self.monitor.heard_from(k, self.heard[k][0], max((m[3] for m in marks), default=-1))
+                    self.monitor.heard_from(k, self.heard[k][0], [m[3] for m in marks])
         elif kind == "update":
-            if self.monitor.arrival:   # (each replica's steps at its latest call taken: known of one learner's)
+            if self.monitor.arrival:   # (each replica's steps at its latest call taken, where one learner takes them all)
                 taken = msg[5] if len(msg[5]) == self.lowered.loop.replicas else None
-                self.monitor.arrived_update(taken, max(msg[6], default=None))
+                self.monitor.arrived_update(taken)
             else:
                 self.monitor.update()
-            self._computed(msg[2], msg[3], msg[4], msg[6])
+            self._computed(msg[2], msg[3], msg[4])
         elif kind == "logs":
             self._computed(*msg[1:])
         elif kind == "logged":

@@ -478,13 +478,13 @@ class ServiceRunner(Outgoing, Gathering):
         logged = self._logged(fragment, out)
         # the call's number in loop replica 0, which logs: the driver writes what it logged of it
         call = next((p.call for p in pieces if p.replica == 0), None)
-        mine = tuple(p.call for p in pieces if p.replica == 0)   # (gathered on arrival: it may merge several)
+        mine = tuple(p.call for p in pieces if p.replica == 0)   # (gathered on arrival: one, several or none)
         if self.reducer is not None and frag.writes is not None:   # (every update's, as its calls' and all-reduces')
             self.reducer.timing["busy_ns"] += time.perf_counter_ns() - t0
             self.reducer.timing["updates"] += int(clock)
         if clock and lead:
             self.admission.add_busy(time.perf_counter_ns() - t0)
-            self._report(("update", self.version, fragment, call, logged, tuple(self.taken_steps), mine))
+            self._report(("update", self.version, fragment, call, logged, tuple(self.taken_steps)))
         elif logged and lead:
             self._report(("logs", fragment, call, logged, mine))
 
