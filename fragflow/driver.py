@@ -292,7 +292,7 @@ class _Handover:
         import torch
         from threadpoolctl import threadpool_limits
 
-        from fragflow.runtime.worker import threads_for
+        from fragflow.runtime.worker import blas_threads, threads_for
 
         interp = serial.interpreter(compiled.lowered.loop, self.monitor, compiled.checks)
         interp.events = tracer.events
@@ -325,7 +325,8 @@ class _Handover:
         if not set_by_program and torch.get_num_threads() == threads_for(1):   # as the trace set them: the run's
             set_threads = tracer.threads_set.original if tracer.threads_set is not None else torch.set_num_threads
             set_threads(threads_for(compiled.lowered.loop.threads))
-        threadpool_limits(torch.get_num_threads(), user_api="blas")   # numpy's as torch's (put back as the trace ends)
+        if blas_threads() == tracer.blas_set:   # (where the program set its own, its own)
+            threadpool_limits(torch.get_num_threads(), user_api="blas")   # numpy's as torch's (put back as the trace ends)
         return interp
 
 

@@ -257,6 +257,56 @@ def test_every_process_runs_numpy_s_blas_with_the_placement_s_thread_count(write
     assert result.summary["updates"] == 3
 
 
+BLAS_SET_BY_PROGRAM = """
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+import fragflow as ff
+
+def blas_threads():
+    return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+@ff.fragment("actor")
+def act(obs, seen):
+    assert blas_threads() == {2}, (seen, blas_threads())
+    return np.zeros(len(obs), np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"n": state["n"] + 1}, {}
+
+def train():
+    threadpool_limits(2, user_api="blas")   # the program's own count for numpy's matrix products
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"n": np.zeros((), np.int64)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(5):
+        for _ in range(4):
+            a = act(obs, u)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_program_that_sets_numpy_s_blas_threads_in_its_training_function_keeps_them(write_algo, monkeypatch,
+                                                                                      policy):
+    """A training function that calls threadpoolctl's threadpool_limits itself kept its count in a
+    worker's loop (set after the worker's own), but under single_process the run the trace begins
+    set numpy's BLAS to torch's count as the trace handed over, from the second update on: the actor
+    saw 1 thread. Now the program's count is kept there too, as a torch.set_num_threads of its own is."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    path, _ = write_algo(BLAS_SET_BY_PROGRAM, "blas_set_by_program.py")
+    monkeypatch.setenv("FRAGFLOW_THREADS", "1")
+    with threadpool_limits(1, user_api="blas"):
+        result = ff.run(load(str(path)).train, policy=policy)
+        assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {1}   # (put back)
+    assert result.summary["updates"] == 5
+
+
 TWO_WRITERS = """
 import numpy as np
 import torch

@@ -117,6 +117,7 @@ class Tracer(StateBook):
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
         self.modes = modes.ModeBook()   # the training modes fragments set and act in
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
+        self.blas_set: list[int] | None = None   # numpy's BLAS thread counts as the trace set them
         self._env_sizes: set[int] = set()   # how many environments a training env's step steps (each env's)
         # array arguments a fragment changed in place, and containers (a batch dict) it replaced entries
         # of (checked in a learner's every recorded call and another fragment's first two, where the

@@ -125,7 +125,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     import torch
     from threadpoolctl import threadpool_limits
 
-    from fragflow.runtime.worker import threads_for
+    from fragflow.runtime.worker import blas_threads, threads_for
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(1))   # as the run will: small kernels on a busy machine crawl with more
@@ -136,6 +136,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     unwatch_envs = watch_env_makers(own_envs, watcher.line_now)
     completed = False   # the trace ran to its end (not raised out of)
     blas = threadpool_limits(threads_for(1), user_api="blas")   # (numpy's matrix products: as torch's)
+    tracer.blas_set = blas_threads()   # (as read back: a program that sets its own keeps them, as torch's)
     try:
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):

@@ -52,6 +52,13 @@ def limit_threads(n: int) -> None:
     threadpool_limits(n, user_api="blas")
 
 
+def blas_threads() -> list[int]:
+    """The thread counts of numpy's BLAS libraries in this process (threadpoolctl's reading)."""
+    from threadpoolctl import threadpool_info
+
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
 @contextmanager
 def threads(n: int) -> Iterator[None]:
     """torch's and numpy's BLAS threads at ``n`` within, the counts before put back after."""
