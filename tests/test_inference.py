@@ -72,7 +72,7 @@ def test_numpy_forward_refuses_what_it_would_compute_differently_from_the_module
     hooked[0].register_forward_hook(lambda module, args, out: out * 2)
     hooked_outer = nn.Sequential(nn.Linear(4, 2))
     hooked_outer.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
-    cases = [(normed, "has forward hooks"), (parametrized, "but got a ParametrizedLinear"), (hooked, "has forward hooks"), (hooked_outer, "has forward hooks"),
+    cases = [(normed, "has forward hooks"), (parametrized, r"(?s)ParametrizedLinear.*computes its weight"), (hooked, "has forward hooks"), (hooked_outer, "has forward hooks"),
              (nn.Linear(4, 2).double(), "torch.float64 weights")]
     for net, message in cases:
         with pytest.raises(ConfigError, match=message) as info:
@@ -89,3 +89,39 @@ def test_numpy_forward_of_weights_made_in_inference_mode_and_of_a_saturated_sigm
     with np.errstate(over="raise"):   # (1 / (1 + exp(-x)) overflowed for large negative x)
         got = ff.numpy_forward(net, x)
     assert np.allclose(got, expected, atol=1e-6)
+
+
+def test_numpy_forward_computes_subclasses_that_keep_torch_s_forward_and_refuses_what_is_no_module():
+    """A class of the user's made of an nn.Sequential (`class MLP(nn.Sequential)` building its layers
+    in __init__) or of an nn.Linear, whose forward is torch's own, was refused as 'got a MLP'; a
+    parameter dict, a function or a state_dict failed in fragflow's code ('dict' object has no
+    attribute '_forward_hooks'), and an uninitialised LazyLinear was refused for forward hooks the
+    user never registered. Now the subclasses are computed, and the others are refused at the call
+    saying what they are."""
+    class MLP(nn.Sequential):
+        def __init__(self) -> None:
+            super().__init__(nn.Linear(4, 8), nn.Tanh(), Scaled(8, 2))
+
+    class Scaled(nn.Linear):   # (torch's forward, its own initialisation)
+        def __init__(self, n_in: int, n_out: int) -> None:
+            super().__init__(n_in, n_out)
+            with torch.no_grad():
+                self.weight.mul_(0.1)
+
+    class Doubled(nn.Linear):   # (a forward of its own: not computed)
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    torch.manual_seed(2)
+    x = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    assert _close(MLP(), x) and _close(nn.Sequential(MLP(), nn.ReLU()), x)
+    cases = [(nn.Sequential(Doubled(4, 2)), "but got a Doubled"),
+             ({"w": torch.zeros(2, 4)}, "takes a torch module .* but got a dict"),
+             (lambda v: v, "takes a torch module .* but got a function"),
+             (nn.Linear(4, 2).state_dict(), "takes a torch module .* but got a OrderedDict"),
+             (nn.Sequential(nn.LazyLinear(2)), "LazyLinear .*whose weights torch makes at its first call")]
+    for net, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            ff.numpy_forward(net, x)
+        assert info.value.where is not None and info.value.where.file.endswith("test_inference.py")
+        assert "call the module itself" in info.value.fix

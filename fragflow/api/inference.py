@@ -71,12 +71,33 @@ def _torch() -> Any:
     return torch
 
 
+def _kind(layer: Any) -> Any:
+    """The torch class whose arithmetic ``layer`` computes: its own class, or the class of torch's it
+    derives from where it keeps that class's forward (``class MLP(nn.Sequential)`` building its layers
+    in ``__init__``); None for any other."""
+    nn = _nn()
+    cls = type(layer)
+    for kind in (nn.Linear, nn.Tanh, nn.ReLU, nn.Sigmoid, nn.Identity, nn.Sequential):
+        if cls is kind or (issubclass(cls, kind) and cls.forward is kind.forward):
+            return kind
+    return None
+
+
 def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
     nn = _nn()
-    kind = type(layer)
+    if not isinstance(layer, nn.Module):
+        raise ConfigError(f"ff.numpy_forward takes a torch module (an nn.Sequential of nn.Linear layers and "
+                          f"activations, or one layer), but got a {type(layer).__name__}", where=user_callsite(),
+                          fix="give it the module itself (a network's nn.Sequential), or call the module itself; "
+                              "for a dict of parameter tensors, compute the layers in numpy (x @ w.T + b)")
+    if isinstance(layer, nn.modules.lazy.LazyModuleMixin):
+        raise ConfigError(f"ff.numpy_forward reads a layer's weights, but this {type(layer).__name__} is a lazy layer "
+                          "whose weights torch makes at its first call", where=user_callsite(),
+                          fix="call the module itself once before (or give the layer its input size, nn.Linear)")
     if layer._forward_hooks or layer._forward_pre_hooks:
         raise ConfigError(f"ff.numpy_forward computes a layer's own arithmetic, but this {layer} has forward hooks, "
                           "which it would skip", where=user_callsite(), fix="call the module itself (its hooks run)")
+    kind = _kind(layer)
     if kind is nn.Linear:
         wt, b = _arrays(layer)
         return x @ wt + b if b is not None else x @ wt
@@ -93,6 +114,6 @@ def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
             x = _apply(inner, x)
         return x
     raise ConfigError(f"ff.numpy_forward computes nn.Linear layers and the elementwise activations Tanh, ReLU, "
-                      f"Sigmoid (and Identity) in an nn.Sequential, but got a {kind.__name__}",
+                      f"Sigmoid (and Identity) in an nn.Sequential, but got a {type(layer).__name__}",
                       where=user_callsite(), fix="call the module itself (torch computes any layer), or give "
                       "numpy_forward the Sequential of Linear layers and activations it is made of")
