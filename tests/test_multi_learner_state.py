@@ -244,3 +244,25 @@ def test_mappos_return_moments_are_the_whole_batchs_under_multi_learner():
     for name in ("ret_mean", "ret_mean_sq", "ret_debias"):
         torch.testing.assert_close(getattr(one, name), getattr(two, name), rtol=1e-5, atol=0)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+@pytest.mark.parametrize("via", ["shared memory", "gloo"])
+def test_a_module_the_learner_makes_anew_each_update_is_averaged_as_the_first(write_algo, via, monkeypatch):
+    """A learner that returns a new module each update (`copy.deepcopy(net)`, an optimizer made at
+    each call) had its gradients averaged only at the first update: the learners watched the
+    parameters of the state they were first given, so from the second update each learned from its
+    own share and the run was refused as 'a value each learner computes from its own share'. The
+    parameters of each state a learner writes are now watched (and those it no longer holds let go)."""
+    if via == "gloo":
+        monkeypatch.setenv("FRAGFLOW_ALLREDUCE", "gloo")
+    source = PROGRAM.replace('    return state, {"loss": loss.detach()}',
+                             '    return {**state, "net": copy.deepcopy(net)}, {"loss": loss.detach()}') \
+        .replace("import numpy as np", "import copy\nimport numpy as np")
+    assert source.count("copy.deepcopy") == 1
+    path, _ = write_algo(source, "deepcopied.py")
+    prog = load(str(path))
+    one = ff.run(prog.train, prog.args_cls(own_optimizer=True), policy="single_process")
+    two = ff.run(prog.train, prog.args_cls(own_optimizer=True), policy=ML)
+    assert two.summary["updates"] == 6
+    _close(one, two)
+    assert mp.active_children() == [] and shm_leftovers() == []

@@ -82,7 +82,8 @@ class GradientAllReduce:
         self.closes = 0                     # updates ended (their states compared: large arrays every 16th)
         self.pending: list[Any] = []        # parameters whose gradient this backward pass accumulated
         self.queued = False
-        self.order: dict[int, int] = {}
+        self.order: dict[int, int] = {}     # a watched parameter's place in every learner's all-reduces
+        self.next_order = 0
         self.call: _Call | None = None      # the update in progress: what every learner must agree on
         self.device: Any = "cpu"            # where the all-reduced numbers are
         self.last: tuple[int, Any, Any] = (0, None, None)   # the size, dtype and device of the last gradient
@@ -176,10 +177,10 @@ class GradientAllReduce:
 
             raise Stopped
 
-    def watch(self, state: Any, name: str) -> None:
-        """Average what backward accumulates into the parameters of every optimizer in ``state``,
-        and of its modules and bare tensors (an optimizer the learner makes itself, each call, over
-        them: it is in no state)."""
+    def watch(self, state: Any, name: str, states: dict[str, Any] | None = None) -> None:
+        """Average what backward accumulates into the parameters of ``state`` (see _watchable; an
+        optimizer the learner makes itself, each call, is in no state), also each state a learner
+        writes (a module made anew, ``copy.deepcopy(net)``), letting go of those no state of ``states`` holds."""
         import torch
 
         from fragflow.compiler.pytree import leaf_paths
@@ -187,13 +188,22 @@ class GradientAllReduce:
         if self.group_backend is None:
             tensors = [x for _, x in leaf_paths(state) if isinstance(x, torch.Tensor)]
             self._join({t.device for t in tensors})
-        owned = [p for _, opt in learnerstate.optimizers_at(state) for group in opt.param_groups for p in group["params"]]
-        for p in [*owned, *_parameters(state)]:   # (in the state's order: the same in every learner)
-            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self.watched:
+        added = False
+        for p in _watchable(state):
+            if id(p) not in self.watched:
                 self.watched.add(id(p))
-                self.order[id(p)] = len(self.order)
+                self.order[id(p)] = self.next_order
+                self.next_order += 1
                 self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
                 self.params.append(p)
+                added = True
+        if added and states is not None:   # (a module made anew: the old one's parameters let go)
+            held = {id(p) for s in states.values() for p in _watchable(s)}
+            for p, h in [(p, h) for p, h in zip(self.params, self.handles) if id(p) not in held]:
+                h.remove()
+                self.watched.discard(id(p))
+                del self.order[id(p)]
+            self.params, self.handles = [p for p in self.params if id(p) in held], [h for p, h in zip(self.params, self.handles) if id(p) in held]
 
     def _accumulated(self, p: Any) -> None:
         """A parameter's gradient is accumulated: averaged, with the others of this backward pass, in
@@ -506,6 +516,15 @@ class GradientAllReduce:
             self.shared = None
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+def _watchable(state: Any) -> list[Any]:
+    """The tensors whose gradients the learners average: the parameters of ``state``'s optimizers,
+    modules and bare tensors that take gradients, in the state's order."""
+    import torch
+
+    owned = [p for _, opt in learnerstate.optimizers_at(state) for group in opt.param_groups for p in group["params"]]
+    return [p for p in [*owned, *_parameters(state)] if isinstance(p, torch.Tensor) and p.requires_grad]
 
 
 def _parameters(tree: Any) -> Any:

@@ -444,6 +444,8 @@ class ServiceRunner(Outgoing, Gathering):
             calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite(),
                               self._shapes.get(state))
             self.states[state] = new_value
+            if self.reducer is not None:   # (a module the learner made anew has parameters of its own to average)
+                self.reducer.watch(new_value, state, self.states)
             self.writes[state] = self.writes.get(state, 0) + 1
             if clock:
                 self.version += 1
