@@ -125,3 +125,60 @@ def test_numpy_forward_computes_subclasses_that_keep_torch_s_forward_and_refuses
             ff.numpy_forward(net, x)
         assert info.value.where is not None and info.value.where.file.endswith("test_inference.py")
         assert "call the module itself" in info.value.fix
+
+
+LOOP_READ = """
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(net, obs):
+    return ff.numpy_forward(net, obs).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    net, opt = state["net"], state["opt"]
+    loss = net(torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return state, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    seen = []
+    for _ in range(4):
+        for _ in range(4):
+            a = act(state["net"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+        seen.append(ff.numpy_forward(state["net"], obs))   # @read
+    return seen
+"""
+
+
+def test_numpy_forward_of_the_state_s_module_in_the_loop_runs_as_eagerly_in_one_process_and_is_refused_apart(write_algo):
+    """`ff.numpy_forward(state["net"], obs)` in the training loop (an evaluation) was refused under every
+    policy, single_process included, as 'but got a VersionedView', where eagerly `state["net"]` is the
+    module. Now it reads the state as the loop's other reads do: as eagerly in one process, and refused
+    at its line where the learner runs apart (the loop's copy is not the newest)."""
+    from fragflow.errors import VersionedStateError
+    from fragflow.program import load
+    from tests.conftest import relpath
+
+    path, marks = write_algo(LOOP_READ, "loop_read.py")
+    prog = load(str(path))
+    eager = prog.train()
+    result = ff.run(prog.train, policy="single_process")
+    assert len(result.value) == 4 and all(np.array_equal(a, b) for a, b in zip(result.value, eager))
+    with pytest.raises(VersionedStateError, match=rf"given to ff.numpy_forward in the training loop(.|\n)*"
+                                                  rf"at {relpath(path)}:{marks['read']}"):
+        ff.run(prog.train, policy="pipelined")

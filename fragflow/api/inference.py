@@ -23,6 +23,10 @@ def numpy_forward(module: Any, x: Any) -> np.ndarray:
     """``module(x)`` in numpy, for an ``nn.Sequential`` (or a single layer) of ``nn.Linear``,
     ``nn.Tanh``, ``nn.ReLU``, ``nn.Sigmoid`` and ``nn.Identity`` layers whose parameters are on the
     CPU. ``x``: an array or tensor with the batch first; returns float32."""
+    from fragflow.api.versioned import Versioned, VersionedView, _loop_value
+
+    if isinstance(module, (Versioned, VersionedView)):   # the loop's own read of the state (as `state["q"](x)`)
+        module = _loop_value(module, "given to ff.numpy_forward")
     out = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float32)
     return _apply(module, out)
 
