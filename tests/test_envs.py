@@ -668,6 +668,35 @@ def test_clip_actions_clips_each_environment_s_action_to_the_box_as_gymnasium_s_
     env.close()
 
 
+def test_clip_actions_refuses_an_action_of_another_shape_rather_than_broadcast_it_to_the_box():
+    """clip_actions=True clipped the batch with numpy's broadcasting against the Box's bounds: an actor
+    returning one number per environment ([n, 1]) for a Box of two dimensions stepped each env with
+    that number in both dimensions, silently (without clip_actions the env's own check refuses it),
+    and actions of three dimensions failed in fragflow's code ('operands could not be broadcast').
+    Now an action of another shape is refused at the step's line, naming both shapes; [n] for a Box
+    of one dimension (Pendulum's) is still taken as [n, 1], as gymnasium takes it."""
+    envs: list[_Recorded] = []
+
+    def factory() -> gym.Env:
+        envs.append(_Recorded())
+        return envs[-1]
+
+    env = ff.envs.make(factory, num_envs=2, seed=0, clip_actions=True)
+    env.reset()
+    for given, shape in ((np.full((2, 1), 0.3), r"\(2, 1\)"), (np.zeros((2, 3)), r"\(2, 3\)"),
+                         (np.zeros(2), r"\(2,\)")):
+        with pytest.raises(ConfigError, match=rf"env.step got actions of shape {shape}, where each of its 2 "
+                                              rf"environments takes an action of shape \(2,\)") as info:
+            env.step(given)
+        assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    assert all(e.got == [] for e in envs[-2:])
+    env.close()
+    pendulum = ff.envs.make("Pendulum-v1", num_envs=2, seed=0, clip_actions=True)
+    pendulum.reset()
+    assert pendulum.step(np.array([5.0, -5.0]))[0].shape == (2, 3)
+    pendulum.close()
+
+
 class _Misfit(gym.Env):
     """Returns observations that do not fit its space: of another shape at reset, or at a step of a
     Dict or Tuple space (of another shape, a key missing, a part missing)."""

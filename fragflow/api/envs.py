@@ -106,6 +106,8 @@ class VectorEnv:
                                   where=user_callsite(),
                                   fix="leave clip_actions out, or clip the actions your actor returns yourself")
             env = ClipActions(env)
+        # (what clip_actions clips against: numpy would broadcast an action of another shape to the Box's)
+        self._clipped: tuple[int, ...] | None = env.single_action_space.shape if clip_actions else None
         if normalize_obs or normalize_reward:
             env = Normalize(env, normalize_obs, normalize_reward, reward_gamma)
         self._env = env
@@ -200,6 +202,12 @@ class VectorEnv:
                 where=user_callsite(), fix="give one action per environment, a leading axis of env.num_envs; an "
                 "actor that returns a Python list or number has no environment axis that a policy splitting the "
                 "environments can split: return an array (np.asarray(...), a tensor)")
+        if self._clipped is not None and a.shape[1:] != self._clipped and a.size != self.num_envs * math.prod(self._clipped):
+            raise ConfigError(f"{self.name}.step got actions of shape {a.shape}, where each of its {self.num_envs} "
+                              f"environments takes an action of shape {self._clipped} (clip_actions would broadcast "
+                              "it to the Box's bounds)", where=user_callsite(),
+                              fix=f"return one action of shape {self._clipped} per environment: an array of shape "
+                                  f"({self.num_envs}, {', '.join(map(str, self._clipped))})")
         if self._action_dtype is not None and a.dtype != self._action_dtype:
             a = self._cast(a, self._action_dtype, "actions")
         return self._finish(self._env.step(a))
