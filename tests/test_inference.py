@@ -182,3 +182,18 @@ def test_numpy_forward_of_the_state_s_module_in_the_loop_runs_as_eagerly_in_one_
     with pytest.raises(VersionedStateError, match=rf"given to ff.numpy_forward in the training loop(.|\n)*"
                                                   rf"at {relpath(path)}:{marks['read']}"):
         ff.run(prog.train, policy="pipelined")
+
+
+def test_numpy_forward_names_the_layer_an_input_of_another_width_does_not_fit():
+    """An input whose rows are not as wide as a Linear layer takes failed with numpy's own words from
+    fragflow's code ('matmul: Input operand 1 has a mismatch in its core dimension 0 ...'), naming no
+    layer. Now it is refused at the call, naming the layer, its place and the input's shape."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(5, 2))
+    with pytest.raises(ConfigError, match=r"ff.numpy_forward's layer \[0\] Linear\(in_features=4, out_features=8, "
+                                          r"bias=True\) takes rows of 4 numbers, but got an input of shape \(3, 5\)") as info:
+        ff.numpy_forward(net, np.zeros((3, 5), np.float32))
+    assert info.value.where is not None and info.value.where.file.endswith("test_inference.py")
+    with pytest.raises(ConfigError, match=r"layer \[2\] Linear\(in_features=5, .* but got an input of shape \(3, 8\)"):
+        ff.numpy_forward(net, np.zeros((3, 4), np.float32))
+    with pytest.raises(ConfigError, match=r"layer Linear\(in_features=4, .* but got an input of shape \(3,\)"):
+        ff.numpy_forward(nn.Linear(4, 2), np.zeros(3, np.float32))

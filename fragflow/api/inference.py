@@ -87,7 +87,7 @@ def _kind(layer: Any) -> Any:
     return None
 
 
-def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
+def _apply(layer: Any, x: np.ndarray, place: str = "") -> np.ndarray:
     nn = _nn()
     if not isinstance(layer, nn.Module):
         raise ConfigError(f"ff.numpy_forward takes a torch module (an nn.Sequential of nn.Linear layers and "
@@ -104,6 +104,11 @@ def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
     kind = _kind(layer)
     if kind is nn.Linear:
         wt, b = _arrays(layer)
+        if x.shape[-1:] != wt.shape[:1]:
+            raise ConfigError(f"ff.numpy_forward's layer {place + ' ' if place else ''}{layer} takes rows of "
+                              f"{wt.shape[0]} numbers, but got an input of shape {x.shape}", where=user_callsite(),
+                              fix="give it a batch of rows of the network's input size (the observation's), and "
+                                  "layers whose sizes follow each other")
         return x @ wt + b if b is not None else x @ wt
     if kind is nn.Tanh:
         return np.tanh(x)
@@ -114,8 +119,8 @@ def _apply(layer: Any, x: np.ndarray) -> np.ndarray:
     if kind is nn.Identity:
         return x
     if kind is nn.Sequential:
-        for inner in layer:
-            x = _apply(inner, x)
+        for i, inner in enumerate(layer):
+            x = _apply(inner, x, f"{place}[{i}]")
         return x
     raise ConfigError(f"ff.numpy_forward computes nn.Linear layers and the elementwise activations Tanh, ReLU, "
                       f"Sigmoid (and Identity) in an nn.Sequential, but got a {type(layer).__name__}",
