@@ -197,3 +197,21 @@ def test_numpy_forward_names_the_layer_an_input_of_another_width_does_not_fit():
         ff.numpy_forward(net, np.zeros((3, 4), np.float32))
     with pytest.raises(ConfigError, match=r"layer Linear\(in_features=4, .* but got an input of shape \(3,\)"):
         ff.numpy_forward(nn.Linear(4, 2), np.zeros(3, np.float32))
+
+
+def test_numpy_forward_reads_a_weight_made_a_view_of_its_own_storage_anew():
+    """Its views were kept while the weight's storage began at the same address: a weight made a
+    transposed view of itself (`w.data = w.data.t()`, a tied decoder's) kept the old view, and the
+    forward pass computed with the untransposed matrix, silently; a weight or bias cut to fewer rows
+    (`b.data = b.data[:4]`) kept the longer one. Shape and strides now count as well."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 6))
+    x = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
+    assert _close(net, x)
+    with torch.no_grad():
+        net[0].weight.data = net[0].weight.data.t()
+    assert _close(net, x)
+    with torch.no_grad():
+        net[2].weight.data = net[2].weight.data[:4]
+        net[2].bias.data = net[2].bias.data[:4]
+    assert _close(net, x) and ff.numpy_forward(net, x).shape == (3, 4)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from fragflow.api.versioned import Versioned, VersionedView, _loop_value
 from fragflow.errors import ConfigError
 from fragflow.source import user_callsite
 
@@ -23,8 +24,6 @@ def numpy_forward(module: Any, x: Any) -> np.ndarray:
     """``module(x)`` in numpy, for an ``nn.Sequential`` (or a single layer) of ``nn.Linear``,
     ``nn.Tanh``, ``nn.ReLU``, ``nn.Sigmoid`` and ``nn.Identity`` layers whose parameters are on the
     CPU. ``x``: an array or tensor with the batch first; returns float32."""
-    from fragflow.api.versioned import Versioned, VersionedView, _loop_value
-
     if isinstance(module, (Versioned, VersionedView)):   # the loop's own read of the state (as `state["q"](x)`)
         module = _loop_value(module, "given to ff.numpy_forward")
     out = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float32)
@@ -33,7 +32,7 @@ def numpy_forward(module: Any, x: Any) -> np.ndarray:
 
 _NN: Any = None
 # a Linear layer's weight and bias as numpy arrays (views of the tensors), with what they were read
-# from: the same tensor objects at the same storage and version counter hold the same values
+# from: the same tensor objects at the same storage, of the same shape and strides, hold the same values
 _VIEWS: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -51,10 +50,11 @@ def _arrays(layer: Any) -> tuple[np.ndarray, np.ndarray | None]:
     w, b = params.get("weight"), params.get("bias")
     hit = _VIEWS.get(layer)
     # (the views share the tensors' memory, so an in-place change shows through them; a tensor or
-    # storage replaced, `.data = ...` or a new Parameter, is read anew)
-    if hit is not None and hit[0] is w and hit[1] is b and hit[2] == w.data_ptr() and \
-            (b is None or hit[3] == b.data_ptr()):
-        return hit[4], hit[5]
+    # storage replaced, `.data = ...` or a new Parameter, is read anew, and so is a view of the same
+    # storage of another shape or strides, `w.data = w.data.t()`)
+    if hit is not None and hit[0] is w and hit[1] is b and hit[2] == w.data_ptr() and hit[3] == w.stride() and \
+            hit[4] == w.shape and (b is None or (hit[5] == b.data_ptr() and hit[6] == b.shape)):
+        return hit[7], hit[8]
     if w is None:
         raise ConfigError(f"ff.numpy_forward reads a Linear layer's weight, but this {layer} computes its weight "
                           "(a parametrization, such as weight or spectral normalisation)", where=user_callsite(),
@@ -65,7 +65,8 @@ def _arrays(layer: Any) -> tuple[np.ndarray, np.ndarray | None]:
                           fix="call the module itself where its parameters are of another dtype or on an accelerator")
     wt = w.detach().numpy().T
     bn = b.detach().numpy() if b is not None else None
-    _VIEWS[layer] = (w, b, w.data_ptr(), None if b is None else b.data_ptr(), wt, bn)
+    _VIEWS[layer] = (w, b, w.data_ptr(), w.stride(), w.shape, None if b is None else b.data_ptr(),
+                     None if b is None else b.shape, wt, bn)
     return wt, bn
 
 
