@@ -266,3 +266,34 @@ def test_a_module_the_learner_makes_anew_each_update_is_averaged_as_the_first(wr
     assert two.summary["updates"] == 6
     _close(one, two)
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_parameter_frozen_when_its_state_is_written_stays_averaged_when_unfrozen(write_algo):
+    """A learner that makes its module anew each update and freezes a parameter of another module
+    as it returns its second update (unfreezing it at its next call): the parameters no state held
+    were let go at each write, and a frozen one counted as not held, so from the third update its
+    gradient was each learner's own (review of this session's change). (A parameter frozen whenever
+    its state is written is never watched: its hook needs it to require gradients.)"""
+    replaced = [
+        ('    net = state["net"]\n', '    net = state["net"]\n    head = state["head"]\n    head.bias.requires_grad_(True)\n'),
+        ("torch.optim.SGD(net.parameters(), lr=0.05)", "torch.optim.SGD([*net.parameters(), *head.parameters()], lr=0.05)"),
+        ("loss = ((net(x) - y) ** 2).mean()", "loss = ((head(net(x)) - y) ** 2).mean()"),
+        ('    return state, {"loss": loss.detach()}',
+         '    head.bias.requires_grad_(state["n"] != 1)\n'
+         '    return {**state, "net": copy.deepcopy(net), "n": state["n"] + 1}, {"loss": loss.detach()}'),
+        ('{"net": net} if args.own_optimizer else',
+         '{"net": net, "head": torch.nn.Linear(1, 1), "n": 0} if args.own_optimizer else'),
+        ("import numpy as np", "import copy\nimport numpy as np"),
+    ]
+    source = PROGRAM
+    for old, new in replaced:
+        assert old in source, old
+        source = source.replace(old, new)
+    path, _ = write_algo(source, "frozen_head.py")
+    prog = load(str(path))
+    one = ff.run(prog.train, prog.args_cls(own_optimizer=True), policy="single_process")
+    two = ff.run(prog.train, prog.args_cls(own_optimizer=True), policy=ML)
+    assert two.summary["updates"] == 6
+    _close(one, two)
+    torch.testing.assert_close(one.value["head"].bias, two.value["head"].bias, rtol=1e-5, atol=1e-6)
+    assert mp.active_children() == [] and shm_leftovers() == []

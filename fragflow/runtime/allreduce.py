@@ -198,7 +198,7 @@ class GradientAllReduce:
                 self.params.append(p)
                 added = True
         if added and states is not None:   # (a module made anew: the old one's parameters let go)
-            held = {id(p) for s in states.values() for p in _watchable(s)}
+            held = {id(p) for s in states.values() for p in (*_watchable(s), *_parameters(s))}   # (frozen ones too)
             for p, h in [(p, h) for p, h in zip(self.params, self.handles) if id(p) not in held]:
                 h.remove()
                 self.watched.discard(id(p))

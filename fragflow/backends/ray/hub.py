@@ -234,6 +234,8 @@ class Hub:
             pause = min(pause * 2, 2e-3)
 
     def produced(self, replica: int) -> None:
+        if self.per_replica[replica] <= 0:   # (a dead process's report that came after forget: nothing of it is owed)
+            return
         self.in_production -= 1
         self.per_replica[replica] -= 1
 
