@@ -1165,6 +1165,7 @@ def train(args: Args):
         state, metrics = learn(state, buf.collect())
         if update % args.log_every == 0:
             ff.log(metrics)
+            ff.log({"u": float(update)})   # (a value of the loop's own, logged with them)
     return state
 """
 
@@ -1185,7 +1186,7 @@ def test_a_loop_logging_every_second_update_has_those_rows_and_their_steps_where
     result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "two")
     one = list(csv.DictReader((tmp_path / "one" / "metrics.csv").open()))
     rows = list(csv.DictReader((tmp_path / "two" / "metrics.csv").open()))
-    assert [r["n"] for r in one] == [f"{float(u)}" if u % 2 == 0 else "" for u in range(20)]
+    assert [r["n"] for r in one] == [f"{float(u)}" if u % 2 == 0 else "" for u in range(20)] == [r["u"] for r in one]
     assert {"loss", "n"} <= set(rows[0]) and set(one[0]) <= set(rows[0])
     updates = result.summary["updates"]
     drops = result.summary["channels"]["trajectory"]["drops"]
@@ -1193,6 +1194,9 @@ def test_a_loop_logging_every_second_update_has_those_rows_and_their_steps_where
     logged = [r for r in rows if r["loss"] != ""]
     assert [float(r["updates"]) for r in logged] == [float(j) for j in range(1, updates + 1, 2)]
     assert all(float(r["n"]) == float(r["updates"]) - 1 for r in logged)   # each the value of its row's update
+    # the loop's own value logged with them in the same row (it went to the newest row, apart from
+    # the learner's values, where replica 0 ran ahead of or behind the learner)
+    assert [r["u"] for r in rows] == [r["n"] for r in rows]
     steps = [float(r["env_steps"]) for r in rows]
     assert all(s % 32 == 0 and s >= 64 * j for j, s in enumerate(steps, 1)) and steps == sorted(steps)
     assert steps[-1] <= 1280 and result.summary["env_steps"] == 1280

@@ -35,6 +35,7 @@ class ArrivalRows:
     base_updates: int
     base_steps: int
     _pending: dict[str, float] | None
+    _early: dict[int, dict[str, float]]
     _ended: set[int]
     _runtime_row: Any
     _episode_columns: Any
@@ -63,6 +64,7 @@ class ArrivalRows:
         self.updates += 1
         self._hold_pending()
         row = self._runtime_row()
+        row.update(self._early.pop(self.updates - self.base_updates, {}))   # (the loop's values that came first)
         self._held.append((row, None if taken is None else dict(enumerate(taken)), True))
         self._pending = row
         self._drain_held()

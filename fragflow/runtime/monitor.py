@@ -156,6 +156,14 @@ class Monitor(ArrivalRows):
         row where the row is still held (rows wait for their marks), else into the current one.
         The loop's own values after it stepped an env (``new_row``, at replica 0's ``steps``) are a
         row of their own after the update's, as single_process writes them."""
+        if update and self.arrival and not new_row:
+            # gathered on arrival: the j-th update's row holds what loop replica 0 logged at its j-th
+            # learner call (see arrivalrows), the loop's own values with the learner's
+            if update > self.updates - self.base_updates:   # (that update has not reached the driver yet)
+                self._early.setdefault(update, {}).update(scalars)
+            else:
+                self.log_into(update, scalars)
+            return
         if update is not None and self.marked_replicas and steps is not None:
             # the row the loop made after that env step (a learner's output the loop logged may
             # come after the loop's later rows: found by its steps), a new one, or the update's
