@@ -215,3 +215,13 @@ def test_numpy_forward_reads_a_weight_made_a_view_of_its_own_storage_anew():
         net[2].weight.data = net[2].weight.data[:4]
         net[2].bias.data = net[2].bias.data[:4]
     assert _close(net, x) and ff.numpy_forward(net, x).shape == (3, 4)
+
+
+def test_numpy_forward_of_a_compiled_module_computes_the_module_it_wraps():
+    """torch.compile(net) was refused as 'got a OptimizedModule' (compiling is lazy: nothing compiles here)."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
+    compiled = torch.compile(net)
+    assert type(compiled).__name__ == "OptimizedModule"
+    assert np.array_equal(ff.numpy_forward(compiled, x), ff.numpy_forward(net, x)) and _close(net, x)

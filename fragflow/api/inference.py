@@ -26,6 +26,8 @@ def numpy_forward(module: Any, x: Any) -> np.ndarray:
     CPU. ``x``: an array or tensor with the batch first; returns float32."""
     if isinstance(module, (Versioned, VersionedView)):   # the loop's own read of the state (as `state["q"](x)`)
         module = _loop_value(module, "given to ff.numpy_forward")
+    if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        module = module._orig_mod   # (torch.compile's wrapper: the module it compiles computes the same)
     out = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float32)
     return _apply(module, out)
 
