@@ -155,7 +155,7 @@ def evaluate(params: dict, obs: torch.Tensor, action: torch.Tensor):
 
 # ACT: one inference step for every environment, in numpy: a row per environment is a few thousand
 # multiply-adds, where each torch call costs microseconds of its own (numpy's calls cost a fraction
-# of that: about half the time of an acting step's arithmetic). The same float32 arithmetic as
+# of that: HalfCheetah's act for one env takes 40 us, 60 us in torch). The same float32 arithmetic as
 # ``evaluate`` up to rounding. Sampling noise comes from per-environment keys, so environment i draws
 # the same numbers wherever a policy places it.
 LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))

@@ -2,9 +2,8 @@
 
 An actor computes a row per environment: a few thousand multiply-adds, where each torch call costs
 microseconds of its own (the dispatcher, autograd's bookkeeping, a module's ``__call__``). numpy's
-calls cost a fraction of that, so an actor's forward pass through ``nn.Linear`` layers and
-elementwise activations takes about a third of the time in numpy (PPO's, A2C's and DQN's acting,
-measured in ``benchmarks/``). The weights are the module's own, read without copying; the result
+calls cost a fraction of that: a 64-64 tanh policy on 8 rows took 12.5 us in numpy against
+torch's 20.2 us, DQN's 120-84 Q-network on one row 12.9 against 20.7 us (quiet machine). The weights are the module's own, read without copying; the result
 is the same float32 arithmetic up to rounding (different matrix kernels). Learning keeps torch.
 """
 
@@ -61,7 +60,7 @@ def _arrays(layer: Any) -> tuple[np.ndarray, np.ndarray | None]:
         raise ConfigError(f"ff.numpy_forward reads a Linear layer's weight, but this {layer} computes its weight "
                           "(a parametrization, such as weight or spectral normalisation)", where=user_callsite(),
                           fix="call the module itself for a layer whose weight is computed")
-    if w.device.type != "cpu" or w.dtype != _torch().float32:
+    if w.device.type != "cpu" or str(w.dtype) != "torch.float32":
         raise ConfigError(f"ff.numpy_forward computes float32 on the CPU, but this {layer} has {w.dtype} weights on "
                           f"{w.device}", where=user_callsite(),
                           fix="call the module itself where its parameters are of another dtype or on an accelerator")
@@ -70,12 +69,6 @@ def _arrays(layer: Any) -> tuple[np.ndarray, np.ndarray | None]:
     _VIEWS[layer] = (w, b, w.data_ptr(), w.stride(), w.shape, None if b is None else b.data_ptr(),
                      None if b is None else b.shape, wt, bn)
     return wt, bn
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 def _kind(layer: Any) -> Any:

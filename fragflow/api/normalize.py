@@ -34,8 +34,8 @@ class RunningMeanStd:
 class ClipActions(gym.vector.VectorActionWrapper):
     """gymnasium's ``ClipAction`` on a vector env, in one numpy call for the batch: each action clipped
     to the Box's bounds, the wrapped space unbounded (as gymnasium's). gymnasium's vector form clips
-    each environment's action apart and joins them again, about 30 us a step, a tenth of a MuJoCo
-    step's acting; the clipped actions are the same."""
+    each environment's action apart and joins them again (HalfCheetah's one action: 5.0 us against
+    1.9 us); the clipped actions are the same."""
 
     def __init__(self, env: gym.vector.VectorEnv) -> None:
         super().__init__(env)

@@ -136,8 +136,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
     unwatch_envs = watch_env_makers(own_envs, watcher.line_now)
     completed = False   # the trace ran to its end (not raised out of)
     blas = threadpool_limits(threads_for(1), user_api="blas")   # (numpy's matrix products: as torch's)
-    tracer.blas_set = blas_threads()   # (as read back: a program that sets its own keeps them, as torch's)
     try:
+        tracer.blas_set = blas_threads()   # (as read back: a program that sets its own keeps them, as torch's)
         ran_whole = False   # the loop ended while traced
         with context.using(tracer):
             try:

@@ -42,9 +42,8 @@ def threads_for(group_threads: int) -> int:
 
 def limit_threads(n: int) -> None:
     """``n`` threads for torch's operations and for numpy's BLAS (matrix products) in this worker
-    process. numpy's OpenBLAS otherwise starts a thread per core for a product of a few hundred
-    rows, which on a machine whose cores the run's other processes hold made a 256 x 64 product
-    ten times slower than one thread does."""
+    process: the placement's count, as torch's (numpy's OpenBLAS otherwise starts a thread per core
+    for a product of a few hundred rows, whose speed then depends on what else the machine runs)."""
     import torch
     from threadpoolctl import threadpool_limits
 
