@@ -84,16 +84,17 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
 # ACT: epsilon-greedy; the exploration noise comes from per-environment keys
 @ff.fragment("actor")
 def act(q, obs, key, epsilon):
+    head = q.network[-1]
     u = ff.random.uniform(key, (2,))
     explore = u[:, 0] < epsilon
-    random_action = (u[:, 1] * q.network[-1].out_features).astype(np.int64)
+    random_action = (u[:, 1] * head.out_features).astype(np.int64)
     if explore.all():   # as CleanRL: no forward pass where no environment acts greedily
         return random_action
-    if q.network[-1].weight.device.type == "cpu":   # the forward pass in numpy: 12.9 us against torch's 20.7 for a row
+    if head.weight.device.type == "cpu":   # the forward pass in numpy: 12.9 us against torch's 20.7 for a row
         q_values = ff.numpy_forward(q.network, obs)
     else:
         with torch.no_grad():
-            q_values = q(torch.as_tensor(obs, dtype=torch.float32, device=q.network[-1].weight.device)).cpu().numpy()
+            q_values = q(torch.as_tensor(obs, dtype=torch.float32, device=head.weight.device)).cpu().numpy()
     return np.where(explore, random_action, q_values.argmax(axis=-1))
 
 

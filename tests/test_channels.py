@@ -5,6 +5,7 @@ import os
 import queue
 import signal
 import struct
+import threading
 import time
 
 import numpy as np
@@ -252,6 +253,45 @@ def test_a_process_killed_while_reporting_blocks_no_other_processs_reports():
     assert reports.get(timeout=5) == "from actor 1"
     restarted.join(timeout=20)
     reports.close()
+
+
+def _report_from_the_loop(q, out) -> None:
+    q.put({"steps": 3})
+    out.put(threading.active_count())   # (a feeder thread would be the second, started by the put)
+
+
+def test_a_report_is_written_on_the_calling_thread_and_dropped_once_the_driver_stops_reading():
+    """A worker's report queue started a feeder thread, which waited for the GIL while the loop
+    computed and was woken in vain at every numpy call that let it go (about 10 us each, on the
+    pipelined DQN actor's argmax): reports are written by the thread that puts them."""
+    from fragflow.backends.local import Reports
+
+    ctx = mp.get_context("fork")
+    reports = Reports(ctx)
+    threads = ctx.SimpleQueue()
+    p = ctx.Process(target=_report_from_the_loop, args=(reports.new("actor-0"), threads))
+    p.start()
+    reports.started("actor-0")
+    assert reports.get(timeout=5) == {"steps": 3}
+    p.join(timeout=20)
+    assert p.exitcode == 0
+    assert threads.get() == 1
+    go = ctx.Event()
+    p = ctx.Process(target=_report_late, args=(reports.new("actor-1"), go))
+    p.start()
+    reports.started("actor-1")
+    reports.retire("actor-1")   # the driver no longer reads it (its run is ending)
+    go.set()
+    p.join(timeout=20)
+    assert p.exitcode == 0      # its reports dropped, not raised into its loop
+    reports.close()
+
+
+def _report_late(q, go) -> None:
+    q.writing_only()   # (as a worker's endpoints do)
+    go.wait(10)
+    q.put("late")
+    q.put("x" * 200_000)   # (more than the pipe holds)
 
 
 def test_segments_of_a_driver_that_no_longer_runs_are_removed_by_the_next_run():

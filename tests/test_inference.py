@@ -225,3 +225,45 @@ def test_numpy_forward_of_a_compiled_module_computes_the_module_it_wraps():
     compiled = torch.compile(net)
     assert type(compiled).__name__ == "OptimizedModule"
     assert np.array_equal(ff.numpy_forward(compiled, x), ff.numpy_forward(net, x)) and _close(net, x)
+
+
+def test_numpy_forward_of_a_module_called_again_follows_every_change_to_it():
+    """A module's second call makes its pass a list of steps, taken while the layers, their hooks and
+    their weight tensors are those it was made from: each change below, made after that, is computed
+    (or refused) as at a first call."""
+    torch.manual_seed(4)
+    x = np.random.default_rng(3).normal(size=(2, 4)).astype(np.float32)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 3))
+
+    def called_twice() -> None:
+        ff.numpy_forward(net, x)
+        assert _close(net, x)
+
+    called_twice()
+    net[1] = nn.Sigmoid()                        # a layer of a Sequential replaced
+    called_twice()
+    net[2][0] = nn.Linear(8, 8)                  # ... of an inner one
+    called_twice()
+    net.append(nn.ReLU())                        # a layer added
+    called_twice()
+    with torch.no_grad():
+        net[0].weight = nn.Parameter(torch.randn(8, 4))   # a new Parameter
+        net[3].bias.data = torch.randn(3)                 # new storage
+        net[2][0].weight.mul_(2.0)                        # in place (the steps read it through views)
+    called_twice()
+    assert np.allclose(ff.numpy_forward(net, x[:1]), ff.numpy_forward(net, x)[:1])
+    with pytest.raises(ConfigError, match=r"layer \[0\] Linear\(in_features=4, .* but got an input of shape \(2, 5\)"):
+        ff.numpy_forward(net, np.zeros((2, 5), np.float32))   # (another width: the layer named, as at a first call)
+    hook = net[2][1].register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(ConfigError, match="has forward hooks"):
+        ff.numpy_forward(net, x)
+    hook.remove()
+    called_twice()
+    net.double()
+    with pytest.raises(ConfigError, match="torch.float64 weights"):
+        ff.numpy_forward(net, x)
+    input_kept = x.copy()
+    relu_first = nn.Sequential(nn.ReLU(), nn.Linear(4, 2))
+    for _ in range(3):
+        ff.numpy_forward(relu_first, x)
+    assert np.array_equal(x, input_kept)   # (the input is never written in place)

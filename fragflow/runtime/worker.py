@@ -84,10 +84,11 @@ def _alive(pid: int) -> bool:
 
 
 def _die_with_parent(parent: int) -> None:
+    armed = False   # the kernel kills this process when its parent dies
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+            armed = libc.prctl(1, signal.SIGKILL) == 0   # PR_SET_PDEATHSIG
         except OSError:
             pass
     # Started by fork or spawn, the driver is this process's parent; from a fork server (the start
@@ -99,6 +100,11 @@ def _die_with_parent(parent: int) -> None:
 
     if orphaned():   # the driver died before the signal was armed
         os._exit(1)
+    if armed and started_by == parent:
+        # the signal comes when the driver dies: no thread to watch it, which would wait for the GIL
+        # while the process computes, and be woken in vain at each of its numpy and torch calls that
+        # let the GIL go (see backends.local.DirectQueue)
+        return
 
     def watch() -> None:
         while True:
