@@ -267,3 +267,47 @@ def test_numpy_forward_of_a_module_called_again_follows_every_change_to_it():
     for _ in range(3):
         ff.numpy_forward(relu_first, x)
     assert np.array_equal(x, input_kept)   # (the input is never written in place)
+
+
+def test_numpy_forward_of_a_module_called_again_follows_a_class_or_its_children_replaced_and_frees_it():
+    """Found in review: a layer's class swapped (or its class's forward patched) and a Sequential's
+    children replaced whole (`net._modules = ...`) after the second call kept the steps made before,
+    silently (the ReLU's output where the layer now negates); and a module called twice was never
+    freed (its steps held it)."""
+    import collections
+    import gc
+    import weakref
+
+    class Neg(nn.ReLU):
+        def forward(self, x):
+            return -x
+
+    torch.manual_seed(5)
+    x = np.random.default_rng(4).normal(size=(3, 4)).astype(np.float32)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    ff.numpy_forward(net, x)
+    ff.numpy_forward(net, x)
+    net[1].__class__ = Neg
+    with pytest.raises(ConfigError, match="but got a Neg"):
+        ff.numpy_forward(net, x)
+    net[1].__class__ = nn.ReLU
+    assert _close(net, x)
+    net._modules = collections.OrderedDict([("0", net[0]), ("1", nn.Tanh())])
+    assert _close(net, x)
+
+    class Twice(nn.Sequential):   # (keeps torch's forward until patched)
+        pass
+
+    twice = Twice(nn.Linear(4, 3))
+    ff.numpy_forward(twice, x)
+    assert _close(twice, x)
+    Twice.forward = lambda self, v: nn.Sequential.forward(self, v) * 2   # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match="but got a Twice"):
+        ff.numpy_forward(twice, x)
+    gone = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    ff.numpy_forward(gone, x)
+    ff.numpy_forward(gone, x)
+    ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert ref() is None

@@ -458,7 +458,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             meta["lost"] = [lost for lost in meta.get("lost", ())
                             if not any(name.startswith(f"{lost[2]}.") for name in remote)]
             meta, arrays = _within(meta, arrays, SNAPSHOT_MAX_BYTES)
-            # copies: the queue pickles later, in its own thread, while the loop goes on writing
+            # copies: a backend's queue may pickle later, in a thread of its own, while the loop goes on writing
+            # (the local backend's writes the report here: see backends.local.DirectQueue)
             arrays = {key: np.array(a) for key, a in arrays.items()}
             endpoints.results.put(("trip", index, meta, arrays, interp._seq, interp.update,
                                    (reporter.total_steps, reporter.total_episodes, dict(interp._calls_of),

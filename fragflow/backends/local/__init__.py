@@ -107,9 +107,11 @@ class DirectQueue(mpq.Queue):
     waits for the GIL, and every time the main thread lets it go (each numpy or torch call that
     releases it) wakes the waiting thread in vain, as the main thread takes it back first: on a
     pipelined DQN actor the first ``argmax`` of each step took about 10 us instead of 0.3 for
-    long stretches of the run. A report is written at most every 0.2 s (:mod:`fragflow.runtime.outbox`),
-    so writing it here costs less than the feeder did. Reading is the standard queue's. A report
-    the driver no longer reads (its end closed: the run is ending) is dropped, as the feeder drops it."""
+    long stretches of the run. A loop's and a learner's reports go out at most every 0.2 s
+    (:mod:`fragflow.runtime.outbox`), so writing them here costs less than the feeder did; a large
+    report (a loop's snapshot, a learner's final state) holds its thread while the driver reads it.
+    Reading is the standard queue's. A report to a queue whose reading ends are all closed (the
+    driver's, and the worker's own: :meth:`writing_only`) is dropped, as the feeder drops it."""
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx=ctx)
@@ -130,8 +132,9 @@ class DirectQueue(mpq.Queue):
             self._sem.release()   # type: ignore[attr-defined]
 
     def writing_only(self) -> None:
-        """Close this process's copy of the reading end (a worker's: it only writes), so that once
-        the driver closes its own, a report is dropped at once instead of waiting for a reader."""
+        """Close this process's copy of the reading end (a worker's: it only writes). A worker forked
+        later (a restart) holds a copy of every earlier queue's reading end too: the driver retires a
+        queue only once its writer has ended, so no writer waits on such a copy."""
         if not self._reader.closed:   # type: ignore[attr-defined]
             self._reader.close()   # type: ignore[attr-defined]
 
