@@ -94,11 +94,12 @@ def _unchanged(plan: tuple[Any, ...], module: Any) -> bool:
     layers, linears, _ = plan
     for ref, cls, forward, children, members in layers:
         m = module if ref is None else ref
-        if type(m) is not cls or cls.forward is not forward or m._forward_hooks or m._forward_pre_hooks or \
-                m._modules is not children or (members is not None and tuple(children.values()) != members):
+        d = m.__dict__   # (a module's own attributes, looked up without walking its class's)
+        if type(m) is not cls or cls.forward is not forward or d["_forward_hooks"] or d["_forward_pre_hooks"] or \
+                d["_modules"] is not children or (members is not None and tuple(children.values()) != members):
             return False
     for ref, params, w, b, ptr, stride, shape, bptr, bshape in linears:
-        if (module if ref is None else ref)._parameters is not params or params.get("weight") is not w or \
+        if (module if ref is None else ref).__dict__["_parameters"] is not params or params.get("weight") is not w or \
                 params.get("bias") is not b or w.data_ptr() != ptr or w.stride() != stride or w.shape != shape or \
                 (b is not None and (b.data_ptr() != bptr or b.shape != bshape)):
             return False
