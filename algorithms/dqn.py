@@ -90,7 +90,7 @@ def act(q, obs, key, epsilon):
     random_action = (u[:, 1] * head.out_features).astype(np.int64)
     if explore.all():   # as CleanRL: no forward pass where no environment acts greedily
         return random_action
-    if head.weight.device.type == "cpu":   # the forward pass in numpy: 8.3 us against torch's 19.4 for a row
+    if head.weight.device.type == "cpu":   # the forward pass in numpy: 8.6 us against torch's 19.1 for a row
         q_values = ff.numpy_forward(q.network, obs)
     else:
         with torch.no_grad():

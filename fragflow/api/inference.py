@@ -2,8 +2,8 @@
 
 An actor computes a row per environment: a few thousand multiply-adds, where each torch call costs
 microseconds of its own (the dispatcher, autograd's bookkeeping, a module's ``__call__``). numpy's
-calls cost a fraction of that: a 64-64 tanh policy on 8 rows took 9.2 us in numpy against
-torch's 21.6 us, DQN's 120-84 Q-network on one row 8.3 against 19.4 us (quiet machine, a module called again). The weights are the module's own, read without copying; the result
+calls cost a fraction of that: a 64-64 tanh policy on 8 rows took 9.7 us in numpy against
+torch's 21.5 us, DQN's 120-84 Q-network on one row 8.6 against 19.1 us (quiet machine, a module called again). The weights are the module's own, read without copying; the result
 is the same float32 arithmetic up to rounding (different matrix kernels). Learning keeps torch.
 """
 
@@ -48,7 +48,7 @@ def numpy_forward(module: Any, x: Any) -> np.ndarray:
 # A module's pass as a list of steps, made at its second call and taken while nothing it was made
 # from has changed (the same layers of the same classes and forwards in each Sequential, no hooks, the
 # same weight tensors at the same storage, shape and strides): a call then costs the products and a few checks a layer, without the
-# layer-by-layer walk's (13.1 -> 8.3-9.0 us for DQN's Q-network on one row)
+# layer-by-layer walk's (13.1 -> 8.6 us for DQN's Q-network on one row)
 _PLANS: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 _SEEN: weakref.WeakSet[Any] = weakref.WeakSet()   # modules given once
 _LINEAR, _TANH, _RELU, _SIGMOID = range(4)
