@@ -113,9 +113,6 @@ class DirectQueue(mpq.Queue):
     Reading is the standard queue's. A report to a queue whose reading ends are all closed (the
     driver's, and the worker's own: :meth:`writing_only`) is dropped, as the feeder drops it."""
 
-    def __init__(self, ctx: Any) -> None:
-        super().__init__(ctx=ctx)
-
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:   # type: ignore[attr-defined]
             raise ValueError(f"Queue {self!r} is closed")
@@ -160,7 +157,7 @@ class Reports:
     def new(self, process: str) -> Any:
         """A fresh queue for ``process`` (the one it had before, if any, is dropped)."""
         self.retire(process)
-        q = self._queues[process] = DirectQueue(self._ctx)
+        q = self._queues[process] = DirectQueue(ctx=self._ctx)
         return q
 
     def started(self, process: str) -> None:
