@@ -74,7 +74,9 @@ class Agent(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities of every action and the value, from uint8 frames."""
-        hidden = self.encoder(obs.contiguous(memory_format=torch.channels_last).float() / 255.0)
+        # (a copy divided in place: the same quotients as `/ 255.0`, one frame-sized float tensor fewer)
+        frames = obs.contiguous(memory_format=torch.channels_last).to(torch.float32, copy=True)
+        hidden = self.encoder(frames.div_(255.0))
         return torch.log_softmax(self.pi(hidden), -1), self.vf(hidden).squeeze(-1)
 
 
@@ -105,7 +107,8 @@ def learn(state, batch, lr, args: Args):
         following = next_value if t == reward.shape[0] - 1 else value[t + 1]
         last = reward[t] + args.gamma * following * nonterminal - value[t] + args.gamma * args.gae_lambda * nonterminal * last
         adv[t] = last
-    obs = torch.as_tensor(batch["obs"], device=device).flatten(0, 1)
+    # the frames reordered channels-last once, not once a minibatch (a minibatch gathered from them keeps the order)
+    obs = torch.as_tensor(batch["obs"], device=device).flatten(0, 1).contiguous(memory_format=torch.channels_last)
     b_action = torch.as_tensor(batch["action"], dtype=torch.int64, device=device).flatten()
     b_logp = torch.as_tensor(batch["logprob"], dtype=torch.float32, device=device).flatten()
     b_adv = torch.from_numpy(adv).to(device).flatten()

@@ -398,9 +398,10 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         ray_backend.reachable(address or os.environ["RAY_ADDRESS"])
         # joined now: one that answers but refuses the join (its token, another Ray version) before the trace
         ray_backend.connect(address)
-    # so does a malformed FRAGFLOW_CHECK_EVERY, FRAGFLOW_THREADS, FRAGFLOW_START_METHOD, FRAGFLOW_ALLREDUCE
-    # or FRAGFLOW_STALL_WARN
+    # so does a malformed FRAGFLOW_CHECK_EVERY, FRAGFLOW_THREADS, FRAGFLOW_START_METHOD, FRAGFLOW_ALLREDUCE,
+    # FRAGFLOW_STALL_WARN or FRAGFLOW_MALLOC
     calls.check_every()
+    heap.malloc_setting()
     from fragflow.backends.local import given_start_method
     from fragflow.runtime import allreduce
     from fragflow.runtime.service import stall_warn
@@ -450,7 +451,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     status = "failed"
     value = None
     try:
-        with _sigterm_as_interrupt(), heap.frozen():
+        with _sigterm_as_interrupt(), heap.frozen(), heap.malloc_kept():
             if held:   # (raised here, it stops a run that has begun: its summary says so)
                 signal.raise_signal(held[0])
             if handover is not None:

@@ -1,6 +1,8 @@
-"""The collector during a run: the objects that exist as the loop starts and once the program has
-made its state are frozen (out of the collector's full walks), in the driver and in every worker,
-and the driver hands them back when the run ends, however it ends."""
+"""The heap during a run. The collector: the objects that exist as the loop starts and once the
+program has made its state are frozen (out of the collector's full walks), in the driver and in
+every worker, and the driver hands them back when the run ends, however it ends. glibc's malloc:
+every process of a run keeps the memory it frees for its next allocations, and the driver's gets
+thresholds glibc's own rule reaches back after the run."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import gc
 import pytest
 
 import fragflow as ff
+from fragflow.errors import ConfigError
 from fragflow.program import load
+from fragflow.runtime import heap
 
 PROGRAM = """
 import gc
@@ -103,3 +107,98 @@ def test_a_disabled_collector_is_left_disabled_and_nothing_frozen(write_algo, tm
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+MALLOC_PROGRAM = """
+import ctypes
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+def own_pages(nbytes):
+    '''Whether an allocation of nbytes gets pages of its own from the system (glibc's mmapped blocks).'''
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Mallinfo2
+    before = libc.mallinfo2().hblkhd
+    block = np.empty(nbytes, np.uint8)
+    grew = libc.mallinfo2().hblkhd - before
+    del block
+    return float(grew >= nbytes)
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(t, obs):
+    return np.zeros(obs.shape[0], dtype=np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"t": state["t"] + 1}, {"own_pages": own_pages(64 << 20)}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"t": np.zeros(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            action = act(state["t"], obs)
+            obs, *_ = env.step(action)
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+glibc = pytest.mark.skipif(heap._glibc() is None or not hasattr(heap._glibc(), "mallinfo2"),
+                           reason="glibc's malloc (2.33 or later) only: other C libraries are left as they are")
+
+
+def _own_pages_column(run_dir) -> list[float]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [float(r["own_pages"]) for r in csv.DictReader(f)]
+
+
+@glibc
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+def test_a_run_keeps_the_memory_it_frees_and_the_driver_gets_glibc_s_thresholds_back(write_algo, tmp_path, policy,
+                                                                                 monkeypatch):
+    for name in ("FRAGFLOW_MALLOC", *heap._USERS_OWN, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    path, _ = write_algo(MALLOC_PROGRAM)
+    program = load(str(path))
+    own_pages = program.train.__globals__["own_pages"]
+    assert own_pages(64 << 20) == 1.0   # glibc's own: a block this big (above 32 MiB) is always given its own pages
+    ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+    # the learner (in the driver's process, or a worker's) took a 64 MB block from the heap, kept there
+    assert _own_pages_column(tmp_path / "run") == [0.0, 0.0, 0.0]
+    # after the run, the process's mmap threshold is back at 32 MiB (what glibc's own rule reaches at most),
+    # its trim threshold at 64 MiB: a 64 MB block gets its own pages again, a 16 MB one comes from the heap
+    assert own_pages(64 << 20) == 1.0 and own_pages(16 << 20) == 0.0
+
+
+@glibc
+@pytest.mark.parametrize("environ", [{"FRAGFLOW_MALLOC": "system"}, {"MALLOC_TRIM_THRESHOLD_": "131072"},
+                                     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
+def test_malloc_left_as_it_is_where_asked_or_where_the_process_has_glibc_s_own_settings(write_algo, tmp_path,
+                                                                                       monkeypatch, environ):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    path, _ = write_algo(MALLOC_PROGRAM)
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="pipelined(actors=1)", out=tmp_path / "run")
+    assert _own_pages_column(tmp_path / "run") == [1.0, 1.0, 1.0]
+
+
+def test_a_malformed_fragflow_malloc_is_refused_before_the_run(write_algo, monkeypatch):
+    monkeypatch.setenv("FRAGFLOW_MALLOC", "jemalloc")
+    path, _ = write_algo(MALLOC_PROGRAM)
+    program = load(str(path))
+    with pytest.raises(ConfigError, match=r"FRAGFLOW_MALLOC='jemalloc' is not one of keep, system") as info:
+        ff.run(program.train, program.args_cls(), policy="single_process")
+    assert "FRAGFLOW_MALLOC=system" in info.value.fix
