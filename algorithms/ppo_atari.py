@@ -64,7 +64,13 @@ class Agent(nn.Module):
             layer(nn.Conv2d(frames, 32, 8, stride=4)), nn.ReLU(),
             layer(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
             layer(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-            nn.Flatten(), layer(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+            # the 512-unit layer over the 64 7x7 maps, Linear(64 * 7 * 7, 512) after a flatten, computed
+            # as a 7x7 convolution: the same weights (their orthogonal initialisation draws the same
+            # numbers in the same order), the same products, summed in another order. On this CPU torch's
+            # Linear runs through MKL's matrix product (its AVX2 path here), its convolutions through
+            # oneDNN's AVX-512 kernels: this layer's forward and backward on a minibatch of 256 frames
+            # took 13.9 ms against 25.7 ms, a whole minibatch step 85 ms against 98
+            layer(nn.Conv2d(64, 512, 7)), nn.ReLU(), nn.Flatten())
         self.pi = layer(nn.Linear(512, num_actions), std=0.01)
         self.vf = layer(nn.Linear(512, 1), std=1.0)
         # channels-last: the convolutions' kernels run without reordering their inputs (a minibatch's
