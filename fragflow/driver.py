@@ -317,6 +317,8 @@ class _Handover:
                     monitor.update()
                 elif entry[0] == "log":
                     monitor.log_scalars(entry[2])
+                elif entry[0] == "clock":
+                    monitor.loop_begins(entry[1])
         finally:
             monitor.replay_time = None
         interp.resources.extend(tracer._resources)   # the environments it made: closed when the run ends

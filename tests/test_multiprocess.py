@@ -2931,3 +2931,97 @@ def test_steps_per_second_of_a_run_whose_steps_all_came_in_one_report(monkeypatc
     monitor.env_step(1000, [])
     clock[0] = 105.0
     assert monitor.summary()["steps_per_second"] == 200.0
+
+
+def test_steps_per_second_count_from_the_loops_first_env_call(monkeypatch):
+    """A one-process run's rate counts from just before the loop's first env call (its reset), as
+    CleanRL's SPS and SB3's fps count from just before their first reset, every step in it: the
+    steps of a first rollout heard of in one report (a trace merges steps without an episode's end)
+    were left out, with their time, while the update after them was counted."""
+    from fragflow.runtime import monitor as monitor_module
+    from fragflow.runtime.monitor import Monitor
+
+    clock = [100.0]
+    monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: clock[0])
+    monitor = Monitor()
+    monitor.start(from_first_step=True)
+    clock[0] = 110.0   # ten seconds of setup
+    monitor.loop_begins()
+    clock[0] = 112.0   # the reset and a first rollout of 1000 steps, heard of at once
+    monitor.env_step(1000, [])
+    clock[0] = 116.0   # an update (2 s), a second rollout (2 s)
+    monitor.env_step(1000, [])
+    assert monitor.summary()["steps_per_second"] == round(2000 / 6.0, 1)   # (the summary rounds to 0.1)
+    monitor.loop_begins(120.0)   # (heard once: the clock does not move)
+    assert monitor.summary()["steps_per_second"] == round(2000 / 6.0, 1)
+
+
+SLOW_LOOP = """
+import time
+from dataclasses import dataclass
+import gymnasium as gym
+import numpy as np
+import fragflow as ff
+
+class Slow(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        time.sleep(0.15)   # (an Atari game's reset loads its ROM)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        time.sleep(0.005)
+        return np.zeros(2, np.float32), 0.0, False, False, {}   # (no episode ends: one report a rollout)
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 2
+
+@ff.fragment("actor")
+def act(state, obs):
+    return np.zeros(obs.shape[0], dtype=np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    time.sleep(1.0)   # (a learner's update: as long as a rollout or more)
+    return {"w": state["w"] + 1.0}
+
+def train(args: Args):
+    time.sleep(0.5)   # the program's setup
+    env = ff.envs.make(Slow, num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(1)})
+    buffer = ff.RolloutBuffer(30)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(30):
+            action = act(state["w"], obs)
+            obs, *_ = env.step(action)
+            buffer.add(obs=obs)
+        state = learn(state, buffer.collect())
+    return state
+"""
+
+
+@pytest.mark.parametrize("checkpoint_every", [None, 1000])
+def test_a_single_process_run_s_rate_counts_its_first_rollout_and_its_reset(write_algo, tmp_path, checkpoint_every):
+    """Under single_process the rate counts from just before the loop's reset: 120 steps over the
+    reset (2 x 0.15 s), two rollouts of 30 x 2 x 5 ms and two updates of 1 s; the first rollout,
+    merged into one report by the trace, was left out with its time (60 steps over 1 + 0.3 + 1 s,
+    ~26/s), while the update after it was counted. The program's setup (0.5 s) is not counted. With
+    --checkpoint-every the run goes on after its trace, the loop run again from its start."""
+    from fragflow import driver
+    from fragflow.program import load
+
+    path, _ = write_algo(SLOW_LOOP)
+    prog = load(str(path))
+    driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "run",
+               checkpoint_every=checkpoint_every)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    slept = 2 * 0.15 + 2 * (30 * 2 * 0.005 + 1.0)
+    assert summary["env_steps"] == 120
+    # every step over at least the time slept from the reset on, and at most 0.6 s more (this
+    # process's own work); neither the first rollout left out nor the setup counted
+    assert 120 / (slept + 0.6) < summary["steps_per_second"] <= 120 / slept, summary

@@ -139,11 +139,13 @@ class Tracer(StateBook):
         self.env_counts: set[int] = set()   # ... of how many
         self.loop_reads: list[LoopRead] = []   # learner outputs the loop itself reads (see probes)
         # trace as run (one process): what the run's monitor would have heard, with when ("steps", t, n,
-        # episodes, evaluation), ("learn", t, fragment), ("log", t, scalars); and, at the point tracing
+        # episodes, evaluation), ("learn", t, fragment), ("log", t, scalars), ("clock", t: the loop's first
+        # env call about to run); and, at the point tracing
         # would stop, the interpreter that goes on running the loop where the trace leaves it (None:
         # the trace unwinds, the run starts again), or the error placing the graph raised (raised
         # after unwinding, outside the user's code)
         self.journal: list[tuple[Any, ...]] | None = None
+        self._clock_due = True   # the loop's first env call is to come (its time goes into the journal)
         self.log_columns: dict[str, None] = {}   # names ff.log was given, in the order first seen
         self._logged_by: dict[str, tuple[str, SourceLoc | None]] = {}   # name -> (the learner whose output, or ""; where)
         self._tags: dict[str, tuple[str, SourceLoc | None]] = {}   # TensorBoard tag -> the logged name, where
@@ -212,6 +214,10 @@ class Tracer(StateBook):
         self._resources.append(resource)
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._clock_due and frag.role == "env" and not frag.evaluation:
+            self._clock_due = False
+            if self.journal is not None:   # (the loop's start, the run's rate counts from: Monitor.loop_begins)
+                self.journal.append(("clock", time.perf_counter()))
         use = self.state_use
         on, use.on = use.on, False   # (what a fragment does with the state's tensors is its own)
         sink = probes.swap_sink(None)   # what a fragment does with a probe is not the loop's read

@@ -60,6 +60,7 @@ class Reporter(Protocol):
     log_seq: int   # the loop's number of the ff.log call being reported
 
     def env_step(self, n: int, episodes: list[tuple[float, int]], evaluation: bool) -> None: ...
+    def loop_begins(self) -> None: ...
     def update(self) -> None: ...
     def log(self, scalars: dict[str, float], update: int | None = None, steps: int = 0,
             new_row: bool = False) -> None: ...
@@ -111,6 +112,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self.resources: list[Any] = []
         self.current: str | None = None   # the fragment being called (None: the loop's own code runs)
         self.update = 0                       # remote clock calls made (this replica's updates)
+        self._clock_due = True                # the loop's first env call is to come (Reporter.loop_begins)
         self._stepped = True                  # an environment stepped since the last clock call
         self._log_stepped = False             # ... since the last clock call or ff.log (a row of its own)
         self.rollout_version: int | None = None
@@ -272,6 +274,9 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
 
     # -- here ------------------------------------------------------------------------------
     def _local(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._clock_due and frag.role == "env" and not frag.evaluation:
+            self._clock_due = False
+            self.reporter.loop_begins()
         written: Versioned | None = None
         if frag.writes is not None:
             handle = frag.written(args, kwargs)

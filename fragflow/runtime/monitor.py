@@ -108,12 +108,19 @@ class Monitor(ArrivalRows):
         if self.progress is not None:
             self.progress.start()
 
+    def loop_begins(self, at: float | None = None) -> None:
+        """The loop's first environment call (its first reset, or step) is about to run: a one-process
+        run's rate (``from_first_step``) counts from here, every step in it, as CleanRL's SPS and SB3's
+        fps count from just before their first reset."""
+        if self.from_first_step and self._first is None:
+            self._first = (time.perf_counter() if at is None else at, self.env_steps)
+
     def env_step(self, n: int, finished: list[tuple[float, int]], replica: int = 0,
                  tagged: list[tuple[int, float, int]] | None = None) -> None:
         if tagged:
             self._tagged.setdefault(replica, []).extend(tagged)
         self.env_steps += n
-        if self._first is None and n > 0:   # (those steps were made before now: not in the rate)
+        if self._first is None and n > 0:   # (no loop_begins heard: those steps were made before now, not in the rate)
             self._first = (time.perf_counter() if self.replay_time is None else self.replay_time, self.env_steps)
         if self._pending is not None and self.rows_end_at_steps:
             self._flush()
@@ -420,9 +427,9 @@ class Monitor(ArrivalRows):
     def rate(self, now: float | None = None) -> float:
         """Env steps per second of this run's loop, as CleanRL's SPS and SB3's fps count from the
         loop's start: where the clock started before the program (``from_first_step``), since the
-        loop's first env steps (they, and the program's setup before them, are not counted; one
-        process hears of its steps as they are made); else since the run started (after the trace,
-        its processes' start included: their reports come some steps at a time)."""
+        loop's first environment call (:meth:`loop_begins`; the program's setup before it is not
+        counted; one process hears of its steps as they are made); else since the run started (after
+        the trace, its processes' start included: their reports come some steps at a time)."""
         if now is None:
             now = time.perf_counter() if self.replay_time is None else self.replay_time
         then, steps = self._first if self.from_first_step and self._first is not None else (self._start, self.base_steps)

@@ -42,6 +42,9 @@ class MonitorReporter:
         else:
             self.monitor.env_step(n, episodes)
 
+    def loop_begins(self) -> None:
+        self.monitor.loop_begins()
+
     def update(self) -> None:
         self.monitor.update()
 

@@ -150,6 +150,9 @@ class QueueReporter:
         self.dirty = True
         self._due()
 
+    def loop_begins(self) -> None:
+        pass   # (a run over several processes counts its rate from its start: see Monitor.rate)
+
     def update(self) -> None:
         pass
 
