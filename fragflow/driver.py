@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -450,10 +450,14 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 on_compiled(compiled)
             monitor, checkpoints, start = _prepared(compiled, compiled.train or train, args, out, every, start, program_ref,
                                                     display, target_return, stop_on_target)
+    # the memory this process frees kept for its next allocations until the run's outputs are written
+    # (heap.malloc_kept: what the run's end frees is returned to the system after it)
+    kept = ExitStack()
+    kept.enter_context(heap.malloc_kept())
     status = "failed"
     value = None
     try:
-        with _sigterm_as_interrupt(), heap.frozen(), heap.malloc_kept():
+        with _sigterm_as_interrupt(), heap.frozen():
             if held:   # (raised here, it stops a run that has begun: its summary says so)
                 signal.raise_signal(held[0])
             if handover is not None:
@@ -478,14 +482,17 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
             status = "terminated" if isinstance(exc, Terminated) else "interrupted"
             raise
     finally:
-        with shielded():   # (outputs closed, summary written) a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
-            if handover is not None and handover.finished:
-                handover.tracer.taken_by.close()
-            monitor.close()
-            compiled = compiled or (handover.compiled if handover is not None else None)
-            if compiled is not None and (handover is None or handover.begun):
-                summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
-                                  handover is not None and handover.begun and compiled.serial)
+        try:
+            with shielded():   # (outputs closed, summary written) a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
+                if handover is not None and handover.finished:
+                    handover.tracer.taken_by.close()
+                monitor.close()
+                compiled = compiled or (handover.compiled if handover is not None else None)
+                if compiled is not None and (handover is None or handover.begun):
+                    summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
+                                      handover is not None and handover.begun and compiled.serial)
+        finally:
+            kept.close()
     assert compiled is not None
     placed = compiled.placed
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)

@@ -1831,8 +1831,8 @@ def test_a_checkpoint_the_resumed_run_writes_before_its_first_row_is_kept(tmp_pa
     assert resumed.is_dir() and final.is_dir() and not stale.exists()
 
 
-def test_steps_per_second_of_a_checkpointed_single_process_run_count_from_the_loops_first_env_steps(write_algo, tmp_path):
-    """Under single_process steps_per_second count from the loop's first env steps (the program's
+def test_steps_per_second_of_a_checkpointed_single_process_run_count_from_the_loops_first_env_call(write_algo, tmp_path):
+    """Under single_process steps_per_second count from the loop's first env call (the program's
     setup before its loop is in wall_seconds only); a run with --checkpoint-every (or resumed) runs
     the program again after its trace, and its setup was in them."""
     path, _ = write_algo('''

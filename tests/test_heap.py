@@ -165,11 +165,15 @@ def _own_pages_column(run_dir) -> list[float]:
 
 
 @glibc
-@pytest.mark.parametrize("policy", ["single_process", "pipelined(actors=1)"])
+@pytest.mark.parametrize("policy, start", [("single_process", ""), ("pipelined(actors=1)", "fork"),
+                                           ("pipelined(actors=1)", "spawn")])
 def test_a_run_keeps_the_memory_it_frees_and_the_driver_gets_glibc_s_thresholds_back(write_algo, tmp_path, policy,
-                                                                                 monkeypatch):
+                                                                                 start, monkeypatch):
+    """(A forked worker inherits the driver's thresholds; a spawned one sets its own.)"""
     for name in ("FRAGFLOW_MALLOC", *heap._USERS_OWN, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
+    if start:
+        monkeypatch.setenv("FRAGFLOW_START_METHOD", start)
     path, _ = write_algo(MALLOC_PROGRAM)
     program = load(str(path))
     own_pages = program.train.__globals__["own_pages"]
@@ -202,3 +206,36 @@ def test_a_malformed_fragflow_malloc_is_refused_before_the_run(write_algo, monke
     with pytest.raises(ConfigError, match=r"FRAGFLOW_MALLOC='jemalloc' is not one of keep, system") as info:
         ff.run(program.train, program.args_cls(), policy="single_process")
     assert "FRAGFLOW_MALLOC=system" in info.value.fix
+
+
+class _OldGlibc:
+    """glibc before 2.35: mallopt refuses an mmap threshold above 32 MiB (and changes nothing then)."""
+
+    def __init__(self, refuse_all: bool = False) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.refuse_all = refuse_all
+
+    def mallopt(self, param: int, value: int) -> int:
+        if param == heap.M_MMAP_THRESHOLD and (self.refuse_all or value > 32 << 20):
+            return 0
+        self.calls.append((param, value))
+        return 1
+
+
+def test_an_older_glibc_refusing_the_threshold_gets_32_mib_and_the_trim_threshold_only_then(monkeypatch):
+    for name in ("FRAGFLOW_MALLOC", *heap._USERS_OWN, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    old = _OldGlibc()
+    monkeypatch.setattr(heap, "_glibc", lambda: old)
+    assert heap.keep_freed()
+    assert old.calls == [(heap.M_MMAP_THRESHOLD, 32 << 20), (heap.M_TRIM_THRESHOLD, heap.KEEP_FREE)]
+    # a C library that takes no threshold at all is left as it is: no trim threshold either (a value
+    # given turns glibc's own rule off)
+    none = _OldGlibc(refuse_all=True)
+    monkeypatch.setattr(heap, "_glibc", lambda: none)
+    assert not heap.keep_freed() and none.calls == []
+    # glibc's tunables of other parts of malloc (its arenas) leave the thresholds to fragflow
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    old.calls.clear()
+    monkeypatch.setattr(heap, "_glibc", lambda: old)
+    assert heap.keep_freed() and old.calls[-1] == (heap.M_TRIM_THRESHOLD, heap.KEEP_FREE)

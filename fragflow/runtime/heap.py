@@ -18,11 +18,13 @@ whose tensors are megabytes (a minibatch of 256 Atari frames in float32 is 29 MB
 activations and their gradients several more) then takes each of them as fresh pages, zeroed by
 the kernel a page fault at a time, at every minibatch. During a run every process of it keeps the
 memory it frees for its next allocations instead (:func:`keep_freed`: allocations up to 256 MiB
-come from the heap, and up to 1 GiB of free memory stays there), as the allocators that PyTorch's
-CPU tuning guide suggests do (jemalloc, TCMalloc): PPO on Breakout ran 1.06-1.12x faster. After
-the run the driver's process gets the thresholds glibc's own rule reaches once a process has freed a
-big block (32 MiB, trim 64 MiB: glibc keeps a value it is given, and its rule is then off) and
-returns its free memory (``malloc_trim``).
+come from the heap, 32 MiB under glibc before 2.35, and up to 64 MiB in a thread other than the
+main one, whose arena's heaps hold 64 MiB at most; up to 1 GiB of free memory above what the
+process uses stays there), as the allocators that PyTorch's CPU tuning guide suggests do (jemalloc,
+TCMalloc): PPO on Breakout ran 1.06-1.12x faster. After the run the driver's process is set to the
+thresholds glibc's own rule reaches once a process has freed a big block (32 MiB, trim 64 MiB; fixed
+values: glibc's rule stays off once a value is given) and returns its free memory (``malloc_trim``),
+after the run's outputs are written.
 ``FRAGFLOW_MALLOC=system`` leaves malloc as it is, as does a process started with glibc's own
 settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``,
 ``GLIBC_TUNABLES=glibc.malloc...``), and any C library but glibc.
@@ -80,6 +82,7 @@ def in_worker() -> None:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # mallopt's parameters (malloc.h)
 KEEP_BELOW = 256 << 20    # allocations up to this many bytes come from the heap (above: pages of their own)
+KEEP_BELOW_OLD = 32 << 20   # glibc before 2.35 refuses a threshold above half its arenas' heap size (64 MiB)
 KEEP_FREE = 1 << 30       # free bytes at the heap's top kept before the rest goes back to the system
 # after a run, the driver's thresholds where glibc's own rule takes them once the process has freed a big
 # block (the mmap threshold follows freed blocks up to 32 MiB, the trim threshold is twice it): a fixed
@@ -88,6 +91,8 @@ KEEP_FREE = 1 << 30       # free bytes at the heap's top kept before the rest go
 GLIBC_MMAP_AFTER, GLIBC_TRIM_AFTER = 32 << 20, 64 << 20
 MALLOC_SETTINGS = ("keep", "system")
 _USERS_OWN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_USERS_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad",
+                   "glibc.malloc.mmap_max")
 
 _keeping = False   # within malloc_kept(): the driver's process gets glibc's values back at its end
 
@@ -119,12 +124,18 @@ def keep_freed() -> bool:
     """This process keeps the memory it frees for its next allocations (see the module); False where
     malloc is left as it is."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if malloc_setting() == "system" or any(k in os.environ for k in _USERS_OWN) or "glibc.malloc." in tunables:
+    if malloc_setting() == "system" or any(k in os.environ for k in _USERS_OWN) or \
+            any(t in tunables for t in _USERS_TUNABLES):
         return False
     libc = _glibc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) & bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE))
+    # (a threshold refused changes nothing: the trim threshold is set, which turns glibc's own rule off,
+    # only once the process has one)
+    if not (libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW) or libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_OLD)):
+        return False
+    libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE)
+    return True
 
 
 @contextlib.contextmanager

@@ -58,8 +58,9 @@ class Monitor(ArrivalRows):
         self._start = time.perf_counter()
         self.replay_time: float | None = None   # events of a trace told afterwards: when they happened
         # where the clock starts before the program does (single_process: the trace is the run's
-        # beginning), the rate counts from the loop's first env steps heard of (when, and the steps
-        # then): the program's setup before its loop, its imports, networks and optimizers, is not in it
+        # beginning), the rate counts from just before the loop's first env call (loop_begins; else its
+        # first env steps heard of): when, and the steps then. The program's setup before its loop, its
+        # imports, networks and optimizers, is not in it
         self.from_first_step = False
         self._first: tuple[float, int] | None = None
         self._next_refresh = 0.0
