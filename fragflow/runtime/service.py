@@ -88,6 +88,9 @@ def _with_globals(fn: types.FunctionType, scope: dict[str, Any]) -> types.Functi
 
 
 
+# seconds between looks at the definitions queue that find nothing, without waiting (see _take_definition)
+DEFS_POLL = 0.01
+
 class ServiceRunner(Outgoing, Gathering):
     """Runs one service group (also the interpreter for fragment calls nested in its fragments)."""
 
@@ -98,6 +101,7 @@ class ServiceRunner(Outgoing, Gathering):
         self.checks = checks
         self.results = endpoints.results
         self.defs = endpoints.definitions(program.group)
+        self._defs_polled = 0.0   # when a look at the definitions without waiting last found none (see _take_definition)
         self.stop = endpoints.stop
         self.admission = endpoints.admission
         self.version = 0
@@ -204,9 +208,20 @@ class ServiceRunner(Outgoing, Gathering):
 
     # -- definitions from the loop ---------------------------------------------------------------
     def _take_definition(self, block: bool) -> bool:
+        """Take one message from the loop or the driver (waiting for it where ``block``); whether one
+        was taken. Without waiting, a look finds what has come at most every ``DEFS_POLL`` seconds:
+        messages are rare (a fragment's code and skeleton once, a restarted replica, a checkpoint's cut),
+        a call's own definitions are waited for where it needs them (:meth:`_wait_for`), and a look
+        costs ~10 us (a queue's lock and poll, the run's stop flag), which gathering took twice an update."""
+        if not block:
+            now = time.monotonic()
+            if now - self._defs_polled < DEFS_POLL:
+                return False
         try:
             msg = self.defs.get(timeout=IDLE_WAIT) if block else self.defs.get_nowait()
         except Exception:
+            if not block:
+                self._defs_polled = now
             if self.stop.is_set():
                 from fragflow.backends import Stopped
 
