@@ -26,8 +26,8 @@ thresholds glibc's own rule reaches once a process has freed a big block (32 MiB
 values: glibc's rule stays off once a value is given) and returns its free memory (``malloc_trim``),
 after the run's outputs are written.
 ``FRAGFLOW_MALLOC=system`` leaves malloc as it is, as does a process started with glibc's own
-settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``,
-``GLIBC_TUNABLES=glibc.malloc...``), and any C library but glibc.
+settings of these (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``,
+``MALLOC_MMAP_MAX_``, or the same in ``GLIBC_TUNABLES``), and any C library but glibc.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ _USERS_OWN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PA
 _USERS_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad",
                    "glibc.malloc.mmap_max")
 
-_keeping = False   # within malloc_kept(): the driver's process gets glibc's values back at its end
+_keeping = False   # within malloc_kept(): the driver's process is set to GLIBC_*_AFTER at its end
 
 
 def malloc_setting() -> str:
