@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -452,37 +452,35 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                                                     display, target_return, stop_on_target)
     # the memory this process frees kept for its next allocations until the run's outputs are written
     # (heap.malloc_kept: what the run's end frees is returned to the system after it)
-    kept = ExitStack()
-    kept.enter_context(heap.malloc_kept())
-    status = "failed"
-    value = None
-    try:
-        with _sigterm_as_interrupt(), heap.frozen():
-            if held:   # (raised here, it stops a run that has begun: its summary says so)
-                signal.raise_signal(held[0])
-            if handover is not None:
-                compiled = compile(train, args, policy=policy, on_trace=on_trace, handover=handover)
-                if handover.finished:
-                    value = serial.unwrap(handover.tracer.value)
-                    status = "completed"
-                else:   # several processes: the run starts afresh, and its clock with it
-                    handover.begun = True
-                    handover.begin(compiled)
-                    monitor.start()
-            assert compiled is not None
-            if handover is None or not handover.finished:
-                with _checkpoint_on_interrupt(checkpoints):
-                    value = _execute(compiled, compiled.train or train, args, monitor, checkpoints, max_restarts,
-                                     backend, address)
-                    status = "completed"
-    except StopRun:
-        status = "stopped_at_target"
-    except KeyboardInterrupt as exc:   # (Ctrl-C; SIGTERM as Terminated)
-        if status != "completed":   # (one once the run has completed, its handlers being put back, stops nothing)
-            status = "terminated" if isinstance(exc, Terminated) else "interrupted"
-            raise
-    finally:
+    with heap.malloc_kept():
+        status = "failed"
+        value = None
         try:
+            with _sigterm_as_interrupt(), heap.frozen():
+                if held:   # (raised here, it stops a run that has begun: its summary says so)
+                    signal.raise_signal(held[0])
+                if handover is not None:
+                    compiled = compile(train, args, policy=policy, on_trace=on_trace, handover=handover)
+                    if handover.finished:
+                        value = serial.unwrap(handover.tracer.value)
+                        status = "completed"
+                    else:   # several processes: the run starts afresh, and its clock with it
+                        handover.begun = True
+                        handover.begin(compiled)
+                        monitor.start()
+                assert compiled is not None
+                if handover is None or not handover.finished:
+                    with _checkpoint_on_interrupt(checkpoints):
+                        value = _execute(compiled, compiled.train or train, args, monitor, checkpoints, max_restarts,
+                                         backend, address)
+                        status = "completed"
+        except StopRun:
+            status = "stopped_at_target"
+        except KeyboardInterrupt as exc:   # (Ctrl-C; SIGTERM as Terminated)
+            if status != "completed":   # (one once the run has completed, its handlers being put back, stops nothing)
+                status = "terminated" if isinstance(exc, Terminated) else "interrupted"
+                raise
+        finally:
             with shielded():   # (outputs closed, summary written) a second Ctrl-C (or a signal sent to a process group twice) waits for the summary
                 if handover is not None and handover.finished:
                     handover.tracer.taken_by.close()
@@ -491,8 +489,6 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 if compiled is not None and (handover is None or handover.begun):
                     summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
                                       handover is not None and handover.begun and compiled.serial)
-        finally:
-            kept.close()
     assert compiled is not None
     placed = compiled.placed
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)

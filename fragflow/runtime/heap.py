@@ -21,7 +21,7 @@ memory it frees for its next allocations instead (:func:`keep_freed`: allocation
 come from the heap, 32 MiB under glibc before 2.35, and up to 64 MiB in a thread other than the
 main one, whose arena's heaps hold 64 MiB at most; up to 1 GiB of free memory above what the
 process uses stays there), as the allocators that PyTorch's CPU tuning guide suggests do (jemalloc,
-TCMalloc): PPO on Breakout ran 1.06-1.12x faster. After the run the driver's process is set to the
+TCMalloc): PPO on Breakout ran 1.06x faster in one process, 1.00-1.09x pipelined. After the run the driver's process is set to the
 thresholds glibc's own rule reaches once a process has freed a big block (32 MiB, trim 64 MiB; fixed
 values: glibc's rule stays off once a value is given) and returns its free memory (``malloc_trim``),
 after the run's outputs are written.

@@ -54,6 +54,7 @@ KEPT_OUTPUTS = 64   # outputs of a fragment kept for later calls given one of th
 KEPT_BYTES = 32 << 20   # and at most this many bytes of them (a sample a learner takes at once, kept for nothing) ...
 KEPT_MIN = 8   # ... but for the last this many, whatever their size (two samples taken for one call)
 STALL_WARN = 30.0   # seconds a call may wait for the other replicas' share before the run warns
+DEFS_POLL = 0.01   # seconds between looks at the definitions queue that find nothing, without waiting (see _take_definition)
 
 
 def stall_warn() -> float:
@@ -86,10 +87,6 @@ def _with_globals(fn: types.FunctionType, scope: dict[str, Any]) -> types.Functi
     functools.update_wrapper(out, fn, updated=())
     return out
 
-
-
-# seconds between looks at the definitions queue that find nothing, without waiting (see _take_definition)
-DEFS_POLL = 0.01
 
 class ServiceRunner(Outgoing, Gathering):
     """Runs one service group (also the interpreter for fragment calls nested in its fragments)."""
