@@ -40,7 +40,7 @@ from fragflow.placement.refusals import (
     unsendable,
 )
 from fragflow.progress import ProgressDisplay
-from fragflow.runtime import calls, heap, serial
+from fragflow.runtime import calls, heap, kernels, serial
 from fragflow.runtime.calls import state_checks
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
@@ -401,9 +401,11 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
         # joined now: one that answers but refuses the join (its token, another Ray version) before the trace
         ray_backend.connect(address)
     # so does a malformed FRAGFLOW_CHECK_EVERY, FRAGFLOW_THREADS, FRAGFLOW_START_METHOD, FRAGFLOW_ALLREDUCE,
-    # FRAGFLOW_STALL_WARN or FRAGFLOW_MALLOC
+    # FRAGFLOW_STALL_WARN, FRAGFLOW_MALLOC or FRAGFLOW_LINEAR
     calls.check_every()
     heap.malloc_setting()
+    kernels.setting()
+    kernels.reset()   # (the run's processes choose by the setting as it is now, at their first fragment)
     from fragflow.backends.local import given_start_method
     from fragflow.runtime import allreduce
     from fragflow.runtime.service import stall_warn

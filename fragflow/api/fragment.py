@@ -46,7 +46,7 @@ from typing import Any
 
 from fragflow import context
 from fragflow.errors import TraceError
-from fragflow.runtime import signals
+from fragflow.runtime import kernels, signals
 from fragflow.source import SourceLoc, definition_of, user_callsite
 
 ROLES = ("env", "actor", "buffer", "learner", "logger")
@@ -129,7 +129,8 @@ class Fragment:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         interp = context.current()
         if interp is None:
-            return self.fn(*args, **kwargs)
+            with kernels.in_fragment:
+                return self.fn(*args, **kwargs)
         if signals.dropped:   # a Ctrl-C dropped in a finalizer (see keeps_interrupts) stops the loop here
             signals.check()
         outer = getattr(_calling, "fragment", None)

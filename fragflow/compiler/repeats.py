@@ -21,6 +21,7 @@ from fragflow.compiler.axes import loop_rows
 from fragflow.compiler.pytree import NotAnArray, is_static, leaf_paths, spec_of
 from fragflow.compiler.recording import NodeRec, Recording
 from fragflow.errors import FragflowError
+from fragflow.runtime import kernels
 from fragflow.source import user_callsite
 
 # A quick warm-up (see Tracer.quick) starts after this many identical trips, each fragment in them
@@ -88,7 +89,8 @@ class Repeats(Recording):
         """The fragment run on its bound arguments; an error of the user's code carries the call's line
         (``where``, else the one on the stack as it is raised)."""
         try:
-            return frag.fn(*bound.args, **bound.kwargs)
+            with kernels.in_fragment:
+                return frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
             raise
         except Exception as exc:

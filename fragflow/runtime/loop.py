@@ -48,7 +48,7 @@ from fragflow.errors import (
 )
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
-from fragflow.runtime import calls, heap, received
+from fragflow.runtime import calls, heap, kernels, received
 from fragflow.runtime.looplogs import LoopLogs
 from fragflow.runtime.remotechecks import RemoteChecks
 from fragflow.source import SourceLoc, user_callsite
@@ -294,10 +294,11 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             kwargs, reads = {k: self._resolve(v) for k, v in kwargs.items()}, True
         try:
             if name in self._captured:   # single_process only: as eagerly, the global holds the value
-                with handles_as_values(frag.fn):
+                with handles_as_values(frag.fn), kernels.in_fragment:
                     out = frag.fn(*args, **kwargs)
             else:
-                out = frag.fn(*args, **kwargs)
+                with kernels.in_fragment:
+                    out = frag.fn(*args, **kwargs)
         except FragflowError as exc:
             # fragflow's own refusal of a size (env.step given an action per environment of the run,
             # made with the loop's exploration noise sized with args.num_envs) says the likely cause

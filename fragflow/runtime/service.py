@@ -43,7 +43,7 @@ from fragflow.compiler.pytree import (
 from fragflow.context import InstanceNames
 from fragflow.errors import ConfigError, FragflowError
 from fragflow.lowering import ServiceProgram
-from fragflow.runtime import calls, heap
+from fragflow.runtime import calls, heap, kernels
 from fragflow.runtime.gathering import IDLE_WAIT, Gathering, _Piece
 from fragflow.runtime.loop import allow_nonfinite
 from fragflow.runtime.outbox import Outbox
@@ -430,13 +430,15 @@ class ServiceRunner(Outgoing, Gathering):
                                              given=self._unbatched(fragment, leaves) if self.program.ordered else ()) \
                             as written:
                         t1 = time.perf_counter_ns()
-                        out = frag.fn(*bound.args, **bound.kwargs)
+                        with kernels.in_fragment:
+                            out = frag.fn(*bound.args, **bound.kwargs)
                         self.reducer.timing["call_ns"] += time.perf_counter_ns() - t1
                         # (the learners compare the new states they made as the update ends)
                         written.state = out[0] if isinstance(out, tuple) else out
                         written.name = skel_state_name(skel, frag.writes)
                 else:
-                    out = frag.fn(*bound.args, **bound.kwargs)
+                    with kernels.in_fragment:
+                        out = frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
             raise
         except Exception as exc:   # (the line single_process's error carries: where the loop called it)
