@@ -56,6 +56,36 @@ def test_inside_a_fragment_a_big_enough_float32_linear_takes_onednn_and_outside_
         assert torch.equal(_inside(layer, small), onednn.torch_linear(small, layer.weight, layer.bias))
         double = layer.double()
         assert torch.equal(_inside(double, x.double()), onednn.torch_linear(x.double(), double.weight, double.bias))
+        layer.float()
+        # sums longer than onednn.REDUCE_MAX (oneDNN splits them among its threads): torch's own
+        long = torch.randn(onednn.REDUCE_MAX + 1, 256)
+        assert torch.equal(_inside(layer, long), onednn.torch_linear(long, layer.weight, layer.bias))
+        with torch.backends.mkldnn.flags(enabled=False):   # oneDNN turned off: torch's own
+            assert torch.equal(_inside(layer, x), by_torch)
+
+
+@has_onednn
+def test_its_bits_do_not_depend_on_the_thread_count(chosen):
+    """Up to onednn.REDUCE_MAX rows and features, as MKL's: eagerly, in the trace and in workers the
+    thread counts differ."""
+    chosen("onednn")
+    torch.manual_seed(4)
+    layer = nn.Linear(256, 512)
+    x = torch.randn(onednn.REDUCE_MAX, 256, requires_grad=True)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            layer.zero_grad()
+            out = _inside(layer, x)
+            (gx,) = torch.autograd.grad(out.square().sum(), x, retain_graph=True)
+            out.square().sum().backward()
+            got.append((out, gx, layer.weight.grad.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(got[0][0], onednn.torch_linear(x, layer.weight, layer.bias))   # (oneDNN's)
+    assert all(torch.equal(a, b) for other in got[1:] for a, b in zip(got[0], other))
 
 
 @has_onednn
@@ -90,6 +120,26 @@ def test_values_and_gradients_are_torch_s_up_to_rounding(chosen, case):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-3)
+
+
+@has_onednn
+def test_it_keeps_only_what_the_gradients_asked_for_need(chosen):
+    """As torch's own: a frozen weight changed in place before the backward is not an error."""
+    chosen("onednn")
+    torch.manual_seed(5)
+    weight, x = torch.randn(256, 256), torch.randn(64, 256, requires_grad=True)
+    out = _inside(lambda: F.linear(x, weight))
+    with torch.no_grad():
+        weight.add_(1.0)   # (the input's gradient needs the weight: changed, as torch's would refuse)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    weight.requires_grad_()
+    frozen = torch.randn(64, 256)
+    out = _inside(lambda: F.linear(frozen, weight))
+    with torch.no_grad():
+        weight.add_(1.0)   # the input needs no gradient: the weight's gradient needs the input only
+    out.sum().backward()
+    torch.testing.assert_close(weight.grad, torch.ones(256, 64) @ frozen)
 
 
 @has_onednn
@@ -135,9 +185,44 @@ def test_transforms_and_modes_it_does_not_serve_get_torch_s_own(chosen):
         assert torch.equal(_inside(scripted, x), onednn.torch_linear(x, layer.weight, layer.bias))
     traced = _inside(torch.jit.trace, layer, x)
     assert "mkldnn" not in str(traced.graph)
-    compiled = torch.compile(layer, backend="eager")   # (dynamo's graph without code generation)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)   # (dynamo's graph without code generation)
     with torch.no_grad():
         assert torch.equal(_inside(compiled, x), onednn.torch_linear(x, layer.weight, layer.bias))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as flops:   # (a dispatch mode sees torch's own ops)
+        _inside(layer, x)
+    assert flops.get_total_flops() == 2 * 64 * 256 * 256
+
+
+@has_onednn
+def test_a_failure_to_install_it_leaves_torch_s_own_and_no_fragment_open(chosen, monkeypatch):
+    chosen("onednn")
+
+    def fails(*args):
+        raise RuntimeError("no such private API")
+
+    monkeypatch.setattr(torch.jit._builtins, "_register_builtin", fails)
+    layer, x = nn.Linear(256, 256), torch.randn(64, 256)
+    with torch.no_grad():
+        assert torch.equal(_inside(layer, x), onednn.torch_linear(x, layer.weight, layer.bias))
+    assert F.linear is onednn.torch_linear and kernels.depth.n == 0
+
+
+def test_a_program_without_torch_does_not_import_it(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, os; os.environ['FRAGFLOW_LINEAR'] = 'onednn'\n"
+            "import fragflow as ff\n"
+            "from fragflow.runtime import kernels\n"
+            "@ff.fragment('actor')\n"
+            "def act(x):\n    return x + 1\n"
+            "assert kernels.setting() == 'onednn' and act(1) == 2\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_torch_leaves_torch_nn_functional_linear_alone(chosen):

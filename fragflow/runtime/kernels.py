@@ -8,18 +8,23 @@ networks are 256-256 MLPs on batches of 256) 8.4-9.5 ms and 6.2-6.5 ms. Inside f
 functions decorated with ``ff.fragment``, wherever they run: eagerly, while tracing, in a worker of
 any policy), a float32 ``Linear`` on the CPU whose product is big enough to gain (at least
 ``onednn.MIN_MACS`` multiply-adds, batch x in x out: below it the call's own cost is more than the
-gain) goes through oneDNN, forward and backward; everything else goes through torch as before:
-code outside fragments, other dtypes and devices, tensor subclasses, and whatever runs under
-autocast, ``torch.func`` transforms, forward-mode AD, ``torch.compile`` or ``torch.jit`` tracing.
-The result is the same function summed in another order: equal up to float rounding, and the same
-in every run and every process on a machine, eagerly and under every policy (they all run a
-fragment's ``Linear`` through the same kernel), so a seed gives one result wherever a policy
-promises one.
+gain) and whose sums are short enough that oneDNN's bits do not depend on its thread count (rows, in
+and out features at most ``onednn.REDUCE_MAX``) goes through oneDNN, forward and backward;
+everything else goes through torch as before: code outside fragments, other dtypes and devices,
+tensor subclasses, and whatever runs with oneDNN turned off (``torch.backends.mkldnn``) or under
+autocast, ``torch.func`` transforms, forward-mode AD, torch function or dispatch modes,
+``torch.compile`` or ``torch.jit`` tracing. The result is the same function summed in another
+order: equal up to float rounding, and the same in every run and every process on a machine
+whatever its thread count, eagerly and under every policy (they all run a fragment's ``Linear``
+through the same kernel), so a seed gives one result wherever a policy promises one.
 
 ``FRAGFLOW_LINEAR`` chooses: ``auto`` (the default) takes oneDNN on an AMD processor with AVX-512
 (where MKL leaves it out) and torch's own elsewhere; ``onednn`` takes it wherever torch has it;
 ``torch`` leaves ``torch.nn.functional.linear`` alone. A run checks the setting before it starts.
-This module imports torch only once the program has: a program without torch pays nothing.
+This module imports torch only once the program has: a program without torch pays nothing. A
+process chooses at its first fragment call after torch is imported (a fragment that imports torch
+itself takes the chosen kernel from its next call on); threads a fragment starts itself run outside
+fragments (torch's own kernel).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def setting() -> str:
         raise ConfigError(f"FRAGFLOW_LINEAR={raw!r} is not one of {', '.join(SETTINGS)}",
                           fix="unset it (fragments' float32 Linear layers on an AMD CPU with AVX-512 go through "
                               "oneDNN), or set FRAGFLOW_LINEAR=torch (torch's own kernel everywhere) or onednn")
-    if value == "onednn":
+    if value == "onednn" and "torch" in sys.modules:   # (a program without torch has no Linear: nothing to check)
         from fragflow.runtime import onednn
 
         if onednn.inner_product() is None:
@@ -76,18 +81,17 @@ def chosen() -> str:
 
 def settle() -> None:
     """This process takes the chosen kernel, once torch is imported; a setting a run would refuse
-    leaves torch's own (an eager call runs as torch does)."""
+    leaves torch's own (an eager call runs as torch does), as does any failure to install it."""
     if "torch" not in sys.modules:
         return
     _settled[0] = True
     try:
-        kernel = chosen()
+        if chosen() == "onednn":
+            from fragflow.runtime import onednn
+
+            onednn.install()
     except Exception:
         return
-    if kernel == "onednn":
-        from fragflow.runtime import onednn
-
-        onednn.install()
 
 
 def reset() -> None:
@@ -103,12 +107,14 @@ class _InFragment:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        depth.n += 1
         if not _settled[0]:
             settle()
+        depth.n += 1
 
     def __exit__(self, *exc: object) -> None:
         depth.n -= 1
+        if not _settled[0]:   # (a fragment that imported torch itself: its next call takes the chosen kernel)
+            settle()
 
 
 in_fragment = _InFragment()
