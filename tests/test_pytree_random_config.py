@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fragflow import random as ffr
-from fragflow.compiler.pytree import NotAnArray, flatten, leaf_paths, spec_of, unflatten
+from fragflow.compiler.pytree import NotAnArray, flatten, leaf_paths, spec_of, to_numpy, unflatten
 from fragflow.config import apply_overrides
 from fragflow.errors import ConfigError
 
@@ -24,6 +24,66 @@ def test_flatten_roundtrip_keeps_structure_and_leaves():
     back = unflatten(td, leaves)
     assert back["y"][1] == (1.5, None) and isinstance(back["z"], Pair)
     assert [p for p, _ in leaf_paths(tree)] == ["['x']", "['y'][0]", "['y'][1][0]", "['z'].a", "['z'].b"]
+
+
+class _Buffers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.register_buffer("count", torch.ones(1))
+        self.register_buffer("empty", None)
+
+
+class _Mixin:
+    pass
+
+
+class _WithMixin(torch.nn.Module, _Mixin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = torch.nn.Linear(3, 1, bias=False)
+
+
+def _hooked() -> torch.nn.Module:
+    def drop_bias(module, state_dict, prefix, metadata) -> None:
+        del state_dict[prefix + "bias"]
+
+    m = torch.nn.Linear(2, 2)
+    m.register_state_dict_post_hook(drop_bias)
+    return m
+
+
+def _shared() -> torch.nn.Module:
+    layer = torch.nn.Linear(2, 2)
+    return torch.nn.ModuleDict({"a": layer, "b": layer})
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 2, bias=False)),
+    _Buffers, _WithMixin, _hooked, _shared, lambda: torch.nn.LSTM(3, 4, 2),
+    lambda: torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 3)),
+    lambda: torch.nn.MultiheadAttention(8, 2)])
+def test_a_module_flattens_as_its_state_dict_holds_it(make):
+    """Modules are walked without state_dict's machinery where nothing changes what it holds: the same
+    keys in the same order, the same tensors (detached); hooks and overrides go through state_dict."""
+    module = make()
+    want = list(module.state_dict(keep_vars=True).items())
+    leaves, treedef = flatten(module)
+    assert list(treedef[1]) == [k for k, _ in want]
+    for (_, tensor), leaf in zip(want, leaves):
+        assert leaf.data_ptr() == tensor.data_ptr() and leaf.shape == tensor.shape and not leaf.requires_grad
+
+
+def test_to_numpy_shares_a_cpu_tensor_s_memory_whatever_its_grad():
+    p = torch.nn.Parameter(torch.arange(4.0))
+    for t in (p, p.detach(), torch.arange(3, dtype=torch.int64), torch.ones(2, dtype=torch.bfloat16)):
+        arr = to_numpy(t)
+        assert isinstance(arr, np.ndarray) and arr.shape == tuple(t.shape)
+        if t.dtype != torch.bfloat16:
+            assert np.shares_memory(arr, t.detach().numpy()) and np.array_equal(arr, t.detach().numpy())
+        else:
+            assert arr.dtype.name == "bfloat16" and np.array_equal(arr.astype(np.float32), t.float().numpy())
 
 
 def test_non_array_leaf_reports_its_path():
