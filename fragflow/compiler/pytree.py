@@ -116,9 +116,6 @@ def is_generator(x: Any) -> bool:
 def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
     """(key, tensor) pairs of a module or optimizer, in a fixed order (a scheduler has none)."""
     if kind == "module":
-        walked: list[tuple[Any, Any]] = []
-        if _plain_state(x, "", walked, sys.modules["torch"].nn.Module):
-            return walked
         return list(x.state_dict(keep_vars=True).items())
     if kind in ("scheduler", "generator"):
         return []
@@ -128,28 +125,6 @@ def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
         st = x.state.get(p, {})
         out.extend(((i, k), st[k]) for k in sorted(st) if backend_of(st[k]) is not None)
     return out
-
-
-def _plain_state(m: Any, prefix: str, out: list[tuple[Any, Any]], module: Any) -> bool:
-    """``m.state_dict(keep_vars=True).items()`` appended to ``out``, walked without its per-module
-    machinery (~5x quicker: a broadcast flattens its state every update), where no module in the tree
-    changes what ``state_dict`` holds (no hook, no override of ``state_dict``, ``_save_to_state_dict``
-    or ``get_extra_state``); False where one might (``out`` is then incomplete)."""
-    cls = type(m)
-    if m._state_dict_pre_hooks or m._state_dict_hooks or cls.state_dict is not module.state_dict or \
-            cls._save_to_state_dict is not module._save_to_state_dict or \
-            getattr(cls, "get_extra_state", module.get_extra_state) is not module.get_extra_state:
-        return False
-    for name, param in m._parameters.items():
-        if param is not None:
-            out.append((prefix + name, param))
-    for name, buf in m._buffers.items():
-        if buf is not None and name not in m._non_persistent_buffers_set:
-            out.append((prefix + name, buf))
-    for name, child in m._modules.items():
-        if child is not None and not _plain_state(child, prefix + name + ".", out, module):
-            return False
-    return True
 
 
 def _flatten(tree: Any, path: str, out: list[Any]) -> TreeDef:
@@ -512,13 +487,12 @@ def to_numpy(x: Any) -> np.ndarray:
     """A numpy view (or copy, for device arrays) of an array leaf."""
     if isinstance(x, np.ndarray):
         return x
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        # (each step only where it changes something: a broadcast converts every leaf of a state each update)
-        t = x.detach() if x.requires_grad or type(x) is not torch.Tensor else x
-        if not t.is_cpu:
-            t = t.cpu()
-        if t.dtype is torch.bfloat16:   # (numpy's own dtypes lack it: ml_dtypes', as jax's arrays have)
+    backend = backend_of(x)
+    if backend == "torch":
+        t = x.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":   # (numpy's own dtypes lack it: ml_dtypes', as jax's arrays have)
+            import torch
+
             return t.view(torch.int16).numpy().view(bfloat16())
         return t.numpy()
     return np.asarray(x)
