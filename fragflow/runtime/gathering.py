@@ -244,10 +244,16 @@ class Gathering(ReplicaChecks):
 
     def _held(self, fragment: str) -> bool:
         """Served inference with a bound: an update that would leave a rollout still being acted
-        more than ``max_lag`` versions behind when it is learned from waits for that rollout."""
+        more than ``max_lag`` versions behind when it is learned from waits for that rollout; not
+        where that replica cannot send it: every slot of its clock ring holds a piece of the pool
+        waiting here (they are freed only as the pool runs), and the rollout, too old once it comes,
+        is dropped as the bound has it."""
         if fragment != self.program.clock or self.program.ordered:
             return False
+        pooled = [p.replica for p in self.pools.get(fragment, ())]
         return any(s is not None and not self.finished[k] and self.version + 1 - s > self.program.max_lag
+                   # (a ring that does not say its capacity, Ray's: held as before)
+                   and pooled.count(k) < getattr(self.rings[k][fragment], "capacity", float("inf"))
                    for k, s in enumerate(self.started))
 
     def _due(self) -> tuple[str | None, float]:
