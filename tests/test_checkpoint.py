@@ -2092,3 +2092,4 @@ def test_replicas_stepped_together_that_hear_of_a_request_a_trip_apart_keep_one_
     ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)", out=out, checkpoint_every=4)
     mids = _mid_run_checkpoints(out)
     assert [m["counters"]["updates"] for m in mids] == [5, 9, 13], [m["counters"] for m in mids]
+

@@ -58,17 +58,28 @@ def _shared() -> torch.nn.Module:
     return torch.nn.ModuleDict({"a": layer, "b": layer})
 
 
+def _hooked_unsaved() -> torch.nn.Module:
+    m = torch.nn.Sequential(_Buffers(), torch.nn.Linear(2, 2))
+    m.register_state_dict_post_hook(lambda module, state_dict, prefix, metadata: None)
+    return m
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
                                 torch.nn.Linear(8, 2, bias=False)),
-    _Buffers, _WithMixin, _hooked, _shared, lambda: torch.nn.LSTM(3, 4, 2),
+    _Buffers, _WithMixin, _hooked, _shared, _hooked_unsaved, lambda: torch.nn.LSTM(3, 4, 2),
     lambda: torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 3)),
     lambda: torch.nn.MultiheadAttention(8, 2)])
 def test_a_module_flattens_as_its_state_dict_holds_it(make):
     """Modules are walked without state_dict's machinery where nothing changes what it holds: the same
-    keys in the same order, the same tensors (detached); hooks and overrides go through state_dict."""
+    keys in the same order, the same tensors (detached); hooks and overrides go through state_dict.
+    The buffers state_dict leaves out (persistent=False) follow, in their modules' order: they are
+    part of what the module computes, and were never sent to the acting side (an observation
+    normaliser's statistics, updated by the learner, stayed at their first values there)."""
     module = make()
     want = list(module.state_dict(keep_vars=True).items())
+    want += [(name, buf) for name, buf in module.named_buffers(remove_duplicate=False)
+             if name.rsplit(".", 1)[-1] in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
     leaves, treedef = flatten(module)
     assert list(treedef[1]) == [k for k, _ in want]
     for (_, tensor), leaf in zip(want, leaves):

@@ -1116,3 +1116,21 @@ def test_a_generator_the_loop_holds_is_named_where_loop_processes_split_the_envi
     else:
         assert notes == []
     assert shm_leftovers() == []
+
+
+def test_a_generator_the_state_holds_is_the_learners_not_named_as_the_loops(write_algo):
+    """A generator made in the training function and put in the versioned state (TD3's target
+    smoothing noise, drawn in the learner) was named as one the loop's processes each copy, with the
+    advice to draw from ff.random keys: it travels with the state, and an acting process drawing
+    from it is refused at the call."""
+    text = NOISY.replace("EPS", "ff.random.normal(sub, (1,))").replace(
+        '    state = ff.versioned({"w": np.zeros((1, 1), np.float32)})',
+        '    gen = np.random.default_rng(0)\n    state = ff.versioned({"w": np.zeros((1, 1), np.float32), "gen": gen})').replace(
+        'return {"w": state["w"] + 1e-3 * batch["obs"][..., :1].mean()}',
+        'return {"w": state["w"] + 1e-3 * state["gen"].normal() * batch["obs"][..., :1].mean(), "gen": state["gen"]}')
+    assert '"gen": gen' in text and 'state["gen"].normal()' in text
+    path, _ = write_algo(text)
+    prog = load(str(path))
+    r = ff.run(prog.train, prog.args_cls(keys=True), policy="actor_learner(actors=2, max_lag=0)")
+    assert [n for n in r.summary.get("notes", []) if "random generator" in n] == []
+    assert shm_leftovers() == []

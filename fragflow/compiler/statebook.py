@@ -79,7 +79,10 @@ class StateBook(Repeats):
             raise NotArrayPytreeError(
                 f"ff.versioned(...) got a value whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}"
                 + typed_key_note(bad.value),
-                where=where, fix=typed_key_fix(bad.value) or
+                where=where, fix=typed_key_fix(bad.value) or (
+                    "a module's get_extra_state travels with its versions as a pytree: return arrays, numbers and "
+                    "dicts/lists/tuples of them (set_extra_state gets the same back), or keep the value in a buffer"
+                    if "_extra_state'" in bad.path else None) or
                 "versioned state is a pytree (dict/list/tuple) of numpy, torch or jax arrays, "
                 "torch modules, torch.optim optimizers and their learning-rate schedulers, random generators "
                 "(torch.Generator, numpy's Generator or RandomState); keep "

@@ -33,6 +33,7 @@ from fragflow.compiler.pytree import (
     from_keys,
     leaf_paths,
     ordered_like,
+    private,
     structure,
     to_numpy,
     unflatten_into,
@@ -427,18 +428,26 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
             received.check_unchanged(self._watched, self._drawn, handle.name, None)   # (changed since this process's last fragment call: the loop)
-            with received.counted():
-                if v < 0:   # (resumed: a version before the checkpoint's, saved with it)
-                    leaves = self.acting_before[handle.name][v]
-                else:
-                    _, leaves = self.endpoints.broadcasts[handle.name].read(v, key[1])
+            def fill(leaves: list[Any], plain: Any = None) -> list[Any]:
                 trees, pos = [], 0
                 for root, n in zip(b.paths, b.counts):
                     template = local.value
                     for k in root:
                         template = template[k]
-                    trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False))
+                    trees.append(unflatten_into(template, leaves[pos:pos + n], optimizers=False, plain=plain))
                     pos += n
+                return trees
+
+            with received.counted():
+                broadcast = self.endpoints.broadcasts[handle.name]
+                if v < 0:   # (resumed: a version before the checkpoint's, saved with it)
+                    trees = fill(self.acting_before[handle.name][v])
+                elif hasattr(broadcast, "read_into"):
+                    # the slot's views copied straight into the modules' tensors (one copy, not two);
+                    # a leaf kept as it is (a tensor beside the modules) gets its own copy
+                    trees = broadcast.read_into(v, key[1], lambda leaves: fill(leaves, private))
+                else:
+                    trees = fill(broadcast.read(v, key[1])[1])
             cached = self._views[handle.name] = (key, trees)
             self._watched[handle.name], self._drawn[handle.name] = received.received(b.paths, trees, self._modules)
         for root, tree in zip(b.paths, cached[1]):

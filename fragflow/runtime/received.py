@@ -89,7 +89,8 @@ def received(roots: Any, trees: list[Any], modules: dict[int, tuple[Any, list[tu
             known = modules.get(id(x))
             if known is None or known[0] is not x:
                 known = modules[id(x)] = (x, leaf_paths(x))
-            tensors.extend((path + p, t, t._version) for p, t in known[1])
+            # (a module's extra state, get_extra_state's, is put back with set_extra_state: not watched)
+            tensors.extend((path + p, t, t._version) for p, t in known[1] if isinstance(t, torch.Tensor))
         elif is_generator(x):
             generators.append((path, x, state_of(x)))
 

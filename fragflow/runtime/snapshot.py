@@ -344,11 +344,18 @@ def copied_generators(frame: Any, replicas: int) -> str | None:
     torch = _torch()
     kinds = (np.random.Generator, pyrandom.Random, np.random.RandomState) + ((torch.Generator,) if torch else ())
     module = frame.f_globals.get("__name__")
+    from fragflow.api.versioned import Versioned
+    from fragflow.compiler.reach import objects_of
+
     found: list[str] = []
     names = {name: x for name in frame.f_code.co_names
              if not name.startswith("__") and (x := frame.f_globals.get(name, _NO)) is not _NO}   # (the module's it reads)
-    for name, x in [*frame.f_locals.items(), *names.items()]:
-        if name.startswith("__"):
+    pairs = [*frame.f_locals.items(), *names.items()]
+    # one a versioned state holds is the learner's (it travels with the state; the loop or an actor
+    # drawing from it where the learner runs apart is refused at the call)
+    held = {id(o) for _, x in pairs if isinstance(x, Versioned) for o in objects_of(x.value) if isinstance(o, kinds)}
+    for name, x in pairs:
+        if name.startswith("__") or id(x) in held:
             continue
         if isinstance(x, kinds):
             found.append(f"`{name}` (a {type(x).__module__.split('.')[0]}.{type(x).__name__})")

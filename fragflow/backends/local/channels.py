@@ -21,6 +21,7 @@ version (deterministic policies) or the newest one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,6 +356,7 @@ class ParamChannel:
         self._cache: tuple[int, list[Any]] | None = None
         self._stamp = 0
         self._views: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._leaves: dict[int, list[Any]] = {}
 
     @staticmethod
     def nbytes(specs: list[TensorSpec], depth: int) -> int:
@@ -386,6 +388,17 @@ class ParamChannel:
                                       self.layout.views(self.seg.buf, off + _P_META))
         return views
 
+    def _leaf_views(self, version: int, data: list[np.ndarray]) -> list[Any]:
+        """The leaves of ``version``'s slot as views in their libraries (kept per slot where every
+        leaf is a CPU array: a Python number is read anew, a device leaf is a copy)."""
+        k = version % self.depth
+        views = self._leaves.get(k)
+        if views is None:
+            views = self.layout.read_views(data)
+            if all(s.backend in ("torch", "numpy") and s.device == "cpu" for s in self.layout.specs):
+                self._leaves[k] = views
+        return views
+
     @property
     def latest(self) -> int:
         """The newest published version (-1 before the first)."""
@@ -407,18 +420,32 @@ class ParamChannel:
     def read(self, version: int | None = None, stamp: int | None = None) -> tuple[int, list[Any]]:
         """A private copy of ``version`` (default: the newest); with ``stamp``, of that version once
         published with at least that many writes (it waits for them). Retries a torn read."""
+        return self._read(version, stamp, None)
+
+    def read_into(self, version: int, stamp: int | None, fill: Callable[[list[Any]], Any]) -> Any:
+        """``fill(leaves)`` on ``version``'s leaves as views of the slot (not copies: ``fill`` copies
+        what it keeps, as into a module's tensors), once published with ``stamp`` writes as
+        :meth:`read`; called again where a write raced with it. Returns what ``fill`` returned."""
+        return self._read(version, stamp, fill)
+
+    def _read(self, version: int | None, stamp: int | None, fill: Callable[[list[Any]], Any] | None) -> Any:
         pause = 2e-5
         while True:
             v = self.latest if version is None else version
             if v < 0:
                 raise LookupError("no version published yet")
             if self._cache is not None and self._cache[0] == v and (stamp is None or self._stamp >= stamp):
-                return self._cache
+                return self._cache if fill is None else fill(self._cache[1])
             meta, data = self._slot(v)
             before = int(meta[0])
             if before % 2 == 0 and int(meta[1]) == v:
                 got = int(meta[2])
                 if stamp is None or got >= stamp:
+                    if fill is not None:
+                        out = fill(self._leaf_views(v, data))
+                        if int(meta[0]) == before and int(meta[1]) == v:
+                            return out
+                        continue
                     leaves = self.layout.read_views(data, copy=True)
                     if int(meta[0]) == before and int(meta[1]) == v:
                         self._cache, self._stamp = (v, leaves), got
@@ -450,5 +477,6 @@ class ParamChannel:
     def detach(self) -> None:
         self._cache = None
         self._views.clear()
+        self._leaves.clear()
         self.header = np.zeros(2, np.int64)
         self.seg.close()
