@@ -357,3 +357,19 @@ def test_address_local_starts_the_runs_own_instance_as_no_address_does(monkeypat
     ray_backend.connect(None)
     ray_backend.connect("local")
     assert len(calls) == 2 and calls[0] == calls[1] and calls[0]["include_dashboard"] is False, calls
+
+
+def test_a_ray_ring_says_its_slots_so_served_inference_does_not_hold_an_update_it_cannot_get():
+    """Served inference with a bound holds an update for a late replica unless every slot of its
+    ring holds a piece of the waiting pool (then only the pool's run frees them: a deadlock); the
+    gathering asks the ring its slots, which Ray's rings did not say (held as before, the deadlock
+    open there). The hub's rings count taken, unreleased pieces in their slots as local rings do."""
+    import pickle
+
+    from fragflow.backends.local.shm import Layout
+    from fragflow.backends.ray import RayWiring
+    from fragflow.compiler.pytree import TensorSpec
+
+    wiring = RayWiring(None, {"act": Layout.of([TensorSpec((2,), "float32", "numpy")])}, {}, [], capacities={"act": 3})
+    assert wiring.attach().rings["act"].capacity == 3
+    assert pickle.loads(pickle.dumps(wiring)).attach().rings["act"].capacity == 3   # (as a worker receives it)

@@ -252,7 +252,7 @@ class Gathering(ReplicaChecks):
             return False
         pooled = [p.replica for p in self.pools.get(fragment, ())]
         return any(s is not None and not self.finished[k] and self.version + 1 - s > self.program.max_lag
-                   # (a ring that does not say its capacity, Ray's: held as before)
+                   # (a ring that does not say its capacity: held as before)
                    and pooled.count(k) < getattr(self.rings[k][fragment], "capacity", float("inf"))
                    for k, s in enumerate(self.started))
 

@@ -67,13 +67,15 @@ class RayWiring:
     groups: list[str]
     watch_parent: bool = False       # Ray ends a run's actors itself when the driver goes
     actors: list[Any] = field(default_factory=list, repr=False)
+    capacities: dict[str, int] = field(default_factory=dict)   # each ring's slots (taken pieces hold theirs)
 
     def __post_init__(self) -> None:
         self.results = RayQueue(self.hub, "results")
         self.stop = RayStop(self.hub)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"hub": self.hub, "rings": self.rings, "broadcasts": self.broadcasts, "groups": self.groups}
+        return {"hub": self.hub, "rings": self.rings, "broadcasts": self.broadcasts, "groups": self.groups,
+                "capacities": self.capacities}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -100,7 +102,8 @@ class RayEndpoints:
         self.wiring = wiring
         self.stop = wiring.stop
         self.results = wiring.results
-        self.rings: dict[str, Any] = {n: RayRing(hub, n, layout) for n, layout in wiring.rings.items()}
+        self.rings: dict[str, Any] = {n: RayRing(hub, n, layout, wiring.capacities.get(n))
+                                      for n, layout in wiring.rings.items()}
         self.broadcasts: dict[str, Any] = {n: RayBroadcast(hub, n, layout) for n, layout in wiring.broadcasts.items()}
         self.admission = RayAdmission(hub)
         self._defs = {g: RayQueue(hub, f"definitions:{g}") for g in wiring.groups}
@@ -357,7 +360,7 @@ class RayBackend:
         queues = ["results", *(f"definitions:{g}" for g in groups)]
         hub_cls = ray.remote(num_cpus=0, max_concurrency=1000)(Hub)
         hub = hub_cls.remote(rings, broadcasts, clock_rings, clock_state, queues, lowered.loop.replicas)
-        wiring = RayWiring(hub, layouts, blayouts, groups)
+        wiring = RayWiring(hub, layouts, blayouts, groups, capacities={n: cap for n, (cap, _) in rings.items()})
         wiring.watch_parent = False
         return wiring
 

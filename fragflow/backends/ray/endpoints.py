@@ -68,8 +68,10 @@ def _unpack(layout: Layout, items: list[Any]) -> list[Any]:
 class RayRing:
     """A ring of the hub, seen from one process (implements ``backends.Ring``)."""
 
-    def __init__(self, hub: Any, name: str, layout: Layout) -> None:
+    def __init__(self, hub: Any, name: str, layout: Layout, capacity: int | None = None) -> None:
         self.hub, self.name, self.layout = hub, name, layout
+        if capacity is not None:   # (its slots, taken pieces included: the gathering's hold asks it)
+            self.capacity = capacity
         self.nbytes = layout.nbytes
         self.epoch: int | None = None   # this producer's incarnation (asked at its first put)
         self._peeked: tuple[bool, int, int, int] | None = None
