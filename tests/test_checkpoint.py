@@ -2093,3 +2093,46 @@ def test_replicas_stepped_together_that_hear_of_a_request_a_trip_apart_keep_one_
     mids = _mid_run_checkpoints(out)
     assert [m["counters"]["updates"] for m in mids] == [5, 9, 13], [m["counters"] for m in mids]
 
+
+
+def test_a_key_a_served_actor_gives_back_to_itself_is_refused_at_the_checkpoint_not_restarted(write_algo, tmp_path):
+    """Under central_inference the key an actor returns and is given again stays in the inference
+    process; the loop's local held only a reference, left out of the checkpoint unsaid: a resumed
+    run restarted the key stream from the seed. It is refused at the checkpoint, with the fix; under
+    a policy that acts where the loop runs the key is the loop's and is saved."""
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            updates: int = 6
+
+        @ff.fragment("actor")
+        def act(w, key):
+            key, sub = ff.random.split(key)
+            return key, ff.random.normal(sub, (1,))[:, 0]
+
+        @ff.fragment("learner")
+        def learn(state, x):
+            return {"w": state["w"] + x.mean()}, {"w": float(state["w"][0] + x.mean())}
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(1)})
+            key = ff.random.keys(0, np.arange(2))
+            for u in range(args.updates):
+                key, x = act(state, key)
+                state, m = learn(state, x)
+                ff.log(m)
+            return state
+    ''', "served_key.py")
+    prog = load(str(path))
+    with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'key': it holds an output of 'act' "
+                                                       r"that the loop gives back to 'act'.*\n  fix: keep it in the loop"):
+        ff.run(prog.train, prog.args_cls(), policy="central_inference(env_workers=1)", out=tmp_path / "a", checkpoint_every=3)
+    full = ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "b")
+    ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "c", checkpoint_every=3)
+    resumed = ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "d",
+                     resume=tmp_path / "c" / "checkpoints" / "3")
+    assert np.array_equal(resumed.value["w"], full.value["w"])

@@ -1277,3 +1277,29 @@ def test_normalize_reward_matches_gymnasiums_wrapper_on_each_env_through_resets_
     every_round, _ = _rewards(reset, _Discounted(), 3, 4)
     once.reset()
     np.testing.assert_allclose(every_round, [once.step(np.zeros(1, np.int64))[1][0] for _ in range(12)], rtol=1e-12)
+
+
+class _DictObsOneStep(gym.Env):
+    """Dict observations; every episode ends at its first step."""
+
+    observation_space = gym.spaces.Dict({"x": gym.spaces.Box(-1, 1, (2,), np.float32)})
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return {"x": np.zeros(2, np.float32)}, {}
+
+    def step(self, action):
+        return {"x": np.ones(2, np.float32)}, 1.0, True, False, {}
+
+
+def test_normalize_reward_alone_takes_any_observation_space():
+    """Rewards normalised on an env of Dict observations crashed (KeyError: None) at the first episode
+    end: the final observations were normalised row by row though no observation statistics are kept."""
+    env = ff.envs.make(_DictObsOneStep, num_envs=2, seed=0, normalize_reward=True)
+    env.reset()
+    for _ in range(3):
+        obs, reward, terminated, truncated, info = env.step(np.zeros(2, np.int64))
+        assert terminated.all() and np.array_equal(info["final_obs"]["x"], np.ones((2, 2), np.float32))
+        assert np.isfinite(reward).all() and not np.array_equal(reward, np.ones(2))   # scaled
+    env.close()

@@ -32,7 +32,9 @@ class Scaled(nn.Module):
     def forward(self, x):
         return self.lin(x) * self.scale + self.mean
 
-    def get_extra_state(self):
+    def get_extra_state(self):   # (its keys in another order every other update: a dict is by its keys)
+        if self.count % 2:
+            return {"mean": self.mean, "count": self.count, "scale": self.scale}
         return {"scale": self.scale, "count": self.count, "mean": self.mean}
 
     def set_extra_state(self, state):
@@ -184,3 +186,41 @@ def test_a_buffer_kept_out_of_state_dict_reaches_the_actor_with_each_version(wri
         got = final(policy)
         assert got[1] == want[1], policy
         assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])), policy
+
+
+def test_a_constant_non_finite_buffer_kept_out_of_state_dict_is_not_taken_for_a_diverged_learner(write_algo):
+    """A causal mask of -inf registered with persistent=False stopped every run with NonFiniteError
+    once such buffers travelled with the state."""
+    text = UNSAVED_BUFFER.replace(
+        '        self.register_buffer("scale", torch.ones(4), persistent=False)   # kept out of checkpoints',
+        '        self.register_buffer("scale", torch.ones(4), persistent=False)   # kept out of checkpoints\n'
+        '        self.register_buffer("mask", torch.full((2, 2), float("-inf")).triu(1), persistent=False)')
+    assert "mask" in text
+    path, _ = write_algo(text, "mask.py")
+    program = load(str(path))
+    for policy in ("single_process", "pipelined(max_lag=0)"):
+        assert ff.run(program.train, program.args_cls(), policy=policy).summary["updates"] == 6
+
+
+def test_a_checkpoint_saves_the_buffers_state_dict_leaves_out():
+    """A resumed run started such a buffer (a statistic the learner updates) from its first value:
+    checkpoints saved modules through state_dict, which leaves it out."""
+    from fragflow.runtime.encoding import decode, encode
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+            self.register_buffer("scale", torch.ones(2), persistent=False)
+            self.register_buffer("cache", None, persistent=False)   # made at the first update
+
+    saved = Net()
+    saved.scale.mul_(3.0)
+    saved.cache = torch.arange(3.0)
+    meta, tensors = encode({"net": saved}, "states")
+    fresh = Net()
+    scale = fresh.scale
+    out = decode(meta, tensors, {"net": fresh})
+    assert out["net"] is fresh and fresh.scale is scale   # (in place: the same tensor)
+    assert torch.equal(fresh.scale, torch.full((2,), 3.0)) and torch.equal(fresh.cache, torch.arange(3.0))
+    assert torch.equal(fresh.fc.weight, saved.fc.weight)

@@ -1118,12 +1118,15 @@ def test_a_generator_the_loop_holds_is_named_where_loop_processes_split_the_envi
     assert shm_leftovers() == []
 
 
-def test_a_generator_the_state_holds_is_the_learners_not_named_as_the_loops(write_algo):
+@pytest.mark.parametrize("draw, warned", [("ff.random.normal(sub, (1,))", False),
+                                          ("gen.normal(size=obs[:, :1].shape).astype(np.float32)", True)])
+def test_a_generator_the_state_holds_is_named_only_where_the_loop_draws_from_it(write_algo, draw, warned):
     """A generator made in the training function and put in the versioned state (TD3's target
     smoothing noise, drawn in the learner) was named as one the loop's processes each copy, with the
-    advice to draw from ff.random keys: it travels with the state, and an acting process drawing
-    from it is refused at the call."""
-    text = NOISY.replace("EPS", "ff.random.normal(sub, (1,))").replace(
+    advice to draw from ff.random keys: it travels with the state. It is named where the loop's own
+    copy moves (the loop draws from it: each process its copy's numbers)."""
+    text = NOISY.replace("EPS", draw).replace('params["w"]', "params").replace(
+        "act(state, obs, eps)", 'act(state["w"], obs, eps)').replace(
         '    state = ff.versioned({"w": np.zeros((1, 1), np.float32)})',
         '    gen = np.random.default_rng(0)\n    state = ff.versioned({"w": np.zeros((1, 1), np.float32), "gen": gen})').replace(
         'return {"w": state["w"] + 1e-3 * batch["obs"][..., :1].mean()}',
@@ -1132,5 +1135,6 @@ def test_a_generator_the_state_holds_is_the_learners_not_named_as_the_loops(writ
     path, _ = write_algo(text)
     prog = load(str(path))
     r = ff.run(prog.train, prog.args_cls(keys=True), policy="actor_learner(actors=2, max_lag=0)")
-    assert [n for n in r.summary.get("notes", []) if "random generator" in n] == []
+    notes = [n for n in r.summary.get("notes", []) if "random generator" in n]
+    assert notes == [] if not warned else len(notes) == 1 and "`gen` (a numpy.Generator)" in notes[0], notes
     assert shm_leftovers() == []

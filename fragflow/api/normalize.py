@@ -91,7 +91,7 @@ class Normalize(gym.vector.VectorWrapper):
 
     def step(self, actions: Any) -> Any:
         obs, reward, terminated, truncated, info = self.env.step(actions)
-        if "final_obs" in info:
+        if "final_obs" in info and self.obs_rms is not None:   # (rewards alone: any observation space)
             mask = info["_final_obs"]
             info = dict(info, final_obs=info["final_obs"].copy())
             for i in np.flatnonzero(mask):   # as a wrapper on the env: its step's observation, then its reset's

@@ -121,7 +121,10 @@ def _children(x: Any, kind: str) -> list[tuple[Any, Any]]:
         walked: list[tuple[Any, Any]] = []
         unsaved: list[tuple[Any, Any]] = []
         if not _plain_state(x, "", walked, unsaved, sys.modules["torch"].nn.Module):
-            walked, unsaved = list(x.state_dict(keep_vars=True).items()), []
+            # (an extra state's dicts in one order, their keys': the learner may rebuild one in another)
+            walked = [(k, _sorted_dicts(v) if _extra_owner(x, k) is not None else v)
+                      for k, v in x.state_dict(keep_vars=True).items()]
+            unsaved = []
             _unsaved_buffers(x, "", unsaved)
         return walked + unsaved if unsaved else walked
     if kind in ("scheduler", "generator"):
@@ -152,6 +155,22 @@ def _extra_owner(module: Any, key: str) -> Any:
     if getattr(type(owner), "get_extra_state", base.get_extra_state) is base.get_extra_state:
         return None
     return owner if key == (prefix + "." if prefix else "") + EXTRA_STATE else None
+
+
+def _sorted_dicts(x: Any) -> Any:
+    """``x`` with each dict in it (a module's extra state) in its keys' order, where they sort."""
+    if isinstance(x, dict):
+        try:
+            keys = sorted(x)
+        except TypeError:
+            keys = list(x)
+        return {k: _sorted_dicts(x[k]) for k in keys}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[_sorted_dicts(v) for v in x])
+    if isinstance(x, (list, tuple)):
+        kids = [_sorted_dicts(v) for v in x]
+        return kids if isinstance(x, list) else tuple(kids)
+    return x
 
 
 def _unsaved_buffers(m: Any, prefix: str, out: list[tuple[Any, Any]]) -> None:
@@ -414,6 +433,22 @@ def _paths(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
         if backend_of(tree) is None:
             raise NotAnArray(path, tree)
         out.append((path, tree))
+
+
+def unsaved_paths(tree: Any, prefix: str = "") -> set[str]:
+    """The paths, in :func:`leaf_paths`'s notation, of the buffers registered with
+    ``persistent=False`` in ``tree``'s modules (a mask, a cache: state_dict leaves them out)."""
+    if isinstance(tree, dict):
+        return {p for k, v in tree.items() for p in unsaved_paths(v, f"{prefix}[{k!r}]")}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return {p for f, v in zip(tree._fields, tree) for p in unsaved_paths(v, f"{prefix}.{f}")}
+    if isinstance(tree, (list, tuple)):
+        return {p for i, v in enumerate(tree) for p in unsaved_paths(v, f"{prefix}[{i}]")}
+    if _torch_kind(tree) != "module":
+        return set()
+    found: list[tuple[Any, Any]] = []
+    _unsaved_buffers(tree, "", found)
+    return {f"{prefix}[{k!r}]" for k, _ in found}
 
 
 def none_paths(tree: Any, prefix: str = "") -> list[str]:

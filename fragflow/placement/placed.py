@@ -376,7 +376,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 "version broadcast would overwrite it", where=n.defined_at,
                 fix="leave state a fragment reads unchanged (work on a copy: tensor.clone(), array.copy(); in-place "
                     "ops change it even under torch.no_grad()), make the change in a learner that writes the state, "
-                    "or run with --policy single_process")
+                    "or run with --policy single_process (a module's buffers travel with each version, those "
+                    "registered with persistent=False too: a cache the actor builds for itself belongs in a plain "
+                    "attribute, self.cache = ..., not a buffer)")
         if n.name in acting and n.actor_mode:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' changes the versioned state {n.actor_mode} in place, but policy "

@@ -378,12 +378,21 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
                 if arr.dtype.kind not in "fc":
                     continue
                 bad = not bool(np.isfinite(arr).all())
+        if bad and path in _unsaved(out):   # (a buffer kept out of state_dict: a causal mask's -inf, a constant)
+            continue
         if bad:
             when = _when(update, every)
             raise NonFiniteError(f"learner '{fragment}' produced a non-finite value (NaN or inf) at {path or 'its output'} "
                                  f"{when}", where=_loc(where),
                                  fix="lower the learning rate, clip gradients or check the loss for log(0) / division "
                                      "by zero; FRAGFLOW_ALLOW_NONFINITE=1 lets the run go on")
+
+
+def _unsaved(out: Any) -> set[str]:
+    """The paths of the buffers registered with ``persistent=False`` in ``out``'s modules."""
+    from fragflow.compiler.pytree import unsaved_paths
+
+    return unsaved_paths(out)
 
 
 def state_checks(graph: Any) -> dict[str, Any]:

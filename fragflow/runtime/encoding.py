@@ -61,6 +61,9 @@ def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
             return {"t": "tensor", "k": key, "dtype": str(t.dtype).removeprefix("torch."), "device": str(x.device),
                     "shape": list(t.shape)}
         if isinstance(x, torch.nn.Module):
+            unsaved = unsaved_buffers(x)   # (state_dict leaves them out; they travel with the state's versions)
+            if unsaved:
+                return {"t": "module", "v": _enc(x.state_dict(), key, out), "unsaved": _enc(unsaved, f"{key}.unsaved", out)}
             return {"t": "module", "v": _enc(x.state_dict(), key, out)}
         if isinstance(x, torch.optim.Optimizer):
             return {"t": "optimizer", "v": _enc(x.state_dict(), key, out)}
@@ -142,6 +145,8 @@ def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path:
                 template.load_state_dict(sd, strict=True)
             except RuntimeError as exc:
                 raise Mismatch(f"{path}: {str(exc).splitlines()[0]}") from None
+            if "unsaved" in meta:
+                _load_unsaved(template, decode(meta["unsaved"], tensors, path=path), path)
         else:
             saved_groups = [len(g["params"]) for g in sd.get("param_groups", [])]
             live_groups = [len(g["params"]) for g in live.get("param_groups", [])]
@@ -204,6 +209,36 @@ def _array(tensors: dict[str, np.ndarray], key: str, shape: list[int] | None = N
 def _same(path: str, shape: tuple[int, ...], dtype: str, want_shape: tuple[int, ...], want_dtype: str) -> None:
     if shape != want_shape or dtype != want_dtype:
         raise Mismatch(f"{path or 'the value'} was saved as {dtype}{list(shape)}, the program has {want_dtype}{list(want_shape)}")
+
+
+def unsaved_buffers(module: Any) -> dict[str, Any]:
+    """A module's buffers registered with ``persistent=False``, by their state_dict-style names."""
+    from fragflow.compiler.pytree import _unsaved_buffers
+
+    found: list[tuple[Any, Any]] = []
+    _unsaved_buffers(module, "", found)
+    return dict(found)
+
+
+def _load_unsaved(module: Any, saved: dict[str, Any], path: str) -> None:
+    """Put a module's saved non-persistent buffers back (in place where the module has one of that
+    shape and dtype; else as its buffer: a cache the program makes at its first update)."""
+    import torch
+
+    for name, t in saved.items():
+        prefix, _, leaf = name.rpartition(".")
+        try:
+            owner = module.get_submodule(prefix)
+        except AttributeError:
+            raise Mismatch(f"{path}: the module has no submodule {prefix!r} for its saved buffer {name!r}") from None
+        if leaf not in owner._buffers:
+            raise Mismatch(f"{path}: the module has no buffer {name!r} (registered with persistent=False) to load")
+        live = owner._buffers[leaf]
+        with torch.no_grad():
+            if live is not None and live.shape == t.shape and live.dtype == t.dtype:
+                live.copy_(t)
+            else:
+                owner._buffers[leaf] = t.to(live.device) if live is not None else t
 
 
 def _check_tree(path: str, saved: dict[str, Any], live: dict[str, Any]) -> None:

@@ -133,6 +133,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._shapes: dict[str, Any] = {}   # each state's structure (a learner's new state keeps it)
         self._seq = 0
         self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
+        # outputs given back to the fragment that made them, held where it runs (see snapshot.loop_locals)
+        self.recurrent: set[tuple[Any, ...]] = set()
         self._shipped: set[str] = set()
         # module data each fragment served elsewhere reaches, as it was when the fragment was sent there
         self._reached: dict[str, Reached] = {}
@@ -498,6 +500,10 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
         skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given, self._lag_of)
+        for value in bound.arguments.values():
+            for p in (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(p, Pending) and p.fragment == name:
+                    self.recurrent.add((p.fragment, p.index, p.path_keys))
         group = self._defs[route.group]
         reached = self._reached.get(name)
         if reached is not None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from fragflow.compiler.axes import address
-from fragflow.compiler.pytree import flatten, leaf_paths, spec_of, to_numpy, without_optimizers
+from fragflow.compiler.pytree import flatten, leaf_paths, spec_of, to_numpy, unsaved_paths, without_optimizers
 from fragflow.errors import ConfigError, SpecChangedError
 from fragflow.runtime import calls
 from fragflow.runtime.gathering import _Piece
@@ -137,7 +137,12 @@ class Outgoing:
         try:
             self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
         except (SpecChangedError, TypeError, ValueError) as exc:   # (the channel's own words name no fragment)
-            raise self._unfit(state, exc) from None
+            unfit = self._unfit(state, exc)
+            if isinstance(unfit, SpecChangedError) and unsaved_paths(value):
+                unfit.restate(fix=f"{unfit.fix}; a module's buffers travel with each version, those registered with "
+                                  "persistent=False too: a cache made or resized after the trace belongs in a plain "
+                                  "attribute (self.cache = ...), not a buffer")
+            raise unfit from None
 
     def _unfit(self, state: str, exc: Exception) -> Exception:
         """The broadcast, sized from the state's traced specs, refused the state a learner just wrote:
@@ -155,7 +160,7 @@ class Outgoing:
             return found
         return SpecChangedError(
             f"learner '{writer}' returned state '{state}' in update {update} that no longer fits the channel "
-            f"sized from its traced specs, which carries it to the acting side: {exc}", where=where,
+            f"sized from its traced specs, which carries it to the acting side: {getattr(exc, 'what', exc)}", where=where,
             fix="keep the state's shapes, dtypes and structure fixed (cast back, e.g. x.astype(np.float32))")
 
     def _save(self, seq: int) -> None:

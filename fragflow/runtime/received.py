@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import random
 import sys
 from typing import Any
 
@@ -105,4 +106,6 @@ def state_of(gen: Any) -> bytes:
         return pickle.dumps(gen.get_state(legacy=False))
     if isinstance(gen, np.random.Generator):
         return pickle.dumps(gen.bit_generator.state)
+    if isinstance(gen, random.Random):
+        return pickle.dumps(gen.getstate())
     return bytes(gen.get_state().numpy())   # a torch.Generator

@@ -30,10 +30,14 @@ class CheckpointError(FragflowError):
 
 # -- the loop's locals ----------------------------------------------------------------------------------
 def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset(),
-                strict: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
+                strict: bool = True, recurrent: frozenset[tuple[Any, ...]] | set[tuple[Any, ...]] = frozenset()
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
     """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``. ``strict``
     (a checkpoint): a buffer of the user's own that cannot be saved is refused; else (an actor's
-    restart snapshot, which the user never asked for) it is left out, as a buffer too big for one is."""
+    restart snapshot, which the user never asked for) it is left out, as a buffer too big for one is.
+    ``recurrent``: the outputs (fragment, index, path) the loop gives back to the fragment that made
+    them at its next call, held in another process (a served actor's key): one in the locals cannot
+    be saved, and is refused where strict (a resumed run would start it anew)."""
     from fragflow.api.random import is_key
     from fragflow.api.versioned import Pending, Versioned, VersionedView
 
@@ -43,6 +47,18 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
     left: list[str] = []
     for name, x in frame_locals.items():
         key = f"local.{name}"
+        if isinstance(x, Pending) and (x.fragment, x.index, x.path_keys) in recurrent and not name.startswith("__"):
+            if strict:
+                raise CheckpointError(
+                    f"cannot save the loop's {name!r}: it holds an output of '{x.fragment}' that the loop gives back "
+                    f"to '{x.fragment}' at its next call (a random key, a recurrent state), and this policy keeps it "
+                    f"in the process that runs '{x.fragment}' (served inference), so a run resumed from this "
+                    "checkpoint would start it anew",
+                    fix="keep it in the loop: split the key there and give the actor the sub-key (`key, sub = "
+                        "ff.random.split(key)`, then `act(..., sub)`), or checkpoint under a policy that acts where "
+                        "the loop runs (pipelined, actor_learner)")
+            left.append(name)
+            continue
         if id(x) in skip or isinstance(x, (Versioned, VersionedView, Pending)) or name.startswith("__"):
             continue
         if x is None or isinstance(x, (bool, int, float, str, np.generic)):
@@ -268,11 +284,12 @@ def held_by_state(states: dict[str, Any]) -> set[int]:
     return {id(o) for handle in states.values() for o in objects_of(handle.value)}
 
 
-def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(),
-              strict: bool = True) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
+def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(), strict: bool = True,
+              recurrent: frozenset[tuple[Any, ...]] | set[tuple[Any, ...]] = frozenset()
+              ) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
     """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``
-    (``strict``: see :func:`loop_locals`)."""
-    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict)
+    (``strict``, ``recurrent``: see :func:`loop_locals`)."""
+    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent)
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
     meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}
@@ -336,11 +353,13 @@ def resume_point(part: tuple[Any, dict[str, np.ndarray]],
     return Resume(int(meta["line"]), int(meta["trip"]), restore)
 
 
-def copied_generators(frame: Any, replicas: int) -> str | None:
+def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]] | None = None) -> str | None:
     """A warning, where the loop holds random generators of its own (``rng = np.random.default_rng(s)``,
     an exploration-noise object of the user's class holding one): each of the ``replicas`` loop
     processes, which split the environments, holds a copy of it, so numbers drawn from it for each
-    process's environments repeat across processes where one process would draw a number for each."""
+    process's environments repeat across processes where one process would draw a number for each.
+    One a versioned state holds is most likely its learner's (TD3's smoothing noise), which draws from
+    the one it holds: it goes to ``held_out`` instead, named only if the loop's copy moves later."""
     torch = _torch()
     kinds = (np.random.Generator, pyrandom.Random, np.random.RandomState) + ((torch.Generator,) if torch else ())
     module = frame.f_globals.get("__name__")
@@ -351,23 +370,30 @@ def copied_generators(frame: Any, replicas: int) -> str | None:
     names = {name: x for name in frame.f_code.co_names
              if not name.startswith("__") and (x := frame.f_globals.get(name, _NO)) is not _NO}   # (the module's it reads)
     pairs = [*frame.f_locals.items(), *names.items()]
-    # one a versioned state holds is the learner's (it travels with the state; the loop or an actor
-    # drawing from it where the learner runs apart is refused at the call)
     held = {id(o) for _, x in pairs if isinstance(x, Versioned) for o in objects_of(x.value) if isinstance(o, kinds)}
     for name, x in pairs:
-        if name.startswith("__") or id(x) in held:
+        if name.startswith("__"):
             continue
         if isinstance(x, kinds):
-            found.append(f"`{name}` (a {type(x).__module__.split('.')[0]}.{type(x).__name__})")
+            if id(x) in held:
+                if held_out is not None:
+                    held_out.append((generator_label(name, x), x))
+                continue
+            found.append(generator_label(name, x))
         elif getattr(type(x), "__module__", None) == module and type(getattr(x, "__dict__", None)) is dict:
-            found += [f"`{name}.{attr}` (a {type(v).__module__.split('.')[0]}.{type(v).__name__})"
-                      for attr, v in vars(x).items() if isinstance(v, kinds)]
+            found += [generator_label(f"{name}.{attr}", v) for attr, v in vars(x).items() if isinstance(v, kinds)]
     found = list(dict.fromkeys(found))
-    if not found:
-        return None
+    return copied_message(frame.f_code, found, replicas) if found else None
+
+
+def generator_label(name: str, x: Any) -> str:
+    return f"`{name}` (a {type(x).__module__.split('.')[0]}.{type(x).__name__})"
+
+
+def copied_message(code: Any, found: list[str], replicas: int) -> str:
+    """The warning of :func:`copied_generators` for the generators ``found`` (their labels)."""
     from fragflow.source import display_path
 
-    code = frame.f_code
     return (f"the training loop ({display_path(code.co_filename)}:{code.co_firstlineno}, `{code.co_name}`) holds or reads the random "
             f"generator{'s' if len(found) > 1 else ''} {', '.join(found)}: each of the {replicas} loop processes, "
             "which split the environments, holds a copy, so numbers it draws for its own environments (exploration "

@@ -346,9 +346,11 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
     from fragflow.runtime import calls, checkpoint, trips
+    from fragflow.runtime.received import state_of
     from fragflow.runtime.snapshot import (
         acting_views,
         copied_generators,
+        copied_message,
         held_by_state,
         loop_part,
         resume_point,
@@ -441,7 +443,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             seen[0] = seq
             if every:
                 cut["pending"], cut["next"] = None, (interp.update // every + 1) * every
-            position, part = loop_part(snapshot, held_by_state(interp._states))
+            position, part = loop_part(snapshot, held_by_state(interp._states), recurrent=interp.recurrent)
             position["steps"] = reporter.total_steps
             position["updates"] = interp.update   # (this run's)
             if every:   # the last out-of-schedule request it had heard of (Ctrl-C: stopped at a cut after it)
@@ -456,7 +458,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else \
-                loop_part(snapshot, held_by_state(interp._states), strict=False)[1]
+                loop_part(snapshot, held_by_state(interp._states), strict=False, recurrent=interp.recurrent)[1]
             remote = interp.program.remote
             meta["lost"] = [lost for lost in meta.get("lost", ())
                             if not any(name.startswith(f"{lost[2]}.") for name in remote)]
@@ -474,9 +476,21 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     tracker.capture = capture
     if replicas > 1 and index == 0 and restart is None:
         def first(frame: Any) -> None:
-            message = copied_generators(frame, replicas)
+            held: list[tuple[str, Any]] = []
+            message = copied_generators(frame, replicas, held)
             if message:
                 endpoints.results.put(("warn", message))
+            elif held:   # a versioned state's generator: named if this process's copy moves (the loop drew from it)
+                code, then, trips_left = frame.f_code, [(label, gen, state_of(gen)) for label, gen in held], [64]
+
+                def later(_: Any) -> None:
+                    moved = [label for label, gen, was in then if state_of(gen) != was]
+                    if moved:
+                        endpoints.results.put(("warn", copied_message(code, moved, replicas)))
+                    elif trips_left[0] > 0:
+                        trips_left[0] -= 1
+                        tracker.first = later
+                tracker.first = later
         tracker.first = first
     if together and replicas > 1:
         tracker.on_start = lambda trip: admission.at_trip(index, trip)

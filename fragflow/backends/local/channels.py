@@ -389,14 +389,15 @@ class ParamChannel:
         return views
 
     def _leaf_views(self, version: int, data: list[np.ndarray]) -> list[Any]:
-        """The leaves of ``version``'s slot as views in their libraries (kept per slot where every
-        leaf is a CPU array: a Python number is read anew, a device leaf is a copy)."""
+        """The leaves of ``version``'s slot as views (kept per slot) where every leaf is a CPU torch
+        or numpy array; else copies, as :meth:`read` makes (a jax array made over the slot copies it
+        asynchronously, after the sequence counter is checked: a torn read unseen)."""
         k = version % self.depth
         views = self._leaves.get(k)
         if views is None:
-            views = self.layout.read_views(data)
-            if all(s.backend in ("torch", "numpy") and s.device == "cpu" for s in self.layout.specs):
-                self._leaves[k] = views
+            if not all(s.backend in ("torch", "numpy") and s.device == "cpu" for s in self.layout.specs):
+                return self.layout.read_views(data, copy=True)
+            views = self._leaves[k] = self.layout.read_views(data)
         return views
 
     @property
