@@ -2128,7 +2128,7 @@ def test_a_key_a_served_actor_gives_back_to_itself_is_refused_at_the_checkpoint_
             return state
     ''', "served_key.py")
     prog = load(str(path))
-    with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'key': it holds an output of 'act' "
+    with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'key': it holds an output of actor 'act' "
                                                        r"that the loop gives back to 'act'.*\n  fix: keep it in the loop"):
         ff.run(prog.train, prog.args_cls(), policy="central_inference(env_workers=1)", out=tmp_path / "a", checkpoint_every=3)
     full = ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "b")
@@ -2136,3 +2136,52 @@ def test_a_key_a_served_actor_gives_back_to_itself_is_refused_at_the_checkpoint_
     resumed = ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "d",
                      resume=tmp_path / "c" / "checkpoints" / "3")
     assert np.array_equal(resumed.value["w"], full.value["w"])
+
+
+def test_an_output_given_back_within_one_trip_is_saved_and_a_learners_carried_one_is_refused(write_algo, tmp_path):
+    """A key made fresh each trip and given back to the actor within it (nothing carried) was refused
+    at the checkpoint; a learner's output the loop gives back at its next call (an average it keeps)
+    is refused with a learner's fix, not an actor's."""
+    path, _ = write_algo('''
+        from dataclasses import dataclass
+        import numpy as np
+        import fragflow as ff
+
+        @dataclass(frozen=True)
+        class Args:
+            updates: int = 6
+
+        @ff.fragment("actor")
+        def act(w, key):
+            key, sub = ff.random.split(key)
+            return key, ff.random.normal(sub, (1,))[:, 0]
+
+        @ff.fragment("learner")
+        def learn(state, x, y, avg):
+            return {"w": state["w"] + x.mean() + y.mean()}, avg * 0.5 + x.mean()
+
+        def train(args: Args):
+            state = ff.versioned({"w": np.zeros(1)})
+            avg = np.zeros(())
+            for u in range(args.updates):
+                k1, x = act(state, ff.random.keys(u, np.arange(2)))
+                _, y = act(state, k1)
+                if args.updates < 0:
+                    state, avg = learn(state, x, y, avg)
+                else:
+                    state, _ = learn(state, x, y, np.zeros(()))
+            return state
+    ''', "within_trip.py")
+    prog = load(str(path))
+    policy = "central_inference(env_workers=1)"
+    full = ff.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "a")
+    ff.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "b", checkpoint_every=3)
+    resumed = ff.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "c",
+                     resume=tmp_path / "b" / "checkpoints" / "3")
+    assert np.array_equal(resumed.value["w"], full.value["w"])
+
+    path, _ = write_algo(path.read_text().replace("if args.updates < 0:", "if args.updates > 0:"), "carried.py")
+    prog = load(str(path))
+    with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'avg': it holds an output of learner "
+                                                       r"'learn'.*\n  fix: keep it in versioned state"):
+        ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "d", checkpoint_every=3)

@@ -224,3 +224,28 @@ def test_a_checkpoint_saves_the_buffers_state_dict_leaves_out():
     assert out["net"] is fresh and fresh.scale is scale   # (in place: the same tensor)
     assert torch.equal(fresh.scale, torch.full((2,), 3.0)) and torch.equal(fresh.cache, torch.arange(3.0))
     assert torch.equal(fresh.fc.weight, saved.fc.weight)
+
+
+def test_set_extra_state_gets_its_values_in_the_modules_own_order_and_type():
+    """Flattened in sorted key order, an extra state came back to the acting side's set_extra_state as a
+    plain dict in that order: one that unpacks an OrderedDict's values swapped them."""
+    from collections import OrderedDict
+
+    from fragflow.compiler.pytree import flatten, unflatten_into
+
+    class Counted(torch.nn.Module):
+        def __init__(self, steps: int, scale: float) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.steps, self.scale = steps, scale
+
+        def get_extra_state(self):
+            return OrderedDict(steps=self.steps, scale=self.scale)
+
+        def set_extra_state(self, state):
+            assert type(state) is OrderedDict
+            self.steps, self.scale = state.values()
+
+    learner, actor = Counted(7, 0.5), Counted(0, 1.0)
+    unflatten_into(actor, flatten(learner)[0])
+    assert (actor.steps, actor.scale) == (7, 0.5)

@@ -209,15 +209,16 @@ class Pending(_NoLoopUse):
     which of the fragment's calls in this loop made it (-1: unknown).
     """
 
-    __slots__ = ("fragment", "index", "path_keys", "call", "skel")
+    __slots__ = ("fragment", "index", "path_keys", "call", "skel", "trip")
 
     def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1,
-                 skel: Any = None) -> None:
+                 skel: Any = None, trip: int = -1) -> None:
         self.fragment = fragment
         self.index = index
         self.path_keys = keys
         self.call = call
         self.skel = skel   # its value as traced, without leaves (see pytree.skeleton_of), where known
+        self.trip = trip   # the trip of the loop's top-level loop it was made in (-1: unknown)
 
     def __getitem__(self, key: Any) -> Pending:
         skel = self.skel
@@ -225,7 +226,7 @@ class Pending(_NoLoopUse):
             sub = skel[key] if isinstance(skel, (dict, list, tuple)) else None
         except (KeyError, IndexError, TypeError):
             sub = None
-        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub)
+        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub, self.trip)
 
     def __iter__(self) -> Any:
         """A tuple or list of known length (``state, (loss, info) = learn(...)``) unpacks into its

@@ -173,6 +173,23 @@ def _sorted_dicts(x: Any) -> Any:
     return x
 
 
+def _like(live: Any, value: Any) -> Any:
+    """``value`` (an extra state rebuilt in :func:`_sorted_dicts`' order) with the dicts' order and
+    types of ``live``, the module's own ``get_extra_state()``, where they hold the same keys."""
+    if isinstance(live, dict) and isinstance(value, dict) and live.keys() == value.keys():
+        items = [(k, _like(live[k], value[k])) for k in live]
+        try:
+            return type(live)(items)
+        except Exception:
+            return dict(items)
+    if isinstance(live, (list, tuple)) and isinstance(value, (list, tuple)) and len(live) == len(value):
+        kids = [_like(a, b) for a, b in zip(live, value)]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*kids)
+        return kids if isinstance(value, list) else tuple(kids)
+    return value
+
+
 def _unsaved_buffers(m: Any, prefix: str, out: list[tuple[Any, Any]]) -> None:
     """The buffers ``state_dict`` leaves out (registered with ``persistent=False``), named and
     ordered as it would name them."""
@@ -368,7 +385,8 @@ def _into(tree: Any, it: Iterator[Any], optimizers: bool = True) -> Any:
             for k, dst in _children(tree, kind):
                 owner = _extra_owner(tree, k) if kind == "module" else None
                 if owner is not None:   # (its leaves copied: ``leaves`` are the caller's)
-                    owner.set_extra_state(_into(dst, it if isinstance(it, _Mapped) else _Mapped(it, private)))
+                    value = _into(dst, it if isinstance(it, _Mapped) else _Mapped(it, private))
+                    owner.set_extra_state(_like(owner.get_extra_state(), value))   # (in its own order and types)
                     continue
                 src = raw()
                 dst.copy_(src if isinstance(src, torch.Tensor) else torch.as_tensor(src))

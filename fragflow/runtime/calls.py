@@ -360,10 +360,16 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
     when that fails are they looked at one by one, to name the leaf."""
     if leaves is None:
         leaves = leaf_paths(out)
-    floats = [leaf.detach() for _, leaf in leaves if backend_of(leaf) == "torch" and leaf.is_floating_point()]
+    # a module's buffers kept out of state_dict (persistent=False) may hold infinities by design (a
+    # causal mask's -inf): only NaN there is refused, and they stay out of the fused norm
+    unsaved = _unsaved(out)
+    floats = [leaf.detach() for path, leaf in leaves
+              if backend_of(leaf) == "torch" and leaf.is_floating_point() and path not in unsaved]
     torch_ok = not floats or _all_finite_torch(floats)
     for path, leaf in leaves:
-        if isinstance(leaf, float):
+        if path in unsaved:
+            bad = backend_of(leaf) == "torch" and leaf.is_floating_point() and bool(leaf.detach().isnan().any())
+        elif isinstance(leaf, float):
             bad = not math.isfinite(leaf)
         elif isinstance(leaf, (bool, int)):
             continue
@@ -378,8 +384,6 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
                 if arr.dtype.kind not in "fc":
                     continue
                 bad = not bool(np.isfinite(arr).all())
-        if bad and path in _unsaved(out):   # (a buffer kept out of state_dict: a causal mask's -inf, a constant)
-            continue
         if bad:
             when = _when(update, every)
             raise NonFiniteError(f"learner '{fragment}' produced a non-finite value (NaN or inf) at {path or 'its output'} "

@@ -76,6 +76,19 @@ class Reporter(Protocol):
 UNVERSIONED = -1
 
 
+def pendings_in(x: Any, depth: int = 0) -> list[Pending]:
+    """The references to outputs held elsewhere (``Pending``) in ``x``'s dicts, lists and tuples."""
+    if isinstance(x, Pending):
+        return [x]
+    if depth > 8:
+        return []
+    if isinstance(x, dict):
+        return [p for v in x.values() for p in pendings_in(v, depth + 1)]
+    if isinstance(x, (list, tuple)):
+        return [p for v in x for p in pendings_in(v, depth + 1)]
+    return []
+
+
 def allow_nonfinite() -> bool:
     return os.environ.get("FRAGFLOW_ALLOW_NONFINITE", "") not in ("", "0")
 
@@ -133,8 +146,10 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._shapes: dict[str, Any] = {}   # each state's structure (a learner's new state keeps it)
         self._seq = 0
         self.cut = 0   # the mark of the last checkpoint this replica saved its part of (calls.cut_mark)
-        # outputs given back to the fragment that made them, held where it runs (see snapshot.loop_locals)
-        self.recurrent: set[tuple[Any, ...]] = set()
+        # outputs given back to the fragment that made them, held where it runs, and that fragment's role
+        # (see snapshot.loop_locals)
+        self.recurrent: dict[tuple[Any, ...], str] = {}
+        self.trip = -1   # the trip of the top-level loop under way (set by the worker's trip tracker)
         self._shipped: set[str] = set()
         # module data each fragment served elsewhere reaches, as it was when the fragment was sent there
         self._reached: dict[str, Reached] = {}
@@ -500,10 +515,9 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
                     f"learner '{name}' writes '{frag.writes}', but that argument is not versioned state",
                     where=user_callsite(), fix=f"create it with ff.versioned(...) and pass it as '{frag.writes}'")
         skeleton, leaves, gifts = calls.split_arguments(bound.arguments, route.given, self._lag_of)
-        for value in bound.arguments.values():
-            for p in (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)):
-                if isinstance(p, Pending) and p.fragment == name:
-                    self.recurrent.add((p.fragment, p.index, p.path_keys))
+        for p in pendings_in(bound.arguments):
+            if p.fragment == name and 0 <= p.trip < self.trip:   # (made in an earlier trip: carried across trips)
+                self.recurrent[(p.fragment, p.index, p.path_keys)] = frag.role
         group = self._defs[route.group]
         reached = self._reached.get(name)
         if reached is not None:
@@ -575,14 +589,14 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         if route.sync:
             return self._reply(name, route)
         shape = route.skeleton if isinstance(route.skeleton, tuple) and len(route.skeleton) == route.arity else None
-        rest = [Pending(name, i, call=call, skel=None if shape is None else shape[i])
+        rest = [Pending(name, i, call=call, skel=None if shape is None else shape[i], trip=self.trip)
                 for i in range(1 if route.writes else 0, route.arity)]
         if handle is not None:
             new = Versioned(handle.name, handle.version + 1, self._states.get(handle.name, handle).value,
                             handle.created_at)
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
-        return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton)
+        return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton, trip=self.trip)
 
     def _lag_of(self, pending: Pending) -> int:
         """How many calls of its fragment the loop made after the one ``pending`` is an output of (a

@@ -30,16 +30,19 @@ class CheckpointError(FragflowError):
 
 # -- the loop's locals ----------------------------------------------------------------------------------
 def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset(),
-                strict: bool = True, recurrent: frozenset[tuple[Any, ...]] | set[tuple[Any, ...]] = frozenset()
-                ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
+                strict: bool = True, recurrent: dict[tuple[Any, ...], str] | None = None,
+                latest: dict[str, int] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
     """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``. ``strict``
     (a checkpoint): a buffer of the user's own that cannot be saved is refused; else (an actor's
     restart snapshot, which the user never asked for) it is left out, as a buffer too big for one is.
     ``recurrent``: the outputs (fragment, index, path) the loop gives back to the fragment that made
-    them at its next call, held in another process (a served actor's key): one in the locals cannot
-    be saved, and is refused where strict (a resumed run would start it anew)."""
+    them at its next call, held in another process (a served actor's key), with that fragment's role;
+    ``latest``: each fragment's last call. A local holding one made by its fragment's last call (the
+    next trip gives it back) cannot be saved, and is refused where strict (a resumed run would start
+    it anew); an older one is that trip's own, given back within it."""
     from fragflow.api.random import is_key
     from fragflow.api.versioned import Pending, Versioned, VersionedView
+    from fragflow.runtime.loop import pendings_in
 
     torch = _torch()
     entries: dict[str, Any] = {}
@@ -47,16 +50,21 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
     left: list[str] = []
     for name, x in frame_locals.items():
         key = f"local.{name}"
-        if isinstance(x, Pending) and (x.fragment, x.index, x.path_keys) in recurrent and not name.startswith("__"):
+        carried = [p for p in pendings_in(x) if (p.fragment, p.index, p.path_keys) in (recurrent or {})
+                   and p.call == (latest or {}).get(p.fragment, -2)] if not name.startswith("__") else []
+        if carried:
             if strict:
+                p = carried[0]
+                role = (recurrent or {})[(p.fragment, p.index, p.path_keys)]
                 raise CheckpointError(
-                    f"cannot save the loop's {name!r}: it holds an output of '{x.fragment}' that the loop gives back "
-                    f"to '{x.fragment}' at its next call (a random key, a recurrent state), and this policy keeps it "
-                    f"in the process that runs '{x.fragment}' (served inference), so a run resumed from this "
-                    "checkpoint would start it anew",
+                    f"cannot save the loop's {name!r}: it holds an output of {role} '{p.fragment}' that the loop gives "
+                    f"back to '{p.fragment}' at its next call, and this policy keeps it in the process that runs "
+                    f"'{p.fragment}', so a run resumed from this checkpoint would start it anew",
                     fix="keep it in the loop: split the key there and give the actor the sub-key (`key, sub = "
                         "ff.random.split(key)`, then `act(..., sub)`), or checkpoint under a policy that acts where "
-                        "the loop runs (pipelined, actor_learner)")
+                        "the loop runs (pipelined, actor_learner)" if role == "actor" else
+                        f"keep it in versioned state '{p.fragment}' writes (it then travels and is saved with the "
+                        "state), or run with --policy single_process")
             left.append(name)
             continue
         if id(x) in skip or isinstance(x, (Versioned, VersionedView, Pending)) or name.startswith("__"):
@@ -285,11 +293,11 @@ def held_by_state(states: dict[str, Any]) -> set[int]:
 
 
 def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(), strict: bool = True,
-              recurrent: frozenset[tuple[Any, ...]] | set[tuple[Any, ...]] = frozenset()
+              recurrent: dict[tuple[Any, ...], str] | None = None, latest: dict[str, int] | None = None
               ) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
     """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``
-    (``strict``, ``recurrent``: see :func:`loop_locals`)."""
-    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent)
+    (``strict``, ``recurrent``, ``latest``: see :func:`loop_locals`)."""
+    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent, latest)
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
     meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}

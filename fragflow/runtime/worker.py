@@ -443,7 +443,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             seen[0] = seq
             if every:
                 cut["pending"], cut["next"] = None, (interp.update // every + 1) * every
-            position, part = loop_part(snapshot, held_by_state(interp._states), recurrent=interp.recurrent)
+            position, part = loop_part(snapshot, held_by_state(interp._states), recurrent=interp.recurrent,
+                                       latest=dict(interp._calls_of))
             position["steps"] = reporter.total_steps
             position["updates"] = interp.update   # (this run's)
             if every:   # the last out-of-schedule request it had heard of (Ctrl-C: stopped at a cut after it)
@@ -458,7 +459,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         if snapshots and time.monotonic() >= next_snapshot[0]:
             t0 = time.monotonic()
             meta, arrays = part if part is not None else \
-                loop_part(snapshot, held_by_state(interp._states), strict=False, recurrent=interp.recurrent)[1]
+                loop_part(snapshot, held_by_state(interp._states), strict=False, recurrent=interp.recurrent,
+                          latest=dict(interp._calls_of))[1]
             remote = interp.program.remote
             meta["lost"] = [lost for lost in meta.get("lost", ())
                             if not any(name.startswith(f"{lost[2]}.") for name in remote)]
@@ -493,7 +495,14 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
                 tracker.first = later
         tracker.first = first
     if together and replicas > 1:
-        tracker.on_start = lambda trip: admission.at_trip(index, trip)
+        def on_start(trip: int) -> None:
+            interp.trip = trip
+            admission.at_trip(index, trip)
+        tracker.on_start = on_start
+    else:
+        def on_start(trip: int) -> None:
+            interp.trip = trip
+        tracker.on_start = on_start
     trips.install(tracker)
     return tracker
 

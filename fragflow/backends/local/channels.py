@@ -29,7 +29,7 @@ import numpy as np
 
 from fragflow.backends import Stopped
 from fragflow.backends.local.shm import Layout, Segment
-from fragflow.compiler.pytree import TensorSpec
+from fragflow.compiler.pytree import TensorSpec, from_numpy
 
 LAG_BINS = 16   # lag histogram: 0, 1, ..., 14, and 15 or more
 
@@ -395,8 +395,12 @@ class ParamChannel:
         k = version % self.depth
         views = self._leaves.get(k)
         if views is None:
-            if not all(s.backend in ("torch", "numpy") and s.device == "cpu" for s in self.layout.specs):
-                return self.layout.read_views(data, copy=True)
+            specs = self.layout.specs
+            if not all(s.backend in ("torch", "numpy") and s.device == "cpu" for s in specs):
+                # (a jax array's copy first; a device leaf's copy to its device, a number's read, are done here)
+                return [view.item() if s.backend == "python" else
+                        from_numpy(view.copy() if s.backend == "jax" else view, s.backend, s.device)
+                        for view, s in zip(data, specs)]
             views = self._leaves[k] = self.layout.read_views(data)
         return views
 
