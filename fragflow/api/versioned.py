@@ -290,3 +290,16 @@ for _name, _what in (("__bool__", "tested for truth"),
     def _raiser(self: Pending, *a: Any, _what: str = _what, **k: Any) -> Any:
         raise _pending_misuse(self, _what)
     setattr(Pending, _name, _raiser)
+
+
+def pendings_in(x: Any, depth: int = 0) -> list[Pending]:
+    """The references to outputs held elsewhere (``Pending``) in ``x``'s dicts, lists and tuples."""
+    if isinstance(x, Pending):
+        return [x]
+    if depth > 8:
+        return []
+    if isinstance(x, dict):
+        return [p for v in x.values() for p in pendings_in(v, depth + 1)]
+    if isinstance(x, (list, tuple)):
+        return [p for v in x for p in pendings_in(v, depth + 1)]
+    return []

@@ -464,9 +464,14 @@ def unsaved_paths(tree: Any, prefix: str = "") -> set[str]:
         return {p for i, v in enumerate(tree) for p in unsaved_paths(v, f"{prefix}[{i}]")}
     if _torch_kind(tree) != "module":
         return set()
+    return {f"{prefix}[{k!r}]" for k, _ in unsaved_buffers(tree)}
+
+
+def unsaved_buffers(module: Any) -> list[tuple[str, Any]]:
+    """A module's buffers registered with ``persistent=False``, by state_dict-style names."""
     found: list[tuple[Any, Any]] = []
-    _unsaved_buffers(tree, "", found)
-    return {f"{prefix}[{k!r}]" for k, _ in found}
+    _unsaved_buffers(module, "", found)
+    return found
 
 
 def none_paths(tree: Any, prefix: str = "") -> list[str]:

@@ -32,6 +32,7 @@ from fragflow.compiler.pytree import (
     structure,
     structure_paths,
     to_numpy,
+    unsaved_paths,
 )
 from fragflow.compiler.statecheck import reshaped
 from fragflow.errors import ConfigError, NonFiniteError, NotArrayPytreeError, SpecChangedError
@@ -362,7 +363,7 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
         leaves = leaf_paths(out)
     # a module's buffers kept out of state_dict (persistent=False) may hold infinities by design (a
     # causal mask's -inf): only NaN there is refused, and they stay out of the fused norm
-    unsaved = _unsaved(out)
+    unsaved = unsaved_paths(out)
     floats = [leaf.detach() for path, leaf in leaves
               if backend_of(leaf) == "torch" and leaf.is_floating_point() and path not in unsaved]
     torch_ok = not floats or _all_finite_torch(floats)
@@ -390,13 +391,6 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
                                  f"{when}", where=_loc(where),
                                  fix="lower the learning rate, clip gradients or check the loss for log(0) / division "
                                      "by zero; FRAGFLOW_ALLOW_NONFINITE=1 lets the run go on")
-
-
-def _unsaved(out: Any) -> set[str]:
-    """The paths of the buffers registered with ``persistent=False`` in ``out``'s modules."""
-    from fragflow.compiler.pytree import unsaved_paths
-
-    return unsaved_paths(out)
 
 
 def state_checks(graph: Any) -> dict[str, Any]:

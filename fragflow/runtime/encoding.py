@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fragflow.compiler.pytree import is_scheduler
+from fragflow.compiler.pytree import is_scheduler, unsaved_buffers
 
 _NO = object()
 
@@ -61,7 +61,7 @@ def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
             return {"t": "tensor", "k": key, "dtype": str(t.dtype).removeprefix("torch."), "device": str(x.device),
                     "shape": list(t.shape)}
         if isinstance(x, torch.nn.Module):
-            unsaved = unsaved_buffers(x)   # (state_dict leaves them out; they travel with the state's versions)
+            unsaved = dict(unsaved_buffers(x))   # (state_dict leaves them out; they travel with the state's versions)
             if unsaved:
                 return {"t": "module", "v": _enc(x.state_dict(), key, out), "unsaved": _enc(unsaved, f"{key}.unsaved", out)}
             return {"t": "module", "v": _enc(x.state_dict(), key, out)}
@@ -209,15 +209,6 @@ def _array(tensors: dict[str, np.ndarray], key: str, shape: list[int] | None = N
 def _same(path: str, shape: tuple[int, ...], dtype: str, want_shape: tuple[int, ...], want_dtype: str) -> None:
     if shape != want_shape or dtype != want_dtype:
         raise Mismatch(f"{path or 'the value'} was saved as {dtype}{list(shape)}, the program has {want_dtype}{list(want_shape)}")
-
-
-def unsaved_buffers(module: Any) -> dict[str, Any]:
-    """A module's buffers registered with ``persistent=False``, by their state_dict-style names."""
-    from fragflow.compiler.pytree import _unsaved_buffers
-
-    found: list[tuple[Any, Any]] = []
-    _unsaved_buffers(module, "", found)
-    return dict(found)
 
 
 def _load_unsaved(module: Any, saved: dict[str, Any], path: str) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
-from fragflow.api.versioned import Pending, Versioned, VersionedView
+from fragflow.api.versioned import Pending, Versioned, VersionedView, pendings_in
 from fragflow.compiler.loops import defined_in_loop, loop_around
 from fragflow.compiler.pytree import (
     NotAnArray,
@@ -74,19 +74,6 @@ class Reporter(Protocol):
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
 # answers it: a random or fixed behaviour policy): never stale, whatever the learner's version.
 UNVERSIONED = -1
-
-
-def pendings_in(x: Any, depth: int = 0) -> list[Pending]:
-    """The references to outputs held elsewhere (``Pending``) in ``x``'s dicts, lists and tuples."""
-    if isinstance(x, Pending):
-        return [x]
-    if depth > 8:
-        return []
-    if isinstance(x, dict):
-        return [p for v in x.values() for p in pendings_in(v, depth + 1)]
-    if isinstance(x, (list, tuple)):
-        return [p for v in x for p in pendings_in(v, depth + 1)]
-    return []
 
 
 def allow_nonfinite() -> bool:

@@ -41,21 +41,21 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
     next trip gives it back) cannot be saved, and is refused where strict (a resumed run would start
     it anew); an older one is that trip's own, given back within it."""
     from fragflow.api.random import is_key
-    from fragflow.api.versioned import Pending, Versioned, VersionedView
-    from fragflow.runtime.loop import pendings_in
+    from fragflow.api.versioned import Pending, Versioned, VersionedView, pendings_in
 
     torch = _torch()
     entries: dict[str, Any] = {}
     arrays: dict[str, np.ndarray] = {}
     left: list[str] = []
+    recurrent, latest = recurrent or {}, latest or {}
     for name, x in frame_locals.items():
         key = f"local.{name}"
-        carried = [p for p in pendings_in(x) if (p.fragment, p.index, p.path_keys) in (recurrent or {})
-                   and p.call == (latest or {}).get(p.fragment, -2)] if not name.startswith("__") else []
+        carried = [p for p in pendings_in(x) if (p.fragment, p.index, p.path_keys) in recurrent
+                   and p.call == latest.get(p.fragment, -2)] if recurrent and not name.startswith("__") else []
         if carried:
             if strict:
                 p = carried[0]
-                role = (recurrent or {})[(p.fragment, p.index, p.path_keys)]
+                role = recurrent[(p.fragment, p.index, p.path_keys)]
                 raise CheckpointError(
                     f"cannot save the loop's {name!r}: it holds an output of {role} '{p.fragment}' that the loop gives "
                     f"back to '{p.fragment}' at its next call, and this policy keeps it in the process that runs "
