@@ -1206,6 +1206,137 @@ def test_a_loop_logging_every_second_update_has_those_rows_and_their_steps_where
     assert episodes == sorted(episodes) and episodes[-1] <= result.summary["episodes"]
 
 
+TWO_LEARNERS = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(a, obs):
+    return (obs[:, 2] * a["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="a")
+def learn_a(a, batch):
+    return {"w": a["w"] + 1e-3 * batch["obs"].mean(), "n": a["n"] + 1}, {"aw": float(a["n"] + 1)}
+
+@ff.fragment("learner", writes="b")
+def learn_b(b, batch):
+    return {"n": b["n"] + 1}, {"bw": float(b["n"] + 1)}
+
+@dataclass(frozen=True)
+class Args:
+    b_first: bool = True
+    trips: int = 10
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    a = ff.versioned({"w": np.ones(1), "n": 0})
+    b = ff.versioned({"n": 0})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.trips):
+        for _ in range(4):
+            obs, *_ = env.step(act(a, obs))
+            buf.add(obs=obs)
+        batch = buf.collect()
+        if args.b_first:
+            b, bm = learn_b(b, batch)
+            a, am = learn_a(a, batch)
+        else:
+            a, am = learn_a(a, batch)
+            b, bm = learn_b(b, batch)
+        ff.log(am)
+        ff.log(bm)
+    return a
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2, max_lag=2)",
+                                    "central_inference(env_workers=2, max_lag=1)"])
+@pytest.mark.parametrize("b_first", [True, False])
+def test_a_second_learners_logged_values_join_the_rows_replica_0_logged_them_in_where_calls_are_gathered_on_arrival(
+        write_algo, tmp_path, policy, b_first):
+    """Gathered on arrival, what the loop logged of a second learner's outputs (one no actor reads:
+    not the clock) went to the row of the update the driver had reached when that learner's call
+    came: before the clock's first update a row of its own (``updates=0`` with the run's last step
+    count), later a value a row behind, two calls in one row, rows without it (helper round 40). It
+    now goes where replica 0 logged it, as the loop's own values do: every update's row has both
+    learners' values, with no row single_process does not write."""
+    path, _ = write_algo(TWO_LEARNERS, "two_learners.py")
+    program = load(str(path))
+    result = ff.run(program.train, program.args_cls(b_first=b_first), policy=policy, out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    updates = result.summary["updates"]
+    assert [float(r["updates"]) for r in rows] == [float(j) for j in range(1, updates + 1)]
+    assert [float(r["aw"]) for r in rows] == [float(j) for j in range(1, updates + 1)]
+    drops = sum(c.get("drops", 0) for c in result.summary["channels"].values())
+    missing = [r["updates"] for r in rows if r["bw"] == ""]
+    assert len(missing) <= drops, (missing, drops)
+    bw = [float(r["bw"]) for r in rows if r["bw"] != ""]
+    # (each the learner's count at the call that merged replica 0's call: two replicas' calls a merge)
+    assert bw == sorted(bw) and bw[0] >= 1 and bw[-1] <= 10
+    steps = [float(r["env_steps"]) for r in rows]
+    assert steps == sorted(steps) and steps[-1] <= result.summary["env_steps"] == 80
+
+
+EVALUATED_EACH_TRIP = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    trips: int = 30
+
+@ff.fragment("actor")
+def act(a, obs):
+    return (obs[:, 2] * a["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="a")
+def learn(a, batch):
+    return {"w": a["w"] + 1e-3 * batch["obs"].mean(), "n": a["n"] + 1}, {"aw": float(a["n"] + 1)}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    ev = ff.envs.make("CartPole-v1", num_envs=1, seed=1, evaluation=True)
+    a = ff.versioned({"w": np.ones(1), "n": 0})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    eobs = ev.reset()
+    for _ in range(args.trips):
+        for _ in range(4):
+            obs, *_ = env.step(act(a, obs))
+            buf.add(obs=obs)
+        a, am = learn(a, buf.collect())
+        ff.log(am)
+        for _ in range(5):   # (an evaluation episode ends every few trips)
+            eobs, *_ = ev.step(act(a, eobs))
+    return a
+"""
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2, max_lag=2)"])
+def test_evaluation_columns_count_the_episodes_replica_0_had_ended_by_each_row_where_calls_are_gathered_on_arrival(
+        write_algo, tmp_path, policy):
+    """Gathered on arrival, rows wait for the loops' reports and a short run's were written together at
+    its end: every row's eval_episodes said the run's total (helper round 40). Each row now counts
+    the evaluation episodes replica 0 had ended by its call of the row's update, as single_process's
+    rows do (the policy acts alike here: the evaluation env's episodes end at the same trips)."""
+    path, _ = write_algo(EVALUATED_EACH_TRIP, "evaluated.py")
+    program = load(str(path))
+    columns = []
+    for run, pol in (("one", "single_process"), ("other", policy)):
+        result = ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        assert len(rows) == result.summary["updates"]
+        columns.append([(float(r["updates"]), float(r["eval_episodes"])) for r in rows])
+    evaluated = [e for _, e in columns[0]]
+    assert evaluated[0] == 0 and evaluated[-1] >= 2 and evaluated == sorted(evaluated)
+    assert columns[1] == columns[0][:len(columns[1])]
+
+
 @pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
 def test_logged_learner_outputs_reach_the_rows_single_process_writes_them_to(write_algo, tmp_path, policy):
     """Where the learner runs apart, what the loop logs of its outputs reaches the same rows as under

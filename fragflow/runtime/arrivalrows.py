@@ -41,6 +41,8 @@ class ArrivalRows:
     _episode_columns: Any
     _ended_by: Any
     _eval_columns: Any
+    _eval_mean: Any
+    base_eval_episodes: int
     log_scalars: Any
 
     def _arrival_init(self) -> None:
@@ -48,14 +50,35 @@ class ArrivalRows:
         self._held: list[tuple[dict[str, float], dict[int, int] | None, bool]] = []
         self._heard_from: dict[int, tuple[int, int]] = {}   # replica -> (its steps heard, its last clock call heard)
         self.first_call0: int | None = None   # loop replica 0's first clock call (number) of this run
+        # this run's update -> values replica 0 logged after it of a non-clock fragment's calls not heard yet
+        self._awaited: dict[int, int] = {}
+        self._first_update0 = 0   # replica 0's update count at its first clock call of this run
+        self._steps0: dict[int, int] = {}   # replica 0's update count at a clock call -> its env steps then
+        # the evaluation episodes, as replica 0 reports them: (its updates and env steps then, return)
+        self._eval_at: list[tuple[int, int, float]] = []
 
-    def heard_from(self, replica: int, steps: int, calls: list[int]) -> None:
-        """The driver has heard ``steps`` env steps of loop replica ``replica`` and its clock calls
-        numbered ``calls`` (those of its report)."""
+    def row_awaits(self, update: int) -> None:
+        """The row of this run's ``update``-th update waits for a value the loop logged of a call
+        whose outputs have not reached the driver (see :meth:`row_answered`)."""
+        if update > 0:
+            self._awaited[update] = self._awaited.get(update, 0) + 1
+
+    def row_answered(self, update: int) -> None:
+        """A value the row waited for came (or never will: its call was dropped as stale)."""
+        if self._awaited.get(update, 0) > 1:
+            self._awaited[update] -= 1
+        elif self._awaited.pop(update, None) is not None:
+            self._drain_held()
+
+    def heard_from(self, replica: int, steps: int, marks: list[tuple[int, int, int, int]]) -> None:
+        """The driver has heard ``steps`` env steps of loop replica ``replica`` and the marks of its
+        report: (its updates, steps and episodes at a clock call, the clock's call number)."""
         old = self._heard_from.get(replica, (0, -1))
-        self._heard_from[replica] = (max(old[0], steps), max([old[1], *calls]))
-        if replica == 0 and calls and self.first_call0 is None:
-            self.first_call0 = min(calls)
+        self._heard_from[replica] = (max(old[0], steps), max([old[1], *(m[3] for m in marks)]))
+        if replica == 0 and marks:
+            if self.first_call0 is None:
+                self.first_call0, self._first_update0 = min(m[3] for m in marks), min(m[0] for m in marks)
+            self._steps0.update((m[0], m[1]) for m in marks)
         self._drain_held()
 
     def arrived_update(self, taken: tuple[int, ...] | None) -> None:
@@ -89,9 +112,13 @@ class ArrivalRows:
         if taken is not None and not all(r in self._ended or self._heard_from.get(r, (0, -1))[0] >= s
                                           for r, s in taken.items()):
             return False
-        if not update or 0 in self._ended:
+        if not update:
             return True
         j = int(row["updates"]) - self.base_updates   # (replica 0's call first_call0 + j - 1 is this row's)
+        if j in self._awaited:
+            return False
+        if 0 in self._ended:
+            return True
         return self.first_call0 is not None and self._heard_from[0][1] >= self.first_call0 + j
 
     def _drain_held(self, force: bool = False) -> None:
@@ -106,7 +133,22 @@ class ArrivalRows:
             if taken is not None:
                 row["env_steps"] = float(self.base_steps + sum(taken.values()))
                 self._episode_columns(row, self._ended_by(taken))
-            # the evaluation episodes heard by the row's end, as what the loop logs by then is the row's
-            row.update(self._eval_columns())
+            row.update(self._evaluated_by(row, update))
             if self.outputs is not None:
                 self.outputs.write_row(row)
+
+    def _evaluated_by(self, row: dict[str, float], update: bool) -> dict[str, float]:
+        """The evaluation columns of an update's row: the episodes replica 0 (which steps and reports
+        them) ended from its first clock call of this run to the step after its call of the row's
+        update, as single_process's row holds them (not those heard when the row is written: held
+        rows were written together, each with the run's last count)."""
+        j = int(row["updates"]) - self.base_updates
+        at = self._first_update0 - 1 + j
+        if not update or j <= 0 or self.first_call0 is None or at not in self._steps0:
+            return self._eval_columns()   # (the loop's values before the first update, or a run cut short)
+        steps = self._steps0[at]
+        for u in [u for u in self._steps0 if u < at]:   # (rows are written in order)
+            del self._steps0[u]
+        evals = [ret for u, t, ret in self._eval_at if u < at or (u == at and t <= steps)]
+        return {"eval_episodes": float(self.base_eval_episodes + len(evals)), "eval_return_mean": self._eval_mean(evals)}
+

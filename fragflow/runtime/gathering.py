@@ -57,6 +57,7 @@ class Gathering(ReplicaChecks):
     _own: dict[int, int]
     _take_definition: Callable[[bool], bool]
     _accept: Callable[[str, int], bool]
+    _dropped: Callable[[str, int, int], None]
     _save: Callable[[int], None]
     _reports_due: Callable[[], None]
 
@@ -133,6 +134,7 @@ class Gathering(ReplicaChecks):
             own = min(self._own.get(k, 0), max(self.version - version, 0)) if again else 0
         if not self._accept(fragment, self.version - version - own):
             ring.release(dropped=True)
+            self._dropped(fragment, k, calls.unpack_aux(meta[2])[1])
             if fragment == self.program.clock:
                 self._own[k] = own
                 self.taken_steps[k] = max(self.taken_steps[k], meta[4])

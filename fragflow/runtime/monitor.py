@@ -291,6 +291,8 @@ class Monitor(ArrivalRows):
             steps = self.env_steps
             if self.outputs is not None:
                 self.outputs.write_eval_episode(steps, ret, length)
+            if at is not None and self.arrival:   # (rows take them by replica 0's count: see arrivalrows)
+                self._eval_at.append((at[0], at[1], ret))
         self.eval_episodes.append((steps, ret, length))
         self.eval_recent.append(ret)
 

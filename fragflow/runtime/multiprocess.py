@@ -249,13 +249,17 @@ class Driver(DriverCheckpoints):
                   calls: tuple[int, ...] = ()) -> None:
         if not self.monitor.marked_replicas:
             # gathered on arrival from several replicas: the clock's j-th update has the row, and the
-            # values, of replica 0's j-th call (see arrivalrows); another fragment's, the row of the
-            # update in progress when it merged replica 0's call (``calls``: one, two or none of them)
+            # values, of replica 0's j-th call (see arrivalrows); another fragment's values of the call
+            # that merged replica 0's call (``calls``: one, two or none of them) go to the row replica 0
+            # logged them at, as the loop's own values do
             update = self.monitor.updates - self.monitor.base_updates
-            key = f"{fragment}@update" if fragment in self._clocks else fragment   # (the clock's: by its update)
-            for c in (update,) if fragment in self._clocks else calls:
-                for part, rest, name, *_ in self._asked_for.pop((key, c), ()):
-                    self._write_logged(update, logged.get(part, {}), rest, name, into=True)
+            clock = fragment in self._clocks
+            key = f"{fragment}@update" if clock else fragment   # (the clock's: by its update)
+            for c in (update,) if clock else calls:
+                for part, rest, name, at, *_ in self._asked_for.pop((key, c), ()):
+                    self._write_logged(update if clock else at, logged.get(part, {}), rest, name, into=True)
+                    if not clock:
+                        self.monitor.row_answered(at)
                 self._computed_logs[(key, c)] = logged
                 self._merged_into[(key, c)] = update
                 self._forget_logs(key, c)
@@ -278,20 +282,34 @@ class Driver(DriverCheckpoints):
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update, steps, new_row))
             self._forget_logs(fragment, call)
 
-    def _asked_on_arrival(self, fragment: str, call: int, part: int, rest: str, name: str) -> None:
+    def _asked_on_arrival(self, fragment: str, call: int, part: int, rest: str, name: str, at: int) -> None:
         """Calls gathered on arrival: the loop (replica 0) logged ``part`` of its call ``call`` of
-        ``fragment``, whichever came first: the clock's j-th call of this run into the j-th update's
-        row, with that update's values (none where the run made fewer updates: calls dropped as
-        stale); another fragment's into the row of the update in progress when it merged that call."""
-        if fragment in self._clocks:   # its call numbered first_call0 + j - 1 is the j-th update's
+        ``fragment`` after its ``at``-th clock call, whichever came first: the clock's j-th call of
+        this run into the j-th update's row, with that update's values (none where the run made
+        fewer updates: calls dropped as stale); another fragment's, with the values of the call that
+        merged it, into row ``at``, which waits for them (as single_process writes them: a learner
+        called before the clock in a trip had its values in the row before, or in none)."""
+        clock = fragment in self._clocks
+        if clock:   # its call numbered first_call0 + j - 1 is the j-th update's
             fragment, call = f"{fragment}@update", call - (self.monitor.first_call0 or 0) + 1
         update = self._merged_into.get((fragment, call))
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
-            self._write_logged(update, computed.get(part, {}), rest, name, into=True)
+            self._write_logged(update if clock else at, computed.get(part, {}), rest, name, into=True)
         else:
-            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, 0, 0, False))
+            if not clock:
+                self.monitor.row_awaits(at)
+            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, 0 if clock else at, 0, False))
             self._forget_logs(fragment, call)
+
+    def _dropped(self, fragment: str, call: int) -> None:
+        """Replica 0's call of ``fragment`` was dropped as stale: what the loop logged of it is in no
+        row (single_process has no such call), and the rows that waited for it go on."""
+        for *_, at, _, _ in self._asked_for.pop((fragment, call), ()):
+            self.monitor.row_answered(at)
+        self._computed_logs[(fragment, call)] = {}
+        self._merged_into[(fragment, call)] = 0
+        self._forget_logs(fragment, call)
 
     def _write_logged(self, update: int, scalars: dict[str, float], rest: str, name: str,
                       steps: int | None = None, new_row: bool = False, into: bool = False) -> None:
@@ -301,7 +319,7 @@ class Driver(DriverCheckpoints):
         if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
             chosen = logged_at(scalars, by_position(scalars, rest), name)
         if chosen and into:
-            self.monitor.log_into(update, chosen)
+            self.monitor.log_at(update, chosen)
         elif chosen:
             self.monitor.log_at(update, chosen, steps, new_row)
 
@@ -310,6 +328,9 @@ class Driver(DriverCheckpoints):
         for store in (self._computed_logs, self._asked_for, self._merged_into):
             if len(store) > 4 * self._KEEP_CALLS:
                 for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS]:
+                    if store is self._asked_for and not self.monitor.marked_replicas:
+                        for request in store[key]:   # (never answered: its row waits no more)
+                            self.monitor.row_answered(request[3])
                     del store[key]
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
@@ -338,7 +359,7 @@ class Driver(DriverCheckpoints):
                 for update, *_ in marks:   # the mark ends its message: what was heard is what it had made
                     self.monitor.mark(k, update, self.heard[k][0])
                 if self.monitor.arrival:   # (its steps and clock calls heard: the rows that wait for them)
-                    self.monitor.heard_from(k, self.heard[k][0], [m[3] for m in marks])
+                    self.monitor.heard_from(k, self.heard[k][0], marks)
         elif kind == "update":
             if self.monitor.arrival:   # (each replica's steps at its latest call taken, where one learner takes them all)
                 taken = msg[5] if len(msg[5]) == self.lowered.loop.replicas else None
@@ -354,8 +375,10 @@ class Driver(DriverCheckpoints):
                 for fragment, call, part, rest, name, update in msg[1]:
                     self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
             else:   # gathered on arrival: into the row of the update that merged the call
-                for fragment, call, part, rest, name, _ in msg[1]:
-                    self._asked_on_arrival(fragment, call, part, rest, name)
+                for fragment, call, part, rest, name, at in msg[1]:
+                    self._asked_on_arrival(fragment, call, part, rest, name, at)
+        elif kind == "dropped":
+            self._dropped(msg[1], msg[2])
         elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
             self.logs_heard = max(self.logs_heard, msg[5] + 1)
             self.monitor.log_at(msg[2], msg[1], msg[3], msg[4])

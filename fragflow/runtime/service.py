@@ -542,7 +542,14 @@ class ServiceRunner(Outgoing, Gathering):
                 keep.append(p)
             else:
                 p.ring.release(dropped=True)
+                self._dropped(fragment, p.replica, p.call)
         self.pools[fragment] = keep
+
+    def _dropped(self, fragment: str, replica: int, call: int) -> None:
+        """A call dropped as stale: where loop replica 0 made it and may log its outputs, the driver
+        hears that it will have none (a row waiting for them is written without them)."""
+        if replica == 0 and self.program.rank == 0 and fragment != self.program.clock and self.program.logs.get(fragment):
+            self._report(("dropped", fragment, call))
 
     def run(self) -> None:
         ended = False
@@ -562,9 +569,10 @@ class ServiceRunner(Outgoing, Gathering):
             if fragment is None:
                 break
             self._execute(fragment)
-        for pieces in self.pools.values():   # calls no replica completed (arrival gathering at the end)
+        for fragment, pieces in self.pools.items():   # calls no replica completed (arrival gathering at the end)
             for p in pieces:
                 p.ring.release(dropped=True)
+                self._dropped(fragment, p.replica, p.call)
         if self.reducer is not None:   # (before "final": the driver reads it once every process has ended)
             self.reducer.report()
         self.flush_reports()
