@@ -1742,7 +1742,8 @@ def test_a_rollout_an_update_leaves_waiting_past_max_lag_is_dropped_under_served
         released.clear()
         waiting = [_Piece(0, 2, 7, 0, [], fast), _Piece(0, 3, 8, 0, [], fast), _Piece(1, 4, 3, 0, [], slow)]
         runner = SimpleNamespace(pools={"learn": waiting}, version=5, replies={"act": []} if served else {},
-                                 program=SimpleNamespace(overflow=overflow, max_lag=1, clock="learn", ordered=False))
+                                 program=SimpleNamespace(overflow=overflow, max_lag=1, clock="learn", ordered=False),
+                                 _dropped=lambda *_: None)
         runner._accept = lambda fragment, lag, runner=runner: ServiceRunner._accept(runner, fragment, lag)
         ServiceRunner._expire(runner, "learn")   # type: ignore[arg-type]
         assert [(p.replica, p.version) for p in runner.pools["learn"]] == kept

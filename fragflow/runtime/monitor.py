@@ -376,8 +376,9 @@ class Monitor(ArrivalRows):
         out["episodes"] = self.base_episodes + sum(ended.values())
         out["recent_returns"] = [ret for ret, _ in recent]
         out["recent_lengths"] = [length for _, length in recent]
-        if self._eval_tagged and 0 in steps:   # the evaluation episodes replica 0 had ended by its cut
-            evals = [ret for _, t, ret, _ in self._eval_tagged if t <= steps[0]]
+        tagged = self._eval_tagged or [(u, t, ret, 0) for u, t, ret in self._eval_at]   # (the latter: on arrival)
+        if tagged and 0 in steps:   # the evaluation episodes replica 0 had ended by its cut
+            evals = [ret for _, t, ret, _ in tagged if t <= steps[0]]
             out["eval_episodes"] = self.base_eval_episodes + len(evals)
             out["eval_recent"] = (self._resumed_eval + evals)[-RETURN_WINDOW:]
         return out
