@@ -111,12 +111,17 @@ def learn(state, rollout, lr, args: Args):
         adv = advantages(rollout["reward"], value.detach(), next_value, rollout["terminated"], rollout["done"],
                          args.gamma, args.gae_lambda)
         returns = adv + value.detach()
-    # validate_args=False: the logits are the network's own; checking them costs 70 us an update
-    dist = torch.distributions.Categorical(logits=model.pi(obs), validate_args=False)
-    pg_loss = -(adv * dist.log_prob(action)).mean()
+    # the log-probabilities as Categorical(logits=...) computes them, in a few operations fewer (80 us an update)
+    logp = torch.log_softmax(model.pi(obs), dim=-1)
+    pg_loss = -(adv * logp.gather(-1, action.unsqueeze(-1)).squeeze(-1)).mean()
     v_loss = ((returns - value) ** 2).mean()
-    entropy = dist.entropy().mean()
-    loss = pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy
+    loss = pg_loss + args.vf_coef * v_loss
+    if args.ent_coef:
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+        loss = loss - args.ent_coef * entropy
+    else:   # (logged only: no gradient to take through it)
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1).mean()
     optimizer.zero_grad()
     loss.backward()
     nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -1228,6 +1228,7 @@ def learn_b(b, batch):
 class Args:
     b_first: bool = True
     trips: int = 10
+    log_before: bool = False   # the loop's value and learn_b's logged before the clock is called
 
 def train(args: Args):
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
@@ -1235,11 +1236,18 @@ def train(args: Args):
     b = ff.versioned({"n": 0})
     buf = ff.RolloutBuffer(4)
     obs = env.reset()
-    for _ in range(args.trips):
+    for trip in range(args.trips):
         for _ in range(4):
             obs, *_ = env.step(act(a, obs))
             buf.add(obs=obs)
         batch = buf.collect()
+        if args.log_before:
+            ff.log({"trip": float(trip)})
+            b, bm = learn_b(b, batch)
+            ff.log(bm)
+            a, am = learn_a(a, batch)
+            ff.log(am)
+            continue
         if args.b_first:
             b, bm = learn_b(b, batch)
             a, am = learn_a(a, batch)
@@ -1278,6 +1286,34 @@ def test_a_second_learners_logged_values_join_the_rows_replica_0_logged_them_in_
     assert bw == sorted(bw) and bw[0] >= 1 and bw[-1] <= 10
     steps = [float(r["env_steps"]) for r in rows]
     assert steps == sorted(steps) and steps[-1] <= result.summary["env_steps"] == 80
+
+
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2, max_lag=2)",
+                                    "central_inference(env_workers=2, max_lag=1)"])
+def test_values_logged_before_the_clock_make_rows_of_their_own_where_calls_are_gathered_on_arrival(
+        write_algo, tmp_path, policy):
+    """Values the loop logs after its env steps and before the clock's call (its own, a second
+    learner's) are a row of their own under single_process, after the update's. Gathered on arrival,
+    the loop's went to rows at updates=0, all before the first update's row, with steps going back,
+    and the second learner's into the update's row a row off (helper round 41). They now make the
+    loop's rows, in single_process's order, their steps within the rows around them."""
+    path, _ = write_algo(TWO_LEARNERS, "two_learners.py")
+    program = load(str(path))
+    shapes = []
+    for run, pol in (("one", "single_process"), ("other", policy)):
+        result = ff.run(program.train, program.args_cls(log_before=True), policy=pol, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        steps = [float(r["env_steps"]) for r in rows]
+        assert steps == sorted(steps) and steps[-1] <= result.summary["env_steps"]
+        drops = sum(c.get("drops", 0) for c in result.summary.get("channels", {}).values())
+        shapes.append(([(float(r["updates"]), r["trip"] != "", r["bw"] != "", r["aw"] != "") for r in rows], drops))
+    (one, _), (other, drops) = shapes
+    assert one == [(float(u), True, True, False) if k == 0 else (float(u + 1), False, False, True)
+                   for u in range(10) for k in range(2)]
+    if drops == 0:
+        assert other == one
+    else:   # (a dropped call: an update fewer, a row without a value)
+        assert [r[0] for r in other] == sorted(r[0] for r in other) and len(other) >= len(one) - 2 * drops
 
 
 EVALUATED_EACH_TRIP = """

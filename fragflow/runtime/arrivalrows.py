@@ -42,6 +42,7 @@ class ArrivalRows:
     _ended_by: Any
     _eval_columns: Any
     _eval_mean: Any
+    _loop_rows: dict[int, list[tuple[int, dict[str, float]]]]
     base_eval_episodes: int
     log_scalars: Any
 
@@ -56,18 +57,22 @@ class ArrivalRows:
         self._steps0: dict[int, int] = {}   # replica 0's update count at a clock call -> its env steps then
         # the evaluation episodes, as replica 0 reports them: (its updates and env steps then, return)
         self._eval_at: list[tuple[int, int, float]] = []
+        self._last_taken: dict[int, int] = {}   # each replica's steps in the last update row written
 
-    def row_awaits(self, update: int) -> None:
-        """The row of this run's ``update``-th update waits for a value the loop logged of a call
-        whose outputs have not reached the driver (see :meth:`row_answered`)."""
-        if update > 0:
-            self._awaited[update] = self._awaited.get(update, 0) + 1
+    def row_awaits(self, update: int, new_row: bool = False) -> None:
+        """The row of this run's ``update``-th update (``new_row``: a row of the loop's own after it,
+        written before the next update's) waits for a value the loop logged of a call whose outputs
+        have not reached the driver (see :meth:`row_answered`)."""
+        j = update + 1 if new_row else update
+        if j > 0:
+            self._awaited[j] = self._awaited.get(j, 0) + 1
 
-    def row_answered(self, update: int) -> None:
+    def row_answered(self, update: int, new_row: bool = False) -> None:
         """A value the row waited for came (or never will: its call was dropped as stale)."""
-        if self._awaited.get(update, 0) > 1:
-            self._awaited[update] -= 1
-        elif self._awaited.pop(update, None) is not None:
+        j = update + 1 if new_row else update
+        if self._awaited.get(j, 0) > 1:
+            self._awaited[j] -= 1
+        elif self._awaited.pop(j, None) is not None:
             self._drain_held()
 
     def heard_from(self, replica: int, steps: int, marks: list[tuple[int, int, int, int]]) -> None:
@@ -130,9 +135,12 @@ class ArrivalRows:
             self._held.pop(0)   # (taken first: a Ctrl-C in the write cannot write it twice)
             if row is self._pending:
                 self._pending = None
+            if update:   # (the loop's own rows before it: what replica 0 logged after env steps)
+                self._arrival_loop_rows(int(row["updates"]) - self.base_updates, taken)
             if taken is not None:
                 row["env_steps"] = float(self.base_steps + sum(taken.values()))
                 self._episode_columns(row, self._ended_by(taken))
+                self._last_taken = dict(taken)
             row.update(self._evaluated_by(row, update))
             if self.outputs is not None:
                 self.outputs.write_row(row)
@@ -151,4 +159,29 @@ class ArrivalRows:
             del self._steps0[u]
         evals = [ret for u, t, ret in self._eval_at if u < at or (u == at and t <= steps)]
         return {"eval_episodes": float(self.base_eval_episodes + len(evals)), "eval_return_mean": self._eval_mean(evals)}
+
+    def _arrival_loop_rows(self, before: int, taken: dict[int, int] | None) -> None:
+        """The loop's own rows of this run's updates before ``before``: values replica 0 logged after
+        an env step (with ``ff.log`` or of a fragment's call), each a row of its own as
+        single_process writes it, at replica 0's steps then; each replica is counted at those steps,
+        within what the rows around it count (the replicas drift apart), so the steps never go back."""
+        for u in sorted(x for x in self._loop_rows if x < before):
+            for steps, scalars in self._loop_rows.pop(u):
+                if not scalars:   # (made for a call's values that never came: dropped as stale)
+                    continue
+                row = self._runtime_row()
+                row["updates"] = float(self.base_updates + u)
+                replicas = set(taken or ()) | set(self._heard_from) | set(self._last_taken)
+                at = {r: max(self._last_taken.get(r, 0), min(steps, taken[r]) if taken and r in taken else steps)
+                      for r in replicas}
+                row["env_steps"] = float(self.base_steps + sum(at.values()))
+                self._episode_columns(row, self._ended_by(at))
+                mark = self._first_update0 - 1 + u   # (replica 0's update count then, as its evaluations are tagged)
+                evals = [ret for v, t, ret in self._eval_at if v < mark or (v == mark and t <= steps)]
+                if self._eval_at or self.base_eval_episodes:
+                    row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
+                    row["eval_return_mean"] = self._eval_mean(evals)
+                row.update(scalars)
+                if self.outputs is not None:
+                    self.outputs.write_row(row)
 

@@ -164,6 +164,20 @@ class Monitor(ArrivalRows):
         row where the row is still held (rows wait for their marks), else into the current one.
         The loop's own values after it stepped an env (``new_row``, at replica 0's ``steps``) are a
         row of their own after the update's, as single_process writes them."""
+        if self.arrival and new_row and update is not None and steps is not None:
+            # gathered on arrival: a row of its own, after the update's (see arrivalrows)
+            own = self._loop_rows.setdefault(update, [])
+            same = next((r for r in own if r[0] == steps), None)
+            if same is not None:
+                same[1].update(scalars)
+            else:
+                own.append((steps, dict(scalars)))
+                own.sort(key=lambda r: r[0])
+            return
+        if update is not None and self.arrival and steps is not None and self.loop_row_at(update, steps):
+            # gathered on arrival: logged after the first value that made the loop's row, into it
+            next(r for r in self._loop_rows[update] if r[0] == steps)[1].update(scalars)
+            return
         if update and self.arrival and not new_row:
             # gathered on arrival: the j-th update's row holds what loop replica 0 logged at its j-th
             # learner call (see arrivalrows), the loop's own values with the learner's
@@ -194,6 +208,10 @@ class Monitor(ArrivalRows):
                 self._early.setdefault(update, {}).update(scalars)
                 return
         self.log_scalars(scalars)
+
+    def loop_row_at(self, update: int, steps: int) -> bool:
+        """Whether the loop made a row of its own after its ``update``-th update, at ``steps``."""
+        return any(r[0] == steps for r in self._loop_rows.get(update, ()))
 
     def _write_loop_rows(self, before: int) -> None:
         """The loop's own rows of the updates before ``before`` (see log_at), in order."""
@@ -532,6 +550,8 @@ class Monitor(ArrivalRows):
         self._flush()
         self._drain(force=True)
         self._drain_held(force=True)
+        if self.arrival:
+            self._arrival_loop_rows(self.updates - self.base_updates + 1, None)
         self._write_loop_rows(self.updates - self.base_updates + 1)
         if self.marked_replicas:   # what no row took
             self._episodes_to_board({r: len(eps) for r, eps in self._tagged.items()}, len(self._eval_tagged))

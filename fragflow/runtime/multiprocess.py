@@ -256,10 +256,10 @@ class Driver(DriverCheckpoints):
             clock = fragment in self._clocks
             key = f"{fragment}@update" if clock else fragment   # (the clock's: by its update)
             for c in (update,) if clock else calls:
-                for part, rest, name, at, *_ in self._asked_for.pop((key, c), ()):
-                    self._write_logged(update if clock else at, logged.get(part, {}), rest, name, into=True)
+                for part, rest, name, at, steps, new_row in self._asked_for.pop((key, c), ()):
+                    self._write_arrived(clock, update, at, steps, new_row, logged.get(part, {}), rest, name)
                     if not clock:
-                        self.monitor.row_answered(at)
+                        self.monitor.row_answered(at, new_row)
                 self._computed_logs[(key, c)] = logged
                 self._merged_into[(key, c)] = update
                 self._forget_logs(key, c)
@@ -282,31 +282,44 @@ class Driver(DriverCheckpoints):
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update, steps, new_row))
             self._forget_logs(fragment, call)
 
-    def _asked_on_arrival(self, fragment: str, call: int, part: int, rest: str, name: str, at: int) -> None:
+    def _asked_on_arrival(self, fragment: str, call: int, part: int, rest: str, name: str, at: int, steps: int,
+                          new_row: bool) -> None:
         """Calls gathered on arrival: the loop (replica 0) logged ``part`` of its call ``call`` of
-        ``fragment`` after its ``at``-th clock call, whichever came first: the clock's j-th call of
-        this run into the j-th update's row, with that update's values (none where the run made
-        fewer updates: calls dropped as stale); another fragment's, with the values of the call that
-        merged it, into row ``at``, which waits for them (as single_process writes them: a learner
-        called before the clock in a trip had its values in the row before, or in none)."""
+        ``fragment`` after its ``at``-th clock call (``new_row``: after its ``steps``-th env step too),
+        whichever came first. The clock's j-th call of this run has the j-th update's values (none
+        where the run made fewer updates: calls dropped as stale), another fragment's call the
+        values of the call that merged it; they go where single_process writes them: the row of
+        update ``at``, or after an env step a row of its own after it (see Monitor.log_at). A row
+        waits for another fragment's values (the clock's update comes before any later row)."""
         clock = fragment in self._clocks
         if clock:   # its call numbered first_call0 + j - 1 is the j-th update's
             fragment, call = f"{fragment}@update", call - (self.monitor.first_call0 or 0) + 1
         update = self._merged_into.get((fragment, call))
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
-            self._write_logged(update if clock else at, computed.get(part, {}), rest, name, into=True)
+            self._write_arrived(clock, update, at, steps, new_row, computed.get(part, {}), rest, name)
         else:
             if not clock:
-                self.monitor.row_awaits(at)
-            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, 0 if clock else at, 0, False))
+                self.monitor.row_awaits(at, new_row)
+            if new_row:   # (the loop's row, which a value logged after it at the same step joins)
+                self.monitor.log_at(at, {}, steps, new_row=True)
+            self._asked_for.setdefault((fragment, call), []).append((part, rest, name, at, steps, new_row))
             self._forget_logs(fragment, call)
+
+    def _write_arrived(self, clock: bool, update: int, at: int, steps: int, new_row: bool,
+                       scalars: dict[str, float], rest: str, name: str) -> None:
+        """A logged value of a call gathered on arrival (see _asked_on_arrival) into its row: the
+        loop's own row where it made one at that step, else the clock's j-th update's or row ``at``."""
+        if clock and not new_row and not self.monitor.loop_row_at(at, steps):
+            self._write_logged(update, scalars, rest, name, into=True)
+        else:
+            self._write_logged(at, scalars, rest, name, steps, new_row)
 
     def _dropped(self, fragment: str, call: int) -> None:
         """Replica 0's call of ``fragment`` was dropped as stale: what the loop logged of it is in no
         row (single_process has no such call), and the rows that waited for it go on."""
-        for *_, at, _, _ in self._asked_for.pop((fragment, call), ()):
-            self.monitor.row_answered(at)
+        for _, _, _, at, _, new_row in self._asked_for.pop((fragment, call), ()):
+            self.monitor.row_answered(at, new_row)
         self._computed_logs[(fragment, call)] = {}
         self._merged_into[(fragment, call)] = 0
         self._forget_logs(fragment, call)
@@ -328,9 +341,9 @@ class Driver(DriverCheckpoints):
         for store in (self._computed_logs, self._asked_for, self._merged_into):
             if len(store) > 4 * self._KEEP_CALLS:
                 for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS]:
-                    if store is self._asked_for and not self.monitor.marked_replicas:
+                    if store is self._asked_for and not self.monitor.marked_replicas and not fragment.endswith("@update"):
                         for request in store[key]:   # (never answered: its row waits no more)
-                            self.monitor.row_answered(request[3])
+                            self.monitor.row_answered(request[3], request[5])
                     del store[key]
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
@@ -376,7 +389,7 @@ class Driver(DriverCheckpoints):
                     self._asked(fragment, call, part, rest, name, update, msg[2], msg[3])
             else:   # gathered on arrival: into the row of the update that merged the call
                 for fragment, call, part, rest, name, at in msg[1]:
-                    self._asked_on_arrival(fragment, call, part, rest, name, at)
+                    self._asked_on_arrival(fragment, call, part, rest, name, at, msg[2], msg[3])
         elif kind == "dropped":
             self._dropped(msg[1], msg[2])
         elif kind == "log":   # the loop's own values, after its update-th update and steps-th env step
