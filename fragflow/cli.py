@@ -131,7 +131,7 @@ def _check_callable(program: Any) -> None:
         from fragflow.errors import ConfigError
 
         raise ConfigError(
-            f"the training function {program.train.__name__}({', '.join(p.name for p in params)}) needs "
+            f"the training function {getattr(program.train, '__name__', 'train')}({', '.join(p.name for p in params)}) needs "
             f"{', '.join(repr(m) for m in missing)}, which fragflow run cannot give: it calls it with an instance of "
             "the dataclass its first parameter is annotated with (else with nothing)", where=program.where,
             fix="annotate the first parameter with a frozen dataclass of settings (def train(args: Args), its fields "

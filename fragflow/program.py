@@ -130,7 +130,7 @@ def args_class(train: Any, module: ModuleType) -> type | None:
             where: SourceLoc | None = SourceLoc.of(inspect.getsourcefile(named) or "", inspect.getsourcelines(named)[1])
         except (OSError, TypeError):
             where = definition_of(train)
-        raise ConfigError(f"{named.__name__}, the settings of '{train.__name__}({params[0].name})', is not a "
+        raise ConfigError(f"{named.__name__}, the settings of '{getattr(train, '__name__', 'train')}({params[0].name})', is not a "
                           "dataclass: fragflow makes the args from its fields (and --set changes them)",
                           where=where, fix=f"decorate it: @dataclass(frozen=True) above class {named.__name__} "
                                            "(from dataclasses import dataclass)")

@@ -985,3 +985,18 @@ def test_an_error_in_a_worker_shows_the_users_frames_as_in_one_process(tmp_path)
     assert re.fullmatch(r"error: the training program raised in fragment '\w+' \(actor 0\):", lines[0]), res.stderr
     assert f'File "{tmp_path / "algo.py"}", line' in lines[1] and "ValueError: the actor broke" in res.stderr
     assert "Traceback" not in res.stderr and lines[-1] == "(internal frames hidden; --debug shows them)"
+
+
+def test_a_training_callable_without_a_name_that_needs_arguments_is_a_usage_error(tmp_path):
+    """`train = T()` (an object with __call__) or a functools.partial that needs an argument fragflow
+    run cannot give: the check formatted its __name__ and failed with an AttributeError (exit 1)."""
+    (tmp_path / "callobj.py").write_text(
+        "import fragflow as ff\nclass T:\n    def __call__(self, args):\n        pass\ntrain = T()\n")
+    (tmp_path / "partial.py").write_text(
+        "import functools\nimport fragflow as ff\ndef run(args, other):\n    pass\ntrain = functools.partial(run)\n")
+    exe = Path(sys.executable).with_name("fragflow")
+    for name, needs in (("callobj.py", "'args'"), ("partial.py", "'args', 'other'")):
+        res = subprocess.run([str(exe), "run", str(tmp_path / name), "-q", "--out", str(tmp_path / "run")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert f"needs {needs}, which fragflow run cannot give" in res.stderr and "Traceback" not in res.stderr

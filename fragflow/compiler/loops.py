@@ -16,12 +16,13 @@ although tracing stopped after two. ``while`` loops and other iterables have no 
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 from fragflow.source import SourceLoc, display_path
@@ -118,7 +119,7 @@ class LoopWatcher:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = getattr(fn, "__wrapped__", fn)
         self.code = getattr(self.fn, "__code__", None)
-        self.loops: dict[int, tuple[str, int, str | None]] = {}   # line -> (header, last line, range bound)
+        self.loops: dict[int, tuple[str, int, CodeType | None]] = {}   # line -> (header, last line, range bound)
         self.guards: dict[int, tuple[tuple[int, int], ...]] = {}   # line -> its body's if statements
         self.exits: dict[int, bool] = {}
         self.leaves: dict[int, tuple[tuple[int, str, str], ...]] = {}
@@ -129,7 +130,8 @@ class LoopWatcher:
         try:
             lines, start = inspect.getsourcelines(self.fn)
             tree = ast.parse(textwrap.dedent("".join(lines)))
-            self.file = display_path(inspect.getsourcefile(self.fn) or "")
+            source_file = inspect.getsourcefile(self.fn) or "<train>"
+            self.file = display_path(source_file)
         except (OSError, TypeError, SyntaxError):
             return
         for node in ast.walk(tree):
@@ -142,7 +144,11 @@ class LoopWatcher:
                     it = node.iter
                     if (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
                             and not it.keywords and _pure(it.args)):
-                        bound = ast.unparse(it)
+                        # compiled at the user's line: what its evaluation records (a learner output
+                        # read there, refused under some policies) names that line, not a string's
+                        expr = ast.Expression(body=copy.deepcopy(it))
+                        ast.increment_lineno(expr, start - 1)
+                        bound = compile(expr, source_file, "eval")
                 else:
                     header, bound = f"while {ast.unparse(node.test)}", None
                 self.loops[line] = (header, last, bound)

@@ -38,6 +38,20 @@ def fingerprint(tree: Any, counters: bool = True) -> list[int]:
     return out
 
 
+def grad_flags(tree: Any) -> list[bool]:
+    """The requires_grad of each torch tensor and module parameter in ``tree`` (an actor freezing a
+    layer changes the state as a write would; a module's leaves as pytrees walk them are detached)."""
+    if isinstance(tree, dict):
+        return [f for v in tree.values() for f in grad_flags(v)]
+    if isinstance(tree, (list, tuple)):
+        return [f for v in tree for f in grad_flags(v)]
+    parameters = getattr(tree, "parameters", None)
+    if callable(parameters) and hasattr(tree, "named_modules"):   # (a torch module)
+        return [bool(p.requires_grad) for p in parameters()]
+    grad = getattr(tree, "requires_grad", None)
+    return [grad] if isinstance(grad, bool) else []
+
+
 def _bytes(leaf: Any) -> Any:
     """An array's bytes, whatever its dtype (one the buffer protocol lacks, ml_dtypes' bfloat16, too)."""
     arr = np.ascontiguousarray(leaf).reshape(-1)

@@ -50,7 +50,7 @@ from fragflow.compiler.reach import (
 from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Repeat, strong
 from fragflow.compiler.repeats import _NOT_REPEATED, _leaf_list, _state_param
 from fragflow.compiler.statebook import StateBook, _StateRec
-from fragflow.compiler.statecheck import fingerprint
+from fragflow.compiler.statecheck import fingerprint, grad_flags
 from fragflow.compiler.watchers import StateUse, ThreadsSet
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
@@ -362,6 +362,7 @@ class Tracer(StateBook):
             read = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
+        grads = [grad_flags(value) for _, _, value in read]
         first = sum(rec.calls) == 1
         watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
         if first:
@@ -394,9 +395,11 @@ class Tracer(StateBook):
             else:
                 out = self._traced(rec, frag, bound, where)
 
-        for (pname, state, value), before in zip(read, fingerprints):
+        for (pname, state, value), before, grad in zip(read, fingerprints, grads):
             if fingerprint(value) != before:
                 rec.mutates = f"'{state}' (argument '{pname}')"
+            elif grad_flags(value) != grad:   # (requires_grad_(False) to freeze a layer: the learner's copy learns on)
+                rec.mutates = f"'{state}' (argument '{pname}': the requires_grad of its tensors)"
         for (label, value), before in zip(watched, watched_before):
             if fingerprint(value) != before:   # changed data the module holds: who else reads it?
                 rec.changes_data[id(value)] = label

@@ -118,7 +118,7 @@ class Outgoing:
                 where = "".join(f"[{k!r}]" for k in (*item.keys, *(bad[0].split("/") if bad[0] else ())))
                 raise ConfigError(
                     f"output {'' if item.index < 0 else f'[{item.index}]'}{where} of fragment '{fragment}', which "
-                    f"the loop logs, has shape {bad[1]}, not a scalar (it was one while the program was traced)",
+                    f"the loop logs, {bad[1]} (it was one while the program was traced)",
                     where=self.checks.get("called_at", {}).get(fragment),
                     fix="return scalars to log: reduce it first (x.mean(), x.max()) or return its elements under "
                         "names of their own")

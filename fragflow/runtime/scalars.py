@@ -44,12 +44,14 @@ def _size(leaf: Any) -> int:
     return int(numel()) if callable(numel) else int(np.asarray(to_numpy(leaf)).size)
 
 
-def non_scalar(tree: Any) -> tuple[str, tuple[int, ...]] | None:
+def non_scalar(tree: Any) -> tuple[str, str] | None:
     """The first leaf of ``tree`` that is not one number: its name (as :func:`flat_scalars` names
-    it) and shape."""
+    it) and what it is instead ("of type str", "has shape (3,)")."""
     for name, leaf in _named_leaves(tree, ""):
+        if isinstance(leaf, (str, bytes)):
+            return name, f"is of type {type(leaf).__name__}, not a number"
         if _size(leaf) != 1:
-            return name, tuple(np.shape(to_numpy(leaf)))
+            return name, f"has shape {tuple(np.shape(to_numpy(leaf)))}, not a scalar"
     return None
 
 

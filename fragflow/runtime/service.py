@@ -41,7 +41,7 @@ from fragflow.compiler.pytree import (
     to_numpy,
 )
 from fragflow.context import InstanceNames
-from fragflow.errors import ConfigError, FragflowError
+from fragflow.errors import ConfigError, FragflowError, SpecChangedError
 from fragflow.lowering import ServiceProgram
 from fragflow.runtime import calls, heap, kernels
 from fragflow.runtime.gathering import IDLE_WAIT, Gathering, _Piece
@@ -445,6 +445,13 @@ class ServiceRunner(Outgoing, Gathering):
             called_at = self.checks.get("called_at", {}).get(fragment)
             exc.add_note(f"(while executing fragment '{fragment}'" + (f" called at {called_at})" if called_at else ")"))
             raise
+        traced, got = self.checks.get("arity", {}).get(fragment), len(out) if isinstance(out, tuple) else 0
+        if traced is not None and got != traced:
+            raise SpecChangedError(   # (the loop holds the traced count of outputs: it unpacks those)
+                f"fragment '{fragment}' returned {_outputs(got)} at its call {pieces[0].call + 1}, where the traced "
+                f"calls returned {_outputs(traced)}: the loop, in another process, takes its outputs as traced",
+                where=self.checks.get("called_at", {}).get(fragment),
+                fix="return the same number of outputs at every call (put what changes in a dict of one output)")
         rings = [span() for span in {id(p.ring): getattr(p.ring, "memory", None) for p in pieces}.values()
                  if span is not None]
         if rings:   # what the call keeps must outlive its pieces' slots (a learner's state may view its batch)
@@ -597,3 +604,9 @@ def skel_state_name(skel: Any, param: str) -> str:
     keys, kids = skel[1], skel[2]
     ref = kids[keys.index(param)]
     return str(ref[1])
+
+
+def _outputs(n: int) -> str:
+    """A fragment's count of outputs in words (0: one value, not a tuple)."""
+    return "one value (not a tuple)" if n == 0 else f"a tuple of {n}"
+
