@@ -1316,6 +1316,30 @@ def test_values_logged_before_the_clock_make_rows_of_their_own_where_calls_are_g
         assert [r[0] for r in other] == sorted(r[0] for r in other) and len(other) >= len(one) - 2 * drops
 
 
+def test_a_clock_output_logged_after_the_next_clock_call_joins_the_row_replica_0_logged_it_in(write_algo, tmp_path):
+    """Gathered on arrival, a learner output the loop logs one trip late (``ff.log({"prev": prev})``
+    after the next update) went to the row of the update that computed it, a row early (review of
+    round 41's fix); it joins the row replica 0 logged it in, as under single_process."""
+    source = TWO_LEARNERS.replace("""        if args.log_before:""", """        if args.log_before:   # (here: the previous trip's metrics, after this trip's update)
+            a, am = learn_a(a, batch)
+            if trip:
+                ff.log({"prev": prev})
+            prev = am["aw"]
+            continue""", 1)
+    path, _ = write_algo(source, "late.py")
+    program = load(str(path))
+    columns = []
+    for run, pol in (("one", "single_process"), ("other", "actor_learner(actors=2)")):
+        result = ff.run(program.train, program.args_cls(log_before=True), policy=pol, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        columns.append(([(r["updates"], r["prev"]) for r in rows], result.summary["channels"]["trajectory"]["drops"]
+                        if "channels" in result.summary else 0))
+    (one, _), (other, drops) = columns
+    assert one == [("1.0", "")] + [(f"{j}.0", f"{j - 1}.0") for j in range(2, 11)]
+    if drops == 0:
+        assert other == one
+
+
 EVALUATED_EACH_TRIP = """
 from dataclasses import dataclass
 

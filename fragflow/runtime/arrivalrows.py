@@ -172,7 +172,8 @@ class ArrivalRows:
                 row = self._runtime_row()
                 row["updates"] = float(self.base_updates + u)
                 replicas = set(taken or ()) | set(self._heard_from) | set(self._last_taken)
-                at = {r: max(self._last_taken.get(r, 0), min(steps, taken[r]) if taken and r in taken else steps)
+                at = {r: max(self._last_taken.get(r, 0),
+                             min(steps, taken[r] if taken and r in taken else self._heard_from.get(r, (steps, 0))[0]))
                       for r in replicas}
                 row["env_steps"] = float(self.base_steps + sum(at.values()))
                 self._episode_columns(row, self._ended_by(at))

@@ -550,8 +550,8 @@ class Monitor(ArrivalRows):
         self._flush()
         self._drain(force=True)
         self._drain_held(force=True)
-        if self.arrival:
-            self._arrival_loop_rows(self.updates - self.base_updates + 1, None)
+        if self.arrival:   # (every one left: replica 0 may have made more clock calls than the run made updates)
+            self._arrival_loop_rows(max(self._loop_rows, default=0) + 1, None)
         self._write_loop_rows(self.updates - self.base_updates + 1)
         if self.marked_replicas:   # what no row took
             self._episodes_to_board({r: len(eps) for r, eps in self._tagged.items()}, len(self._eval_tagged))

@@ -257,7 +257,7 @@ class Driver(DriverCheckpoints):
             key = f"{fragment}@update" if clock else fragment   # (the clock's: by its update)
             for c in (update,) if clock else calls:
                 for part, rest, name, at, steps, new_row in self._asked_for.pop((key, c), ()):
-                    self._write_arrived(clock, update, at, steps, new_row, logged.get(part, {}), rest, name)
+                    self._write_arrived(at, steps, new_row, logged.get(part, {}), rest, name)
                     if not clock:
                         self.monitor.row_answered(at, new_row)
                 self._computed_logs[(key, c)] = logged
@@ -294,10 +294,12 @@ class Driver(DriverCheckpoints):
         clock = fragment in self._clocks
         if clock:   # its call numbered first_call0 + j - 1 is the j-th update's
             fragment, call = f"{fragment}@update", call - (self.monitor.first_call0 or 0) + 1
+        # (logged after a value that made the loop's row at this step: it joins that row)
+        new_row = new_row or self.monitor.loop_row_at(at, steps)
         update = self._merged_into.get((fragment, call))
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
-            self._write_arrived(clock, update, at, steps, new_row, computed.get(part, {}), rest, name)
+            self._write_arrived(at, steps, new_row, computed.get(part, {}), rest, name)
         else:
             if not clock:
                 self.monitor.row_awaits(at, new_row)
@@ -306,14 +308,14 @@ class Driver(DriverCheckpoints):
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, at, steps, new_row))
             self._forget_logs(fragment, call)
 
-    def _write_arrived(self, clock: bool, update: int, at: int, steps: int, new_row: bool,
-                       scalars: dict[str, float], rest: str, name: str) -> None:
-        """A logged value of a call gathered on arrival (see _asked_on_arrival) into its row: the
-        loop's own row where it made one at that step, else the clock's j-th update's or row ``at``."""
-        if clock and not new_row and not self.monitor.loop_row_at(at, steps):
-            self._write_logged(update, scalars, rest, name, into=True)
+    def _write_arrived(self, at: int, steps: int, new_row: bool, scalars: dict[str, float], rest: str,
+                       name: str) -> None:
+        """A logged value of a call gathered on arrival (see _asked_on_arrival) into the row replica 0
+        logged it in: the loop's own row at that step, else the row of update ``at``."""
+        if new_row:
+            self._write_logged(at, scalars, rest, name, steps, new_row=True)
         else:
-            self._write_logged(at, scalars, rest, name, steps, new_row)
+            self._write_logged(at, scalars, rest, name, into=True)
 
     def _dropped(self, fragment: str, call: int) -> None:
         """Replica 0's call of ``fragment`` was dropped as stale: what the loop logged of it is in no
