@@ -32,7 +32,7 @@ class RemoteChecks:
         if changed:
             raise PlacementError(
                 f"{frag.role} fragment '{name}' ({frag.defined_at}) reads the {changed}, which the training loop "
-                f"changed after the trace, but this policy runs '{name}' in another process, with a copy of it as "
+                f"(or a fragment run in its process, an actor) changed after the trace, but this policy runs '{name}' in another process, with a copy of it as "
                 "it was at the fragment's first call: the change would never reach it", where=user_callsite(),
                 fix=f"pass the value to '{name}' as an argument at the call ({name}(..., epsilon)), or keep it in "
                     "versioned state a learner writes (a network the loop syncs, a target network: "
