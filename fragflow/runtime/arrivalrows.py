@@ -157,7 +157,7 @@ class ArrivalRows:
         steps = self._steps0[at]
         for u in [u for u in self._steps0 if u < at]:   # (rows are written in order)
             del self._steps0[u]
-        evals = [ret for u, t, ret in self._eval_at if u < at or (u == at and t <= steps)]
+        evals = self._evaluated_at(at, steps)
         return {"eval_episodes": float(self.base_eval_episodes + len(evals)), "eval_return_mean": self._eval_mean(evals)}
 
     def _arrival_loop_rows(self, before: int, taken: dict[int, int] | None) -> None:
@@ -178,11 +178,16 @@ class ArrivalRows:
                 row["env_steps"] = float(self.base_steps + sum(at.values()))
                 self._episode_columns(row, self._ended_by(at))
                 mark = self._first_update0 - 1 + u   # (replica 0's update count then, as its evaluations are tagged)
-                evals = [ret for v, t, ret in self._eval_at if v < mark or (v == mark and t <= steps)]
+                evals = self._evaluated_at(mark, steps)
                 if self._eval_at or self.base_eval_episodes:
                     row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
                     row["eval_return_mean"] = self._eval_mean(evals)
                 row.update(scalars)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
+
+    def _evaluated_at(self, update: int, steps: int) -> list[float]:
+        """The returns of the evaluation episodes replica 0 had ended by its ``update``-th clock call
+        and ``steps``-th training env step after it."""
+        return [ret for u, t, ret in self._eval_at if u < update or (u == update and t <= steps)]
 

@@ -121,7 +121,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._ticket = 0
         self._views: dict[str, tuple[tuple[int, int | None], list[Any]]] = {}
         # the torch leaves of each received view, with their version counters then (see received.check_unchanged)
-        self._watched: dict[str, list[tuple[str, Any, int, bool]]] = {}
+        self._watched: dict[str, list[tuple[str, Any, int]]] = {}
         # its random generators, with their states then: a draw changes the state as an in-place op does
         self._drawn: dict[str, list[tuple[str, Any, bytes]]] = {}
         self._modules: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}   # a received module's tensors (see received.received)

@@ -164,29 +164,7 @@ class Monitor(ArrivalRows):
         row where the row is still held (rows wait for their marks), else into the current one.
         The loop's own values after it stepped an env (``new_row``, at replica 0's ``steps``) are a
         row of their own after the update's, as single_process writes them."""
-        if self.arrival and new_row and update is not None and steps is not None:
-            # gathered on arrival: a row of its own, after the update's (see arrivalrows)
-            own = self._loop_rows.setdefault(update, [])
-            same = next((r for r in own if r[0] == steps), None)
-            if same is not None:
-                same[1].update(scalars)
-            else:
-                own.append((steps, dict(scalars)))
-                own.sort(key=lambda r: r[0])
-            return
-        if update is not None and self.arrival and steps is not None and self.loop_row_at(update, steps):
-            # gathered on arrival: logged after the first value that made the loop's row, into it
-            next(r for r in self._loop_rows[update] if r[0] == steps)[1].update(scalars)
-            return
-        if update and self.arrival and not new_row:
-            # gathered on arrival: the j-th update's row holds what loop replica 0 logged at its j-th
-            # learner call (see arrivalrows), the loop's own values with the learner's
-            if update > self.updates - self.base_updates:   # (that update has not reached the driver yet)
-                self._early.setdefault(update, {}).update(scalars)
-            else:
-                self.log_into(update, scalars)
-            return
-        if update is not None and self.marked_replicas and steps is not None:
+        if update is not None and steps is not None and (self.marked_replicas or self.arrival):
             # the row the loop made after that env step (a learner's output the loop logged may
             # come after the loop's later rows: found by its steps), a new one, or the update's
             rows = self._loop_rows.get(update)
@@ -199,6 +177,14 @@ class Monitor(ArrivalRows):
                 rows.append((steps, dict(scalars)))
                 rows.sort(key=lambda r: r[0])
                 return
+        if update and self.arrival and not new_row:
+            # gathered on arrival: the j-th update's row holds what loop replica 0 logged at its j-th
+            # learner call (see arrivalrows), the loop's own values with the learner's
+            if update > self.updates - self.base_updates:   # (that update has not reached the driver yet)
+                self._early.setdefault(update, {}).update(scalars)
+            else:
+                self.log_into(update, scalars)
+            return
         if update is not None and self.marked_replicas:
             for row in (*self._waiting, *([self._pending] if self._pending is not None else [])):
                 if int(row["updates"]) - self.base_updates == update:

@@ -257,7 +257,7 @@ class Driver(DriverCheckpoints):
             key = f"{fragment}@update" if clock else fragment   # (the clock's: by its update)
             for c in (update,) if clock else calls:
                 for part, rest, name, at, steps, new_row in self._asked_for.pop((key, c), ()):
-                    self._write_arrived(at, steps, new_row, logged.get(part, {}), rest, name)
+                    self._write_logged(at, logged.get(part, {}), rest, name, steps, new_row)
                     if not clock:
                         self.monitor.row_answered(at, new_row)
                 self._computed_logs[(key, c)] = logged
@@ -299,7 +299,7 @@ class Driver(DriverCheckpoints):
         update = self._merged_into.get((fragment, call))
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
-            self._write_arrived(at, steps, new_row, computed.get(part, {}), rest, name)
+            self._write_logged(at, computed.get(part, {}), rest, name, steps, new_row)
         else:
             if not clock:
                 self.monitor.row_awaits(at, new_row)
@@ -307,15 +307,6 @@ class Driver(DriverCheckpoints):
                 self.monitor.log_at(at, {}, steps, new_row=True)
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, at, steps, new_row))
             self._forget_logs(fragment, call)
-
-    def _write_arrived(self, at: int, steps: int, new_row: bool, scalars: dict[str, float], rest: str,
-                       name: str) -> None:
-        """A logged value of a call gathered on arrival (see _asked_on_arrival) into the row replica 0
-        logged it in: the loop's own row at that step, else the row of update ``at``."""
-        if new_row:
-            self._write_logged(at, scalars, rest, name, steps, new_row=True)
-        else:
-            self._write_logged(at, scalars, rest, name, into=True)
 
     def _dropped(self, fragment: str, call: int) -> None:
         """Replica 0's call of ``fragment`` was dropped as stale: what the loop logged of it is in no
@@ -327,15 +318,13 @@ class Driver(DriverCheckpoints):
         self._forget_logs(fragment, call)
 
     def _write_logged(self, update: int, scalars: dict[str, float], rest: str, name: str,
-                      steps: int | None = None, new_row: bool = False, into: bool = False) -> None:
-        """The scalars at ``rest`` in a part, logged as ``name`` into ``update``'s row (``into``:
-        gathered on arrival, the row of this run's ``update``-th update)."""
+                      steps: int | None = None, new_row: bool = False) -> None:
+        """The scalars at ``rest`` in a part, logged as ``name`` into the row the loop logged them in
+        (see Monitor.log_at): its own row at ``steps``, else ``update``'s."""
         chosen = logged_at(scalars, rest, name)
         if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
             chosen = logged_at(scalars, by_position(scalars, rest), name)
-        if chosen and into:
-            self.monitor.log_at(update, chosen)
-        elif chosen:
+        if chosen:
             self.monitor.log_at(update, chosen, steps, new_row)
 
     def _forget_logs(self, fragment: str, call: int) -> None:

@@ -19,22 +19,16 @@ from fragflow.errors import VersionedStateError
 from fragflow.source import user_callsite
 
 
-def check_unchanged(watched: dict[str, list[tuple[str, Any, int, bool]]], drawn: dict[str, list[tuple[str, Any, bytes]]],
+def check_unchanged(watched: dict[str, list[tuple[str, Any, int]]], drawn: dict[str, list[tuple[str, Any, bytes]]],
                     state: str, fragment: str | None) -> None:
     """Refuse a received version of ``state`` changed in place in this process (an actor that
     steps the state's optimizer, ``p.add_(...)``): here, apart from the learner, the change is
     lost at the next version. A torch tensor's version counter counts its in-place changes, so
     this costs an integer per tensor; numpy leaves are read-only (see received)."""
-    for path, tensor, version, grad in watched.get(state, ()):
+    for path, tensor, version in watched.get(state, ()):
         if tensor._version != version:
             raise changed_here(f"{state}{path} (by fragment '{fragment}', or by the loop before its call)"
                                 if fragment is not None else f"{state}{path} (by the loop)")
-        if tensor.requires_grad != grad:   # (requires_grad_(False) to freeze it: the learner's copy still learns)
-            by = f"fragment '{fragment}', or the loop before its call" if fragment is not None else "the loop"
-            raise changed_here(
-                f"{state}{path} (its requires_grad set to {tensor.requires_grad} by {by})",
-                fix="freeze or unfreeze parameters in a learner that writes the state (or before ff.versioned), "
-                    "or run with --policy single_process")
     for path, gen, then in drawn.get(state, ()):
         if state_of(gen) != then:
             by = f"fragment '{fragment}', or the loop before its call" if fragment is not None else "the loop"
@@ -68,13 +62,13 @@ def counted() -> contextlib.AbstractContextManager[Any]:
 
 
 def received(roots: Any, trees: list[Any], modules: dict[int, tuple[Any, list[tuple[str, Any]]]]
-              ) -> tuple[list[tuple[str, Any, int, bool]], list[tuple[str, Any, bytes]]]:
-    """The torch tensors of a received view with their version counters and requires_grad, and its random generators
+              ) -> tuple[list[tuple[str, Any, int]], list[tuple[str, Any, bytes]]]:
+    """The torch tensors of a received view with their version counters, and its random generators
     (the process's own copies: a version does not carry them) with their states; its numpy arrays
     are made read-only (an in-place write raises where it is made). A module's tensors are the same
     objects at every version (overwritten in place): ``modules`` keeps them, by module, so that a
     version costs an integer per tensor, not a walk of the module's state dict."""
-    tensors: list[tuple[str, Any, int, bool]] = []
+    tensors: list[tuple[str, Any, int]] = []
     generators: list[tuple[str, Any, bytes]] = []
     torch = sys.modules.get("torch")
 
@@ -91,13 +85,13 @@ def received(roots: Any, trees: list[Any], modules: dict[int, tuple[Any, list[tu
             for i, v in enumerate(x):
                 walk(v, f"{path}[{i!r}]")
         elif torch is not None and isinstance(x, torch.Tensor):
-            tensors.append((path, x, x._version, x.requires_grad))
+            tensors.append((path, x, x._version))
         elif torch is not None and isinstance(x, torch.nn.Module):
             known = modules.get(id(x))
             if known is None or known[0] is not x:
                 known = modules[id(x)] = (x, leaf_paths(x))
             # (a module's extra state, get_extra_state's, is put back with set_extra_state: not watched)
-            tensors.extend((path + p, t, t._version, t.requires_grad) for p, t in known[1] if isinstance(t, torch.Tensor))
+            tensors.extend((path + p, t, t._version) for p, t in known[1] if isinstance(t, torch.Tensor))
         elif is_generator(x):
             generators.append((path, x, state_of(x)))
 
