@@ -299,7 +299,7 @@ class _Handover:
         interp.events = tracer.events
         interp._names = interp._state_names = tracer._names
         interp.instance_name = tracer.instance_name
-        interp._node_of = {key: (tracer.fragments[rec.name], rec.name) for key, rec in tracer._nodes.items()}
+        interp.name_nodes({key: (tracer.fragments[rec.name], rec.name) for key, rec in tracer._nodes.items()})
         interp._states = dict(tracer._latest)
         self.begun = True
         self.begin(compiled)

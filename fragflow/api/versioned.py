@@ -15,6 +15,7 @@ newest one broadcast to that process. The loop itself reads a versioned value on
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from typing import Any
 
@@ -170,7 +171,10 @@ class VersionedView(_NoLoopUse):
 
     @property
     def path_str(self) -> str:
-        return "".join(f"[{k!r}]" for k in self.path)
+        try:
+            return _path_str(self.path)
+        except TypeError:   # (an unhashable key)
+            return "".join(f"[{k!r}]" for k in self.path)
 
     def resolve(self, value: Any) -> Any:
         for k in self.path:
@@ -303,3 +307,9 @@ def pendings_in(x: Any, depth: int = 0) -> list[Pending]:
     if isinstance(x, (list, tuple)):
         return [p for v in x for p in pendings_in(v, depth + 1)]
     return []
+
+
+@functools.lru_cache(maxsize=256)
+def _path_str(path: tuple[Any, ...]) -> str:
+    """A view's path as its keys index it (``['q']``): a view is made at every step (``state["q"]``)."""
+    return "".join(f"[{k!r}]" for k in path)

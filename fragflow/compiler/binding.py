@@ -46,6 +46,20 @@ class _Positional:
         return tuple(self.arguments.values())
 
 
+class _Keywords:
+    """What ``Signature.bind`` gives for a call of a function whose one parameter is ``**kwargs``."""
+
+    __slots__ = ("arguments",)
+    args: tuple[Any, ...] = ()
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = arguments
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return next(iter(self.arguments.values()))
+
+
 
 
 
@@ -57,4 +71,11 @@ def bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) else None
     if names is not None and not kwargs and len(args) == len(names):
         return _Positional(dict(zip(names, args)))
+    var = frag.__dict__.get("_ff_var_keyword", False)
+    if var is False:   # the parameter's name, where the only one takes keywords (a buffer's add(**step))
+        only = list(frag.signature.parameters.values())
+        var = frag.__dict__["_ff_var_keyword"] = only[0].name if len(only) == 1 and \
+            only[0].kind == only[0].VAR_KEYWORD else None
+    if var is not None and not args:
+        return _Keywords({var: kwargs})
     return frag.signature.bind(*args, **kwargs)

@@ -17,7 +17,9 @@ from typing import Any
 
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Versioned, VersionedView
+from fragflow.compiler import probes
 from fragflow.compiler.axes import loop_rows
+from fragflow.compiler.binding import bind
 from fragflow.compiler.pytree import NotAnArray, is_static, leaf_paths, spec_of
 from fragflow.compiler.recording import NodeRec, Recording
 from fragflow.errors import FragflowError
@@ -36,12 +38,17 @@ class Repeats(Recording):
     """The tracer's handling of repeated calls (the attributes below are the tracer's)."""
 
     _cycle: tuple[Fragment, ...] | None
+    _pos: int
     _trips: list[tuple[Fragment, ...]]
     _trip: list[Fragment]
     _unrecorded: Any
     _read_state: Callable[..., Any]
     _effects: Callable[[NodeRec, Fragment, int], None]
     _count_events: Callable[[Fragment, Any], None]
+    _buffer_out: Callable[[NodeRec, Any], Any]
+    _expected: set[int]
+    state_use: Any
+    begins_run: bool
 
     def _follow(self, frag: Fragment) -> None:
         """Follow the warm-up's trips; start running them unrecorded once they repeat (the call
@@ -61,12 +68,70 @@ class Repeats(Recording):
     def _unrecorded_call(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> Any:
         """A call of a repeating warm-up trip: run and counted as the last recorded one, not recorded."""
         given, out = self._run_counted(rec, frag, bound, window)
+        return self._unrecorded_out(rec, frag, given, out, window)
+
+    def _unrecorded_out(self, rec: NodeRec, frag: Fragment, given: dict[str, Any], out: Any, window: int) -> Any:
         self._unrecorded.append((rec, frag, given, out))
         if sum(rec.calls) % QUICK_CHECK_EVERY == 0:   # its outputs keep their specs (a change is recorded, or refused)
             leaves = self._output_leaves(rec, frag, out, None)
             if [(path, spec_of(leaf)) for _, path, leaf in leaves] != rec.out_specs:
                 self._record_again()   # (its arguments' sources are known again: it is recorded as any call)
                 return self._record_in_full(rec, frag, given, out, window)
+        return out
+
+    def _express(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of a repeating warm-up trip (see Tracer.quick): what Tracer.call, _quick_call and
+        _unrecorded_call do for it, in one frame (the warm-up's every call: a replay buffer's 10k
+        steps of warm-up, three calls each). Before the first update the trace window is 0 and
+        notes nothing of a call whose trip it has seen (see TraceWindow.call)."""
+        rec = self._nodes[id(frag)]
+        rep = rec.repeat
+        assert rep is not None and self._cycle is not None
+        expected = self._expected
+        expected.discard(id(frag))
+        self.window.unseen = bool(expected)
+        rec.calls[0] += 1
+        names = frag.__dict__.get("_ff_positional")
+        if not kwargs and names is not None and len(names) == len(args):
+            given = dict(zip(names, args))
+            run_args, run_kwargs = args, kwargs
+            for i, value in enumerate(args):
+                if isinstance(value, (Versioned, VersionedView)):
+                    if run_args is args:
+                        run_args = list(args)   # type: ignore[assignment]
+                    run_args[i] = self._read_state(rec, frag, names[i], value, 0, None)   # type: ignore[index]
+        else:
+            try:
+                bound = bind(frag, args, kwargs)
+            except TypeError:
+                return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
+            given = dict(bound.arguments)
+            for pname, value in given.items():
+                if isinstance(value, (Versioned, VersionedView)):
+                    bound.arguments[pname] = self._read_state(rec, frag, pname, value, 0, None)
+            run_args, run_kwargs = bound.args, bound.kwargs
+        self._pos = (self._pos + 1) % len(self._cycle)
+        for edge in rep.edges:
+            edge.crossings[0] += 1
+        self._effects(rec, frag, 0)
+        use = self.state_use
+        on, use.on = use.on, False   # (what a fragment does with the state's tensors is its own)
+        sink = probes.swap_sink(None)
+        try:
+            with kernels.in_fragment:
+                out = frag.fn(*run_args, **run_kwargs)
+        except FragflowError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"(while fragflow traced fragment '{rec.name}' called at {user_callsite()})")
+            raise
+        finally:
+            probes.swap_sink(sink)
+            use.on = on
+        self._count_events(frag, out)
+        out = self._unrecorded_out(rec, frag, given, out, 0)
+        if frag.role == "buffer" and frag.instance is not None and out is not None and not self.begins_run:
+            return self._buffer_out(rec, out)
         return out
 
     def _run_counted(self, rec: NodeRec, frag: Fragment, bound: Any, window: int) -> tuple[dict[str, Any], Any]:

@@ -214,6 +214,10 @@ class Tracer(StateBook):
         self._resources.append(resource)
 
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cycle = self._cycle
+        if cycle is not None and cycle[self._pos] is frag and self._nested is None and not self._changed_args \
+                and self.quick and self.window.updates == 0:
+            return self._express(frag, args, kwargs)   # a quick warm-up's call (see Repeats)
         if self._clock_due and frag.role == "env" and not frag.evaluation:
             self._clock_due = False
             if self.journal is not None:   # (the loop's start, the run's rate counts from: Monitor.loop_begins)
@@ -228,10 +232,15 @@ class Tracer(StateBook):
             use.on = on
         if frag.role == "buffer" and frag.instance is not None and out is not None and not self.begins_run:
             rec = self._nodes.get(id(frag))
-            if rec is not None and not any(axis == "env" for _, axis, _ in rec.out_axes or ()):
-                # a replay buffer's sample, which a policy may move beside the learner (learner_replay):
-                # the loop's own reads of it are refused there at placement, as a learner output's are
-                out = self._probed(rec.name, out)
+            if rec is not None:
+                return self._buffer_out(rec, out)
+        return out
+
+    def _buffer_out(self, rec: NodeRec, out: Any) -> Any:
+        if not any(axis == "env" for _, axis, _ in rec.out_axes or ()):
+            # a replay buffer's sample, which a policy may move beside the learner (learner_replay):
+            # the loop's own reads of it are refused there at placement, as a learner output's are
+            return self._probed(rec.name, out)
         return out
 
     def _call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -108,7 +108,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self.instance_name = InstanceNames()
         self._names = InstanceNames()
         self._state_names = InstanceNames()
-        self._node_of: dict[int, tuple[Fragment, str]] = {}
+        self._node_of: dict[int, tuple[Fragment, str, bool]] = {}
         self.events = EventSources()
         self.resources: list[Any] = []
         self.current: str | None = None   # the fragment being called (None: the loop's own code runs)
@@ -222,13 +222,30 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
     def _node(self, frag: Fragment) -> str:
         hit = self._node_of.get(id(frag))
         if hit is None:
-            hit = self._node_of[id(frag)] = (frag, self._names(frag.name))
+            hit = self._node_of[id(frag)] = self._entry(frag, self._names(frag.name))
         return hit[1]
 
+    def name_nodes(self, named: dict[int, tuple[Fragment, str]]) -> None:
+        """The fragments' node names as a trace named them (the run it began goes on from it)."""
+        self._node_of = {key: self._entry(frag, name) for key, (frag, name) in named.items()}
+
+    def _entry(self, frag: Fragment, name: str) -> tuple[Fragment, str, bool]:
+        program = self.program
+        # only run here, as called (see _plain): not a learner, a logger or an evaluation env, not
+        # placed elsewhere, reading no state through a global
+        plain = frag.role in ("actor", "env", "buffer") and frag.writes is None and not frag.evaluation and \
+            name not in program.remote and name not in self._captured and \
+            (not program.remote or name in program.local)
+        return frag, name, plain
+
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = self._node(frag)
+        hit = self._node_of.get(id(frag))
+        name = hit[1] if hit is not None else self._node(frag)
         outer, self.current = self.current, name
-        out = self._dispatch(frag, name, args, kwargs)
+        if hit is not None and hit[2] and not self._clock_due:
+            out = self._plain(frag, name, args, kwargs)
+        else:
+            out = self._dispatch(frag, name, args, kwargs)
         self.current = outer   # (an exception leaves it: the fragment that raised)
         return out
 
@@ -292,11 +309,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             written = handle
             if handle.name not in self._shapes:   # (a state the trace made, which this run goes on from)
                 self._shapes[handle.name] = structure(self._states.get(handle.name, handle).value)
-        reads = False
-        if any(isinstance(a, (Versioned, VersionedView)) for a in args):
-            args, reads = tuple(self._resolve(a) for a in args), True
-        if kwargs and any(isinstance(v, (Versioned, VersionedView)) for v in kwargs.values()):
-            kwargs, reads = {k: self._resolve(v) for k, v in kwargs.items()}, True
+        args, kwargs, reads = self._resolved(args, kwargs)
         try:
             if name in self._captured:   # single_process only: as eagerly, the global holds the value
                 with handles_as_values(frag.fn), kernels.in_fragment:
@@ -304,28 +317,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             else:
                 with kernels.in_fragment:
                     out = frag.fn(*args, **kwargs)
-        except FragflowError as exc:
-            # fragflow's own refusal of a size (env.step given an action per environment of the run,
-            # made with the loop's exploration noise sized with args.num_envs) says the likely cause
-            found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
-            if found and exc.fix != RUN_SIZED_FIX:   # (said once, where a call within a call failed)
-                exc.restate(what=f"{exc.what}: argument {found[0]} has a row for every environment of the run, made "
-                                 f"in the loop (sized with the run's count, as args.num_envs, or made from such an "
-                                 f"array), where this process steps {found[2]} of them", fix=RUN_SIZED_FIX)
-            raise
         except Exception as exc:
-            if reads and self._watched and isinstance(exc, ValueError) and "read-only" in str(exc):
-                # (which array it was, the error does not say: the state's are read-only here, see _received)
-                exc.add_note("(fragflow: in an acting process where this policy runs the learner apart, the numpy "
-                             "arrays of the versioned state are read-only: if the array written is one of them, "
-                             "leave it unchanged (work on a copy: array.copy()) or make the change in a learner that "
-                             "writes the state; a change here would stay in this process's copy, unseen by the "
-                             "learner; or run with --policy single_process)")
-            exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
-            found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
-            if found:
-                exc.add_note(f"(fragflow: argument {found[0]} of '{name}' has {found[1]} rows, one per environment of "
-                             f"the run, but this process steps {found[2]} of them: {RUN_SIZED_FIX})")
+            self._failed(exc, frag, name, args, kwargs, reads)
             raise
         if reads and self._watched and frag.role != "learner":
             for state in self._watched:
@@ -362,6 +355,67 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             if self.on_update is not None:
                 self.on_update(self.update)
         return out
+
+    def _plain(self, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What :meth:`_local` does for a call that runs here and is only run (an actor, an env step, a
+        buffer's: not a learner, a logger, an evaluation env, a fragment reading a global's state; see
+        :meth:`call`), without the tests that are false for it: most of a loop's calls."""
+        args, kwargs, reads = self._resolved(args, kwargs)
+        try:
+            with kernels.in_fragment:
+                out = frag.fn(*args, **kwargs)
+        except Exception as exc:
+            self._failed(exc, frag, name, args, kwargs, reads)
+            raise
+        if reads and self._watched:
+            for state in self._watched:
+                received.check_unchanged(self._watched, self._drawn, state, name)
+        events = self.events.of(frag)
+        if events is not None:
+            n, finished = events(out)
+            self.reporter.env_step(n, finished, False)
+            self._stepped = self._log_stepped = True
+        return out
+
+    def _resolved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+        """The arguments with the versioned state among them read (the version this loop acts with),
+        and whether there was any."""
+        reads = False
+        for a in args:
+            if isinstance(a, (Versioned, VersionedView)):
+                args, reads = tuple(self._resolve(a) for a in args), True
+                break
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, (Versioned, VersionedView)):
+                    kwargs, reads = {k: self._resolve(v) for k, v in kwargs.items()}, True
+                    break
+        return args, kwargs, reads
+
+    def _failed(self, exc: Exception, frag: Fragment, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                reads: bool) -> None:
+        """A fragment run here raised ``exc``: say what it tells of the likely cause (the caller raises it)."""
+        if isinstance(exc, FragflowError):
+            # fragflow's own refusal of a size (env.step given an action per environment of the run,
+            # made with the loop's exploration noise sized with args.num_envs) says the likely cause
+            found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
+            if found and exc.fix != RUN_SIZED_FIX:   # (said once, where a call within a call failed)
+                exc.restate(what=f"{exc.what}: argument {found[0]} has a row for every environment of the run, made "
+                                 f"in the loop (sized with the run's count, as args.num_envs, or made from such an "
+                                 f"array), where this process steps {found[2]} of them", fix=RUN_SIZED_FIX)
+            return
+        if reads and self._watched and isinstance(exc, ValueError) and "read-only" in str(exc):
+            # (which array it was, the error does not say: the state's are read-only here, see _received)
+            exc.add_note("(fragflow: in an acting process where this policy runs the learner apart, the numpy "
+                         "arrays of the versioned state are read-only: if the array written is one of them, "
+                         "leave it unchanged (work on a copy: array.copy()) or make the change in a learner that "
+                         "writes the state; a change here would stay in this process's copy, unseen by the "
+                         "learner; or run with --policy single_process)")
+        exc.add_note(f"(while executing fragment '{name}' called at {user_callsite()})")
+        found = self._run_sized(frag, name, args, kwargs) if _about_shapes(exc) else None
+        if found:
+            exc.add_note(f"(fragflow: argument {found[0]} of '{name}' has {found[1]} rows, one per environment of "
+                         f"the run, but this process steps {found[2]} of them: {RUN_SIZED_FIX})")
 
     def _run_sized(self, frag: Fragment, name: str, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> tuple[str, int, int] | None:
