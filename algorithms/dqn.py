@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fragflow as ff
@@ -108,18 +109,20 @@ def learn(state, target, batch, args: Args):
     action = torch.as_tensor(batch["action"], dtype=torch.int64, device=device)
     reward = torch.as_tensor(batch["reward"], dtype=torch.float32, device=device)
     done = torch.as_tensor(batch["done"], dtype=torch.float32, device=device)
-    weight = torch.as_tensor(batch["weight"], dtype=torch.float32, device=device)
     with torch.no_grad():
         target_max = target["q"](next_obs).max(dim=1).values
         td_target = reward + args.gamma * target_max * (1 - done)
     old_val = q(obs).gather(1, action[:, None]).squeeze(1)
-    td_error = td_target - old_val
-    loss = (weight * td_error**2).mean()     # weights are 1 without prioritized replay: the MSE
+    if args.prioritized:   # the squared TD errors weighted by importance sampling; their sizes are the new priorities
+        td_error = td_target - old_val
+        loss = (torch.as_tensor(batch["weight"], dtype=torch.float32, device=device) * td_error**2).mean()
+    else:
+        loss = F.mse_loss(td_target, old_val)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
     metrics = {"td_loss": loss.detach(), "q_values": old_val.mean().detach()}
-    return state, metrics, td_error.detach().abs().cpu()
+    return state, metrics, td_error.detach().abs().cpu() if args.prioritized else None
 
 
 # TARGET: soft update (tau=1 copies the Q-network)

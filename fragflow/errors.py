@@ -85,6 +85,17 @@ class VersionedStateError(TraceError):
     """A versioned value was used in a way its version cannot follow."""
 
 
+class MissingOutputKeyError(VersionedStateError, KeyError):
+    """The loop indexed another process's output by a key (an index) its traced value does not have:
+    a ``KeyError`` (``IndexError``) as eagerly, with where and why."""
+
+    __str__ = BaseException.__str__   # (KeyError's would quote the message)
+
+
+class MissingOutputIndexError(VersionedStateError, IndexError):
+    __doc__ = MissingOutputKeyError.__doc__
+
+
 class GraphError(FragflowError):
     """``Graph.verify()`` or ``PlacedGraph.verify()`` found an inconsistent graph."""
 

@@ -169,3 +169,120 @@ def test_a_learner_output_read_in_a_range_bound_is_refused_at_the_loops_line(wri
         ff.run(program.train, policy="pipelined")
     assert info.value.where is not None and info.value.where.line == marks["range"]
     assert str(info.value.where.file).endswith("ranged.py")
+
+
+FLOAT_RANGE = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean()}, np.float64(2.0)
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, k = learn(state, buf.collect())
+        for _ in range(k):   # @range
+            ff.log({"x": 1.0})
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_float_learner_output_given_to_range_fails_as_eagerly_under_every_policy(write_algo, policy):
+    """range() of a numpy float a learner returned is Python's TypeError eagerly; where the trace
+    handed the loop a probe of it, the error named the probe's class ('ProbeFloat64' object cannot be
+    interpreted as an integer): probes carry their base's name into Python's messages."""
+    path, marks = write_algo(FLOAT_RANGE, "float_range.py")
+    program = load(str(path))
+    with pytest.raises(TypeError, match=r"^'numpy\.float64' object cannot be interpreted as an integer$"):
+        program.train()
+    with pytest.raises(TypeError, match=r"^'numpy\.float64' object cannot be interpreted as an integer$"):
+        ff.run(program.train, policy=policy)
+
+
+UNPACKED = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    how: str = "star"
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    new = {"w": state["w"] + 1e-3 * batch["obs"].mean()}
+    return new, {"loss": float(np.abs(new["w"]).sum()), "obs": float(batch["obs"].mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for n in range(6):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        if args.how == "star":
+            ff.log({**metrics, "n": n, "keys": len(metrics)})
+        elif args.how == "items":
+            for k, v in metrics.items():
+                ff.log({f"m/{k}": v})
+        elif n == 4:   # (after the trace, which stops after two updates)
+            ff.log({"first": metrics[0]})   # @index
+    return state
+"""
+
+
+@pytest.mark.parametrize("how", ["star", "items"])
+def test_a_learner_output_dict_unpacked_or_walked_in_the_loop_logs_as_single_process_does(
+        write_algo, tmp_path, how):
+    """The loop unpacks a learner's metrics into a dict of its own (``{**metrics, "n": n}``) or walks
+    their items: refused where the learner runs apart (its keys were in the other process); the keys
+    are those traced, each value an output of its own, and the rows equal single_process's."""
+    path, _ = write_algo(UNPACKED, "unpacked.py")
+    program = load(str(path))
+    rows = {}
+    for policy in ("single_process", "pipelined"):
+        out = tmp_path / policy
+        ff.run(program.train, program.args_cls(how=how), policy=policy, out=str(out))
+        with open(out / "metrics.csv") as f:
+            table = list(csv.DictReader(f))
+        rows[policy] = [{k: v for k, v in r.items() if k.startswith(("m/", "loss", "obs", "n", "keys", "env_steps"))}
+                        for r in table]
+    assert rows["pipelined"] == rows["single_process"]
+    assert len(rows["pipelined"]) == 6 and all(k in rows["pipelined"][0] for k in
+                                               (("loss", "obs", "n", "keys") if how == "star" else ("m/loss", "m/obs")))
+
+
+def test_a_learner_output_dict_indexed_by_a_key_it_lacks_fails_as_eagerly_with_the_reason(write_algo):
+    """``metrics[0]`` on a dict is Python's KeyError eagerly; where the learner ran apart and the loop
+    indexed it so only after the trace, the loop's reference took the position as a key and logged the
+    first value as 'first'."""
+    path, marks = write_algo(UNPACKED, "unpacked.py")
+    program = load(str(path))
+    with pytest.raises(KeyError):
+        ff.run(program.train, program.args_cls(how="index"), policy="single_process")
+    with pytest.raises(KeyError, match=r"output \[1\] of fragment 'learn' has no key 0: as traced it is a dict with "
+                                       r"keys \['loss', 'obs'\]") as info:
+        ff.run(program.train, program.args_cls(how="index"), policy="pipelined")
+    assert isinstance(info.value, FragflowError) and info.value.where is not None
+    assert info.value.where.line == marks["index"]

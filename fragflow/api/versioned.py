@@ -20,7 +20,7 @@ import operator
 from typing import Any
 
 from fragflow import context
-from fragflow.errors import TraceError, VersionedStateError
+from fragflow.errors import MissingOutputIndexError, MissingOutputKeyError, TraceError, VersionedStateError
 from fragflow.source import SourceLoc, user_callsite
 
 
@@ -224,23 +224,44 @@ class Pending(_NoLoopUse):
         self.skel = skel   # its value as traced, without leaves (see pytree.skeleton_of), where known
         self.trip = trip   # the trip of the loop's top-level loop it was made in (-1: unknown)
 
+    # Its containers are those of its traced value (``skel``): a dict's keys, a list's or a tuple's
+    # length are known here, their leaves are outputs of their own (``{**metrics, "eps": eps}``,
+    # ``for k, v in metrics.items()``); a key the traced value lacks fails as eagerly, with the reason.
     def __getitem__(self, key: Any) -> Pending:
         skel = self.skel
-        try:
-            sub = skel[key] if isinstance(skel, (dict, list, tuple)) else None
-        except (KeyError, IndexError, TypeError):
-            sub = None
+        sub = None
+        if isinstance(skel, (dict, list, tuple)):
+            try:
+                sub = skel[key]
+            except KeyError:
+                raise self._missing(key, MissingOutputKeyError, f"has no key {key!r}") from None
+            except IndexError:
+                raise self._missing(key, MissingOutputIndexError, f"has no index {key!r}") from None
+            except TypeError:   # (a key of another kind: a field's name of a namedtuple, found by name)
+                sub = None
         return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub, self.trip)
+
+    def _missing(self, key: Any, kind: type[VersionedStateError], what: str) -> VersionedStateError:
+        skel = self.skel
+        held = f"keys {sorted(map(str, skel))}" if isinstance(skel, dict) else f"{len(skel)} entries"
+        return kind(f"output {'' if self.index < 0 else f'[{self.index}]'}{self.path} of fragment '{self.fragment}' "
+                    f"{what}: as traced it is a {type(skel).__name__} with {held} (that fragment runs in another "
+                    "process under this policy; the loop indexes its value as traced)", where=user_callsite(2),
+                    fix="index it by the keys it returns (those of its first calls: return every key from the first "
+                        "call on, a value that is not ready yet as NaN), or run with --policy single_process")
 
     def __iter__(self) -> Any:
         """A tuple or list of known length (``state, (loss, info) = learn(...)``) unpacks into its
-        parts, each passed on as an output of its own; anything else cannot be iterated here."""
+        parts, each passed on as an output of its own, and a dict into its keys, as traced; anything
+        else cannot be iterated here."""
         if isinstance(self.skel, (list, tuple)):
             return iter([self[i] for i in range(len(self.skel))])
+        if isinstance(self.skel, dict):
+            return iter(list(self.skel))
         raise _pending_misuse(self, "iterated")
 
     def __len__(self) -> int:
-        if isinstance(self.skel, (list, tuple)):
+        if isinstance(self.skel, (list, tuple, dict)):
             return len(self.skel)
         raise _pending_misuse(self, "asked for its length")
 
@@ -250,13 +271,26 @@ class Pending(_NoLoopUse):
         raise _pending_misuse(self, f"read as attribute '.{name}'")
 
     def keys(self) -> Any:
-        """Unpacking it (``{**metrics, "x": x}``) would need its keys, which are in the other process."""
+        """A dict's keys as traced (``{**metrics, "x": x}`` unpacks it into its entries)."""
+        if isinstance(self.skel, dict):
+            return list(self.skel)
         raise VersionedStateError(
             f"output {'' if self.index < 0 else f'[{self.index}]'}{self.path} of fragment '{self.fragment}' was "
             "unpacked (**) or asked for its keys in the loop, but that fragment runs in another process under this "
-            "policy", where=user_callsite(2),
+            "policy, and its traced value is not a dict", where=user_callsite(2),
             fix="log it as it is returned and the loop's values in a call of their own: ff.log(metrics); "
                 "ff.log({'x': x}) (or run with --policy single_process)")
+
+    def items(self) -> Any:
+        """A dict's entries as traced, each value an output of its own."""
+        if isinstance(self.skel, dict):
+            return [(k, self[k]) for k in self.skel]
+        raise _pending_misuse(self, "read as attribute '.items'")
+
+    def values(self) -> Any:
+        if isinstance(self.skel, dict):
+            return [self[k] for k in self.skel]
+        raise _pending_misuse(self, "read as attribute '.values'")
 
     @property
     def path(self) -> str:

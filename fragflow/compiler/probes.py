@@ -143,7 +143,10 @@ def _scalar_probe(base: type) -> type:
     ns["__format__"] = formatted
     ns["__hash__"] = base.__hash__
     ns["__reduce__"] = lambda self: (base, (self._ff_value,))
-    return type(f"Probe{base.__name__.title()}", (base,), ns)
+    # named as its base (Python's errors name an object's type by it: range() of a probe says
+    # 'numpy.float64' object cannot be interpreted as an integer, as eagerly), its qualified name a probe's
+    ns["__qualname__"] = f"Probe{base.__name__.title()}"
+    return type(base.__name__ if base.__module__ == "builtins" else f"{base.__module__}.{base.__name__}", (base,), ns)
 
 
 ProbeFloat = _scalar_probe(float)
