@@ -95,6 +95,7 @@ class VectorEnv:
                               fix="encode the observation as a Box, Discrete, MultiDiscrete or MultiBinary (or a Dict "
                                   "or Tuple of them) in a wrapper of your env (wrappers=[...]): pad or flatten it")
         self._stats = EpisodeStats(base)
+        self._structured_actions = isinstance(base.single_action_space, (gym.spaces.Dict, gym.spaces.Tuple))
         env: gym.vector.VectorEnv = self._stats
         if clip_rewards:   # outside the episode statistics: returns are reported on the raw rewards
             env = gym.wrappers.vector.ClipReward(env, -1.0, 1.0)
@@ -188,7 +189,7 @@ class VectorEnv:
         return obs
 
     def _step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-        if isinstance(self.single_action_space, (gym.spaces.Dict, gym.spaces.Tuple)):
+        if self._structured_actions:
             return self._finish(self._env.step(self._structured(actions, self.single_action_space, "actions")))
         if actions is None:
             raise ConfigError(f"{self.name}.step got None for the actions", where=user_callsite(),

@@ -25,6 +25,8 @@ class EpisodeStats(gym.vector.VectorWrapper):
         self.returns = np.zeros(env.num_envs, dtype=np.float64)
         self.lengths = np.zeros(env.num_envs, dtype=np.int64)
         self.finished: list[tuple[float, int]] = []
+        # SameStepVectorEnv's lean step returns an empty info exactly where no episode ended
+        self._ended_in_info = isinstance(env, SameStepVectorEnv) and env._lean
 
     def reset(self, **kwargs: Any) -> Any:
         self.returns[:] = 0.0
@@ -35,6 +37,8 @@ class EpisodeStats(gym.vector.VectorWrapper):
         obs, reward, terminated, truncated, info = self.env.step(actions)
         self.returns += reward
         self.lengths += 1
+        if self._ended_in_info and not info:
+            return obs, reward, terminated, truncated, info
         done = terminated | truncated
         if done.any():
             for i in np.flatnonzero(done):
