@@ -3217,3 +3217,82 @@ def test_a_single_process_run_s_rate_counts_its_first_rollout_and_its_reset(writ
     # process's own work, the trace's included, on a loaded machine); neither the first rollout left
     # out (at most 26/s) nor the setup counted (the run's own steps, 120 over the sleeps, at most 41.4/s)
     assert 120 / (slept + 1.3) < summary["steps_per_second"] <= 120 / slept, summary
+
+
+FAST_LOGGING = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3000
+    keep_first: bool = False
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+@ff.fragment("learner")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01}, {"loss": float(batch["reward"].sum() + state["w"][0, 0])}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(2)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    first = None
+    for u in range(args.updates):
+        for _ in range(2):
+            key, sub = ff.random.split(key)
+            action = act(state["w"], obs, sub)
+            obs, reward, terminated, truncated, _ = env.step(action)
+            buf.add(obs=obs, action=action, reward=reward)
+        state, metrics = learn(state, buf.collect())
+        if u == 0:
+            first = metrics
+        ff.log(metrics)
+        if args.keep_first and u == args.updates - 1:
+            ff.log({"first_loss": first["loss"]})   # @first
+    return state
+"""
+
+
+def test_a_fast_loops_logged_learner_outputs_reach_every_row(write_algo, tmp_path):
+    """A loop of ~1000 updates a second: its report of ff.log(metrics) for a call came hundreds of
+    calls after the learner's values of it, which the driver had forgotten by then (by count): blocks
+    of 90-330 rows went without their loss, silently. Values are now kept seconds, not calls."""
+    path, _ = write_algo(FAST_LOGGING, "fast_logging.py")
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2,max_lag=0)", out=str(tmp_path / "run"))
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3000
+    assert [r["updates"] for r in rows if r["loss"] == ""] == []
+
+
+def test_the_driver_forgets_a_calls_logged_values_by_age_and_says_when_a_forgotten_one_is_asked_for():
+    """What the driver keeps of the calls' values is bounded by calls and by seconds: a value computed
+    just now is kept however far behind its call is (a fast loop's report comes a flush later), one
+    both old and far behind is forgotten, and an ff.log of it later is said once, not lost silently."""
+    from types import SimpleNamespace
+
+    from fragflow.runtime.multiprocess import Driver
+
+    warned: list[str] = []
+    fake = SimpleNamespace(_KEEP_CALLS=8, _KEEP_SECONDS=10.0, _computed_logs={}, _asked_for={}, _merged_into={},
+                           _computed_when={}, _forgotten={}, _said_forgotten=set(),
+                           monitor=SimpleNamespace(marked_replicas=True, warn=warned.append))
+    now = time.monotonic()
+    for c in range(40):   # calls 0-19 computed a minute ago, 20-39 just now
+        fake._computed_logs[("learn", c)] = {0: {"loss": float(c)}}
+        fake._computed_when[("learn", c)] = now - 60.0 if c < 20 else now
+    Driver._forget_logs(fake, "learn", 39)
+    assert sorted(c for _, c in fake._computed_logs) == list(range(20, 40))   # (30 is 9 calls behind, but recent)
+    assert fake._forgotten == {"learn": 19}
+    assert not Driver._was_forgotten(fake, "learn", 25, "loss")
+    assert Driver._was_forgotten(fake, "learn", 0, "first_loss") and Driver._was_forgotten(fake, "learn", 3, "x")
+    assert len(warned) == 1 and "call 1 of 'learn' as 'first_loss'" in warned[0] and "rows miss such values" in warned[0]

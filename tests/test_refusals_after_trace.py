@@ -243,6 +243,10 @@ def train(args: Args):
         state, metrics = learn(state, buf.collect())
         if args.how == "star":
             ff.log({**metrics, "n": n, "keys": len(metrics)})
+        elif args.how == "union":
+            ff.log(metrics | {"n": n, "keys": len(metrics)})
+        elif args.how == "get":
+            ff.log({"loss": metrics.get("loss"), "obs": metrics.copy()["obs"], "n": n, "keys": len(metrics)})
         elif args.how == "items":
             for k, v in metrics.items():
                 ff.log({f"m/{k}": v})
@@ -252,7 +256,7 @@ def train(args: Args):
 """
 
 
-@pytest.mark.parametrize("how", ["star", "items"])
+@pytest.mark.parametrize("how", ["star", "union", "get", "items"])
 def test_a_learner_output_dict_unpacked_or_walked_in_the_loop_logs_as_single_process_does(
         write_algo, tmp_path, how):
     """The loop unpacks a learner's metrics into a dict of its own (``{**metrics, "n": n}``) or walks
@@ -270,7 +274,7 @@ def test_a_learner_output_dict_unpacked_or_walked_in_the_loop_logs_as_single_pro
                         for r in table]
     assert rows["pipelined"] == rows["single_process"]
     assert len(rows["pipelined"]) == 6 and all(k in rows["pipelined"][0] for k in
-                                               (("loss", "obs", "n", "keys") if how == "star" else ("m/loss", "m/obs")))
+                                               (("m/loss", "m/obs") if how == "items" else ("loss", "obs", "n", "keys")))
 
 
 def test_a_learner_output_dict_indexed_by_a_key_it_lacks_fails_as_eagerly_with_the_reason(write_algo):
@@ -286,3 +290,59 @@ def test_a_learner_output_dict_indexed_by_a_key_it_lacks_fails_as_eagerly_with_t
         ff.run(program.train, program.args_cls(how="index"), policy="pipelined")
     assert isinstance(info.value, FragflowError) and info.value.where is not None
     assert info.value.where.line == marks["index"]
+
+
+TUPLE_OUT = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    how: str = "neg"
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    r = float(batch["obs"].mean())
+    return {"w": state["w"] + 1e-3 * r}, (r, 2 * r, 3 * r)
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for n in range(6):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        if args.how == "neg":
+            ff.log({"last": metrics[-1], "x": metrics[-2], "y": metrics[0]})
+        else:
+            a, b = metrics[1:]
+            ff.log({"a": a, "b": b})
+    return state
+"""
+
+
+@pytest.mark.parametrize("how", ["neg", "slice"])
+def test_a_tuple_learner_output_indexed_from_its_end_or_sliced_logs_as_single_process_does(write_algo, tmp_path, how):
+    """``metrics[-1]`` and ``metrics[1:]`` of a tuple a learner returned: where it ran apart the loop's
+    reference kept -1 (a slice) as the path, which named no reported entry: the columns were missing,
+    silently."""
+    path, _ = write_algo(TUPLE_OUT, "tuple_out.py")
+    program = load(str(path))
+    tables = {}
+    for policy in ("single_process", "pipelined(max_lag=0)"):
+        out = tmp_path / policy
+        ff.run(program.train, program.args_cls(how=how), policy=policy, out=str(out))
+        with open(out / "metrics.csv") as f:
+            tables[policy] = [{k: v for k, v in r.items() if k in ("last", "x", "y", "a", "b")} for r in csv.DictReader(f)]
+    assert tables["pipelined(max_lag=0)"] == tables["single_process"]
+    assert len(tables["single_process"]) == 6 and all(v != "" for r in tables["single_process"] for v in r.values())
+    assert set(tables["single_process"][0]) == ({"last", "x", "y"} if how == "neg" else {"a", "b"})

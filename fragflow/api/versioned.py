@@ -230,6 +230,11 @@ class Pending(_NoLoopUse):
     def __getitem__(self, key: Any) -> Pending:
         skel = self.skel
         sub = None
+        if isinstance(skel, (list, tuple)) and isinstance(key, slice):   # (entries of their own, as eagerly a list or tuple)
+            part = [self[i] for i in range(len(skel))[key]]
+            return part if isinstance(skel, list) else tuple(part)   # type: ignore[return-value]
+        if isinstance(skel, (list, tuple)) and type(key) is int and -len(skel) <= key < 0:
+            key += len(skel)   # (the part's entries are reported by their places)
         if isinstance(skel, (dict, list, tuple)):
             try:
                 sub = skel[key]
@@ -291,6 +296,27 @@ class Pending(_NoLoopUse):
         if isinstance(self.skel, dict):
             return [self[k] for k in self.skel]
         raise _pending_misuse(self, "read as attribute '.values'")
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if isinstance(self.skel, dict):
+            return self[key] if key in self.skel else default
+        raise _pending_misuse(self, "read as attribute '.get'")
+
+    def copy(self) -> Any:
+        """A dict's copy: a dict of its entries, each an output of its own."""
+        if isinstance(self.skel, dict):
+            return dict(self.items())
+        raise _pending_misuse(self, "read as attribute '.copy'")
+
+    def __or__(self, other: Any) -> Any:   # (metrics | {"eps": eps})
+        if isinstance(self.skel, dict) and isinstance(other, dict):
+            return {**dict(self.items()), **other}
+        raise _pending_misuse(self, "used with |")
+
+    def __ror__(self, other: Any) -> Any:
+        if isinstance(self.skel, dict) and isinstance(other, dict):
+            return {**other, **dict(self.items())}
+        raise _pending_misuse(self, "used with |")
 
     @property
     def path(self) -> str:

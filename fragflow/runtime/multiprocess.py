@@ -48,6 +48,11 @@ class Driver(DriverCheckpoints):
         # gathered on arrival: the update (of this run) that merged each of loop replica 0's calls of a
         # fragment other than the clock (the clock's j-th update's row is its j-th call's: see arrivalrows)
         self._merged_into: dict[tuple[str, int], int] = {}
+        # when each call's computed scalars were heard (kept a while: the loop's ff.log of the call comes
+        # in its next report, up to a flush period later), and each fragment's newest call forgotten
+        self._computed_when: dict[tuple[str, int], float] = {}
+        self._forgotten: dict[str, int] = {}
+        self._said_forgotten: set[str] = set()
         self._clocks = {s.clock for s in lowered.services}
         self.lowered = lowered
         self.program = program
@@ -261,6 +266,7 @@ class Driver(DriverCheckpoints):
                     if not clock:
                         self.monitor.row_answered(at, new_row)
                 self._computed_logs[(key, c)] = logged
+                self._computed_when[(key, c)] = time.monotonic()
                 self._merged_into[(key, c)] = update
                 self._forget_logs(key, c)
             return
@@ -269,6 +275,7 @@ class Driver(DriverCheckpoints):
         for part, rest, name, asked_at, steps, new_row in self._asked_for.pop((fragment, call), ()):
             self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row)
         self._computed_logs[(fragment, call)] = logged   # a later ff.log of the call may ask again
+        self._computed_when[(fragment, call)] = time.monotonic()
         self._forget_logs(fragment, call)
 
     def _asked(self, fragment: str, call: int, part: int, rest: str, name: str, update: int, steps: int,
@@ -278,6 +285,8 @@ class Driver(DriverCheckpoints):
         computed = self._computed_logs.get((fragment, call))
         if computed is not None:
             self._write_logged(update, computed.get(part, {}), rest, name, steps, new_row)
+        elif self._was_forgotten(fragment, call, name):
+            return
         else:
             self._asked_for.setdefault((fragment, call), []).append((part, rest, name, update, steps, new_row))
             self._forget_logs(fragment, call)
@@ -300,6 +309,9 @@ class Driver(DriverCheckpoints):
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
             self._write_logged(at, computed.get(part, {}), rest, name, steps, new_row)
+        elif self._was_forgotten(fragment, call, name):
+            if new_row:
+                self.monitor.log_at(at, {}, steps, new_row=True)
         else:
             if not clock:
                 self.monitor.row_awaits(at, new_row)
@@ -327,15 +339,40 @@ class Driver(DriverCheckpoints):
         if chosen:
             self.monitor.log_at(update, chosen, steps, new_row)
 
+    _KEEP_SECONDS = 10.0   # ... and for this long at least after they were computed (many report flushes)
+
     def _forget_logs(self, fragment: str, call: int) -> None:
+        """Forget a fragment's calls well behind ``call``: those computed at least ``_KEEP_SECONDS``
+        ago (a fast loop's report of its ff.log of a call can come hundreds of calls after the
+        learner's values of it: forgetting by count alone lost them)."""
         store: dict[tuple[str, int], Any]
+        old = time.monotonic() - self._KEEP_SECONDS
         for store in (self._computed_logs, self._asked_for, self._merged_into):
             if len(store) > 4 * self._KEEP_CALLS:
-                for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS]:
+                for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS
+                            and self._computed_when.get(k, 0.0) <= old]:
                     if store is self._asked_for and not self.monitor.marked_replicas and not fragment.endswith("@update"):
                         for request in store[key]:   # (never answered: its row waits no more)
                             self.monitor.row_answered(request[3], request[5])
+                    if store is self._computed_logs:
+                        self._computed_when.pop(key, None)
+                        self._forgotten[fragment] = max(self._forgotten.get(fragment, -1), key[1])
                     del store[key]
+
+    def _was_forgotten(self, fragment: str, call: int, name: str) -> bool:
+        """The loop logged a call whose values were forgotten (it kept the output many calls and
+        seconds before logging it): said once a fragment, not written (rows miss it)."""
+        if call > self._forgotten.get(fragment, -1):
+            return False
+        if fragment not in self._said_forgotten:
+            self._said_forgotten.add(fragment)
+            self.monitor.warn(f"ff.log got an output of call {call + 1} of '{fragment.removesuffix('@update')}' as "
+                              f"{name or 'its value'!r} more than {self._KEEP_CALLS} calls and "
+                              f"{self._KEEP_SECONDS:.0f} s after that call ran in another process, which reports "
+                              "the values it computes for that long: rows miss such values (log an output in the "
+                              "trips that follow its call, or keep what must be logged later in versioned state; "
+                              "or run with --policy single_process)")
+        return True
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
