@@ -60,9 +60,6 @@ class _Keywords:
         return next(iter(self.arguments.values()))
 
 
-
-
-
 def bind(frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = frag.__dict__.get("_ff_positional", False)
     if names is False:   # the parameter names, where every parameter may be passed by position

@@ -80,8 +80,8 @@ class Repeats(Recording):
         return out
 
     def _express(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call of a repeating warm-up trip (see Tracer.quick): what Tracer.call, _quick_call and
-        _unrecorded_call do for it, in one frame (the warm-up's every call: a replay buffer's 10k
+        """A call of a repeating warm-up trip (see Tracer.quick): what Tracer.call, Tracer._call and
+        _unrecorded_call would do for it, in one frame (the warm-up's every call: a replay buffer's 10k
         steps of warm-up, three calls each). Before the first update the trace window is 0 and
         notes nothing of a call whose trip it has seen (see TraceWindow.call)."""
         rec = self._nodes[id(frag)]

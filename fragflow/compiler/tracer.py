@@ -244,11 +244,7 @@ class Tracer(StateBook):
         return out
 
     def _call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        rec = self._node(frag)
-        cycle = self._cycle
-        if cycle is not None and cycle[self._pos] is frag and self._nested is None and not self._changed_args \
-                and self.quick and self.window.updates == 0:
-            return self._quick_call(rec, frag, args, kwargs)
+        rec = self._node(frag)   # (a quick warm-up's repeating call was taken by call: Repeats._express)
         where = user_callsite() if rec.repeat is None else None
         if rec.called_at is None:
             rec.called_at = where
@@ -475,23 +471,6 @@ class Tracer(StateBook):
                     raise _StopTracing
                 return plain   # the run goes on from here, with the values themselves
         return out
-
-    def _quick_call(self, rec: NodeRec, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The next call of the repeating warm-up trip (see Repeats._follow), before the first update:
-        what :meth:`_call` does for it, without the checks that cannot apply to it (a logger's, a
-        learner's, a nested loop's, a changed argument's): the warm-up's every call."""
-        self._expected.discard(id(frag))
-        self.window.unseen = bool(self._expected)
-        self.window.call(rec.name, frag.role, frag.evaluation)   # (never a stop before the first update)
-        window = self.window.window
-        rec.calls[window] += 1
-        try:
-            bound = bind(frag, args, kwargs)
-        except TypeError:
-            return frag.fn(*args, **kwargs)   # let Python report the bad call the usual way
-        assert self._cycle is not None
-        self._pos = (self._pos + 1) % len(self._cycle)
-        return self._unrecorded_call(rec, frag, bound, window)
 
     def _take_over(self) -> Any:
         """Where tracing would stop: hand the loop to the interpreter the handover makes of the
