@@ -293,10 +293,13 @@ def test_a_learner_output_dict_indexed_by_a_key_it_lacks_fails_as_eagerly_with_t
 
 
 TUPLE_OUT = """
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
 import fragflow as ff
+
+Metrics = namedtuple("Metrics", ["r", "double", "triple"])
 
 @dataclass(frozen=True)
 class Args:
@@ -309,7 +312,7 @@ def act(state, obs):
 @ff.fragment("learner", writes="state")
 def learn(state, batch):
     r = float(batch["obs"].mean())
-    return {"w": state["w"] + 1e-3 * r}, (r, 2 * r, 3 * r)
+    return {"w": state["w"] + 1e-3 * r}, Metrics(r, 2 * r, 3 * r)
 
 def train(args: Args):
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
@@ -323,6 +326,8 @@ def train(args: Args):
         state, metrics = learn(state, buf.collect())
         if args.how == "neg":
             ff.log({"last": metrics[-1], "x": metrics[-2], "y": metrics[0]})
+        elif args.how == "fields":
+            ff.log({"a": metrics.double, "b": metrics.triple, "y": metrics._asdict()["r"]})
         else:
             a, b = metrics[1:]
             ff.log({"a": a, "b": b})
@@ -330,11 +335,11 @@ def train(args: Args):
 """
 
 
-@pytest.mark.parametrize("how", ["neg", "slice"])
+@pytest.mark.parametrize("how", ["neg", "slice", "fields"])
 def test_a_tuple_learner_output_indexed_from_its_end_or_sliced_logs_as_single_process_does(write_algo, tmp_path, how):
     """``metrics[-1]`` and ``metrics[1:]`` of a tuple a learner returned: where it ran apart the loop's
     reference kept -1 (a slice) as the path, which named no reported entry: the columns were missing,
-    silently."""
+    silently. A namedtuple's fields by name (``metrics.double``, ``metrics._asdict()``) were refused."""
     path, _ = write_algo(TUPLE_OUT, "tuple_out.py")
     program = load(str(path))
     tables = {}
@@ -345,4 +350,72 @@ def test_a_tuple_learner_output_indexed_from_its_end_or_sliced_logs_as_single_pr
             tables[policy] = [{k: v for k, v in r.items() if k in ("last", "x", "y", "a", "b")} for r in csv.DictReader(f)]
     assert tables["pipelined(max_lag=0)"] == tables["single_process"]
     assert len(tables["single_process"]) == 6 and all(v != "" for r in tables["single_process"] for v in r.values())
-    assert set(tables["single_process"][0]) == ({"last", "x", "y"} if how == "neg" else {"a", "b"})
+    assert set(tables["single_process"][0]) == {"neg": {"last", "x", "y"}, "slice": {"a", "b"}, "fields": {"a", "b", "y"}}[how]
+
+
+LATE_KEY = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    how: str = "missing"
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, n):
+    r = float(batch["obs"].mean())
+    m = {"r": r, "none": None}
+    if n < 40:
+        m["late"] = 2 * r
+    return {"w": state["w"] + 1e-3 * r}, m
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for n in range(50):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect(), n)
+        if args.how == "missing":
+            ff.log({"late": metrics["late"], "r": metrics["r"]})
+        else:
+            ff.log({"none": metrics["none"], "r": metrics["r"]})
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "async_relaxed"])
+def test_a_logged_key_a_later_learner_call_lacks_is_said_not_lost_silently(write_algo, tmp_path, policy):
+    """The loop logs ``metrics["late"]``, a key the learner returned while traced and stops returning
+    at its 41st call: eagerly a KeyError at the ff.log line; where the learner runs apart the rows
+    missed it without a word. A None it returns (``metrics["none"]``) writes nothing, as eagerly,
+    and is not said."""
+    path, _ = write_algo(LATE_KEY, "late_key.py")
+    program = load(str(path))
+    with pytest.raises(KeyError):
+        ff.run(program.train, program.args_cls(), policy="single_process", out=str(tmp_path / "sp"))
+    notes = {}
+    for how in ("missing", "none"):
+        out = tmp_path / how
+        result = ff.run(program.train, program.args_cls(how=how), policy=policy, out=str(out))
+        notes[how] = [n for n in result.summary.get("notes", []) if "did not return" in n]
+        with open(out / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 50 and all(r["r"] != "" for r in rows)
+        if how == "missing" and policy == "pipelined":   # (each update's row has its own call's values)
+            assert [r["late"] != "" for r in rows] == [True] * 40 + [False] * 10
+        elif how == "missing":   # (calls gathered on arrival from two actors: which row misses it varies)
+            assert rows[0]["late"] != "" and rows[-1]["late"] == ""
+        else:
+            assert "none" not in rows[0]
+    assert len(notes["missing"]) == 1 and "'late'" in notes["missing"][0] and "'learn'" in notes["missing"][0]
+    assert notes["none"] == []

@@ -273,6 +273,12 @@ class Pending(_NoLoopUse):
     def __getattr__(self, name: str) -> Any:   # (a learner's output, not versioned state: td.tolist())
         if name.startswith("__"):
             raise AttributeError(name)
+        fields = getattr(type(self.skel), "_fields", None) if isinstance(self.skel, tuple) else None
+        if fields is not None:   # a namedtuple's field (metrics.loss): its entry, an output of its own
+            if name in fields:
+                return self[fields.index(name)]
+            if name == "_asdict":
+                return lambda: {f: self[i] for i, f in enumerate(fields)}
         raise _pending_misuse(self, f"read as attribute '.{name}'")
 
     def keys(self) -> Any:

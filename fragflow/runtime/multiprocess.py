@@ -43,7 +43,7 @@ class Driver(DriverCheckpoints):
         self.logs_heard = 0   # the ff.log calls of loop replica 0 heard (a restarted replica 0 skips as many)
         self.heard: dict[int, tuple[int, int]] = {}      # replica -> env steps and episodes counted from it
         # a logged fragment's scalars, by call of loop replica 0: computed (the update, by part) and asked for
-        self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
+        self._computed_logs: dict[tuple[str, int], dict[int, dict[str, float | None] | None]] = {}
         self._asked_for: dict[tuple[str, int], list[tuple[int, str, str, int, int, bool]]] = {}
         # gathered on arrival: the update (of this run) that merged each of loop replica 0's calls of a
         # fragment other than the clock (the clock's j-th update's row is its j-th call's: see arrivalrows)
@@ -53,6 +53,7 @@ class Driver(DriverCheckpoints):
         self._computed_when: dict[tuple[str, int], float] = {}
         self._forgotten: dict[str, int] = {}
         self._said_forgotten: set[str] = set()
+        self._said_missing: set[tuple[str, str]] = set()
         self._clocks = {s.clock for s in lowered.services}
         self.lowered = lowered
         self.program = program
@@ -250,7 +251,7 @@ class Driver(DriverCheckpoints):
     # next update, see Monitor.mark), whichever message reaches the driver first.
     _KEEP_CALLS = 256   # calls of a fragment kept for the other side's word
 
-    def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float]],
+    def _computed(self, fragment: str, call: int | None, logged: dict[int, dict[str, float | None] | None],
                   calls: tuple[int, ...] = ()) -> None:
         if not self.monitor.marked_replicas:
             # gathered on arrival from several replicas: the clock's j-th update has the row, and the
@@ -262,7 +263,7 @@ class Driver(DriverCheckpoints):
             key = f"{fragment}@update" if clock else fragment   # (the clock's: by its update)
             for c in (update,) if clock else calls:
                 for part, rest, name, at, steps, new_row in self._asked_for.pop((key, c), ()):
-                    self._write_logged(at, logged.get(part, {}), rest, name, steps, new_row)
+                    self._write_logged(at, logged.get(part, {}), rest, name, steps, new_row, fragment)
                     if not clock:
                         self.monitor.row_answered(at, new_row)
                 self._computed_logs[(key, c)] = logged
@@ -273,7 +274,7 @@ class Driver(DriverCheckpoints):
         if call is None:   # (replica 0's call is in every update where calls are taken in order)
             return
         for part, rest, name, asked_at, steps, new_row in self._asked_for.pop((fragment, call), ()):
-            self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row)
+            self._write_logged(asked_at, logged.get(part, {}), rest, name, steps, new_row, fragment)
         self._computed_logs[(fragment, call)] = logged   # a later ff.log of the call may ask again
         self._computed_when[(fragment, call)] = time.monotonic()
         self._forget_logs(fragment, call)
@@ -284,7 +285,7 @@ class Driver(DriverCheckpoints):
         ``steps``-th env step (``new_row``: after an env step, a row of its own, as the loop's own values)."""
         computed = self._computed_logs.get((fragment, call))
         if computed is not None:
-            self._write_logged(update, computed.get(part, {}), rest, name, steps, new_row)
+            self._write_logged(update, computed.get(part, {}), rest, name, steps, new_row, fragment)
         elif self._was_forgotten(fragment, call, name):
             return
         else:
@@ -308,7 +309,7 @@ class Driver(DriverCheckpoints):
         update = self._merged_into.get((fragment, call))
         computed = self._computed_logs.get((fragment, call))
         if update is not None and computed is not None:
-            self._write_logged(at, computed.get(part, {}), rest, name, steps, new_row)
+            self._write_logged(at, computed.get(part, {}), rest, name, steps, new_row, fragment)
         elif self._was_forgotten(fragment, call, name):
             if new_row:
                 self.monitor.log_at(at, {}, steps, new_row=True)
@@ -329,15 +330,30 @@ class Driver(DriverCheckpoints):
         self._merged_into[(fragment, call)] = 0
         self._forget_logs(fragment, call)
 
-    def _write_logged(self, update: int, scalars: dict[str, float], rest: str, name: str,
-                      steps: int | None = None, new_row: bool = False) -> None:
+    def _write_logged(self, update: int, scalars: dict[str, float | None] | None, rest: str, name: str,
+                      steps: int | None, new_row: bool, fragment: str) -> None:
         """The scalars at ``rest`` in a part, logged as ``name`` into the row the loop logged them in
-        (see Monitor.log_at): its own row at ``steps``, else ``update``'s."""
-        chosen = logged_at(scalars, rest, name)
-        if not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
+        (see Monitor.log_at): its own row at ``steps``, else ``update``'s. A call that returned nothing
+        there (a key the traced calls returned, missing from this one) is said once a name."""
+        chosen = logged_at(scalars, rest, name) if scalars else {}
+        if scalars and not chosen and rest:   # (an index into a part reported by name: a namedtuple's fields)
             chosen = logged_at(scalars, by_position(scalars, rest), name)
+        if scalars is None or (scalars and not chosen):
+            self._missing_logged(fragment, name)
+        chosen = {k: v for k, v in chosen.items() if v is not None}   # (a None: nothing to write, as ff.log's)
         if chosen:
             self.monitor.log_at(update, chosen, steps, new_row)
+
+    def _missing_logged(self, fragment: str, name: str) -> None:
+        fragment = fragment.removesuffix("@update")
+        if (fragment, name) in self._said_missing:
+            return
+        self._said_missing.add((fragment, name))
+        self.monitor.warn(f"ff.log got {name or 'a value'!r}, an output of a call of '{fragment}' which that "
+                          "call did not return (a key or an entry its traced calls returned, missing from this "
+                          "one; an eager run raises KeyError or IndexError at the loop's line): rows miss it (return "
+                          "every metric from the first call on, one not ready yet as NaN, or log the output whole: "
+                          "ff.log(metrics))")
 
     _KEEP_SECONDS = 10.0   # ... and for this long at least after they were computed (many report flushes)
 

@@ -102,17 +102,19 @@ class Outgoing:
                                        f"{got.backend}, but it was traced as {want.short()} {want.backend}",
                                        where=where, fix=fix)
 
-    def _logged(self, fragment: str, out: Any) -> dict[int, dict[str, float]]:
+    def _logged(self, fragment: str, out: Any) -> dict[int, dict[str, float | None] | None]:
         """The scalars of each part of the call's output the loop may log (see lowering's _logged),
-        by their path in the part ("" for a part that is one scalar)."""
-        logged: dict[int, dict[str, float]] = {}
+        by their path in the part ("" for a part that is one scalar); None for a part this call did
+        not return."""
+        logged: dict[int, dict[str, float | None] | None] = {}
         for part, item in enumerate(self.program.logs.get(fragment, ())):
             value = out if item.index < 0 else out[item.index]
             try:
                 for k in item.keys:
                     value = value[k]
             except (KeyError, IndexError, TypeError):
-                continue   # a metric this call did not return (the learner reports it now and then)
+                logged[part] = None   # a metric this call did not return (the learner reports it now and then)
+                continue
             bad = non_scalar(value) if item.names else None   # (a part the loop sent to ff.log while traced)
             if bad is not None:
                 where = "".join(f"[{k!r}]" for k in (*item.keys, *(bad[0].split("/") if bad[0] else ())))

@@ -61,10 +61,13 @@ def named_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
         yield name or "value", leaf
 
 
-def _named_leaves(tree: Any, name: str) -> Iterator[tuple[str, Any]]:
-    """(name, leaf) of each leaf of ``tree``: dict keys, namedtuple fields and list indices joined by "/"."""
+def _named_leaves(tree: Any, name: str, nones: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, leaf) of each leaf of ``tree``: dict keys, namedtuple fields and list indices joined by "/"
+    (``nones``: a None is a leaf too)."""
     items: Any
     if tree is None:
+        if nones:
+            yield name, None
         return
     if isinstance(tree, dict):
         items = tree.items()
@@ -76,7 +79,7 @@ def _named_leaves(tree: Any, name: str) -> Iterator[tuple[str, Any]]:
         yield name, tree
         return
     for k, v in items:
-        yield from _named_leaves(v, f"{name}/{k}" if name else str(k))
+        yield from _named_leaves(v, f"{name}/{k}" if name else str(k), nones)
 
 
 def _number(leaf: Any) -> float:
@@ -85,11 +88,12 @@ def _number(leaf: Any) -> float:
     return float(leaf) if isinstance(leaf, (int, float)) else float(np.asarray(to_numpy(leaf)).reshape(()))
 
 
-def scalars_in(tree: Any) -> dict[str, float]:
+def scalars_in(tree: Any) -> dict[str, float | None]:
     """The scalar leaves of ``tree`` by their path in it, named as :func:`flat_scalars` names them
-    ("" for ``tree`` itself a scalar); leaves that are not one number are left out."""
-    return {name: _number(leaf) for name, leaf in _named_leaves(tree, "")
-            if isinstance(leaf, (int, float)) or getattr(leaf, "size", None) == 1
+    ("" for ``tree`` itself a scalar), and its Nones as None (ff.log writes nothing of them, but
+    they were there: see :func:`logged_at`); leaves that are not one number are left out."""
+    return {name: None if leaf is None else _number(leaf) for name, leaf in _named_leaves(tree, "", nones=True)
+            if leaf is None or isinstance(leaf, (int, float)) or getattr(leaf, "size", None) == 1
             or getattr(leaf, "numel", lambda: 0)() == 1}
 
 
@@ -98,8 +102,9 @@ def logged_name(name: str, rest: str) -> str:
     return "/".join(x for x in (name, rest) if x) or "value"
 
 
-def logged_at(scalars: dict[str, float], rest: str, name: str) -> dict[str, float]:
-    """The scalars at ``rest`` in a part, by the names they are logged under as ``name``."""
+def logged_at(scalars: dict[str, float | None], rest: str, name: str) -> dict[str, float | None]:
+    """The scalars at ``rest`` in a part, by the names they are logged under as ``name`` (a None:
+    a None there, which writes nothing; empty: nothing there)."""
     return {logged_name(name, path[len(rest):].lstrip("/")): value for path, value in scalars.items()
             if not rest or path == rest or path.startswith(rest + "/")}
 
