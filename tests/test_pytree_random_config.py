@@ -129,6 +129,21 @@ def test_uniform_and_normal_look_right():
     assert not (ffr.keys(0, np.arange(3)) == ffr.keys(1, np.arange(3))).any()
 
 
+def test_normal_of_keys_of_several_axes_draws_each_keys_numbers_from_that_key_alone():
+    """Keys of shape (env, agent): each key's normals are its own, as uniform's (normal took the
+    pair of uniforms from axis 1, the keys' second axis: keys mixed, and (3, 1) keys failed)."""
+    keys = ffr.keys(0, np.arange(6))
+    grid = keys.reshape(3, 2)
+    n = ffr.normal(grid, (4,))
+    assert n.shape == (3, 2, 4)
+    assert np.array_equal(n.reshape(6, 4), ffr.normal(keys, (4,)))
+    changed = grid.copy()
+    changed[0, 1] ^= 12345
+    assert np.array_equal(ffr.normal(changed, (4,))[0, 0], n[0, 0])
+    assert ffr.normal(grid[:, :1], (2,)).shape == (3, 1, 2)
+    assert ffr.normal(keys[0]).shape == ()
+
+
 @dataclass(frozen=True)
 class Args:
     num_envs: int = 4

@@ -419,3 +419,14 @@ def test_a_logged_key_a_later_learner_call_lacks_is_said_not_lost_silently(write
             assert "none" not in rows[0]
     assert len(notes["missing"]) == 1 and "'late'" in notes["missing"][0] and "'learn'" in notes["missing"][0]
     assert notes["none"] == []
+
+
+@pytest.mark.parametrize("use, what", [(lambda m: f"{m:.4f}", "formatted with a spec"), (lambda m: -m, "used in arithmetic"),
+                                       (lambda m: 1.0 - m, "used in arithmetic"), (lambda m: m % 2, "used in arithmetic")])
+def test_a_learner_output_read_after_the_trace_is_named_as_the_learners_output_not_versioned_state(use, what):
+    """``print(f"{m['loss']:.4f}")`` at an update the trace did not reach, where the learner runs
+    apart: the refusal said "versioned state was formatted", of a learner's metric (helper round 44)."""
+    from fragflow.api.versioned import Pending
+
+    with pytest.raises(FragflowError, match=rf"output \[1\]\['loss'\] of fragment 'learn' was {what}"):
+        use(Pending("learn", 1, ("loss",)))

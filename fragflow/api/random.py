@@ -137,7 +137,8 @@ def uniform(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
 def normal(key: np.ndarray, shape: tuple[int, ...] = ()) -> np.ndarray:
     """Standard normal floats (Box-Muller), float64, shape ``key.shape + shape``."""
     u = uniform(key, (2,) + tuple(shape))
-    u1, u2 = u[:, 0], u[:, 1]
+    lead = (slice(None),) * key.ndim   # (the pair's axis follows the key's axes, however many)
+    u1, u2 = u[lead + (0,)], u[lead + (1,)]
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 

@@ -45,6 +45,8 @@ def _loop_value(x: Any, what: str | None) -> Any:
     if not found:
         if what is None:
             return _UNSEEN
+        if isinstance(x, Pending):   # (a learner's output, not versioned state: f"{m['loss']:.4f}", -m['loss'])
+            raise _pending_misuse(x, what)
         raise _misuse(what)
     return x.seen if isinstance(x, VersionedView) and x.seen is not _UNSEEN else value
 
