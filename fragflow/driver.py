@@ -243,7 +243,10 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         from fragflow.api.envs import registered_by_user
 
         try:
-            program = cloudpickle.dumps((lowered, checks, train, args, registered_by_user()))
+            from fragflow.compiler.resumable import InModule
+
+            sent = InModule(train) if not (module is not None and unimportable(module)) and InModule.fits(train) else train
+            program = cloudpickle.dumps((lowered, checks, sent, args, registered_by_user()))
         except Exception as exc:
             raise unsendable(args, placed.policy, train, exc) from None
     return Compiled(placed, fragments, lowered, checks, program, train, round(time.perf_counter() - started, 3))

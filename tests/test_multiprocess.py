@@ -3296,3 +3296,77 @@ def test_the_driver_forgets_a_calls_logged_values_by_age_and_says_when_a_forgott
     assert not Driver._was_forgotten(fake, "learn", 25, "loss")
     assert Driver._was_forgotten(fake, "learn", 0, "first_loss") and Driver._was_forgotten(fake, "learn", 3, "x")
     assert len(warned) == 1 and "call 1 of 'learn' as 'first_loss'" in warned[0] and "rows miss such values" in warned[0]
+
+
+IMPORTABLE = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+COUNT = {"evals": 0}
+
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 30
+
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    r = float(batch["obs"].mean())
+    return {"w": state["w"] + 1e-3 * r}, {"r": r}
+
+
+def greedy_share(state, obs):
+    # a helper of the module that calls the actor (as an evaluation would)
+    COUNT["evals"] += 1
+    return float(act(state, obs).mean())
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for n in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state, obs))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+        if n >= 20:   # after the trace
+            ff.log({"share": greedy_share(state, obs), "evals": COUNT["evals"]})
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "central_inference(env_workers=1)"])
+def test_a_training_module_imported_by_name_keeps_one_copy_of_its_globals_in_a_worker(tmp_path, monkeypatch, policy):
+    """``ff.run(module.train, ...)`` of a module imported by its name (not a file path): the loop's
+    recompiled training function travelled by value, with copies of the globals it names, while a
+    helper of the module (by reference) saw the module's own: an actor the helper called after the
+    trace was a second fragment ('act_1', refused under central_inference), and a global dict the
+    helper updated read 0 in the loop (helper round 44's program, silently under pipelined)."""
+    import importlib
+
+    (tmp_path / "ff_importable_helper.py").write_text(IMPORTABLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("ff_importable_helper")
+    try:
+        columns = {}
+        for run in ("single_process", policy):
+            out = tmp_path / run
+            result = ff.run(module.train, module.Args(), policy=run, out=str(out), progress=False)
+            assert result.summary["updates"] == 30
+            with open(out / "metrics.csv") as f:
+                columns[run] = [r["evals"] for r in csv.DictReader(f) if r["evals"] != ""]
+            module.COUNT["evals"] = 0
+        assert columns[policy] == columns["single_process"] == [str(float(n)) for n in range(1, 11)]
+    finally:
+        sys.modules.pop("ff_importable_helper", None)

@@ -135,3 +135,47 @@ def _find(code: types.CodeType, name: str, line: int) -> types.CodeType | None:
             if hit is not None:
                 return hit
     return None
+
+
+class InModule:
+    """A recompiled training function as it travels to a worker whose process imports its module:
+    rebuilt there over that module's own globals, as the function it stands for is. (Pickled as any
+    function that is not its module's attribute, by value, it took a copy of every global it names,
+    fragments included: a helper function of the module, which travels by reference, then called
+    the module's fragment, and the loop its copy, two fragments where the program has one.)"""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn: types.FunctionType = fn
+
+    @staticmethod
+    def fits(fn: Any) -> bool:
+        """``fn`` is a recompiled function (see :func:`resumable`) whose original its module holds
+        under its name, with no free variables: importable, so its globals are the module's."""
+        original = getattr(fn, "__fragflow_original__", None)
+        if original is None or not isinstance(fn, types.FunctionType) or fn.__closure__ is not None:
+            return False
+        import sys
+
+        module = sys.modules.get(fn.__module__)
+        return module is not None and getattr(module, fn.__qualname__, None) is original
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fn = self.fn
+        return (in_module, (fn.__module__, fn.__code__, fn.__name__, fn.__qualname__, fn.__defaults__,
+                            fn.__kwdefaults__, dict(fn.__dict__)))
+
+
+def in_module(module: str, code: types.CodeType, name: str, qualname: str, defaults: Any, kwdefaults: Any,
+              attrs: dict[str, Any]) -> types.FunctionType:
+    """The function of ``code`` over module ``module``'s globals (see :class:`InModule`)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    fn = types.FunctionType(code, mod.__dict__, name, defaults, None)
+    fn.__kwdefaults__ = kwdefaults
+    fn.__dict__.update(attrs)
+    original = attrs.get("__fragflow_original__")
+    fn.__qualname__, fn.__module__ = qualname, module
+    fn.__doc__ = getattr(original, "__doc__", None)
+    fn.__annotations__ = dict(getattr(original, "__annotations__", {}))
+    return fn
