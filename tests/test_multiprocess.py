@@ -3370,3 +3370,24 @@ def test_a_training_module_imported_by_name_keeps_one_copy_of_its_globals_in_a_w
         assert columns[policy] == columns["single_process"] == [str(float(n)) for n in range(1, 11)]
     finally:
         sys.modules.pop("ff_importable_helper", None)
+
+
+def test_the_final_return_of_a_run_gathered_on_arrival_is_over_the_rows_window(tmp_path):
+    """summary.json's final_return_mean took the last 20 episodes to reach the driver, the rows the
+    last 20 by the step that ended them: one actor_learner(actors=2) run said 24.25 and 19.05 over
+    the same 43 episodes (helper round 44). Both take the rows' window now."""
+    from fragflow.runtime.monitor import Monitor
+    from fragflow.runtime.outputs import RunOutputs
+
+    monitor = Monitor(outputs=RunOutputs(tmp_path))
+    monitor.rows_end_at_steps, monitor.marked_replicas = False, 0
+    monitor.start()
+    # replica 1's reports reach the driver after replica 0's, though its episodes ended earlier
+    for replica, first in ((0, 100.0), (1, 0.0)):
+        for k in range(20):
+            steps = 10 * (k + 1) + (0 if replica == 0 else 5)   # replica 1 ends its k-th episode 5 steps later
+            monitor.env_step(10, [(first + k, 10)], replica, [(steps, first + k, 10)])
+    monitor.close()
+    by_step = sorted([(10 * (k + 1), 100.0 + k) for k in range(20)] + [(10 * (k + 1) + 5, float(k)) for k in range(20)])
+    assert monitor.summary()["final_return_mean"] == pytest.approx(sum(ret for _, ret in by_step[-20:]) / 20)
+    assert monitor.summary()["episodes"] == 40

@@ -551,6 +551,12 @@ class Monitor(ArrivalRows):
             self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
             self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
             self._solved_in_order()
+        elif self._tagged:
+            # gathered on arrival: the final return over the window the rows take (the last episodes by
+            # the step that ended them, then the replica), not the last to reach the driver
+            recent = self._recent({r: len(eps) for r, eps in self._tagged.items()})
+            self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
+            self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
         self._closing_row()
         if self.progress is not None:
             self._refresh(time.perf_counter())
