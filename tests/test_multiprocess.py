@@ -3391,3 +3391,61 @@ def test_the_final_return_of_a_run_gathered_on_arrival_is_over_the_rows_window(t
     by_step = sorted([(10 * (k + 1), 100.0 + k) for k in range(20)] + [(10 * (k + 1) + 5, float(k)) for k in range(20)])
     assert monitor.summary()["final_return_mean"] == pytest.approx(sum(ret for _, ret in by_step[-20:]) / 20)
     assert monitor.summary()["episodes"] == 40
+
+
+LEARNER_KEY = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(state, obs, key):
+    u = ff.random.uniform(key, ())
+    return (u < 0.5 + 0.1 * np.tanh(obs[:, 2] * state["w"][0])).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, nkey):
+    noise = ff.random.normal(nkey, (3,))[0]   # the learner's own noise: one key, not one per environment
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean() + 1e-4 * noise.sum()}, {"noise": float(noise.sum())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    buf = ff.RolloutBuffer(4)
+    key = ff.random.keys(0, env.ids)
+    nkey = ff.random.keys(1000, np.arange(1))
+    obs = env.reset()
+    for n in range(args.updates):
+        for _ in range(4):
+            key, sub = ff.random.split(key)
+            obs, *_ = env.step(act(state, obs, sub))
+            buf.add(obs=obs)
+        nkey, nsub = ff.random.split(nkey)
+        state, metrics = learn(state, buf.collect(), nsub)
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_a_learner_noise_key_the_loop_splits_beside_two_environments_is_not_taken_per_environment(write_algo, tmp_path):
+    """``ff.random.keys(seed, np.arange(1))`` beside a two-env vector, split in the loop and passed to
+    the learner (TD3's target smoothing noise): it was taken as one key per environment and refused
+    by every policy that splits the environments (helper round 44). Its noise is the same wherever
+    the learner runs."""
+    from fragflow.program import load
+
+    path, _ = write_algo(LEARNER_KEY, "learner_key.py")
+    program = load(str(path))
+    noise = {}
+    for policy in ("single_process", "actor_learner(actors=2,max_lag=0)", "pipelined(actors=2,max_lag=0)"):
+        out = tmp_path / policy
+        ff.run(program.train, program.args_cls(), policy=policy, out=str(out), progress=False)
+        with open(out / "metrics.csv") as f:
+            noise[policy] = [r["noise"] for r in csv.DictReader(f)]
+    assert len(noise["single_process"]) == 6
+    assert noise["actor_learner(actors=2,max_lag=0)"] == noise["pipelined(actors=2,max_lag=0)"] == noise["single_process"]

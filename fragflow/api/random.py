@@ -59,6 +59,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 _issued: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+_not_env: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()   # keys not one per env
 
 
 def is_key(x: object) -> bool:
@@ -73,11 +74,14 @@ def as_key(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _per_env(arr: np.ndarray) -> np.ndarray:
+def _per_env(arr: np.ndarray, env: bool = True) -> np.ndarray:
     """Tell a tracer that ``arr`` has the environments on axis 0 (keys are per environment), so a
     policy that splits the environments across processes splits keys that cross with them; and
-    remember it is a key."""
+    remember it is a key. ``env`` False: keys of another kind (a learner's noise), left whole."""
     _issued[id(arr)] = arr
+    if not env:
+        _not_env[id(arr)] = arr
+        return arr
     hint = getattr(context.current(), "hint_axis", None)
     if hint is not None:
         hint(arr, ("env", 0))
@@ -85,9 +89,12 @@ def _per_env(arr: np.ndarray) -> np.ndarray:
 
 
 def keys(seed: int, ids: np.ndarray) -> np.ndarray:
-    """One key per environment id, derived from the run's seed."""
+    """One key per id, derived from the run's seed: per environment from ``env.ids`` (a policy that
+    splits the environments splits them); from ids as many as no environment has, keys of their own
+    (a learner's noise: ``keys(seed, np.arange(1))``)."""
     base = _mix(np.full(1, seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64))
-    return _per_env(_mix(base ^ _mix(np.asarray(ids, dtype=np.uint64))))
+    rows = getattr(context.current(), "env_rows", None)
+    return _per_env(_mix(base ^ _mix(np.asarray(ids, dtype=np.uint64))), rows is None or rows(ids))
 
 
 _SPLIT = np.array([[_SPLIT_A], [_SPLIT_B]], dtype=np.uint64)
@@ -96,13 +103,14 @@ _SPLIT_A_INT, _SPLIT_B_INT = int(_SPLIT_A), int(_SPLIT_B)
 
 def split(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent key arrays from one: ``key, sub = split(key)``."""
+    env = _not_env.get(id(key)) is not key   # (keys of their own split into keys of their own)
     if key.size <= _SMALL:   # the same numbers with Python's integers (a step of one env: a few microseconds)
         ints = key.ravel().tolist()
         a = np.array([_mix_int(k ^ _SPLIT_A_INT) for k in ints], dtype=np.uint64).reshape(key.shape)
         b = np.array([_mix_int(k ^ _SPLIT_B_INT) for k in ints], dtype=np.uint64).reshape(key.shape)
-        return _per_env(a), _per_env(b)
+        return _per_env(a, env), _per_env(b, env)
     both = _mix(key.reshape(1, -1) ^ _SPLIT)
-    return _per_env(both[0].reshape(key.shape)), _per_env(both[1].reshape(key.shape))
+    return _per_env(both[0].reshape(key.shape), env), _per_env(both[1].reshape(key.shape), env)
 
 
 @functools.lru_cache(maxsize=64)

@@ -137,6 +137,7 @@ class Tracer(StateBook):
         self.env_steps = 0
         self.sized_by_ids = False   # the program asked ff.envs.ids(...) for its slice of environments
         self.env_counts: set[int] = set()   # ... of how many
+        self.env_sizes: set[int] = set()    # the sizes of the training envs made so far (see env_rows)
         self.loop_reads: list[LoopRead] = []   # learner outputs the loop itself reads (see probes)
         # trace as run (one process): what the run's monitor would have heard, with when ("steps", t, n,
         # episodes, evaluation), ("learn", t, fragment), ("log", t, scalars), ("clock", t: the loop's first
@@ -183,7 +184,15 @@ class Tracer(StateBook):
 
     # -- interpreter protocol -------------------------------------------------------------
     def env_ids(self, num_envs: int) -> np.ndarray:
+        self.env_sizes.add(num_envs)
         return np.arange(num_envs)
+
+    def env_rows(self, ids: Any) -> bool:
+        """Whether random keys made from ``ids`` are one per environment of the run (a policy that
+        splits the environments splits them): as many as a training env made so far has, or any
+        where none is made yet. A learner's own noise key, ``ff.random.keys(seed, np.arange(1))``
+        beside two environments, is not."""
+        return not self.env_sizes or int(np.size(ids)) in self.env_sizes | self.env_counts
 
     def asked_ids(self, num_envs: int) -> None:
         self.sized_by_ids = True
