@@ -430,3 +430,67 @@ def test_a_learner_output_read_after_the_trace_is_named_as_the_learners_output_n
 
     with pytest.raises(FragflowError, match=rf"output \[1\]\['loss'\] of fragment 'learn' was {what}"):
         use(Pending("learn", 1, ("loss",)))
+
+
+LATE_CHANGE = """
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    loop_changes: bool = False
+
+@ff.fragment("actor")
+def act(q, obs, n):   # @act
+    if n >= 3:   # once its exploration ends: after the calls the trace checks in full
+        with torch.no_grad():
+            q.weight.mul_(0.999)
+    with torch.no_grad():
+        return q(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = state["q"](torch.as_tensor(batch["obs"], dtype=torch.float32)).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    q = torch.nn.Linear(4, 2)
+    state = ff.versioned({"q": q, "opt": torch.optim.SGD(q.parameters(), lr=0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    n = 0
+    for _ in range(4):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["q"], obs, n if not args.loop_changes else 0))
+            buf.add(obs=obs)
+            n += 1
+        if args.loop_changes:
+            with torch.no_grad():
+                q.weight.mul_(0.999)   # @loop
+        state, metrics = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_an_actor_changing_the_state_it_reads_after_its_first_calls_is_named_not_the_loop(write_algo):
+    """An actor that changes a parameter in place once its exploration ends (after the calls the
+    trace checks in full): the refusal said the training loop changed it, at the learner's line
+    (helper round 44); it names the actor. The loop's own change is still the loop's."""
+    path, marks = write_algo(LATE_CHANGE, "late_change.py")
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 4
+    with pytest.raises(PlacementError, match=r"actor fragment 'act' changes the versioned state 'state' "
+                                             r"\(state\['q'\]\['weight'\], in a call after its first\) in place") as info:
+        ff.run(program.train, program.args_cls(), policy="pipelined")
+    assert info.value.where is not None and info.value.where.line == marks["act"] - 1   # (the decorator's line)
+    with pytest.raises(FragflowError, match=r"the training loop changes versioned state 'state' in place") as info:
+        ff.run(program.train, program.args_cls(loop_changes=True), policy="pipelined")
+    assert info.value.where is not None and info.value.where.line == marks["loop"]

@@ -60,6 +60,7 @@ class StateBook(Repeats):
     _names: Callable[[str], str]
     _state_objects: dict[int, tuple[str, Any]]
     _state_prints: dict[str, tuple[int, list[tuple[str, list[int]]]]]
+    _readers: dict[str, set[str]]   # a state's readers (not learners) since its last watch
     _changed_args: list[Changed]
     _changed_data: dict[int, str]
 
@@ -123,6 +124,7 @@ class StateBook(Repeats):
         values = {name: handle.value for name, handle in self._latest.items()}
         self.state_use.watch(values)
         self._state_prints = {name: (id(v), _leaf_prints(v)) for name, v in values.items()}
+        self._readers = {}
 
     def _state_changed(self, learner: tuple[str, SourceLoc | None] | None, when: str = "seen at") -> None:
         """Note a state the loop changed in place since the last learner call (or since it was made):
@@ -137,6 +139,17 @@ class StateBook(Repeats):
             after = _leaf_prints(handle.value)
             if after != before:
                 changed = next((p for (p, a), (_, b) in zip(after, before) if a != b), "")
+                leaf = dict(_leaf_list(without_optimizers(handle.value))).get(changed)
+                readers = sorted(self._readers.get(name, ()))
+                if readers and type(leaf).__module__.startswith("torch"):
+                    # a tensor the loop's own torch operations did not change (StateUse saw none): a fragment
+                    # that read it since changed it, in a call after those checked (an actor's, once its
+                    # exploration ends); the placement refuses it as one that changes the state it reads
+                    for rec in self._nodes.values():
+                        if rec.name in readers and not rec.mutates:
+                            rec.mutates = (f"'{name}' ({name}{changed}, in a call after its first"
+                                           f"{'' if len(readers) == 1 else ', or that of ' + ', '.join(repr(r) for r in readers if r != rec.name)})")
+                    return
                 who, at = learner or ("", None)
                 self.state_use.first = ("changed", name, f"{name}{changed}",
                                         f"{when} the call of learner '{who}'" if who else "", at)
@@ -184,6 +197,11 @@ class StateBook(Repeats):
                                 where or user_callsite())
         edge = self._edge(handle.name, rec.name, EdgeKind.STATE_READ, path, pname)
         edge.crossings[window] += 1
+        if rec.role != "learner":   # (who may have changed it in place, see _state_changed)
+            readers = self._readers.get(handle.name)
+            if readers is None:
+                readers = self._readers[handle.name] = set()
+            readers.add(rec.name)
         resolved = handle.value if isinstance(value, Versioned) else value.resolve(handle.value)
         if edge.read_version != handle.version:   # a version's leaves are read once (an actor reads it every step)
             edge.read_version = handle.version
