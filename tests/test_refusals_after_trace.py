@@ -494,3 +494,76 @@ def test_an_actor_changing_the_state_it_reads_after_its_first_calls_is_named_not
     with pytest.raises(FragflowError, match=r"the training loop changes versioned state 'state' in place") as info:
         ff.run(program.train, program.args_cls(loop_changes=True), policy="pipelined")
     assert info.value.where is not None and info.value.where.line == marks["loop"]
+
+
+DTYPES = """
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    warmup: int = 3
+
+@ff.fragment("actor")
+def act(q, obs, key, explore):   # @act
+    if explore:   # random actions in the warm-up, int32; greedy ones after it, int64 (as eagerly, a buffer casts)
+        return (ff.random.uniform(key, ()) * 2).astype(np.int32)
+    with torch.no_grad():
+        return q(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
+    chosen = state["q"](obs).gather(1, torch.as_tensor(batch["action"], dtype=torch.int64)[:, None])
+    loss = chosen.pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    q = torch.nn.Linear(4, 2)
+    state = ff.versioned({"q": q, "opt": torch.optim.SGD(q.parameters(), lr=0.1)})
+    rb = ff.ReplayBuffer(64, seed=0)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for step in range(12):
+        key, sub = ff.random.split(key)
+        action = act(state["q"], obs, sub, step < args.warmup)
+        next_obs, reward, terminated, truncated, info = env.step(action)
+        rb.add(obs=obs, action=action, reward=reward)
+        obs = next_obs
+        if step >= args.warmup:
+            state, metrics = learn(state, rb.sample(8))
+            ff.log(metrics)
+    return state
+"""
+
+
+def test_an_actor_whose_output_dtype_changes_runs_under_single_process_as_eagerly(write_algo):
+    """int32 random actions in a warm-up, int64 greedy ones after it: eagerly the replay buffer casts
+    them, and the program runs; single_process refused it at the trace (helper round 44). A policy of
+    several processes, whose channels carry the first call's dtypes, refuses it at placement."""
+    from fragflow.errors import ShapeChangedError
+
+    path, marks = write_algo(DTYPES, "dtypes.py")
+    program = load(str(path))
+    eager = program.train(program.args_cls())
+    ran = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert ran.summary["updates"] == 9
+    assert torch_equal(ran.value["q"].weight, eager["q"].weight)
+    with pytest.raises(ShapeChangedError, match=r"fragment 'act' changed the dtypes of its output between calls:\n"
+                                                r"    before: out: i32\[2\]\n    now:    out: i64\[2\]") as info:
+        ff.run(program.train, program.args_cls(), policy="pipelined")
+    assert info.value.where is not None and info.value.where.line == marks["act"] - 1   # (the decorator's line)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

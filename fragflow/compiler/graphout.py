@@ -36,7 +36,7 @@ def graph_of(t: Tracer, name: str, defined_at: SourceLoc | None) -> Graph:
                           output_axes=rec.out_axes or (),
                           static=rec.static, splittable=_splittable(t, rec),
                           evaluation=t.fragments[rec.name].evaluation,
-                          mutates_state=rec.mutates, captures_state=rec.captures, actor_mode=t.modes.actor_mode(rec.name),
+                          mutates_state=rec.mutates, dtype_change=rec.dtype_change, captures_state=rec.captures, actor_mode=t.modes.actor_mode(rec.name),
                           learner_mode=t.modes.learner_mode(rec.name),
                           reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                           other_rows_evaluation=rec.other_rows_n not in t._env_sizes,

@@ -95,6 +95,7 @@ class Node:
                                    # a user's env sized with ff.envs.ids)
     evaluation: bool = False       # ENV: an evaluation env (stepped whole by every acting process)
     mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
+    dtype_change: tuple[str, SourceLoc | None] | None = None   # its output's dtypes changed between calls
     actor_mode: str = ""           # not a learner, sets the training mode of state modules no learner sets (which)
     learner_mode: str = ""         # not a learner, acts with modules whose training mode a learner sets (which)
     captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)

@@ -65,6 +65,7 @@ class NodeRec:
     backends: set[str] = field(default_factory=set)
     static: tuple[str, ...] = ()
     mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
+    dtype_change: tuple[str, SourceLoc | None] | None = None   # its output's dtypes changed between calls (what, where)
     captures: str = ""  # ... or reaches an object versioned state holds (a module) through a global or closure
     reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure
     rows: int | None = None   # the environments its first call acted on (its inputs' env rows)
@@ -284,6 +285,14 @@ class Recording:
                 fix="return an array of the same shape every call: where there is no value, an array of "
                     "zeros (np.zeros(shape, dtype)) in its place, and if the loop must know, a flag (an array: "
                     "np.array(has_value)) returned beside it")
+        elif specs != rec.out_specs and rec.role != "buffer" and _dtypes_differ(rec.out_specs, specs):
+            # the same leaves and shapes in other dtypes (int32 random actions in a warm-up, int64 greedy ones
+            # after it): one process runs it as eagerly (a buffer casts what it stores); a placement over
+            # several processes, whose channels are sized from the first call's specs, refuses it
+            if rec.dtype_change is None:
+                rec.dtype_change = (f"fragment '{rec.name}' changed the dtypes of its output between calls:\n"
+                                    f"    before: {_describe(rec.out_specs)}\n    now:    {_describe(specs)}",
+                                    rec.defined_at or where)
         elif specs != rec.out_specs:
             raise ShapeChangedError(
                 f"fragment '{rec.name}' changed its output between calls:\n"
@@ -403,6 +412,12 @@ def _sizes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, Ten
     return len(sizes) == 1 and all(
         a == b or (a.dtype == b.dtype and a.backend == b.backend and len(a.shape) == len(b.shape) >= 1
                    and a.shape[1:] == b.shape[1:]) for (_, a), (_, b) in zip(before, now))
+
+
+def _dtypes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]]) -> bool:
+    """The same leaves of the same shapes and backends, some in another dtype."""
+    return len(before) == len(now) and all(
+        p == q and a.shape == b.shape and a.backend == b.backend for (p, a), (q, b) in zip(before, now))
 
 
 def _describe(specs: list[tuple[str, TensorSpec]], nones: list[str] | None = None) -> str:

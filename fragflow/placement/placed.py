@@ -22,7 +22,7 @@ from typing import Any
 
 from fragflow.compiler.ir import EdgeKind, Graph, NodeKind
 from fragflow.compiler.pytree import fits
-from fragflow.errors import GraphError
+from fragflow.errors import GraphError, ShapeChangedError
 
 
 class Overflow(Enum):
@@ -354,6 +354,13 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     + (" and run with env_workers=1 (each worker steps the evaluation env whole, which one answer "
                        "cannot serve)" if inference_with_learner and actors > 1 else "")
                     + ", or run with a policy that acts where the envs step (actor_learner, single_process)")
+    for n in graph.fragments():
+        if n.dtype_change is not None:
+            raise ShapeChangedError(
+                f"{n.dtype_change[0]}\n    policy '{policy}' runs its calls in several processes, whose channels "
+                "carry each leaf in the dtype of its first call", where=n.dtype_change[1],
+                fix="return the same dtypes every call (cast where it is returned: np.asarray(action, np.int64), "
+                    "x.astype(np.float32)), or run with --policy single_process, which runs it as eagerly")
     acting = tuple(n.name for n in graph.fragments() if n.name not in service)
     sides: dict[str, Any] = {}
     for n in graph.fragments():
