@@ -157,8 +157,13 @@ def test_a_dict_observation_spaces_final_observation_replaces_the_rows_of_the_en
                                                                                      [False, True]]
     assert [length for _, length in env.finished_episodes] == [2, 3]
     rb = ff.ReplayBuffer(8)
-    with pytest.raises(TraceError, match=r"replay.add got a dict for 'obs'; a replay buffer stores one array per key"):
+    with pytest.raises(TraceError, match=r"replay.add got a dict for 'obs'; a replay buffer stores one array per key") as info:
         rb.add(obs=obs, done=terminated)
+    assert "obs_pos=obs['pos']" in info.value.fix
+    # a list of per-environment numbers (an actor's actions as Python ints): made an array, not split into keys
+    with pytest.raises(TraceError, match=r"replay.add got a list for 'action'") as info:
+        rb.add(action=[0, 1], done=terminated)
+    assert "action=np.asarray(action)" in info.value.fix
     env.close()
 
 

@@ -149,9 +149,13 @@ class ReplayBuffer:
     def _add(self, **transition: Any) -> None:
         nested = next((k for k, v in transition.items() if isinstance(v, (dict, list, tuple))), None)
         if nested is not None:
-            raise TraceError(f"{self.name}.add got a {type(transition[nested]).__name__} for '{nested}'; a replay "
+            value = transition[nested]
+            flat = isinstance(value, (list, tuple)) and all(isinstance(x, (int, float, bool, np.number)) for x in value)
+            raise TraceError(f"{self.name}.add got a {type(value).__name__} for '{nested}'; a replay "
                              "buffer stores one array per key", where=user_callsite(),
-                             fix=f"add its leaves under keys of their own, e.g. {nested}_pos=obs['pos']")
+                             fix=f"make it an array, one row per environment: {nested}=np.asarray({nested}) (or have the "
+                                 "fragment that makes it return an array)" if flat else
+                                 f"add its leaves under keys of their own, e.g. {nested}_pos=obs['pos']")
         arrays = {k: to_numpy(v) for k, v in transition.items()}
         n = {a.shape[0] if a.ndim else 1 for a in arrays.values()}
         if len(n) != 1:
