@@ -11,7 +11,9 @@ inference and learning run in the loop's order, so acting always uses the parame
 sequential run: this policy reproduces single_process bit for bit, for any number of workers and
 with the fast batched arithmetic (one batch, as in one process), for programs without a replay
 buffer (one stays on each worker and samples its share of a batch from its own transitions, as
-under actor_learner: the same algorithm, not the same numbers).
+under actor_learner: the same algorithm, not the same numbers) and without a value the loop
+computes across the environments (a running normaliser of returns over all of them: each worker's
+loop computes it over its own share; normalise inside the learner).
 
 ``max_lag >= 1``: bounded wait. A request is answered with the requests that arrived within
 ``wait_ms`` of it (all workers' when they come in time), so a slow worker no longer holds the
