@@ -103,7 +103,7 @@ _SPLIT_A_INT, _SPLIT_B_INT = int(_SPLIT_A), int(_SPLIT_B)
 
 def split(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent key arrays from one: ``key, sub = split(key)``."""
-    env = _not_env.get(id(key)) is not key   # (keys of their own split into keys of their own)
+    env = not _not_env or _not_env.get(id(key)) is not key   # (keys of their own split into keys of their own)
     if key.size <= _SMALL:   # the same numbers with Python's integers (a step of one env: a few microseconds)
         ints = key.ravel().tolist()
         a = np.array([_mix_int(k ^ _SPLIT_A_INT) for k in ints], dtype=np.uint64).reshape(key.shape)
