@@ -442,10 +442,13 @@ import fragflow as ff
 @dataclass(frozen=True)
 class Args:
     loop_changes: bool = False
+    freeze: bool = False
 
 @ff.fragment("actor")
-def act(q, obs, n):   # @act
-    if n >= 3:   # once its exploration ends: after the calls the trace checks in full
+def act(q, obs, n, freeze):   # @act
+    if n >= 3 and freeze:   # freezes the layer (eagerly the learner stops learning it)
+        q.weight.requires_grad_(False)
+    elif n >= 3:   # once its exploration ends: after the calls the trace checks in full
         with torch.no_grad():
             q.weight.mul_(0.999)
     with torch.no_grad():
@@ -469,7 +472,7 @@ def train(args: Args):
     n = 0
     for _ in range(4):
         for _ in range(4):
-            obs, *_ = env.step(act(state["q"], obs, n if not args.loop_changes else 0))
+            obs, *_ = env.step(act(state["q"], obs, n if not args.loop_changes else 0, args.freeze))
             buf.add(obs=obs)
             n += 1
         if args.loop_changes:
@@ -491,6 +494,11 @@ def test_an_actor_changing_the_state_it_reads_after_its_first_calls_is_named_not
                                              r"\(state\['q'\]\['weight'\], in a call after its first\) in place") as info:
         ff.run(program.train, program.args_cls(), policy="pipelined")
     assert info.value.where is not None and info.value.where.line == marks["act"] - 1   # (the decorator's line)
+    # a layer it freezes then (requires_grad_(False)): the learner's copy, apart, learned on, unsaid
+    assert not ff.run(program.train, program.args_cls(freeze=True), policy="single_process").value["q"].weight.requires_grad
+    with pytest.raises(PlacementError, match=r"actor fragment 'act' changes the versioned state 'state' \(the "
+                                             r"requires_grad of its tensors, in a call after its first\) in place"):
+        ff.run(program.train, program.args_cls(freeze=True), policy="pipelined")
     with pytest.raises(FragflowError, match=r"the training loop changes versioned state 'state' in place") as info:
         ff.run(program.train, program.args_cls(loop_changes=True), policy="pipelined")
     assert info.value.where is not None and info.value.where.line == marks["loop"]

@@ -33,7 +33,7 @@ from fragflow.compiler.pytree import (
 from fragflow.compiler.reach import again, changed_part, objects_of, reached_now
 from fragflow.compiler.recording import NodeRec
 from fragflow.compiler.repeats import Repeats, _leaf_list
-from fragflow.compiler.statecheck import check_new_state, fingerprint
+from fragflow.compiler.statecheck import check_new_state, fingerprint, grad_flags
 from fragflow.compiler.watchers import StateUse
 from fragflow.errors import NotArrayPytreeError, VersionedStateError
 from fragflow.source import SourceLoc, user_callsite
@@ -59,7 +59,7 @@ class StateBook(Repeats):
     _latest: dict[str, Versioned]
     _names: Callable[[str], str]
     _state_objects: dict[int, tuple[str, Any]]
-    _state_prints: dict[str, tuple[int, list[tuple[str, list[int]]]]]
+    _state_prints: dict[str, tuple[int, list[tuple[str, list[int]]], list[bool]]]
     _readers: dict[str, set[str]]   # a state's readers (not learners) since its last watch
     _changed_args: list[Changed]
     _changed_data: dict[int, str]
@@ -123,7 +123,8 @@ class StateBook(Repeats):
             return
         values = {name: handle.value for name, handle in self._latest.items()}
         self.state_use.watch(values)
-        self._state_prints = {name: (id(v), _leaf_prints(v)) for name, v in values.items()}
+        self._state_prints = {name: (id(v), _leaf_prints(v), grad_flags(without_optimizers(v)))
+                              for name, v in values.items()}
         self._readers = {}
 
     def _state_changed(self, learner: tuple[str, SourceLoc | None] | None, when: str = "seen at") -> None:
@@ -132,28 +133,40 @@ class StateBook(Repeats):
         loop's own (``w *= 0.5``), at ``learner``'s call, which would have read the change."""
         if self.state_use.first is not None or any(r.mutates for r in self._nodes.values()):
             return   # (a fragment that changes the state it reads is refused by its own rule)
-        for name, (ident, before) in self._state_prints.items():
+        for name, (ident, before, grads) in self._state_prints.items():
             handle = self._latest.get(name)
             if handle is None or id(handle.value) != ident:
                 continue
+            readers = sorted(self._readers.get(name, ()))
+            if readers and grad_flags(without_optimizers(handle.value)) != grads:
+                # a layer frozen (requires_grad_(False)) by a fragment that read the state, in a call after
+                # those checked: the learner's copy, where it runs apart, would learn on (the loop's own
+                # requires_grad_ is a torch operation StateUse sees)
+                self._mutated(readers, name, "the requires_grad of its tensors")
+                return
             after = _leaf_prints(handle.value)
             if after != before:
                 changed = next((p for (p, a), (_, b) in zip(after, before) if a != b), "")
                 leaf = dict(_leaf_list(without_optimizers(handle.value))).get(changed)
-                readers = sorted(self._readers.get(name, ()))
                 if readers and type(leaf).__module__.startswith("torch"):
                     # a tensor the loop's own torch operations did not change (StateUse saw none): a fragment
                     # that read it since changed it, in a call after those checked (an actor's, once its
                     # exploration ends); the placement refuses it as one that changes the state it reads
-                    for rec in self._nodes.values():
-                        if rec.name in readers and not rec.mutates:
-                            rec.mutates = (f"'{name}' ({name}{changed}, in a call after its first"
-                                           f"{'' if len(readers) == 1 else ', or that of ' + ', '.join(repr(r) for r in readers if r != rec.name)})")
+                    self._mutated(readers, name, f"{name}{changed}")
                     return
                 who, at = learner or ("", None)
                 self.state_use.first = ("changed", name, f"{name}{changed}",
                                         f"{when} the call of learner '{who}'" if who else "", at)
                 return
+
+    def _mutated(self, readers: list[str], state: str, what: str) -> None:
+        """``readers`` (fragments that read ``state`` since the last learner call, none a learner)
+        changed it in place: each is refused as a fragment that changes the state it reads."""
+        for rec in self._nodes.values():
+            if rec.name in readers and not rec.mutates:
+                others = [repr(r) for r in readers if r != rec.name]
+                rec.mutates = (f"'{state}' ({what}, in a call after its first"
+                               f"{', or that of ' + ', '.join(others) if others else ''})")
 
     def _read_changed(self, rec: NodeRec, bound: inspect.BoundArguments, where: SourceLoc | None) -> None:
         """Note the first call given memory that an earlier call changed in place and nothing has

@@ -111,7 +111,7 @@ class Tracer(StateBook):
         # ff.versioned) left it: changed before the next learner call, by the loop (an array the state
         # holds, changed through a variable of the loop's; what StateUse does not see)
         self.state_use = StateUse()
-        self._state_prints: dict[str, tuple[int, list[tuple[str, list[int]]]]] = {}
+        self._state_prints: dict[str, tuple[int, list[tuple[str, list[int]]], list[bool]]] = {}
         self._readers: dict[str, set[str]] = {}
         self._learned_at: tuple[str, SourceLoc | None] | None = None   # the last learner call: which, where
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
