@@ -322,6 +322,13 @@ def _from_checkpoint(start: Any, algorithm: str | None, policy: str | None) -> t
     if saved is None:
         raise ConfigError(f"checkpoint {start.path} does not record which algorithm wrote it (written through the "
                           "Python API)", fix="resume it with fragflow.run(train, args, resume=...)")
+    lacks = [k for k, kind in (("program", str), ("policy", str)) if not isinstance(m.get(k), kind)] + \
+        ([] if "args" in m else ["args"])
+    if lacks:
+        from fragflow.runtime.checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {start.path} is corrupt: its manifest.json has no valid "
+                              f"{' or '.join(lacks)}", fix="resume from another checkpoint of the run")
     gone = saved.endswith(".py") and not Path(saved).is_file()   # the file moved, or the run directory was copied
     if gone and algorithm is None:
         from fragflow.errors import UnknownFileError

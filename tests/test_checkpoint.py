@@ -206,6 +206,18 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
     res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
     assert res.returncode == 2 and "counts updates='abc'" in res.stderr and "Traceback" not in res.stderr
+    # a manifest without its args or policy, or with empty counters: the resumed program raised, blamed on the
+    # user's code (exit 1), or (counters) ran from "update None" (helper round 44)
+    for damage, said in (("args", "has no valid args"), ("policy", "has no valid policy"),
+                         ("counters", "counters lack env_steps and updates")):
+        m = json.loads((good / "manifest.json").read_text())
+        if damage == "counters":
+            m["counters"] = {}
+        else:
+            del m[damage]
+        (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+        res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
+        assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, (damage, res.stderr)
     (bad / "checkpoints" / "4" / "manifest.json").write_text("{not json")
     res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
     assert res.returncode == 2 and "is corrupt" in res.stderr

@@ -265,8 +265,10 @@ def find(target: str | os.PathLike[str]) -> Checkpoint:
     counters = manifest.get("counters")
     bad = [k for k in ("env_steps", "updates", "version", "episodes")
            if isinstance(counters, dict) and k in counters and (isinstance(counters[k], bool) or not isinstance(counters[k], int))]
-    if not isinstance(counters, dict) or bad:
+    lacks = [k for k in ("env_steps", "updates") if isinstance(counters, dict) and k not in counters]
+    if not isinstance(counters, dict) or bad or lacks:
         what = "has no counters" if not isinstance(counters, dict) else \
+            f"counters lack {' and '.join(lacks)}" if lacks else \
             "counts " + ", ".join(f"{k}={counters[k]!r}" for k in bad) + " (whole numbers expected)"
         raise CheckpointError(f"checkpoint {path} is corrupt: its {MANIFEST} {what}",
                               fix="resume from another checkpoint of the run")
