@@ -623,6 +623,8 @@ def test_wrappers_and_clip_actions_make_cannot_apply_are_refused_at_the_make_lin
         (dict(wrappers=gym.wrappers.RecordEpisodeStatistics), r"wrappers=<class .*RecordEpisodeStatistics'>, where it "
                                                               r"takes a list"),
         (dict(wrappers=[wrapped]), r"among its wrappers: an environment, not a wrapper"),
+        # (a number was called "an environment" too: helper round 44)
+        (dict(wrappers=[gym.wrappers.FlattenObservation, 5]), r"got 5 \(of type int\) among its wrappers: not a wrapper class"),
         (dict(clip_actions=True), r"clip_actions clips continuous actions to the bounds of a Box action space, but "
                                   r"this environment's action space is Discrete\(2\)"),
     ]
@@ -633,6 +635,9 @@ def test_wrappers_and_clip_actions_make_cannot_apply_are_refused_at_the_make_lin
     wrapped.close()
     env = ff.envs.make("CartPole-v1", num_envs=2, seed=0, wrappers=(gym.wrappers.RecordEpisodeStatistics,))
     assert env.reset().shape == (2, 4)   # a tuple of wrappers is a list
+    env.close()
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0, wrappers=None)   # none, as gymnasium takes it
+    assert env.reset().shape == (2, 4)
     env.close()
 
 

@@ -237,6 +237,8 @@ def wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.Env
     """``wrappers`` as make applies them, or the error saying what it takes."""
     fix = ("give a list of wrapper classes or functions of an env, innermost first: "
            "wrappers=[gym.wrappers.RecordEpisodeStatistics, lambda e: gym.wrappers.TimeLimit(e, 500)]")
+    if wrappers is None:   # (as gymnasium's own: none)
+        return ()
     if callable(wrappers) or isinstance(wrappers, (gym.Env, str)) or not hasattr(wrappers, "__iter__"):
         raise ConfigError(f"ff.envs.make got wrappers={wrappers!r:.80}, where it takes a list", where=where, fix=fix)
     listed = tuple(wrappers)
@@ -246,7 +248,10 @@ def wrapper_list(wrappers: Any, where: Any) -> tuple[Callable[[gym.Env], gym.Env
                               "environment is wrapped", where=where,
                               fix=f"give the per-environment gym.wrappers.{w.__name__} if there is one, or make's own "
                                   "options (normalize_obs, normalize_reward, clip_actions, clip_rewards)")
-        if isinstance(w, gym.Env) or not callable(w):
+        if isinstance(w, gym.Env):
             raise ConfigError(f"ff.envs.make got {w!r:.80} among its wrappers: an environment, not a wrapper to "
                               "apply to each one it makes", where=where, fix=fix)
+        if not callable(w):
+            raise ConfigError(f"ff.envs.make got {w!r:.80} (of type {type(w).__name__}) among its wrappers: not a wrapper "
+                              "class or a function of an env", where=where, fix=fix)
     return listed

@@ -336,7 +336,7 @@ def ids(num_envs: int) -> np.ndarray:
 
 def make(env_id: str | Callable[..., gym.Env], num_envs: int = 1, seed: int = 0, *, clip_actions: bool = False,
          normalize_obs: bool = False, normalize_reward: bool = False, reward_gamma: float = 0.99,
-         evaluation: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] = (), clip_rewards: bool = False,
+         evaluation: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = (), clip_rewards: bool = False,
          **env_kwargs: Any) -> VectorEnv:
     """``num_envs`` copies of a gymnasium environment, seeded ``seed + i``, as an env fragment.
 

@@ -243,7 +243,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"policy '{policy}' needs a learner, but the loop ended ({graph.env_steps_traced} env "
                 f"steps) without calling learner '{name}'" + (f" (defined at {at})" if at is not None else "")
                 + ": no update is made", where=graph.defined_at,
-                fix="give the run a budget of at least one update (e.g. --set total_timesteps=...)"
+                fix="give the run a budget of at least one update (--set the field of your Args that sets its steps or "
+                    "updates, as total_timesteps in the algorithms/ programs)"
                     + (f"; where `{leaving.header}` ({leaving.where}) leaves early (a break), call the learner "
                        "before it does" if leaving is not None else "")
                     + ", or run with --policy single_process")

@@ -399,7 +399,8 @@ class RunCheckpoints:
                 f"the run resumed from {self.resume.path} ended where that checkpoint is (update "
                 f"{counters.get('updates', 0)}, {counters.get('env_steps', 0)} env steps): the budget of these args "
                 "ends there or before, so there is nothing to run (the checkpoint is left as it was)",
-                fix="resume with a larger budget (e.g. --set total_timesteps=...), or resume an earlier checkpoint")
+                fix="resume with a larger budget (--set the field of your Args that sets its steps or updates, as "
+                    "total_timesteps in the algorithms/ programs), or resume an earlier checkpoint")
         path = write(self.root, str(counters["updates"]), self.manifest(counters, loop, complete), parts, self.keep)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
