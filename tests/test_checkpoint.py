@@ -2197,3 +2197,74 @@ def test_an_output_given_back_within_one_trip_is_saved_and_a_learners_carried_on
     with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'avg': it holds an output of learner "
                                                        r"'learn'.*\n  fix: keep it in versioned state"):
         ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "d", checkpoint_every=3)
+
+
+NORMALISED_RESUME = """
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import fragflow as ff
+
+class Clock(gym.Env):   # deterministic, every episode exactly 8 steps: a resume's reset is the run's own
+    observation_space = gym.spaces.Box(-10, 10, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([3.0, 1.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        obs = np.array([3 + np.sin(self.t), 1 + np.cos(self.t) * int(action)], np.float32)
+        return obs, float(action), False, self.t >= 8, {}
+
+@dataclass(frozen=True)
+class Args:
+    num_updates: int = 12
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    u = ff.random.uniform(key, ())
+    return (u < 1 / (1 + np.exp(-(obs @ w["w"])))).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    g = (batch["obs"] * (batch["reward"][..., None] - 0.5)).mean((0, 1))
+    return {"w": state["w"] + 0.1 * g}, {"first": float(batch["obs"][0, 0, 0]), "g": float(g.sum())}
+
+def train(args: Args):
+    env = ff.envs.make(Clock, num_envs=2, seed=0, normalize_obs=True)
+    state = ff.versioned({"w": np.zeros(2)})
+    key = ff.random.keys(0, env.ids)
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.num_updates):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            action = act(state, obs, sub)
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            buf.add(obs=obs, reward=reward)
+            obs = next_obs
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+def test_a_resumed_run_normalises_its_first_observations_with_the_saved_statistics(write_algo, tmp_path):
+    """normalize_obs: a resumed run's reset observations, made at its first lines, were normalised with
+    the fresh statistics of a new run (z-scores near 0) and the run drifted from the uninterrupted one
+    from the resumed update on (helper round 44); they are normalised again as the statistics load."""
+    path, _ = write_algo(NORMALISED_RESUME, "normalised_resume.py")
+    prog = load(str(path))
+    whole = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=4)
+    mid = tmp_path / "a" / "checkpoints" / "8"
+    assert mid.is_dir()
+    again = driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "b", resume=mid)
+    assert np.array_equal(again.value["w"], whole.value["w"])
+    rows = {run: list(csv.DictReader((tmp_path / run / "metrics.csv").open())) for run in ("a", "b")}
+    assert len(rows["a"]) == 12   # (the resumed run's rows go on from the checkpoint's: the whole run's)
+    assert [(r["first"], r["g"]) for r in rows["b"]] == [(r["first"], r["g"]) for r in rows["a"]]

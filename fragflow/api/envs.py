@@ -147,6 +147,8 @@ class VectorEnv:
                                      "per environment)")
                 rms.mean, rms.var = np.asarray(saved["mean"]), np.asarray(saved["var"])
                 rms.count = np.asarray(saved["count"], np.float64)
+        if isinstance(norm, Normalize):   # (a resumed loop's observations from its first lines' reset)
+            norm.restated()
 
     def _identify(self, label: str, num_envs: int, seed: int, ids: np.ndarray, name: str) -> None:
         self.env_id = label

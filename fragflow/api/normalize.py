@@ -68,6 +68,8 @@ class Normalize(gym.vector.VectorWrapper):
         self.ret_rms = RunningMeanStd(n, ()) if reward else None
         self.returns = np.zeros(n)
         self.gamma, self.clip = gamma, clip
+        # the last reset's raw observations and what it returned, until the next step (see restated)
+        self._reset: tuple[np.ndarray, np.ndarray] | None = None
         space = env.single_observation_space
         # z-scores of integer observations (images, counts) are floats: as gymnasium's NormalizeObservation
         floating = isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
@@ -87,9 +89,21 @@ class Normalize(gym.vector.VectorWrapper):
 
     def reset(self, **kwargs: Any) -> Any:
         obs, info = self.env.reset(**kwargs)   # (the discounted returns run on, as gymnasium's NormalizeReward's)
-        return self._obs(obs, True), info
+        out = self._obs(obs, True)
+        self._reset = (np.array(obs, copy=True), out) if self.obs_rms is not None else None
+        return out, info
+
+    def restated(self) -> None:
+        """Statistics loaded (a resumed run's, from its checkpoint) after a reset and before any step:
+        the observations that reset returned, which the loop holds, normalised again with them, in
+        place (they were normalised with the fresh statistics of a run's first lines)."""
+        if self._reset is not None and self.obs_rms is not None:
+            raw, out = self._reset
+            z = (raw - self.obs_rms.mean) / np.sqrt(self.obs_rms.var + 1e-8)
+            out[...] = np.clip(z, -self.clip, self.clip).astype(self._dtype)
 
     def step(self, actions: Any) -> Any:
+        self._reset = None
         obs, reward, terminated, truncated, info = self.env.step(actions)
         if "final_obs" in info and self.obs_rms is not None:   # (rewards alone: any observation space)
             mask = info["_final_obs"]
