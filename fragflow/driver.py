@@ -237,15 +237,16 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
         if restore is not None:   # (the run starts from the module as imported, not as the trace left it)
             restore()
 
-        module = sys.modules.get(getattr(train, "__module__", ""), None)
-        if module is not None and unimportable(module):
-            cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
         from fragflow.api.envs import registered_by_user
+        from fragflow.compiler.resumable import InModule
 
+        module = sys.modules.get(getattr(train, "__module__", ""), None)
+        by_value = module is not None and unimportable(module)
+        if by_value:
+            cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
+        # (imported by its name: the recompiled function over the module's own globals in the worker)
+        sent = InModule(train) if not by_value and InModule.fits(train) else train
         try:
-            from fragflow.compiler.resumable import InModule
-
-            sent = InModule(train) if not (module is not None and unimportable(module)) and InModule.fits(train) else train
             program = cloudpickle.dumps((lowered, checks, sent, args, registered_by_user()))
         except Exception as exc:
             raise unsendable(args, placed.policy, train, exc) from None

@@ -28,7 +28,9 @@ that has no top-level loop is left as it is: such a run cannot be checkpointed, 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import sys
 import textwrap
 import types
 from collections.abc import Callable
@@ -154,8 +156,6 @@ class InModule:
         original = getattr(fn, "__fragflow_original__", None)
         if original is None or not isinstance(fn, types.FunctionType) or fn.__closure__ is not None:
             return False
-        import sys
-
         module = sys.modules.get(fn.__module__)
         return module is not None and getattr(module, fn.__qualname__, None) is original
 
@@ -168,8 +168,6 @@ class InModule:
 def in_module(module: str, code: types.CodeType, name: str, qualname: str, defaults: Any, kwdefaults: Any,
               attrs: dict[str, Any]) -> types.FunctionType:
     """The function of ``code`` over module ``module``'s globals (see :class:`InModule`)."""
-    import importlib
-
     mod = importlib.import_module(module)
     fn = types.FunctionType(code, mod.__dict__, name, defaults, None)
     fn.__kwdefaults__ = kwdefaults
