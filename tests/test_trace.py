@@ -1049,6 +1049,117 @@ def train():
         compile(program.train, policy="pipelined")
 
 
+REBOUND_GLOBAL = """
+import numpy as np
+import fragflow as ff
+
+SHIFT = np.zeros(4)
+COUNT = 0
+
+@ff.fragment("actor")
+def act(w, obs):
+    return ((obs - SHIFT) @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")  # @def
+def learn(state, batch):
+    global SHIFT, COUNT
+    if SHIFTS:
+        SHIFT = SHIFT + 1.0   # rebound: the actor reads it
+    COUNT = COUNT + 1         # rebound: only the learner, or the loop, reads it
+    return {"w": state["w"] + COUNT}, {"a": batch["action"].mean()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(4)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            action = act(state["w"], obs)
+            obs, *_ = env.step(action)
+            buf.add(action=action)
+        state, m = learn(state, buf.collect())
+        ff.log(m)  # @log
+    return state
+"""
+
+
+@pytest.mark.parametrize("shifts", [True, False])
+def test_a_global_a_learner_rebinds_and_an_actor_or_the_loop_reads_is_refused_where_they_run_apart(write_algo, shifts):
+    path, marks = write_algo(REBOUND_GLOBAL.replace("SHIFTS", str(shifts)))
+    program = load(str(path))
+    if shifts:   # the actor reads it: eagerly it acts with each new value, apart it would keep the first
+        with pytest.raises(PlacementError, match=rf"learner fragment 'learn' rebinds the global 'SHIFT' \(`global SHIFT` "
+                                                 rf"and an assignment\) and actor fragment 'act' reads it, but policy "
+                                                 rf"'pipelined' runs them in different processes.*\n  at "
+                                                 rf"{relpath(path)}:{marks['def']}\n  fix: return what"):
+            compile(program.train, policy="pipelined")
+        return
+    # a counter only the learner reads runs apart, as eagerly (its process counts from the module's
+    # value); the loop reading it is refused
+    def run(policy=None):
+        program.train.__globals__["COUNT"] = 0
+        return (program.train() if policy is None else ff.run(program.train, policy=policy, progress=False).value)["w"]
+
+    eager = run()
+    np.testing.assert_array_equal(eager, np.full(4, 11.0))   # 1 + (1 + 2 + 3 + 4)
+    np.testing.assert_array_equal(run("single_process"), eager)
+    np.testing.assert_array_equal(run("pipelined(max_lag=0)"), eager)
+    path, _ = write_algo(REBOUND_GLOBAL.replace("SHIFTS", "False").replace("ff.log(m)  # @log", "ff.log({**m, 'n': COUNT})"), "algo_reads.py")
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=r"learner fragment 'learn' rebinds the global 'COUNT' \(`global COUNT` and "
+                                             r"an assignment\) and the training loop reads it, but policy 'pipelined'"):
+        compile(program.train, policy="pipelined")
+
+
+UNWRITTEN_STATE = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")  # @def
+def learn(state, target, batch):
+    target["w"] += 1.0   # in place, and not the state it writes
+    return {"n": state["n"] + 1, "w": state["w"]}, {"a": batch["action"].mean()}
+
+def train(actor_reads_target=True):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"n": np.zeros(()), "w": -np.ones(4)})
+    target = ff.versioned({"w": -np.ones(4)}, name="target")
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(4):
+            action = act(target["w"] if actor_reads_target else state["w"], obs)
+            obs, *_ = env.step(action)
+            buf.add(action=action)
+        state, m = learn(state, target, buf.collect())
+        ff.log(m)
+    return target
+"""
+
+
+def test_state_a_learner_changes_in_place_without_writing_it_is_refused_where_an_actor_reads_it_apart(write_algo):
+    path, marks = write_algo(UNWRITTEN_STATE)
+    program = load(str(path))
+    eager = program.train()["w"]
+    np.testing.assert_array_equal(ff.run(program.train, policy="single_process", progress=False).value["w"], eager)
+    # served beside the learner, the actor reads the learner's own object, as eagerly
+    np.testing.assert_array_equal(ff.run(program.train, policy="central_inference(env_workers=2)",
+                                         progress=False).value["w"], eager)
+    for policy in ("pipelined", "actor_learner(actors=2)"):
+        with pytest.raises(PlacementError, match=rf"learner 'learn' changes the versioned state 'target' in place \(argument "
+                                                 rf"'target'\), which it does not write, and actor fragment 'act' reads "
+                                                 rf"that state.*\n  at {relpath(path)}:{marks['def']}\n  fix: make the "
+                                                 rf"change in a learner that writes 'target'"):
+            compile(program.train, policy=policy)
+    # no fragment apart reads it: the learner's process keeps it, as eagerly
+    np.testing.assert_array_equal(ff.run(program.train, False, policy="pipelined", progress=False).value["w"], eager)
+
+
 CHANGED_ARGUMENT = """
 import numpy as np
 import fragflow as ff

@@ -44,9 +44,15 @@ def graph_of(t: Tracer, name: str, defined_at: SourceLoc | None) -> Graph:
                           reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
                                                       if id(value) not in t._changed_data
                                                       and id(value) not in t._state_objects)),
-                          changes_data=tuple(sorted(set(rec.changes_data.values()))),
+                          changes_data=tuple(sorted(set(rec.changes_data.values()) | set(rec.rebinds.values()))),
+                          rebinds_data=tuple(sorted(set(rec.rebinds.values()))),
+                          changes_read=rec.changes_read,
                           names_data=tuple(sorted({label for i, label in rec.names_data.items()
-                                                   if i in t._changed_data}))))
+                                                   if i in t._changed_data} |
+                                                  {t._rebound[(id(holder), name)][1]
+                                                   for _, holder, name, _, _ in rec.reached or ()
+                                                   if (id(holder), name) in t._rebound
+                                                   and t._rebound[(id(holder), name)][0] != rec.name}))))
     edges = [
         Edge(src, dst, kind, src_port, dst_port, tuple(er.leaves.values()),
              _per(er.crossings[steady], per), er.where)

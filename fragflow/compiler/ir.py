@@ -95,12 +95,14 @@ class Node:
                                    # a user's env sized with ff.envs.ids)
     evaluation: bool = False       # ENV: an evaluation env (stepped whole by every acting process)
     mutates_state: str = ""        # not a learner, yet changed the versioned state it read in place (which)
+    changes_read: tuple[str, str] | None = None   # a learner that changed in place state it reads, not writes: (state, argument)
     dtype_change: tuple[str, SourceLoc | None] | None = None   # its output's dtypes changed between calls
     actor_mode: str = ""           # not a learner, sets the training mode of state modules no learner sets (which)
     learner_mode: str = ""         # not a learner, acts with modules whose training mode a learner sets (which)
     captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)
     reads_captured: str = ""       # reaches versioned state itself (a handle) through a global or closure (which)
-    changes_data: tuple[str, ...] = ()   # module data (a global array, list, dict) it changes in place
+    changes_data: tuple[str, ...] = ()   # module data (a global array, list, dict) it changes in place, or rebinds
+    rebinds_data: tuple[str, ...] = ()   # ... of it, the globals it rebinds (global SHIFT; SHIFT = ...)
     names_data: tuple[str, ...] = ()     # module data its code reaches that some fragment changes
     other_rows: str = ""           # also called on another number of environments (an evaluation env): where
     other_rows_evaluation: bool = True   # ... that number is no training env's (else: two training envs)

@@ -104,6 +104,26 @@ def _own_loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:
     return names
 
 
+def bound_globals(fn: Any) -> list[tuple[dict[str, Any], str]]:
+    """The globals ``fn``'s own code rebinds (``global SHIFT; SHIFT = SHIFT + 1``): (its module's
+    globals, name) each; whether a call did, the caller sees by what the name holds after it."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    scope = getattr(fn, "__globals__", None)
+    if code is None or not isinstance(scope, dict):
+        return []
+    return [(scope, name) for name in sorted(_bound_globals(code))]
+
+
+def function_loads_global(fn: Any, scope: dict[str, Any], name: str) -> bool:
+    """Whether ``fn``'s own code (the training loop's) reads the global ``name`` of the module
+    whose globals are ``scope``."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    return code is not None and getattr(fn, "__globals__", None) is scope and \
+        name in _own_loads(code, frozenset({"LOAD_GLOBAL", "LOAD_NAME"}))
+
+
 def function_reads(fn: Any, label: str, value_id: int) -> bool:
     """Whether ``fn``'s own code (the training loop's) reads the data :func:`mutable_data` labels
     ``label`` (``"global 'LOSSES'"``, ``"closure variable 'losses'"``) whose ``id`` is ``value_id``:

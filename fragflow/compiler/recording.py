@@ -65,6 +65,9 @@ class NodeRec:
     backends: set[str] = field(default_factory=set)
     static: tuple[str, ...] = ()
     mutates: str = ""   # a fragment that is not a learner changed the versioned state it read, in place
+    # a learner changed in place versioned state it reads but does not write: (state, argument)
+    changes_read: tuple[str, str] | None = None
+    rebinds: dict[tuple[int, str], str] = field(default_factory=dict)   # globals it rebound: (id(globals), name) -> label
     dtype_change: tuple[str, SourceLoc | None] | None = None   # its output's dtypes changed between calls (what, where)
     captures: str = ""  # ... or reaches an object versioned state holds (a module) through a global or closure
     reads_captured: str = ""  # ... or reaches versioned state itself (its handle) through a global or closure

@@ -63,6 +63,7 @@ class StateBook(Repeats):
     _readers: dict[str, set[str]]   # a state's readers (not learners) since its last watch
     _changed_args: list[Changed]
     _changed_data: dict[int, str]
+    _rebound: dict[tuple[int, str], tuple[str, str, dict[str, Any]]]
 
     def read_state(self, x: Versioned | VersionedView, what: str | None) -> tuple[bool, Any]:
         """The loop reads versioned state: as eagerly (the run may be one process), noted for placement
@@ -191,7 +192,8 @@ class StateBook(Repeats):
         for rec in self._nodes.values():
             if rec.reached and not rec.loop_changes:
                 for label, holder, name, value, before in rec.reached:
-                    if id(value) in self._changed_data or id(value) in self._state_objects:
+                    if id(value) in self._changed_data or id(value) in self._state_objects or \
+                            (id(holder), name) in self._rebound:
                         continue   # (a fragment changes it, or it is versioned state's: each refused or kept by its own rule)
                     now = reached_now(holder, name)
                     after = again(now, before)   # (rebound to what holds the same: CFG = {**CFG, "x": 1})

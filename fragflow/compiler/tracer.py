@@ -41,6 +41,7 @@ from fragflow.compiler.pytree import (
     is_static,
 )
 from fragflow.compiler.reach import (
+    bound_globals,
     captured_objects,
     captured_state,
     handles_as_values,
@@ -64,6 +65,7 @@ from fragflow.source import SourceLoc, user_callsite
 # training function's module defines has been called once: a target-network sync every 500 steps
 # must be seen to be placed.
 MAX_TRACE_UPDATES = 200
+_UNBOUND = object()   # a global not bound (yet)
 QUICK_KEPT = 64   # a quick warm-up (see Tracer.quick) knows the outputs of this many of its last calls when it ends
 CHANGED_KEPT = 16   # array arguments changed in place the trace holds (the newest), to see whether they are read again
 
@@ -116,6 +118,8 @@ class Tracer(StateBook):
         self._learned_at: tuple[str, SourceLoc | None] | None = None   # the last learner call: which, where
         self.star_state: tuple[str, str, SourceLoc | None] | None = None   # state given through *args: what, who, where
         self._changed_data: dict[int, str] = {}   # module data a fragment changed in place: id -> its label
+        # globals a fragment rebound while it ran (``global SHIFT; SHIFT = ...``): (id(globals), name) -> (who, label, globals)
+        self._rebound: dict[tuple[int, str], tuple[str, str, dict[str, Any]]] = {}
         self.modes = modes.ModeBook()   # the training modes fragments set and act in
         self.threads_set: ThreadsSet | None = None   # torch.set_num_threads while tracing (did the program call it?)
         self.blas_set: list[int] | None = None   # numpy's BLAS thread counts as the trace set them
@@ -378,6 +382,16 @@ class Tracer(StateBook):
                     if pname != frag.writes]
         fingerprints = [fingerprint(value) for _, _, value in read]
         grads = [grad_flags(value) for _, _, value in read]
+        # a learner changing in place state it reads but does not write (target["w"] += 1): eagerly an
+        # actor acting with that state sees the change; apart, no version carries it (every traced call)
+        others: list[tuple[str, str, Any]] = []
+        if frag.role == "learner" and not self.begins_run and rec.changes_read is None:
+            others = [(pname, handle, bound.arguments[pname]) for pname, handle in state_args
+                      if pname != frag.writes and (written is None or handle != written.name)]
+        others_before = [fingerprint(value) for _, _, value in others]
+        # the globals its code rebinds, as they were (a change seen after the call)
+        binds = bound_globals(frag.fn) if not self.begins_run and (sum(rec.calls) <= 2 or frag.role == "learner") else []
+        binds_before = [scope.get(name, _UNBOUND) for scope, name in binds]
         first = sum(rec.calls) == 1
         watched = mutable_data(frag.fn) if sum(rec.calls) <= 2 else []
         if first:
@@ -415,6 +429,16 @@ class Tracer(StateBook):
                 rec.mutates = f"'{state}' (argument '{pname}')"
             elif grad_flags(value) != grad:   # (requires_grad_(False) to freeze a layer: the learner's copy learns on)
                 rec.mutates = f"'{state}' (argument '{pname}': the requires_grad of its tensors)"
+        for (pname, state, value), before in zip(others, others_before):
+            if fingerprint(value) != before:
+                rec.changes_read = (state, pname)
+                self.state_use.written.add(state)   # (the loop reading it after: as a written state's read)
+                break
+        for (scope, name), before in zip(binds, binds_before):
+            if scope.get(name, _UNBOUND) is not before:
+                label = f"global '{name}'"
+                rec.rebinds[(id(scope), name)] = label
+                self._rebound.setdefault((id(scope), name), (rec.name, label, scope))
         for (label, value), before in zip(watched, watched_before):
             if fingerprint(value) != before:   # changed data the module holds: who else reads it?
                 rec.changes_data[id(value)] = label

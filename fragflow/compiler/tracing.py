@@ -17,7 +17,7 @@ from fragflow.compiler import probes
 from fragflow.compiler.ir import Graph
 from fragflow.compiler.loops import LoopWatcher
 from fragflow.compiler.moduledata import ModuleData
-from fragflow.compiler.reach import function_reads
+from fragflow.compiler.reach import function_loads_global, function_reads
 from fragflow.compiler.tracer import Tracer, _StopTracing
 from fragflow.compiler.watchers import ThreadsSet, rng_state, set_rng_state, watch_env_makers
 from fragflow.errors import ConfigError, FragflowError, NoFragmentError
@@ -99,7 +99,9 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     shared_key=tracer.shared_key,
                                     loop_reads_changed=tuple((rec.name, label) for rec in tracer._nodes.values()
                                                              for ident, label in rec.changes_data.items()
-                                                             if function_reads(train, label, ident)),
+                                                             if function_reads(train, label, ident)) +
+                                    tuple((who, label) for (_, name), (who, label, scope) in tracer._rebound.items()
+                                          if function_loads_global(train, scope, name)),
                                     uncalled_learners=tuple((f.name, f.defined_at) for f in module_fragments
                                                             if f.role == "learner" and id(f) in tracer._expected))
         return graph.verify(), tracer.fragments

@@ -377,6 +377,20 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     fix=f"make '{learner.name}' a function of its own (or a method of another object) that takes the "
                         "state it needs as arguments, or run with --policy single_process")
     for n in graph.fragments():
+        if n.changes_read is not None and n.name not in acting:
+            state, pname = n.changes_read
+            readers = sorted({e.dst for e in graph.edges_of(EdgeKind.STATE_READ) if e.src == state and e.dst in acting})
+            if readers:
+                first = graph.node(readers[0])
+                raise PlacementError(
+                    f"learner '{n.name}' changes the versioned state '{state}' in place (argument '{pname}'), which it "
+                    f"does not write, and {first.role} fragment '{first.name}' reads that state, but policy "
+                    f"'{policy}' runs '{first.name}' apart from the learner: a state changes for other processes only "
+                    "by a new version, which a learner that writes it returns, so the change would never reach it",
+                    where=n.defined_at,
+                    fix=f"make the change in a learner that writes '{state}' (@ff.fragment(\"learner\", "
+                        f"writes=\"{pname}\") returning it, as dqn.py's sync_target writes its target network), or "
+                        f"keep what changes in the state '{n.name}' writes; or run with --policy single_process")
         if n.name in acting and n.mutates_state:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' changes the versioned state {n.mutates_state} in place, but policy "
@@ -422,8 +436,10 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         for m in graph.fragments():
             shared = sorted(set(n.changes_data) & set(m.names_data)) if m.name != n.name else []
             if shared and (n.name in service) != (m.name in service):
+                how = (f"rebinds the {shared[0]} (`global {shared[0].split(chr(39))[1]}` and an assignment)"
+                       if shared[0] in n.rebinds_data else f"changes the {shared[0]} in place")
                 raise PlacementError(
-                    f"{n.role} fragment '{n.name}' changes the {shared[0]} in place and {m.role} fragment "
+                    f"{n.role} fragment '{n.name}' {how} and {m.role} fragment "
                     f"'{m.name}' reads it, but policy '{policy}' runs them in different processes, each with a "
                     f"copy of it of its own: '{m.name}' would never see the changes", where=n.defined_at,
                     fix=f"return what '{m.name}' needs from '{n.name}' and pass it on in the loop (or keep it in "
@@ -441,8 +457,10 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         if changer not in service:
             continue
         node = graph.node(changer)
+        how = (f"rebinds the {data} (`global {data.split(chr(39))[1]}` and an assignment)" if data in node.rebinds_data
+               else f"changes the {data} in place")
         raise PlacementError(
-            f"{node.role} fragment '{changer}' changes the {data} in place and the training loop reads it, but policy "
+            f"{node.role} fragment '{changer}' {how} and the training loop reads it, but policy "
             f"'{policy}' runs '{changer}' in another process, with a copy of it of its own: the loop would never see "
             "the changes", where=node.defined_at,
             fix=f"return what the loop needs from '{changer}' (a metric goes to ff.log; what must last, to the "
