@@ -189,14 +189,23 @@ class Graph:
         """The fragment whose calls count versions: the state-writing fragment (of ``among``, or of
         the whole graph) with the highest rate, the first in trace order on a tie; None if none writes.
         Writers of a state an actor reads come first: a target network synced (Polyak) every env step
-        is not what the run's updates count, the learner stepping the acted-with network is."""
+        is not what the run's updates count, the learner stepping the acted-with network is; and of
+        those, one called in a loop around the acting first: a hand-over learner called once between
+        two phases (outside the acting loop, so that the trace, ending at the online learner's first
+        call, saw more of its calls) is not the online learner."""
         writes = self.edges_of(EdgeKind.STATE_WRITE)
-        acted = {e.src for e in self.edges_of(EdgeKind.STATE_READ) if self.node(e.dst).role == "actor"}
+        reads = [e for e in self.edges_of(EdgeKind.STATE_READ) if self.node(e.dst).role == "actor"]
+        acted = {e.src for e in reads}
         writers = {e.src for e in writes}
         candidates = [n for n in self.fragments() if n.name in writers and (among is None or n.name in among)]
         first = [n for n in candidates if any(e.src == n.name and e.dst in acted for e in writes)]
         candidates = first or candidates
-        return max(candidates, key=lambda n: n.rate).name if candidates else None
+        actors = [self.node(e.dst).called_at for e in reads]
+
+        def with_acting(n: Node) -> bool:
+            return any(loop.encloses(n.called_at) and any(loop.encloses(at) for at in actors) for loop in self.loops)
+
+        return max(candidates, key=lambda n: (with_acting(n), n.rate)).name if candidates else None
 
     def derived_rate(self, name: str) -> float | None:
         """Calls of ``name`` per clock call from the loop structure alone (see
@@ -211,7 +220,13 @@ class Graph:
         what the trace observed."""
         derived = self.derived_rate(name)
         observed = self.node(name).rate
-        return observed if derived is None else max(derived * self.node(self.clock() or name).rate, observed)
+        clock_rate = self.node(self.clock() or name).rate
+        if clock_rate == 0:
+            # the clock was not called in the trace's steady window (an online learner first called as
+            # the trace ended, after a pretraining phase with a learner of its own): the other rates
+            # count that phase's updates, only the loops say how many calls each clock call brings
+            return derived if derived is not None else max(observed, 1.0 if name == self.clock() else 0.0)
+        return observed if derived is None else max(derived * clock_rate, observed)
 
     def loops_of(self, name: str) -> list[LoopSpec]:
         """The loops that enclose a fragment's call in the training function, outermost first."""
