@@ -532,6 +532,8 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
                       stop_on_target=stop_on_target)
     if start is not None:
         monitor.resume(start.counters)
+    if checkpoints is not None:
+        checkpoints.warn = monitor.warn
     if outputs is not None and start is None:
         outputs.write_text("graph.txt", format_placed(placed))
     # (one process runs the program again from its start, its setup before its loop with it: not in the rate)

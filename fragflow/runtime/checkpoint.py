@@ -31,6 +31,7 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -370,6 +371,8 @@ class RunCheckpoints:
         self.begun: dict[int, float] = {}      # seq -> when it was staged (its parts are waited for from then)
         self.given_up: set[int] = set()        # their parts, still coming, are dropped
         self.committed = 0                     # the newest committed (an older one's parts are dropped)
+        self.warn: Callable[[str], None] | None = None   # the run's warnings (the monitor's)
+        self._unsaved_said: set[str] = set()
         if every is not None:
             _prune_stale(self.root)
 
@@ -401,6 +404,8 @@ class RunCheckpoints:
                 "ends there or before, so there is nothing to run (the checkpoint is left as it was)",
                 fix="resume with a larger budget (--set the field of your Args that sets its steps or updates, as "
                     "total_timesteps in the algorithms/ programs), or resume an earlier checkpoint")
+        for name, (meta, _) in parts.items():
+            self._say_unsaved(name, meta)
         path = write(self.root, str(counters["updates"]), self.manifest(counters, loop, complete), parts, self.keep)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
@@ -452,9 +457,25 @@ class RunCheckpoints:
         if entry is None:
             return False
         _, expected, parts, infos = entry
+        self._say_unsaved(part, meta)
         parts[part] = meta
         infos[part] = info
         return expected <= set(parts)
+
+    def _say_unsaved(self, part: str, meta: Any) -> None:
+        """Say, once each, what of a loop's locals its checkpoints leave out that the loop keeps
+        across trips (a resumed run starts it afresh)."""
+        unsaved = [u for u in (meta.get("unsaved", ()) if part.startswith("loop") and isinstance(meta, dict) else ())
+                   if u not in self._unsaved_said]
+        if not unsaved or self.warn is None:
+            return
+        self._unsaved_said.update(unsaved)
+        self.warn(f"checkpoints leave out the training loop's {', '.join(unsaved)}: a run resumed from them starts "
+                  f"{'it' if len(unsaved) == 1 else 'them'} as the program makes {'it' if len(unsaved) == 1 else 'them'}, "
+                  "not as saved (a checkpoint keeps the loop's numbers, strings, keys, generators, objects with "
+                  "state_dict()/load_state_dict(), and lists, dicts, tuples, deques and objects of your own classes "
+                  "holding only numbers, strings and arrays): give its class state_dict() and load_state_dict(), or "
+                  "keep what it holds in such values")
 
     def missing(self, seq: int) -> set[str]:
         entry = self.staging.get(seq)

@@ -1,5 +1,6 @@
 """What a checkpoint saves of a process, and how a resumed one loads it back: the loop's locals
-(its numbers and strings, ``ff.random`` keys, jax keys, random generators, every local object with
+(its numbers and strings, ``ff.random`` keys, jax keys, random generators, plain containers and objects of
+the user's own, every local object with
 ``state_dict``/``load_state_dict``), the process-wide random states, the versioned states; a loop
 replica's part and its resume point. The files, the manifest and when checkpoints are taken are
 :mod:`fragflow.runtime.checkpoint`.
@@ -8,7 +9,9 @@ replica's part and its resume point. The files, the manifest and when checkpoint
 from __future__ import annotations
 
 import random as pyrandom
+import sys
 import types
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -91,6 +94,21 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
             except Unsupported as exc:
                 raise CheckpointError(f"cannot save the loop's {name!r}: its state_dict() holds {exc}",
                                       fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
+        elif (plain := _plain_container(x)) is not None:
+            # a list, dict, tuple or deque of numbers, strings and arrays (recent returns, a history, a
+            # counter dict): loaded in place, the loop's own object kept (what else holds it sees it)
+            try:
+                entries[name] = {"as": "container", "kind": plain[0], "maxlen": plain[1],
+                                 "v": _enc(list(x) if plain[0] == "deque" else x, key, arrays)}
+            except Unsupported:
+                left.append(name)
+        elif _plain_object(x) and not _buffer_of_users(x):   # (a buffer of the user's own: refused below, where
+            # a service holds it, the loop's copy saved would be one no fragment fills)
+            # an object of the user's class holding only such values (hand-written statistics): its attributes
+            try:
+                entries[name] = {"as": "attributes", "type": type(x).__qualname__, "v": _enc(dict(vars(x)), key, arrays)}
+            except Unsupported:
+                left.append(name)
         elif not callable(x) and not isinstance(x, types.ModuleType):
             if strict and _buffer_of_users(x):   # its data is the run's: a resumed run would learn from an empty one
                 raise CheckpointError(
@@ -101,6 +119,71 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                         "states) and load_state_dict(d) (setting them back), or run without --checkpoint-every")
             left.append(name)
     return entries, arrays, left
+
+
+CONTAINER_MAX = 1 << 20   # leaves of a container the loop keeps that a checkpoint saves (more: left out, said)
+
+
+def _plain_leaf(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, np.generic)) or \
+        (isinstance(v, np.ndarray) and v.dtype != object)
+
+
+def _plain_container(x: Any, budget: list[int] | None = None) -> tuple[str, int | None] | None:
+    """``(kind, maxlen)`` where ``x`` is a list, dict (of str/int keys), tuple or deque whose leaves
+    are numbers, strings, None and numpy arrays (nested), at most ``CONTAINER_MAX`` of them: what
+    the loop keeps across trips that a checkpoint can save and load back in place; else None."""
+    budget = [CONTAINER_MAX] if budget is None else budget
+    if isinstance(x, deque):
+        kind, items, maxlen = "deque", list(x), x.maxlen
+    elif type(x) is list:
+        kind, items, maxlen = "list", x, None
+    elif type(x) is tuple:
+        kind, items, maxlen = "tuple", list(x), None
+    elif type(x) is dict:
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in x):
+            return None
+        kind, items, maxlen = "dict", list(x.values()), None
+    else:
+        return None
+    budget[0] -= len(items)
+    if budget[0] < 0:
+        return None
+    for v in items:
+        if not (_plain_leaf(v) or _plain_container(v, budget) is not None):
+            return None
+    return kind, maxlen
+
+
+def _plain_object(x: Any) -> bool:
+    """An object of a class of the user's own (not a library's), without ``state_dict``, whose
+    attributes are all numbers, strings, None, arrays or plain containers of them."""
+    from fragflow.compiler.reach import users_code
+
+    attrs = getattr(x, "__dict__", None)
+    if type(attrs) is not dict or not attrs or isinstance(x, type) or callable(x):
+        return False
+    module = sys.modules.get(type(x).__module__)
+    if not users_code(getattr(module, "__file__", None) or "<>"):
+        return False
+    return all(_plain_leaf(v) or _plain_container(v) is not None for v in attrs.values())
+
+
+def unsaved_note(frame_locals: dict[str, Any], left: list[str]) -> list[str]:
+    """Of the loop's locals a checkpoint leaves out (``left``), those a resumed run would silently
+    start afresh where the loop keeps them across trips: objects of the user's own classes and
+    containers (what the loop rebuilds, arrays of observations, environments, modules, is not
+    named), each as ``name (a Type)``."""
+    from fragflow.compiler.reach import users_code
+
+    out = []
+    for name in left:
+        x = frame_locals.get(name)
+        module = sys.modules.get(type(x).__module__)
+        own = users_code(getattr(module, "__file__", None) or "<>") and type(getattr(x, "__dict__", None)) is dict
+        if own or type(x) in (list, dict, tuple, set, deque):
+            out.append(f"'{name}' (a {type(x).__qualname__})")
+    return out
 
 
 def _class_line(klass: type) -> Any:
@@ -169,6 +252,24 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
                 x.setstate((s[0], tuple(s[1]), s[2]))
             elif how == "torch_generator" and torch is not None and isinstance(x, torch.Generator):
                 x.set_state(torch.from_numpy(_array(arrays, e["k"]).copy()))
+            elif how == "container":
+                value = decode(e["v"], arrays, path=name)
+                kind = e["kind"]
+                if kind == "list" and type(x) is list:
+                    x[:] = value
+                elif kind == "dict" and type(x) is dict:
+                    x.clear()
+                    x.update(value)
+                elif kind == "deque" and isinstance(x, deque) and x.maxlen == e["maxlen"]:
+                    x.clear()
+                    x.extend(value)
+                else:   # (the loop makes it later, or makes another kind now: the saved one)
+                    assign[name] = deque(value, e["maxlen"]) if kind == "deque" else \
+                        tuple(value) if kind == "tuple" else value
+            elif how == "attributes":
+                if x is None or type(x).__qualname__ != e["type"] or type(getattr(x, "__dict__", None)) is not dict:
+                    raise Mismatch(f"the loop's {name!r} ({e['type']}) is not there to load into")
+                x.__dict__.update(decode(e["v"], arrays, path=name))
             elif how == "component":
                 if x is None or not callable(getattr(x, "load_state_dict", None)):
                     raise Mismatch(f"the loop's {name!r} ({e['type']}) is not there to load into")
@@ -300,7 +401,8 @@ def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(), stri
     entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent, latest)
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
-    meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left}
+    meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left,
+            "unsaved": unsaved_note(snapshot.frame_locals, left)}
     if not strict:   # (a restart snapshot: buffers of the user's own it could not take, which a restart would empty)
         # (name, class, the prefix of its fragments' names: where a service holds it, the loop's copy is unused)
         meta["lost"] = [[n, type(x).__qualname__, getattr(x, "name", None) or type(x).__name__] for n in left
