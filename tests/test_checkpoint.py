@@ -2112,7 +2112,7 @@ def test_a_key_a_served_actor_gives_back_to_itself_is_refused_at_the_checkpoint_
     process; the loop's local held only a reference, left out of the checkpoint unsaid: a resumed
     run restarted the key stream from the seed. It is refused at the checkpoint, with the fix; under
     a policy that acts where the loop runs the key is the loop's and is saved."""
-    path, _ = write_algo('''
+    path, marks = write_algo('''
         from dataclasses import dataclass
         import numpy as np
         import fragflow as ff
@@ -2133,7 +2133,7 @@ def test_a_key_a_served_actor_gives_back_to_itself_is_refused_at_the_checkpoint_
         def train(args: Args):
             state = ff.versioned({"w": np.zeros(1)})
             key = ff.random.keys(0, np.arange(2))
-            for u in range(args.updates):
+            for u in range(args.updates):  # @loop
                 key, x = act(state, key)
                 state, m = learn(state, x)
                 ff.log(m)
@@ -2141,7 +2141,8 @@ def test_a_key_a_served_actor_gives_back_to_itself_is_refused_at_the_checkpoint_
     ''', "served_key.py")
     prog = load(str(path))
     with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'key': it holds an output of actor 'act' "
-                                                       r"that the loop gives back to 'act'.*\n  fix: keep it in the loop"):
+                                                       r"that the loop gives back to 'act'.*\n  at \S*served_key.py:"
+                                                       rf"{marks['loop']}\n  fix: keep it in the loop"):
         ff.run(prog.train, prog.args_cls(), policy="central_inference(env_workers=1)", out=tmp_path / "a", checkpoint_every=3)
     full = ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "b")
     ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "c", checkpoint_every=3)

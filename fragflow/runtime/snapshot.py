@@ -34,7 +34,8 @@ class CheckpointError(FragflowError):
 # -- the loop's locals ----------------------------------------------------------------------------------
 def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset(),
                 strict: bool = True, recurrent: dict[tuple[Any, ...], str] | None = None,
-                latest: dict[str, int] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
+                latest: dict[str, int] | None = None, where: Any = None
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
     """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``. ``strict``
     (a checkpoint): a buffer of the user's own that cannot be saved is refused; else (an actor's
     restart snapshot, which the user never asked for) it is left out, as a buffer too big for one is.
@@ -62,7 +63,8 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                 raise CheckpointError(
                     f"cannot save the loop's {name!r}: it holds an output of {role} '{p.fragment}' that the loop gives "
                     f"back to '{p.fragment}' at its next call, and this policy keeps it in the process that runs "
-                    f"'{p.fragment}', so a run resumed from this checkpoint would start it anew",
+                    f"'{p.fragment}', so a run resumed from this checkpoint would start it anew (the loop's trips "
+                    "begin at this line)", where=where,
                     fix="keep it in the loop: split the key there and give the actor the sub-key (`key, sub = "
                         "ff.random.split(key)`, then `act(..., sub)`), or checkpoint under a policy that acts where "
                         "the loop runs (pipelined, actor_learner)" if role == "actor" else
@@ -398,7 +400,10 @@ def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(), stri
               ) -> tuple[dict[str, Any], tuple[Any, dict[str, np.ndarray]]]:
     """A loop replica's position and part from a trip snapshot: ``(position, (meta, arrays))``
     (``strict``, ``recurrent``, ``latest``: see :func:`loop_locals`)."""
-    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent, latest)
+    from fragflow.source import SourceLoc, display_path
+
+    where = SourceLoc(display_path(snapshot.file), snapshot.line) if snapshot.file else None
+    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent, latest, where)
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
     meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left,

@@ -27,6 +27,7 @@ class Snapshot:
     line: int                     # the top-level loop
     trip: int                     # trips of it completed
     frame_locals: dict[str, Any]  # the training function's locals at that moment (not copied)
+    file: str = ""                # the training function's file
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Trips:
         if self.pending or (self.poll is not None and self.poll()):
             self.pending = False
             if self.capture is not None:
-                self.capture(Snapshot(line, trip, dict(frame.f_locals)))
+                self.capture(Snapshot(line, trip, dict(frame.f_locals), frame.f_code.co_filename))
 
 
 _tracker: Trips | None = None
