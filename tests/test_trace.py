@@ -771,6 +771,23 @@ def learn_cast(state, batch):
         trace_file(path)
 
 
+def test_a_learner_changing_a_leafs_dtype_at_a_later_call_is_refused_at_that_call(write_algo):
+    """The state made f64 and written f64, then f32 at the second call: the run refused the third
+    call's f64, saying the state was traced as f32 (helper round 45)."""
+    path, marks = write_algo(HEADER + """
+@ff.fragment("learner")
+def learn_cast(state, batch):
+    n = state["w"].astype(np.float64).sum()
+    return {"w": (state["w"] + batch["obs"].mean()).astype(np.float64 if n == 0 else np.float32)}, {}
+""" + ROLLOUTS.format(updates=3, act="act", learn="learn_cast").replace(
+        'state = ff.versioned({"w": np.zeros((4, 2), np.float32)})', 'state = ff.versioned({"w": np.zeros((4, 2))})'))
+    with pytest.raises(VersionedStateError, match=r"learner 'learn_cast' returned, as the next version of 'state' at its "
+                                                  r"call 2, \['w'\] as f32\[4,2\] numpy, but the state holds f64\[4,2\] "
+                                                  r"numpy.*\n  at .*\n  fix: keep every leaf's shape, dtype and array "
+                                                  r"library \(cast back: x.astype\(np.float64\)\)"):
+        trace_file(path)
+
+
 def test_a_sliced_view_of_state_runs_in_one_process_and_is_refused_at_its_line_by_the_others(write_algo):
     path, marks = write_algo(HEADER + """
 @ff.fragment("actor")

@@ -239,6 +239,18 @@ class StateBook(Repeats):
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         if not edge.leaves:   # its first write
             check_new_state(rec.name, handle, leaves, rec.defined_at)
+        else:   # a later one keeps each leaf as the first had it (f64 made and written, then f32 at call 2)
+            for p, leaf in leaves:
+                was, now = edge.leaves[(p, p)].spec if (p, p) in edge.leaves else None, spec_of(leaf)
+                if was is not None and (was.shape, was.dtype, was.backend) != (now.shape, now.dtype, now.backend):
+                    raise VersionedStateError(
+                        f"learner '{rec.name}' returned, as the next version of '{handle.name}' at its call "
+                        f"{sum(rec.calls)}, {p} as {now.short()} {now.backend}, but the state holds {was.short()} "
+                        f"{was.backend} (as made, and as its earlier calls returned it)", where=where or rec.called_at,
+                        fix="keep every leaf's shape, dtype and array library (cast back: " +
+                            (f"x.to(torch.{was.dtype})" if was.backend == "torch" else f"x.astype(np.{was.dtype})"
+                             if was.backend == "numpy" else f"x.astype(jnp.{was.dtype})" if was.backend == "jax"
+                             else "as made") + "), or create the state as the learner returns it")
         from fragflow.runtime.calls import check_finite, check_structure
         from fragflow.runtime.loop import allow_nonfinite
 
