@@ -2196,7 +2196,7 @@ def test_an_output_given_back_within_one_trip_is_saved_and_a_learners_carried_on
     path, _ = write_algo(path.read_text().replace("if args.updates < 0:", "if args.updates > 0:"), "carried.py")
     prog = load(str(path))
     with pytest.raises(snapshot.CheckpointError, match=r"cannot save the loop's 'avg': it holds an output of learner "
-                                                       r"'learn'.*\n  fix: keep it in versioned state"):
+                                                       r"'learn'.*\n  at \S*carried.py:\d+\n  fix: keep it in versioned state"):
         ff.run(prog.train, prog.args_cls(), policy="pipelined", out=tmp_path / "d", checkpoint_every=3)
 
 
