@@ -344,8 +344,23 @@ def _from_checkpoint(start: Any, algorithm: str | None, policy: str | None) -> t
             raise CheckpointError(f"checkpoint {start.path} was written by {saved!r}, not {algorithm!r}",
                                   fix="leave the algorithm out: `fragflow run --resume DIR` reads it from the checkpoint")
     if policy is None:
+        from fragflow.errors import ConfigError, UnknownPolicyError
+        from fragflow.placement import registry
+        from fragflow.runtime.checkpoint import CheckpointError
+
         options = m.get("policy_options") or {}
+        if not isinstance(options, dict):
+            raise CheckpointError(f"checkpoint {start.path} is corrupt: its manifest.json's policy_options is "
+                                  f"{type(options).__name__}, not a dict of options",
+                                  fix="pass the policy with --policy, or resume from another checkpoint of the run")
         policy = m.get("policy") + (f"({','.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+        try:   # (the run's policy as the manifest records it: a damaged one is the checkpoint's fault, not the user's)
+            name, raw = registry.parse_policy(policy)
+            registry.get(name).make_options(dict(raw))
+        except (UnknownPolicyError, ConfigError) as exc:
+            raise CheckpointError(f"checkpoint {start.path} is corrupt: its manifest.json records the policy "
+                                  f"{policy!r}, which cannot be run ({exc.what})",
+                                  fix="pass the policy with --policy, or resume from another checkpoint of the run") from None
     return algorithm or saved, policy, m.get("args")
 
 
@@ -369,6 +384,10 @@ def graph(
 
             raise ConfigError(f"--image {image} asks for an image and --no-image for none",
                               fix="give one of them (the text form is always printed)")
+        if policy is not None:   # (read before the trace: `-p ""` names no policy, it does not ask for the graph alone)
+            from fragflow.placement.registry import parse_policy
+
+            parse_policy(policy)
         program, args = _load(algorithm, set_)
         target = image
         no_image = no_image or image is None
@@ -379,9 +398,9 @@ def graph(
         with err.status(f"tracing {program.name} ...", spinner="dots") as status:
             # the graph alone is placed in one process, which refuses nothing that runs eagerly: another
             # policy's refusal is for `--policy` (or the run) to give
-            placed = driver.compile(program.train, args, policy=policy or "single_process",
+            placed = driver.compile(program.train, args, policy=policy if policy is not None else "single_process",
                                     on_trace=_tracing(program.name, status)).placed
-        text = format_placed(placed) if policy else format_graph(placed.graph)
+        text = format_placed(placed) if policy is not None else format_graph(placed.graph)
         if target is not None and not no_image:
             from fragflow.compiler.draw import draw
 

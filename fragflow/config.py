@@ -144,7 +144,7 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
     values = _overrides(args_cls, sets, base, "", problems, train_params)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
-                          fix=f"the fields of {args_cls.__name__} are: {', '.join(_settable(args_cls))}")
+                          fix=f"the fields of {args_cls.__name__} --set takes are: {', '.join(_settable(args_cls))}")
     try:
         return _built(args_cls, values, base)
     except (ValueError, TypeError) as exc:
@@ -166,7 +166,10 @@ def _nested(annotation: Any) -> type | None:
 def _settable(cls: type, prefix: str = "", depth: int = 0) -> list[str]:
     """The keys --set takes for ``cls``: its fields, a nested dataclass's as ``field.sub``."""
     out: list[str] = []
+    made = {f.name for f in dataclasses.fields(cls) if not f.init}   # (what the class makes itself: no --set)
     for name, annotation in field_types(cls).items():
+        if name in made:
+            continue
         sub = _nested(annotation)
         out.extend(_settable(sub, f"{prefix}{name}.", depth + 1) if sub is not None and depth < 4
                    else [f"{prefix}{name}"])
@@ -226,6 +229,11 @@ def _overrides(args_cls: type, sets: list[str], base: Any, prefix: str, problems
             else:
                 problems.append(f"--set {prefix}{key}: {args_cls.__name__} has no field '{key}'; "
                                 f"{did_you_mean(key, _settable(args_cls))}")
+            continue
+        if not next(f for f in dataclasses.fields(args_cls) if f.name == key).init:
+            problems.append(f"--set {prefix}{key}: {args_cls.__name__}.{key} is declared with field(init=False), so "
+                            f"{args_cls.__name__} makes it itself (its default, or __post_init__) and takes no value for "
+                            "it: set what it is made from, or drop init=False to set it")
             continue
         if key in given:
             problems.append(f"--set {prefix}{key} is given twice ({given[key]}, {raw.strip()}): give each field once")

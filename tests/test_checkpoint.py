@@ -218,6 +218,17 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
         (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
         res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
         assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, (damage, res.stderr)
+    # a damaged policy or policy options: the checkpoint's fault, not the user's --policy (it was "unknown
+    # distribution policy", an UnknownPolicyError telling the user to fix a --policy they never gave)
+    for policy, options, said in (("pipelinedd", {}, "records the policy 'pipelinedd'"),
+                                  ("pipelined", {"max_lagg": 1}, "no option 'max_lagg'"),
+                                  ("pipelined", [1], "policy_options is list")):
+        m = json.loads((good / "manifest.json").read_text())
+        m["policy"], m["policy_options"] = policy, options
+        (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+        res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
+        assert res.returncode == 2 and "is corrupt" in res.stderr and said in res.stderr, (policy, res.stderr)
+        assert "pass the policy with --policy" in res.stderr and "Traceback" not in res.stderr
     (bad / "checkpoints" / "4" / "manifest.json").write_text("{not json")
     res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
     assert res.returncode == 2 and "is corrupt" in res.stderr

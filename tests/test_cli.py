@@ -82,6 +82,9 @@ def test_graph_with_a_distributed_policy_prints_groups_and_channels():
     assert "actors  x2  program=loop" in out and "learner  x1  program=service" in out
     assert "trajectory  trajectory  actors -> learner  max_lag=3  overflow=drop" in out
     assert "parameters  parameter  learner -> actors" in out and "state['params'] -> act.params" in out
+    # an empty policy names none: refused as `run` refuses it (it printed the graph alone, exit 0), before tracing
+    res = invoke("graph", "ppo", "--policy", "", *SMALL)
+    assert res.exit_code == 2 and "no policy is named" in res.output and "fdg train" not in res.output
 
 
 def test_policies_lists_each_with_what_it_mirrors_and_its_options():
@@ -574,6 +577,10 @@ def test_a_training_function_annotated_with_a_type_checking_import_runs(tmp_path
                         r"decorate it: @dataclass\(frozen=True\) above class Args"),
     ("@dataclass(frozen=True)\nclass Args:", ["--set", "lr=0.5"],
      r"--set lr: Args.lr has no type annotation, so it is a class attribute, not a field \(write it lr: float = 0.01\)"),
+    # (a field(init=False): "Args.__init__() got an unexpected keyword argument", with "change the values given")
+    ("@dataclass(frozen=True)\nclass Args:\n    made: int = field(init=False, default=3)", ["--set", "made=5"],
+     r"--set made: Args.made is declared with field\(init=False\), so Args makes it itself .*: set what it is made "
+     r"from, or drop init=False to set it\n  at .*\n  fix: the fields of Args --set takes are: steps\n"),
     ("@dataclass(frozen=True)\nclass Args:\n    need: int", [],   # (the fix said to change the --set values given)
      r"missing 1 required positional argument: 'need'\n  at .*\n  fix: give need with --set \(e.g. --set need=...\)"),
 ])
@@ -583,7 +590,7 @@ def test_settings_that_are_not_dataclass_fields_are_refused_with_what_to_write(t
     path, _ = write_algo(f'''
 import numpy as np
 import fragflow as ff
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 {header}
     steps: int = 4
     lr = 0.01
@@ -639,7 +646,7 @@ def train(args: Args, log_every: int = 2):
     res = invoke("run", str(path), "--set", "log_every=3", "--policy", "single_process", "--out", str(tmp_path / "p"))
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "--set log_every: 'log_every' is a parameter of the training function, not a field of Args" in res.stderr
-    assert "fix: the fields of Args are: steps, opt.lr, opt.clip" in res.stderr and not (tmp_path / "p").exists()
+    assert "fix: the fields of Args --set takes are: steps, opt.lr, opt.clip" in res.stderr and not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("policy, option, message", [

@@ -2913,6 +2913,50 @@ def test_a_served_actors_output_changing_shape_names_the_actors_line(write_algo)
     assert not shm_leftovers()
 
 
+SERVED_ACTOR_RETURNS_A_LIST = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    steps: int = 8
+
+@ff.fragment("actor")
+def act(state, obs):
+    return [int(x) for x in (obs @ state["w"] > 0)]
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    return {"w": state["w"] + 0.01 * obs.mean()}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.ones(4)})
+    obs = env.reset()
+    for i in range(args.steps):
+        action = np.asarray(act(state, obs))  # @act
+        obs, *_ = env.step(action)
+        state = learn(state, obs)
+"""
+
+
+def test_a_served_actor_returning_a_list_of_numbers_per_environment_is_refused_at_its_call(write_algo):
+    # each worker got every environment's list and env.step refused it as "an action array sized with the
+    # run's count" (made in the loop, which it was not); one process, or one acting process each, runs it
+    path, marks = write_algo(SERVED_ACTOR_RETURNS_A_LIST)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"actor 'act' returns a list of 4 Python numbers, one per environment it "
+                                             rf"acts for, but policy 'central_inference' acts for the environments of "
+                                             rf"its 2 loop processes in one call(.|\n)*  at {path}:{marks['act']}\n  "
+                                             r"fix: return an array \(np.array"):
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
+    eager = ff.run(program.train, program.args_cls(), policy="single_process").summary
+    for policy in ("central_inference(env_workers=1)", "actor_learner(actors=2)"):
+        assert ff.run(program.train, program.args_cls(), policy=policy).summary["env_steps"] == eager["env_steps"] == 32
+    assert not shm_leftovers()
+
+
 LEARNER_IN_AN_INNER_LOOP = """
 from dataclasses import dataclass
 import numpy as np

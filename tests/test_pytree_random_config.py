@@ -220,7 +220,7 @@ def test_overrides_set_a_nested_dataclass_field_by_field():
            "--set opt.max_grad_norm=..." in msg
     assert "--set opt.lrr: OptCfg has no field 'lrr'; did you mean 'lr'?" in msg
     assert "--set opt.lr=fast: expected a number, got 'fast'" in msg
-    assert "the fields of Nested are: seed, opt.lr, opt.max_grad_norm, extra.lr, extra.max_grad_norm" in msg
+    assert "the fields of Nested --set takes are: seed, opt.lr, opt.max_grad_norm, extra.lr, extra.max_grad_norm" in msg
 
 
 def test_every_bad_override_is_reported_at_once():

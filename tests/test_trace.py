@@ -617,6 +617,14 @@ def test_unknown_role_and_bad_writes_fail_at_decoration(write_algo):
     with pytest.raises(TraceError, match=r"@ff.fragment got writes=\['state', 'target'\], where it takes the name of "
                                          r"the one parameter holding the versioned state the learner writes"):
         ff.fragment("learner", writes=["state", "target"])
+    # a function marked twice: the same mark is the one fragment; two roles are refused at the first decorator
+    # (it ran as a learner writing the actor's first argument, refused at the loop's call as "not versioned state")
+    once = ff.fragment("actor")(act)
+    assert ff.fragment("actor")(once) is once
+    with pytest.raises(TraceError, match=r"fragment 'act' is marked twice \(@ff.fragment\(\"learner\"\) over "
+                                         r"@ff.fragment\(\"actor\"\)\): a function has one role\n  at tests/test_trace.py:"
+                                         r"\d+\n  fix: keep one decorator"):
+        ff.fragment("learner")(once)
     # (name=["s"] failed as "unhashable type: 'list'" once traced; eagerly it was ignored)
     with pytest.raises(TraceError, match=r"ff.versioned got name=\['s'\], where it takes the state's name, a string"):
         ff.versioned({"w": np.zeros(2)}, name=["s"])

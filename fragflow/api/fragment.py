@@ -209,6 +209,14 @@ def fragment(role: str, *, name: str | None = None, writes: Any = _FIRST_PARAM) 
 
     def wrap(fn: Callable[..., Any]) -> Fragment:
         w: str | None
+        if isinstance(fn, Fragment) and role == fn.role and name in (None, fn.name) and \
+                (writes is _FIRST_PARAM or writes == fn.writes):
+            return fn   # the same mark twice: the one fragment (eagerly it runs as once)
+        if isinstance(fn, Fragment):   # (a second decorator took the first's Fragment for the user's function)
+            again = f'@ff.fragment("{role}")' + ("" if role == fn.role else f' over @ff.fragment("{fn.role}")')
+            raise TraceError(f"fragment '{fn.name}' is marked twice ({again}): a function has one role",
+                             where=fn.defined_at,
+                             fix=f"keep one decorator: @ff.fragment(\"{fn.role}\") or @ff.fragment(\"{role}\")")
         if not isinstance(getattr(fn, "__name__", None), str) or not hasattr(fn, "__qualname__"):
             # (a functools.partial, a callable object: it failed as an AttributeError from fragflow's code)
             got = (f"functools.partial({getattr(fn.func, '__name__', '...')}"

@@ -76,6 +76,32 @@ class Broadcast:
     depth: int
 
 
+_ITEM = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def _refuse_rows_in_a_list(node: Any, outs: list[LeafSpec], policy: str, replicas: int) -> None:
+    """A served call answers each loop process with its rows of the output's batched arrays and the
+    rest whole: a list (or tuple) of Python numbers, one per environment of the batch (``[int(a) for a
+    in actions]``), has no axis to split, so every process would get every environment's and step
+    its own with them (refused at the env's step, as an action array sized for the whole run)."""
+    rows = {leaf.spec.shape[leaf.axis] for leaf in node.inputs
+            if leaf.axis_name == "env" and leaf.axis is not None and leaf.axis < len(leaf.spec.shape)}
+    items: dict[str, list[int]] = {}
+    for leaf in outs:
+        m = _ITEM.match(leaf.src_path)
+        if m is not None and leaf.spec.backend == "python" and leaf.axis is None:
+            items.setdefault(m.group(1), []).append(int(m.group(2)))
+    for parent, index in items.items():
+        if len(rows) == 1 and sorted(index) == list(range(len(index))) and len(index) in rows and len(index) > 1:
+            raise PlacementError(
+                f"actor '{node.name}' returns{f' at {parent}' if parent else ''} a list of {len(index)} Python "
+                f"numbers, one per environment it acts for, but policy '{policy}' acts for the environments of its "
+                f"{replicas} loop processes in one call and answers each with its rows: a list has no rows to "
+                "split, so each process would get every environment's", where=node.called_at,
+                fix="return an array (np.array([...]) or a tensor) with the environments on its first axis, or run "
+                    "with one env worker, or with another policy")
+
+
 @dataclass(frozen=True)
 class Remote:
     """How a loop group serves a fragment placed in a service group."""
@@ -384,6 +410,8 @@ def lower(placed: PlacedGraph) -> Lowered:
                 # .numpy(), a torch action reaches a buffer as numpy), batched as its edges say
                 outs = [dataclasses.replace(out_axis[path], spec=spec) if path in out_axis
                         else LeafSpec(path, path, spec, *batched.get(path, (None, None))) for path, spec in node.outputs]
+                if loop.replicas > 1:
+                    _refuse_rows_in_a_list(node, outs, placed.policy, loop.replicas)
                 out_specs = tuple(split_spec(leaf, loop.replicas, name, graph, placed) for leaf in outs)
                 out_axes = tuple(leaf.axis if loop.replicas > 1 else None for leaf in outs)
                 for k in range(loop.replicas):
