@@ -4,6 +4,7 @@ Each runs under single_process, and under every other placement, or is refused a
 
 from __future__ import annotations
 
+import csv
 import re
 
 import numpy as np
@@ -2955,6 +2956,98 @@ def test_a_served_actor_returning_a_list_of_numbers_per_environment_is_refused_a
     for policy in ("central_inference(env_workers=1)", "actor_learner(actors=2)"):
         assert ff.run(program.train, program.args_cls(), policy=policy).summary["env_steps"] == eager["env_steps"] == 32
     assert not shm_leftovers()
+
+
+LOGS_ONLY_A_DICT = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    steps: int = 32
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    return {"w": state["w"] + 0.01 * obs.mean()}, {"m": float(obs.mean())}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(4)})
+    obs = env.reset()
+    for i in range(args.steps):
+        obs, *_ = env.step(act(state, obs))
+        if i % 4 == 3:
+            state, metrics = learn(state, obs)
+            if isinstance(metrics, dict) and not isinstance(metrics, (list, tuple)):
+                ff.log(metrics)
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_learners_output_the_loop_tests_with_isinstance_is_of_its_traced_type_where_the_learner_runs_apart(
+        write_algo, tmp_path, policy):
+    # apart, the loop holds the output as a placeholder, which isinstance(metrics, dict) found no dict: the
+    # loop logged nothing, silently
+    path, _ = write_algo(LOGS_ONLY_A_DICT)
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "o")
+    rows = list(csv.DictReader((tmp_path / "o" / "metrics.csv").open()))
+    assert len([r for r in rows if r.get("m")]) == 8
+
+
+A_KEY_ADDED_AFTER_THE_TRACE = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    steps: int = 64
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    m = {"m": float(obs.mean())}
+    if state["w"][0] > 1.1:   # (after the trace's updates)
+        m["late"] = float(state["w"][0])
+    return {"w": state["w"] + 0.01}, m
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(4)})
+    obs = env.reset()
+    for i in range(args.steps):
+        obs, *_ = env.step(act(state, obs))
+        if i % 2 == 1:
+            state, metrics = learn(state, obs)
+            ff.log({**metrics, "eps": 0.5, "train": {**metrics}, "only_m": {"m": metrics["m"]}})
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2)"])
+def test_a_dict_of_every_key_of_a_learners_output_logs_the_keys_its_later_calls_add_as_eagerly(write_algo, tmp_path,
+                                                                                              policy):
+    # apart, `{**metrics, "eps": eps}` held the keys the trace saw, and logged a key the learner adds later
+    # nowhere, silently; a dict of some of the keys still logs those alone
+    path, _ = write_algo(A_KEY_ADDED_AFTER_THE_TRACE)
+    program = load(str(path))
+    columns = {}
+    for p in ("single_process", policy):
+        ff.run(program.train, program.args_cls(), policy=p, out=tmp_path / p)
+        rows = list(csv.DictReader((tmp_path / p / "metrics.csv").open()))
+        columns[p] = {k for r in rows for k, v in r.items() if v not in ("", "nan") and "/" not in k or k.startswith(
+            ("train/", "only_m/"))}
+        assert sum(bool(r.get("late")) and r["late"] != "nan" for r in rows) >= 10, (p, rows[-1])
+    assert {"m", "eps", "late", "train/m", "train/late", "only_m/m"} <= columns[policy] == columns["single_process"]
+    assert "only_m/late" not in columns[policy]
 
 
 LEARNER_IN_AN_INNER_LOOP = """

@@ -215,16 +215,20 @@ class Pending(_NoLoopUse):
     which of the fragment's calls in this loop made it (-1: unknown).
     """
 
-    __slots__ = ("fragment", "index", "path_keys", "call", "skel", "trip")
+    __slots__ = ("fragment", "index", "path_keys", "call", "skel", "trip", "spread", "enumerated")
 
     def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1,
-                 skel: Any = None, trip: int = -1) -> None:
+                 skel: Any = None, trip: int = -1, spread: bool = False) -> None:
         self.fragment = fragment
         self.index = index
         self.path_keys = keys
         self.call = call
         self.skel = skel   # its value as traced, without leaves (see pytree.skeleton_of), where known
         self.trip = trip   # the trip of the loop's top-level loop it was made in (-1: unknown)
+        # an entry taken as its dict was spread or walked whole ({**metrics}, metrics.items()): a dict of
+        # every such entry is logged as the dict, with the keys its later calls add (see LoopLogs)
+        self.spread = spread
+        self.enumerated = 0   # (its keys were asked for: as many entries taken next are spread)
 
     # Its containers are those of its traced value (``skel``): a dict's keys, a list's or a tuple's
     # length are known here, their leaves are outputs of their own (``{**metrics, "eps": eps}``,
@@ -246,7 +250,10 @@ class Pending(_NoLoopUse):
                 raise self._missing(key, MissingOutputIndexError, f"has no index {key!r}") from None
             except TypeError:   # (a key of another kind: a field's name of a namedtuple, found by name)
                 sub = None
-        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub, self.trip)
+        spread = self.enumerated > 0
+        if spread:
+            self.enumerated -= 1
+        return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub, self.trip, spread)
 
     def _missing(self, key: Any, kind: type[VersionedStateError], what: str) -> VersionedStateError:
         skel = self.skel
@@ -257,6 +264,13 @@ class Pending(_NoLoopUse):
                     fix="index it by the keys it returns (those of its first calls: return every key from the first "
                         "call on, a value that is not ready yet as NaN), or run with --policy single_process")
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The traced value's container type where it is one (``isinstance(metrics, dict)`` holds as it does
+        eagerly: a loop that logs only a dict logged nothing apart); ``type()`` still says Pending."""
+        skel = self.skel
+        return type(skel) if isinstance(skel, (dict, list, tuple)) else Pending
+
     def __iter__(self) -> Any:
         """A tuple or list of known length (``state, (loss, info) = learn(...)``) unpacks into its
         parts, each passed on as an output of its own, and a dict into its keys, as traced; anything
@@ -264,6 +278,7 @@ class Pending(_NoLoopUse):
         if isinstance(self.skel, (list, tuple)):
             return iter([self[i] for i in range(len(self.skel))])
         if isinstance(self.skel, dict):
+            self.enumerated = len(self.skel)
             return iter(list(self.skel))
         raise _pending_misuse(self, "iterated")
 
@@ -286,6 +301,7 @@ class Pending(_NoLoopUse):
     def keys(self) -> Any:
         """A dict's keys as traced (``{**metrics, "x": x}`` unpacks it into its entries)."""
         if isinstance(self.skel, dict):
+            self.enumerated = len(self.skel)
             return list(self.skel)
         raise VersionedStateError(
             f"output {'' if self.index < 0 else f'[{self.index}]'}{self.path} of fragment '{self.fragment}' was "
@@ -297,11 +313,13 @@ class Pending(_NoLoopUse):
     def items(self) -> Any:
         """A dict's entries as traced, each value an output of its own."""
         if isinstance(self.skel, dict):
+            self.enumerated = len(self.skel)
             return [(k, self[k]) for k in self.skel]
         raise _pending_misuse(self, "read as attribute '.items'")
 
     def values(self) -> Any:
         if isinstance(self.skel, dict):
+            self.enumerated = len(self.skel)
             return [self[k] for k in self.skel]
         raise _pending_misuse(self, "read as attribute '.values'")
 
