@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 import fragflow as ff
 from fragflow.algorithms import dqn
@@ -3161,11 +3162,12 @@ def train(in_rollout=False):
         assert np.array_equal(fixed.value["w"], one.value["w"]), policy
 
 
-def test_a_rollout_the_loop_stacks_itself_is_refused_naming_the_leaf_in_the_learners_arguments(write_algo):
+def test_a_rollout_the_loop_stacks_itself_is_split_on_its_environment_axis_as_the_buffers_is(write_algo):
     """The actor returns a dict; the loop keeps the steps in lists and np.stacks them into the
-    learner's batch, with no buffer's rollout beside it: a run that splits the environments refuses
-    it at the call, as documented, but the message said only "argument leaf 0", which the user
-    cannot map to anything of theirs (helper round 37 A): it names batch['obs'] now."""
+    learner's batch, with no buffer's rollout beside it. A stack of arrays shaped as the
+    environments' (``[time] + obs.shape``) has the environments on axis 1, as CleanRL's storage
+    does: a run that splits the environments runs it as one process does (it was refused at the
+    call, "traced as f32[8,4,4]", telling the user to use the buffer)."""
     path, marks = write_algo("""
 import numpy as np
 import fragflow as ff
@@ -3183,7 +3185,7 @@ def learn(state, batch):
 
 def train():
     env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
-    state = ff.versioned({"w": np.zeros((4, 2))})
+    state = ff.versioned({"w": np.full((4, 2), 0.1)})
     key = ff.random.keys(0, env.ids)
     obs = env.reset()
     for u in range(6):
@@ -3200,11 +3202,53 @@ def train():
     return state
 """)
     program = load(str(path))
-    ff.run(program.train, policy="single_process")
-    with pytest.raises(SpecChangedError, match=rf"fragment 'learn' got batch\['obs'\] \(argument leaf 0\) as "
-                                               rf"f32\[8,2,4\] numpy, but it was traced as f32\[8,4,4\].*\n  at "
-                                               rf"{relpath(path)}:{marks['learn']}\n"):
-        ff.run(program.train, policy="actor_learner(actors=2, max_lag=0)")
+    one = ff.run(program.train, policy="single_process").value["w"]
+    for policy in ("actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        assert np.array_equal(ff.run(program.train, policy=policy).value["w"], one), policy
+    assert np.abs(one).sum() > 0
+
+
+CLEANRL_STORAGE = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs @ state["w"].numpy() > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, rew, feats):
+    t = torch.arange(1, obs.shape[0] + 1, dtype=torch.float32)[:, None, None]
+    g = (obs * t).mean(dim=(0, 1)) + 0.001 * rew.sum() + 0.01 * torch.as_tensor(feats).sum()
+    return {"w": state["w"] + 0.01 * g}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=1)
+    state = ff.versioned({"w": torch.full((4,), 0.1)})
+    obs = env.reset()
+    for _ in range(5):
+        obs_b = torch.zeros((4, env.num_envs, 4))   # as many steps as environments, as many as obs features
+        rew_b = torch.zeros((4, env.num_envs))
+        for step in range(4):
+            obs_b[step] = torch.as_tensor(obs)
+            obs, r, te, tr, info = env.step(act(state, obs))
+            rew_b[step] = torch.as_tensor(r)
+        feats = np.tile(np.arange(4.0), (4, 1))   # the same table in every process: no environment in it
+        state = learn(state, obs_b, rew_b, feats)
+    return state
+"""
+
+
+def test_cleanrls_storage_filled_step_by_step_in_the_loop_is_split_on_its_environment_axis(write_algo):
+    # storage sized with env.num_envs and filled per step, given to the learner alone: it was taken whole and
+    # refused at the call ("whose environment axis fragflow cannot follow") by every policy splitting the envs
+    path, _ = write_algo(CLEANRL_STORAGE)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process").value["w"]
+    for policy in ("actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        assert torch.equal(ff.run(program.train, policy=policy).value["w"], one), policy
+    assert not shm_leftovers()
 
 
 TWO_TRAINING_ENVS = """

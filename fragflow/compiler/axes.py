@@ -38,7 +38,8 @@ def env_rows(inputs: list[LeafSpec]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]]) -> None:
+def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]],
+              per_env: list[tuple[Any, tuple[str, int]]] = ()) -> None:  # type: ignore[assignment]
     """Arrays the loop made and passed beside a batch of environments on axis 0, with that many
     rows (a recurrent state carried from step to step, a mask of done environments), are rows
     one per environment too, as a fragment's outputs of that leading size are: a policy that
@@ -48,7 +49,12 @@ def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]]) -> None:
     With neither beside them, nothing tells a per-environment array (episode scores kept per
     environment) from one that merely has as many rows (a vector of two constants with two
     environments): such an array is taken whole, and the run refuses a per-environment one at the
-    call, with the fix.
+    call, with the fix; but one whose shape past its first axis is that of a per-environment array
+    the run made (``per_env``: the fragments' latest outputs with an ``env`` axis 0, an
+    observation's ``[env, 4]``) is a stack of them, ``[time, env, ...]``, as CleanRL's storage
+    (``obs = np.zeros((num_steps, env.num_envs, 4)); obs[step] = next_obs``) or ``np.stack`` of
+    a value per step makes it: the environments on axis 1 (where that is only the size of one, the
+    acting processes' arrays, not split, are refused at the call).
     ``inputs`` (and each edge's leaves, ``loop_made``: (index into inputs, edge)) are updated."""
     n = env_rows(inputs)
     steps = {leaf.spec.shape[:2] for leaf in inputs
@@ -56,17 +62,27 @@ def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]]) -> None:
     if n is None and len(steps) == 1:
         n = next(iter(steps))[1]
     if n is None:
+        rows = {tuple(array.shape) for array, (name, axis) in per_env
+                if name == "env" and axis == 0 and getattr(array, "ndim", 0) >= 1}
+        for i, edge in loop_made:
+            leaf = inputs[i]
+            if leaf.axis is None and len(leaf.spec.shape) >= 2 and tuple(leaf.spec.shape[1:]) in rows:
+                _mark(inputs, i, edge, leaf, 1)
         return
     for i, edge in loop_made:
         leaf = inputs[i]
         axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
             0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
         if axis is not None:
-            rows = dataclasses.replace(leaf, axis=axis, axis_name="env")
-            inputs[i] = rows
-            key = (leaf.src_path, leaf.dst_path)
-            if edge.leaves.get(key) == leaf:
-                edge.leaves[key] = rows
+            _mark(inputs, i, edge, leaf, axis)
+
+
+def _mark(inputs: list[LeafSpec], i: int, edge: Any, leaf: LeafSpec, axis: int) -> None:
+    rows = dataclasses.replace(leaf, axis=axis, axis_name="env")
+    inputs[i] = rows
+    key = (leaf.src_path, leaf.dst_path)
+    if edge.leaves.get(key) == leaf:
+        edge.leaves[key] = rows
 
 
 def view_axis(leaf: Any, known: list[tuple[Any, tuple[str, int]]]) -> tuple[str, int] | None:

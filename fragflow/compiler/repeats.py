@@ -237,7 +237,7 @@ class Repeats(Recording):
             if not isinstance(value, (Versioned, VersionedView)) and not is_static(value):
                 self._record_inputs(rec, pname, value, window, where, frag.in_axes, [])
         if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made)
+            loop_rows(self._inputs, self._loop_made, self._per_env())
         self._record_outputs(rec, frag, out, where, [])
         return out
 

@@ -353,7 +353,7 @@ class Tracer(StateBook):
             params.append(("data", pname, self._record_inputs(rec, pname, value, window, where, frag.in_axes, crossed)))
             data_args.append((pname, value))
         if self._loop_made and frag.in_axes is None:
-            loop_rows(self._inputs, self._loop_made)
+            loop_rows(self._inputs, self._loop_made, self._per_env())
         if rec.inputs is not None and not rec.other_inputs:
             self._other_inputs(rec, where)
         rec.static = tuple(static)
