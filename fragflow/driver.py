@@ -462,6 +462,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     with heap.malloc_kept():
         status = "failed"
         value = None
+        exit_code: int | None = None
         try:
             with _sigterm_as_interrupt(), heap.frozen():
                 if held:   # (raised here, it stops a run that has begun: its summary says so)
@@ -483,6 +484,10 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                         status = "completed"
         except StopRun:
             status = "stopped_at_target"
+        except SystemExit as exc:   # the program's own sys.exit(n): its code is the run's exit (0: not a failure)
+            exit_code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            status = "exited"
+            raise
         except KeyboardInterrupt as exc:   # (Ctrl-C; SIGTERM as Terminated)
             if status != "completed":   # (one once the run has completed, its handlers being put back, stops nothing)
                 status = "terminated" if isinstance(exc, Terminated) else "interrupted"
@@ -495,7 +500,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                 compiled = compiled or (handover.compiled if handover is not None else None)
                 if compiled is not None and (handover is None or handover.begun):
                     summary = _finish(compiled, args, monitor, status, backend, start, checkpoints, target_return,
-                                      handover is not None and handover.begun and compiled.serial)
+                                      handover is not None and handover.begun and compiled.serial, exit_code)
     assert compiled is not None
     placed = compiled.placed
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
@@ -553,12 +558,15 @@ def _execute(compiled: Compiled, train: Callable[..., Any], args: Any, monitor: 
 
 
 def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backend: str, start: Checkpoint | None,
-            checkpoints: RunCheckpoints | None, target_return: float | None, trace_in_run: bool) -> dict[str, Any]:
+            checkpoints: RunCheckpoints | None, target_return: float | None, trace_in_run: bool,
+            exit_code: int | None = None) -> dict[str, Any]:
     """The run's summary, written with its plots to the run directory."""
     placed = compiled.placed
     outputs = monitor.outputs
     summary = run_summary(placed, args, monitor, status, backend if compiled.program is not None else "local",
                        compiled.train)
+    if exit_code is not None:   # (status "exited": the program's sys.exit, with its code)
+        summary["exit_code"] = exit_code
     summary["trace_seconds"] = compiled.seconds
     summary["trace_in_run"] = trace_in_run   # the trace was the run's beginning (in its wall_seconds)
     if checkpoints is not None:

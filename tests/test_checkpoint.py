@@ -2286,6 +2286,7 @@ LOOP_CONTAINERS = '''
 from collections import deque
 from dataclasses import dataclass
 import numpy as np
+import torch
 import fragflow as ff
 
 @dataclass(frozen=True)
@@ -2315,6 +2316,7 @@ def train(args: Args):
     buf = ff.RolloutBuffer(4)
     stats, hist, cnt, recent, n, holder = Stats(), [], {"n": 0, 3: [1.5]}, deque(maxlen=3), 0, Holder()
     alias = hist
+    tens = {"t": torch.zeros(())}   # (a learner's metrics as the loop holds them: tensors)
     obs = env.reset()
     for u in range(args.updates):
         for _ in range(4):
@@ -2325,10 +2327,11 @@ def train(args: Args):
         hist.append((u, np.full(2, u)))
         cnt["n"] += 1
         recent.append(u)
+        tens["t"] = tens["t"] + u
         n += 1
         state, m = learn(state, buf.collect())
         ff.log({"obj": stats.n, "mean": stats.mean[0], "list": len(alias), "dict": cnt["n"], "deque": sum(recent),
-                "int": n, "last": float(hist[-1][1][0])})
+                "int": n, "last": float(hist[-1][1][0]), "tens": float(tens["t"])})
     holder.log.close()
     return state
 '''
@@ -2345,14 +2348,14 @@ def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_p
     prog = load(str(path))
     whole = driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "a", checkpoint_every=3, progress=False)
     assert any("'holder' (a Holder)" in note for note in whole.summary["notes"])
-    assert not any("'stats'" in note or "'hist'" in note for note in whole.summary["notes"])
+    assert not any("'stats'" in note or "'hist'" in note or "'tens'" in note for note in whole.summary["notes"])
     driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "3",
                progress=False)
-    columns = ("obj", "mean", "list", "dict", "deque", "int", "last")
+    columns = ("obj", "mean", "list", "dict", "deque", "int", "last", "tens")
 
     def rows(run: str) -> list[tuple[float, ...]]:
         with open(tmp_path / run / "metrics.csv") as f:
             return [tuple(float(r[c]) for c in columns) for r in csv.DictReader(f) if r.get("obj")]
 
     assert rows("a") == rows("b")
-    assert rows("b")[-1] == (6.0, 15.0, 6.0, 6.0, 12.0, 6.0, 5.0)
+    assert rows("b")[-1] == (6.0, 15.0, 6.0, 6.0, 12.0, 6.0, 5.0, 15.0)

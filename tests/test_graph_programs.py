@@ -749,6 +749,63 @@ def test_a_buffer_of_the_users_own_on_several_acting_processes_is_refused_at_pla
     for ok in ("learner_replay(actors=2, max_lag=0)", "actor_learner(actors=1, max_lag=0)"):
         assert ff.run(program.train, policy=ok).summary["updates"] == expected.summary["updates"] == 8, ok
 
+OWN_BUFFER_TORCH = """
+import numpy as np
+import torch
+import fragflow as ff
+
+class Buf:
+    def __init__(self):
+        self.o = np.zeros((1000, 4), np.float32)
+        self.n = 0
+        self.rng = np.random.default_rng(0)
+
+    @ff.fragment("buffer")
+    def add(self, obs):
+        self.o[self.n:self.n + len(obs)] = obs
+        self.n += len(obs)
+
+    @ff.fragment("buffer")
+    def sample(self, k):
+        return {"obs": self.o[self.rng.integers(0, self.n, k)]}
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = (state["net"](torch.as_tensor(batch["obs"])) ** 2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state, {"loss": loss.detach()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    net = torch.nn.Linear(4, 1)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.01)})
+    rb = Buf()
+    obs = env.reset()
+    for t in range(12):
+        obs, r, term, trunc, info = env.step(np.zeros(env.num_envs, np.int64))
+        rb.add(obs)
+        state, m = learn(state, rb.sample(8))  # @learn
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_buffer_of_the_users_own_is_refused_at_placement_where_learners_average_their_gradients(write_algo,
+                                                                                                tmp_path):
+    # each learner with one actor of its own passed the placement, and the run, once started, refused the samples
+    # as "a statistic the loop computes over its own share of the batch"
+    path, marks = write_algo(OWN_BUFFER_TORCH)
+    program = load(str(path))
+    with pytest.raises(PlacementError, match=rf"which declares no batch axis, but policy 'multi_learner' runs it in "
+                                             rf"each of 2 actor processes(.|\n)*each of its 2 learners learns from its "
+                                             rf"own processes' sample(.|\n)*at {relpath(path)}:{marks['learn']}\n"):
+        ff.run(program.train, policy="multi_learner(learners=2)", out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    assert ff.run(program.train, policy="multi_learner(learners=1)").summary["updates"] == 12
+
+
 DEMOS = """
 import numpy as np
 import fragflow as ff
@@ -3249,6 +3306,181 @@ def test_cleanrls_storage_filled_step_by_step_in_the_loop_is_split_on_its_enviro
     for policy in ("actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
         assert torch.equal(ff.run(program.train, policy=policy).value["w"], one), policy
     assert not shm_leftovers()
+
+
+A_SECOND_LEARNER_EVERY_FEW_TRIPS = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 30
+
+@ff.fragment("actor")
+def act(w, n, obs, key):
+    a = np.argmax((obs[:, :, None] * w[None]).sum(1) + ff.random.gumbel(key, (2,)), -1)
+    return a, np.full(obs.shape[0], n)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.001, "n": state["n"] + 1}, {"lag": float(state["n"] - batch["ver"].min())}
+
+@ff.fragment("learner", writes="aux")
+def learn_aux(aux, state, batch):   # eagerly its lag is 1: the clock's update on the same rollout came first
+    lag = int(state["n"] - batch["ver"].min())
+    return {"maxlag": max(aux["maxlag"], lag)}, {"aux_lag": float(lag)}
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2)), "n": 0})
+    aux = ff.versioned({"maxlag": 0}, name="aux")
+    buf = ff.RolloutBuffer(8)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for update in range(args.updates):
+        for _ in range(8):
+            key, sub = ff.random.split(key)
+            action, ver = act(state["w"], state["n"], obs, sub)
+            obs, reward, term, trunc, _ = env.step(action)
+            buf.add(obs=obs, action=action, ver=ver)
+        batch = buf.collect()
+        state, m = learn(state, batch)
+        ff.log(m)
+        if update % 3 == 2:
+            aux, am = learn_aux(aux, state, batch)
+            ff.log(am)
+    return state, aux
+"""
+
+
+@pytest.mark.parametrize("policy", ["async_relaxed(actors=2, max_lag=1)", "actor_learner(actors=2)",
+                                    "central_inference(env_workers=2, max_lag=1)"])
+def test_a_second_learner_on_the_rollout_is_held_to_max_lag_as_the_clock_is(write_algo, policy):
+    # its piece, waiting in the pool for the other process's, was learned from versions past the bound (lags
+    # 2-6 at max_lag=1, none dropped), and was stamped with a version newer than its data was acted with
+    path, _ = write_algo(A_SECOND_LEARNER_EVERY_FEW_TRIPS)
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").value[1]["maxlag"] == 1
+    for _ in range(2):
+        result = ff.run(program.train, program.args_cls(), policy=policy)
+        lags = result.summary["channels"]["trajectory"]["lag_histogram"]
+        assert sum(lags[2:]) == 0, lags
+        assert result.value[1]["maxlag"] <= 2   # eagerly 1, and max_lag=1 versions more at most
+
+
+STACK_BESIDE_THE_ENVS_DATA = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, last_obs, obs_seq):    # obs_seq: [time, env, 4]
+    return {"w": state["w"] + obs_seq.reshape(-1, 4).mean(0) + 0 * last_obs.sum()}, {}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    state = ff.versioned({"w": np.zeros(4)})
+    obs = env.reset()
+    for _ in range(5):
+        seq = []
+        for _ in range(8):
+            seq.append(obs)
+            obs, r, term, trunc, _ = env.step(np.zeros(env.num_envs, np.int64))
+        state, _ = learn(state, obs, np.stack(seq))
+    return state
+"""
+
+
+def test_a_stack_of_per_environment_arrays_beside_the_environments_data_is_split_on_axis_1(write_algo):
+    # the refusal's own fix ("or beside per-environment data the fragment also takes") was refused the same way
+    path, _ = write_algo(STACK_BESIDE_THE_ENVS_DATA)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process").value["w"]
+    for policy in ("pipelined(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        assert np.array_equal(ff.run(program.train, policy=policy).value["w"], one), policy
+
+
+NAMEDTUPLE_STATE = """
+from typing import NamedTuple
+import numpy as np
+import fragflow as ff
+
+class S(NamedTuple):
+    w: np.ndarray
+    n: np.ndarray
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return S(state.w + 0.01 * batch["obs"].mean((0, 1)), state.n + 1), {"n": state.n}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned(S(np.full(4, 0.1), np.zeros(())))
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(5):
+        for _ in range(4):
+            a = act(state.w, obs)
+            nobs, r, term, trunc, _ = env.step(a)
+            buf.add(obs=obs, action=a)
+            obs = nobs
+        state, m = learn(state, buf.collect())
+    return state
+"""
+
+
+def test_a_namedtuple_states_field_read_in_the_loop_is_a_view_as_its_index_is(write_algo):
+    # `act(state.w, obs)` was refused by every policy of several processes ("read as attribute '.w' in the
+    # training loop ... pass a view of it such as state['params']"), where state[0] ran
+    path, _ = write_algo(NAMEDTUPLE_STATE)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process").value
+    assert one.n == 5
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)", "central_inference(env_workers=2)"):
+        assert np.array_equal(ff.run(program.train, policy=policy).value.w, one.w), policy
+
+
+RESET_AT_EVERY_UPDATE = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))}, {"m": float(batch["obs"].mean())}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.full(4, 0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(6):
+        for _ in range(4):
+            a = act(state["w"], obs)
+            obs, *_ = env.step(a)
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        obs = env.reset()   # a reset between the update and its log
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_reset_between_an_update_and_its_log_keeps_one_row_per_update(write_algo, tmp_path, policy):
+    # the reset ended the update's row as a step does: each update had a row without its log, then one with it
+    path, _ = write_algo(RESET_AT_EVERY_UPDATE)
+    program = load(str(path))
+    ff.run(program.train, policy=policy, out=tmp_path / "o")
+    rows = list(csv.DictReader((tmp_path / "o" / "metrics.csv").open()))
+    assert [r["updates"] for r in rows] == [f"{u}.0" for u in range(1, 7)] and all(r["m"] for r in rows)
 
 
 TWO_TRAINING_ENVS = """

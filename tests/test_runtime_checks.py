@@ -154,8 +154,9 @@ def test_nan_check_can_be_switched_off(program, monkeypatch):
 def test_a_state_dtype_change_after_tracing_is_refused_the_same_way_everywhere(program, policy):
     prog, path, marks = program
     with pytest.raises(SpecChangedError, match=r"learner 'learn' returned state 'state' with \['params'\]\['w'\] as "
-                                               r"f64\[4\] numpy, traced as f32\[4\] numpy"):
+                                               r"f64\[4\] numpy, traced as f32\[4\] numpy") as info:
         ff.run(prog.train, prog.args_cls(bad_at=3, how="dtype"), policy=policy)
+    assert "cast it back to float32 (x.astype(np.float32))" in info.value.fix
 
 
 @pytest.mark.parametrize("how, got", [("dtype", r"f64\[4\]"), ("shape", r"f32\[5\]")], ids=["dtype", "shape"])
@@ -173,8 +174,10 @@ def test_a_state_leaf_changed_between_checks_is_named_with_its_learner_whichever
     prog, path, marks = program
     with pytest.raises(SpecChangedError, match=rf"learner 'learn' returned state 'state' with \['params'\]\['w'\] as "
                                                rf"{got} numpy, traced as f32\[4\] numpy {when}(.|\n)*"
-                                               rf"{relpath(path)}:{marks['learn']}"):
+                                               rf"{relpath(path)}:{marks['learn']}") as info:
         ff.run(prog.train, prog.args_cls(updates=40, bad_at=18, how=how), policy=policy)
+    # (the fix said "x.astype(np.float32)" whatever the change: here the cast back, or the shape to keep)
+    assert ("cast it back to float32" if how == "dtype" else "return it as f32[4], as traced") in info.value.fix
     assert shm_leftovers() == []
 
 
@@ -1011,6 +1014,8 @@ def test_a_loop_that_breaks_before_its_first_learner_call_is_told_so(write_algo)
     with pytest.raises(PlacementError, match=r"the loop ended \(10 env steps\) without calling learner 'learn'") as info:
         ff.run(program.train, policy="pipelined")
     assert "where `for step in range(1000)` (" in info.value.fix
+    # (it said only to give the run a budget, where the loop had stepped and might call no learner at all)
+    assert info.value.fix.startswith("call learner 'learn' in the training loop: the loop stepped its environments")
     assert f"algo.py:{marks['loop']}) leaves early (a break), call the learner before it does" in info.value.fix
     assert ff.run(program.train, 100, policy="pipelined").summary["updates"] >= 1   # (a later break: it runs)
 

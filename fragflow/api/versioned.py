@@ -112,6 +112,11 @@ class _NoLoopUse:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        # a NamedTuple state's field (state.w) is its entry, a view as state[0] is: what the loop passes on
+        held = self.value if isinstance(self, Versioned) else self.seen if isinstance(self, VersionedView) else None
+        fields = getattr(type(held), "_fields", None) if isinstance(held, tuple) else None
+        if fields is not None and name in fields:
+            return self[fields.index(name)]   # type: ignore[index]
         return getattr(_loop_value(self, f"read as attribute '.{name}'"), name)
 
     __hash__ = object.__hash__

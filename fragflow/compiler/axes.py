@@ -61,18 +61,16 @@ def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]],
              if leaf.axis == 1 and leaf.axis_name == "env" and len(leaf.spec.shape) >= 2}
     if n is None and len(steps) == 1:
         n = next(iter(steps))[1]
-    if n is None:
-        rows = {tuple(array.shape) for array, (name, axis) in per_env
-                if name == "env" and axis == 0 and getattr(array, "ndim", 0) >= 1}
-        for i, edge in loop_made:
-            leaf = inputs[i]
-            if leaf.axis is None and len(leaf.spec.shape) >= 2 and tuple(leaf.spec.shape[1:]) in rows:
-                _mark(inputs, i, edge, leaf, 1)
-        return
+    stacked = {tuple(array.shape) for array, (name, axis) in per_env
+               if name == "env" and axis == 0 and getattr(array, "ndim", 0) >= 1}
     for i, edge in loop_made:
         leaf = inputs[i]
-        axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
-            0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
+        axis = None
+        if n is not None:
+            axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
+                0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
+        if axis is None and leaf.axis is None and len(leaf.spec.shape) >= 2 and tuple(leaf.spec.shape[1:]) in stacked:
+            axis = 1   # a stack of per-environment arrays, beside the batch or alone
         if axis is not None:
             _mark(inputs, i, edge, leaf, axis)
 

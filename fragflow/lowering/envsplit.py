@@ -109,8 +109,10 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
     if asked and total % replicas == 0:   # the processes divide them: the share asked for is what is wrong
         raise ConfigError(f"policy '{placed.policy}' asks for {per_unit}={asked} in each of its {_processes(replicas)} "
                           f"({given}): {asked * replicas} environments, but the loop steps {total}", where=where,
-                          fix=f"set {per_unit}={total // replicas}, or leave it out (each process then steps "
-                              f"num_envs / {unit})")
+                          fix=f"set {per_unit}={total // replicas}" + (
+                              f", or {unit}={total // asked} to keep {per_unit}={asked}"
+                              if total % asked == 0 and "learners" not in options else "") +
+                              f", or leave {per_unit} out (each process then steps num_envs / {unit})")
     raise ConfigError(f"policy '{placed.policy}' splits the loop's {total} environments across {_processes(replicas)} "
                       f"({given}{each}): they do not divide evenly", where=where,
                       fix=f"choose {count} dividing num_envs={total} (and {per_unit} = num_envs / {count}), or "

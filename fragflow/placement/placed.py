@@ -243,7 +243,11 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 f"policy '{policy}' needs a learner, but the loop ended ({graph.env_steps_traced} env "
                 f"steps) without calling learner '{name}'" + (f" (defined at {at})" if at is not None else "")
                 + ": no update is made", where=graph.defined_at,
-                fix="give the run a budget of at least one update (--set the field of your Args that sets its steps or "
+                fix=(f"call learner '{name}' in the training loop: the loop stepped its environments but never "
+                     "reached a call of it (none written in the loop, or one under a condition the run never met, "
+                     "as a warm-up longer than the budget); or give the run a budget of at least one update"
+                     if graph.env_steps_traced else "give the run a budget of at least one update")
+                    + " (--set the field of your Args that sets its steps or "
                     "updates, as total_timesteps in the algorithms/ programs)"
                     + (f"; where `{leaving.header}` ({leaving.where}) leaves early (a break), call the learner "
                        "before it does" if leaving is not None else "")
@@ -546,22 +550,28 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
         who = "env worker" if "env_workers" in opts else "actor"
         one = one_acting_process(policy, options)
         # the acting processes a learner process merges the calls of (multi_learner: each learner its own)
-        merged = actors // int(opts["learners"]) if "learners" in opts else actors
-        # buffers of the user's own fed per-environment data (each process's then holds its own)
+        n_learners = int(opts["learners"]) if "learners" in opts else 1
+        merged = actors // n_learners
+        # buffers of the user's own fed per-environment data (each process's then holds its own): several
+        # merged into one learner's call, or one per learner whose gradients are averaged
         fed = {graph.node(e.dst).instance for e in graph.edges_of(EdgeKind.DATA)
                if graph.node(e.dst).role == "buffer" and any(leaf.axis_name == "env" for leaf in e.leaves)} - {None} \
-            if merged > 1 else set()
+            if merged > 1 or n_learners > 1 else set()
         for e in graph.edges_of(EdgeKind.DATA):
             src = graph.node(e.src)
             if src.role != "buffer" or src.instance not in fed or e.src not in acting or e.dst not in service:
                 continue
             unbatched = next((leaf for leaf in e.leaves if leaf.axis is None and leaf.axis_name is None), None)
             if unbatched is not None:
+                apart = (f"and '{e.dst}' in another process: it would get one of their samples, with nothing to "
+                         "merge them along") if merged > 1 else (
+                         f"and each of its {n_learners} learners learns from its own processes' sample, their "
+                         "gradients averaged: a batch of as many samples, where one process learns from one, with "
+                         "nothing to split its size along")
                 raise PlacementError(
                     f"{e.dst_port} of '{e.dst}' comes from buffer fragment '{e.src}' ({unbatched.dst_path}, "
                     f"{unbatched.spec.short()}), which declares no batch axis, but policy '{policy}' runs it in "
-                    f"each of {actors} {who} processes, each with a buffer of its own, and '{e.dst}' in another "
-                    "process: it would get one of their samples, with nothing to merge them along",
+                    f"each of {actors} {who} processes, each with a buffer of its own, " + apart,
                     where=e.where or graph.node(e.dst).called_at,
                     fix="use ff.ReplayBuffer or ff.RolloutBuffer (which declare their batch axes), keep the buffer "
                         f"with the learner (--policy learner_replay), or run with {one}")

@@ -105,7 +105,7 @@ CUT_MARKS = 127
 def pack_aux(sid: int, call: int, cut: int = 0, again: bool = False) -> int:
     """A remote call's word for the service: its skeleton id, the fragment's call number in this
     loop (the driver writes what the loop logged of which call), whether no environment was stepped
-    since the loop's previous call of it (another learner step on the same rollout), and the mark of
+    since the loop's previous call of the clock learner (another learner step on the same rollout), and the mark of
     the last checkpoint the loop had saved its part of when it made the call (the service saves its
     states at that cut, so that the two parts agree)."""
     return sid | (call << _SID_BITS) | (int(again) << _AGAIN_BIT) | (cut << _CUT_SHIFT)
@@ -118,7 +118,7 @@ def unpack_aux(aux: int) -> tuple[int, int, int]:
 
 def again_of(aux: int) -> bool:
     """Whether the call was made with no environment stepped since the loop's previous call of the
-    fragment (see :func:`pack_aux`)."""
+    clock learner (see :func:`pack_aux`)."""
     return bool((aux >> _AGAIN_BIT) & 1)
 
 
@@ -293,7 +293,17 @@ def check_state(value: Any, traced: dict[str, TensorSpec], fragment: str, state:
             when = f" {_when(update, every)}" if update else ""
             raise SpecChangedError(f"learner '{fragment}' returned state '{state}' with {path} as {got.short()} "
                                    f"{got.backend}, traced as {spec.short()} {spec.backend}{when}", where=_loc(where),
-                                   fix="keep the state's shapes and dtypes fixed (cast back, e.g. x.astype(np.float32))")
+                                   fix=cast_back(got, spec))
+
+
+def cast_back(got: TensorSpec, spec: TensorSpec) -> str:
+    """The fix of a state leaf that changed from ``spec`` (traced) to ``got``: the cast to the traced
+    dtype in its library (the message said np.float32 whatever the dtype was), or the shape to keep."""
+    if got.dtype != spec.dtype:
+        cast = {"numpy": f"x.astype(np.{spec.dtype})", "torch": f"x.to(torch.{spec.dtype})",
+                "jax": f"x.astype(jnp.{spec.dtype})"}.get(spec.backend, f"a {spec.dtype} value")
+        return f"keep the state's dtypes fixed: cast it back to {spec.dtype} ({cast}) before returning it"
+    return f"keep the state's shapes fixed: return it as {spec.short()}, as traced (pad, slice or reshape it back)"
 
 
 def check_structure(value: Any, shape: Any, fragment: str, state: str, update: int, where: Where) -> None:

@@ -28,7 +28,8 @@ class _Piece:
         self.replica, self.version, self.tag, self.leaves, self.ring = replica, version, tag, leaves, ring
         self.steps = steps   # the env steps its replica had made when it made the call
         # updates its replica's earlier calls of the clock on the same rollout made (a learner called
-        # several times on one rollout): not staleness, the algorithm's own steps
+        # several times on one rollout, or a learner of its own after it): not staleness, the algorithm's
+        # own steps
         self.own = own
         # its skeleton; the fragment's call number in its loop; the loop's last checkpoint mark
         self.sid, self.call, self.cut = calls.unpack_aux(aux)
@@ -128,10 +129,10 @@ class Gathering(ReplicaChecks):
         version, leaves = item
         if version == UNVERSIONED:   # acted on no state: as fresh as the version that takes it
             version = self.version
-        again, own = calls.again_of(meta[2]), 0
-        if fragment == self.program.clock:
-            # (at most the updates since its version: a loop that steps no counted env has every call "again")
-            own = min(self._own.get(k, 0), max(self.version - version, 0)) if again else 0
+        # the clock's updates on the same rollout before this call (its own earlier steps, or those a learner
+        # of its own called after them follows): the algorithm's steps, not staleness (at most the updates
+        # since its version: a loop that steps no counted env has every call "again")
+        own = min(self._own.get(k, 0), max(self.version - version, 0)) if calls.again_of(meta[2]) else 0
         if not self._accept(fragment, self.version - version - own):
             ring.release(dropped=True)
             self._dropped(fragment, k, calls.unpack_aux(meta[2])[1])

@@ -118,6 +118,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._log_stepped = False             # ... since the last clock call or ff.log (a row of its own)
         self.rollout_version: int | None = None
         self._last_version = 0
+        self._clock_stamp: int | None = None    # the version the clock's last call was stamped with
         self._ticket = 0
         self._views: dict[str, tuple[tuple[int, int | None], list[Any]]] = {}
         # the torch leaves of each received view, with their version counters then (see received.check_unchanged)
@@ -330,7 +331,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         if events is not None:
             n, finished = events(out)
             self.reporter.env_step(n, finished, frag.evaluation)
-            if not frag.evaluation:
+            if not frag.evaluation and n:   # (a reset steps nothing: the update's row goes on, as eagerly)
                 self._stepped = self._log_stepped = True
         if written is not None:
             new_value = ordered_like(self._states.get(written.name, written).value,
@@ -374,7 +375,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         if events is not None:
             n, finished = events(out)
             self.reporter.env_step(n, finished, False)
-            self._stepped = self._log_stepped = True
+            if n:
+                self._stepped = self._log_stepped = True
         return out
 
     def _resolved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
@@ -602,15 +604,24 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, None, self.program.replicas,
                            None if route.whole else skeleton, self.program.one_process)
-        if self.program.reads:
+        if self.program.reads and not route.primary and frag.role == "learner" and not self._stepped \
+                and self._clock_stamp is not None:
+            # a learner of its own on the rollout the clock just took: that rollout's version (a new
+            # rollout's, chosen now, would be newer than what its data was acted with)
+            version = self._clock_stamp
+        elif self.program.reads:
             version = max(0, self._version())   # (a version before a resumed run's first is stamped as its first)
         else:   # served acting stamps its answers' version; acting on no state depends on none
             version = self._last_version if self._replies else UNVERSIONED
+        if route.primary:
+            self._clock_stamp = version
         call = self._calls_of[name] = self._calls_of.get(name, -1) + 1
         if self._seq >= self.skip_until:
             if gifts:   # (the service waits for them before it runs the call)
                 group.put(("given", self.index, name, call, cloudpickle.dumps(gifts)))
-            again = route.primary and not self._stepped   # another learner step on the rollout it last took
+            # another learner step on the rollout the clock last took (the clock's again, or a learner of its
+            # own after it on the same rollout: the clock's updates since are not its data's staleness)
+            again = (route.primary or frag.role == "learner") and not self._stepped
             ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket,
                      steps=int(getattr(self.reporter, "total_steps", 0)))
         self._seq += 1

@@ -123,7 +123,7 @@ class Monitor(ArrivalRows):
         self.env_steps += n
         if self._first is None and n > 0:   # (no loop_begins heard: those steps were made before now, not in the rate)
             self._first = (time.perf_counter() if self.replay_time is None else self.replay_time, self.env_steps)
-        if self._pending is not None and self.rows_end_at_steps:
+        if self._pending is not None and self.rows_end_at_steps and n:   # (a reset: the row goes on)
             self._flush()
         for ret, length in finished:
             self.episodes.append((self.env_steps, ret, length))

@@ -163,7 +163,7 @@ class Outgoing:
         return SpecChangedError(
             f"learner '{writer}' returned state '{state}' in update {update} that no longer fits the channel "
             f"sized from its traced specs, which carries it to the acting side: {getattr(exc, 'what', exc)}", where=where,
-            fix="keep the state's shapes, dtypes and structure fixed (cast back, e.g. x.astype(np.float32))")
+            fix="keep the state's shapes, dtypes and structure fixed (cast a leaf back to the dtype it was traced with)")
 
     def _save(self, seq: int) -> None:
         """This group's part of checkpoint ``seq``: the states it writes and its objects' state_dicts."""

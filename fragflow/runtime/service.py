@@ -496,8 +496,14 @@ class ServiceRunner(Outgoing, Gathering):
             p.ring.release(lag=lag)
             if clock:
                 self.taken_steps[p.replica] = max(self.taken_steps[p.replica], p.steps)
-        if clock and not self.program.ordered and self.replies:   # served inference, bounded (see _held)
-            self._expire(fragment)
+        if clock and not self.program.ordered:
+            if self.replies:   # served inference, bounded (see _held)
+                self._expire(fragment)
+            # another learner's pieces waiting for every replica's (a learner called every few trips, each
+            # replica's call arriving apart) are held to the bound as the clock's are, not only when taken
+            for other in list(self.pools):
+                if other != fragment and other not in self.replies:
+                    self._expire(other)
         logged = self._logged(fragment, out)
         # the call's number in loop replica 0, which logs: the driver writes what it logged of it
         call = next((p.call for p in pieces if p.replica == 0), None)
@@ -532,7 +538,7 @@ class ServiceRunner(Outgoing, Gathering):
         its bound whatever the channel's discipline: a fast worker's rollouts acted while an update was
         held all carry that version, and those an update leaves waiting would be learned from
         ``max_lag + 1`` behind; they are dropped (and counted) instead."""
-        if self.replies and fragment == self.program.clock and not self.program.ordered:
+        if self.replies and fragment not in self.replies and not self.program.ordered:   # (every learner's)
             return lag <= self.program.max_lag
         return bool(self.program.overflow.accept(lag, self.program.max_lag))
 

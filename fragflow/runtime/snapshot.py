@@ -127,13 +127,14 @@ CONTAINER_MAX = 1 << 20   # leaves of a container the loop keeps that a checkpoi
 
 
 def _plain_leaf(v: Any) -> bool:
+    torch = sys.modules.get("torch")   # (a tensor: a learner's metrics the loop holds, {"loss": tensor(0.3)})
     return v is None or isinstance(v, (bool, int, float, str, np.generic)) or \
-        (isinstance(v, np.ndarray) and v.dtype != object)
+        (isinstance(v, np.ndarray) and v.dtype != object) or (torch is not None and type(v) is torch.Tensor)
 
 
 def _plain_container(x: Any, budget: list[int] | None = None) -> tuple[str, int | None] | None:
     """``(kind, maxlen)`` where ``x`` is a list, dict (of str/int keys), tuple or deque whose leaves
-    are numbers, strings, None and numpy arrays (nested), at most ``CONTAINER_MAX`` of them: what
+    are numbers, strings, None, numpy arrays and torch tensors (nested), at most ``CONTAINER_MAX`` of them: what
     the loop keeps across trips that a checkpoint can save and load back in place; else None."""
     budget = [CONTAINER_MAX] if budget is None else budget
     if isinstance(x, deque):
