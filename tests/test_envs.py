@@ -183,7 +183,31 @@ def test_an_env_step_given_another_number_of_actions_than_environments_is_refuse
                                           r"statement returns None"):
         env.step(None)   # an actor that forgot its return: a TypeError from gymnasium's cast
     env.step([0, 1, 0, 1])   # a list with a row per environment is an action batch
+    # an axis too many (an actor's a[:, None]): gymnasium's AssertionError at no line of the user's, or a
+    # SpecChangedError where a channel saw it first
+    with pytest.raises(ConfigError, match=r"env.step got actions of shape \(4, 1\), where each of its 4 environments "
+                                          r"takes an index \(Discrete\(2\)\): an array of shape \(4,\)\n  at .*test_envs.py"):
+        env.step(np.zeros((4, 1), np.int64))
+    multi = ff.envs.make(lambda: gym.wrappers.TimeLimit(_MultiDiscrete(), 5), num_envs=2, seed=0)
+    multi.reset()
+    multi.step(np.zeros((2, 2), np.int64))
+    with pytest.raises(ConfigError, match=r"takes an action of shape \(2,\) \(MultiDiscrete\(\[3 3\]\)\)"):
+        multi.step(np.zeros(2, np.int64))
     env.close()
+    multi.close()
+
+
+class _MultiDiscrete(gym.Env):
+    def __init__(self) -> None:
+        self.action_space = gym.spaces.MultiDiscrete([3, 3])
+        self.observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, False, False, {}
 
 
 class _Structured(gym.Env):
