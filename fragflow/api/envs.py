@@ -214,13 +214,14 @@ class VectorEnv:
         space = self.single_action_space
         if self._clipped is None and a.dtype != object and isinstance(
                 space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)) \
-                and a.shape[1:] != tuple(space.shape):
+                and a.shape[1:] != tuple(space.shape or ()):
             # (gymnasium's own refusal, an AssertionError naming no line, or none where another policy's
             # channel refused the actor's output first)
-            each = "an index" if isinstance(space, gym.spaces.Discrete) else f"an action of shape {tuple(space.shape)}"
+            shape = tuple(space.shape or ())
+            each = "an index" if isinstance(space, gym.spaces.Discrete) else f"an action of shape {shape}"
             raise ConfigError(f"{self.name}.step got actions of shape {a.shape}, where each of its {self.num_envs} "
                               f"environments takes {each} ({space}): an array of shape "
-                              f"{(self.num_envs, *space.shape)}", where=user_callsite(),
+                              f"{(self.num_envs, *shape)}", where=user_callsite(),
                               fix="return one action per environment of the space's shape (a[:, 0] or a.squeeze(-1) "
                                   "for an axis of one too many; a.reshape(env.num_envs, ...) for a flat one)")
         if self._action_dtype is not None and a.dtype != self._action_dtype:
