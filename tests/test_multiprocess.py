@@ -415,6 +415,20 @@ def test_a_killed_env_worker_is_named_as_one(write_algo):
     assert shm_leftovers() == []
 
 
+def test_a_killed_learner_that_serves_inference_is_named_as_both(write_algo):
+    """Under central_inference the learner's process answers the actors: killed (or an actor's own
+    os._exit there), it was named "learner" alone, and the user looked for the fault in the learner."""
+    path, _ = write_algo(FAILING)
+    program = load(str(path))
+    killer = kill_actor_later(name="fragflow-learner-0")
+    with pytest.raises(WorkerDied, match=r"^learner \(also the inference server of actor 'act'\) process was killed by "
+                                         r"signal 9"):
+        ff.run(program.train, program.args_cls(fail_in=0), policy="central_inference(env_workers=2)")
+    killer.join()
+    assert mp.active_children() == []
+    assert shm_leftovers() == []
+
+
 @pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "actor_learner(actors=2, overflow=deliver)",
                                     "actor_learner(actors=2, overflow=block)", "async_relaxed(actors=2)"])
 def test_a_killed_actor_is_restarted_and_no_update_or_step_is_lost(tmp_path, policy):
