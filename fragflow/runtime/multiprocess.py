@@ -491,10 +491,10 @@ class Driver(DriverCheckpoints):
             return f"env worker {index}" if served else f"actor {index}"
         if fragment is not None and roles.get(fragment) == "actor":
             return f"the inference server (the {role}'s process)"
-        served = sorted(name for name, route in self.lowered.loop.remote.items()
-                        if roles.get(name) == "actor" and route.group == role)
-        if fragment is None and served:   # (died without a word: the fragment it ran is not known)
-            return f"{role} (also the inference server of actor {', '.join(repr(n) for n in served)})"
+        answers = sorted(name for name, route in self.lowered.loop.remote.items()
+                         if roles.get(name) == "actor" and route.group == role)
+        if fragment is None and answers:   # (died without a word: the fragment it ran is not known)
+            return f"{role} (also the inference server of actor {', '.join(repr(n) for n in answers)})"
         return role
 
     def _killed_peer(self, role: str, index: int, wait: float = 0.5) -> str | None:
