@@ -2359,3 +2359,54 @@ def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_p
 
     assert rows("a") == rows("b")
     assert rows("b")[-1] == (6.0, 15.0, 6.0, 6.0, 12.0, 6.0, 5.0, 15.0)
+
+
+SETTINGS_IN_THE_LOOP = '''
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 12
+    scale: float = 1.0
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, scale):
+    return {"w": state["w"] + 0.01 * scale}, {"used": scale}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.full(4, 0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect(), args.scale)
+        ff.log({**m, "loop_scale": args.scale})
+    return state
+'''
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)"])
+def test_a_set_given_with_resume_reaches_the_loops_args(tmp_path, write_algo, policy):
+    """The loop's Args (a dataclass of the user's own holding plain values) was saved with the loop's
+    locals and loaded back over the resumed run's: `--set scale=2` with --resume changed the range of
+    the loop (read before the restore) but not what it passed on, and single_process's summary.json
+    said the old args (probe round 46)."""
+    path, _ = write_algo(SETTINGS_IN_THE_LOOP, "settings.py")
+    out = tmp_path / "run"
+    res = cli("run", str(path), "--policy", policy, "--checkpoint-every", "3", "--out", str(out), "-q")
+    assert res.returncode == 0, res.stderr
+    res = cli("run", "--resume", str(out / "checkpoints" / "6"), "--set", "updates=14", "--set", "scale=2.0", "-q")
+    assert res.returncode == 0, res.stderr
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [float(r["updates"]) for r in rows] == list(range(1, 15))
+    assert [float(r["used"]) for r in rows] == [float(r["loop_scale"]) for r in rows] == [1.0] * 6 + [2.0] * 8
+    assert json.loads((out / "summary.json").read_text())["args"] == {"updates": 14, "scale": 2.0}

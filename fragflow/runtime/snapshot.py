@@ -8,6 +8,7 @@ replica's part and its resume point. The files, the manifest and when checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import random as pyrandom
 import sys
 import types
@@ -34,7 +35,7 @@ class CheckpointError(FragflowError):
 # -- the loop's locals ----------------------------------------------------------------------------------
 def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = frozenset(),
                 strict: bool = True, recurrent: dict[tuple[Any, ...], str] | None = None,
-                latest: dict[str, int] | None = None, where: Any = None
+                latest: dict[str, int] | None = None, where: Any = None, params: tuple[str, ...] = ()
                 ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
     """What of a loop's locals a checkpoint keeps: ``(entries, arrays, names not kept)``. ``strict``
     (a checkpoint): a buffer of the user's own that cannot be saved is refused; else (an actor's
@@ -74,6 +75,8 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
             continue
         if id(x) in skip or isinstance(x, (Versioned, VersionedView, Pending)) or name.startswith("__"):
             continue
+        if name in params and dataclasses.is_dataclass(x) and not isinstance(x, type):
+            continue   # the run's settings (Args): a resumed run's, with its --set, not the checkpoint's
         if x is None or isinstance(x, (bool, int, float, str, np.generic)):
             entries[name] = {"as": "value", "v": _enc(x, key, arrays)}
         elif is_key(x):
@@ -404,7 +407,8 @@ def loop_part(snapshot: Any, skip: frozenset[int] | set[int] = frozenset(), stri
     from fragflow.source import SourceLoc, display_path
 
     where = SourceLoc(display_path(snapshot.file), snapshot.line) if snapshot.file else None
-    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent, latest, where)
+    entries, arrays, left = loop_locals(snapshot.frame_locals, skip, strict, recurrent, latest, where,
+                                        getattr(snapshot, "params", ()))
     rng, rng_arrays = global_random()
     arrays.update(rng_arrays)
     meta = {"line": snapshot.line, "trip": snapshot.trip, "locals": entries, "random": rng, "not_saved": left,

@@ -28,6 +28,7 @@ class Snapshot:
     trip: int                     # trips of it completed
     frame_locals: dict[str, Any]  # the training function's locals at that moment (not copied)
     file: str = ""                # the training function's file
+    params: tuple[str, ...] = ()  # the training function's parameters (its args: the run's, never restored)
 
 
 @dataclass
@@ -102,7 +103,9 @@ class Trips:
         if self.pending or (self.poll is not None and self.poll()):
             self.pending = False
             if self.capture is not None:
-                self.capture(Snapshot(line, trip, dict(frame.f_locals), frame.f_code.co_filename))
+                code = frame.f_code
+                self.capture(Snapshot(line, trip, dict(frame.f_locals), code.co_filename,
+                                      code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]))
 
 
 _tracker: Trips | None = None
