@@ -2087,6 +2087,30 @@ def test_rows_wait_for_the_loops_marks_however_far_the_learners_updates_run_ahea
     assert [float(r["episodes"]) for r in rows] == [u // 5 for u in range(1, 201)]
 
 
+def test_a_value_the_loop_logs_before_its_first_step_is_a_row_of_its_own_however_late_it_comes(tmp_path):
+    """`ff.log({"pre": 1.0})` before the loop: single_process writes it as a row of update 0; where the
+    learner's first updates reached the driver before the loop's message, it went into the newest
+    update's row (probe round 46: 1 of 5 pipelined runs, 2 of 2 central_inference(env_workers=2))."""
+    from fragflow.runtime.monitor import Monitor
+    from fragflow.runtime.outputs import RunOutputs
+
+    monitor = Monitor(outputs=RunOutputs(tmp_path))
+    monitor.rows_end_at_steps, monitor.marked_replicas = False, 1
+    monitor.start()
+    for u in range(1, 5):   # the learner's updates first
+        monitor.update()
+        monitor.log_at(u, {"loss": float(u)}, steps=8 * u)
+    monitor.log_at(0, {"pre": 1.0}, steps=0)   # then the loop's messages: its log before any step, its marks
+    for u in range(1, 5):
+        monitor.env_step(8, [], 0, None)
+        monitor.mark(0, u, 8 * u)
+    monitor.loop_ended(0)
+    monitor.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(float(r["updates"]), float(r["env_steps"]), r["pre"], r["loss"]) for r in rows] == \
+        [(0.0, 0.0, "1.0", "")] + [(u, 8 * u, "", str(float(u))) for u in range(1, 5)]
+
+
 def test_a_stopped_runs_rows_whose_loop_steps_never_came_are_left_out_not_written_behind(tmp_path):
     """A Ctrl-C under pipelined while the loop's messages lagged the learner's: the last rows were
     written with the steps and episodes heard by then, behind the rows before them (counts going

@@ -172,7 +172,9 @@ class Monitor(ArrivalRows):
             if at is not None:
                 at[1].update(scalars)
                 return
-            if new_row:
+            # (a value logged before the loop's first env step and update, as single_process writes it: a
+            # row of its own before the first update's, however late the loop's message comes)
+            if new_row or (update == 0 and steps == 0 and self.marked_replicas):
                 rows = self._loop_rows.setdefault(update, [])
                 rows.append((steps, dict(scalars)))
                 rows.sort(key=lambda r: r[0])
