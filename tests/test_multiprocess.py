@@ -2111,6 +2111,29 @@ def test_a_value_the_loop_logs_before_its_first_step_is_a_row_of_its_own_however
         [(0.0, 0.0, "1.0", "")] + [(u, 8 * u, "", str(float(u))) for u in range(1, 5)]
 
 
+def test_what_the_loop_logs_after_learner_calls_dropped_as_stale_is_written_in_a_last_row_and_said(tmp_path):
+    """Gathered on arrival (actor_learner(actors=2), max_lag=1, overflow=drop), a dropped call is an update
+    the run never makes: the values the loop logged after its last calls (a final evaluation, a log after
+    the loop) waited for updates that never came, and were left out with no word (probe round 46)."""
+    from fragflow.runtime.monitor import Monitor
+    from fragflow.runtime.outputs import RunOutputs
+
+    monitor = Monitor(outputs=RunOutputs(tmp_path))
+    monitor.rows_end_at_steps, monitor.marked_replicas, monitor.arrival = False, 0, True
+    monitor.start()
+    for u in range(1, 4):
+        monitor.env_step(8, [], 0, None)
+        monitor.update()
+        monitor.log_at(u, {"loss": float(u)}, steps=8 * u)
+    monitor.log_at(4, {"after": 1.0}, steps=32)   # after the loop's 4th learner call, dropped as stale
+    monitor.channels({"trajectory": {"items": 4, "bytes": 10, "drops": 1, "depth": 0}})
+    monitor.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["updates"], r["loss"], r["after"]) for r in rows] == \
+        [("1.0", "1.0", ""), ("2.0", "2.0", ""), ("3.0", "3.0", ""), ("3.0", "", "1.0")]
+    assert "values the loop logged after learner calls that were dropped as stale ('after'" in monitor.summary()["notes"][0]
+
+
 def test_a_stopped_runs_rows_whose_loop_steps_never_came_are_left_out_not_written_behind(tmp_path):
     """A Ctrl-C under pipelined while the loop's messages lagged the learner's: the last rows were
     written with the steps and episodes heard by then, behind the rows before them (counts going

@@ -533,7 +533,18 @@ class Monitor(ArrivalRows):
 
     def close(self) -> None:
         # values the loop logged for updates that never came (the run stopped first: a learner failed,
-        # a Ctrl-C) are left out, as single_process, which stops at the failing call, never logs them
+        # a Ctrl-C) are left out, as single_process, which stops at the failing call, never logs them;
+        # but where those updates were never made because their calls were dropped as stale (gathered on
+        # arrival), the run went on to its end, and the loop's last values (its final evaluation, what it
+        # logs after the loop) are written in a last row, said
+        drops = sum(int(s.get("drops", 0) or 0) for s in self.channel_stats.values())
+        self._late: dict[str, float] = {}
+        if self.arrival and self._early and drops:
+            for u in sorted(self._early):
+                self._late.update(self._early[u])
+            self.warn(f"values the loop logged after learner calls that were dropped as stale ({', '.join(map(repr, sorted(self._late)))}: "
+                      f"{drops} call(s) dropped under max_lag, so the run made fewer updates than the loop called the "
+                      "learner) are in metrics.csv's last row")
         self._early.clear()
         self._flush()
         self._drain(force=True)
@@ -574,10 +585,13 @@ class Monitor(ArrivalRows):
         evaluation after the loop, or one at the last update): its columns as the run ended, so that
         metrics.csv holds every evaluation, not only summary.json."""
         last = self.outputs.last_row if self.outputs is not None else None
+        late = getattr(self, "_late", None)
         if last is None or self.unwritten_rows or \
-                self.base_eval_episodes + len(self.eval_episodes) <= last.get("eval_episodes", 0):
+                (self.base_eval_episodes + len(self.eval_episodes) <= last.get("eval_episodes", 0) and not late):
             return   # (after rows left out of a stopped run, its counts would be those rows')
         row = self._runtime_row()
+        if late:   # (the loop's values of updates whose calls were dropped as stale: see close)
+            row.update(late)
         if self.marked_replicas:   # the evaluation window in replica 0's order, as the rows before
             row["eval_return_mean"] = self._eval_mean([ret for *_, ret, _ in self._eval_tagged])
         assert self.outputs is not None
