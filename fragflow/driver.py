@@ -246,6 +246,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
             cloudpickle.register_pickle_by_value(module)   # loaded from a file path: workers cannot import it
         # (imported by its name: the recompiled function over the module's own globals in the worker)
         sent = InModule(train) if not by_value and InModule.fits(train) else train
+        _modules_by_name()
         try:
             program = cloudpickle.dumps((lowered, checks, sent, args, registered_by_user()))
         except Exception as exc:
@@ -504,6 +505,22 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
     assert compiled is not None
     placed = compiled.placed
     return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
+
+
+def _modules_by_name() -> None:
+    """Modules of a ModuleType subclass (torch.backends.cudnn, .mkldnn, .cuda.matmul: what CleanRL's
+    ``torch.backends.cudnn.deterministic = True`` in the training function names) pickled by their
+    name, as plain modules are: cloudpickle, sending a function of a file by value with the
+    submodules it uses, took them for objects, which do not pickle."""
+    import copyreg
+    import importlib
+    import types
+
+    for name, module in list(sys.modules.items()):
+        kind = type(module)
+        if kind is not types.ModuleType and isinstance(module, types.ModuleType) and kind not in copyreg.dispatch_table \
+                and getattr(module, "__name__", None) == name:
+            copyreg.pickle(kind, lambda m: (importlib.import_module, (m.__name__,)))
 
 
 def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str | os.PathLike[str] | None, every: Every | None,

@@ -3483,6 +3483,42 @@ def test_a_reset_between_an_update_and_its_log_keeps_one_row_per_update(write_al
     assert [r["updates"] for r in rows] == [f"{u}.0" for u in range(1, 7)] and all(r["m"] for r in rows)
 
 
+CLEANRL_BACKENDS_LINE = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    return {"w": state["w"] + 0.01 * obs.mean(0)}
+
+def train():
+    torch.backends.cudnn.deterministic = True   # CleanRL's second line
+    torch.backends.mkldnn.enabled = True
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.full(4, 0.1)})
+    obs = env.reset()
+    for _ in range(12):
+        obs, *_ = env.step(act(state["w"], obs))
+        state = learn(state, obs)
+    return state
+"""
+
+
+def test_a_training_function_that_sets_torch_backends_is_sent_to_the_workers(write_algo):
+    # torch.backends.cudnn is a module of a ModuleType subclass: sending the function of a file by value,
+    # cloudpickle took it for an object ("cannot pickle 'CudnnModule' object"), refused with an unrelated fix
+    path, _ = write_algo(CLEANRL_BACKENDS_LINE)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process").value["w"]
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
+        assert np.array_equal(ff.run(program.train, policy=policy).value["w"], one), policy
+
+
 TWO_TRAINING_ENVS = """
 import numpy as np
 import fragflow as ff
