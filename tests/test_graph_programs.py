@@ -3519,6 +3519,42 @@ def test_a_training_function_that_sets_torch_backends_is_sent_to_the_workers(wri
         assert np.array_equal(ff.run(program.train, policy=policy).value["w"], one), policy
 
 
+A_METRIC_PYTHON_THEN_NUMPY = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, coef):
+    return {"w": state["w"] + 0.01 * coef * obs.mean(0)}, {"coef": coef}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.full(4, 0.1)})
+    obs = env.reset()
+    for u in range(10):
+        obs, *_ = env.step(act(state["w"], obs))
+        coef = 1.0 if u == 0 else max(1 - np.mean([0.5, 0.7]), 0)   # (QDagger's distillation coefficient)
+        state, m = learn(state, obs, coef)
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_python_number_then_numpys_scalar_of_its_arithmetic_is_one_output(write_algo, tmp_path, policy):
+    # refused by every policy as "changed its output between calls: before float[] now f64[]", with a fix about
+    # shapes, though eagerly both are the same float64 numbers
+    path, _ = write_algo(A_METRIC_PYTHON_THEN_NUMPY)
+    program = load(str(path))
+    ff.run(program.train, policy=policy, out=tmp_path / "o")
+    rows = list(csv.DictReader((tmp_path / "o" / "metrics.csv").open()))
+    assert [float(r["coef"]) for r in rows] == [1.0] + [max(1 - np.mean([0.5, 0.7]), 0)] * 9
+
+
 TWO_TRAINING_ENVS = """
 import numpy as np
 import fragflow as ff

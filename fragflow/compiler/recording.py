@@ -288,6 +288,10 @@ class Recording:
                 fix="return an array of the same shape every call: where there is no value, an array of "
                     "zeros (np.zeros(shape, dtype)) in its place, and if the loop must know, a flag (an array: "
                     "np.array(has_value)) returned beside it")
+        elif specs != rec.out_specs and _same_numbers(rec.out_specs, specs):
+            # a Python number at one call, numpy's scalar of the same arithmetic at another (a metric
+            # `max(1 - np.mean(r), 0)` after `1.0`): the same values, as eagerly; sent as the first
+            pass
         elif specs != rec.out_specs and rec.role != "buffer" and _dtypes_differ(rec.out_specs, specs):
             # the same leaves and shapes in other dtypes (int32 random actions in a warm-up, int64 greedy ones
             # after it): one process runs it as eagerly (a buffer casts what it stores); a placement over
@@ -415,6 +419,23 @@ def _sizes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, Ten
     return len(sizes) == 1 and all(
         a == b or (a.dtype == b.dtype and a.backend == b.backend and len(a.shape) == len(b.shape) >= 1
                    and a.shape[1:] == b.shape[1:]) for (_, a), (_, b) in zip(before, now))
+
+
+_PYTHON_AS = {"float": "float64", "int": "int64", "bool": "bool"}
+
+
+def _same_numbers(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]]) -> bool:
+    """The same leaves, where some are a Python number in one and numpy's scalar of its arithmetic
+    (float64, int64, bool) in the other."""
+    def same(a: TensorSpec, b: TensorSpec) -> bool:
+        if a == b:
+            return True
+        if a.shape != () or b.shape != () or {a.backend, b.backend} != {"python", "numpy"}:
+            return False
+        py, np_ = (a, b) if a.backend == "python" else (b, a)
+        return _PYTHON_AS.get(py.dtype) == np_.dtype
+
+    return len(before) == len(now) and all(p == q and same(a, b) for (p, a), (q, b) in zip(before, now))
 
 
 def _dtypes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]]) -> bool:
