@@ -50,27 +50,35 @@ def loop_rows(inputs: list[LeafSpec], loop_made: list[tuple[int, Any]],
     environment) from one that merely has as many rows (a vector of two constants with two
     environments): such an array is taken whole, and the run refuses a per-environment one at the
     call, with the fix; but one whose shape past its first axis is that of a per-environment array
-    the run made (``per_env``: the fragments' latest outputs with an ``env`` axis 0, an
-    observation's ``[env, 4]``) is a stack of them, ``[time, env, ...]``, as CleanRL's storage
-    (``obs = np.zeros((num_steps, env.num_envs, 4)); obs[step] = next_obs``) or ``np.stack`` of
-    a value per step makes it: the environments on axis 1 (where that is only the size of one, the
-    acting processes' arrays, not split, are refused at the call).
+    of two or more axes the run made (``per_env``: the fragments' latest outputs with an ``env``
+    axis 0, an observation's ``[env, 4]``) is a stack of them, ``[time, env, ...]``, as CleanRL's
+    storage (``obs = np.zeros((num_steps, env.num_envs, 4)); obs[step] = next_obs``) or
+    ``np.stack`` of a value per step makes it: the environments on axis 1, and the ``[time, env]``
+    arrays beside it (rewards, values, log-probabilities stacked alike) with them (where that is
+    only the size of one, the acting processes' arrays, not split, are refused at the call; a
+    ``[rows, features]`` array, a flattened minibatch, is never taken for a stack).
     ``inputs`` (and each edge's leaves, ``loop_made``: (index into inputs, edge)) are updated."""
+    stacked = {tuple(array.shape) for array, (name, axis) in per_env
+               if name == "env" and axis == 0 and getattr(array, "ndim", 0) >= 2}
+    stacks = set()
+    for i, edge in loop_made:
+        leaf = inputs[i]
+        if leaf.axis is None and len(leaf.spec.shape) >= 3 and tuple(leaf.spec.shape[1:]) in stacked:
+            _mark(inputs, i, edge, leaf, 1)   # a stack of per-environment arrays, beside the batch or alone
+            stacks.add(i)
     n = env_rows(inputs)
     steps = {leaf.spec.shape[:2] for leaf in inputs
              if leaf.axis == 1 and leaf.axis_name == "env" and len(leaf.spec.shape) >= 2}
     if n is None and len(steps) == 1:
         n = next(iter(steps))[1]
-    stacked = {tuple(array.shape) for array, (name, axis) in per_env
-               if name == "env" and axis == 0 and getattr(array, "ndim", 0) >= 1}
+    if n is None:
+        return
     for i, edge in loop_made:
         leaf = inputs[i]
-        axis = None
-        if n is not None:
-            axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
-                0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
-        if axis is None and leaf.axis is None and len(leaf.spec.shape) >= 2 and tuple(leaf.spec.shape[1:]) in stacked:
-            axis = 1   # a stack of per-environment arrays, beside the batch or alone
+        if i in stacks:
+            continue
+        axis = 1 if len(steps) == 1 and leaf.spec.shape[:2] == next(iter(steps)) else \
+            0 if leaf.spec.shape and leaf.spec.shape[0] == n else None
         if axis is not None:
             _mark(inputs, i, edge, leaf, axis)
 
