@@ -1143,3 +1143,45 @@ def test_a_generator_the_state_holds_is_named_only_where_the_loop_draws_from_it(
     notes = [n for n in r.summary.get("notes", []) if "random generator" in n]
     assert notes == [] if not warned else len(notes) == 1 and "`gen` (a numpy.Generator)" in notes[0], notes
     assert shm_leftovers() == []
+
+
+SPACE_SAMPLED_IN_THE_LOOP = """
+import numpy as np
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    return {"w": state["w"] + 0.01 * obs.mean(0)}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.full(4, 0.1)})
+    obs = env.reset()
+    for t in range(12):
+        if t < 6:   # CleanRL's warm-up: random actions from the space
+            action = np.array([env.single_action_space.sample() for _ in range(env.num_envs)])
+        else:
+            action = act(state["w"], obs)
+        obs, *_ = env.step(action)
+        state = learn(state, obs)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, warned", [("actor_learner(actors=2)", True), ("pipelined", False)])
+def test_an_action_space_sampled_in_the_loop_is_named_where_loop_processes_split_the_environments(write_algo, policy,
+                                                                                                 warned):
+    # the space's generator is copied into every loop process: the second process's environments got the
+    # first's random actions, with no word (the warning scanned the loop's own generators only)
+    path, _ = write_algo(SPACE_SAMPLED_IN_THE_LOOP)
+    prog = load(str(path))
+    notes = [n for n in ff.run(prog.train, policy=policy).summary.get("notes", []) if "random generator" in n]
+    if warned:
+        assert len(notes) == 1 and "`env.single_action_space` (its sample()'s generator)" in notes[0], notes
+    else:
+        assert notes == []
+    assert shm_leftovers() == []

@@ -502,8 +502,32 @@ def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]]
             found.append(generator_label(name, x))
         elif getattr(type(x), "__module__", None) == module and type(getattr(x, "__dict__", None)) is dict:
             found += [generator_label(f"{name}.{attr}", v) for attr, v in vars(x).items() if isinstance(v, kinds)]
+    # an env's action space sampled in the loop (CleanRL's warm-up `envs.single_action_space.sample()`): its
+    # generator, copied into every process, draws the same random actions in each
+    used = _names_in(frame.f_code)
+    if "sample" in used:
+        for attr in ("single_action_space", "action_space"):
+            if attr in used:
+                found += [f"`{name}.{attr}` (its sample()'s generator)" for name, x in frame.f_locals.items()
+                          if not name.startswith("__") and _is_env(x) and getattr(x, attr, None) is not None]
     found = list(dict.fromkeys(found))
     return copied_message(frame.f_code, found, replicas) if found else None
+
+
+def _names_in(code: Any) -> set[str]:
+    """The attribute and global names a function's code uses, its comprehensions' and lambdas' too."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_in(const)
+    return names
+
+
+def _is_env(x: Any) -> bool:
+    """An environment fragflow made (``ff.envs.make``), which the loop steps."""
+    from fragflow.api.envs import VectorEnv
+
+    return isinstance(x, VectorEnv)
 
 
 def generator_label(name: str, x: Any) -> str:
