@@ -3555,6 +3555,44 @@ def test_a_python_number_then_numpys_scalar_of_its_arithmetic_is_one_output(writ
     assert [float(r["coef"]) for r in rows] == [1.0] + [max(1 - np.mean([0.5, 0.7]), 0)] * 9
 
 
+A_NUMPY_SCALAR_ARGUMENT = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, low):
+    x = torch.as_tensor(obs).clamp(low, -low)   # (CleanRL TD3's clamp to the space's bounds)
+    return {"w": state["w"] + 0.01 * float(x.mean())}, {"scalar": float(isinstance(low, np.generic))}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.full(4, 0.1)})
+    obs = env.reset()
+    low = env.single_observation_space.low[0] * 0 - 1.0   # np.float32
+    for _ in range(8):
+        obs, *_ = env.step(act(state["w"], obs))
+        state, m = learn(state, obs, low)
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_numpy_scalar_argument_reaches_a_learner_apart_as_numpys_scalar(write_algo, tmp_path, policy):
+    # it arrived as a 0-d array: torch's clamp(tensor, ndarray, np.float32) raised TypeError, where eagerly it ran
+    path, _ = write_algo(A_NUMPY_SCALAR_ARGUMENT)
+    program = load(str(path))
+    one = ff.run(program.train, policy="single_process").value["w"]
+    result = ff.run(program.train, policy=policy, out=tmp_path / "o")
+    assert [float(r["scalar"]) for r in csv.DictReader((tmp_path / "o" / "metrics.csv").open())] == [1.0] * 8
+    assert np.array_equal(result.value["w"], one)
+
+
 TWO_TRAINING_ENVS = """
 import numpy as np
 import fragflow as ff

@@ -67,7 +67,8 @@ def _split(x: Any, out: list[Any], path: str, given: frozenset[str] = frozenset(
             gifts[path] = x
             return ("given", path)
         out.append(x)
-        return ("leaf",)
+        # (numpy's scalar, np.float32 of a space's bound: received as a 0-d array, given back as the scalar)
+        return ("leaf", "scalar") if isinstance(x, np.generic) else ("leaf",)
     if x is None:
         return ("none",)
     if isinstance(x, Pending):
@@ -130,7 +131,8 @@ def cut_mark(seq: int) -> int:
 def build(skel: Skeleton, leaves: Iterator[Any], resolve: Callable[[Skeleton], Any] | None) -> Any:
     kind = skel[0]
     if kind == "leaf":
-        return next(leaves)
+        leaf = next(leaves)
+        return leaf[()] if len(skel) > 1 and isinstance(leaf, np.ndarray) and leaf.ndim == 0 else leaf
     if kind == "none":
         return None
     if kind == "static":
