@@ -1185,3 +1185,53 @@ def test_an_action_space_sampled_in_the_loop_is_named_where_loop_processes_split
     else:
         assert notes == []
     assert shm_leftovers() == []
+
+
+OPTIMIZER_READ_IN_THE_LOOP = """
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, lr):
+    opt = state["opt"]
+    opt.param_groups[0]["lr"] = lr   # the README's fix for CleanRL's annealing: the rate set in the learner
+    loss = state["net"](torch.as_tensor(obs)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return state, {"loss": loss.item()}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    net = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1.0)
+    state = ff.versioned({"net": net, "opt": optimizer})
+    SEEN.append(optimizer.param_groups[0]["lr"])   # before any learner call: as everywhere
+    obs = env.reset()
+    for u in range(4):
+        obs, *_ = env.step(act(np.full(4, 0.1), obs))
+        state, m = learn(state, obs, 1.0 / (u + 2))
+        ff.log({**m, "lr": optimizer.param_groups[0]["lr"]})  # @read
+    return state
+"""
+
+
+def test_an_optimizer_setting_the_loop_reads_through_its_own_variable_is_refused_where_the_learner_runs_apart(
+        write_algo, tmp_path):
+    # CleanRL's charts/learning_rate read through the loop's `optimizer`, the rate set in the learner: apart the
+    # loop's copy kept its first rate (1.0 in every row, where single_process logs 0.5, 0.333, ...), silently
+    path, marks = write_algo("SEEN = []\n" + OPTIMIZER_READ_IN_THE_LOOP)
+    prog = load(str(path))
+    ff.run(prog.train, policy="single_process", out=tmp_path / "o")
+    lrs = [float(r["lr"]) for r in csv.DictReader((tmp_path / "o" / "metrics.csv").open())]
+    assert lrs == [1.0 / (u + 2) for u in range(4)]
+    for policy in ("pipelined", "actor_learner(actors=1, max_lag=0)"):
+        with pytest.raises(VersionedStateError, match=rf"the training loop reads versioned state 'state' \(state's "
+                                                      rf"optimizer param_groups\[0\], with \['lr'\]\) through a variable "
+                                                      rf"of its own(.|\n)*at {relpath(path)}:{marks['read']}\n"):
+            compile(prog.train, policy=policy)

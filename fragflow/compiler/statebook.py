@@ -117,6 +117,7 @@ class StateBook(Repeats):
                 yield
             finally:
                 self.state_use.on = False
+                self.state_use.unwatch()
 
     def _watch_states(self) -> None:
         """The states' newest values: their tensors watched, their checksums kept (see state_use)."""

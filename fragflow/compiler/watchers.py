@@ -141,11 +141,23 @@ class StateUse:
         # a tensor's storage -> the byte ranges of the state's tensors in it: (start, end, state, label)
         self._storages: dict[int, list[tuple[int, int, str, str]]] = {}
         self._versions: dict[int, int | None] = {}   # id -> its version counter when first watched
+        self._groups: list[tuple[list[Any], int, dict[str, Any]]] = []   # (param_groups, index, the group as made)
 
     def watch(self, states: dict[str, Any]) -> None:
-        """The tensors the states' newest values hold (a learner may return new ones)."""
+        """The tensors the states' newest values hold (a learner may return new ones), and the
+        settings of the optimizers they hold (see _Group)."""
         import torch
 
+        from fragflow.compiler.reach import objects_of
+
+        for state, value in states.items():
+            for i, opt in enumerate(o for o in objects_of(value) if isinstance(o, torch.optim.Optimizer)):
+                groups = opt.param_groups
+                for j, group in enumerate(groups):
+                    if type(group) is dict:
+                        groups[j] = _Group(group, self, state, f"{state}'s optimizer{f' {i}' if i else ''} "
+                                                                f"param_groups[{j}]")
+                        self._groups.append((groups, j, group))
         tensors: dict[int, tuple[Any, str, str]] = {}
         storages: dict[int, list[tuple[int, int, str, str]]] = {}
         for state, value in states.items():
@@ -206,6 +218,22 @@ class StateUse:
                     (_version(x) is None or _version(x) != self._versions.get(id(x))):
                 self.first = ("read", held[1], held[2], f"with {op}", self._where())
                 return
+
+    def unwatch(self) -> None:
+        """The optimizers' own setting dicts back in place, as they stand now."""
+        for groups, j, group in self._groups:
+            watched = groups[j] if j < len(groups) else None
+            if isinstance(watched, _Group):
+                group.clear()
+                group.update(dict.items(watched))
+                groups[j] = group
+        self._groups = []
+
+    def read_setting(self, state: str, label: str, key: str) -> None:
+        """The loop read setting ``key`` of an optimizer the state holds, changed since the state was
+        made (a learner sets the rate each update): eagerly the learner's newest, apart the loop's copy's."""
+        if self.on and self.first is None and state in self.written:
+            self.first = ("read", state, label, f"with ['{key}']", self._where())
 
     def _where(self) -> SourceLoc | None:
         """The training function's line running now (a module's forward or a helper of the user's
@@ -291,6 +319,31 @@ def _flat(values: tuple[Any, ...]) -> list[Any]:
         elif v is not None:
             out.append(v)
     return out
+
+
+class _Group(dict):
+    """An optimizer's setting dict (``param_groups[j]``) while the loop is traced: a setting the loop
+    reads (``optimizer.param_groups[0]["lr"]``, CleanRL's logged rate) through the optimizer's own
+    variable that differs from the state as made is a read of the state through a variable of its own
+    (see StateUse); its learner's reads and writes are its own (the watch is off in fragments)."""
+
+    def __init__(self, group: dict[str, Any], use: StateUse, state: str, label: str) -> None:
+        super().__init__(group)
+        self._use, self._state, self._label = use, state, label
+        self._made = {k: v for k, v in group.items() if k != "params" and isinstance(v, (bool, int, float, str))}
+
+    def _seen(self, key: Any) -> None:
+        use = self._use
+        if use.on and key in self._made and dict.get(self, key) != self._made[key]:
+            use.read_setting(self._state, self._label, key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._seen(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._seen(key)
+        return dict.get(self, key, default)
 
 
 def _state_tensors(value: Any, label: str, torch: Any, depth: int) -> list[tuple[Any, str]]:
