@@ -1204,6 +1204,7 @@ def test_a_loop_logging_every_second_update_has_those_rows_and_their_steps_where
     assert {"loss", "n"} <= set(rows[0]) and set(one[0]) <= set(rows[0])
     updates = result.summary["updates"]
     drops = result.summary["channels"]["trajectory"]["drops"]
+    rows = without_closing_row(rows, result.summary)
     assert [float(r["updates"]) for r in rows] == [float(u) for u in range(1, updates + 1)]
     logged = [r for r in rows if r["loss"] != ""]
     assert [float(r["updates"]) for r in logged] == [float(j) for j in range(1, updates + 1, 2)]
@@ -1274,6 +1275,16 @@ def train(args: Args):
 """
 
 
+def without_closing_row(rows: list[dict[str, str]], summary: dict) -> list[dict[str, str]]:
+    """The rows but the last one a run gathered on arrival writes, with a note, for what the loop logged
+    after learner calls dropped as stale (they made no update): a row past the run's updates."""
+    drops = sum(c.get("drops", 0) for c in summary.get("channels", {}).values())
+    if drops and len(rows) == summary["updates"] + 1 and any("dropped as stale" in n for n in summary.get("notes") or ()):
+        assert float(rows[-1]["updates"]) == summary["updates"]
+        return rows[:-1]
+    return rows
+
+
 @pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "async_relaxed(actors=2, max_lag=2)",
                                     "central_inference(env_workers=2, max_lag=1)"])
 @pytest.mark.parametrize("b_first", [True, False])
@@ -1290,9 +1301,10 @@ def test_a_second_learners_logged_values_join_the_rows_replica_0_logged_them_in_
     result = ff.run(program.train, program.args_cls(b_first=b_first), policy=policy, out=tmp_path / "run")
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     updates = result.summary["updates"]
+    drops = sum(c.get("drops", 0) for c in result.summary["channels"].values())
+    rows = without_closing_row(rows, result.summary)
     assert [float(r["updates"]) for r in rows] == [float(j) for j in range(1, updates + 1)]
     assert [float(r["aw"]) for r in rows] == [float(j) for j in range(1, updates + 1)]
-    drops = sum(c.get("drops", 0) for c in result.summary["channels"].values())
     missing = [r["updates"] for r in rows if r["bw"] == ""]
     assert len(missing) <= drops, (missing, drops)
     bw = [float(r["bw"]) for r in rows if r["bw"] != ""]
@@ -1403,7 +1415,7 @@ def test_evaluation_columns_count_the_episodes_replica_0_had_ended_by_each_row_w
     columns = []
     for run, pol in (("one", "single_process"), ("other", policy)):
         result = ff.run(program.train, program.args_cls(), policy=pol, out=tmp_path / run)
-        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        rows = without_closing_row(list(csv.DictReader((tmp_path / run / "metrics.csv").open())), result.summary)
         assert len(rows) == result.summary["updates"]
         columns.append([(float(r["updates"]), float(r["eval_episodes"])) for r in rows])
     evaluated = [e for _, e in columns[0]]
