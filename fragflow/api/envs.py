@@ -118,6 +118,10 @@ class VectorEnv:
         self.observation_space = env.observation_space
         self.action_space = env.action_space
         self._action_dtype = self.single_action_space.dtype
+        # (the shape each environment's action must have where nothing reshapes it: a discrete space's)
+        space = self.single_action_space
+        self._action_shape: tuple[int, ...] | None = tuple(space.shape or ()) if not clip_actions and isinstance(
+            space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)) else None
         self._fragments(evaluation)
 
     def state_dict(self) -> dict[str, Any]:
@@ -211,13 +215,11 @@ class VectorEnv:
                               "it to the Box's bounds)", where=user_callsite(),
                               fix=f"return one action of shape {self._clipped} per environment: an array of shape "
                                   f"({self.num_envs}, {', '.join(map(str, self._clipped))})")
-        space = self.single_action_space
-        if self._clipped is None and a.dtype != object and isinstance(
-                space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)) \
-                and a.shape[1:] != tuple(space.shape or ()):
+        shape = self._action_shape
+        if shape is not None and a.dtype != object and a.shape[1:] != shape:
             # (gymnasium's own refusal, an AssertionError naming no line, or none where another policy's
             # channel refused the actor's output first)
-            shape = tuple(space.shape or ())
+            space = self.single_action_space
             each = "an index" if isinstance(space, gym.spaces.Discrete) else f"an action of shape {shape}"
             raise ConfigError(f"{self.name}.step got actions of shape {a.shape}, where each of its {self.num_envs} "
                               f"environments takes {each} ({space}): an array of shape "

@@ -223,15 +223,16 @@ class Pending(_NoLoopUse):
     __slots__ = ("fragment", "index", "path_keys", "call", "skel", "trip", "spread", "enumerated")
 
     def __init__(self, fragment: str, index: int, keys: tuple[Any, ...] = (), call: int = -1,
-                 skel: Any = None, trip: int = -1, spread: bool = False) -> None:
+                 skel: Any = None, trip: int = -1, spread: Pending | None = None) -> None:
         self.fragment = fragment
         self.index = index
         self.path_keys = keys
         self.call = call
         self.skel = skel   # its value as traced, without leaves (see pytree.skeleton_of), where known
         self.trip = trip   # the trip of the loop's top-level loop it was made in (-1: unknown)
-        # an entry taken as its dict was spread or walked whole ({**metrics}, metrics.items()): a dict of
-        # every such entry is logged as the dict, with the keys its later calls add (see LoopLogs)
+        # the dict it is an entry of, where taken as that dict was spread or walked whole ({**metrics},
+        # metrics.items()): a dict of every such entry is logged as the dict, with the keys its later
+        # calls add (see LoopLogs)
         self.spread = spread
         self.enumerated = 0   # (its keys were asked for: as many entries taken next are spread)
 
@@ -255,8 +256,8 @@ class Pending(_NoLoopUse):
                 raise self._missing(key, MissingOutputIndexError, f"has no index {key!r}") from None
             except TypeError:   # (a key of another kind: a field's name of a namedtuple, found by name)
                 sub = None
-        spread = self.enumerated > 0
-        if spread:
+        spread = self if self.enumerated > 0 else None
+        if spread is not None:
             self.enumerated -= 1
         return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub, self.trip, spread)
 

@@ -104,6 +104,12 @@ def _own_loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:
     return names
 
 
+def attributes_read(code: types.CodeType) -> set[str]:
+    """The attribute and method names ``code`` reads (``env.single_action_space.sample()``), its
+    comprehensions' included."""
+    return _own_loads(code, frozenset({"LOAD_ATTR", "LOAD_METHOD"}))
+
+
 def bound_globals(fn: Any) -> list[tuple[dict[str, Any], str]]:
     """The globals ``fn``'s own code rebinds (``global SHIFT; SHIFT = SHIFT + 1``): (its module's
     globals, name) each; whether a call did, the caller sees by what the name holds after it."""

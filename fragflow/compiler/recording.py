@@ -23,6 +23,7 @@ from fragflow.api.versioned import Versioned, VersionedView
 from fragflow.compiler.axes import address, env_rows, inherited_axes, sized_by_ids, view_axis
 from fragflow.compiler.ir import EdgeKind, LeafSpec
 from fragflow.compiler.pytree import (
+    _AS_NUMPY,
     NotAnArray,
     TensorSpec,
     _torch_kind,
@@ -421,7 +422,7 @@ def _sizes_differ(before: list[tuple[str, TensorSpec]], now: list[tuple[str, Ten
                    and a.shape[1:] == b.shape[1:]) for (_, a), (_, b) in zip(before, now))
 
 
-_PYTHON_AS = {"float": "float64", "int": "int64", "bool": "bool"}
+_PYTHON_AS = {kind.__name__: dtype.name for kind, dtype in _AS_NUMPY.items()}   # "float": "float64", ...
 
 
 def _same_numbers(before: list[tuple[str, TensorSpec]], now: list[tuple[str, TensorSpec]]) -> bool:

@@ -237,6 +237,8 @@ class StateBook(Repeats):
             raise NotArrayPytreeError(
                 f"learner '{rec.name}' returned new state whose leaf {bad.path or '<root>'} is a {type(bad.value).__name__}",
                 where=rec.defined_at, fix="state must be a pytree (dict/list/tuple) of numpy, torch or jax arrays") from None
+        from fragflow.runtime.calls import cast_expression, check_finite, check_structure
+
         edge = self._edge(rec.name, handle.name, EdgeKind.STATE_WRITE, "[0]", "")
         if not edge.leaves:   # its first write
             check_new_state(rec.name, handle, leaves, rec.defined_at)
@@ -249,10 +251,7 @@ class StateBook(Repeats):
                         f"{sum(rec.calls)}, {p} as {now.short()} {now.backend}, but the state holds {was.short()} "
                         f"{was.backend} (as made, and as its earlier calls returned it)", where=where or rec.called_at,
                         fix="keep every leaf's shape, dtype and array library (cast back: " +
-                            (f"x.to(torch.{was.dtype})" if was.backend == "torch" else f"x.astype(np.{was.dtype})"
-                             if was.backend == "numpy" else f"x.astype(jnp.{was.dtype})" if was.backend == "jax"
-                             else "as made") + "), or create the state as the learner returns it")
-        from fragflow.runtime.calls import check_finite, check_structure
+                            (cast_expression(was) or "as made") + "), or create the state as the learner returns it")
         from fragflow.runtime.loop import allow_nonfinite
 
         made = self._states.get(handle.name)

@@ -302,10 +302,15 @@ def cast_back(got: TensorSpec, spec: TensorSpec) -> str:
     """The fix of a state leaf that changed from ``spec`` (traced) to ``got``: the cast to the traced
     dtype in its library (the message said np.float32 whatever the dtype was), or the shape to keep."""
     if got.dtype != spec.dtype:
-        cast = {"numpy": f"x.astype(np.{spec.dtype})", "torch": f"x.to(torch.{spec.dtype})",
-                "jax": f"x.astype(jnp.{spec.dtype})"}.get(spec.backend, f"a {spec.dtype} value")
+        cast = cast_expression(spec) or f"a {spec.dtype} value"
         return f"keep the state's dtypes fixed: cast it back to {spec.dtype} ({cast}) before returning it"
     return f"keep the state's shapes fixed: return it as {spec.short()}, as traced (pad, slice or reshape it back)"
+
+
+def cast_expression(spec: TensorSpec) -> str | None:
+    """The cast of an array ``x`` to ``spec``'s dtype in its library (None: a Python number's)."""
+    return {"numpy": f"x.astype(np.{spec.dtype})", "torch": f"x.to(torch.{spec.dtype})",
+            "jax": f"x.astype(jnp.{spec.dtype})"}.get(spec.backend)
 
 
 def check_structure(value: Any, shape: Any, fragment: str, state: str, update: int, where: Where) -> None:

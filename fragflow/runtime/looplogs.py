@@ -66,10 +66,10 @@ class LoopLogs:
                         "ff.log({'name': metrics['key']})) from the first call on; to log an element of an array, "
                         "return it as a metric of its own; or run with --policy single_process")
         elif isinstance(tree, dict):
-            whole = self._whole_outputs(tree)
-            for (fragment, index, call, keys), (skel, trip) in whole.items():
-                self._check_logged(Pending(fragment, index, keys, call, skel, trip), name, requests)
-            taken = {k for (*_, keys), (skel, _) in whole.items() for k in skel}
+            whole = _whole_outputs(tree)
+            for output in whole:
+                self._check_logged(output, name, requests)
+            taken = {k for output in whole for k in output.skel}
             for k, v in tree.items():
                 if k not in taken:
                     self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
@@ -78,29 +78,17 @@ class LoopLogs:
                 self._check_logged(v, f"{name}/{k}" if name else str(k), requests)
 
 
-    def _whole_outputs(self, tree: dict[Any, Any]) -> dict[tuple[str, int, int, tuple[Any, ...]], tuple[Any, int]]:
-        """The outputs of which ``tree`` holds every traced key, each under its own key, taken as the
-        output was spread or walked whole (``{**metrics, "eps": eps}``): logged as the output whole, they log the keys its calls add after the trace too,
-        as ``ff.log(metrics)`` does (the entries alone were its traced keys only). By (fragment,
-        index, call, path): (its traced value without leaves, the trip)."""
-        groups: dict[tuple[str, int, int, tuple[Any, ...]], list[Any]] = {}
-        for k, v in tree.items():
-            if isinstance(v, Pending) and v.spread and v.path_keys and v.path_keys[-1] == k:
-                groups.setdefault((v.fragment, v.index, v.call, v.path_keys[:-1]), []).append(k)
-        found = {}
-        for (fragment, index, call, keys), held in groups.items():
-            route = self.program.remote.get(fragment)
-            skel: Any = getattr(route, "skeleton", None)
-            try:
-                if index >= 0:
-                    skel = skel[index]
-                for k in keys:
-                    skel = skel[k]
-            except (KeyError, IndexError, TypeError):
-                continue
-            if isinstance(skel, dict) and len(skel) == len(held) and set(skel) == set(held):
-                found[(fragment, index, call, keys)] = (skel, tree[held[0]].trip)
-        return found
+def _whole_outputs(tree: dict[Any, Any]) -> list[Pending]:
+    """The outputs of which ``tree`` holds every traced key, each under its own key, taken as the
+    output was spread or walked whole (``{**metrics, "eps": eps}``): logged as the output whole, they
+    log the keys its calls add after the trace too, as ``ff.log(metrics)`` does (the entries alone
+    were its traced keys only)."""
+    held: dict[int, tuple[Pending, list[Any]]] = {}
+    for k, v in tree.items():
+        if isinstance(v, Pending) and v.spread is not None and v.path_keys and v.path_keys[-1] == k:
+            held.setdefault(id(v.spread), (v.spread, []))[1].append(k)
+    return [output for output, keys in held.values()
+            if isinstance(output.skel, dict) and len(output.skel) == len(keys) and set(output.skel) == set(keys)]
 
 
 def _without_pending(tree: Any) -> Any:

@@ -79,6 +79,7 @@ class Monitor(ArrivalRows):
         self._waiting: list[dict[str, float]] = []
         self._ended: set[int] = set()   # loop replicas whose loop has ended
         self._early: dict[int, dict[str, float]] = {}   # values of updates the driver has not heard of yet
+        self._late: dict[str, float] = {}   # ... of updates never made, their calls dropped as stale (see close)
         self._loop_rows: dict[int, list[tuple[int, dict[str, float]]]] = {}   # update -> (steps, the loop's values)
         self._eval_tagged: list[tuple[int, int, float, int]] = []   # (replica 0's updates and steps then, return, length)
         self._episodes_out: dict[int, int] = {}   # replica -> its tagged episodes written to TensorBoard
@@ -538,7 +539,6 @@ class Monitor(ArrivalRows):
         # arrival), the run went on to its end, and the loop's last values (its final evaluation, what it
         # logs after the loop) are written in a last row, said
         drops = sum(int(s.get("drops", 0) or 0) for s in self.channel_stats.values())
-        self._late: dict[str, float] = {}
         if self.arrival and self._early and drops:
             for u in sorted(self._early):
                 self._late.update(self._early[u])
@@ -585,7 +585,7 @@ class Monitor(ArrivalRows):
         evaluation after the loop, or one at the last update): its columns as the run ended, so that
         metrics.csv holds every evaluation, not only summary.json."""
         last = self.outputs.last_row if self.outputs is not None else None
-        late = getattr(self, "_late", None)
+        late = self._late
         if last is None or self.unwritten_rows or \
                 (self.base_eval_episodes + len(self.eval_episodes) <= last.get("eval_episodes", 0) and not late):
             return   # (after rows left out of a stopped run, its counts would be those rows')

@@ -484,7 +484,7 @@ def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]]
     kinds = (np.random.Generator, pyrandom.Random, np.random.RandomState) + ((torch.Generator,) if torch else ())
     module = frame.f_globals.get("__name__")
     from fragflow.api.versioned import Versioned
-    from fragflow.compiler.reach import objects_of
+    from fragflow.compiler.reach import attributes_read, objects_of
 
     found: list[str] = []
     names = {name: x for name in frame.f_code.co_names
@@ -504,7 +504,7 @@ def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]]
             found += [generator_label(f"{name}.{attr}", v) for attr, v in vars(x).items() if isinstance(v, kinds)]
     # an env's action space sampled in the loop (CleanRL's warm-up `envs.single_action_space.sample()`): its
     # generator, copied into every process, draws the same random actions in each
-    used = _names_in(frame.f_code)
+    used = attributes_read(frame.f_code)
     if "sample" in used:
         for attr in ("single_action_space", "action_space"):
             if attr in used:
@@ -512,15 +512,6 @@ def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]]
                           if not name.startswith("__") and _is_env(x) and getattr(x, attr, None) is not None]
     found = list(dict.fromkeys(found))
     return copied_message(frame.f_code, found, replicas) if found else None
-
-
-def _names_in(code: Any) -> set[str]:
-    """The attribute and global names a function's code uses, its comprehensions' and lambdas' too."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_in(const)
-    return names
 
 
 def _is_env(x: Any) -> bool:
