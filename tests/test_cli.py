@@ -64,6 +64,23 @@ def test_tensorboard_events_hold_the_scalars(tmp_path):
     assert len(acc.Scalars("losses/value_loss")) == 8
 
 
+def test_tensorboard_events_are_checksummed_in_c_as_its_reader_checks_them():
+    """The events' CRC-32C by google-crc32c (TensorBoard's own is pure Python where TensorFlow is not
+    installed: 43 us a row's event) is the one TensorBoard's reader checks (the test above reads the
+    events a run wrote with it, which fails on a wrong checksum), on records of every length."""
+    import os
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    from fragflow.runtime.outputs import _masked_crc32c, fast_event_checksums
+
+    assert fast_event_checksums() and record_writer.masked_crc32c is _masked_crc32c
+    for n in (0, 1, 7, 8, 12, 100, 513, 4096):
+        data = os.urandom(n)
+        assert _masked_crc32c(data) == masked_crc32c(data), n
+
+
 def test_graph_prints_text_and_writes_png_and_svg(tmp_path):
     res = invoke("graph", "algorithms/ppo.py", "--image", str(tmp_path / "g.png"), *SMALL)
     assert res.exit_code == 0, res.output

@@ -52,6 +52,10 @@ class Driver(DriverCheckpoints):
         # in its next report, up to a flush period later), and each fragment's newest call forgotten
         self._computed_when: dict[tuple[str, int], float] = {}
         self._forgotten: dict[str, int] = {}
+        # each fragment's newest call heard, and the size at which each store is next looked through
+        # (twice what its last look left: a look costs its size, so each entry costs a few looks)
+        self._newest_call: dict[str, int] = {}
+        self._look_at = [4 * self._KEEP_CALLS] * 3
         self._said_forgotten: set[str] = set()
         self._said_missing: set[tuple[str, str]] = set()
         self._clocks = {s.clock for s in lowered.services}
@@ -358,22 +362,31 @@ class Driver(DriverCheckpoints):
     _KEEP_SECONDS = 10.0   # ... and for this long at least after they were computed (many report flushes)
 
     def _forget_logs(self, fragment: str, call: int) -> None:
-        """Forget a fragment's calls well behind ``call``: those computed at least ``_KEEP_SECONDS``
-        ago (a fast loop's report of its ff.log of a call can come hundreds of calls after the
-        learner's values of it: forgetting by count alone lost them)."""
-        store: dict[tuple[str, int], Any]
-        old = time.monotonic() - self._KEEP_SECONDS
-        for store in (self._computed_logs, self._asked_for, self._merged_into):
-            if len(store) > 4 * self._KEEP_CALLS:
-                for key in [k for k in store if k[0] == fragment and k[1] < call - self._KEEP_CALLS
-                            and self._computed_when.get(k, 0.0) <= old]:
-                    if store is self._asked_for and not self.monitor.marked_replicas and not fragment.endswith("@update"):
-                        for request in store[key]:   # (never answered: its row waits no more)
-                            self.monitor.row_answered(request[3], request[5])
-                    if store is self._computed_logs:
-                        self._computed_when.pop(key, None)
-                        self._forgotten[fragment] = max(self._forgotten.get(fragment, -1), key[1])
-                    del store[key]
+        """Forget the calls of each fragment well behind its newest (``call``, of ``fragment``, just
+        heard): those computed at least ``_KEEP_SECONDS`` ago (a fast loop's report of its ff.log of a
+        call can come hundreds of calls after the learner's values of it: forgetting by count alone
+        lost them). A store is looked through when it has doubled since it was last (each look walks
+        all of it: one at every call kept the driver busy, its stores holding ``_KEEP_SECONDS`` of
+        calls, and took the loop's core on a small machine)."""
+        if call > self._newest_call.get(fragment, -1):
+            self._newest_call[fragment] = call
+        stores: tuple[dict[tuple[str, int], Any], ...] = (self._computed_logs, self._asked_for, self._merged_into)
+        for i, store in enumerate(stores):
+            if len(store) <= self._look_at[i]:
+                continue
+            old = time.monotonic() - self._KEEP_SECONDS
+            newest = self._newest_call
+            for key in [k for k in store if k[1] < newest.get(k[0], k[1]) - self._KEEP_CALLS
+                        and self._computed_when.get(k, 0.0) <= old]:
+                name = key[0]
+                if store is self._asked_for and not self.monitor.marked_replicas and not name.endswith("@update"):
+                    for request in store[key]:   # (never answered: its row waits no more)
+                        self.monitor.row_answered(request[3], request[5])
+                if store is self._computed_logs:
+                    self._computed_when.pop(key, None)
+                    self._forgotten[name] = max(self._forgotten.get(name, -1), key[1])
+                del store[key]
+            self._look_at[i] = max(4 * self._KEEP_CALLS, 2 * len(store))
 
     def _was_forgotten(self, fragment: str, call: int, name: str) -> bool:
         """The loop logged a call whose values were forgotten (it kept the output many calls and
