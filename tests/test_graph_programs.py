@@ -2629,6 +2629,54 @@ def test_a_second_acting_phase_whose_learner_is_not_the_clock_is_refused_where_a
         compile(program.train, program.args_cls(), policy="pipelined")
 
 
+SWITCHED_IN_THE_LOOP = PRETRAIN_THEN_ACT.replace(
+    "    pre: int = 6\n    updates: int = 4\n", "    pre: int = 6\n    updates: int = 10\n").replace(
+    "    for _ in range(args.pre):   # behaviour cloning on a fixed dataset: the clock, called most\n"
+    "        state, m = pretrain(state, np.ones(3))\n", "").replace(
+    "    for _ in range(args.updates):   # then online learning, acting with what 'learn' writes\n",
+    "    for u in range(args.updates):   # the same acting throughout, a learner for each phase\n").replace(
+    "        state, m = learn(state, buf.collect())   # @learn\n",
+    "        batch = buf.collect()\n"
+    "        if u < args.pre:\n"
+    "            state, m = pretrain(state, np.ones(3))   # @pretrain\n"
+    "        else:\n"
+    "            state, m = learn(state, batch)   # @learn\n")
+
+
+@pytest.mark.parametrize("order", ["pretrain first", "learn first"])
+def test_a_loop_switching_learners_between_phases_is_refused_where_actors_take_the_newest_version(write_algo, order):
+    """One acting loop, a learner for each phase (`if u < pre: pretrain(...) else: learn(...)`):
+    versions count the clock's calls, so the phase calling the other learner makes none, and
+    actors taking the newest version acted with the state as it was before that phase for all of
+    it (the probe's: 10 updates at max_lag=1 with the initial weights, no message). Refused at the
+    second of those writes with acting between them; max_lag=0 and pipelined's exact versions
+    (which, before the clock's first call, take every write issued) run it as single_process."""
+    source = SWITCHED_IN_THE_LOOP if order == "pretrain first" else SWITCHED_IN_THE_LOOP.replace(
+        "        if u < args.pre:\n", "        if u >= args.updates - args.pre:\n")
+    path, marks = write_algo(source)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert float(expected.value["w"]["n"]) == 10.0
+    other = {"pretrain": "learn", "learn": "pretrain"}
+    for policy in ("actor_learner(actors=2)", "async_relaxed(actors=2)", "learner_replay"):
+        with pytest.raises(PlacementError, match=r"learner '(\w+)' writes 'state', which the actors act with, where "
+                                                 r"learner '(\w+)' \(whose calls count the run's versions\) was not "
+                                                 r"called since its previous call, and the actors acted in between"
+                                                 r".*\n  at .*:(\d+)\n  fix: give that phase a versioned value") as info:
+            ff.run(program.train, program.args_cls(), policy=policy)
+        writer, clock, line = re.search(r"learner '(\w+)' writes.*?learner '(\w+)'.*\n  at .*:(\d+)",
+                                        str(info.value), re.S).groups()
+        assert clock == other[writer] and int(line) == marks[writer], (policy, str(info.value))
+    for policy in ("actor_learner(actors=2, max_lag=0)", "pipelined(max_lag=0)"):
+        assert same_tree(ff.run(program.train, program.args_cls(), policy=policy).value, expected.value), policy
+    first = "pretrain" if order == "pretrain first" else "learn"
+    if compile(program.train, program.args_cls(), policy="pipelined").placed.graph.clock() == first:
+        with pytest.raises(PlacementError, match=rf"learner '{other[first]}' writes 'state'"):   # (after its first call)
+            ff.run(program.train, program.args_cls(), policy="pipelined")
+    else:   # the first phase is before the clock's first call
+        assert same_tree(ff.run(program.train, program.args_cls(), policy="pipelined").value, expected.value)
+
+
 PRETRAIN_APART_THEN_ACT = PRETRAIN_THEN_ACT.replace(
     '@ff.fragment("learner", writes="state")\ndef pretrain(state, x):',
     '@ff.fragment("learner", writes="state")\ndef adopt(state, pre):\n    return {"w": {"n": pre["w"]["n"] * 1.0}}\n\n'

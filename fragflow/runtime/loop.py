@@ -130,6 +130,9 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         # ended (a version is the state after a clock call and every write before the next one)
         self._writes: dict[str, int] = {}
         self._final: dict[tuple[str, int], int] = {}
+        # since the last clock call: each acted-with state's last write by another learner (that
+        # learner, and whether this loop acted with the state after it; see _unclocked_write)
+        self._unclocked: dict[str, list[Any]] = {}
         self._states: dict[str, Versioned] = {}
         self._shapes: dict[str, Any] = {}   # each state's structure (a learner's new state keeps it)
         self._seq = 0
@@ -485,6 +488,10 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             return value
         v = self._version()
         key = (v, self._stamp(handle.name, v) if v >= 0 else None)
+        if self._unclocked:
+            unclocked = self._unclocked.get(handle.name)
+            if unclocked is not None:
+                unclocked[1] = True   # (acted with after another learner's write: see _unclocked_write)
         cached = self._views.get(handle.name)
         if cached is None or cached[0] != key:
             received.check_unchanged(self._watched, self._drawn, handle.name, None)   # (changed since this process's last fragment call: the loop)
@@ -625,7 +632,10 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket,
                      steps=int(getattr(self.reporter, "total_steps", 0)))
         self._seq += 1
+        if handle is not None and not route.primary and handle.name in self.program.reads:
+            self._unclocked_write(name, handle.name)
         if route.primary:
+            self._unclocked.clear()
             for state in self.program.reads:
                 self._final[(state, self.update)] = self._writes.get(state, 0)
                 self._final.pop((state, self.update - self.program.max_lag - 3), None)
@@ -649,6 +659,34 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             self._states[new.name] = new
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton, trip=self.trip)
+
+    def _unclocked_write(self, name: str, state: str) -> None:
+        """Learner ``name``, not the clock, writes ``state``, which this loop's actors act with. Versions
+        count the clock's calls: a write between two of them belongs to the next version, which an
+        actor acting versions behind takes an update later (SAC's policy step after its Q step). Where
+        such writes follow one another with acting between them and no clock call (a phase of the
+        loop that calls another learner: `if u < pretrain_updates: pretrain(...) else: learn(...)`),
+        no new version comes: the actors would act with the state as the clock last left it for the
+        whole phase, whatever ``max_lag`` says. Refused then, as the placement refuses such a phase in
+        a loop of its own; ``max_lag=0`` waits for every write, and so does ``pipelined``'s exact
+        choice before the clock's first call (its version then takes every write issued)."""
+        last = self._unclocked.get(state)
+        waits_for_all = self.program.max_lag == 0 or (isinstance(self.program.choice, Exact) and self.update == 0)
+        if last is not None and last[1] and not waits_for_all:
+            clock = self.checks.get("clock")
+            again = "its previous call" if last[0] == name else f"the previous call of '{last[0]}'"
+            raise PlacementError(
+                f"learner '{name}' writes '{state}', which the actors act with, where learner '{clock}' (whose calls "
+                f"count the run's versions) was not called since {again}, and the actors acted in between: the loop "
+                f"calls another learner in place of '{clock}' (a phase of training of its own), which makes no new "
+                f"version, so with max_lag={self.program.max_lag} the actors would act there with '{state}' as "
+                f"'{clock}' last left it, not with what '{name}' learns", where=user_callsite(),
+                fix="give that phase a versioned value of its own (pre = ff.versioned(..., name='pre'), which its "
+                    "learner writes) and hand it to the acted-with state by a learner called once between the phases "
+                    "(state = adopt(state, pre)), or call one learner fragment in both phases (the phase an argument); "
+                    "or run with max_lag=0, with central_inference (which acts beside the learner with its newest "
+                    "state) or with --policy single_process")
+        self._unclocked[state] = [name, False]
 
     def _lag_of(self, pending: Pending) -> int:
         """How many calls of its fragment the loop made after the one ``pending`` is an output of (a
