@@ -12,11 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from fragflow.progress import ProgressDisplay
-from fragflow.runtime.arrivalrows import ArrivalRows
+from fragflow.runtime.arrivalrows import RETURN_WINDOW, ArrivalRows, ended_by
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.scalars import flat_scalars
-
-RETURN_WINDOW = 20   # "solved" = mean return of the last 20 training episodes reaches the target
 
 
 def _by_step(episode: tuple[int, int, float, int]) -> tuple[int, int]:
@@ -82,6 +80,7 @@ class Monitor(ArrivalRows):
         self._late: dict[str, float] = {}   # ... of updates never made, their calls dropped as stale (see close)
         self._loop_rows: dict[int, list[tuple[int, dict[str, float]]]] = {}   # update -> (steps, the loop's values)
         self._eval_tagged: list[tuple[int, int, float, int]] = []   # (replica 0's updates and steps then, return, length)
+        self._evals_in_order = True   # ... as replica 0 reports them: its counts never go back (see ended_by)
         self._episodes_out: dict[int, int] = {}   # replica -> its tagged episodes written to TensorBoard
         self._eval_out = 0
         self._resumed_recent: list[tuple[float, int]] = []
@@ -213,10 +212,13 @@ class Monitor(ArrivalRows):
                 # the evaluation episodes replica 0 had ended by then (not those it ends after the
                 # row's next update, heard already), as single_process's row holds them
                 at = self._first_mark.get(0, 1) - 1 + update
-                evals = [ret for u, t, ret, _ in self._eval_tagged if u <= at and t <= steps]
+                def ended(e: tuple[int, int, float, int], at: int = at, steps: int = steps) -> bool:
+                    return e[0] <= at and e[1] <= steps
+
+                n = ended_by(self._eval_tagged, ended, self._evals_in_order)
                 if self._eval_tagged or self.base_eval_episodes:
-                    row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
-                    row["eval_return_mean"] = self._eval_mean(evals)
+                    row["eval_episodes"] = float(self.base_eval_episodes + n)
+                    row["eval_return_mean"] = self._eval_mean([e[2] for e in self._eval_tagged[max(0, n - RETURN_WINDOW):n]])
                 row.update(scalars)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
@@ -244,10 +246,12 @@ class Monitor(ArrivalRows):
         # replica 0 steps and reports them; the row holds those ended by its end (before replica 0's
         # next training step), as single_process's row does
         before = self._first_mark.get(0, 1) - 1 + j
-        evals = [e for e in self._eval_tagged if e[0] < before or (e[0] == before and e[1] <= at[0][0])]
-        row["eval_episodes"] = float(self.base_eval_episodes + len(evals))
-        row["eval_return_mean"] = self._eval_mean([ret for _, _, ret, _ in evals])
-        self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, len(evals))
+        steps0 = at[0][0]
+        n = ended_by(self._eval_tagged, lambda e: e[0] < before or (e[0] == before and e[1] <= steps0),
+                     self._evals_in_order)
+        row["eval_episodes"] = float(self.base_eval_episodes + n)
+        row["eval_return_mean"] = self._eval_mean([e[2] for e in self._eval_tagged[max(0, n - RETURN_WINDOW):n]])
+        self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, n)
         return True
 
     def _episodes_to_board(self, upto: dict[int, int], evals: int) -> None:
@@ -292,6 +296,9 @@ class Monitor(ArrivalRows):
         """An episode of an evaluation env: reported apart, never mixed into the training returns;
         ``at``: the updates and training env steps loop replica 0 (which reports them) had made then."""
         if at is not None and self.marked_replicas:   # rows and TensorBoard take it when its row is written
+            if self._eval_tagged and (at[0], at[1]) < self._eval_tagged[-1][:2] or \
+                    self._eval_at and (at[0], at[1]) < self._eval_at[-1][:2]:
+                self._evals_in_order = False
             self._eval_tagged.append((at[0], at[1], ret, length))
             steps = self.base_steps + at[1] * self.marked_replicas
         else:
@@ -299,6 +306,8 @@ class Monitor(ArrivalRows):
             if self.outputs is not None:
                 self.outputs.write_eval_episode(steps, ret, length)
             if at is not None and self.arrival:   # (rows take them by replica 0's count: see arrivalrows)
+                if self._eval_at and (at[0], at[1]) < self._eval_at[-1][:2]:
+                    self._evals_in_order = False
                 self._eval_at.append((at[0], at[1], ret))
         self.eval_episodes.append((steps, ret, length))
         self.eval_recent.append(ret)
