@@ -86,12 +86,21 @@ def trace(train: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
 def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult:
     """Compile and run a training loop (see :func:`fragflow.driver.run`)."""
     import random
+    import sys
 
     drawn = random.getstate()   # importing the runtime (rich) draws from Python's random: not the program's numbers
     from fragflow.driver import run as _run
 
     random.setstate(drawn)
-    return _run(train, args, **kwargs)
+    # torch's thread count as the caller had it, put back after the run (which sets the placement's
+    # for the loop run here: later torch work in this process ran on one thread)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    try:
+        return _run(train, args, **kwargs)
+    finally:
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 __all__ = ["ReplayBuffer", "RolloutBuffer", "delivered", "distribute", "envs", "fragment", "learners", "log", "numpy_forward", "policies", "random", "run", "trace",

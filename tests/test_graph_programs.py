@@ -5712,3 +5712,18 @@ def test_a_module_level_scheduler_starts_the_run_with_its_optimizers_rate(write_
     ff.run(prog.train, policy="pipelined(max_lag=0)", out=tmp_path / "run")
     rows = csv.DictReader((tmp_path / "run" / "metrics.csv").open())
     assert [float(row["lr"]) for row in rows] == [1.0, 1.0, 1.0, 0.5, 0.5, 0.5]
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_run_leaves_torchs_thread_count_as_the_caller_had_it(write_algo, policy):
+    """A run sets the placement's torch threads for the loop it runs in the caller's process; the
+    caller's count is put back after (torch work after ff.run ran on one thread)."""
+    path, _ = write_algo(PRETRAIN_THEN_ACT)
+    program = load(str(path))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ff.run(program.train, program.args_cls(), policy=policy)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
