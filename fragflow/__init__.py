@@ -99,7 +99,7 @@ def run(train: Callable[..., Any], args: Any = None, **kwargs: Any) -> RunResult
     try:
         return _run(train, args, **kwargs)
     finally:
-        if threads is not None and torch.get_num_threads() != threads:
+        if torch is not None and threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
 
