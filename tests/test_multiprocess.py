@@ -3374,8 +3374,8 @@ def test_the_driver_forgets_a_calls_logged_values_by_age_and_says_when_a_forgott
 def test_the_driver_looks_through_the_values_it_keeps_once_they_doubled_not_at_every_call():
     """The driver keeps ``_KEEP_SECONDS`` of calls (a thousand a second from a fast learner): looking
     through all of them at every call it heard made its work grow with the square of the run's
-    updates, and took a core from the loop and the learner (a 150k-step pipelined DQN: 7.8k steps/s,
-    10.2k once looked through as they double). The looks walk each entry a few times in all, and the
+    updates, and took a core from the loop and the learner (a 150k-step pipelined DQN: 9.0k steps/s,
+    12.9k once looked through as they double). The looks walk each entry a few times in all, and the
     old ones are still forgotten."""
     from types import SimpleNamespace
 
@@ -3563,7 +3563,7 @@ def test_a_learner_noise_key_the_loop_splits_beside_two_environments_is_not_take
 def test_a_rows_evaluation_episodes_are_found_by_halving_the_reports_in_their_order():
     """Each row counts the evaluation episodes replica 0 had ended by its update and steps: the first
     ones of the reports, whose counts never go back, found by halving (a scan of all of them at every
-    row made a pipelined run with an evaluation every update fall from 2,270 to 525 steps/s over 100k
+    row made a pipelined run with an evaluation every update fall from 4.9k to 1.4k steps/s over 60k
     steps); counted one by one where reports came out of order, and the monitor notices that."""
     import random
 

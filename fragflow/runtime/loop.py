@@ -660,34 +660,6 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             return (new, *rest) if route.arity else new
         return tuple(rest) if route.arity else Pending(name, -1, call=call, skel=route.skeleton, trip=self.trip)
 
-    def _unclocked_write(self, name: str, state: str) -> None:
-        """Learner ``name``, not the clock, writes ``state``, which this loop's actors act with. Versions
-        count the clock's calls: a write between two of them belongs to the next version, which an
-        actor acting versions behind takes an update later (SAC's policy step after its Q step). Where
-        such writes follow one another with acting between them and no clock call (a phase of the
-        loop that calls another learner: `if u < pretrain_updates: pretrain(...) else: learn(...)`),
-        no new version comes: the actors would act with the state as the clock last left it for the
-        whole phase, whatever ``max_lag`` says. Refused then, as the placement refuses such a phase in
-        a loop of its own; ``max_lag=0`` waits for every write, and so does ``pipelined``'s exact
-        choice before the clock's first call (its version then takes every write issued)."""
-        last = self._unclocked.get(state)
-        waits_for_all = self.program.max_lag == 0 or (isinstance(self.program.choice, Exact) and self.update == 0)
-        if last is not None and last[1] and not waits_for_all:
-            clock = self.checks.get("clock")
-            again = "its previous call" if last[0] == name else f"the previous call of '{last[0]}'"
-            raise PlacementError(
-                f"learner '{name}' writes '{state}', which the actors act with, where learner '{clock}' (whose calls "
-                f"count the run's versions) was not called since {again}, and the actors acted in between: the loop "
-                f"calls another learner in place of '{clock}' (a phase of training of its own), which makes no new "
-                f"version, so with max_lag={self.program.max_lag} the actors would act there with '{state}' as "
-                f"'{clock}' last left it, not with what '{name}' learns", where=user_callsite(),
-                fix="give that phase a versioned value of its own (pre = ff.versioned(..., name='pre'), which its "
-                    "learner writes) and hand it to the acted-with state by a learner called once between the phases "
-                    "(state = adopt(state, pre)), or call one learner fragment in both phases (the phase an argument); "
-                    "or run with max_lag=0, with central_inference (which acts beside the learner with its newest "
-                    "state) or with --policy single_process")
-        self._unclocked[state] = [name, False]
-
     def _lag_of(self, pending: Pending) -> int:
         """How many calls of its fragment the loop made after the one ``pending`` is an output of (a
         learner's output kept past its next calls, for a later call: PPG's value targets)."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fragflow.progress import ProgressDisplay
-from fragflow.runtime.arrivalrows import RETURN_WINDOW, ArrivalRows, ended_by
+from fragflow.runtime.arrivalrows import RETURN_WINDOW, ArrivalRows, ended_by, ended_returns
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.scalars import flat_scalars
 
@@ -218,7 +218,7 @@ class Monitor(ArrivalRows):
                 n = ended_by(self._eval_tagged, ended, self._evals_in_order)
                 if self._eval_tagged or self.base_eval_episodes:
                     row["eval_episodes"] = float(self.base_eval_episodes + n)
-                    row["eval_return_mean"] = self._eval_mean([e[2] for e in self._eval_tagged[max(0, n - RETURN_WINDOW):n]])
+                    row["eval_return_mean"] = self._eval_mean(ended_returns(self._eval_tagged, n))
                 row.update(scalars)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
@@ -250,7 +250,7 @@ class Monitor(ArrivalRows):
         n = ended_by(self._eval_tagged, lambda e: e[0] < before or (e[0] == before and e[1] <= steps0),
                      self._evals_in_order)
         row["eval_episodes"] = float(self.base_eval_episodes + n)
-        row["eval_return_mean"] = self._eval_mean([e[2] for e in self._eval_tagged[max(0, n - RETURN_WINDOW):n]])
+        row["eval_return_mean"] = self._eval_mean(ended_returns(self._eval_tagged, n))
         self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, n)
         return True
 
@@ -296,8 +296,7 @@ class Monitor(ArrivalRows):
         """An episode of an evaluation env: reported apart, never mixed into the training returns;
         ``at``: the updates and training env steps loop replica 0 (which reports them) had made then."""
         if at is not None and self.marked_replicas:   # rows and TensorBoard take it when its row is written
-            if self._eval_tagged and (at[0], at[1]) < self._eval_tagged[-1][:2] or \
-                    self._eval_at and (at[0], at[1]) < self._eval_at[-1][:2]:
+            if self._eval_tagged and (at[0], at[1]) < self._eval_tagged[-1][:2]:
                 self._evals_in_order = False
             self._eval_tagged.append((at[0], at[1], ret, length))
             steps = self.base_steps + at[1] * self.marked_replicas
