@@ -48,7 +48,7 @@ from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
-from fragflow.runtime.summary import args_record, run_summary
+from fragflow.runtime.summary import args_record, error_record, run_summary
 from fragflow.source import user_callsite
 
 
@@ -584,6 +584,9 @@ def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backen
                        compiled.train)
     if exit_code is not None:   # (status "exited": the program's sys.exit, with its code)
         summary["exit_code"] = exit_code
+    failure = sys.exc_info()[1]
+    if status == "failed" and failure is not None:   # what failed, and where
+        summary["error"] = error_record(failure)
     summary["trace_seconds"] = compiled.seconds
     summary["trace_in_run"] = trace_in_run   # the trace was the run's beginning (in its wall_seconds)
     if checkpoints is not None:

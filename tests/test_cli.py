@@ -938,6 +938,37 @@ def test_the_programs_own_exit_and_interrupt_end_the_run_alike_under_every_polic
     assert shm_leftovers() == []
 
 
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2,max_lag=0)", "central_inference(env_workers=2)"])
+def test_a_loop_ended_by_the_program_under_two_replicas_keeps_its_rows_and_says_why_it_failed(tmp_path, write_algo,
+                                                                                               policy):
+    """Every loop replica runs the program's sys.exit (or raise): the driver stopped hearing the
+    processes at the second replica's, before the learner's updates reached it: metrics.csv was
+    missing, summary.json said 0 updates (the learner had made 6) (round 47). A failed run's summary
+    had no word of its error."""
+    from tests.test_multiprocess import RAISES, shm_leftovers
+
+    path, marks = write_algo(RAISES.replace('raise ValueError("boom")', 'raise ValueError("boom")   # @raise'))
+    for what, code in (("exit", 3), ("value", 1)):
+        rows = {}
+        for run in ("single_process", policy):
+            out = tmp_path / f"{what}-{run}"
+            res = invoke("run", str(path), "--policy", run, "--set", "where=loop", "--set", f"what={what}",
+                         "--out", str(out), "-q")
+            assert res.exit_code == code, res.output
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["updates"] == 6 and summary["env_steps"] == 6 * 4 * 2, summary
+            with open(out / "metrics.csv") as f:
+                rows[run] = [(r["env_steps"], r["updates"]) for r in csv.DictReader(f)]
+            if what == "value":
+                assert summary["status"] == "failed"
+                assert summary["error"]["type"] == "ValueError" and summary["error"]["message"] == "boom"
+                assert summary["error"]["where"].endswith(f"algo.py:{marks['raise']}"), summary["error"]
+            else:
+                assert summary["status"] == "exited" and "error" not in summary
+        assert rows[policy] == rows["single_process"] and len(rows[policy]) == 6, rows
+    assert shm_leftovers() == []
+
+
 def test_a_single_process_run_that_fails_while_traced_writes_its_files_as_a_later_failure_does(tmp_path, write_algo):
     """Under single_process the trace is the run's beginning: the program's error at its first update
     left no run directory, one at a later update a failed run's files (round 34 C15). Under a

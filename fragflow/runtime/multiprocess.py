@@ -245,7 +245,11 @@ class Driver(DriverCheckpoints):
             except queue.Empty:
                 if all(p.exitcode is not None for _, _, p in self.procs):
                     return
-            except Exception:   # a process failing as it stops: the run has its outcome already
+            except (ProgramExit, WorkerFailed, FragflowError):
+                # another process ending as this one did (every loop replica runs the program's sys.exit)
+                # or failing as it stops: the run has its outcome already, the rest is still heard
+                continue
+            except Exception:
                 return
 
     # A service reports the scalars of the parts of a fragment's outputs the loop may log, after
@@ -475,6 +479,7 @@ class Driver(DriverCheckpoints):
             self._checkpoint_part(msg)
         elif kind == "error":
             _, role, index, fragment, tb, blob = msg
+            self.finished.add((role, index))   # (it has said its last)
             if role == "actor":   # its loop has ended: the rows it marked are written with their own steps
                 self.monitor.loop_ended(index)
             exc = WorkerFailed(role, index, fragment, tb, self._process_name(role, index, fragment))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import sys
+import traceback
 from typing import Any
 
 from fragflow import __version__
@@ -57,3 +59,32 @@ def run_summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, b
                      "gymnasium": gymnasium.__version__},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
     }
+
+
+_TB_FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
+
+
+def error_record(exc: BaseException) -> dict[str, Any]:
+    """What made a run fail, for its summary: the exception's type and message, and where: the
+    user's ``file:line`` (the last frame of the user's code that raised, in the loop's process or in
+    a worker's), with the process and fragment where a worker raised and the fix of fragflow's own
+    refusals."""
+    from fragflow.errors import FragflowError
+    from fragflow.runtime.exits import WorkerFailed
+    from fragflow.source import SourceLoc, is_internal
+
+    if isinstance(exc, FragflowError):
+        return {"type": type(exc).__name__, "message": exc.what, "where": None if exc.where is None else str(exc.where),
+                "fix": exc.fix}
+    if isinstance(exc, WorkerFailed):   # (the user's frames, formatted in the worker)
+        lines = exc.tb.rstrip().splitlines()
+        # (the exception's own line: the last not indented, nor a note in brackets after it)
+        last = next((x for x in reversed(lines) if x and not x[0].isspace() and not x.startswith(("(", "Traceback"))), "")
+        kind, _, message = last.partition(": ")
+        frames = [m for m in map(_TB_FRAME.match, lines) if m is not None]
+        where = str(SourceLoc.of(frames[-1].group(1), int(frames[-1].group(2)))) if frames else None
+        return {"type": kind.rsplit(".", 1)[-1] or "Exception", "message": message, "where": where,
+                "process": exc.who, "fragment": exc.fragment}
+    user = [f for f in traceback.extract_tb(exc.__traceback__) if not is_internal(f.filename)]
+    return {"type": type(exc).__name__, "message": str(exc),
+            "where": str(SourceLoc.of(user[-1].filename, user[-1].lineno or 0)) if user else None}
