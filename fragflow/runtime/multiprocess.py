@@ -593,6 +593,8 @@ class Driver(DriverCheckpoints):
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
+            if hasattr(p, "close") and not p.is_alive():
+                p.close()   # (its sentinel's pipe, held until the object is collected)
         if self.endpoints is not None:
             self.endpoints.detach()
         if self.wiring is not None:

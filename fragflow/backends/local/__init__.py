@@ -242,6 +242,9 @@ class LocalWiring:
         for q in self.definitions.values():
             q.close()
             q.cancel_join_thread()
+            if q._thread is None:   # (never written to: no feeder thread closes its ends, kept till it is collected)
+                q._reader.close()
+                q._writer.close()
         for seg in self.segments:
             seg.close()
             seg.unlink()
