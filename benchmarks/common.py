@@ -8,6 +8,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,12 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def run_json(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``code`` in a fresh interpreter; its last line of output is a JSON object."""
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env=None if env is None else dict(os.environ, **env)).stdout
+    """Run ``code`` in a fresh interpreter; its last line of output is a JSON object. Its temporary
+    files go to a directory removed after it (SB3's logger makes a directory of its own in the
+    system's temporary directory at every ``learn``, even when it writes nothing)."""
+    with tempfile.TemporaryDirectory(prefix="fragflow-bench-") as tmp:
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                             env=dict(os.environ, **(env or {}), TMPDIR=tmp)).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
