@@ -21,9 +21,9 @@ class ProgramExit(Exception):
     """The program's own ``SystemExit`` or ``KeyboardInterrupt``, raised in a worker: the run stops
     and the driver raises it, as the program raises it where the loop runs in one process."""
 
-    def __init__(self, cause: BaseException) -> None:
+    def __init__(self, cause: BaseException, role: str = "actor") -> None:
         super().__init__(repr(cause))
-        self.cause = cause
+        self.cause, self.role = cause, role
 
 
 SHM_FULL = ("most likely shared memory (/dev/shm) ran out; give it more room (Docker: docker run "

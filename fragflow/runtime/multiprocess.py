@@ -222,16 +222,27 @@ class Driver(DriverCheckpoints):
             self.wiring.stop.set()
             self._hear_out()
             raise
-        except (WorkerFailed, FragflowError):   # what the others made of the calls sent before the failure
-            self.wiring.stop.set()               # still has its rows (a worker's own error: a non-finite write)
+        except (WorkerFailed, FragflowError) as exc:   # what the others made of the calls sent before the failure
+            self._loops_ended(exc)                        # still has its rows (a worker's own error: a non-finite write)
+            self.wiring.stop.set()
             self._hear_out(STOP_HEAR_OUT / 5)
             raise
         except ProgramExit as exc:   # (sys.exit(3), a KeyboardInterrupt of its own: exit 3, 130 as in one process)
+            self._loops_ended(exc)
             self.wiring.stop.set()
             self._hear_out(STOP_HEAR_OUT / 5)
             raise exc.cause from None
         finally:
             self.monitor.channels(self.channel_stats())
+
+    def _loops_ended(self, exc: Exception) -> None:
+        """A loop replica ended by the program (its sys.exit, an exception of its code): the calls it
+        made before are learned from, as they were where the program ran eagerly. The replica closed
+        its channels as it ended, so the services take what is in them and end once every replica's
+        loop has ended too (every replica runs the same program, as a rule to the same end); the rest
+        of the run is stopped after ``STOP_HEAR_OUT / 5`` seconds at most."""
+        if getattr(exc, "role", None) == "actor" and not self.wiring.stop.is_set():
+            self._hear_out(STOP_HEAR_OUT / 5)
 
     def _hear_out(self, wait: float = STOP_HEAR_OUT) -> None:
         """The run stops early (its target reached, a process failed): take in what the processes
@@ -492,7 +503,7 @@ class Driver(DriverCheckpoints):
             if isinstance(cause, FragflowError):
                 raise cause
             if isinstance(cause, (SystemExit, KeyboardInterrupt)):
-                raise ProgramExit(cause)
+                raise ProgramExit(cause, role)
             dead = self._killed_peer(role, index)
             if dead is not None:   # its peers fail on their connections to it: the death is the cause
                 first = (tb.strip().splitlines() or [""])[-1]

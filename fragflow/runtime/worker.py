@@ -268,6 +268,10 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
                     value = train(*(() if args is None else (args,)))
             except Exception as exc:
                 _note_split_envs(exc, lowered.loop.replicas, index)
+                _close_rings(lowered, endpoints, index)
+                raise
+            except SystemExit:   # (the program's own exit: the calls made before it are learned from)
+                _close_rings(lowered, endpoints, index)
                 raise
             finally:
                 if tracker is not None:
@@ -276,8 +280,7 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
                     trips.install(None)
                 worker.close()
             reporter.flush()
-            for name in lowered.loop.remote:
-                endpoints.rings[f"{name}[{index}]"].close()
+            _close_rings(lowered, endpoints, index)
             if index == 0:
                 results.put(("return", _dumps_or_none(value)))
         else:
@@ -299,6 +302,13 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
     finally:
         if endpoints is not None:
             endpoints.detach()
+
+
+def _close_rings(lowered: Any, endpoints: Any, index: int) -> None:
+    """Loop replica ``index`` has ended (its loop returned, or the program ended it): its channels
+    are closed, so that what it sent is taken and nothing more is waited for."""
+    for name in lowered.loop.remote:
+        endpoints.rings[f"{name}[{index}]"].close()
 
 
 def _note_split_envs(exc: Exception, replicas: int, index: int) -> None:
