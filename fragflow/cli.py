@@ -73,9 +73,9 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
     # An exception from the user's own code: show the user's frames (all frames with --debug).
     tb = exc.__traceback__
     if not debug:
-        from fragflow.source import is_internal
+        from fragflow.source import user_frames
 
-        frames = [f for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+        frames = user_frames(tb)
         err.print("[bold red]error:[/] the training program raised:", highlight=False)
         sys.stderr.write("".join(traceback.format_list(frames)))
         sys.stderr.write("".join(traceback.format_exception_only(exc)))

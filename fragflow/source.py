@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, TracebackType
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
 # Algorithms are user code even when they are installed inside the fragflow package.
@@ -40,6 +41,11 @@ def _display(filename: str, cwd: str) -> str:
     except ValueError:
         return filename
     return filename if rel.startswith("..") else rel
+
+
+def user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:
+    """A traceback's frames of the user's code (fragflow's own and the import machinery's left out)."""
+    return [f for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,7 +8,6 @@ import os
 import platform
 import re
 import sys
-import traceback
 from typing import Any
 
 from fragflow import __version__
@@ -71,7 +70,7 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     refusals."""
     from fragflow.errors import FragflowError
     from fragflow.runtime.exits import WorkerFailed
-    from fragflow.source import SourceLoc, is_internal
+    from fragflow.source import SourceLoc, user_frames
 
     if isinstance(exc, FragflowError):
         return {"type": type(exc).__name__, "message": exc.what, "where": None if exc.where is None else str(exc.where),
@@ -85,6 +84,6 @@ def error_record(exc: BaseException) -> dict[str, Any]:
         where = str(SourceLoc.of(frames[-1].group(1), int(frames[-1].group(2)))) if frames else None
         return {"type": kind.rsplit(".", 1)[-1] or "Exception", "message": message, "where": where,
                 "process": exc.who, "fragment": exc.fragment}
-    user = [f for f in traceback.extract_tb(exc.__traceback__) if not is_internal(f.filename)]
+    user = user_frames(exc.__traceback__)
     return {"type": type(exc).__name__, "message": str(exc),
             "where": str(SourceLoc.of(user[-1].filename, user[-1].lineno or 0)) if user else None}

@@ -24,7 +24,7 @@ import numpy as np
 from fragflow import context
 from fragflow.runtime import heap
 from fragflow.runtime.outbox import Outbox
-from fragflow.source import is_internal
+from fragflow.source import user_frames
 
 
 def threads_for(group_threads: int) -> int:
@@ -521,7 +521,7 @@ def _user_traceback(exc: BaseException) -> str:
     """The traceback with fragflow's own frames left out (FRAGFLOW_DEBUG=1 keeps them)."""
     if os.environ.get("FRAGFLOW_DEBUG", "") not in ("", "0"):
         return "".join(traceback.format_exception(exc))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_internal(f.filename)]
+    frames = user_frames(exc.__traceback__)
     return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
 
 
