@@ -2337,12 +2337,18 @@ def train(args: Args):
 '''
 
 
-@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
-def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_path, write_algo, policy):
+@pytest.mark.parametrize("policy, start", [("single_process", ""), ("pipelined", ""), ("pipelined", "forkserver")])
+def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_path, write_algo, policy, start,
+                                                                          monkeypatch):
     """Lists, dicts, tuples, deques (numbers, strings, arrays) and objects of the user's classes
     holding only such values are saved and loaded in place (an alias of the list sees it); what a
-    checkpoint still leaves out of what the loop keeps is said once (each came back empty, silently)."""
+    checkpoint still leaves out of what the loop keeps is said once (each came back empty, silently).
+    Also where the loop's process is started afresh (a fork server: a process that imported JAX),
+    where the program's classes arrive by value, their module not imported there."""
     import csv
+
+    if start:
+        monkeypatch.setenv("FRAGFLOW_START_METHOD", start)
 
     path, _ = write_algo(LOOP_CONTAINERS, "containers.py")
     prog = load(str(path))

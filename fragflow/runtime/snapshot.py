@@ -161,16 +161,26 @@ def _plain_container(x: Any, budget: list[int] | None = None) -> tuple[str, int 
     return kind, maxlen
 
 
+def _users_class(klass: type) -> bool:
+    """A class of the user's own: defined in a file of theirs, or arrived with the program by value
+    (in a worker started afresh, spawned or from a fork server, the program's module is not
+    imported: its classes came pickled by value, and a library's class is always of a module
+    imported where its objects exist)."""
+    from fragflow.compiler.reach import users_code
+
+    module = sys.modules.get(klass.__module__)
+    if module is None:
+        return True
+    return users_code(getattr(module, "__file__", None) or "<>")
+
+
 def _plain_object(x: Any) -> bool:
     """An object of a class of the user's own (not a library's), without ``state_dict``, whose
     attributes are all numbers, strings, None, arrays or plain containers of them."""
-    from fragflow.compiler.reach import users_code
-
     attrs = getattr(x, "__dict__", None)
     if type(attrs) is not dict or not attrs or isinstance(x, type) or callable(x):
         return False
-    module = sys.modules.get(type(x).__module__)
-    if not users_code(getattr(module, "__file__", None) or "<>"):
+    if not _users_class(type(x)):
         return False
     return all(_plain_leaf(v) or _plain_container(v) is not None for v in attrs.values())
 
@@ -180,13 +190,10 @@ def unsaved_note(frame_locals: dict[str, Any], left: list[str]) -> list[str]:
     start afresh where the loop keeps them across trips: objects of the user's own classes and
     containers (what the loop rebuilds, arrays of observations, environments, modules, is not
     named), each as ``name (a Type)``."""
-    from fragflow.compiler.reach import users_code
-
     out = []
     for name in left:
         x = frame_locals.get(name)
-        module = sys.modules.get(type(x).__module__)
-        own = users_code(getattr(module, "__file__", None) or "<>") and type(getattr(x, "__dict__", None)) is dict
+        own = _users_class(type(x)) and type(getattr(x, "__dict__", None)) is dict
         if own or type(x) in (list, dict, tuple, set, deque):
             out.append(f"'{name}' (a {type(x).__qualname__})")
     return out
