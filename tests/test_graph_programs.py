@@ -2772,16 +2772,98 @@ def phase(args):
 """
 
 
-def test_an_env_made_after_the_trace_is_refused_with_the_fix_for_it(write_algo):
-    # a second phase of training making its own env: the fix said to call the fragment within the first
-    # updates, which does not apply
-    path, marks = write_algo(TWO_PHASES)
+def test_a_second_phase_making_its_own_state_is_refused_at_that_state(write_algo):
+    # a second phase of training making its own env and state: its env now steps where the loop runs,
+    # and the new state, which the learner's process would never get, is refused at its line
+    path, marks = write_algo(TWO_PHASES.replace('    state = ff.versioned({"w": np.ones((4, 2))})',
+                                                '    state = ff.versioned({"w": np.ones((4, 2))})   # @state'))
     program = load(str(path))
     assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 6
-    with pytest.raises(UntracedFragmentError, match=rf"fragment 'env_1.reset' was first called after tracing ended.*"
-                                                    rf"\n  at {path}:{marks['reset']}\n  fix: make every environment "
-                                                    rf"and buffer once, before the training loop"):
+    with pytest.raises(PlacementError, match=rf"ff.versioned\(...\) made new state in the loop after tracing.*"
+                                             rf"\n  at {path}:{marks['state']}\n"):
         ff.run(program.train, program.args_cls(), policy="pipelined")
+
+
+EVAL_ENV_LATE = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 8
+    envs: int = 2
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.05 * batch["obs"].mean((0, 1))[:, None] * np.array([1.0, -1.0])}, {"m": batch["obs"].mean()}
+
+def evaluate(w, env):
+    obs, total, done = env.reset(), np.zeros(env.num_envs), np.zeros(env.num_envs, bool)
+    while not done.all():
+        obs, r, te, tr, _ = env.step(act(w, obs))   # @step
+        total += r * ~done
+        done |= te | tr
+    return float(total.mean())
+
+def train(args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    eval_env = ff.envs.make("CartPole-v1", num_envs=args.envs, seed=100)   # an evaluation env, without evaluation=True
+    state = ff.versioned({"w": np.ones((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        row = {"m": m["m"]}
+        if u % 4 == 3:   # (after the trace's updates: its env first stepped then)
+            row["eval"] = evaluate(state["w"], eval_env)
+        ff.log(row)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "learner_replay(max_lag=0)",
+                                    "central_inference(env_workers=1, max_lag=0)"])
+def test_an_env_made_before_the_loop_and_first_stepped_after_the_trace_steps_where_the_loop_runs(write_algo, tmp_path,
+                                                                                                policy):
+    """An evaluation env made without evaluation=True, stepped every N updates (the trace over by
+    then): where one process runs the loop it steps there, as eagerly (it was refused, with a fix
+    telling the user to make it before the loop, as they had), and the run is single_process's."""
+    path, _ = write_algo(EVAL_ENV_LATE)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process", out=tmp_path / "sp")
+    run = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+
+    def evals(run_dir):
+        with open(run_dir / "metrics.csv", newline="") as f:
+            return [float(r["eval"]) for r in csv.DictReader(f) if r.get("eval")]
+
+    assert len(evals(tmp_path / "sp")) == 2 and evals(tmp_path / "run") == evals(tmp_path / "sp")
+    assert run.summary["env_steps"] == expected.summary["env_steps"]
+    assert same_tree(run.value, expected.value)
+
+
+def test_an_env_first_stepped_after_the_trace_under_several_acting_processes_is_refused_with_evaluation_as_the_fix(
+        write_algo):
+    path, marks = write_algo(EVAL_ENV_LATE)
+    program = load(str(path))
+    with pytest.raises(UntracedFragmentError, match=rf"env fragment 'env_1.reset' was first called after tracing "
+                                                    rf"ended, so the placement has no process for it among the "
+                                                    rf"policy's 2 acting processes.*\n  at {path}:\d+\n  fix: an "
+                                                    rf"environment that evaluates: make it with ff.envs.make\(..., "
+                                                    rf"evaluation=True\).*actor_learner\(actors=1\)"):
+        ff.run(program.train, program.args_cls(), policy="actor_learner(actors=2, max_lag=0)")
+    # one of an odd number of environments, which no split gives each actor, is refused with the same fix
+    with pytest.raises(ConfigError, match=r"cannot split 1 environments across 2 actors") as info:
+        ff.run(program.train, program.args_cls(envs=1), policy="actor_learner(actors=2, max_lag=0)")
+    assert "evaluation=True" in info.value.fix
 
 
 OUTPUT_PASSED_BACK = """

@@ -169,7 +169,10 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         n = self.program.replicas
         if num_envs % n:
             raise ConfigError(f"cannot split {num_envs} environments across {n} actors", where=user_callsite(),
-                              fix=f"use a number of environments divisible by {n}, or another actors=")
+                              fix=f"use a number of environments divisible by {n} (each actor steps its share); "
+                                  "an environment that evaluates: make it with ff.envs.make(..., evaluation=True) "
+                                  "(every actor steps it whole, its episodes reported apart from training's); or "
+                                  "another actors=")
         per = num_envs // n
         return np.arange(self.index * per, (self.index + 1) * per)
 
@@ -261,8 +264,12 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             return self._remote(frag, name, route, args, kwargs)
         # an evaluation env first stepped after the trace (every N updates, after the loop) is stepped
         # whole by every acting process, where the loop runs: here; so is an actor first called then
-        # (a final evaluation's act_eval), with the version the loop acts with
+        # (a final evaluation's act_eval), with the version the loop acts with; and, where one process
+        # runs the loop, an env or buffer the trace never saw called (an env evaluating every N
+        # updates, made without evaluation=True; one a later phase of training makes), as eagerly
         made_later = frag.instance is not None and frag.role in ("env", "buffer")
+        if made_later and self.program.replicas == 1:
+            return self._local(frag, name, args, kwargs)
         if self.program.remote and name not in self.program.local and not frag.evaluation and \
                 (made_later or frag.role not in ("actor", "env") or not self._broadcast_here(args, kwargs)):
             loop = loop_around(frag.defined_at, self.checks.get("loops", ()))
@@ -272,12 +279,17 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
                     "tracing ended, so the placement has no process for it", where=frag.defined_at,
                     fix=f"define it once, before the loop (at the top of the module, or above `{loop.header}`), and "
                         "call it in the loop; or run with --policy single_process")
+            n = self.program.replicas
             raise UntracedFragmentError(
                 f"{frag.role} fragment '{name}' was first called after tracing ended, so the placement has no "
-                "process for it", where=user_callsite(),
-                fix="make every environment and buffer once, before the training loop, and use them throughout "
-                    "(one made later, as by a second phase of training that makes its own, was not seen by the "
-                    "trace, which stops after the first learner updates), or run with --policy single_process"
+                "process for it" + (f" among the policy's {n} acting processes (the placement splits the "
+                                    "environments and buffers the trace saw used among them)" if made_later else ""),
+                where=user_callsite(),
+                fix=("an environment that evaluates: make it with ff.envs.make(..., evaluation=True) (every acting "
+                     "process steps it whole, its episodes reported apart from training's); else call it within "
+                     "the first learner updates, which the trace runs through (make every environment and buffer "
+                     "once, before the training loop, and use them from its first trips), or run with "
+                     f"{self.program.one_process} (the placement's option) or --policy single_process")
                 if made_later else
                 "make sure the loop calls it within its first learner updates (the tracer runs until every "
                 "fragment of the training module has been called, for up to 200 updates: call it within "
