@@ -2416,3 +2416,98 @@ def test_a_set_given_with_resume_reaches_the_loops_args(tmp_path, write_algo, po
     assert [float(r["updates"]) for r in rows] == list(range(1, 15))
     assert [float(r["used"]) for r in rows] == [float(r["loop_scale"]) for r in rows] == [1.0] * 6 + [2.0] * 8
     assert json.loads((out / "summary.json").read_text())["args"] == {"updates": 14, "scale": 2.0}
+
+
+WRAPPER_STATISTICS = '''
+from dataclasses import dataclass
+import gymnasium as gym
+import numpy as np
+from gymnasium.wrappers.utils import RunningMeanStd
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+class Counting(gym.ObservationWrapper):   # running statistics of the user's own wrapper: its count shown
+    def __init__(self, env):
+        super().__init__(env)
+        self.rms = RunningMeanStd(shape=env.observation_space.shape)
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, env.observation_space.shape, np.float32)
+
+    def observation(self, obs):
+        self.rms.update(np.asarray(obs)[None])
+        out = np.array(obs, dtype=np.float32)
+        out[2] = self.rms.count
+        return out
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.zeros((obs.shape[0], 1), np.float32)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1.0}, {"count": round(float(batch["obs"][..., 2].max()))}
+
+def train(args: Args):
+    env = ff.envs.make("Pendulum-v1", num_envs=2, seed=0, wrappers=[gym.wrappers.NormalizeObservation, Counting])
+    state = ff.versioned({"w": np.zeros(1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["w"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+'''
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_the_running_statistics_of_each_environments_wrappers_resume_as_saved(tmp_path, write_algo, policy):
+    """gymnasium's NormalizeObservation given in wrappers=, and a wrapper of the user's own holding a
+    RunningMeanStd: a checkpoint saves their statistics and a resumed run goes on from them (they
+    started afresh, silently). The environments are reset on resume and the episodes here outlast
+    the run, so the count an observation shows is the uninterrupted run's from the first resumed step."""
+    path, _ = write_algo(WRAPPER_STATISTICS, "wrappers.py")
+    prog = load(str(path))
+    driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "a", checkpoint_every=3, progress=False)
+    driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "3",
+               progress=False)
+
+    def counts(run: str) -> list[float]:
+        with open(tmp_path / run / "metrics.csv") as f:
+            return [float(r["count"]) for r in csv.DictReader(f) if r.get("count")]
+
+    assert counts("a") == [5.0, 9.0, 13.0, 17.0, 21.0, 25.0]   # (the reset's observation, then one a step)
+    assert counts("b") == counts("a")
+
+
+def test_an_envs_wrapper_statistics_round_trip_and_other_wrappers_are_refused():
+    import gymnasium as gym
+
+    def made(wrappers):
+        return ff.envs.make("Pendulum-v1", num_envs=2, seed=0, wrappers=wrappers)
+
+    env = made([gym.wrappers.NormalizeObservation, gym.wrappers.NormalizeReward])
+    env.reset()
+    for _ in range(5):
+        env.step(np.zeros((2, 1), np.float32))
+    saved = env.state_dict()
+    assert sorted(saved["wrappers"]) == ["env0_wrapper0_NormalizeReward_return_rms",
+                                         "env0_wrapper1_NormalizeObservation_obs_rms",
+                                         "env1_wrapper0_NormalizeReward_return_rms",
+                                         "env1_wrapper1_NormalizeObservation_obs_rms"]
+    fresh = made([gym.wrappers.NormalizeObservation, gym.wrappers.NormalizeReward])
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict().keys() == saved.keys()
+    for key, stats in fresh.state_dict()["wrappers"].items():
+        for part in ("mean", "var", "count"):
+            assert np.array_equal(stats[part], saved["wrappers"][key][part]), (key, part)
+    assert float(saved["wrappers"]["env0_wrapper1_NormalizeObservation_obs_rms"]["count"]) > 5
+    with pytest.raises(ValueError, match=r"the saved environments' wrappers held running statistics .* these hold "
+                                         r"\[\] \(the wrappers given differ\)"):
+        (bare := made([])).load_state_dict(saved)
+    for made_env in (env, fresh, bare):
+        made_env.close()

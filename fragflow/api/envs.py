@@ -126,14 +126,36 @@ class VectorEnv:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the environments: the running statistics of observation and
-        reward normalisation (the environments themselves are reset on resume)."""
+        reward normalisation, fragflow's (``normalize_obs``, ``normalize_reward``) and those of each
+        environment's own wrappers (gymnasium's ``NormalizeObservation``, ``NormalizeReward``, given in
+        ``wrappers=``); the environments themselves are reset on resume."""
         norm = getattr(self, "_env", None)
         out: dict[str, Any] = {}
         if isinstance(norm, Normalize):
             for key, rms in (("obs_rms", norm.obs_rms), ("ret_rms", norm.ret_rms)):
                 if rms is not None:
                     out[key] = {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
+        wrapped = {key: {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
+                   for key, rms in self._wrappers_statistics().items()}
+        if wrapped:
+            out["wrappers"] = wrapped
         return out
+
+    def _wrappers_statistics(self) -> dict[str, Any]:
+        """The running statistics (gymnasium's ``RunningMeanStd``) the wrappers of each of this
+        process's environments hold, by environment, wrapper depth and attribute."""
+        from gymnasium.wrappers.utils import RunningMeanStd
+
+        found: dict[str, Any] = {}
+        base = getattr(getattr(self, "_stats", None), "env", None)
+        for i, env in enumerate(getattr(base, "envs", ())):
+            depth = 0
+            while isinstance(env, gym.Wrapper):
+                for attr, value in vars(env).items():
+                    if isinstance(value, RunningMeanStd):
+                        found[f"env{i}_wrapper{depth}_{type(env).__name__}_{attr}"] = value
+                env, depth = env.env, depth + 1
+        return found
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         norm = getattr(self, "_env", None)
@@ -151,6 +173,17 @@ class VectorEnv:
                                      "per environment)")
                 rms.mean, rms.var = np.asarray(saved["mean"]), np.asarray(saved["var"])
                 rms.count = np.asarray(saved["count"], np.float64)
+        wrapped, saved_wrapped = self._wrappers_statistics(), state.get("wrappers", {})
+        if set(wrapped) != set(saved_wrapped):
+            raise ValueError(f"the saved environments' wrappers held running statistics {sorted(saved_wrapped)}, "
+                             f"these hold {sorted(wrapped)} (the wrappers given differ)")
+        for key, rms in wrapped.items():
+            saved = saved_wrapped[key]
+            if np.shape(saved["mean"]) != np.shape(rms.mean):
+                raise ValueError(f"{key} was saved with values of shape {np.shape(saved['mean'])}, these are "
+                                 f"{np.shape(rms.mean)}")
+            rms.mean, rms.var = np.array(saved["mean"], np.float64), np.array(saved["var"], np.float64)
+            rms.count = float(np.asarray(saved["count"]).reshape(-1)[0])
         if isinstance(norm, Normalize):   # (a resumed loop's observations from its first lines' reset)
             norm.restated()
 
