@@ -1732,10 +1732,15 @@ def test_an_actor_holding_a_buffer_of_the_users_own_without_state_dict_is_not_re
     assert shm_leftovers() == []
 
 
-def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_too(write_algo, tmp_path):
+@pytest.mark.parametrize("policy, start", [("single_process", ""), ("pipelined", "forkserver")])
+def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_too(write_algo, tmp_path, policy, start,
+                                                                                 monkeypatch):
     """Its fragments made on the instance (``self.add = ff.fragment("buffer")(self._add)``), not
     decorated methods of its class: the refusal did not see it, and a resumed run learned from an
-    empty buffer."""
+    empty buffer. Refused at its class's line also from a loop process started afresh (a fork server),
+    where the class arrived by value, its module not imported (the refusal named no line)."""
+    if start:
+        monkeypatch.setenv("FRAGFLOW_START_METHOD", start)
     path, marks = write_algo('''
         from dataclasses import dataclass
         import numpy as np
@@ -1775,7 +1780,8 @@ def test_a_buffer_of_the_users_own_whose_fragments_it_makes_itself_is_refused_to
     with pytest.raises(snapshot.CheckpointError, match=rf"cannot save the loop's 'memory': a Memory holds the data its "
                                                        rf"buffer fragments keep, but has no state_dict\(\).*\n  at "
                                                        rf"\S*ownbuffer2.py:{marks['cls']}\n  fix: give Memory state_dict"):
-        driver.run(prog.train, prog.args_cls(), policy="single_process", out=tmp_path / "a", checkpoint_every=2)
+        driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "a", checkpoint_every=2)
+
 
 def test_an_object_holding_a_saved_buffers_fragment_is_not_refused_as_a_buffer(write_algo, tmp_path):
     """An object of the loop's that keeps a reference to a buffer fragment of another object

@@ -200,15 +200,29 @@ def unsaved_note(frame_locals: dict[str, Any], left: list[str]) -> list[str]:
 
 
 def _class_line(klass: type) -> Any:
-    """Where the user's class is defined (``file:line``), where that can be found."""
+    """Where the user's class is defined (``file:line``), where that can be found: through its
+    module, or, for a class that arrived by value in a process started afresh (its module not
+    imported there), the ``class`` line above its first method in the file its methods came from."""
     import inspect
+    import linecache
+    import re
 
     from fragflow.source import SourceLoc
 
     try:
         return SourceLoc.of(inspect.getsourcefile(klass) or "", inspect.getsourcelines(klass)[1])
     except (OSError, TypeError):
+        pass
+    codes = [code for v in vars(klass).values()
+             for code in (getattr(getattr(v, "fn", v), "__code__", None),) if code is not None]
+    if not codes:
         return None
+    first = min(codes, key=lambda c: c.co_firstlineno)
+    header = re.compile(rf"\s*class\s+{re.escape(klass.__name__)}\b")
+    for line in range(first.co_firstlineno - 1, 0, -1):
+        if header.match(linecache.getline(first.co_filename, line)):
+            return SourceLoc.of(first.co_filename, line)
+    return None
 
 
 def _buffer_of_users(x: Any) -> bool:
