@@ -3626,3 +3626,63 @@ def test_a_rows_evaluation_episodes_are_found_by_halving_the_reports_in_their_or
     assert monitor._evals_in_order
     monitor.eval_episode(1.0, 1, at=(1, 30))
     assert not monitor._evals_in_order
+
+
+PARALLEL_KERNELS = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+    threads: int = 0   # the program's own torch threads (0: leave them)
+
+@ff.fragment("actor")
+def act(net, obs):
+    with torch.no_grad():   # a kernel torch runs in parallel (a 512 x 512 product, a copy of 256k floats)
+        x = net["w"] @ net["w"]
+        return np.full(obs.shape[0], int(x.clone().sum() > 0))
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    w = state["net"]["w"]
+    return {"net": {"w": w * 0.5 + (w @ w) * 1e-6}}, {"m": float(batch["obs"].mean())}
+
+def train(args: Args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"net": {"w": torch.eye(512)}})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            obs, *_ = env.step(act(state["net"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("environ, extra", [({"FRAGFLOW_THREADS": "2"}, []), ({}, ["--set", "threads=2"])])
+def test_workers_computing_with_several_torch_threads_do_not_wait_forever(tmp_path, monkeypatch, environ, extra):
+    """torch's OpenMP threads do not survive a fork: a worker forked from a driver that ran a parallel
+    kernel (the trace, at the run's count) waited forever at its own first one (a SAC run with
+    FRAGFLOW_THREADS=2 hung from its first step). Workers that compute with several threads, as
+    FRAGFLOW_THREADS or the program's own torch.set_num_threads gives them, start from a fork server."""
+    from fragflow.backends.local import start_method
+
+    monkeypatch.delenv("FRAGFLOW_START_METHOD", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    if start_method(1) == "fork":   # (a machine whose workers fork)
+        assert start_method(2) == "forkserver"
+    (tmp_path / "kernels.py").write_text(PARALLEL_KERNELS)
+    exe = Path(sys.executable).with_name("fragflow")
+    res = subprocess.run([str(exe), "run", str(tmp_path / "kernels.py"), "--policy", "pipelined", "--out",
+                          str(tmp_path / "run"), "-q", *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["updates"] == 4

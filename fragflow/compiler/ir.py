@@ -177,6 +177,7 @@ class Graph:
     shared_key: tuple[str, str, SourceLoc | None] | None = None
     # the program made an evaluation env (ff.envs.make(..., evaluation=True)), stepped while tracing or first after
     makes_evaluation: bool = False
+    program_threads: int = 0   # the most torch threads the program set while traced (torch.set_num_threads; 0: none)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

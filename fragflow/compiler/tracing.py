@@ -92,6 +92,7 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                                     state_used=tracer.state_use.first,
                                     star_state=tracer.star_state, changed_arg=tracer.changed_arg,
                                     own_env=own_env(graph),
+                                    program_threads=tracer.threads_set.most if tracer.threads_set else 0,
                                     makes_evaluation=any(getattr(r, "evaluation", False) is True
                                                          for r in tracer._resources),
                                     log_columns=tuple(tracer.log_columns),

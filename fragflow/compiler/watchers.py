@@ -24,6 +24,14 @@ from fragflow.compiler.reach import users_code
 from fragflow.source import SourceLoc, display_path, user_callsite
 
 
+def torch_threads(n: Any) -> int:
+    """A count given to ``torch.set_num_threads`` as a number (0 where it is not one: torch refuses it)."""
+    try:
+        return int(n)
+    except (TypeError, ValueError):
+        return 0
+
+
 class ThreadsSet:
     """``torch.set_num_threads`` while the program is traced: it notes that the program set them."""
 
@@ -31,10 +39,12 @@ class ThreadsSet:
         self.torch = torch
         self.original = torch.set_num_threads
         self.called = False
+        self.most = 0   # the most threads it set
 
     def __call__(self, n: int) -> None:
         self.called = True
         self.original(n)
+        self.most = max(self.most, torch_threads(n))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # the program is pickled for its workers while the trace holds this in the user's module (from

@@ -37,7 +37,7 @@ from fragflow.errors import ConfigError
 __all__ = ["BACKEND", "LocalBackend", "Stopped"]
 
 
-def start_method() -> str:
+def start_method(threads: int = 1) -> str:
     """How workers start: ``FRAGFLOW_START_METHOD`` (fork, forkserver or spawn), else fork on Linux.
 
     Fork starts a worker in milliseconds with the driver's modules already imported; spawn starts a
@@ -47,7 +47,10 @@ def start_method() -> str:
     a machine with a GPU at all, starts its workers from a fork server instead: there torch's
     autograd engine starts a thread per GPU at the first backward pass (the trace's, in the
     driver), even for a program all on the CPU, and a forked child of that process refuses to run
-    a backward pass of its own.
+    a backward pass of its own. So does a run whose workers compute with several torch threads
+    (``threads``: the most any of its processes runs with, the placement's, ``FRAGFLOW_THREADS`` or
+    the program's own): torch's OpenMP threads do not survive a fork, and a forked child of a
+    process that has run a parallel kernel waits forever at its own first one.
     """
     method = given_start_method()
     if method:
@@ -59,6 +62,8 @@ def start_method() -> str:
     if _cuda_initialized():   # a forked child cannot use CUDA once its parent has (the program's state is on a GPU)
         return "forkserver"
     if _gpu_present():   # autograd's threads: see above
+        return "forkserver"
+    if threads > 1:   # OpenMP's threads: see above
         return "forkserver"
     return "fork"
 
@@ -299,7 +304,7 @@ class LocalBackend:
         processes = len(lowered.services) + lowered.loop.replicas
         rings = sum(len(s.rings) + len(s.replies) for s in lowered.services)
         check_room(segment_sizes(lowered), extra=(64 + 4 * (rings + processes)) * mmap.PAGESIZE)
-        ctx = self._ctx = context(start_method())
+        ctx = self._ctx = context(start_method(most_threads(lowered)))
         segments: list[Segment] = []
         wiring = LocalWiring({}, {}, {}, [], None, "", ctx.Lock(), ctx.Event(), Reports(ctx), {}, {}, segments)
         try:
@@ -341,6 +346,16 @@ class LocalBackend:
         p = self.ctx.Process(target=target, args=args, name=name, daemon=True)
         p.start()
         return p
+
+
+def most_threads(lowered: Any) -> int:
+    """The most torch threads a process of the run computes with: its group's (``FRAGFLOW_THREADS``
+    overrides), or the count the program sets itself in its training function (the loop's process runs
+    it again)."""
+    from fragflow.runtime.worker import threads_for
+
+    counts = [threads_for(lowered.loop.threads), *(threads_for(s.threads) for s in lowered.services)]
+    return max(*counts, lowered.placed.graph.program_threads)
 
 
 def segment_sizes(lowered: Any) -> list[tuple[str, int]]:
