@@ -2,7 +2,9 @@
 
 For each algorithm, fragflow under ``single_process`` and under the default policy (``pipelined``)
 and SB3 train the same configuration on the same env for the same number of steps; runs alternate,
-each in a fresh process with one torch thread (``FRAGFLOW_THREADS=1`` for fragflow), and the median
+each in a fresh process with one torch thread (``FRAGFLOW_THREADS=1`` for fragflow; ``--threads N``
+another count, ``--threads default`` each as it runs unset: torch's thread per core for SB3, which
+runs SAC's 256-256 networks faster with two than with one here, the placement's for fragflow), and the median
 steps/s of each is compared; since the VM's speed drifts between reps, each rep's own ratio (its
 three runs back to back) is recorded too, with their median. fragflow's steps/s is its run's
 (``summary.json``), SB3's over ``learn``: under ``single_process`` the trace is the run's beginning
@@ -22,7 +24,7 @@ sac        Pendulum-v1    256-256 ReLU, lr 3e-4 for everything, replay 1M, warm-
                           tau 0.005, actor every step, automatic entropy tuning
 =========  =============  ==========================================================================
 
-    python benchmarks/throughput_algos.py [--algos a2c dqn sac] [--reps 3]
+    python benchmarks/throughput_algos.py [--algos a2c dqn sac] [--reps 3] [--threads 1|N|default]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ ARGS = {
 
 FRAGFLOW = """
 import json, time, torch
-torch.set_num_threads(1)
+{threads}
 import fragflow as ff
 from fragflow.algorithms import {algo}
 torch.optim.Adam([torch.zeros(1, requires_grad=True)])   # torch's one-time imports (SB3's happen as it builds its model)
@@ -81,7 +83,7 @@ model = SAC("MlpPolicy", env, learning_rate=3e-4, buffer_size=1_000_000, learnin
 
 SB3 = """
 import json, time, torch
-torch.set_num_threads(1)
+{threads}
 from stable_baselines3.common.env_util import make_vec_env
 {model}
 t = time.perf_counter()
@@ -92,8 +94,8 @@ print(json.dumps({{"sps": model.num_timesteps / dt, "ret": sum(rets[-20:]) / max
 """
 
 
-def once(code: str) -> dict:
-    return run_json(code, env={"FRAGFLOW_THREADS": "1"})
+def once(code: str, threads: str) -> dict:
+    return run_json(code, env={"FRAGFLOW_THREADS": threads} if threads != "default" else None)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -101,7 +103,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--algos", nargs="+", default=["a2c", "dqn", "sac"], choices=sorted(STEPS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="throughput_algos", help="results file name (another keeps the full run's)")
+    p.add_argument("--threads", default="1",
+                   help="torch threads of every process, both sides (FRAGFLOW_THREADS for fragflow), or 'default': "
+                        "each as it runs unset (torch's count per core for SB3, the placement's for fragflow)")
     a = p.parse_args(argv)
+    if a.threads != "default" and not (a.threads.isdigit() and int(a.threads) >= 1):
+        p.error(f"--threads takes a whole number of at least 1 or 'default', not {a.threads!r}")
+    threads = "" if a.threads == "default" else f"torch.set_num_threads({int(a.threads)})"
     rows, raw = [], {}
     for algo in a.algos:
         steps = STEPS[algo]
@@ -109,10 +117,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for rep in range(a.reps):
             args = ARGS[algo].format(steps=steps, seed=rep + 1)
             for runs, whole, policy in ((ours, ours_e2e, "single_process"), (piped, piped_e2e, "pipelined")):
-                result = once(FRAGFLOW.format(algo=algo, args=args, policy=policy))
+                result = once(FRAGFLOW.format(algo=algo, args=args, policy=policy, threads=threads), a.threads)
                 runs.append(result["sps"])
                 whole.append(result["e2e_sps"])
-            theirs.append(once(SB3.format(model=SB3_MODEL[algo].format(seed=rep + 1, steps=steps), steps=steps))["sps"])
+            theirs.append(once(SB3.format(model=SB3_MODEL[algo].format(seed=rep + 1, steps=steps), steps=steps,
+                                          threads=threads), a.threads)["sps"])
             print(f"{algo} rep {rep + 1}/{a.reps}: single_process {ours[-1]:,.0f} steps/s ({ours_e2e[-1]:,.0f} with its "
                   f"trace), pipelined {piped[-1]:,.0f} ({piped_e2e[-1]:,.0f}), sb3 {theirs[-1]:,.0f}", flush=True)
         rows.append(row(f"{algo} steps/s, single_process vs SB3", stats(ours), "sb3", stats(theirs), "steps/s", ">= 1.5"))
