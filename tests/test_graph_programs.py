@@ -5809,3 +5809,94 @@ def test_a_run_leaves_torchs_thread_count_as_the_caller_had_it(write_algo, polic
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+GLOBAL_NET_AND_OPTIMIZER = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+torch.manual_seed(0)
+NET = nn.Linear(4, 2)
+OPT = torch.optim.SGD(NET.parameters(), lr=0.1)
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 5
+
+@ff.fragment("actor")
+def act(obs):
+    with torch.no_grad():   # (the weight the actor acts with)
+        seen = np.full(len(obs), NET.weight.sum().item())
+    return np.zeros(len(obs), dtype=np.int64), seen
+
+@ff.fragment("learner", writes="state")   # @learn
+def learn(state, batch):
+    loss = NET(torch.as_tensor(batch["obs"], dtype=torch.float32)).sum()
+    OPT.zero_grad(); loss.backward(); OPT.step()
+    return {"n": state["n"] + 1}, {"actor_saw": float(batch["seen"].mean()), "learner_has": NET.weight.sum().item()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"n": 0})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            action, seen = act(obs)
+            obs, *_ = env.step(action)
+            buf.add(obs=obs, seen=seen)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined", "actor_learner(actors=2, max_lag=0)",
+                                    "central_inference(env_workers=2)"])
+def test_a_global_network_a_learner_steps_through_a_global_optimizer_and_the_actor_reads_is_refused(write_algo,
+                                                                                                   policy):
+    """The learner changes NET without naming it (OPT.step()): under pipelined and actor_learner the actor
+    acted with NET as its process started, every update; under central_inference, where both run in one
+    process, each came with its own copy of the module's data and the learner learned nothing. Refused at the
+    learner, with the fix; single_process runs it as eagerly, the actor seeing each update."""
+    path, marks = write_algo(GLOBAL_NET_AND_OPTIMIZER)
+    program = load(str(path))
+    run = ff.run(program.train, program.args_cls(), policy="single_process")
+    assert run.summary["updates"] == 5
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' changes the global 'NET' in place through "
+                                             rf"another object its code reaches .* and actor fragment 'act' reads "
+                                             rf"it.*\n  at {path}:{marks['learn']}\n  fix: keep the network and its "
+                                             rf"optimizer in versioned state"):
+        ff.run(program.train, program.args_cls(), policy=policy)
+
+
+def test_a_global_network_and_optimizer_only_the_learner_uses_learn_as_eagerly(write_algo, tmp_path):
+    source = GLOBAL_NET_AND_OPTIMIZER.replace('        seen = np.full(len(obs), NET.weight.sum().item())',
+                                              '        seen = np.zeros(len(obs))')
+    runs = {}
+    for policy in ("single_process", "pipelined"):   # (each its own module: a run trains its global NET)
+        path, _ = write_algo(source, f"learner_only_{policy}.py")
+        program = load(str(path))
+        ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / policy)
+        with open(tmp_path / policy / "metrics.csv", newline="") as f:
+            runs[policy] = [float(r["learner_has"]) for r in csv.DictReader(f)]
+    assert runs["pipelined"] == runs["single_process"] and len(set(runs["single_process"])) == 5
+
+
+def test_a_global_optimizer_of_the_versioned_networks_parameters_is_refused(write_algo):
+    """OPT = SGD(NET.parameters()) a global, NET in versioned state: the learner's process steps the
+    parameters of its copy of the global, not the state's, and the run learned nothing."""
+    path, marks = write_algo(GLOBAL_NET_AND_OPTIMIZER.replace(
+        '    state = ff.versioned({"n": 0})', '    state = ff.versioned({"n": 0, "net": NET})').replace(
+        '    loss = NET(torch.as_tensor', '    loss = state["net"](torch.as_tensor').replace(
+        '    return {"n": state["n"] + 1}, {', '    return {"n": state["n"] + 1, "net": state["net"]}, {').replace(
+        '        seen = np.full(len(obs), NET.weight.sum().item())', '        seen = np.zeros(len(obs))'))
+    program = load(str(path))
+    assert ff.run(program.train, program.args_cls(), policy="single_process").summary["updates"] == 5
+    with pytest.raises(PlacementError, match=rf"learner fragment 'learn' reaches an object of the versioned state "
+                                             rf"'state' through the global 'OPT'.*\n  at {path}:{marks['learn']}\n"
+                                             rf"  fix: .*an optimizer of the state's parameters belongs in it"):
+        ff.run(program.train, program.args_cls(), policy="pipelined")

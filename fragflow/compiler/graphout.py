@@ -46,9 +46,12 @@ def graph_of(t: Tracer, name: str, defined_at: SourceLoc | None) -> Graph:
                                                       and id(value) not in t._state_objects)),
                           changes_data=tuple(sorted(set(rec.changes_data.values()) | set(rec.rebinds.values()))),
                           rebinds_data=tuple(sorted(set(rec.rebinds.values()))),
+                          changes_through=tuple(sorted(set(rec.changes_through.values()))),
                           changes_read=rec.changes_read,
                           names_data=tuple(sorted({label for i, label in rec.names_data.items()
                                                    if i in t._changed_data} |
+                                                  {label for label, _, _, value, _ in rec.reached or ()
+                                                   if id(value) in t._changed_data} |
                                                   {t._rebound[(id(holder), name)][1]
                                                    for _, holder, name, _, _ in rec.reached or ()
                                                    if (id(holder), name) in t._rebound

@@ -102,6 +102,7 @@ class Node:
     captures_state: str = ""       # reaches an object versioned state holds through a global or closure (which)
     reads_captured: str = ""       # reaches versioned state itself (a handle) through a global or closure (which)
     changes_data: tuple[str, ...] = ()   # module data (a global array, list, dict) it changes in place, or rebinds
+    changes_through: tuple[str, ...] = ()   # ... of it, what it changes without naming it (a global optimizer's network)
     rebinds_data: tuple[str, ...] = ()   # ... of it, the globals it rebinds (global SHIFT; SHIFT = ...)
     names_data: tuple[str, ...] = ()     # module data its code reaches that some fragment changes
     other_rows: str = ""           # also called on another number of environments (an evaluation env): where

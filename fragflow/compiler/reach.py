@@ -577,11 +577,19 @@ def captured_objects(fn: Any, objects: dict[int, tuple[str, Any]]) -> tuple[str,
             attrs = object.__getattribute__(value, "__dict__")
             held = attrs.get("optimizer") if isinstance(attrs.get("last_epoch"), int) else None
         except (AttributeError, TypeError):
-            held = None
+            attrs, held = {}, None
         for x in (value, held):
             hit = objects.get(id(x)) if x is not None else None
             if hit is not None and hit[1] is x:
                 return hit[0]
+        # an optimizer of the program's own (not the state's) over the state's parameters: it steps them
+        groups = attrs.get("param_groups") if isinstance(attrs, dict) else None
+        if isinstance(groups, list):
+            for group in groups[:64]:
+                for p in (group.get("params", ()) if isinstance(group, dict) else ())[:4096]:
+                    hit = objects.get(id(p))
+                    if hit is not None and hit[1] is p:
+                        return hit[0]
         return None
 
     for kind, name, value, _ in _holders(fn):

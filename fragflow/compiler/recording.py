@@ -54,6 +54,7 @@ class NodeRec:
     out_nones: list[str] = field(default_factory=list)   # the first call's outputs that were None
     names_data: dict[int, str] = field(default_factory=dict)     # module data its code reaches (id -> label)
     changes_data: dict[int, str] = field(default_factory=dict)   # ... and of it, what it changed in place
+    changes_through: dict[int, str] = field(default_factory=dict)   # what it changed without naming it
     # what its code reaches without its arguments, as it was after its first call: (label, holder, name,
     # the value, its fingerprint), and which of it the loop changed since (the first seen)
     reached: list[tuple[str, Any, str, Any, Any]] | None = None

@@ -41,6 +41,7 @@ from fragflow.compiler.pytree import (
     is_static,
 )
 from fragflow.compiler.reach import (
+    _is_module,
     bound_globals,
     captured_objects,
     captured_state,
@@ -397,6 +398,8 @@ class Tracer(StateBook):
         if first:
             rec.names_data = {id(v): label for label, v in watched}
         watched_before = [fingerprint(v) for _, v in watched]
+        elsewhere = self._reached_elsewhere(rec, watched) if frag.role == "learner" and not self.begins_run else []
+        elsewhere_before = [fingerprint(v) for _, v in elsewhere]
         reached_before = reached_data(frag.fn) if not self.begins_run and (first or frag.role == "learner") else None
         # (in one process the loop and every fragment share the arrays, as eagerly: only checked elsewhere)
         checked = (sum(rec.calls) <= 2 or frag.role == "learner") and not self.begins_run
@@ -439,10 +442,13 @@ class Tracer(StateBook):
                 label = f"global '{name}'"
                 rec.rebinds[(id(scope), name)] = label
                 self._rebound.setdefault((id(scope), name), (rec.name, label, scope))
-        for (label, value), before in zip(watched, watched_before):
+        for (label, value), before in zip([*watched, *elsewhere], [*watched_before, *elsewhere_before]):
             if fingerprint(value) != before:   # changed data the module holds: who else reads it?
                 rec.changes_data[id(value)] = label
                 self._changed_data[id(value)] = label
+        for label, value in elsewhere:
+            if id(value) in rec.changes_data:
+                rec.changes_through[id(value)] = label
         changed = []   # (held, so that its memory is not another array's later: a view's base stays too)
         for (label, leaf), before in zip(given, given_before):
             changed_print = fingerprint(leaf)
@@ -504,6 +510,25 @@ class Tracer(StateBook):
                 if self._take_over() is None:
                     raise _StopTracing
                 return plain   # the run goes on from here, with the values themselves
+        return out
+
+    def _reached_elsewhere(self, rec: NodeRec, watched: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The modules, arrays and tensors other fragments' code reaches (globals, closures) that a
+        learner's call may change without naming them: a global network a global optimizer steps
+        (``OPT = SGD(NET.parameters())`` in the learner, ``NET`` in the actor). Versioned state's
+        objects are checked by their own rules."""
+        mine = {id(v) for _, v in watched}
+        out: list[tuple[str, Any]] = []
+        for other in self._nodes.values():
+            if other is rec:
+                continue
+            for label, _, _, value, _ in other.reached or ():
+                i = id(value)
+                if i in mine or i in self._state_objects or i in self._changed_data or not (
+                        _is_module(value) or isinstance(value, np.ndarray) or type(value).__name__ == "Tensor"):
+                    continue
+                mine.add(i)
+                out.append((label, value))
         return out
 
     def _take_over(self) -> Any:

@@ -435,9 +435,20 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 "of it as it was at the start, which the learner's updates never reach (an optimizer stepping "
                 "stale parameters, a scheduler of another optimizer)", where=n.defined_at,
                 fix=f"reach it through the state '{n.name}' is given (state['opt'], state['sched']: a scheduler may be "
-                    "part of the state and stepped in the learner); or run with --policy single_process")
+                    "part of the state and stepped in the learner; an optimizer of the state's parameters belongs in "
+                    "it: ff.versioned({'net': net, 'opt': opt})); or run with --policy single_process")
     for n in graph.fragments():
         for m in graph.fragments():
+            through = sorted(set(n.changes_through) & set(m.names_data)) if m.name != n.name else []
+            if through:   # (each fragment is sent with its own copy of the module's data, in one process too)
+                raise PlacementError(
+                    f"{n.role} fragment '{n.name}' changes the {through[0]} in place through another object its "
+                    f"code reaches (an optimizer of its parameters) and {m.role} fragment '{m.name}' reads it, but "
+                    f"policy '{policy}' runs the program in several processes, each fragment sent with a copy of "
+                    f"the module's data of its own: the copy '{n.name}' changes is not the one '{m.name}' reads",
+                    where=n.defined_at,
+                    fix="keep the network and its optimizer in versioned state (ff.versioned({'net': net, 'opt': "
+                        f"opt}})), written by '{n.name}' and passed to '{m.name}', or run with --policy single_process")
             shared = sorted(set(n.changes_data) & set(m.names_data)) if m.name != n.name else []
             if shared and (n.name in service) != (m.name in service):
                 how = (f"rebinds the {shared[0]} (`global {shared[0].split(chr(39))[1]}` and an assignment)"
