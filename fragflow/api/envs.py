@@ -67,6 +67,11 @@ class EnvCount(int):
         return EnvCount, (int(self),)
 
 
+def _statistics(rms: Any) -> dict[str, np.ndarray]:
+    """A running mean and variance's numbers as a checkpoint keeps them."""
+    return {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
+
+
 class VectorEnv:
     """A batch of gymnasium environments stepped as one fragment call.
 
@@ -134,9 +139,8 @@ class VectorEnv:
         if isinstance(norm, Normalize):
             for key, rms in (("obs_rms", norm.obs_rms), ("ret_rms", norm.ret_rms)):
                 if rms is not None:
-                    out[key] = {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
-        wrapped = {key: {"mean": np.asarray(rms.mean), "var": np.asarray(rms.var), "count": np.asarray(rms.count)}
-                   for key, rms in self._wrappers_statistics().items()}
+                    out[key] = _statistics(rms)
+        wrapped = {key: _statistics(rms) for key, rms in self._wrappers_statistics().items()}
         if wrapped:
             out["wrappers"] = wrapped
         return out

@@ -442,13 +442,14 @@ class Tracer(StateBook):
                 label = f"global '{name}'"
                 rec.rebinds[(id(scope), name)] = label
                 self._rebound.setdefault((id(scope), name), (rec.name, label, scope))
-        for (label, value), before in zip([*watched, *elsewhere], [*watched_before, *elsewhere_before]):
+        for (label, value), before in zip(watched, watched_before):
             if fingerprint(value) != before:   # changed data the module holds: who else reads it?
                 rec.changes_data[id(value)] = label
                 self._changed_data[id(value)] = label
-        for label, value in elsewhere:
-            if id(value) in rec.changes_data:
-                rec.changes_through[id(value)] = label
+        for (label, value), before in zip(elsewhere, elsewhere_before):
+            if fingerprint(value) != before:   # ... and what it changed without naming it
+                rec.changes_data[id(value)] = rec.changes_through[id(value)] = label
+                self._changed_data[id(value)] = label
         changed = []   # (held, so that its memory is not another array's later: a view's base stays too)
         for (label, leaf), before in zip(given, given_before):
             changed_print = fingerprint(leaf)
