@@ -712,17 +712,35 @@ def test_ctrl_c_during_a_warm_up_without_learner_calls_writes_a_checkpoint_promp
     assert m["counters"]["updates"] == 0 and stepped <= m["counters"]["env_steps"] < 30000
 
 
-def test_a_resume_whose_budget_ends_at_the_checkpoint_is_refused_and_changes_nothing(program, tmp_path):
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_resume_whose_budget_ends_at_the_checkpoint_is_refused_and_changes_nothing(program, tmp_path, policy):
     """Resumed from update 4 with a budget of 3 updates, the loop makes no trip: refused with exit 2,
-    the checkpoint not rewritten as the end of a completed run, the run directory as it was."""
+    the checkpoint not rewritten as the end of a completed run, the run directory as it was. Under
+    ``pipelined`` too, where the learner's process may end before it has the state (it then sent
+    nothing to write, and the run exited 0 with a summary of nothing run)."""
     a = tmp_path / "a"
-    assert cli("run", str(program), "--policy", "single_process", "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
+    assert cli("run", str(program), "--policy", policy, "--checkpoint-every", "2", "--out", str(a), "-q").returncode == 0
     before = {p.relative_to(a): p.read_bytes() for p in a.rglob("*") if p.is_file()}
     res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--set", "num_updates=3", "-q")
     assert res.returncode == 2 and "ended where that checkpoint is (update 4" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert {p.relative_to(a): p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
 
+
+
+def test_a_resumed_run_with_nothing_to_run_is_refused_however_soon_the_learner_process_ends(tmp_path):
+    """PPO under ``pipelined``, resumed at update 12 with a budget of 12 updates: its learner process
+    may end before the loop's state reaches it, which (before) left nothing to write and exited 0 in
+    about one resume of three; each resume is refused."""
+    a = tmp_path / "a"
+    sets = ["--set", "num_envs=2", "--set", "num_steps=64"]
+    assert cli("run", "ppo", "--policy", "pipelined", *sets, "--set", "total_timesteps=2048", "--checkpoint-every", "2",
+               "--out", str(a), "-q").returncode == 0
+    for k in range(3):
+        res = cli("run", "--resume", str(a / "checkpoints" / "12"), "--set", "total_timesteps=1536",
+                  "--out", str(tmp_path / f"b{k}"), "-q")
+        assert res.returncode == 2 and "ended where that checkpoint is (update 12" in res.stderr, res.stderr
+        assert not (tmp_path / f"b{k}" / "summary.json").exists()
 
 SCHEDULED = """
 import numpy as np

@@ -394,9 +394,9 @@ class RunCheckpoints:
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "written_ns": time.time_ns(),
                 "resumed_from": str(self.resume.path) if self.resume is not None else None}
 
-    def commit(self, counters: dict[str, Any], loop: dict[str, Any] | None,
-               parts: dict[str, tuple[Any, dict[str, np.ndarray]]], complete: bool = False) -> Path:
-        if complete and self.resume is not None and all(
+    def refuse_nothing_run(self, counters: dict[str, Any]) -> None:
+        """Refuse a resumed run that ended where its checkpoint is: its budget ends there or before."""
+        if self.resume is not None and all(
                 int(counters.get(k, 0)) == int(self.resume.counters.get(k, 0)) for k in ("updates", "env_steps")):
             raise CheckpointError(
                 f"the run resumed from {self.resume.path} ended where that checkpoint is (update "
@@ -404,6 +404,11 @@ class RunCheckpoints:
                 "ends there or before, so there is nothing to run (the checkpoint is left as it was)",
                 fix="resume with a larger budget (--set the field of your Args that sets its steps or updates, as "
                     "total_timesteps in the algorithms/ programs), or resume an earlier checkpoint")
+
+    def commit(self, counters: dict[str, Any], loop: dict[str, Any] | None,
+               parts: dict[str, tuple[Any, dict[str, np.ndarray]]], complete: bool = False) -> Path:
+        if complete:
+            self.refuse_nothing_run(counters)
         for name, (meta, _) in parts.items():
             self._say_unsaved(name, meta)
         path = write(self.root, str(counters["updates"]), self.manifest(counters, loop, complete), parts, self.keep)

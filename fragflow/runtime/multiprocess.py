@@ -93,6 +93,10 @@ class Driver(DriverCheckpoints):
                 self._shutdown()
                 if self.checkpoints is not None and self.checkpoints.enabled:
                     self.checkpoints.sweep()   # (parts its processes wrote of ones never committed)
+        if self.checkpoints is not None and self.checkpoints.enabled:
+            # (refused whether or not the services had their state yet: a run that ran nothing may end
+            # before they are sent it, and say nothing of it)
+            self.checkpoints.refuse_nothing_run(self.monitor.counters())
         if self.checkpoints is not None and self.checkpoints.enabled and self.final:
             from fragflow.runtime.snapshot import encode_states
 
