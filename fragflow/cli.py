@@ -68,7 +68,7 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
         err.print("[bold red]error:[/] ", end="", highlight=False)
         err.print(f"the training program raised {where} ({exc.who}):", markup=False, highlight=False)
         sys.stderr.write(exc.tb.rstrip() + "\n")
-        err.print("(internal frames hidden; --debug shows them)", style="dim", highlight=False)
+        err.print("(fragflow's and libraries' frames hidden; --debug shows them)", style="dim", highlight=False)
         return typer.Exit(code=1)
     # An exception from the user's own code: show the user's frames (all frames with --debug).
     tb = exc.__traceback__
@@ -79,7 +79,7 @@ def _fail(exc: BaseException, debug: bool) -> typer.Exit:
         err.print("[bold red]error:[/] the training program raised:", highlight=False)
         sys.stderr.write("".join(traceback.format_list(frames)))
         sys.stderr.write("".join(traceback.format_exception_only(exc)))
-        err.print("(internal frames hidden; --debug shows them)", style="dim", highlight=False)
+        err.print("(fragflow's and libraries' frames hidden; --debug shows them)", style="dim", highlight=False)
     else:
         traceback.print_exception(exc)
     return typer.Exit(code=1)

@@ -142,6 +142,7 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
     parameters, named where a key is one of them)."""
     problems: list[str] = []
     values = _overrides(args_cls, sets, base, "", problems, train_params)
+    where = _defined_at(args_cls) or where   # (what --set sets: the Args class, not the training function)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
                           fix=f"the fields of {args_cls.__name__} --set takes are: {', '.join(_settable(args_cls))}")
@@ -153,6 +154,19 @@ def apply_overrides(args_cls: type, sets: list[str], where: SourceLoc | None = N
         fix = (f"give {', '.join(missing)} with --set (e.g. --set {missing[0]}=...), or a default in "
                f"{args_cls.__name__}" if missing and base is None else "change the values given with --set")
         raise ConfigError(f"invalid configuration: {exc}", where=where, fix=fix) from None
+
+
+def _defined_at(cls: type) -> SourceLoc | None:
+    """Where the user's class is defined (its ``class`` line), where its source can be found."""
+    import inspect
+
+    try:
+        lines, first = inspect.getsourcelines(cls)
+        file = inspect.getsourcefile(cls) or ""
+    except (OSError, TypeError):
+        return None
+    at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("class ")), 0)   # (below its decorators)
+    return SourceLoc.of(file, first + at)
 
 
 def _nested(annotation: Any) -> type | None:

@@ -48,7 +48,7 @@ from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded
 from fragflow.runtime.signals import handling as _handling
-from fragflow.runtime.summary import args_record, error_record, run_summary
+from fragflow.runtime.summary import algorithm_name, args_record, error_record, run_summary
 from fragflow.source import user_callsite
 
 
@@ -533,7 +533,7 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
     if every is not None or start is not None:
         assert out is not None
         config = args_record(args)
-        identity: dict[str, Any] = {"algorithm": placed.graph.name, "fragments": sorted(n.name for n in placed.graph.fragments()),
+        identity: dict[str, Any] = {"algorithm": algorithm_name(train, placed.graph.name), "fragments": sorted(n.name for n in placed.graph.fragments()),
                     "program": program_ref, "checkpoint_every": None if every is None else
                     (str(every.updates) if every.updates is not None else f"{every.seconds:g}s"), "args": config, "policy": placed.policy,
                     "policy_options": dict(placed.options), "fragflow": __version__, "loops": loop_headers(train)}

@@ -44,8 +44,33 @@ def _display(filename: str, cwd: str) -> str:
 
 
 def user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:
-    """A traceback's frames of the user's code (fragflow's own and the import machinery's left out)."""
-    return [f for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+    """A traceback's frames of the user's code: fragflow's own, the import machinery's and those of
+    installed libraries and Python's standard library left out (an error raised inside torch's
+    ``Linear`` shows the user's line that called it, and is placed there); all but fragflow's where
+    no frame is the user's."""
+    frames = [f for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+    return [f for f in frames if not is_library(f.filename)] or frames
+
+
+def _library_roots() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+    try:
+        roots.update(site.getsitepackages())
+    except AttributeError:   # (an interpreter whose site module has none)
+        pass
+    return tuple(sorted(os.path.abspath(r) + os.sep for r in roots))
+
+
+@functools.lru_cache(maxsize=4096)
+def is_library(filename: str) -> bool:
+    """True for a file of an installed package (site-packages) or of Python's standard library; the
+    algorithms shipped inside fragflow are the user's."""
+    path = os.path.abspath(filename)
+    return not path.startswith(_USER_SUBDIRS) and path.startswith(_LIBRARY_ROOTS)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,3 +132,6 @@ def definition_of(fn: object) -> SourceLoc | None:
     if code is None or is_internal(code.co_filename):
         return None
     return SourceLoc.of(code.co_filename, code.co_firstlineno)
+
+
+_LIBRARY_ROOTS = _library_roots()

@@ -105,6 +105,8 @@ def test_resume_in_a_new_process_equals_the_uninterrupted_run_bit_for_bit(progra
     assert [p.name for p in ckpt.listing(a / "checkpoints")] == ["4", "6", "8"]   # the last 3 kept
     half = json.loads((a / "checkpoints" / "4" / "manifest.json").read_text())
     assert half["counters"]["updates"] == 4 and half["loop"]["trip"] == 4 and not half["complete"]
+    # the algorithm as summary.json names it (its file's), not its training function's name
+    assert half["algorithm"] == json.loads((a / "summary.json").read_text())["algorithm"] == "ckprog"
     saved = half["parts"]["loop0"]["locals"]
     assert {"key", "replay", "rng", "scale", "update"} <= set(saved)
     res = cli("run", "--resume", str(a / "checkpoints" / "4"), "--out", str(b), "-q")

@@ -229,6 +229,15 @@ def test_unknown_env_error_points_at_the_users_line():
     assert "at algorithms/ppo.py:" in res.stderr and "fix: did you mean 'CartPole-v1'" in res.stderr
 
 
+@pytest.mark.parametrize("value", ["num_env=8", "num_envs=x"])
+def test_a_set_refusal_points_at_the_args_class_it_sets(value):
+    """It pointed at ``def train``; what --set sets is the Args class (its ``class`` line, below
+    its ``@dataclass``)."""
+    res = invoke("run", "algorithms/ppo.py", "--set", value)
+    line = Path(ROOT, "algorithms", "ppo.py").read_text().splitlines().index("class Args:") + 1
+    assert res.exit_code == 2 and f"at algorithms/ppo.py:{line}\n" in res.stderr, res.stderr
+
+
 def test_real_entry_point_exit_codes_and_debug_traceback(tmp_path):
     exe = Path(sys.executable).with_name("fragflow")
     res = subprocess.run([str(exe), "run", "ppo", "--set", "nope=1"], capture_output=True, text=True, cwd=ROOT)
@@ -1045,7 +1054,7 @@ def test_an_error_in_a_worker_shows_the_users_frames_as_in_one_process(tmp_path)
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith("error:")):]
     assert re.fullmatch(r"error: the training program raised in fragment '\w+' \(actor 0\):", lines[0]), res.stderr
     assert f'File "{tmp_path / "algo.py"}", line' in lines[1] and "ValueError: the actor broke" in res.stderr
-    assert "Traceback" not in res.stderr and lines[-1] == "(internal frames hidden; --debug shows them)"
+    assert "Traceback" not in res.stderr and lines[-1] == "(fragflow's and libraries' frames hidden; --debug shows them)"
 
 
 def test_a_training_callable_without_a_name_that_needs_arguments_is_a_usage_error(tmp_path):
@@ -1061,3 +1070,60 @@ def test_a_training_callable_without_a_name_that_needs_arguments_is_a_usage_erro
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert res.returncode == 2, res.stderr
         assert f"needs {needs}, which fragflow run cannot give" in res.stderr and "Traceback" not in res.stderr
+
+
+TORCH_RAISES = '''
+import multiprocessing
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import fragflow as ff
+
+
+@dataclass
+class Args:
+    steps: int = 64
+
+
+@ff.fragment("learner")
+def learn(state, obs):
+    x = torch.as_tensor(obs, dtype=torch.float32)
+    if multiprocessing.parent_process() is not None or multiprocessing.current_process().name != "MainProcess" or \\
+            state["calls"] >= 40:   # (in the worker, or late in one process: after the trace)
+        x = x[:, :3]
+    loss = state["net"](x).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return {**state, "calls": state["calls"] + 1}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    net = nn.Linear(4, 2)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.01), "calls": 0})
+    obs = env.reset()
+    for _ in range(args.steps):
+        obs, *_ = env.step(env.action_space.sample() * 0)
+        state = learn(state, obs)
+    return state
+'''
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_an_error_raised_inside_torch_shows_and_places_the_users_line_not_torchs(tmp_path, policy):
+    """An error raised in torch's ``nn.Linear`` (a shape mismatch) was shown with torch's frames
+    below the user's line, and summary.json placed it at torch's ``linear.py``."""
+    (tmp_path / "algo.py").write_text(TORCH_RAISES)
+    exe = Path(sys.executable).with_name("fragflow")
+    res = subprocess.run([str(exe), "run", str(tmp_path / "algo.py"), "--policy", policy, "--out",
+                          str(tmp_path / "run"), "-q"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert "mat1 and mat2 shapes cannot be multiplied" in res.stderr
+    line = TORCH_RAISES.splitlines().index('    loss = state["net"](x).pow(2).mean()') + 1
+    assert f'File "{tmp_path / "algo.py"}", line {line}, in learn' in res.stderr, res.stderr
+    assert "site-packages" not in res.stderr and "torch/nn" not in res.stderr, res.stderr
+    error = json.loads((tmp_path / "run" / "summary.json").read_text())["error"]
+    assert error["where"] == f"algo.py:{line}", error

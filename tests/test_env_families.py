@@ -561,3 +561,11 @@ def test_a_pettingzoo_id_of_an_aec_env_or_of_an_env_whose_package_is_missing_is_
     assert (info.value.fix or "").startswith("pip install not_installed_dependency_xyz")
     with pytest.raises(UnknownEnvError, match=r"myfamily has no environment 'board_v2'"):   # (a typo: still one)
         ff.envs.make("myfamily:board_v2", num_envs=2, seed=0)
+
+
+@pytest.mark.parametrize("typo, meant", [("ALE/Breakot-v5", "ALE/Breakout-v5"), ("ALE/pong-v5", "ALE/Pong-v5")])
+def test_a_typo_in_an_atari_id_is_answered_with_the_id_meant_not_an_install(typo, meant):
+    """With ale-py installed, 'ALE/Breakot-v5' was answered 'pip install "fragflow[atari]"'."""
+    with pytest.raises(UnknownEnvError, match=f"unknown environment id '{typo}'") as err:
+        ff.envs.make(typo, num_envs=1, seed=0)
+    assert (err.value.fix or "").startswith(f"did you mean '{meant}'"), err.value.fix

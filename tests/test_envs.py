@@ -359,7 +359,7 @@ def test_an_evaluation_after_the_last_update_reaches_metrics_csv_in_its_row(writ
     for run, policy in (("one", "single_process"), ("other", "pipelined(max_lag=0)")):
         result = ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / run)
         rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
-        assert [r["updates"] for r in rows] == [f"{u}.0" for u in range(1, 10)]
+        assert [r["updates"] for r in rows] == [str(u) for u in range(1, 10)]
         assert float(rows[-1]["eval_episodes"]) == result.summary["eval_episodes"] > float(rows[-2]["eval_episodes"])
         columns.append([(r["updates"], r["env_steps"], r["eval_episodes"], r["eval_return_mean"]) for r in rows])
     assert columns[1] == columns[0]
@@ -417,7 +417,7 @@ def test_an_evaluation_logged_after_an_update_is_counted_in_the_row_that_holds_i
     program = load(str(path))
     ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
-    assert [r["updates"] for r in rows] == [f"{u}.0" for u in range(1, 7)]
+    assert [r["updates"] for r in rows] == [str(u) for u in range(1, 7)]
     logged = []
     for r in rows:
         if r["eval/return"]:

@@ -1388,7 +1388,7 @@ def test_a_clock_output_logged_after_the_next_clock_call_joins_the_row_replica_0
         columns.append(([(r["updates"], r["prev"]) for r in rows], result.summary["channels"]["trajectory"]["drops"]
                         if "channels" in result.summary else 0))
     (one, _), (other, drops) = columns
-    assert one == [("1.0", "")] + [(f"{j}.0", f"{j - 1}.0") for j in range(2, 11)]
+    assert one == [("1", "")] + [(str(j), f"{j - 1}.0") for j in range(2, 11)]
     if drops == 0:
         assert other == one
 
@@ -1997,7 +1997,7 @@ def test_evaluation_columns_and_tensorboard_episodes_are_single_processs(write_a
         events.Reload()
         board.append({tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]
                       if tag.startswith(("charts/episodic", "eval/"))})
-    assert rows[1] == rows[0] and {r["eval_episodes"] for r in rows[0]} != {"0.0"}
+    assert rows[1] == rows[0] and {r["eval_episodes"] for r in rows[0]} != {"0"}
     assert board[1] == board[0] and len(board[0]) >= 2
 
 
@@ -2169,7 +2169,7 @@ def test_what_the_loop_logs_after_learner_calls_dropped_as_stale_is_written_in_a
     monitor.close()
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [(r["updates"], r["loss"], r["after"]) for r in rows] == \
-        [("1.0", "1.0", ""), ("2.0", "2.0", ""), ("3.0", "3.0", ""), ("3.0", "", "1.0")]
+        [("1", "1.0", ""), ("2", "2.0", ""), ("3", "3.0", ""), ("3", "", "1.0")]
     assert "values the loop logged after learner calls that were dropped as stale ('after'" in monitor.summary()["notes"][0]
 
 
@@ -2572,7 +2572,7 @@ def test_a_loop_failing_after_an_update_writes_that_updates_row_at_its_steps(wri
             return [(r["env_steps"], r["updates"], r["episodes"]) for r in csv.DictReader(f)]
 
     single = rows("single_process")
-    assert single[-1][:2] == ("256.0", "8.0")
+    assert single[-1][:2] == ("256", "8")
     for policy in ("pipelined(max_lag=0)", "actor_learner(actors=1, max_lag=0)"):
         assert rows(policy) == single, policy
 
@@ -2627,7 +2627,7 @@ def test_the_loops_own_rows_hold_the_evaluation_episodes_ended_by_then(write_alg
 
     single = columns("single_process")
     # the evaluation after the last update is in that update's row (the last), not in the loop's rows before it
-    assert [r[2] for r in single] == sorted(r[2] for r in single) and [r[2] for r in single[-2:]] == ["4.0", "6.0"]
+    assert [r[2] for r in single] == sorted(r[2] for r in single) and [r[2] for r in single[-2:]] == ["4", "6"]
     for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"):
         assert columns(policy) == single, policy
 
@@ -3686,3 +3686,19 @@ def test_workers_computing_with_several_torch_threads_do_not_wait_forever(tmp_pa
                           str(tmp_path / "run"), "-q", *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["updates"] == 4
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined", "actor_learner(actors=2)"])
+def test_metrics_rows_count_in_integers_and_every_row_has_its_rate(tmp_path, policy):
+    """The counters are written as integers (they were 128.0, 1.0) and each row's steps_per_second
+    is its own steps over its time: the first rows of a run over several processes had 0.0, made
+    before the loops' step reports reached the driver."""
+    ff.run(ppo.train, ppo.Args(total_timesteps=2048, num_envs=2, num_steps=64, seed=1), policy=policy,
+           out=tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert len(rows) == 16
+    for r in rows:
+        for column in ("env_steps", "updates", "episodes", "eval_episodes", "restarts"):
+            assert re.fullmatch(r"\d+", r[column]), (column, r[column])
+        assert float(r["steps_per_second"]) > 0, r
+    assert [int(r["env_steps"]) for r in rows] == [128 * (u + 1) for u in range(16)]

@@ -1235,3 +1235,84 @@ def test_an_optimizer_setting_the_loop_reads_through_its_own_variable_is_refused
                                                       rf"optimizer param_groups\[0\], with \['lr'\]\) through a variable "
                                                       rf"of its own(.|\n)*at {relpath(path)}:{marks['read']}\n"):
             compile(prog.train, policy=policy)
+
+
+GLOBAL_GENERATOR_ACTOR = """
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical
+
+import fragflow as ff
+
+
+@dataclass
+class Args:
+    keys: bool = False
+    space: bool = False
+
+
+@ff.fragment("actor")
+def act(net, obs, key):
+    with torch.no_grad():
+        logits = net(torch.as_tensor(obs, dtype=torch.float32))
+    if key is None:   # torch's global generator, as CleanRL's PPO samples
+        return Categorical(logits=logits).sample().numpy()
+    return (logits.numpy() + ff.random.gumbel(key, logits.shape[1:])).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    loss = state["net"](torch.as_tensor(obs, dtype=torch.float32)).pow(2).mean()
+    state["opt"].zero_grad()
+    loss.backward()
+    state["opt"].step()
+    return state
+
+
+def train(args: Args):
+    torch.manual_seed(0)
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    net = nn.Linear(4, 2)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.01)})
+    key = ff.random.keys(0, env.ids)
+    n = env.single_action_space.n if args.space else 2   # (the space read, never sampled)
+    obs = env.reset()
+    for t in range(16):
+        key, sub = ff.random.split(key)
+        action = act(state["net"], obs, sub if args.keys else None)
+        obs, *_ = env.step(np.minimum(action, n - 1))
+        state = learn(state, obs)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy, keys, warned", [("actor_learner(actors=2)", False, True), ("pipelined", False, False),
+                                                  ("actor_learner(actors=2)", True, False)])
+def test_an_actor_drawing_from_torchs_global_generator_is_named_where_loop_processes_split_the_environments(
+        write_algo, policy, keys, warned):
+    """``Categorical(logits).sample()`` in the actor: every loop process starts from the same state of
+    torch's global generator, so the second process's environments drew the first's numbers, with no
+    word (only generators the loop holds were named); actions from ff.random keys are not named."""
+    path, _ = write_algo(GLOBAL_GENERATOR_ACTOR)
+    prog = load(str(path))
+    notes = [n for n in ff.run(prog.train, prog.args_cls(keys=keys), policy=policy).summary.get("notes", [])
+             if "random generator" in n or "draws from" in n]
+    if warned:
+        assert len(notes) == 1 and "draws from torch's global generator" in notes[0], notes
+    else:
+        assert notes == []
+    assert shm_leftovers() == []
+
+
+def test_a_space_read_in_a_loop_that_samples_a_buffer_is_not_named_as_sampled(write_algo):
+    """A loop reading ``env.single_action_space.n`` and calling ``rb.sample`` (DQN's) was warned of
+    the space's generator, which it never drew from."""
+    path, _ = write_algo(GLOBAL_GENERATOR_ACTOR.replace("        state = learn(state, obs)\n",
+                                                        "        state = learn(state, obs)\n"
+                                                        "        if t < 0:\n            state.sample()\n", 1))
+    prog = load(str(path))
+    r = ff.run(prog.train, prog.args_cls(keys=True, space=True), policy="actor_learner(actors=2)")
+    assert [n for n in r.summary.get("notes", []) if "random generator" in n or "draws from" in n] == []

@@ -90,7 +90,10 @@ def registered(env_id: str, where: Any) -> Any:
         pass
     if env_id in gym.registry:
         return env_id
-    hint = EXTRA_HINT.get(prefix) if "/" in env_id else None
+    # (the extra to install only where its family registered nothing: a typo in 'ALE/...' with
+    # ale-py installed is a typo)
+    hint = EXTRA_HINT.get(prefix) if "/" in env_id and not any(k.startswith(f"{prefix}/") for k in gym.registry) \
+        else None
     raise UnknownEnvError(f"unknown environment id {env_id!r}", where=where,
                           fix=hint or did_you_mean(env_id.split(":", 1)[-1], gym.registry.keys()))
 

@@ -67,6 +67,7 @@ class ArrivalRows:
     _loop_rows: dict[int, list[tuple[int, dict[str, float]]]]
     base_eval_episodes: int
     log_scalars: Any
+    steps_rate: Any
 
     def _arrival_init(self) -> None:
         # rows in order: (row, each replica's steps at its latest call taken, whether it is an update's)
@@ -160,10 +161,11 @@ class ArrivalRows:
             if update:   # (the loop's own rows before it: what replica 0 logged after env steps)
                 self._arrival_loop_rows(int(row["updates"]) - self.base_updates, taken)
             if taken is not None:
-                row["env_steps"] = float(self.base_steps + sum(taken.values()))
+                row["env_steps"] = self.base_steps + sum(taken.values())
                 self._episode_columns(row, self._ended_by(taken))
                 self._last_taken = dict(taken)
             row.update(self._evaluated_by(row, update))
+            self.steps_rate(row)
             if self.outputs is not None:
                 self.outputs.write_row(row)
 
@@ -180,7 +182,7 @@ class ArrivalRows:
         for u in [u for u in self._steps0 if u < at]:   # (rows are written in order)
             del self._steps0[u]
         n, evals = self._evaluated_at(at, steps)
-        return {"eval_episodes": float(self.base_eval_episodes + n), "eval_return_mean": self._eval_mean(evals)}
+        return {"eval_episodes": self.base_eval_episodes + n, "eval_return_mean": self._eval_mean(evals)}
 
     def _arrival_loop_rows(self, before: int, taken: dict[int, int] | None) -> None:
         """The loop's own rows of this run's updates before ``before``: values replica 0 logged after
@@ -192,19 +194,20 @@ class ArrivalRows:
                 if not scalars:   # (made for a call's values that never came: dropped as stale)
                     continue
                 row = self._runtime_row()
-                row["updates"] = float(self.base_updates + u)
+                row["updates"] = self.base_updates + u
                 replicas = set(taken or ()) | set(self._heard_from) | set(self._last_taken)
                 at = {r: max(self._last_taken.get(r, 0),
                              min(steps, taken[r] if taken and r in taken else self._heard_from.get(r, (steps, 0))[0]))
                       for r in replicas}
-                row["env_steps"] = float(self.base_steps + sum(at.values()))
+                row["env_steps"] = self.base_steps + sum(at.values())
                 self._episode_columns(row, self._ended_by(at))
                 mark = self._first_update0 - 1 + u   # (replica 0's update count then, as its evaluations are tagged)
                 n, evals = self._evaluated_at(mark, steps)
                 if self._eval_at or self.base_eval_episodes:
-                    row["eval_episodes"] = float(self.base_eval_episodes + n)
+                    row["eval_episodes"] = self.base_eval_episodes + n
                     row["eval_return_mean"] = self._eval_mean(evals)
                 row.update(scalars)
+                self.steps_rate(row)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
 

@@ -206,8 +206,8 @@ class Monitor(ArrivalRows):
         for update in sorted(u for u in self._loop_rows if u < before):
             for steps, scalars in self._loop_rows.pop(update):
                 row = self._runtime_row()
-                row.update(env_steps=float(self.base_steps + steps * self.marked_replicas),
-                           updates=float(self.base_updates + update))
+                row.update(env_steps=self.base_steps + steps * self.marked_replicas,
+                           updates=self.base_updates + update)
                 self._episode_columns(row, self._ended_by({r: steps for r in range(self.marked_replicas)}))
                 # the evaluation episodes replica 0 had ended by then (not those it ends after the
                 # row's next update, heard already), as single_process's row holds them
@@ -217,9 +217,10 @@ class Monitor(ArrivalRows):
 
                 n = ended_by(self._eval_tagged, ended, self._evals_in_order)
                 if self._eval_tagged or self.base_eval_episodes:
-                    row["eval_episodes"] = float(self.base_eval_episodes + n)
+                    row["eval_episodes"] = self.base_eval_episodes + n
                     row["eval_return_mean"] = self._eval_mean(ended_returns(self._eval_tagged, n))
                 row.update(scalars)
+                self.steps_rate(row)
                 if self.outputs is not None:
                     self.outputs.write_row(row)
 
@@ -241,7 +242,7 @@ class Monitor(ArrivalRows):
             if mark is None:
                 return False
             at.append(mark)
-        row["env_steps"] = float(self.base_steps + sum(steps for steps, _ in at))
+        row["env_steps"] = self.base_steps + sum(steps for steps, _ in at)
         self._episode_columns(row, {r: n for r, (_, n) in enumerate(at)})
         # replica 0 steps and reports them; the row holds those ended by its end (before replica 0's
         # next training step), as single_process's row does
@@ -249,7 +250,7 @@ class Monitor(ArrivalRows):
         steps0 = at[0][0]
         n = ended_by(self._eval_tagged, lambda e: e[0] < before or (e[0] == before and e[1] <= steps0),
                      self._evals_in_order)
-        row["eval_episodes"] = float(self.base_eval_episodes + n)
+        row["eval_episodes"] = self.base_eval_episodes + n
         row["eval_return_mean"] = self._eval_mean(ended_returns(self._eval_tagged, n))
         self._episodes_to_board({r: n for r, (_, n) in enumerate(at)}, n)
         return True
@@ -285,6 +286,7 @@ class Monitor(ArrivalRows):
                 # row before; the row is left out, as single_process never wrote it
                 self.unwritten_rows += 1
                 continue
+            self.steps_rate(row)
             if self.outputs is not None:
                 self.outputs.write_row(row)
             written = int(row["updates"]) - self.base_updates
@@ -413,7 +415,7 @@ class Monitor(ArrivalRows):
     def _episode_columns(self, row: dict[str, float], ended: dict[int, int]) -> None:
         """A row's episode columns with each replica's first ``ended[replica]`` episodes."""
         recent = self._recent(ended)
-        row["episodes"] = float(self.base_episodes + sum(ended.values()))
+        row["episodes"] = self.base_episodes + sum(ended.values())
         row["episode_return_mean"] = sum(ret for ret, _ in recent) / len(recent) if recent else math.nan
         row["episode_length_mean"] = sum(length for _, length in recent) / len(recent) if recent else math.nan
 
@@ -443,7 +445,14 @@ class Monitor(ArrivalRows):
     def wall_seconds(self) -> float:
         return (time.perf_counter() if self.replay_time is None else self.replay_time) - self._start
 
-    def rate(self, now: float | None = None) -> float:
+    def steps_rate(self, row: dict[str, float]) -> None:
+        """Set a row's ``steps_per_second`` from its own env steps at its own time, where its steps
+        were set from the loops' marks after it was made (its rate, made from the steps heard then,
+        was 0 in a run's first rows, the loops' step reports coming after its update)."""
+        if "wall_seconds" in row and "env_steps" in row:
+            row["steps_per_second"] = self.rate(self._start + row["wall_seconds"] - self.base_wall, int(row["env_steps"]))
+
+    def rate(self, now: float | None = None, env_steps: int | None = None) -> float:
         """Env steps per second of this run's loop, as CleanRL's SPS and SB3's fps count from the
         loop's start: where the clock started before the program (``from_first_step``), since the
         loop's first environment call (:meth:`loop_begins`; the program's setup before it is not
@@ -451,10 +460,11 @@ class Monitor(ArrivalRows):
         the trace, its processes' start included: their reports come some steps at a time)."""
         if now is None:
             now = time.perf_counter() if self.replay_time is None else self.replay_time
+        total = self.env_steps if env_steps is None else env_steps   # (a row's: its steps, see steps_rate)
         then, steps = self._first if self.from_first_step and self._first is not None else (self._start, self.base_steps)
-        if steps == self.env_steps:   # (a run whose steps all came in one report: its steps over the run)
+        if steps == total:   # (a run whose steps all came in one report: its steps over the run)
             then, steps = self._start, self.base_steps
-        return (self.env_steps - steps) / (now - then) if now > then else 0.0
+        return (total - steps) / (now - then) if now > then else 0.0
 
     @property
     def recent_return(self) -> float | None:
@@ -464,17 +474,17 @@ class Monitor(ArrivalRows):
         wall = self.wall_seconds
         nan = math.nan
         row = {
-            "env_steps": float(self.env_steps), "updates": float(self.updates), "wall_seconds": self.base_wall + wall,
+            "env_steps": self.env_steps, "updates": self.updates, "wall_seconds": self.base_wall + wall,
             "steps_per_second": self.rate(),
             "episode_return_mean": sum(self.recent) / len(self.recent) if self.recent else nan,
             "episode_length_mean": sum(self.recent_lengths) / len(self.recent_lengths) if self.recent_lengths else nan,
-            "episodes": float(self.base_episodes + len(self.episodes)),
+            "episodes": self.base_episodes + len(self.episodes),
             **self._eval_columns(),
-            "restarts": float(self.restarts),
+            "restarts": self.restarts,
         }
         for name, s in self.channel_stats.items():
-            row[f"{name}/depth"] = float(s["depth"])
-            row[f"{name}/drops"] = float(s["drops"])
+            row[f"{name}/depth"] = int(s["depth"])
+            row[f"{name}/drops"] = int(s["drops"])
             row[f"{name}/items_per_second"] = self._rates.get(f"{name}/items_per_second", nan)
             row[f"{name}/bytes_per_second"] = self._rates.get(f"{name}/bytes_per_second", nan)
         return row
@@ -482,7 +492,7 @@ class Monitor(ArrivalRows):
     def _eval_columns(self) -> dict[str, float]:
         """The evaluation columns as the episodes heard so far make them."""
         return {"eval_return_mean": sum(self.eval_recent) / len(self.eval_recent) if self.eval_recent else math.nan,
-                "eval_episodes": float(self.base_eval_episodes + len(self.eval_episodes))}
+                "eval_episodes": self.base_eval_episodes + len(self.eval_episodes)}
 
     def _flush(self) -> None:
         if self.arrival:

@@ -524,15 +524,45 @@ def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]]
         elif getattr(type(x), "__module__", None) == module and type(getattr(x, "__dict__", None)) is dict:
             found += [generator_label(f"{name}.{attr}", v) for attr, v in vars(x).items() if isinstance(v, kinds)]
     # an env's action space sampled in the loop (CleanRL's warm-up `envs.single_action_space.sample()`): its
-    # generator, copied into every process, draws the same random actions in each
+    # generator, copied into every process, draws the same random actions in each. Named once it has drawn
+    # (``held_out``): a loop that reads the space's size or bounds and samples something else (a replay
+    # buffer's `rb.sample`) draws nothing from it
     used = attributes_read(frame.f_code)
-    if "sample" in used:
+    if "sample" in used and held_out is not None:
         for attr in ("single_action_space", "action_space"):
             if attr in used:
-                found += [f"`{name}.{attr}` (its sample()'s generator)" for name, x in frame.f_locals.items()
-                          if not name.startswith("__") and _is_env(x) and getattr(x, attr, None) is not None]
+                held_out += [(f"`{name}.{attr}` (its sample()'s generator)", gen) for name, x in frame.f_locals.items()
+                             if not name.startswith("__") and _is_env(x) and
+                             (gen := getattr(getattr(x, attr, None), "_np_random", None)) is not None]
     found = list(dict.fromkeys(found))
     return copied_message(frame.f_code, found, replicas) if found else None
+
+
+def global_generators() -> list[tuple[str, Any]]:
+    """The process-wide random generators (label, generator): torch's (once imported), numpy's and
+    Python's global ones, which every loop process starts from in the same state."""
+    torch = _torch()
+    found = [("torch's global generator (`torch.manual_seed`'s: `torch.distributions`' `sample()`, `torch.rand`, "
+              "`torch.multinomial`)", torch.default_generator)] if torch is not None else []
+    return found + [("numpy's global generator (`np.random.rand`, `np.random.choice`)", np.random.mtrand._rand),
+                    ("Python's `random` (`random.random()`)", pyrandom._inst)]
+
+
+def global_message(code: Any, found: list[str], replicas: int) -> str:
+    """The warning for the process-wide generators ``found`` (their labels) the loop, or a fragment
+    run in its process (an actor sampling its actions), drew from."""
+    from fragflow.source import display_path
+
+    return (f"the training loop ({display_path(code.co_filename)}:{code.co_firstlineno}, `{code.co_name}`), or a "
+            f"fragment run in its process (an actor sampling actions), draws from {' and '.join(found)}: each of the "
+            f"{replicas} loop processes, which split the environments, starts from the same state of it, so numbers it "
+            "draws for its own environments (sampled actions, exploration) repeat across processes (the second "
+            "process's first environment gets what the first process's first environment gets) where one process "
+            "would draw a number for each. For numbers per environment use ff.random keys (`key = "
+            "ff.random.keys(seed, env.ids)`, then `key, sub = ff.random.split(key)`; a categorical sample is "
+            "`(logits + ff.random.gumbel(sub, logits.shape[1:])).argmax(-1)`, a normal one `ff.random.normal(sub, "
+            "shape)`), the same under every policy; or run one loop process (actors=1, env_workers=1, or --policy "
+            "single_process)")
 
 
 def _is_env(x: Any) -> bool:

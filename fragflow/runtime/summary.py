@@ -26,7 +26,7 @@ def args_record(args: Any) -> dict[str, Any] | None:
         return {f.name: repr(getattr(args, f.name)) for f in dataclasses.fields(args)}
 
 
-def _algorithm_name(train: Any, function: str) -> str:
+def algorithm_name(train: Any, function: str) -> str:
     """The algorithm's name: its file's (``a2c`` for ``algorithms/a2c.py``, the stem of a user's file),
     else its training function's."""
     module = getattr(train, "__module__", None) or ""
@@ -51,7 +51,7 @@ def run_summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, b
         "policy": placed.policy,
         "policy_options": dict(placed.options),
         "backend": backend,
-        "algorithm": _algorithm_name(compiled_train, placed.graph.name),
+        "algorithm": algorithm_name(compiled_train, placed.graph.name),
         "args": config,
         **monitor.summary(),
         "versions": {"fragflow": __version__, "python": sys.version.split()[0], "torch": torch.__version__,

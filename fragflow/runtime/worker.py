@@ -361,6 +361,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         acting_views,
         copied_generators,
         copied_message,
+        global_generators,
+        global_message,
         held_by_state,
         loop_part,
         resume_point,
@@ -492,17 +494,26 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             message = copied_generators(frame, replicas, held)
             if message:
                 endpoints.results.put(("warn", message))
-            elif held:   # a versioned state's generator: named if this process's copy moves (the loop drew from it)
-                code, then, trips_left = frame.f_code, [(label, gen, state_of(gen)) for label, gen in held], [64]
+                held = []
+            # a versioned state's generator: named if this process's copy moves (the loop drew from it);
+            # so is a process-wide one (torch's, numpy's, Python's) the loop or a fragment run here draws from
+            code, trips_left = frame.f_code, [64]
+            then = [(label, gen, state_of(gen)) for label, gen in held]
+            drawn = [(label, gen, state_of(gen)) for label, gen in global_generators()]
 
-                def later(_: Any) -> None:
-                    moved = [label for label, gen, was in then if state_of(gen) != was]
-                    if moved:
-                        endpoints.results.put(("warn", copied_message(code, moved, replicas)))
-                    elif trips_left[0] > 0:
-                        trips_left[0] -= 1
-                        tracker.first = later
-                tracker.first = later
+            def later(_: Any) -> None:
+                moved = [label for label, gen, was in then if state_of(gen) != was]
+                if moved:
+                    endpoints.results.put(("warn", copied_message(code, moved, replicas)))
+                    then.clear()
+                used = [label for label, gen, was in drawn if state_of(gen) != was]
+                if used:
+                    endpoints.results.put(("warn", global_message(code, used, replicas)))
+                    drawn.clear()
+                if (then or drawn) and trips_left[0] > 0:
+                    trips_left[0] -= 1
+                    tracker.first = later
+            tracker.first = later
         tracker.first = first
     if together and replicas > 1:
         def on_start(trip: int) -> None:
