@@ -2537,3 +2537,63 @@ def test_an_envs_wrapper_statistics_round_trip_and_other_wrappers_are_refused():
         (bare := made([])).load_state_dict(saved)
     for made_env in (env, fresh, bare):
         made_env.close()
+
+
+TARGET_CHANGED_IN_PLACE = """
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    seed: int = 1
+    updates: int = 20
+
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return (ff.random.uniform(key, (1,))[:, 0] * 2).astype(np.int64)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, target, obs):
+    with torch.no_grad():
+        state["w"].add_(1.0)
+        target["t"].mul_(0.5).add_(0.5 * state["w"])   # a soft update of a target only this learner reads
+    return state, {"target_sum": target["t"].sum().item()}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=1, seed=args.seed)
+    state = ff.versioned({"w": torch.zeros(3)})
+    target = ff.versioned({"t": torch.zeros(3)}, name="target")
+    key = ff.random.keys(args.seed, env.ids)
+    obs = env.reset()
+    for u in range(args.updates):
+        key, sub = ff.random.split(key)
+        obs, r, te, tr, info = env.step(act(state["w"], obs, sub))
+        state, metrics = learn(state, target, obs)
+        ff.log(metrics)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined", "actor_learner(actors=1)", "learner_replay"])
+def test_a_state_a_learner_changes_in_place_without_writing_it_is_saved_at_every_checkpoint(write_algo, tmp_path, policy):
+    """A target a learner soft-updates in place (reading it, writing only its own state) was left out of
+    the checkpoints a learner process wrote before the last: a run resumed from one restarted the target
+    from the program's zeros, with no word (probe helper)."""
+    path, _ = write_algo(TARGET_CHANGED_IN_PLACE, "inplace_target.py")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "5", "--out", str(a), "-q").returncode == 0
+    res = cli("run", "--resume", str(a / "checkpoints" / "10"), "--out", str(b), "-q")
+    assert res.returncode == 0, res.stderr
+
+    def after_10(run):
+        return [(r["updates"], r["target_sum"]) for r in csv.DictReader((run / "metrics.csv").open()) if float(r["updates"]) > 10]
+
+    assert after_10(b) == after_10(a) and len(after_10(a)) == 10

@@ -575,3 +575,64 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+KIND_CHANGING = """
+from dataclasses import dataclass
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    how: str = "list"
+    updates: int = 12
+
+@ff.fragment("actor")
+def act(state, obs):
+    return (obs[:, 2] * state["w"][0] > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs, n, how):
+    new = {"w": state["w"] + 1e-3 * obs.mean()}
+    if n % 7 == 6:   # (the 7th call: after the trace)
+        if how == "list":
+            return new, [float(n), -1.0]
+        if how == "float":
+            return new, float(n)
+        return new, {"loss": float(n), "extra": 1.0}   # a metric now and then: allowed
+    return new, {"loss": float(n)}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.ones(1)})
+    obs = env.reset()
+    for n in range(args.updates):
+        obs, *_ = env.step(act(state, obs))
+        state, metrics = learn(state, obs, n, args.how)   # @learn
+        if isinstance(metrics, dict):
+            ff.log(metrics)
+        else:
+            ff.log({"loss": metrics[0] if isinstance(metrics, list) else metrics})
+    return state
+"""
+
+
+@pytest.mark.parametrize("how, now", [("list", "a list of 2"), ("float", "a value")])
+@pytest.mark.parametrize("policy", ["pipelined", "central_inference(env_workers=1)"])
+def test_a_learner_whose_metrics_change_kind_after_the_trace_is_refused_where_the_loop_holds_the_traced_kind(
+        write_algo, tmp_path, how, now, policy):
+    """A dict of metrics on most calls, a list (or a number) on some: the loop, in another process,
+    held the traced dict, so its ``isinstance(metrics, dict)`` took the other branch from eagerly's
+    and the values went to columns named 0, 1 or value, with no word (probe helper). Refused at the
+    call that changed it; a dict gaining a key now and then still runs."""
+    path, marks = write_algo(KIND_CHANGING, "kinds.py")
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(how=how), policy="single_process")   # (eagerly's: runs)
+    with pytest.raises(SpecChangedError, match=rf"fragment 'learn' returned another kind of output at its call 7 "
+                                               rf"than its traced calls \(outputs\[1\]: a dict, now {now}\)") as info:
+        ff.run(program.train, program.args_cls(how=how), policy=policy)
+    assert info.value.where is not None and info.value.where.line == marks["learn"]
+    one = ff.run(program.train, program.args_cls(how="keys"), policy="single_process", out=tmp_path / "one")
+    other = ff.run(program.train, program.args_cls(how="keys"), policy=policy, out=tmp_path / "other")
+    assert one.summary["status"] == other.summary["status"] == "completed"

@@ -32,7 +32,7 @@ def graph_of(t: Tracer, name: str, defined_at: SourceLoc | None) -> Graph:
                           defined_at=rec.defined_at, called_at=rec.called_at,
                           rate=_per(rec.calls[steady], per), calls=sum(rec.calls), instance=rec.instance,
                           arity=rec.arity, inputs=tuple(rec.inputs or ()), outputs=tuple(rec.out_specs or ()),
-                          out_skeleton=rec.out_skeleton,
+                          out_skeleton=rec.out_skeleton, out_kinds=rec.out_kinds,
                           output_axes=rec.out_axes or (),
                           static=rec.static, splittable=_splittable(t, rec),
                           evaluation=t.fragments[rec.name].evaluation,

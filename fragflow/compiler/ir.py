@@ -89,6 +89,7 @@ class Node:
     inputs: tuple[LeafSpec, ...] = ()   # argument leaves in call order (dst_path, spec, batch axis)
     outputs: tuple[tuple[str, TensorSpec], ...] = ()   # output leaves (path, spec) as traced
     out_skeleton: Any = field(default=None, compare=False, hash=False)   # the output without its leaves
+    out_kinds: Any = field(default=None, compare=False, hash=False)   # ... and beside a written state (kind_change)
     output_axes: tuple[tuple[str, str, int], ...] = ()   # (path, axis name, axis) of its batched output leaves
     static: tuple[str, ...] = ()   # arguments that are configuration (a frozen dataclass, a string)
     splittable: bool = True        # ENV: its environments can be split across processes (ff.envs.make, or

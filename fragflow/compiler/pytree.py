@@ -520,6 +520,48 @@ def skeleton_of(tree: Any) -> Any:
     return _Leaf()
 
 
+def kind_change(skel: Any, tree: Any, path: str = "") -> str | None:
+    """Where ``tree`` is not of the kinds its traced skeleton ``skel`` (:func:`skeleton_of`) records:
+    a container of another type (a dict where a list was), a list or tuple of another length, a
+    container where a leaf was or the reverse; described as ``path: was, now``. A dict's keys may
+    differ (a learner's metrics that come and go); what the skeleton does not know (None) is not compared."""
+    def kind(x: Any) -> str:
+        if isinstance(x, _Leaf):
+            return "a value"
+        if isinstance(x, dict):
+            return "a dict"
+        if hasattr(x, "_fields"):
+            return f"a {type(x).__name__}"
+        if isinstance(x, (list, tuple)):
+            return f"a {type(x).__name__} of {len(x)}"
+        return "None" if x is None else "a value"
+
+    if skel is None:
+        return None
+    where = path or "the output"
+    if isinstance(skel, _Leaf):
+        if isinstance(tree, (dict, list, tuple)) and skeleton_of(tree) is not None:
+            return f"{where}: {kind(skel)}, now {kind(tree)}"
+        return None
+    if isinstance(skel, dict):
+        if not isinstance(tree, dict):
+            return f"{where}: {kind(skel)}, now {kind(tree)}"
+        for k, v in skel.items():
+            if k in tree:
+                found = kind_change(v, tree[k], f"{path}[{k!r}]")
+                if found:
+                    return found
+        return None
+    if isinstance(skel, (list, tuple)):
+        if type(tree) is not type(skel) or len(tree) != len(skel):
+            return f"{where}: {kind(skel)}, now {kind(tree)}"
+        for i, (a, b) in enumerate(zip(skel, tree)):
+            found = kind_change(a, b, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def fill_skeleton(skel: Any, leaves: Any) -> Any:
     if isinstance(skel, _Leaf):
         return next(leaves)

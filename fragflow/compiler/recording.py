@@ -51,6 +51,7 @@ class NodeRec:
     calls: list[int] = field(default_factory=lambda: [0, 0])   # calls per window (set-up, steady)
     out_specs: list[tuple[str, TensorSpec]] | None = None
     out_skeleton: Any = None   # the first call's output without its leaves (what has none: None, {})
+    out_kinds: Any = None      # ... of what the loop receives beside a written state (see kind_change)
     out_nones: list[str] = field(default_factory=list)   # the first call's outputs that were None
     names_data: dict[int, str] = field(default_factory=dict)     # module data its code reaches (id -> label)
     changes_data: dict[int, str] = field(default_factory=dict)   # ... and of it, what it changed in place
@@ -261,6 +262,8 @@ class Recording:
         if rec.out_specs is None:
             rec.out_specs, rec.rows = specs, rows
             rec.out_skeleton = skeleton_of(out)
+            rest = skeleton_of(out[1:]) if frag.writes and isinstance(out, tuple) else None   # (beside the state: None)
+            rec.out_kinds = (None if rest is None else (None, *rest)) if frag.writes else rec.out_skeleton
             rec.out_nones = _output_nones(frag, out)
         elif specs != rec.out_specs and rec.rows is not None and rows is not None and rows != rec.rows \
                 and _rows_differ(rec.out_specs, specs, rec.rows, rows):

@@ -184,6 +184,9 @@ class ServiceProgram:
     rank: int = 0                     # several learners: this one's place among them (0 publishes and reports)
     world: int = 1                    # the learners that all-reduce their gradients
     writes: tuple[str, ...] = ()      # the states its fragments write (what its checkpoint part holds)
+    # ... and the states it holds that no fragment writes, which its part holds too (a target network
+    # its learner changes in place, which no other process holds: the loop's copy is the one it began with)
+    saves: tuple[str, ...] = ()
     # its fragments whose outputs the loop passes to another of its fragments: their last outputs are
     # kept (a learner's output the loop keeps past its next calls: PPG's value targets)
     keeps: tuple[str, ...] = ()
@@ -359,6 +362,7 @@ def lower(placed: PlacedGraph) -> Lowered:
     in_loop = set(loop.nodes)
     processes = sum(g.replicas for g in placed.groups)
     services: list[ServiceProgram] = []
+    bases: list[str] = []   # each service's group before replication (several learners: one group)
     remote: dict[str, Remote] = {}
     reads: dict[str, Broadcast] = {}
     ship: dict[str, list[str]] = {}
@@ -518,6 +522,7 @@ def lower(placed: PlacedGraph) -> Lowered:
                                                   and graph.node(e.dst).role != "logger"})))
         if len(instances) == 1:
             services.append(base)
+            bases.append(group.name)
             continue
         if replies:
             raise PlacementError(f"policy '{placed.policy}' replicates '{group.name}', which answers requests from the "
@@ -530,6 +535,15 @@ def lower(placed: PlacedGraph) -> Lowered:
             services.append(replace(base, group=name, producers=per, first=j * per, rank=j, world=len(instances),
                                     rings=tuple(r for r in rings if r.replica in mine),
                                     publish=base.publish if j == 0 else ()))
+            bases.append(group.name)
+    any_writes = {state for sp in services for state in sp.writes}
+    first_holder: dict[str, str] = {}   # an unwritten state -> the first group holding it (its replicas: all of them)
+    for sp, base_name in zip(services, bases):
+        for state in sp.states:
+            if state not in any_writes:
+                first_holder.setdefault(state, base_name)
+    services = [replace(sp, saves=tuple(st for st in sp.states if first_holder.get(st) == base_name))
+                for sp, base_name in zip(services, bases)]
     program = LoopProgram(loop.name, loop.replicas, _threads(graph, loop, processes), frozenset(in_loop), remote, reads,
                           {k: tuple(v) for k, v in ship.items()}, choice, max_lag, _not_restartable(remote, choice, loop.restart),
                           routes or None,

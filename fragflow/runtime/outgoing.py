@@ -186,7 +186,7 @@ class Outgoing:
                         fix="return arrays, numbers, strings and dicts/lists of them from state_dict()") from None
         if objects:   # before the states part: the driver commits once every expected part is in
             checkpoint.deliver(self.results, self.saving, seq, self.driver, f"objects.{group}", objects, arrays, {})
-        owned = set(self.program.writes) | set(self.writes) | {b.state for b in self.program.publish}
+        owned = set(self.program.writes) | set(self.writes) | set(self.program.saves) | {b.state for b in self.program.publish}
         meta, arrays = snapshot.encode_states({n: (self.version, v) for n, v in self.states.items() if n in owned})
         rng, rng_arrays = snapshot.global_random()   # what the learner draws next (torch.randperm, dropout)
         # ... and which of them it drew from (in this run, or in the one it resumed): a resumed run in

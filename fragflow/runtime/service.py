@@ -34,6 +34,7 @@ from fragflow.compiler.optimizers import track_scheduled_steps
 from fragflow.compiler.pytree import (
     NotAnArray,
     from_numpy,
+    kind_change,
     leaf_paths,
     ordered_like,
     spec_of,
@@ -452,6 +453,16 @@ class ServiceRunner(Outgoing, Gathering):
                 f"calls returned {_outputs(traced)}: the loop, in another process, takes its outputs as traced",
                 where=self.checks.get("called_at", {}).get(fragment),
                 fix="return the same number of outputs at every call (put what changes in a dict of one output)")
+        kinds = self.checks.get("kinds", {}).get(fragment)
+        if kinds is not None:
+            changed = kind_change(kinds, out, "outputs" if isinstance(out, tuple) else "")
+            if changed:   # (a dict of metrics the loop tests with isinstance, a list now: it holds the traced kind)
+                raise SpecChangedError(
+                    f"fragment '{fragment}' returned another kind of output at its call {pieces[0].call + 1} than "
+                    f"its traced calls ({changed}): the loop, in another process, takes its outputs as traced",
+                    where=self.checks.get("called_at", {}).get(fragment),
+                    fix="return the same kinds at every call (a dict of metrics every time, its values changing; "
+                        "a list of the same length), or run with --policy single_process")
         rings = [span() for span in {id(p.ring): getattr(p.ring, "memory", None) for p in pieces}.values()
                  if span is not None]
         if rings:   # what the call keeps must outlive its pieces' slots (a learner's state may view its batch)
