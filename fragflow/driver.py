@@ -44,6 +44,7 @@ from fragflow.runtime import calls, heap, kernels, serial
 from fragflow.runtime.calls import state_checks
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
+from fragflow.runtime.episodelog import EpisodeLog
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded
@@ -86,11 +87,12 @@ class RunResult:
     graph: Graph
     placed: PlacedGraph
     out: Path | None = None
-    episodes: list[tuple[int, float, int]] = field(default_factory=list)
+    # (env steps at its end, return, length) of every training episode, compactly (see EpisodeLog)
+    episodes: EpisodeLog = field(default_factory=EpisodeLog)
 
     @property
     def episode_returns(self) -> list[float]:
-        return [r for _, r, _ in self.episodes]
+        return list(self.episodes.returns)
 
 
 @dataclass(frozen=True)

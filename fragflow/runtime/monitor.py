@@ -13,6 +13,7 @@ from typing import Any
 
 from fragflow.progress import ProgressDisplay
 from fragflow.runtime.arrivalrows import RETURN_WINDOW, ArrivalRows, ended_by, ended_returns
+from fragflow.runtime.episodelog import EpisodeLog
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.scalars import flat_scalars
 
@@ -45,7 +46,7 @@ class Monitor(ArrivalRows):
         self.stop_on_target = stop_on_target
         self.env_steps = 0
         self.updates = 0
-        self.episodes: list[tuple[int, float, int]] = []    # (env_steps at end, return, length)
+        self.episodes = EpisodeLog()    # (env_steps at end, return, length)
         self.recent: deque[float] = deque(maxlen=RETURN_WINDOW)
         self.recent_lengths: deque[int] = deque(maxlen=RETURN_WINDOW)
         self.eval_episodes: list[tuple[int, float, int]] = []     # (env_steps then, return, length)
@@ -71,7 +72,7 @@ class Monitor(ArrivalRows):
         # row counts the env steps and episodes those replicas had made at their calls (marks), as
         # single_process's row does, not what had reached the driver when the update ended
         self.marked_replicas = 0
-        self._tagged: dict[int, list[tuple[int, float, int]]] = {}   # replica -> (its steps then, return, length)
+        self._tagged: dict[int, EpisodeLog] = {}   # replica -> (its steps then, return, length)
         self._marks: dict[int, dict[int, tuple[int, int]]] = {}     # replica -> its update -> (steps, episodes)
         self._first_mark: dict[int, int] = {}
         self._waiting: list[dict[str, float]] = []
@@ -119,7 +120,7 @@ class Monitor(ArrivalRows):
     def env_step(self, n: int, finished: list[tuple[float, int]], replica: int = 0,
                  tagged: list[tuple[int, float, int]] | None = None) -> None:
         if tagged:
-            self._tagged.setdefault(replica, []).extend(tagged)
+            self._tagged.setdefault(replica, EpisodeLog()).extend(tagged)
         self.env_steps += n
         if self._first is None and n > 0:   # (no loop_begins heard: those steps were made before now, not in the rate)
             self._first = (time.perf_counter() if self.replay_time is None else self.replay_time, self.env_steps)
@@ -403,7 +404,7 @@ class Monitor(ArrivalRows):
     def _ended_by(self, steps: dict[int, int]) -> dict[int, int]:
         """How many of each replica's episodes had ended by its ``steps[replica]``-th env step (its
         episodes are tagged with its steps, in order)."""
-        return {r: bisect_right(self._tagged.get(r, []), at, key=lambda e: e[0]) for r, at in steps.items()}
+        return {r: bisect_right(self._tagged[r].steps, at) if r in self._tagged else 0 for r, at in steps.items()}
 
     def _recent(self, ended: dict[int, int]) -> list[tuple[float, int]]:
         """(return, length) of the last episodes among each replica's first ``ended[replica]``, in
@@ -577,7 +578,7 @@ class Monitor(ArrivalRows):
             # ended them, then the replica's environments), not in the order they reached the driver,
             # at the env steps they ended at, not those the driver had heard of then
             merged = self._merged()
-            self.episodes = [(self.base_steps + t * self.marked_replicas, ret, length) for t, _, ret, length in merged]
+            self.episodes = EpisodeLog((self.base_steps + t * self.marked_replicas, ret, length) for t, _, ret, length in merged)
             recent = (self._resumed_recent + [(ret, length) for *_, ret, length in merged])[-RETURN_WINDOW:]
             self.recent = deque((ret for ret, _ in recent), maxlen=RETURN_WINDOW)
             self.recent_lengths = deque((length for _, length in recent), maxlen=RETURN_WINDOW)
@@ -622,7 +623,7 @@ class Monitor(ArrivalRows):
     def _solved_step(self) -> int | None:
         """The env step of the episode whose end first brought the mean of the last episodes, in
         single_process's order, to the target (where replicas step in step, at the step it ended at)."""
-        episodes = self.episodes
+        episodes: Any = self.episodes
         if self.marked_replicas and self._tagged:
             episodes = [(self.base_steps + t * self.marked_replicas, ret, length) for t, _, ret, length in self._merged()]
         window = deque((ret for ret, _ in self._resumed_recent), maxlen=RETURN_WINDOW)

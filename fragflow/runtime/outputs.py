@@ -303,7 +303,7 @@ class RunOutputs:
         (self.dir / name).write_text(json.dumps(_finite(data), indent=2, sort_keys=True, default=str,
                                                 allow_nan=False) + "\n")
 
-    def plot_returns(self, episodes: list[tuple[int, float, int]], target: float | None) -> None:
+    def plot_returns(self, episodes: Any, target: float | None) -> None:
         if not episodes:
             return
         import matplotlib
@@ -312,8 +312,8 @@ class RunOutputs:
         import matplotlib.pyplot as plt
         import numpy as np
 
-        steps = np.array([e[0] for e in episodes])
-        rets = np.array([e[1] for e in episodes])
+        steps = np.array([e[0] for e in episodes], dtype=np.int64)
+        rets = np.array([e[1] for e in episodes], dtype=np.float64)
         window = 20
         # the mean of the last 20 episodes (of all of them before the 20th), from the first episode on
         total = np.concatenate([[0.0], np.cumsum(rets)])
