@@ -3726,3 +3726,66 @@ def test_the_driver_keeps_an_episode_in_a_few_dozen_bytes(tagged):
         tracemalloc.stop()
     assert len(monitor.episodes) == n and monitor.episodes[-1] == (20 * n, float((n - 1) % 500), 20)
     assert grown / n < (64 if tagged else 40), grown / n
+
+
+RETURNS_METRICS = """
+from dataclasses import dataclass
+import threading
+
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    how: str = "tuple"
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return (obs @ w + ff.random.gumbel(key, (2,))).argmax(-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, b):
+    w = state["w"] + 0.01 * np.asarray(b["obs"]).mean((0, 1))[:, None]
+    return {"w": w}, {"wsum": float(w.sum())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(8)
+    keys = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for u in range(3):
+        for _ in range(8):
+            keys, sub = ff.random.split(keys)
+            obs, r, term, trunc, info = env.step(act(state["w"], obs, sub))
+            buf.add(obs=obs)
+        state, metrics = learn(state, buf.collect())
+        ff.log(metrics)
+    if args.how == "tuple":
+        return state, metrics
+    if args.how == "dict":
+        return {"state": state, "m": metrics, "n": 3}
+    return state, threading.Lock()   # (what no process can send)
+"""
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_a_returned_learner_output_is_none_and_the_rest_of_the_value_comes_back(write_algo, policy):
+    """``return state, metrics`` (metrics a learner's output the loop never saw): the whole value was
+    None, the state with it, with no word (probe helper); now the output alone is None, as the
+    README says. What cannot be pickled at all is None too, and named."""
+    path, _ = write_algo(RETURNS_METRICS, "returns.py")
+    program = load(str(path))
+    one = ff.run(program.train, program.args_cls(), policy="single_process")
+    for how in ("tuple", "dict", "lock"):
+        r = ff.run(program.train, program.args_cls(how=how), policy=policy)
+        state = r.value[0] if how != "dict" else r.value["state"]
+        assert np.array_equal(state["w"], one.value[0]["w"]), how
+        if how == "tuple":
+            assert r.value[1] is None
+        elif how == "dict":
+            assert r.value["m"] is None and r.value["n"] == 3
+        else:
+            assert r.value[1] is None
+            assert any("cannot be sent from the loop's process" in n and "[1] (lock" in n
+                       for n in r.summary.get("notes", [])), r.summary.get("notes")

@@ -282,7 +282,11 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             reporter.flush()
             _close_rings(lowered, endpoints, index)
             if index == 0:
-                results.put(("return", _dumps_or_none(value)))
+                returned, lost = _returned(value)
+                if lost:
+                    results.put(("warn", "the training function's return value holds what cannot be sent from the "
+                                         f"loop's process, which is None in the run's result: {'; '.join(lost)}"))
+                results.put(("return", returned))
         else:
             from fragflow.runtime.service import ServiceRunner
 
@@ -534,6 +538,38 @@ def _user_traceback(exc: BaseException) -> str:
         return "".join(traceback.format_exception(exc))
     frames = user_frames(exc.__traceback__)
     return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
+
+
+def _returned(value: Any) -> tuple[bytes | None, list[str]]:
+    """The training function's return value as the loop's process sends it: a learner's output the
+    loop never saw (``return state, metrics``) is None, as the README says, the rest as returned (the
+    versioned state's handles become the states the learners ended with); a part that cannot be
+    pickled is None too, named in the list returned (the whole value was None, the state with it)."""
+    from fragflow.api.versioned import Pending
+
+    def strip(x: Any, path: str, lost: list[str] | None) -> Any:
+        if isinstance(x, Pending):
+            return None
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return tuple(strip(v, f"{path}[{i}]", lost) for i, v in enumerate(x))
+        if isinstance(x, list):
+            return [strip(v, f"{path}[{i}]", lost) for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            return {k: strip(v, f"{path}[{k!r}]", lost) for k, v in x.items()}
+        if lost is not None:
+            try:
+                cloudpickle.dumps(x)
+            except Exception as exc:
+                lost.append(f"{path or 'the value'} ({type(x).__name__}: {exc})")
+                return None
+        return x
+
+    try:
+        return cloudpickle.dumps(strip(value, "", None)), []
+    except Exception:
+        lost: list[str] = []
+        kept = strip(value, "", lost)
+        return _dumps_or_none(kept), lost
 
 
 def _dumps_or_none(value: Any) -> bytes | None:
