@@ -105,12 +105,13 @@ def _library_dirs() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _skipped(filename: str, libs: tuple[str, ...]) -> bool:
-    return is_internal(filename) or os.path.abspath(filename).startswith(libs)
+    return is_internal(filename) or os.path.abspath(filename).startswith(libs) or is_library(filename)
 
 
 def user_frame(skip: int = 1) -> FrameType | None:
     """The innermost stack frame that belongs to the user's code (fragflow's frames and those of
-    the array libraries a user's value passed through, e.g. ``np.asarray``, are skipped)."""
+    the libraries a user's value passed through, e.g. ``np.asarray`` or gymnasium's vector env, are
+    skipped)."""
     frame: FrameType | None = sys._getframe(skip)
     libs = _library_dirs()
     while frame is not None and _skipped(frame.f_code.co_filename, libs):

@@ -1337,3 +1337,50 @@ def test_normalize_reward_alone_takes_any_observation_space():
         assert terminated.all() and np.array_equal(info["final_obs"]["x"], np.ones((2, 2), np.float32))
         assert np.isfinite(reward).all() and not np.array_equal(reward, np.ones(2))   # scaled
     env.close()
+
+
+class _DictObsEnv(gym.Env):
+    """A Dict (or Tuple) observation space, which gymnasium's vector env batches itself."""
+
+    def __init__(self, tup: bool = False, value: int = 0, reward: object = 1.0) -> None:
+        box = gym.spaces.Box(-100, 100, (2,), np.int8)
+        self.observation_space = gym.spaces.Tuple((box, gym.spaces.Discrete(4))) if tup else \
+            gym.spaces.Dict({"b": box, "d": gym.spaces.Discrete(4)})
+        self.action_space = gym.spaces.Discrete(2)
+        self.tup, self.value, self.reward = tup, value, reward
+
+    def _obs(self, v: int) -> object:
+        part = np.array([v, 1])
+        return (part, 1) if self.tup else {"b": part, "d": 1}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs(0), {}
+
+    def step(self, action):
+        return self._obs(self.value), self.reward, False, False, {}
+
+
+@pytest.mark.parametrize("tup", [False, True])
+def test_a_reward_of_one_number_in_an_array_is_that_number_in_an_env_of_dict_or_tuple_observations(tup):
+    """``np.array([0.5])`` as the reward: taken as 0.5 with a Box observation space, refused by numpy
+    ("setting an array element with a sequence", no line) with a Dict or Tuple one (probe helper)."""
+    env = ff.envs.make(_DictObsEnv, num_envs=2, seed=0, tup=tup, reward=np.array([0.5]))
+    env.reset()
+    _, reward, terminated, _, _ = env.step(np.zeros(2, np.int64))
+    assert reward.tolist() == [0.5, 0.5] and terminated.tolist() == [False, False]
+
+
+@pytest.mark.parametrize("tup", [False, True])
+def test_integers_out_of_an_int8_part_of_a_dict_or_tuple_observation_are_refused_not_wrapped(tup):
+    """300 in an int8 Box inside a Dict or Tuple space was stored as 44 with no word (a plain int8 Box
+    refused it); refused at the step, naming the part, at the user's line."""
+    env = ff.envs.make(_DictObsEnv, num_envs=2, seed=0, tup=tup, value=300)
+    env.reset()
+    with pytest.raises(ConfigError, match=r"part \[(0|'b')\] holds values out of int8's range \(1 \.\. 300\)") as info:
+        env.step(np.zeros(2, np.int64))   # @step
+    assert info.value.where is not None and info.value.where.file.endswith("test_envs.py")
+    ok = ff.envs.make(_DictObsEnv, num_envs=2, seed=0, tup=tup, value=-100)
+    ok.reset()
+    obs = ok.step(np.zeros(2, np.int64))[0]
+    assert (obs[0] if tup else obs["b"])[:, 0].tolist() == [-100, -100]

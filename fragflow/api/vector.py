@@ -78,6 +78,8 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
         self.ids = [int(i) for i in ids]   # each environment's index in the whole run (what messages name)
         self._lean = isinstance(self.single_observation_space, ARRAY_SPACES) and \
             isinstance(self.single_action_space, ARRAY_SPACES)
+        if not self._lean:   # (gymnasium's step batches these: what the lean step checks, checked per env)
+            self.envs = [_Checked(env, self, i) for i, env in enumerate(self.envs)]
 
     def reset(self, **kwargs: Any) -> Any:
         try:
@@ -153,6 +155,28 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
                               where=user_callsite(),
                               fix="return observations of the space's shape, or declare the space the env returns")
 
+    def _parts_fit(self, i: int, o: Any, space: Any, path: str) -> None:
+        """Refuse an integer part of a Dict or Tuple observation whose values its dtype would wrap."""
+        if isinstance(space, gym.spaces.Dict) and isinstance(o, dict):
+            for key, sub in space.spaces.items():
+                if key in o:
+                    self._parts_fit(i, o[key], sub, f"{path}[{key!r}]")
+        elif isinstance(space, gym.spaces.Tuple) and isinstance(o, (tuple, list)):
+            for k, (sub, part) in enumerate(zip(space.spaces, o)):
+                self._parts_fit(i, part, sub, f"{path}[{k}]")
+        elif isinstance(space, (gym.spaces.Box, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)) and \
+                space.dtype is not None and space.dtype.kind in "iu":
+            values = np.asarray(o)
+            if values.dtype.kind in "iu" and values.dtype != space.dtype and values.size:
+                limits = np.iinfo(space.dtype)
+                if values.min() < limits.min or values.max() > limits.max:
+                    raise ConfigError(f"environment {self.ids[i]} returned an observation whose part {path} holds "
+                                      f"values out of {space.dtype}'s range ({values.min()} .. {values.max()}), but "
+                                      f"its subspace {space} holds {space.dtype}: storing it would wrap them",
+                                      where=user_callsite(),
+                                      fix="return observations within the space's dtype, or declare the space the env "
+                                          "returns")
+
     def _misfit(self, exc: BaseException, call: str) -> BaseException:
         """The error an observation that does not fit the space raised where gymnasium batches the
         environments' observations (its own step and reset): what it means and how to fix it. Any
@@ -170,6 +194,33 @@ class SameStepVectorEnv(gym.vector.SyncVectorEnv):
                            where=user_callsite(),
                            fix="return observations of the space's shape (for a Dict or Tuple space, each part of "
                                "its own subspace's), or declare the space the env returns")
+
+
+class _Checked(gym.Wrapper):
+    """Around each environment of a vector env whose spaces gymnasium batches itself (a Dict or a
+    Tuple): a step's reward or flag given as an array of one number is that number, as the lean
+    step takes it (numpy refused it as "setting an array element with a sequence"), and integers
+    out of an integer part's dtype are refused (the batch stored 300 in an int8 part as 44)."""
+
+    def __init__(self, env: gym.Env, vec: SameStepVectorEnv, i: int) -> None:
+        super().__init__(env)
+        self._vec, self._i = vec, i
+
+    def reset(self, **kwargs: Any) -> Any:
+        obs, info = self.env.reset(**kwargs)
+        self._vec._parts_fit(self._i, obs, self.env.observation_space, "")
+        return obs, info
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if not isinstance(reward, (int, float)):
+            reward = envcheck.one_number(self.env, reward, "reward")
+        if not isinstance(terminated, bool):
+            terminated = bool(envcheck.one_number(self.env, terminated, "terminated flag"))
+        if not isinstance(truncated, bool):
+            truncated = bool(envcheck.one_number(self.env, truncated, "truncated flag"))
+        self._vec._parts_fit(self._i, obs, self.env.observation_space, "")
+        return obs, reward, terminated, truncated, info
 
 
 # where gymnasium's vector env puts the environments' observations into one batch
