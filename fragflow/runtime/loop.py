@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import cloudpickle
 import numpy as np
 
+from fragflow.api import random as ff_random
 from fragflow.api.events import EventSources
 from fragflow.api.fragment import Fragment
 from fragflow.api.versioned import Pending, Versioned, VersionedView, pendings_in
@@ -377,6 +378,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         buffer's: not a learner, a logger, an evaluation env, a fragment reading a global's state; see
         :meth:`call`), without the tests that are false for it: most of a loop's calls."""
         args, kwargs, reads = self._resolved(args, kwargs)
+        if self._eval_obs is not None and frag.role == "actor" and self.program.replicas > 1:
+            self._training_keys_on_evaluation(name, args, kwargs)
         try:
             with kernels.in_fragment:
                 out = frag.fn(*args, **kwargs)
@@ -393,6 +396,30 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             if n:
                 self._stepped = self._log_stepped = True
         return out
+
+    def _training_keys_on_evaluation(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse an actor given the evaluation env's observations with the training environments'
+        keys: every acting process steps the evaluation env whole, and holds keys for its share of
+        the training environments only, so its keys no longer match the evaluation env's rows (fewer
+        broadcast over them silently: its evaluation acted with other numbers than single_process's)."""
+        assert self._eval_obs is not None
+        values = (*args, *kwargs.values())
+        if not any(id(v) == self._eval_obs[0] for v in values):
+            return
+        obs = self._eval_obs[1]
+        first = next(iter(obs.values())) if isinstance(obs, dict) and obs else obs
+        rows = first.shape[0] if getattr(first, "ndim", 0) else None
+        for v in values:
+            if rows is not None and ff_random.is_key(v) and v.ndim and v.shape[0] != rows:
+                raise ConfigError(
+                    f"actor '{name}' is given the evaluation env's observations ({rows} rows: every acting process "
+                    f"steps it whole) with keys of {v.shape[0]} row{'s' * (v.shape[0] != 1)}, this process's share of the training "
+                    f"environments' keys (its {self.program.replicas} acting processes split those): they no longer "
+                    "match the evaluation env's environments, and fewer keys would broadcast over them, acting with "
+                    "other numbers than single_process's", where=user_callsite(),
+                    fix="give the evaluation env keys of its own, from its ids: `ekey = ff.random.keys(seed, ev.ids)` "
+                        "before the loop, then `ekey, esub = ff.random.split(ekey)` for each of its steps; or run "
+                        "one acting process (actors=1, or --policy single_process)")
 
     def _resolved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
         """The arguments with the versioned state among them read (the version this loop acts with),
