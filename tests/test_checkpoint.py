@@ -2597,3 +2597,60 @@ def test_a_state_a_learner_changes_in_place_without_writing_it_is_saved_at_every
         return [(r["updates"], r["target_sum"]) for r in csv.DictReader((run / "metrics.csv").open()) if float(r["updates"]) > 10]
 
     assert after_10(b) == after_10(a) and len(after_10(a)) == 10
+
+
+ASYNC_MINI = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 600
+    seed: int = 0
+
+@ff.fragment("actor")
+def act(w, obs, key):
+    return np.argmax(obs @ w + ff.random.gumbel(key, (2,)), axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean((0, 1))[:, None]}, {"r": float(batch["reward"].mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=args.seed)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    buf = ff.RolloutBuffer(4)
+    key = ff.random.keys(args.seed, env.ids)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            key, sub = ff.random.split(key)
+            nxt, r, te, tr, _ = env.step(act(state["w"], obs, sub))
+            buf.add(obs=obs, reward=r)
+            obs = nxt
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_resume_whose_budget_ends_between_the_replicas_saved_trips_is_refused_as_the_budget_not_the_loop(
+        write_algo, tmp_path):
+    """async_relaxed saves its replicas at different trips; a budget between them ended one replica at
+    once and was refused as the program's loop leaving apart ("a break on data of their own
+    environments?", its fix to change the loop; probe helper). Refused as the budget, with exit 2."""
+    path, _ = write_algo(ASYNC_MINI, "asyncmini.py")
+    a = tmp_path / "a"
+    assert cli("run", str(path), "--policy", "async_relaxed", "--checkpoint-every", "100", "--out", str(a), "-q").returncode == 0
+    apart = []
+    for c in ckpt.listing(a / "checkpoints"):
+        m = json.loads((c / "manifest.json").read_text())
+        trips = sorted(p["trip"] for p in (m["loop"] or {}).get("positions", {}).values())
+        if len(trips) == 2 and trips[1] - trips[0] >= 2:
+            apart.append((c, trips))
+    assert apart, "the replicas were saved at the same trips in every checkpoint"
+    c, trips = apart[0]
+    res = cli("run", "--resume", str(c), "--set", f"updates={trips[0] + 1}", "--out", str(tmp_path / "b"), "-q")
+    assert res.returncode == 2, res.stderr
+    assert "the budget of these args ends between where the replicas stood" in res.stderr and "Traceback" not in res.stderr

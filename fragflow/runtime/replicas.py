@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fragflow.compiler.pytree import to_numpy
-from fragflow.errors import ConfigError
+from fragflow.errors import ConfigError, FragflowError
 from fragflow.lowering import ServiceProgram
 from fragflow.lowering.program import WHOLE_MARK
 from fragflow.placement.refusals import left_apart, left_at
@@ -150,8 +150,21 @@ class ReplicaChecks:
             "a schedule every replica shares (every N trips), or run with one replica (actors=1, env_workers=1) "
             "or --policy single_process")))
 
-    def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> ConfigError:
+    def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> FragflowError:
         """Replicas that made different numbers of calls of ``fragment`` by the end of their loop."""
+        resumed = (getattr(self, "saving", None) or {}).get("resume")
+        idle = [k for k in ended if not any(j == k for j, _ in self._calls_made)]
+        if resumed and idle:
+            # (a resumed replica that made no call: the budget ends before where it stood, not the program's leaving)
+            from fragflow.runtime.snapshot import CheckpointError
+
+            return CheckpointError(
+                f"the run resumed from {getattr(resumed, 'path', resumed)} has loop replica(s) {', '.join(map(str, idle))} end at once, while "
+                f"replica(s) {', '.join(map(str, going))} go on: the budget of these args ends between where the "
+                "replicas stood in the checkpoint (their trips are its manifest's loop.positions; replicas gathered "
+                "as they arrive are saved at different trips), so the replicas past it cannot end where the others do",
+                fix="resume with a budget beyond every replica's saved trip (--set the field of your Args that sets "
+                    "its steps or updates), or resume an earlier checkpoint")
         called_at = self.checks.get("called_at", {}).get(fragment)
         loop = self.checks.get("left_loop", {}).get(fragment)
         guard = self.checks.get("guarded_at", {}).get(fragment)
