@@ -2654,3 +2654,53 @@ def test_a_resume_whose_budget_ends_between_the_replicas_saved_trips_is_refused_
     res = cli("run", "--resume", str(c), "--set", f"updates={trips[0] + 1}", "--out", str(tmp_path / "b"), "-q")
     assert res.returncode == 2, res.stderr
     assert "the budget of these args ends between where the replicas stood" in res.stderr and "Traceback" not in res.stderr
+
+
+LR_PROGRAM = """
+from dataclasses import dataclass
+import numpy as np, torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 12
+    lr: float = 0.01
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    loss = (state["net"](torch.as_tensor(batch["obs"], dtype=torch.float32)) ** 2).mean()
+    state["opt"].zero_grad(); loss.backward(); state["opt"].step()
+    return state, {"lr_used": state["opt"].param_groups[0]["lr"]}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=args.lr)})
+    buf = ff.RolloutBuffer(4)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(4):
+            key, sub = ff.random.split(key)
+            obs, *_ = env.step((ff.random.uniform(sub, ()) * 2).astype(np.int64))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_learning_rate_set_on_resume_that_the_saved_optimizer_sets_back_is_warned_of(write_algo, tmp_path, policy):
+    """``--set lr=0.5`` with ``--resume``: the optimizer's saved state_dict sets its rate back to the
+    checkpoint's (torch's load_state_dict), and summary.json said 0.5, with no word (probe helper).
+    Warned of, naming the group and both values; a --set of another field (the budget) is not."""
+    path, _ = write_algo(LR_PROGRAM, "lrprog.py")
+    a = tmp_path / "a"
+    assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "6", "--out", str(a), "-q").returncode == 0
+    res = cli("run", "--resume", str(a / "checkpoints" / "6"), "--set", "lr=0.5", "--out", str(tmp_path / "b"), "-q")
+    assert res.returncode == 0, res.stderr
+    assert "state['opt'].param_groups[0]['lr']: 0.5 as built, 0.01 as saved" in res.stderr, res.stderr
+    res = cli("run", "--resume", str(a / "checkpoints" / "6"), "--set", "updates=14", "--out", str(tmp_path / "c"), "-q")
+    assert res.returncode == 0 and "as saved" not in res.stderr, res.stderr

@@ -303,6 +303,20 @@ def refuse_completed(ckpt: Checkpoint) -> None:
                               fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
 
 
+def args_changed(ckpt: Checkpoint, args: Any) -> list[Any]:
+    """The new values of the fields a resumed run's args changed from its checkpoint's (a --set given
+    with --resume), numbers only."""
+    from fragflow.runtime.summary import args_record
+
+    try:
+        now = json.loads(json.dumps(args_record(args), default=str))
+    except (TypeError, ValueError):
+        return []
+    saved = ckpt.manifest.get("args") or {}
+    return [v for k, v in (now or {}).items() if saved.get(k, v) != v and isinstance(v, (int, float))
+            and not isinstance(v, bool)]
+
+
 def resumed(saving: dict[str, Any]) -> Checkpoint | None:
     """The checkpoint a worker resumes from: the one the driver read and sent (or its path)."""
     ckpt = saving.get("resume")

@@ -28,6 +28,11 @@ class Unsupported(TypeError):
         self.path = path
 
 
+# what a resumed optimizer's saved state set back of what the program built it with (a learning rate
+# --set changed): said by the loop that restores it (see LoopInterpreter.versioned)
+overridden: list[tuple[str, Any]] = []   # (what, the value built)
+
+
 def _torch() -> Any:
     return sys.modules.get("torch")
 
@@ -152,6 +157,13 @@ def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path:
             live_groups = [len(g["params"]) for g in live.get("param_groups", [])]
             if saved_groups != live_groups:
                 raise Mismatch(f"{path}: the optimizer had parameter groups of sizes {saved_groups}, this one {live_groups}")
+            for i, (built, saved) in enumerate(zip(live.get("param_groups", []), sd.get("param_groups", []))):
+                for key, value in built.items():   # (the rate --set changed, which the saved state sets back)
+                    was = saved.get(key, value)
+                    if key != "params" and isinstance(value, (int, float)) and isinstance(was, (int, float)) and \
+                            not isinstance(value, bool) and value != was:
+                        overridden.append((f"{path}.param_groups[{i}][{key!r}]: {value!r} as built, {was!r} as saved",
+                                           value))
             try:
                 template.load_state_dict(sd)
             except (ValueError, KeyError) as exc:

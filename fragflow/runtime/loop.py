@@ -156,6 +156,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._defs = {} if endpoints is None else {g: endpoints.definitions(program.service_for(g, replica)) for g in
                                                    {r.group for r in program.remote.values()}}
         self.restored: Any = None             # a checkpoint's states part: versioned state starts from it
+        self.warn: Callable[[str], None] | None = None   # the run's warnings (the monitor's, or the driver's by message)
+        self.changed_args: list[Any] = []     # a resumed run's --set values (see versioned)
         # (resumed) what the acting side read of each state at the versions before the saved one, by the
         # version they are in this run (-1, -2, ...): an exact version choice acts with them at first
         self.acting_before: dict[str, dict[int, list[Any]]] = {}
@@ -207,9 +209,19 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         name = self._state_names(name)
         version = 0
         if self.restored is not None:
+            from fragflow.runtime import encoding
             from fragflow.runtime.snapshot import restore_state
 
+            encoding.overridden.clear()
             value, version = restore_state(self.restored, name, value, where)
+            # (a value the resumed run's --set gave, which the saved optimizer state sets back)
+            set_back = [what for what, built in encoding.overridden if built in self.changed_args]
+            if set_back and self.index == 0 and self.warn is not None:
+                self.warn(f"state '{name}' was resumed with the optimizer state its checkpoint saved, which sets back "
+                          f"what the program built with the --set values ({'; '.join(set_back[:4])}): the run goes on "
+                          "with the saved values, as torch's load_state_dict sets them (a --set of the rate changes "
+                          "nothing there); to change them, set them in the learner (optimizer.param_groups[0]['lr'] "
+                          "= ...) or with a scheduler")
         handle = Versioned(name, version, value, where)
         self._states[handle.name] = handle
         self._shapes[handle.name] = structure(value)

@@ -14,7 +14,7 @@ from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime import trips
-from fragflow.runtime.checkpoint import RunCheckpoints
+from fragflow.runtime.checkpoint import RunCheckpoints, args_changed
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 from fragflow.runtime.signals import shielded
@@ -101,7 +101,7 @@ def execute(train: Callable[..., Any], args: tuple[Any, ...], monitor: Monitor, 
 
     with threads(threads_for(program.threads)):   # (torch's and numpy's; put back however the run ends)
         interp = interpreter(program, monitor, checks)
-        tracker = _checkpointing(interp, monitor, checkpoints) if checkpoints is not None else None
+        tracker = _checkpointing(interp, monitor, checkpoints, args) if checkpoints is not None else None
         previous = trips.install(tracker) if tracker is not None else None
         try:
             with context.using(interp):
@@ -121,10 +121,12 @@ def _states(interp: LoopInterpreter) -> tuple[Any, Any]:
     return encode_states({name: (h.version, h.value) for name, h in interp._states.items()})
 
 
-def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCheckpoints) -> trips.Trips:
+def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCheckpoints, args: Any = ()) -> trips.Trips:
     tracker = trips.Trips()
     if checkpoints.resume is not None:
         interp.restored = checkpoints.resumed_states()
+        interp.changed_args = args_changed(checkpoints.resume, args[0]) if args else []
+        interp.warn = monitor.warn
         tracker.resume = resume_point(checkpoints.resume.part("loop0"), served_objects(checkpoints.resume),
                                       apart=drawn_apart(checkpoints.resume))
 

@@ -262,7 +262,8 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
             limit_threads(threads_for(lowered.loop.threads))
             reporter = QueueReporter(results, index)
             worker = LoopInterpreter(lowered.loop, reporter, replica=index, endpoints=endpoints, checks=checks)
-            tracker = _loop_saving(worker, reporter, index, parent, endpoints, saving) if saving else None
+            tracker = _loop_saving(worker, reporter, index, parent, endpoints, saving,
+                                   () if args is None else (args,)) if saving else None
             try:
                 with context.using(worker):
                     value = train(*(() if args is None else (args,)))
@@ -355,7 +356,8 @@ def _within(meta: dict[str, Any], arrays: dict[str, Any], limit: int) -> tuple[d
     return dict(meta, locals=local, not_saved=[*meta.get("not_saved", []), *(n for n in sizes if n not in local)]), arrays
 
 
-def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any]) -> Any:
+def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints: Any, saving: dict[str, Any],
+                 args: Any = ()) -> Any:
     """A loop replica's trip tracker: its part of each checkpoint the driver asks for, where it
     stands for a restart (every second or so), and where a resumed or restarted replica starts."""
 
@@ -377,6 +379,8 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
     ckpt = checkpoint.resumed(saving)
     if ckpt is not None:
         interp.restored = checkpoint.merged_states(ckpt)
+        interp.changed_args = checkpoint.args_changed(ckpt, args[0]) if args else []
+        interp.warn = lambda message: endpoints.results.put(("warn", message))
         interp.acting_before = acting_views(interp.restored)
         remote = interp.program.remote
         part = ckpt.part(f"loop{index}")
