@@ -86,6 +86,11 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([EXE, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
+def unsealed(manifest: dict) -> str:
+    """A manifest edited by a test, without its own checksum (as one written before it had none)."""
+    return json.dumps({k: v for k, v in manifest.items() if k != "manifest_crc32"})
+
+
 def tensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
@@ -187,6 +192,15 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     import shutil
 
     shutil.copytree(good, bad / "checkpoints" / "4")
+    # one byte of the manifest changed (a counter 4 -> 5): it was resumed as it said, every row's count off
+    # (probe helper); refused by the manifest's own checksum. (The edits below drop that checksum, as a
+    # checkpoint written before it has none, to show what is checked of such a one.)
+    text = (good / "manifest.json").read_text()
+    assert '"updates": 4,' in text
+    (bad / "checkpoints" / "4" / "manifest.json").write_text(text.replace('"updates": 4,', '"updates": 5,', 1))
+    res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
+    assert res.returncode == 2 and "manifest.json changed since it was written" in res.stderr, res.stderr
+    shutil.copy(good / "manifest.json", bad / "checkpoints" / "4" / "manifest.json")
     states = bad / "checkpoints" / "4" / "states.safetensors"
     data = bytearray(states.read_bytes())
     data[-1] ^= 0x01   # one bit of the last weight: safetensors reads it as a valid file (helper round 33 C15)
@@ -198,14 +212,14 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
     m = json.loads((good / "manifest.json").read_text())
     assert set(m["checksums"]) == {p.name for p in good.glob("*.safetensors")}
     del m["checksums"]   # (as a checkpoint written before them)
-    (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+    (bad / "checkpoints" / "4" / "manifest.json").write_text(unsealed(m))
     (bad / "checkpoints" / "4" / "loop0.safetensors").write_bytes(b"\x00" * 7)
     res = cli("run", "--resume", str(bad), "--out", str(tmp_path / "w"))
     assert res.returncode == 2 and "cannot be read" in res.stderr and "Traceback" not in res.stderr
     assert "started" not in res.stdout + res.stderr and not (tmp_path / "w" / "summary.json").exists()   # refused first
     m = json.loads((good / "manifest.json").read_text())
     m["counters"]["updates"] = "abc"
-    (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+    (bad / "checkpoints" / "4" / "manifest.json").write_text(unsealed(m))
     res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
     assert res.returncode == 2 and "counts updates='abc'" in res.stderr and "Traceback" not in res.stderr
     # a manifest without its args or policy, or with empty counters: the resumed program raised, blamed on the
@@ -217,7 +231,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
             m["counters"] = {}
         else:
             del m[damage]
-        (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+        (bad / "checkpoints" / "4" / "manifest.json").write_text(unsealed(m))
         res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
         assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, (damage, res.stderr)
     # a damaged policy or policy options: the checkpoint's fault, not the user's --policy (it was "unknown
@@ -227,7 +241,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_refused_with_exit_2(program, tmp_
                                   ("pipelined", [1], "policy_options is list")):
         m = json.loads((good / "manifest.json").read_text())
         m["policy"], m["policy_options"] = policy, options
-        (bad / "checkpoints" / "4" / "manifest.json").write_text(json.dumps(m))
+        (bad / "checkpoints" / "4" / "manifest.json").write_text(unsealed(m))
         res = cli("run", "--resume", str(bad / "checkpoints" / "4"), "-q")
         assert res.returncode == 2 and "is corrupt" in res.stderr and said in res.stderr, (policy, res.stderr)
         assert "pass the policy with --policy" in res.stderr and "Traceback" not in res.stderr

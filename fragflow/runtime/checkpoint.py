@@ -47,6 +47,7 @@ __all__ = ["Checkpoint", "CheckpointError", "args_from", "Every", "Mismatch", "R
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+MANIFEST_CRC = "manifest_crc32"   # (the manifest's own checksum, in it: none in one written before it)
 KEEP = 3
 
 
@@ -147,6 +148,7 @@ def finish(root: Path, tmp: Path, name: str, manifest: dict[str, Any], parts: di
     """Write the manifest into ``tmp`` and rename it to ``root/name`` (replacing one of that name)."""
     sums = {f.name: checksum(f) for f in sorted(tmp.glob("*.safetensors"))}
     manifest = dict(manifest, format=FORMAT, parts=parts, checksums=sums)
+    manifest[MANIFEST_CRC] = _manifest_crc(json.loads(json.dumps(manifest, default=_json_default)))
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=_json_default) + "\n")
     final = root / name
     if final.exists():
@@ -159,6 +161,13 @@ def finish(root: Path, tmp: Path, name: str, manifest: dict[str, Any], parts: di
     for old_dir in listing(root)[:-keep] if keep > 0 else []:
         remove(old_dir)
     return final
+
+
+def _manifest_crc(manifest: dict[str, Any]) -> str:
+    """The CRC-32 of a manifest as read back (its own checksum left out): a changed byte in it (a
+    counter, a checksum of a part, a saved local) is refused at resume as a damaged part is."""
+    text = json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CRC}, sort_keys=True)
+    return f"{zlib.crc32(text.encode()):08x}"
 
 
 def remove(path: Path) -> None:
@@ -263,6 +272,10 @@ def find(target: str | os.PathLike[str]) -> Checkpoint:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "parts" not in manifest:
         raise CheckpointError(f"checkpoint {path} is not a fragflow checkpoint of format {FORMAT}",
                               fix="resume from a checkpoint this version of fragflow wrote")
+    if MANIFEST_CRC in manifest and manifest[MANIFEST_CRC] != _manifest_crc(manifest):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its {MANIFEST} changed since it was written (its CRC-32 "
+                              f"is not the {manifest[MANIFEST_CRC]} it records)",
+                              fix="resume from another checkpoint of the run")
     counters = manifest.get("counters")
     bad = [k for k in ("env_steps", "updates", "version", "episodes")
            if isinstance(counters, dict) and k in counters and (isinstance(counters[k], bool) or not isinstance(counters[k], int))]
