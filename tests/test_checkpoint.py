@@ -2718,3 +2718,16 @@ def test_a_learning_rate_set_on_resume_that_the_saved_optimizer_sets_back_is_war
     assert "state['opt'].param_groups[0]['lr']: 0.5 as built, 0.01 as saved" in res.stderr, res.stderr
     res = cli("run", "--resume", str(a / "checkpoints" / "6"), "--set", "updates=14", "--out", str(tmp_path / "c"), "-q")
     assert res.returncode == 0 and "as saved" not in res.stderr, res.stderr
+
+
+def test_a_loop_local_holding_only_classes_or_functions_is_not_named_as_left_out():
+    """``wrappers = [gym.wrappers.NormalizeObservation]`` in the loop's function was named in the
+    warning of what checkpoints leave out, though it holds no state (the wrappers' statistics are
+    saved with the env; probe helper); a list of values the loop keeps still is."""
+    import gymnasium as gym
+
+    from fragflow.runtime.snapshot import unsaved_note
+
+    frame = {"wrappers": [gym.wrappers.NormalizeObservation, gym.wrappers.ClipAction], "schedule": {"lr": abs},
+             "history": [object()], "seen": []}
+    assert unsaved_note(frame, list(frame)) == ["'history' (a list)", "'seen' (a list)"]

@@ -194,9 +194,20 @@ def unsaved_note(frame_locals: dict[str, Any], left: list[str]) -> list[str]:
     for name in left:
         x = frame_locals.get(name)
         own = _users_class(type(x)) and type(getattr(x, "__dict__", None)) is dict
-        if own or type(x) in (list, dict, tuple, set, deque):
+        if own or (type(x) in (list, dict, tuple, set, deque) and not _of_code(x)):
             out.append(f"'{name}' (a {type(x).__qualname__})")
     return out
+
+
+def _of_code(x: Any) -> bool:
+    """A container of classes and functions only (``wrappers=[gym.wrappers.NormalizeObservation]``):
+    configuration the program builds again alike, with no state to save."""
+    import functools
+    import types
+
+    items = list(x.values() if isinstance(x, dict) else x)
+    return bool(items) and all(isinstance(i, (type, types.FunctionType, types.BuiltinFunctionType, functools.partial))
+                               for i in items)
 
 
 def _class_line(klass: type) -> Any:
