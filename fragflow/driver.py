@@ -44,7 +44,6 @@ from fragflow.runtime import calls, heap, kernels, serial
 from fragflow.runtime.calls import state_checks
 from fragflow.runtime.checkpoint import Checkpoint, CheckpointError, Every, RunCheckpoints, loop_headers
 from fragflow.runtime.checkpoint import find as find_checkpoint
-from fragflow.runtime.episodelog import EpisodeLog
 from fragflow.runtime.monitor import RETURN_WINDOW, Monitor, StopRun, solves
 from fragflow.runtime.outputs import RunOutputs
 from fragflow.runtime.signals import Terminated, deferred, keeps_interrupts, shielded
@@ -87,12 +86,11 @@ class RunResult:
     graph: Graph
     placed: PlacedGraph
     out: Path | None = None
-    # (env steps at its end, return, length) of every training episode, compactly (see EpisodeLog)
-    episodes: EpisodeLog = field(default_factory=EpisodeLog)
+    episodes: list[tuple[int, float, int]] = field(default_factory=list)   # (env steps at its end, return, length)
 
     @property
     def episode_returns(self) -> list[float]:
-        return list(self.episodes.returns)
+        return [r for _, r, _ in self.episodes]
 
 
 @dataclass(frozen=True)
@@ -507,7 +505,7 @@ def run(train: Callable[..., Any], args: Any = None, *, policy: str | None = Non
                                       handover is not None and handover.begun and compiled.serial, exit_code)
     assert compiled is not None
     placed = compiled.placed
-    return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, monitor.episodes)
+    return RunResult(value, summary, placed.graph, placed, Path(out) if out is not None else None, list(monitor.episodes))
 
 
 def _modules_by_name() -> None:

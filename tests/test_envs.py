@@ -1451,3 +1451,22 @@ def test_an_evaluation_acted_with_the_training_keys_is_refused_where_the_acting_
     for run, pol in (("one", "single_process"), ("two", policy)):
         ff.run(program.train, program.args_cls(own_keys=True), policy=pol, out=tmp_path / run)
     assert evaluation("two") == evaluation("one")
+
+
+def test_the_wrappers_statistics_of_an_env_of_dict_observations_are_keyed_by_the_users_wrappers_alone():
+    """fragflow's own check around each env of Dict or Tuple observations counted as a wrapper, so
+    the keys of the wrappers' statistics moved (env0_wrapper0_... became env0_wrapper1_...) and a
+    checkpoint written before could not be resumed (probe helper)."""
+    env = ff.envs.make(_DictObsEnv, num_envs=1, seed=0, wrappers=[gym.wrappers.NormalizeReward])
+    env.reset()
+    assert list(env.state_dict()["wrappers"]) == ["env0_wrapper0_NormalizeReward_return_rms"]
+
+
+def test_a_runs_episodes_are_a_list_of_tuples(tmp_path):
+    """The driver keeps them compactly during the run; the result holds a list, as before (JSON, `+`)."""
+    import json
+
+    from fragflow.algorithms import ppo
+
+    r = ff.run(ppo.train, ppo.Args(total_timesteps=1024, num_envs=2, num_steps=64), policy="single_process")
+    assert type(r.episodes) is list and r.episodes and json.loads(json.dumps(r.episodes + [])) == [list(e) for e in r.episodes]

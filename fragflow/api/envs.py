@@ -155,6 +155,9 @@ class VectorEnv:
         for i, env in enumerate(getattr(base, "envs", ())):
             depth = 0
             while isinstance(env, gym.Wrapper):
+                if getattr(env, "_fragflow_own", False):   # (the vector env's checks, not the user's: not counted)
+                    env = env.env
+                    continue
                 for attr, value in vars(env).items():
                     if isinstance(value, RunningMeanStd):
                         found[f"env{i}_wrapper{depth}_{type(env).__name__}_{attr}"] = value

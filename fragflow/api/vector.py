@@ -202,6 +202,8 @@ class _Checked(gym.Wrapper):
     step takes it (numpy refused it as "setting an array element with a sequence"), and integers
     out of an integer part's dtype are refused (the batch stored 300 in an int8 part as 44)."""
 
+    _fragflow_own = True   # (not one of the user's wrappers: their checkpoint keys count theirs only)
+
     def __init__(self, env: gym.Env, vec: SameStepVectorEnv, i: int) -> None:
         super().__init__(env)
         self._vec, self._i = vec, i

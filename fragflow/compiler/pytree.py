@@ -520,11 +520,14 @@ def skeleton_of(tree: Any) -> Any:
     return _Leaf()
 
 
-def kind_change(skel: Any, tree: Any, path: str = "") -> str | None:
-    """Where ``tree`` is not of the kinds its traced skeleton ``skel`` (:func:`skeleton_of`) records:
-    a container of another type (a dict where a list was), a list or tuple of another length, a
+def kind_change(skel: Any, tree: Any, path: str = "", depth: int = 1) -> str | None:
+    """Where ``tree`` is not of the kinds its traced skeleton ``skel`` (:func:`skeleton_of`) records,
+    down to ``depth`` levels (a tuple of outputs and each output's own kind, not what is inside it:
+    per-epoch values in a list of the metrics, one shorter after an early stop, ran as eagerly): a
+    container of another type (a dict where a list was), a list or tuple of another length, a
     container where a leaf was or the reverse; described as ``path: was, now``. A dict's keys may
-    differ (a learner's metrics that come and go); what the skeleton does not know (None) is not compared."""
+    differ (a learner's metrics that come and go); None (an output not made at some calls) and what
+    the skeleton does not know are not compared."""
     def kind(x: Any) -> str:
         if isinstance(x, _Leaf):
             return "a value"
@@ -536,7 +539,7 @@ def kind_change(skel: Any, tree: Any, path: str = "") -> str | None:
             return f"a {type(x).__name__} of {len(x)}"
         return "None" if x is None else "a value"
 
-    if skel is None:
+    if skel is None or tree is None or depth < 0:
         return None
     where = path or "the output"
     if isinstance(skel, _Leaf):
@@ -548,7 +551,7 @@ def kind_change(skel: Any, tree: Any, path: str = "") -> str | None:
             return f"{where}: {kind(skel)}, now {kind(tree)}"
         for k, v in skel.items():
             if k in tree:
-                found = kind_change(v, tree[k], f"{path}[{k!r}]")
+                found = kind_change(v, tree[k], f"{path}[{k!r}]", depth - 1)
                 if found:
                     return found
         return None
@@ -556,7 +559,7 @@ def kind_change(skel: Any, tree: Any, path: str = "") -> str | None:
         if type(tree) is not type(skel) or len(tree) != len(skel):
             return f"{where}: {kind(skel)}, now {kind(tree)}"
         for i, (a, b) in enumerate(zip(skel, tree)):
-            found = kind_change(a, b, f"{path}[{i}]")
+            found = kind_change(a, b, f"{path}[{i}]", depth - 1)
             if found:
                 return found
     return None

@@ -455,7 +455,7 @@ class ServiceRunner(Outgoing, Gathering):
                 fix="return the same number of outputs at every call (put what changes in a dict of one output)")
         kinds = self.checks.get("kinds", {}).get(fragment)
         if kinds is not None:
-            changed = kind_change(kinds, out, "outputs" if isinstance(out, tuple) else "")
+            changed = kind_change(kinds, out, "outputs" if isinstance(out, tuple) else "", 1 if isinstance(out, tuple) else 0)
             if changed:   # (a dict of metrics the loop tests with isinstance, a list now: it holds the traced kind)
                 raise SpecChangedError(
                     f"fragment '{fragment}' returned another kind of output at its call {pieces[0].call + 1} than "
