@@ -537,7 +537,7 @@ def kind_change(skel: Any, tree: Any, path: str = "", depth: int = 1) -> str | N
             return f"a {type(x).__name__}"
         if isinstance(x, (list, tuple)):
             return f"a {type(x).__name__} of {len(x)}"
-        return "None" if x is None else "a value"
+        return "a value"
 
     if skel is None or tree is None or depth < 0:
         return None
