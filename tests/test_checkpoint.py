@@ -2670,6 +2670,66 @@ def test_a_resume_whose_budget_ends_between_the_replicas_saved_trips_is_refused_
     assert "the budget of these args ends between where the replicas stood" in res.stderr and "Traceback" not in res.stderr
 
 
+ANNEALED = """
+from dataclasses import dataclass
+import numpy as np, torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    total_timesteps: int = 800
+    num_envs: int = 2
+    num_steps: int = 8
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.zeros(len(obs), dtype=np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, frac):
+    return {"w": state["w"] + 1.0}, {"frac": frac}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=args.num_envs, seed=0)
+    state = ff.versioned({"w": torch.zeros(2)})
+    buf = ff.RolloutBuffer(args.num_steps)
+    obs = env.reset()
+    num_updates = args.total_timesteps // (args.num_envs * args.num_steps)
+    frac = 0.0   # (bound before the loop and in it: the checkpoint's)
+    for u in range(num_updates):
+        for _ in range(args.num_steps):
+            obs, r, te, tr, _ = env.step(act(state["w"], obs))
+            buf.add(obs=obs, reward=r)
+        state, m = learn(state, buf.collect(), frac)
+        frac = (u + 1) / num_updates
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_a_value_computed_before_the_loop_from_args_a_resume_changes_is_the_new_args(write_algo, tmp_path, policy):
+    """Resumed with a larger total_timesteps, `num_updates` (computed before the loop from the args)
+    was put back to the checkpoint's 50 while `range(num_updates)` ran 100 trips: an annealed fraction
+    went on to 1.98 (a learning rate annealed so goes negative; probe helper). It is the new args' 100,
+    said in a warning; a value the loop itself changes (`frac`) goes on from the checkpoint's."""
+    path, _ = write_algo(ANNEALED, "annealed.py")
+    a = tmp_path / "a"
+    assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "10", "--out", str(a), "-q").returncode == 0
+    res = cli("run", "--resume", str(a / "checkpoints" / "40"), "--set", "total_timesteps=1600", "-q")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("the values the training function computes before its loop are this run's") == 1
+    assert "num_updates 50 -> 100" in res.stderr and "frac" not in res.stderr.split("warning:", 1)[1]
+    fracs = {int(r["updates"]): float(r["frac"]) for r in csv.DictReader((a / "metrics.csv").open())}
+    assert len(fracs) == 100 and fracs[40] == 39 / 50   # (the checkpoint's run, and the loop's own frac from it:)
+    assert fracs[41] == 40 / 50 and fracs[42] == 41 / 100 and fracs[100] == 99 / 100
+    # args as saved: nothing is said, the run goes on as it would have
+    b = tmp_path / "b"
+    assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "10", "--out", str(b), "-q").returncode == 0
+    res = cli("run", "--resume", str(b / "checkpoints" / "40"), "-q")
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+
+
 LR_PROGRAM = """
 from dataclasses import dataclass
 import numpy as np, torch

@@ -981,6 +981,61 @@ def test_a_loop_ended_by_the_program_under_two_replicas_keeps_its_rows_and_says_
     assert shm_leftovers() == []
 
 
+MULTILINE = """
+from dataclasses import dataclass
+import threading
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    sendable: bool = True
+
+class Unsendable(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()   # (cannot be pickled: only its traceback's text reaches the driver)
+
+@ff.fragment("actor")
+def act(w, obs, sendable):
+    if float(w.sum()) > 10:
+        raise (ValueError if sendable else Unsendable)("first line\\nsecond: line")   # @raise
+    return np.zeros(len(obs), dtype=np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1.0}, {"x": 1.0}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(2)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(40):
+        for _ in range(4):
+            obs, r, te, tr, _ = env.step(act(state["w"], obs, args.sendable))
+            buf.add(obs=obs, reward=r)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+@pytest.mark.parametrize("sendable, kind", [("true", "ValueError"), ("false", "Unsendable")])
+def test_an_error_of_several_lines_in_another_process_is_in_the_summary_whole(tmp_path, write_algo, sendable, kind):
+    """An exception raised in a worker with a message of several lines (torch.distributions' checks
+    print a tensor) was summarised from its traceback's last line: type "second", message "line"
+    (probe helper). The exception's own type and message, sent with it or (one that cannot be sent)
+    read from its traceback's lines after the last frame."""
+    path, marks = write_algo(MULTILINE)
+    out = tmp_path / "run"
+    res = invoke("run", str(path), "--policy", "pipelined", "--set", f"sendable={sendable}", "--out", str(out), "-q")
+    assert res.exit_code == 1, res.output
+    error = json.loads((out / "summary.json").read_text())["error"]
+    assert error["type"] == kind and error["message"] == "first line\nsecond: line", error
+    assert error["where"].endswith(f"algo.py:{marks['raise']}") and error["process"] == "actor 0", error
+
+
 def test_a_single_process_run_that_fails_while_traced_writes_its_files_as_a_later_failure_does(tmp_path, write_algo):
     """Under single_process the trace is the run's beginning: the program's error at its first update
     left no run directory, one at a later update a failed run's files (round 34 C15). Under a

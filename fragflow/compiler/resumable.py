@@ -28,8 +28,10 @@ that has no top-level loop is left as it is: such a run cannot be checkpointed, 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
+import linecache
 import sys
 import textwrap
 import types
@@ -120,6 +122,61 @@ def resumable(fn: Callable[..., Any]) -> Callable[..., Any]:
 def loop_lines(fn: Callable[..., Any]) -> tuple[int, ...]:
     """Lines of the top-level loops that report their trips (empty: ``fn`` cannot be resumed)."""
     return tuple(getattr(fn, "__fragflow_loops__", ()) or ())
+
+
+def set_before_loops(code: types.CodeType) -> frozenset[str]:
+    """The names the function of ``code`` binds only before its first top-level loop, in statements
+    no loop encloses (``num_updates = args.total_timesteps // batch``): what a resumed run computes
+    again, from its own args, before the loop it resumes starts. A name bound anywhere from that
+    loop's line on (in a loop, between two loops, after them) is not one. Empty where the source
+    cannot be read."""
+    return _set_before_loops(code.co_filename, code.co_firstlineno, code.co_name)
+
+
+@functools.lru_cache(maxsize=32)
+def _set_before_loops(filename: str, first: int, name: str) -> frozenset[str]:
+    lines = linecache.getlines(filename)
+    if not lines or first < 1:
+        return frozenset()
+    try:
+        block = inspect.getblock(lines[first - 1:])
+        tree = ast.parse(textwrap.dedent("".join(block)))
+    except (SyntaxError, IndentationError, ValueError, inspect.EndOfBlock):
+        return frozenset()
+    fdef = tree.body[0] if tree.body else None
+    if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != name:
+        return frozenset()
+    loops = _top_level_loops(fdef.body)
+    if not loops:
+        return frozenset()
+    first_loop = loops[0].lineno
+    before: set[str] = set()
+    later: set[str] = set()
+    for stmt in fdef.body:
+        (before if stmt.end_lineno is not None and stmt.end_lineno < first_loop and
+         not isinstance(stmt, (ast.For, ast.While, ast.AsyncFor)) else later).update(_bound(stmt))
+    return frozenset(before - later)
+
+
+def _bound(node: ast.AST) -> set[str]:
+    """Every name a statement may bind (nested scopes' too: more, never fewer, than it binds)."""
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            out.update(n.names)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            out.add(n.name)
+        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+            out.add(n.name)
+        elif isinstance(n, ast.MatchMapping) and n.rest:
+            out.add(n.rest)
+    return out
 
 
 def _future_flags(code: types.CodeType) -> int:

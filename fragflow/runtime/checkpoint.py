@@ -330,6 +330,18 @@ def args_changed(ckpt: Checkpoint, args: Any) -> list[Any]:
             and not isinstance(v, bool)]
 
 
+def args_differ(ckpt: Checkpoint, args: Any) -> bool:
+    """Whether a resumed run's args differ from its checkpoint's in any field (a --set given with --resume)."""
+    from fragflow.runtime.summary import args_record
+
+    try:
+        now = json.loads(json.dumps(args_record(args), default=str))
+    except (TypeError, ValueError):
+        return False
+    saved = ckpt.manifest.get("args") or {}
+    return isinstance(now, dict) and any(saved.get(k, v) != v for k, v in now.items())
+
+
 def resumed(saving: dict[str, Any]) -> Checkpoint | None:
     """The checkpoint a worker resumes from: the one the driver read and sent (or its path)."""
     ckpt = saving.get("resume")

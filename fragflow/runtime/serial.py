@@ -14,7 +14,7 @@ from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime import trips
-from fragflow.runtime.checkpoint import RunCheckpoints, args_changed
+from fragflow.runtime.checkpoint import RunCheckpoints, args_changed, args_differ
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 from fragflow.runtime.signals import shielded
@@ -23,6 +23,7 @@ from fragflow.runtime.snapshot import (
     encode_states,
     held_by_state,
     loop_part,
+    recomputed_message,
     resume_point,
     served_objects,
 )
@@ -127,8 +128,10 @@ def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCh
         interp.restored = checkpoints.resumed_states()
         interp.changed_args = args_changed(checkpoints.resume, args[0]) if args else []
         interp.warn = monitor.warn
+        said = (lambda changed: monitor.warn(recomputed_message(changed))) \
+            if args and args_differ(checkpoints.resume, args[0]) else None
         tracker.resume = resume_point(checkpoints.resume.part("loop0"), served_objects(checkpoints.resume),
-                                      apart=drawn_apart(checkpoints.resume))
+                                      apart=drawn_apart(checkpoints.resume), recomputed=said)
 
     def on_update(_: int) -> None:
         if checkpoints.due(monitor.updates):

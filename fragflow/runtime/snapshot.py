@@ -467,14 +467,17 @@ def served_objects(ckpt: Checkpoint) -> dict[str, tuple[Any, dict[str, np.ndarra
 
 def resume_point(part: tuple[Any, dict[str, np.ndarray]],
                  served: dict[str, tuple[Any, dict[str, np.ndarray]]] | None = None,
-                 held_here: Any = None, apart: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> Any:
+                 held_here: Any = None, apart: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None,
+                 recomputed: Any = None) -> Any:
     """A loop replica's :class:`~fragflow.runtime.trips.Resume` from its part: when the saved loop
     starts again, the process's random states are set and the loop's locals loaded (an object a
     service group saved, ``served``, from that group's part where ``held_here(name)``: the loop
     now holds it). ``apart`` (one process resuming a checkpoint written across processes, see
     :func:`drawn_apart`): a generator a service drew from goes on from the service's state (where
     the loop's process drew from it too, one process would have interleaved their draws: neither
-    state is where it stood)."""
+    state is where it stood). ``recomputed`` (a run resumed with args changed from the checkpoint's):
+    a callable given what the values the program computed before its loops, from the new args, keep
+    (see :func:`kept_as_computed`), to say so where they differ from the checkpoint's."""
     from fragflow.runtime.trips import Resume
 
     meta, arrays = part
@@ -484,6 +487,10 @@ def resume_point(part: tuple[Any, dict[str, np.ndarray]],
         if apart is not None:
             set_global_random(apart[0], apart[1], apart[0]["drew"])
         entries, found = meta["locals"], arrays
+        if recomputed is not None:
+            entries, changed = kept_as_computed(entries, arrays, frame)
+            if changed:
+                recomputed(changed)
         if served:
             entries, found = dict(entries), dict(arrays)
             for name, e in meta["locals"].items():
@@ -503,6 +510,54 @@ def resume_point(part: tuple[Any, dict[str, np.ndarray]],
                                   fix="resume with the algorithm and arguments that wrote it") from None
 
     return Resume(int(meta["line"]), int(meta["trip"]), restore)
+
+
+def _immutable(x: Any) -> bool:
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, np.generic)):
+        return True
+    return isinstance(x, (tuple, frozenset)) and all(_immutable(v) for v in x)
+
+
+def kept_as_computed(entries: dict[str, Any], arrays: dict[str, np.ndarray], frame: Any
+                     ) -> tuple[dict[str, Any], list[tuple[str, Any, Any]]]:
+    """The saved loop locals a run resumed with changed args assigns: not a value the program binds
+    only before its first loop and never changes after (a number, a string, a tuple of them:
+    ``num_updates = args.total_timesteps // batch``), which this run has just computed from its own
+    args (a saved one would put the old args' back, its loop's header and body disagreeing). Also
+    (name, the checkpoint's value, this run's) of those that differ."""
+    from fragflow.compiler.resumable import set_before_loops
+
+    before = set_before_loops(frame.f_code)
+    if not before:
+        return entries, []
+    live = frame.f_locals
+    kept: dict[str, Any] = {}
+    changed: list[tuple[str, Any, Any]] = []
+    for name, e in entries.items():
+        now = live.get(name, _NO)
+        if e["as"] == "value" and name in before and now is not _NO and _immutable(now):
+            try:
+                saved = decode(e["v"], arrays, _NO, name)
+            except Exception:   # (the entry is left to the restore, which reports what does not fit)
+                kept[name] = e
+                continue
+            if type(saved) is not type(now) or not (saved == now or repr(saved) == repr(now)):
+                changed.append((name, saved, now))
+            continue
+        kept[name] = e
+    return kept, changed
+
+
+def recomputed_message(changed: list[tuple[str, Any, Any]]) -> str:
+    shown = ", ".join(f"{name} {_short(saved)} -> {_short(now)}" for name, saved, now in changed[:6])
+    more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+    return (f"resumed with args changed from the checkpoint's: the values the training function computes before "
+            f"its loop are this run's, from its args, not the checkpoint's: {shown}{more}")
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]] | None = None) -> str | None:

@@ -77,11 +77,19 @@ def error_record(exc: BaseException) -> dict[str, Any]:
                 "fix": exc.fix}
     if isinstance(exc, WorkerFailed):   # (the user's frames, formatted in the worker)
         lines = exc.tb.rstrip().splitlines()
-        # (the exception's own line: the last not indented, nor a note in brackets after it)
-        last = next((x for x in reversed(lines) if x and not x[0].isspace() and not x.startswith(("(", "Traceback"))), "")
-        kind, _, message = last.partition(": ")
-        frames = [m for m in map(_TB_FRAME.match, lines) if m is not None]
-        where = str(SourceLoc.of(frames[-1].group(1), int(frames[-1].group(2)))) if frames else None
+        frames = [(i, m) for i, m in enumerate(map(_TB_FRAME.match, lines)) if m is not None]
+        where = str(SourceLoc.of(frames[-1][1].group(1), int(frames[-1][1].group(2)))) if frames else None
+        cause = exc.__cause__   # (the exception itself, where it could be sent)
+        if cause is not None:
+            kind, message = type(cause).__name__, str(cause)
+        else:   # its lines after the last frame's (a message may have several), less the notes in brackets
+            rest = lines[frames[-1][0] + 1:] if frames else lines
+            rest = [x for x in rest if not x.startswith("Traceback")]
+            while rest and rest[0][:1].isspace():
+                rest = rest[1:]
+            while rest and rest[-1].startswith("("):
+                rest = rest[:-1]
+            kind, _, message = "\n".join(rest).partition(": ")
         return {"type": kind.rsplit(".", 1)[-1] or "Exception", "message": message, "where": where,
                 "process": exc.who, "fragment": exc.fragment}
     user = user_frames(exc.__traceback__)

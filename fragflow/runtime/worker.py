@@ -371,6 +371,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         global_message,
         held_by_state,
         loop_part,
+        recomputed_message,
         resume_point,
         served_objects,
     )
@@ -384,8 +385,14 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
         interp.acting_before = acting_views(interp.restored)
         remote = interp.program.remote
         part = ckpt.part(f"loop{index}")
+
+        def recomputed(changed: list[tuple[str, Any, Any]]) -> None:
+            if index == 0:   # (said once for every replica)
+                endpoints.results.put(("warn", recomputed_message(changed)))
+
         tracker.resume = resume_point(
-            part, served_objects(ckpt), lambda key: not any(name.startswith(f"{key}.") for name in remote))
+            part, served_objects(ckpt), lambda key: not any(name.startswith(f"{key}.") for name in remote),
+            recomputed=recomputed if args and checkpoint.args_differ(ckpt, args[0]) else None)
         # the remote calls' numbers go on: replicas saved at different trips resume at different calls, and
         # a service gathering calls as they arrive compares the replicas' per-update values at the same call
         interp._calls_of = {str(k): int(v) for k, v in part[0].get("calls", {}).items()}
