@@ -2338,9 +2338,21 @@ class Stats:   # hand-written statistics: no state_dict
         self.n = 0
         self.mean = np.zeros(2)
 
-class Holder:   # an object of the user's holding what a checkpoint cannot save
+class Holder:   # an object of the user's holding what a checkpoint cannot save (callable: named all the same)
     def __init__(self):
         self.log = open(__file__)
+
+    def __call__(self):
+        return self.log.name
+
+class Noise:   # drawn by calling it (an Ornstein-Uhlenbeck process), holding a generator of its own
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.x = 0.0
+
+    def __call__(self):
+        self.x = 0.5 * self.x + float(self.rng.standard_normal())
+        return self.x
 
 @ff.fragment("actor")
 def act(w, obs):
@@ -2355,7 +2367,7 @@ def train(args: Args):
     state = ff.versioned({"w": np.zeros(1)})
     buf = ff.RolloutBuffer(4)
     stats, hist, cnt, recent, n, holder = Stats(), [], {"n": 0, 3: [1.5]}, deque(maxlen=3), 0, Holder()
-    alias = hist
+    alias, noise = hist, Noise(0)
     tens = {"t": torch.zeros(())}   # (a learner's metrics as the loop holds them: tensors)
     obs = env.reset()
     for u in range(args.updates):
@@ -2371,7 +2383,7 @@ def train(args: Args):
         n += 1
         state, m = learn(state, buf.collect())
         ff.log({"obj": stats.n, "mean": stats.mean[0], "list": len(alias), "dict": cnt["n"], "deque": sum(recent),
-                "int": n, "last": float(hist[-1][1][0]), "tens": float(tens["t"])})
+                "int": n, "last": float(hist[-1][1][0]), "tens": float(tens["t"]), "noise": noise()})
     holder.log.close()
     return state
 '''
@@ -2381,7 +2393,9 @@ def train(args: Args):
 def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_path, write_algo, policy, start,
                                                                           monkeypatch):
     """Lists, dicts, tuples, deques (numbers, strings, arrays) and objects of the user's classes
-    holding only such values are saved and loaded in place (an alias of the list sees it); what a
+    holding only such values are saved and loaded in place (an alias of the list sees it), as are
+    random generators such an object holds (an exploration-noise object drawn by calling it: a callable
+    object was left out silently, its noise starting over at the resume; probe helper); what a
     checkpoint still leaves out of what the loop keeps is said once (each came back empty, silently).
     Also where the loop's process is started afresh (a fork server: a process that imported JAX),
     where the program's classes arrive by value, their module not imported there."""
@@ -2394,17 +2408,19 @@ def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_p
     prog = load(str(path))
     whole = driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "a", checkpoint_every=3, progress=False)
     assert any("'holder' (a Holder)" in note for note in whole.summary["notes"])
-    assert not any("'stats'" in note or "'hist'" in note or "'tens'" in note for note in whole.summary["notes"])
+    assert not any("'stats'" in note or "'hist'" in note or "'tens'" in note or "'noise'" in note
+                   for note in whole.summary["notes"])
     driver.run(prog.train, prog.args_cls(), policy=policy, out=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "3",
                progress=False)
-    columns = ("obj", "mean", "list", "dict", "deque", "int", "last", "tens")
+    columns = ("obj", "mean", "list", "dict", "deque", "int", "last", "tens", "noise")
 
     def rows(run: str) -> list[tuple[float, ...]]:
         with open(tmp_path / run / "metrics.csv") as f:
             return [tuple(float(r[c]) for c in columns) for r in csv.DictReader(f) if r.get("obj")]
 
     assert rows("a") == rows("b")
-    assert rows("b")[-1] == (6.0, 15.0, 6.0, 6.0, 12.0, 6.0, 5.0, 15.0)
+    assert rows("b")[-1][:-1] == (6.0, 15.0, 6.0, 6.0, 12.0, 6.0, 5.0, 15.0)
+    assert len({r[-1] for r in rows("b")}) == 6   # (a draw at each update, the resumed ones the whole run's)
 
 
 SETTINGS_IN_THE_LOOP = '''

@@ -398,6 +398,13 @@ def test_a_shape_error_in_the_loops_own_code_where_the_environments_are_split_sa
                                            r"the loop's own per-environment arrays with env.num_envs"):
         ff.run(program.train, policy="actor_learner(actors=2)")
     assert mp.active_children() == [] and shm_leftovers() == []
+    # a ValueError of the program's own is not about the environments' share: no note (it had it)
+    boom = RUN_SIZED_IN_THE_LOOP.replace("for _ in range(3):", "for u in range(3):").replace(
+        "returns += reward", 'returns = returns if u < 2 else boom("boom")').replace("def train():", "def boom(x):\n    raise ValueError(x)\n\ndef train():")
+    path, _ = write_algo(boom, "boom.py")   # (at the third update: the trace has ended)
+    with pytest.raises(WorkerFailed, match=r"ValueError: boom") as err:
+        ff.run(load(str(path)).train, policy="actor_learner(actors=2)")
+    assert "in loop replica" not in str(err.value)
 
 
 def kill_actor_later(name: str = "fragflow-actor-1", after: float = 1.0, sig: int = signal.SIGKILL) -> threading.Thread:

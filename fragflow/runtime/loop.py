@@ -89,10 +89,10 @@ def _about_shapes(exc: BaseException) -> bool:
     """Whether an error may come of an array's size (numpy's, torch's and JAX's shape errors: JAX's
     are TypeErrors), which the note on arrays sized with the run's count of environments explains; a
     user's own error is not."""
-    if isinstance(exc, (IndexError, ValueError)):
+    if isinstance(exc, IndexError):
         return True
-    text = str(exc).lower()
-    return any(w in text for w in ("size", "shape", "dimension", "broadcast"))
+    text = str(exc).lower()   # (a ValueError of the user's own, "boom", is not: probe helper)
+    return any(w in text for w in ("size", "shape", "dimension", "broadcast", "axis", "length", "mismatch"))
 
 
 class LoopInterpreter(RemoteChecks, LoopLogs):

@@ -114,7 +114,7 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                 entries[name] = {"as": "attributes", "type": type(x).__qualname__, "v": _enc(dict(vars(x)), key, arrays)}
             except Unsupported:
                 left.append(name)
-        elif not callable(x) and not isinstance(x, types.ModuleType):
+        elif (not callable(x) or _own_instance(x)) and not isinstance(x, types.ModuleType):
             if strict and _buffer_of_users(x):   # its data is the run's: a resumed run would learn from an empty one
                 raise CheckpointError(
                     f"cannot save the loop's {name!r}: a {type(x).__qualname__} holds the data its buffer fragments "
@@ -178,11 +178,27 @@ def _plain_object(x: Any) -> bool:
     """An object of a class of the user's own (not a library's), without ``state_dict``, whose
     attributes are all numbers, strings, None, arrays or plain containers of them."""
     attrs = getattr(x, "__dict__", None)
-    if type(attrs) is not dict or not attrs or isinstance(x, type) or callable(x):
+    if type(attrs) is not dict or not attrs or isinstance(x, type) or (callable(x) and not _own_instance(x)):
         return False
     if not _users_class(type(x)):
         return False
-    return all(_plain_leaf(v) or _plain_container(v) is not None for v in attrs.values())
+    return all(_plain_leaf(v) or _plain_container(v) is not None or _generator(v) for v in attrs.values())
+
+
+def _generator(v: Any) -> bool:
+    """A random generator an object of the user's own may hold (an exploration-noise object's)."""
+    torch = sys.modules.get("torch")
+    return isinstance(v, (np.random.Generator, np.random.RandomState)) or (torch is not None and isinstance(v, torch.Generator))
+
+
+def _own_instance(x: Any) -> bool:
+    """An instance of a class of the user's own with attributes of its own, callable or not (an
+    exploration-noise object drawn by calling it), other than a torch module or optimizer (what the
+    loop rebuilds, or versioned state holds)."""
+    if isinstance(x, type) or type(getattr(x, "__dict__", None)) is not dict or not _users_class(type(x)):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and isinstance(x, (torch.nn.Module, torch.optim.Optimizer)))
 
 
 def unsaved_note(frame_locals: dict[str, Any], left: list[str]) -> list[str]:
@@ -307,7 +323,10 @@ def restore_locals(entries: dict[str, Any], arrays: dict[str, np.ndarray], live:
             elif how == "attributes":
                 if x is None or type(x).__qualname__ != e["type"] or type(getattr(x, "__dict__", None)) is not dict:
                     raise Mismatch(f"the loop's {name!r} ({e['type']}) is not there to load into")
-                x.__dict__.update(decode(e["v"], arrays, path=name))
+                attrs = x.__dict__
+                for k, m in e["v"]["items"]:   # (a generator it holds is loaded in place: what else holds it sees it)
+                    now = attrs.get(k, _NO)
+                    attrs[k] = decode(m, arrays, now if _generator(now) else _NO, f"{name}.{k}")
             elif how == "component":
                 if x is None or not callable(getattr(x, "load_state_dict", None)):
                     raise Mismatch(f"the loop's {name!r} ({e['type']}) is not there to load into")

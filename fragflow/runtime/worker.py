@@ -271,8 +271,8 @@ def _main(role: str, index: int, parent: int, blob: bytes, wiring: Any, saving: 
                 _note_split_envs(exc, lowered.loop.replicas, index)
                 _close_rings(lowered, endpoints, index)
                 raise
-            except SystemExit:   # (the program's own exit: the calls made before it are learned from)
-                _close_rings(lowered, endpoints, index)
+            except (SystemExit, KeyboardInterrupt):   # (the program's own: this process ignores Ctrl-C; the
+                _close_rings(lowered, endpoints, index)       # calls made before it are learned from)
                 raise
             finally:
                 if tracker is not None:
