@@ -728,6 +728,69 @@ def test_ctrl_c_during_a_warm_up_without_learner_calls_writes_a_checkpoint_promp
     assert m["counters"]["updates"] == 0 and stepped <= m["counters"]["env_steps"] < 30000
 
 
+SLOW_TO_SAVE = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 1000000
+
+@ff.fragment("actor")
+def act(p, obs):
+    return np.argmax(obs @ p, axis=-1)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"p": state["p"] + 1e-3 * batch["obs"].mean(), "big": state["big"]}, {"m": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"p": np.ones((4, 2)), "big": np.zeros((1024, 1024), np.float32)})   # (4 MiB a checkpoint)
+    buf = ff.RolloutBuffer(2)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(2):
+            obs, *_ = env.step(act(state["p"], obs))
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_ctrl_c_stops_once_its_checkpoint_is_written_where_writing_one_takes_longer_than_an_update(
+        write_algo, tmp_path):
+    """Checkpoints every update, each slower to write than an update: the loops cut the next before
+    the last was committed, there was always one staged, and one Ctrl-C stopped the run only when the
+    driver's 30 s wait for it ran out (training on meanwhile; probe helper). It stops once the
+    checkpoint cut after the request is committed."""
+    path, _ = write_algo(SLOW_TO_SAVE, "slow_to_save.py")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([EXE, "run", str(path), "--policy", "pipelined", "--checkpoint-every", "1", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        err, deadline = "", time.monotonic() + 120
+        while "env steps" not in err and time.monotonic() < deadline and proc.poll() is None:
+            err += proc.stderr.readline() if proc.stderr else ""
+        assert "env steps" in err, err
+        time.sleep(1.0)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, more = proc.communicate(timeout=90)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "writing a checkpoint at the loop's next trip" in more, err + more
+    assert waited < 20, waited   # (30 s and more before)
+    newest = ckpt.listing(out / "checkpoints")[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert json.loads((newest / "manifest.json").read_text())["counters"]["updates"] <= summary["updates"]
+
+
 @pytest.mark.parametrize("policy", ["single_process", "pipelined"])
 def test_a_resume_whose_budget_ends_at_the_checkpoint_is_refused_and_changes_nothing(program, tmp_path, policy):
     """Resumed from update 4 with a budget of 3 updates, the loop makes no trip: refused with exit 2,

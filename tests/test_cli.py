@@ -143,6 +143,8 @@ def test_policies_lists_each_with_what_it_mirrors_and_its_options():
     (["run", "ppo", "--policy", "pipelined(actor=2)"], "fix: write pipelined(actors=1, envs_per_actor=0, max_lag=1)"),
     (["run", "ppo", "--policy", "pipelined", "--set", "total_timesteps=100"], "without calling learner 'learn'"),
     (["run", "ppo", "--policy", "actor_learner(actors=0)"], "option 'actors' of policy 'actor_learner' is 0"),
+    # (traced first, then refused with "set envs_per_actor=4, or actors=-1"; probe helper)
+    (["run", "ppo", "--policy", "pipelined(envs_per_actor=-4)"], "option 'envs_per_actor' of policy 'pipelined' is -4"),
     (["run", "ppo", "--backend", "nosuch"], "unknown backend 'nosuch'"),
     (["run", "ppo", "--policy", "pipelined(envs_per_actor=3)", "--set", "num_envs=4"],
      "asks for envs_per_actor=3 in each of its 1 process (actors=1): 3 environments, but the loop steps 4"),
@@ -1145,6 +1147,31 @@ def test_a_signal_once_the_run_has_completed_stops_nothing(tmp_path, policy, ext
     assert res.returncode == 0, res.stderr
     assert "done: 1024 env steps" in res.stdout
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_signal_after_the_run_has_said_done_stops_nothing(tmp_path):
+    """A Ctrl-C to the process group 0.05-0.3 s after `done:` and `outputs:` were printed (the process's
+    atexit handlers and torch's finalizers running) killed the process by the signal (status -2) or
+    printed a traceback (probe helper): the run has completed, and exits 0."""
+    exe = Path(sys.executable).with_name("fragflow")
+    for delay in (0.05, 0.15):
+        out = tmp_path / f"run{delay}"
+        proc = subprocess.Popen([str(exe), "run", "ppo", "--policy", "single_process", "--set", "total_timesteps=1024",
+                                 "--set", "num_envs=2", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            said = ""
+            while not said.startswith("outputs:") and proc.poll() is None:
+                said = proc.stdout.readline() if proc.stdout else ""
+            time.sleep(delay)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 0 and "Traceback" not in err, (delay, proc.returncode, err)
+        assert json.loads((out / "summary.json").read_text())["status"] == "completed"
 
 
 def test_an_error_in_a_worker_shows_the_users_frames_as_in_one_process(tmp_path):

@@ -71,6 +71,9 @@ class PolicySpec:
                 continue
             if key in ("actors", "env_workers", "learners") and kwargs[key] < 1:
                 problems.append(f"option '{key}' of policy '{self.name}' is {kwargs[key]}: it counts processes, 1 or more")
+            elif key in ("envs_per_actor", "envs_per_worker") and kwargs[key] < 0:
+                problems.append(f"option '{key}' of policy '{self.name}' is {kwargs[key]}: it counts environments "
+                                "in each process, 1 or more (0: the loop's environments divided among them)")
             elif key == "max_lag" and kwargs[key] < 0:
                 problems.append(f"option 'max_lag' of policy '{self.name}' is {kwargs[key]}: a staleness bound is a "
                                 "number of versions, 0 (sequential semantics) or more")

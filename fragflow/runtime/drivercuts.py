@@ -149,6 +149,8 @@ class DriverCheckpoints:
             # they cut on their own schedule before they heard of it)
             # (replicas stepped together cut at one trip: one that had heard of the request when it cut is
             # enough, the others having taken the request as that checkpoint too, see worker's wanted)
-            if ck.stop_after and not ck.staging and (not self.cut_every or any(
-                    int(i.get("asked", 0)) >= self._asks for k, i in infos.items() if k.startswith("loop"))):
+            # (the loops cutting on their own, the next may be staged already, where writing one takes
+            # longer than an update: it is not waited for, nor the schedule's till the 30 s ran out)
+            if ck.stop_after and (any(int(i.get("asked", 0)) >= self._asks for k, i in infos.items()
+                                      if k.startswith("loop")) if self.cut_every else not ck.staging):
                 raise KeyboardInterrupt
