@@ -485,16 +485,44 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def main() -> None:
+    status: Any = 0
     try:
         app()
+    except SystemExit as exc:
+        status = exc.code
+        raise
     finally:
-        # the command has done its work and said so (a run: completed, its summary written): a signal
-        # from here to the process's end (its atexit handlers, torch's finalizers, which took up to
-        # 0.3 s) stops nothing, where it killed the process (status -2) or printed a traceback
-        import signal
+        if sys._getframe(1).f_globals.get("__name__") == "__main__":   # (the process's entry point: its end is near)
+            _signals_end_the_process(status)
 
+
+def _signals_end_the_process(status: Any) -> None:
+    """The command has done its work and said so (a run: completed, its summary written): a Ctrl-C or
+    SIGTERM from here to the process's end ends it with the command's own exit status, where it killed
+    the process by the signal (status -2) or printed a traceback: at once while Python waits for a
+    thread of the program's still running, and ignored once its atexit handlers run (torch's
+    finalizers, up to 0.3 s: Python puts the default handlers back before its last steps)."""
+    import atexit
+    import signal
+
+    code = status if isinstance(status, int) else 0 if status is None else 1
+
+    def handler(signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+    def ignored() -> None:   # (registered last: run first of the atexit handlers)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+
+    atexit.register(ignored)
 
 
 if __name__ == "__main__":   # python -m fragflow.cli, as python -m fragflow

@@ -2386,6 +2386,7 @@ def test_a_resumed_run_normalises_its_first_observations_with_the_saved_statisti
 
 
 LOOP_CONTAINERS = '''
+import random
 from collections import deque
 from dataclasses import dataclass
 import numpy as np
@@ -2408,13 +2409,14 @@ class Holder:   # an object of the user's holding what a checkpoint cannot save 
     def __call__(self):
         return self.log.name
 
-class Noise:   # drawn by calling it (an Ornstein-Uhlenbeck process), holding a generator of its own
+class Noise:   # drawn by calling it (an Ornstein-Uhlenbeck process), holding generators of its own
     def __init__(self, seed):
         self.rng = np.random.default_rng(seed)
+        self.py = random.Random(seed)
         self.x = 0.0
 
     def __call__(self):
-        self.x = 0.5 * self.x + float(self.rng.standard_normal())
+        self.x = 0.5 * self.x + float(self.rng.standard_normal()) + self.py.random()
         return self.x
 
 @ff.fragment("actor")
@@ -2774,14 +2776,23 @@ def train(args: Args):
     buf = ff.RolloutBuffer(args.num_steps)
     obs = env.reset()
     num_updates = args.total_timesteps // (args.num_envs * args.num_steps)
+    shape = (num_updates, 2)   # (a tuple: this run's too)
     frac = 0.0   # (bound before the loop and in it: the checkpoint's)
+    count = 0    # (changed by a closure the loop calls: the checkpoint's)
+
+    def bump():
+        nonlocal count
+        count += 1
+
     for u in range(num_updates):
         for _ in range(args.num_steps):
             obs, r, te, tr, _ = env.step(act(state["w"], obs))
             buf.add(obs=obs, reward=r)
         state, m = learn(state, buf.collect(), frac)
         frac = (u + 1) / num_updates
+        bump()
         ff.log(m)
+        ff.log({"count": count, "rows": shape[0]})
     return state
 """
 
@@ -2798,10 +2809,15 @@ def test_a_value_computed_before_the_loop_from_args_a_resume_changes_is_the_new_
     res = cli("run", "--resume", str(a / "checkpoints" / "40"), "--set", "total_timesteps=1600", "-q")
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("the values the training function computes before its loop are this run's") == 1
-    assert "num_updates 50 -> 100" in res.stderr and "frac" not in res.stderr.split("warning:", 1)[1]
-    fracs = {int(r["updates"]): float(r["frac"]) for r in csv.DictReader((a / "metrics.csv").open())}
+    said = res.stderr.split("warning:", 1)[1]
+    assert "num_updates 50 -> 100" in said and "shape (50, 2) -> (100, 2)" in said
+    assert "frac" not in said and "count" not in said
+    rows = {int(r["updates"]): r for r in csv.DictReader((a / "metrics.csv").open())}
+    fracs = {u: float(r["frac"]) for u, r in rows.items()}
     assert len(fracs) == 100 and fracs[40] == 39 / 50   # (the checkpoint's run, and the loop's own frac from it:)
     assert fracs[41] == 40 / 50 and fracs[42] == 41 / 100 and fracs[100] == 99 / 100
+    assert [float(rows[u]["count"]) for u in (40, 41, 100)] == [40, 41, 100]   # (a closure's count went back to 0)
+    assert [float(rows[u]["rows"]) for u in (40, 41, 100)] == [50, 100, 100]
     # args as saved: nothing is said, the run goes on as it would have
     b = tmp_path / "b"
     assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "10", "--out", str(b), "-q").returncode == 0

@@ -130,7 +130,9 @@ def set_before_loops(code: types.CodeType) -> frozenset[str]:
     again, from its own args, before the loop it resumes starts. A name bound anywhere from that
     loop's line on (in a loop, between two loops, after them) is not one. Empty where the source
     cannot be read."""
-    return _set_before_loops(code.co_filename, code.co_firstlineno, code.co_name)
+    # (a name a nested function reads or changes, `nonlocal count` in a closure the loop calls, is
+    # not: the closure may change it at any trip)
+    return _set_before_loops(code.co_filename, code.co_firstlineno, code.co_name) - frozenset(code.co_cellvars)
 
 
 @functools.lru_cache(maxsize=32)

@@ -518,7 +518,8 @@ class RunCheckpoints:
                   f"{'it' if len(unsaved) == 1 else 'them'} as the program makes {'it' if len(unsaved) == 1 else 'them'}, "
                   "not as saved (a checkpoint keeps the loop's numbers, strings, keys, generators, objects with "
                   "state_dict()/load_state_dict(), and lists, dicts, tuples, deques and objects of your own classes "
-                  "holding only numbers, strings and arrays): give its class state_dict() and load_state_dict(), or "
+                  "holding only numbers, strings, arrays and random generators): give its class state_dict() and "
+                  "load_state_dict(), or "
                   "keep what it holds in such values")
 
     def missing(self, seq: int) -> set[str]:

@@ -12,6 +12,7 @@ loads modules and optimizers in place and checks every array's shape and dtype.
 
 from __future__ import annotations
 
+import random as pyrandom
 import sys
 from typing import Any
 
@@ -81,6 +82,9 @@ def _enc(x: Any, key: str, out: dict[str, np.ndarray]) -> Any:
                 "v": _enc(x.bit_generator.state, key, out)}
     if isinstance(x, np.random.RandomState):
         return {"t": "np_randomstate", "v": _enc(x.get_state(legacy=False), key, out)}
+    if type(x) is pyrandom.Random:   # (Python's own: its Mersenne Twister's 625 words, as numbers)
+        version, words, gauss = x.getstate()
+        return {"t": "py_random", "version": version, "words": list(words), "gauss": gauss}
     if type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "shape"):
         out[key] = np.ascontiguousarray(np.asarray(x))
         return {"t": "jax", "k": key, "shape": list(x.shape)}
@@ -185,6 +189,10 @@ def decode(meta: Any, tensors: dict[str, np.ndarray], template: Any = _NO, path:
         else:
             gen = template if isinstance(template, np.random.RandomState) else np.random.RandomState()
             gen.set_state(saved)
+        return gen
+    if kind == "py_random":
+        gen = template if type(template) is pyrandom.Random else pyrandom.Random()
+        gen.setstate((meta["version"], tuple(meta["words"]), meta["gauss"]))
         return gen
     if kind == "dict":
         items = [(k, v) for k, v in meta["items"]]

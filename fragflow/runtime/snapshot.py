@@ -188,7 +188,8 @@ def _plain_object(x: Any) -> bool:
 def _generator(v: Any) -> bool:
     """A random generator an object of the user's own may hold (an exploration-noise object's)."""
     torch = sys.modules.get("torch")
-    return isinstance(v, (np.random.Generator, np.random.RandomState)) or (torch is not None and isinstance(v, torch.Generator))
+    return isinstance(v, (np.random.Generator, np.random.RandomState)) or type(v) is pyrandom.Random or \
+        (torch is not None and isinstance(v, torch.Generator))
 
 
 def _own_instance(x: Any) -> bool:
@@ -554,12 +555,14 @@ def kept_as_computed(entries: dict[str, Any], arrays: dict[str, np.ndarray], fra
     changed: list[tuple[str, Any, Any]] = []
     for name, e in entries.items():
         now = live.get(name, _NO)
-        if e["as"] == "value" and name in before and now is not _NO and _immutable(now):
+        tuple_ = e["as"] == "container" and e.get("kind") == "tuple"
+        if (e["as"] == "value" or tuple_) and name in before and now is not _NO and _immutable(now):
             try:
                 saved = decode(e["v"], arrays, _NO, name)
             except Exception:   # (the entry is left to the restore, which reports what does not fit)
                 kept[name] = e
                 continue
+            saved = tuple(saved) if tuple_ else saved
             if type(saved) is not type(now) or not (saved == now or repr(saved) == repr(now)):
                 changed.append((name, saved, now))
             continue

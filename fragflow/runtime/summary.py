@@ -61,6 +61,8 @@ def run_summary(placed: PlacedGraph, args: Any, monitor: Monitor, status: str, b
 
 
 _TB_FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
+_NOTES = ("(while executing fragment", "(while fragflow traced fragment", "(in loop replica", "(fragflow: ",
+          "(fragflow's and libraries' frames hidden")
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:
@@ -87,7 +89,7 @@ def error_record(exc: BaseException) -> dict[str, Any]:
             rest = [x for x in rest if not x.startswith("Traceback")]
             while rest and rest[0][:1].isspace():
                 rest = rest[1:]
-            while rest and rest[-1].startswith("("):
+            while rest and rest[-1].startswith(_NOTES):   # (fragflow's notes: a message's own line may start so)
                 rest = rest[:-1]
             kind, _, message = "\n".join(rest).partition(": ")
         return {"type": kind.rsplit(".", 1)[-1] or "Exception", "message": message, "where": where,
