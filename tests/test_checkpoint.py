@@ -2488,6 +2488,59 @@ def test_the_loops_containers_and_plain_objects_of_its_own_resume_as_saved(tmp_p
     assert len({r[-1] for r in rows("b")}) == 6   # (a draw at each update, the resumed ones the whole run's)
 
 
+JAX_STATS = """
+from dataclasses import dataclass
+import jax, jax.numpy as jnp
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(w, obs):
+    return np.zeros(obs.shape[0], np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1.0}, {"r": float(batch["reward"].mean())}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros(1)})
+    buf = ff.RolloutBuffer(2)
+    jkey = jax.random.PRNGKey(7)
+    stats = {"count": jnp.zeros(()), "acc": jnp.zeros(3)}   # (the loop's own jax arrays, in a dict)
+    obs = env.reset()
+    for _ in range(args.updates):
+        jkey, sub = jax.random.split(jkey)
+        stats = {"count": stats["count"] + 1, "acc": stats["acc"] + jax.random.uniform(sub, (3,))}
+        for _ in range(2):
+            obs, r, te, tr, _ = env.step(act(state["w"], obs))
+            buf.add(reward=r)
+        state, m = learn(state, buf.collect())
+        ff.log({"count": float(stats["count"]), "acc0": float(stats["acc"][0])})
+    return state
+"""
+
+
+def test_a_dict_of_jax_arrays_the_loop_keeps_resumes_as_saved(write_algo, tmp_path):
+    """A dict of jax arrays the loop carries was left out of checkpoints ("holding anything else"),
+    its count starting over at the resume, while the same dict of numpy arrays was saved (probe
+    helper). Run by the CLI: JAX's threads in this process would make later forked workers risk a deadlock."""
+    path, _ = write_algo(JAX_STATS, "jax_stats.py")
+    a, b = tmp_path / "a", tmp_path / "b"
+    res = cli("run", str(path), "--policy", "single_process", "--checkpoint-every", "3", "--out", str(a), "-q")
+    assert res.returncode == 0 and "leave out" not in res.stderr, res.stderr
+    assert cli("run", "--resume", str(a / "checkpoints" / "3"), "--out", str(b), "-q").returncode == 0
+
+    def rows(run: Path) -> list[tuple[str, str]]:
+        return [(r["count"], r["acc0"]) for r in csv.DictReader((run / "metrics.csv").open()) if r.get("count")]
+
+    assert rows(a) == rows(b) and [c for c, _ in rows(b)] == [f"{float(u)}" for u in range(1, 7)]
+
+
 SETTINGS_IN_THE_LOOP = '''
 from dataclasses import dataclass
 import numpy as np

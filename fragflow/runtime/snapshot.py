@@ -132,7 +132,9 @@ CONTAINER_MAX = 1 << 20   # leaves of a container the loop keeps that a checkpoi
 def _plain_leaf(v: Any) -> bool:
     torch = sys.modules.get("torch")   # (a tensor: a learner's metrics the loop holds, {"loss": tensor(0.3)})
     return v is None or isinstance(v, (bool, int, float, str, np.generic)) or \
-        (isinstance(v, np.ndarray) and v.dtype != object) or (torch is not None and type(v) is torch.Tensor)
+        (isinstance(v, np.ndarray) and v.dtype != object) or (torch is not None and type(v) is torch.Tensor) or \
+        (type(v).__module__.startswith(("jax", "jaxlib")) and hasattr(v, "shape")
+         and getattr(getattr(v, "dtype", None), "kind", "") in ("b", "i", "u", "f", "c"))   # (a jax array of numbers)
 
 
 def _plain_container(x: Any, budget: list[int] | None = None) -> tuple[str, int | None] | None:
