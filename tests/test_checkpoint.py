@@ -2855,16 +2855,17 @@ def test_a_value_computed_before_the_loop_from_args_a_resume_changes_is_the_new_
     """Resumed with a larger total_timesteps, `num_updates` (computed before the loop from the args)
     was put back to the checkpoint's 50 while `range(num_updates)` ran 100 trips: an annealed fraction
     went on to 1.98 (a learning rate annealed so goes negative; probe helper). It is the new args' 100,
-    said in a warning; a value the loop itself changes (`frac`) goes on from the checkpoint's."""
+    said in a warning; a value the loop itself changes (`frac`, a closure's `count`) goes on from the checkpoint's."""
     path, _ = write_algo(ANNEALED, "annealed.py")
+    prog = load(str(path))
     a = tmp_path / "a"
-    assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "10", "--out", str(a), "-q").returncode == 0
-    res = cli("run", "--resume", str(a / "checkpoints" / "40"), "--set", "total_timesteps=1600", "-q")
-    assert res.returncode == 0, res.stderr
-    assert res.stderr.count("the values the training function computes before its loop are this run's") == 1
-    said = res.stderr.split("warning:", 1)[1]
-    assert "num_updates 50 -> 100" in said and "shape (50, 2) -> (100, 2)" in said
-    assert "frac" not in said and "count" not in said
+    driver.run(prog.train, prog.args_cls(), policy=policy, out=a, checkpoint_every=10, progress=False)
+    longer = prog.args_cls(total_timesteps=1600)
+    notes = driver.run(prog.train, longer, policy=policy, out=a, resume=a / "checkpoints" / "40",
+                       progress=False).summary["notes"]
+    said = [n for n in notes if "the values the training function computes before its loop are this run's" in n]
+    assert len(said) == 1 and "num_updates 50 -> 100" in said[0] and "shape (50, 2) -> (100, 2)" in said[0], notes
+    assert "frac" not in said[0] and "count" not in said[0]
     rows = {int(r["updates"]): r for r in csv.DictReader((a / "metrics.csv").open())}
     fracs = {u: float(r["frac"]) for u, r in rows.items()}
     assert len(fracs) == 100 and fracs[40] == 39 / 50   # (the checkpoint's run, and the loop's own frac from it:)
@@ -2873,9 +2874,9 @@ def test_a_value_computed_before_the_loop_from_args_a_resume_changes_is_the_new_
     assert [float(rows[u]["rows"]) for u in (40, 41, 100)] == [50, 100, 100]
     # args as saved: nothing is said, the run goes on as it would have
     b = tmp_path / "b"
-    assert cli("run", str(path), "--policy", policy, "--checkpoint-every", "10", "--out", str(b), "-q").returncode == 0
-    res = cli("run", "--resume", str(b / "checkpoints" / "40"), "-q")
-    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+    driver.run(prog.train, prog.args_cls(), policy=policy, out=b, checkpoint_every=10, progress=False)
+    again = driver.run(prog.train, prog.args_cls(), policy=policy, out=b, resume=b / "checkpoints" / "40", progress=False)
+    assert not again.summary.get("notes"), again.summary.get("notes")
 
 
 LR_PROGRAM = """
