@@ -1150,7 +1150,7 @@ def test_a_signal_once_the_run_has_completed_stops_nothing(tmp_path, policy, ext
 
 
 def test_a_signal_after_the_run_has_said_done_stops_nothing(tmp_path):
-    """A Ctrl-C to the process group 0.05-0.3 s after `done:` and `outputs:` were printed (the process's
+    """A Ctrl-C to the process group 0.05-0.15 s after `done:` and `outputs:` were printed (the process's
     atexit handlers and torch's finalizers running) killed the process by the signal (status -2) or
     printed a traceback (probe helper): the run has completed, and exits 0."""
     exe = Path(sys.executable).with_name("fragflow")
@@ -1173,7 +1173,7 @@ def test_a_signal_after_the_run_has_said_done_stops_nothing(tmp_path):
         assert proc.returncode == 0 and "Traceback" not in err, (delay, proc.returncode, err)
         assert json.loads((out / "summary.json").read_text())["status"] == "completed"
     # a thread of the program's own still running holds the process at its end: a Ctrl-C ends it at once
-    # (ignoring the signal there, as this fix first did, held it for the thread's 60 s; review helper)
+    # (ignoring the signal there, as this fix first did, held it until the thread ended; review helper)
     (tmp_path / "lingers.py").write_text(
         "import threading, time\nfrom fragflow.algorithms.ppo import Args, train as _train\n\n"
         "def train(args: Args):\n    threading.Thread(target=time.sleep, args=(60,)).start()\n    return _train(args)\n")

@@ -316,30 +316,22 @@ def refuse_completed(ckpt: Checkpoint) -> None:
                               fix="start a new run (its weights are in states.safetensors), or resume an earlier checkpoint")
 
 
+def changed_fields(ckpt: Checkpoint, args: Any) -> dict[str, Any]:
+    """The fields a resumed run's args changed from its checkpoint's (a --set given with --resume), with
+    their new values as the manifest records args."""
+    from fragflow.runtime.summary import args_record
+
+    try:
+        now = json.loads(json.dumps(args_record(args), default=str))
+    except (TypeError, ValueError):
+        return {}
+    saved = ckpt.manifest.get("args") or {}
+    return {k: v for k, v in now.items() if saved.get(k, v) != v} if isinstance(now, dict) else {}
+
+
 def args_changed(ckpt: Checkpoint, args: Any) -> list[Any]:
-    """The new values of the fields a resumed run's args changed from its checkpoint's (a --set given
-    with --resume), numbers only."""
-    from fragflow.runtime.summary import args_record
-
-    try:
-        now = json.loads(json.dumps(args_record(args), default=str))
-    except (TypeError, ValueError):
-        return []
-    saved = ckpt.manifest.get("args") or {}
-    return [v for k, v in (now or {}).items() if saved.get(k, v) != v and isinstance(v, (int, float))
-            and not isinstance(v, bool)]
-
-
-def args_differ(ckpt: Checkpoint, args: Any) -> bool:
-    """Whether a resumed run's args differ from its checkpoint's in any field (a --set given with --resume)."""
-    from fragflow.runtime.summary import args_record
-
-    try:
-        now = json.loads(json.dumps(args_record(args), default=str))
-    except (TypeError, ValueError):
-        return False
-    saved = ckpt.manifest.get("args") or {}
-    return isinstance(now, dict) and any(saved.get(k, v) != v for k, v in now.items())
+    """The new values of the fields a resumed run's args changed from its checkpoint's, numbers only."""
+    return [v for v in changed_fields(ckpt, args).values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def resumed(saving: dict[str, Any]) -> Checkpoint | None:

@@ -14,7 +14,7 @@ from fragflow import context
 from fragflow.api.versioned import Pending, Versioned, VersionedView
 from fragflow.lowering import LoopProgram
 from fragflow.runtime import trips
-from fragflow.runtime.checkpoint import RunCheckpoints, args_changed, args_differ
+from fragflow.runtime.checkpoint import RunCheckpoints, args_changed, changed_fields
 from fragflow.runtime.loop import LoopInterpreter
 from fragflow.runtime.monitor import Monitor
 from fragflow.runtime.signals import shielded
@@ -129,7 +129,7 @@ def _checkpointing(interp: LoopInterpreter, monitor: Monitor, checkpoints: RunCh
         interp.changed_args = args_changed(checkpoints.resume, args[0]) if args else []
         interp.warn = monitor.warn
         said = (lambda changed: monitor.warn(recomputed_message(changed))) \
-            if args and args_differ(checkpoints.resume, args[0]) else None
+            if args and changed_fields(checkpoints.resume, args[0]) else None
         tracker.resume = resume_point(checkpoints.resume.part("loop0"), served_objects(checkpoints.resume),
                                       apart=drawn_apart(checkpoints.resume), recomputed=said)
 

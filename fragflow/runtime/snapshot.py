@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fragflow.compiler.pytree import backend_of
 from fragflow.errors import FragflowError
 from fragflow.runtime.encoding import _NO, Mismatch, Unsupported, _array, _enc, _torch, decode
 
@@ -133,8 +134,7 @@ def _plain_leaf(v: Any) -> bool:
     torch = sys.modules.get("torch")   # (a tensor: a learner's metrics the loop holds, {"loss": tensor(0.3)})
     return v is None or isinstance(v, (bool, int, float, str, np.generic)) or \
         (isinstance(v, np.ndarray) and v.dtype != object) or (torch is not None and type(v) is torch.Tensor) or \
-        (type(v).__module__.startswith(("jax", "jaxlib")) and hasattr(v, "shape")
-         and getattr(getattr(v, "dtype", None), "kind", "") in ("b", "i", "u", "f", "c"))   # (a jax array of numbers)
+        backend_of(v) == "jax"   # (a jax array of numbers, not a typed key)
 
 
 def _plain_container(x: Any, budget: list[int] | None = None) -> tuple[str, int | None] | None:
@@ -180,9 +180,7 @@ def _plain_object(x: Any) -> bool:
     """An object of a class of the user's own (not a library's), without ``state_dict``, whose
     attributes are all numbers, strings, None, arrays or plain containers of them."""
     attrs = getattr(x, "__dict__", None)
-    if type(attrs) is not dict or not attrs or isinstance(x, type) or (callable(x) and not _own_instance(x)):
-        return False
-    if not _users_class(type(x)):
+    if not attrs or not _own_instance(x):
         return False
     return all(_plain_leaf(v) or _plain_container(v) is not None or _generator(v) for v in attrs.values())
 

@@ -392,7 +392,7 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
 
         tracker.resume = resume_point(
             part, served_objects(ckpt), lambda key: not any(name.startswith(f"{key}.") for name in remote),
-            recomputed=recomputed if args and checkpoint.args_differ(ckpt, args[0]) else None)
+            recomputed=recomputed if args and checkpoint.changed_fields(ckpt, args[0]) else None)
         # the remote calls' numbers go on: replicas saved at different trips resume at different calls, and
         # a service gathering calls as they arrive compares the replicas' per-update values at the same call
         interp._calls_of = {str(k): int(v) for k, v in part[0].get("calls", {}).items()}
