@@ -218,6 +218,10 @@ def run(
             raise ConfigError(f"--out {run_dir}: {blocked} is a file, not a directory",
                               fix="give a directory for the run's outputs (it is made if missing)")
         _check_writable(run_dir)
+        if backend == "ray" and (address or os.environ.get("RAY_ADDRESS")):   # a cluster that does not answer: before tracing
+            from fragflow.backends import ray as ray_backend
+
+            ray_backend.reachable(address or os.environ["RAY_ADDRESS"])
         if not err.is_terminal:   # (a terminal shows the spinner)
             err.print(f"{program.name}: tracing", highlight=False)
         status = err.status(f"tracing {program.name} ...", spinner="dots")

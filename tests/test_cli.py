@@ -172,6 +172,13 @@ def test_usage_errors_exit_2_with_one_message_and_write_nothing(tmp_path, args, 
     assert not out.exists()
 
 
+def test_a_ray_cluster_that_does_not_answer_is_said_before_tracing(tmp_path):
+    """The CLI printed "ppo: tracing" and only then said that --address answers nothing (the driver's
+    check came after the CLI's announcement)."""
+    res = invoke("run", "ppo", "--backend", "ray", "--address", "127.0.0.1:1", "--out", str(tmp_path / "never"))
+    assert res.exit_code == 2 and res.stderr.startswith("error: ConfigError: cannot reach a Ray cluster"), res.stderr
+
+
 @pytest.mark.parametrize("signature, missing", [("train(args)", "'args'"), ("train(args: Args, other)", "'other'"),
                                                 ("train(*, seed)", "'seed'"), ("train(*, args: Args)", "'args'")])
 def test_a_training_function_fragflow_run_cannot_call_is_a_usage_error_at_its_line(tmp_path, signature, missing):

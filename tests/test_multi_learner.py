@@ -263,6 +263,56 @@ def test_multi_learner_rows_count_what_the_loops_had_made_at_each_update(write_a
     assert [r["trip"] for r in rows[0]] == ["0.0", "1.0", "2.0", "3.0", "4.0"] and rows[1] == rows[0]
 
 
+def test_an_element_past_learner_0s_share_that_the_loop_logs_is_said_missing_for_that_reason(write_algo, tmp_path):
+    """ff.log({"late": m["td"][15]}) of a per-sample output of 16 rows: learner 0 reports its share's
+    8, and the warning said the call "did not return" a key its traced calls returned, with a fix
+    (return every metric from the first call) that cannot help. It says why: the learners' shares."""
+    import csv
+
+    from fragflow import driver
+
+    path, _ = write_algo("""
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            obs = torch.as_tensor(batch["obs"], dtype=torch.float32).reshape(-1, 4)
+            loss = (state["net"](obs) ** 2).mean()
+            state["opt"].zero_grad()
+            loss.backward()
+            state["opt"].step()
+            return state, {"loss": loss.detach(), "td": state["net"](obs).detach()[:, 0]}
+
+        def train():
+            torch.manual_seed(0)
+            env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+            net = torch.nn.Linear(4, 1)
+            state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.01)})
+            buf = ff.RolloutBuffer(4)
+            obs = env.reset()
+            for u in range(3):
+                for _ in range(4):
+                    obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+                ff.log({"first": m["td"][0], "late": m["td"][15]})
+            return state
+    """)
+    program = load(str(path))
+    result = driver.run(program.train, None, policy="multi_learner(learners=2, actors=1, max_lag=0)",
+                        out=tmp_path / "run", progress=False)
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert len(rows) == 3 and all(r["first"] for r in rows) and "late" not in rows[0]
+    assert [n for n in result.summary["notes"] if "'late'" in n] == [
+        "ff.log got 'late', an output of a call of 'learn' which learner 0's call did not return: 2 learners each run "
+        "'learn' on their share of the batch, and learner 0 reports what its share gives (an element of a per-sample "
+        "output past its share's rows is in no report, a key it returns only for some samples may be missing): rows "
+        "miss it (log a statistic such as a mean, learner 0 reporting its share's, or run with a single-learner "
+        "policy)"]
+
+
 def test_learners_whose_backward_passes_differ_in_number_are_refused_at_the_learner(write_algo):
     """An early stop on a value of each learner's own share (as PPO's target_kl) made the learners'
     all-reduces pair one learner's second gradient with another's next update: gloo errors, a wait

@@ -1522,6 +1522,76 @@ def test_a_namedtuple_output_logged_by_index_reaches_the_rows(tmp_path, write_al
     assert columns[1] == columns[0]
 
 
+GRID = """
+import numpy as np
+{imports}import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    return {{"w": state["w"] * 0.5 + obs.mean()}}
+
+@ff.fragment("learner", writes=None)
+def metrics(state, obs):
+    return {{"grid": {grid}}}
+
+@ff.fragment("learner", writes=None)
+def total(column):
+    return {{"s": column.sum()}}
+
+def train():
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({{"w": np.zeros(2)}})
+    obs = env.reset()
+    for _ in range(6):
+        obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+        state = learn(state, obs)
+        m = metrics(state, obs)
+        {use}   # @use
+"""
+NUMPY_GRID, TORCH_GRID = "np.outer(state['w'], np.arange(4.0)) + obs.sum()", "torch.ones(2, 4) * float(obs.sum())"
+
+
+@pytest.mark.parametrize("grid", [NUMPY_GRID, TORCH_GRID])
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_an_element_of_a_learners_array_taken_by_one_key_per_axis_is_logged_where_the_learner_runs_apart(
+        write_algo, tmp_path, grid, policy):
+    """ff.log({"x": m["grid"][1, 3]}) of a learner's 2-d output ran under single_process, and was
+    refused after the trace where the learner runs apart ("which the trace did not see logged"):
+    the trace followed `grid[1][3]` only. Each key-per-axis element reaches the rows single_process
+    writes it to."""
+    use = 'ff.log({"a": m["grid"][1, 3], "b": m["grid"][-1, 0], "c": m["grid"][np.int64(0), 2]})'
+    path, _ = write_algo(GRID.format(imports="import torch\n" if "torch" in grid else "", grid=grid, use=use))
+    program = load(str(path))
+    columns = []
+    for run, pol in (("one", "single_process"), ("other", policy)):
+        ff.run(program.train, policy=pol, out=tmp_path / run)
+        rows = list(csv.DictReader((tmp_path / run / "metrics.csv").open()))
+        columns.append([(r["a"], r["b"], r["c"]) for r in rows])
+    assert len(columns[0]) == 6 and all(v for row in columns[0] for v in row)
+    assert columns[1] == columns[0]
+
+
+@pytest.mark.parametrize("grid", [NUMPY_GRID, TORCH_GRID])
+@pytest.mark.parametrize("use, key", [('ff.log(total(m["grid"][:, 0]))', "[:, 0]"),
+                                      ('ff.log({"x": m["grid"][1:2, 3]})', "[1:2, 3]"),
+                                      ('ff.log({"x": m["grid"][..., -1].max()})', "[..., -1]")])
+def test_a_part_of_a_learners_array_taken_in_the_loop_is_refused_at_its_line_where_the_learner_runs_apart(
+        write_algo, grid, use, key):
+    """The loop slicing a learner's output (`total(m["grid"][:, 0])`) ran under single_process; under
+    pipelined the trace took the slice for a value of the loop's own, sent the trace's copy, and the
+    run failed at its first call with "called with 0 array leaves" (a part logged: "the trace did not
+    see logged"). The slice is refused at the trace, at its line, with the fix."""
+    path, marks = write_algo(GRID.format(imports="import torch\n" if "torch" in grid else "", grid=grid, use=use))
+    program = load(str(path))
+    ff.run(program.train, policy="single_process")
+    with pytest.raises(ff.errors.LearnerOutputOnActingSideError,
+                       match=rf"output \['grid'\] of learner 'metrics' is indexed with {re.escape(key)} in the training "
+                             r"loop, but policy 'pipelined' runs 'metrics' in another process(.|\n)*fix: send it whole to "
+                             r"ff.log \(logged where it is computed\) or to fragments placed with it \(indexing it there\)") as info:
+        ff.run(program.train, policy="pipelined")
+    assert f"algo.py:{marks['use']}" in str(info.value)
+
+
 @pytest.mark.parametrize("policy", ["single_process", "pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
 def test_a_logged_value_that_stops_being_a_scalar_after_the_trace_is_refused(write_algo, policy):
     """A learner metric a scalar while traced and a [2] array from update 4: one process failed in

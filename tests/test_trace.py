@@ -1603,3 +1603,37 @@ def test_a_dropout_of_zero_and_a_norm_without_running_statistics_do_not_depend_o
         assert module in source
         path, _ = write_algo(source)
         compile(load(str(path)).train, policy="pipelined")
+
+
+def test_a_torch_warning_the_loop_gets_while_traced_names_the_loops_line(write_algo):
+    """torch's warnings name the Python frame that called the operation: while traced, the loop's
+    torch operations pass through the trace's function mode, and a warning there named
+    fragflow/compiler/watchers.py, not the user's line (probe helper)."""
+    import warnings
+
+    path, marks = write_algo('''
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, obs):
+            return {"w": state["w"] * 0.5 + obs.mean()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": torch.zeros(2)})
+            obs = env.reset()
+            for _ in range(3):
+                obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+                t = torch.tensor(torch.as_tensor(obs))   # @warns
+                state = learn(state, t)
+            return state
+    ''')
+    program = load(str(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compile(program.train, None, policy="pipelined")
+    copying = [w for w in caught if "copy construct from a tensor" in str(w.message)]
+    assert copying and all((w.filename, w.lineno) == (str(path), marks["warns"]) for w in copying), \
+        [(w.filename, w.lineno) for w in copying]

@@ -258,14 +258,34 @@ class ProbeArray(np.ndarray):
         return hash(plain[()])
 
     def __getitem__(self, key: Any) -> Any:
-        if _sink is not None and _element_key(key):   # the loop takes an element: a probe of its own
-            return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, f"{self._ff_path}[{int(key)!r}]")
+        if _sink is not None and element_keys(key):   # the loop takes an element: a probe of its own
+            return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, self._ff_path + _keyed(key))
+        if _sink is not None and users_code(sys._getframe(1).f_code.co_filename):
+            _note(self, f"indexed with {index_text(key)}")   # (a part of it: not an output the graph can carry)
         return super().__getitem__(key)
 
 
-def _element_key(key: Any) -> bool:
-    """An element's index (``v[0]``, ``v[np.int64(1)]``): what ``Pending`` follows too, a key at a time."""
-    return isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_))
+def element_keys(key: Any) -> tuple[int, ...]:
+    """The indices an element's key takes, one per axis (``v[0]``, ``v[np.int64(1)]``, ``v[0, 3]``
+    as ``v[0][3]``): what ``Pending`` follows too, a key at a time; () for any other key."""
+    keys = key if isinstance(key, tuple) else (key,)
+    if keys and all(isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)) for k in keys):
+        return tuple(int(k) for k in keys)
+    return ()
+
+
+def index_text(key: Any) -> str:
+    """``key`` as the user wrote it in brackets: ``[:, 0]``, ``[1:2, ...]``."""
+    def one(k: Any) -> str:
+        if isinstance(k, slice):
+            text = f"{'' if k.start is None else k.start}:{'' if k.stop is None else k.stop}"
+            return text if k.step is None else f"{text}:{k.step}"
+        return "..." if k is Ellipsis else repr(k)
+    return f"[{', '.join(one(k) for k in key) if isinstance(key, tuple) else one(key)}]"
+
+
+def _keyed(key: Any) -> str:
+    return "".join(f"[{k!r}]" for k in element_keys(key))
 
 
 _UFUNC_USES = {"greater": "compared with >", "less": "compared with <", "greater_equal": "compared with >=",
@@ -285,10 +305,13 @@ def _torch_probe() -> type:
             @classmethod
             def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 name = getattr(func, "__name__", "")
-                if name == "__getitem__" and _sink is not None and len(args) == 2 and _element_key(args[1]):
+                if name == "__getitem__" and _sink is not None and len(args) == 2 and element_keys(args[1]):
                     # the loop takes an element: a probe of its own (ff.log of it is logged as such)
-                    return element(func(*_plain(tuple(args))), args[0]._ff_fragment, f"{args[0]._ff_path}[{int(args[1])!r}]")
-                if name == "__format__" and not (len(args) > 1 and args[1]):
+                    return element(func(*_plain(tuple(args))), args[0]._ff_fragment, args[0]._ff_path + _keyed(args[1]))
+                if name == "__getitem__" and _sink is not None and len(args) == 2 and isinstance(args[0], cls) \
+                        and users_code(_past_watchers(sys._getframe(1)).f_code.co_filename):
+                    _note(args[0], f"indexed with {index_text(args[1])}")   # (a part of it, as a numpy probe's)
+                elif name == "__format__" and not (len(args) > 1 and args[1]):
                     pass   # printed, no spec: not a read
                 elif name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
                     for a in args:
@@ -301,6 +324,15 @@ def _torch_probe() -> type:
 
         _tensor_probe = ProbeTensor
     return _tensor_probe
+
+
+def _past_watchers(frame: Any) -> Any:
+    """The frame that called torch, past the trace's function mode (see watchers.StateUse.mode)."""
+    from fragflow.compiler import watchers
+
+    while frame.f_back is not None and frame.f_code.co_filename == watchers.__file__:
+        frame = frame.f_back
+    return frame
 
 
 def probe(leaf: Any, fragment: str, path: str) -> Any:

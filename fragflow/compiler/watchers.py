@@ -14,6 +14,7 @@ import functools
 import os
 import random as _pyrandom
 import sys
+import warnings
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -192,7 +193,12 @@ class StateUse:
                 kwargs = kwargs or {}
                 if use.on and (use.first is None or use.first[0] == "read") and use._tensors:
                     use.seen(func, args, kwargs)
-                return func(*args, **kwargs)
+                shown = warnings.showwarning   # (torch's warnings name their caller, this frame: the loop's line instead)
+                warnings.showwarning = _AtCaller(shown, sys._getframe(1))  # type: ignore[assignment]
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    warnings.showwarning = shown
 
         return _Watched()
 
@@ -291,6 +297,20 @@ def _extent(t: Any) -> tuple[int, int, int] | None:
     except (AttributeError, NotImplementedError, RuntimeError, TypeError):
         return None
     return storage, start, start + span * t.element_size()
+
+
+class _AtCaller:
+    """``warnings.showwarning`` while the trace's mode runs one of the loop's torch operations: a
+    warning torch gave there names the line of the loop that called it, not the mode's own."""
+
+    def __init__(self, shown: Callable[..., Any], caller: FrameType) -> None:
+        self.shown, self.caller = shown, caller
+
+    def __call__(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> Any:
+        if filename == __file__:
+            filename, lineno = self.caller.f_code.co_filename, self.caller.f_lineno
+            rest = rest[:1]   # (the line's text read again, for the new place)
+        return self.shown(message, category, filename, lineno, *rest)
 
 
 def _in_module_apply(frame: FrameType | None, depth: int = 6) -> bool:

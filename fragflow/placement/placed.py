@@ -284,8 +284,8 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 fix="compute it in the learner it is given to and return it with the learner's metrics (to ff.log), "
                     "keep the buffer with the actors (--policy actor_learner), or run with --policy single_process"
                 if buffer else
-                "send it to ff.log (logged where it is computed) or to fragments placed with it, make what the "
-                "loop needs part of the versioned state, or run with --policy single_process")
+                "send it whole to ff.log (logged where it is computed) or to fragments placed with it (indexing it "
+                "there), make what the loop needs part of the versioned state, or run with --policy single_process")
     if graph.log_clash is not None and graph.log_clash[1] in service:
         column, writer, by_learner, by_loop = graph.log_clash
         raise PlacementError(

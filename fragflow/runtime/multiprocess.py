@@ -372,6 +372,15 @@ class Driver(DriverCheckpoints):
         if (fragment, name) in self._said_missing:
             return
         self._said_missing.add((fragment, name))
+        shared = next((s.world for s in self.lowered.services if fragment in s.fragments and s.world > 1), 0)
+        if shared:   # (learner 0 reports its own share's outputs: an element past its rows is in no report)
+            self.monitor.warn(
+                f"ff.log got {name or 'a value'!r}, an output of a call of '{fragment}' which learner 0's call did "
+                f"not return: {shared} learners each run '{fragment}' on their share of the batch, and learner 0 "
+                "reports what its share gives (an element of a per-sample output past its share's rows is in no "
+                "report, a key it returns only for some samples may be missing): rows miss it (log a statistic such "
+                "as a mean, learner 0 reporting its share's, or run with a single-learner policy)")
+            return
         self.monitor.warn(f"ff.log got {name or 'a value'!r}, an output of a call of '{fragment}' which that "
                           "call did not return (a key or an entry its traced calls returned, missing from this "
                           "one; an eager run raises KeyError or IndexError at the loop's line): rows miss it (return "
