@@ -1637,3 +1637,44 @@ def test_a_torch_warning_the_loop_gets_while_traced_names_the_loops_line(write_a
     copying = [w for w in caught if "copy construct from a tensor" in str(w.message)]
     assert copying and all((w.filename, w.lineno) == (str(path), marks["warns"]) for w in copying), \
         [(w.filename, w.lineno) for w in copying]
+
+
+def test_a_loop_that_learns_without_stepping_after_its_first_env_calls_stops_tracing(write_algo, tmp_path):
+    """An env made and reset before the loop (or a dataset collected first), then only learner calls:
+    the trace waited for an env step after an update to cut its window, never came, and traced the
+    whole program (3,000 updates traced, at tracing's cost; a policy of several processes then ran it all
+    again). From 200 updates with no step, each learner call's end cuts the window, as with no env."""
+    import csv
+
+    path, _ = write_algo('''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            w = state["w"] + 0.01 * batch.mean(0)
+            return {"w": w}, {"loss": float(np.abs(w).sum())}
+
+        def train(updates=1000):
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            obs = env.reset()
+            data = []
+            for _ in range(5):   # a dataset collected first
+                obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+                data.append(obs)
+            data = np.concatenate(data)
+            state = ff.versioned({"w": np.zeros(4, np.float32)})
+            for u in range(updates):   # then learning from it alone
+                state, m = learn(state, data[u % 7:u % 7 + 4])
+                ff.log(m)
+            return state
+    ''')
+    program = load(str(path))
+    compiled = compile(program.train, None, policy="single_process")
+    assert compiled.placed.graph.updates_traced <= 202
+    eager = program.train(1000)["w"]
+    for policy in ("single_process", "pipelined"):
+        result = ff.run(program.train, policy=policy, out=tmp_path / policy)
+        np.testing.assert_array_equal(np.asarray(result.value["w"]), eager)
+        rows = list(csv.DictReader((tmp_path / policy / "metrics.csv").open()))
+        assert len(rows) == 1000 and rows[-1]["env_steps"] == "10"

@@ -4,7 +4,7 @@ may stop.
 An *update* is a call of the primary learner (the first learner fragment called); rates are calls
 per update. The window is cut at a *phase point*, the same place in every trip of the training
 loop: the first step of a training env after the primary learner ran (with no env, the first actor
-call; with neither, the end of each primary learner call). Window 0 runs to the first phase point,
+call; with neither, or with none for ``max_total`` updates, the end of each primary learner call). Window 0 runs to the first phase point,
 window 1 from there on, so window 1 holds whole trips, including what follows the learner in a trip
 (a second learner call, a minibatch loop of them, a log, an evaluation), and its counts divided by
 its updates are per-update rates.
@@ -37,6 +37,7 @@ class TraceWindow:
         self._tail: Counter[str] = Counter()  # calls from the trip's first update to its phase point
         self._tails: list[Counter[str]] = []    # one per phase point passed
         self.unseen = False                   # fragments the loop must still call before tracing stops
+        self._since_phase = 0                 # updates since the last phase point
 
     @property
     def window(self) -> int:
@@ -67,6 +68,13 @@ class TraceWindow:
         if not self._after_update:
             self._tail[name] += 1
             self._after_update = True
+            self._since_phase = 0
+        self._since_phase += 1
+        if self._phase_role is not None and self._since_phase >= self.max_total:
+            # no env step (actor call) after this many updates: a loop that learns without stepping from
+            # here on (an offline phase after collecting a dataset, an env made for its spaces and reset
+            # only): each learner call's end is the phase point, as with no env at all
+            self._phase_role = None
         return self._phase() if self._phase_role is None else False
 
     def _phase(self) -> bool:
