@@ -18,6 +18,21 @@ def _repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """A test leaves the process's Ctrl-C and SIGTERM handlers as it found them: one left ignoring
+    SIGINT made a later test's Ctrl-C stop nothing."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    after = {sig: signal.getsignal(sig) for sig in before}
+    changed = {signal.Signals(sig).name: (before[sig], after[sig]) for sig in before if after[sig] != before[sig]}
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    assert not changed, f"the test changed the process's signal handlers (before, after): {changed}"
+
+
 @pytest.fixture
 def write_algo(tmp_path: Path):
     """Write an algorithm file; return (path, {marker: line}) for lines tagged ``# @name``."""
