@@ -2497,6 +2497,32 @@ def test_a_second_learner_called_again_without_an_env_step_is_refused_too(write_
         compile(program.train, program.args_cls(), policy="actor_learner(actors=2)")
 
 
+@pytest.mark.parametrize("policy", ["actor_learner(actors=2)", "central_inference(env_workers=2, max_lag=1)"])
+def test_a_learner_first_called_again_without_an_env_step_after_the_trace_is_refused_at_the_call(
+        write_algo, tmp_path, policy):
+    """`for _ in range(3 if u >= 3 else 1)`: the trace (two updates) saw one call a trip, and the run
+    merged a process's later calls on one rollout into updates of its data twice, exit 0, no word
+    (probe helper: 25 of 57 updates). The loop refuses the call where it is made, as the trace's
+    check does, and the run stops with the error, its processes and memory released."""
+    import json
+    import multiprocessing as mp
+
+    from tests.test_multiprocess import shm_leftovers
+
+    path, marks = write_algo(SEVERAL_STEPS_PER_TRIP.replace("for _ in range(args.updates):", "for u in range(args.updates):")
+                             .replace("for i in range(3):", "for i in range(3 if u >= 3 else 1):"))
+    program = load(str(path))
+    assert int(ff.run(program.train, program.args_cls(), policy="single_process").value["calls"]) == 12
+    with pytest.raises(PlacementError, match=rf"learner 'learn' is called again with no environment step since its "
+                                             rf"previous call .*first after the trace.*as they arrive \(max_lag=1\)"
+                                             rf".*\n  at {path}:{marks['again']}\n  fix: "):
+        ff.run(program.train, program.args_cls(), policy=policy, out=tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+    assert mp.active_children() == [] and shm_leftovers() == []
+    ordered = policy.replace("max_lag=1", "max_lag=0") if "max_lag" in policy else "actor_learner(actors=2, max_lag=0)"
+    assert int(ff.run(program.train, program.args_cls(), policy=ordered).value["calls"]) == 12
+
+
 ONE_LEARNER_TWO_STATES = """
 from dataclasses import dataclass
 import numpy as np

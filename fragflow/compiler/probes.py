@@ -258,11 +258,14 @@ class ProbeArray(np.ndarray):
         return hash(plain[()])
 
     def __getitem__(self, key: Any) -> Any:
-        if _sink is not None and element_keys(key):   # the loop takes an element: a probe of its own
-            return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, self._ff_path + _keyed(key))
-        if _sink is not None and users_code(sys._getframe(1).f_code.co_filename):
+        if _sink is not None and users_code(sys._getframe(1).f_code.co_filename):   # (not numpy's own, printing it)
+            if element_keys(key):   # the loop takes an element: a probe of its own
+                return element(np.asarray(self.view(np.ndarray)[key]), self._ff_fragment, self._ff_path + _keyed(key))
             _note(self, f"indexed with {index_text(key)}")   # (a part of it: not an output the graph can carry)
         return super().__getitem__(key)
+
+    def __str__(self) -> str:   # as the plain value prints (printing is not a read)
+        return str(self.view(np.ndarray))
 
 
 def element_keys(key: Any) -> tuple[int, ...]:
@@ -305,11 +308,10 @@ def _torch_probe() -> type:
             @classmethod
             def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 name = getattr(func, "__name__", "")
-                if name == "__getitem__" and _sink is not None and len(args) == 2 and element_keys(args[1]):
-                    # the loop takes an element: a probe of its own (ff.log of it is logged as such)
-                    return element(func(*_plain(tuple(args))), args[0]._ff_fragment, args[0]._ff_path + _keyed(args[1]))
                 if name == "__getitem__" and _sink is not None and len(args) == 2 and isinstance(args[0], cls) \
-                        and users_code(_past_watchers(sys._getframe(1)).f_code.co_filename):
+                        and users_code(_past_watchers(sys._getframe(1)).f_code.co_filename):   # (not torch's printing)
+                    if element_keys(args[1]):   # the loop takes an element: a probe of its own (ff.log of it is logged as such)
+                        return element(func(*_plain(tuple(args))), args[0]._ff_fragment, args[0]._ff_path + _keyed(args[1]))
                     _note(args[0], f"indexed with {index_text(args[1])}")   # (a part of it, as a numpy probe's)
                 elif name == "__format__" and not (len(args) > 1 and args[1]):
                     pass   # printed, no spec: not a read

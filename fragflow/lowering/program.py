@@ -123,6 +123,9 @@ class Remote:
     # argument leaves the loop passes at some calls, an output of the service's at others: sent with
     # the call (``("given", ...)``) where the loop passes them
     given: frozenset[str] = frozenset()
+    # a learner whose calls from several loop processes are gathered as they arrive (max_lag >= 1):
+    # a call with no env step since the previous one (the trace saw none) is refused where it is made
+    gathered: str = ""   # the policy, for the message
 
 
 @dataclass(frozen=True)
@@ -511,6 +514,12 @@ def lower(placed: PlacedGraph) -> Lowered:
                 fix="take those steps inside the learner (loop over the epochs or samples in the learner fragment "
                     "and call it once per trip), or run with max_lag=0 (one call of each process per update, in "
                     "order), with one acting process (actors=1 or env_workers=1), or with --policy pipelined")
+        if loop.replicas > 1 and gather != "ordered" and lag > 0:
+            for name in members:
+                if name in remote and graph.node(name).role == "learner":
+                    remote[name] = replace(remote[name], gathered=f"{placed.policy}' gathers the calls of its "
+                                                                  f"{loop.replicas} loop processes as they arrive "
+                                                                  f"(max_lag={lag}")
         base = ServiceProgram(group.name, _threads(graph, group, processes), loop.replicas, group.nodes, tuple(rings),
                               tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
                               tuple(sorted(held)), tuple(replies),

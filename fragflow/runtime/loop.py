@@ -116,6 +116,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self.update = 0                       # remote clock calls made (this replica's updates)
         self._clock_due = True                # the loop's first env call is to come (Reporter.loop_begins)
         self._stepped = True                  # an environment stepped since the last clock call
+        self._learned_at: dict[str, int] = {}   # the env steps made when each learner placed apart was last called
         self._log_stepped = False             # ... since the last clock call or ff.log (a row of its own)
         self.rollout_version: int | None = None
         self._last_version = 0
@@ -680,8 +681,20 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             # another learner step on the rollout the clock last took (the clock's again, or a learner of its
             # own after it on the same rollout: the clock's updates since are not its data's staleness)
             again = (route.primary or frag.role == "learner") and not self._stepped
+            steps = int(getattr(self.reporter, "total_steps", 0))
+            if again and route.gathered and steps and self._learned_at.get(name) == steps:   # (no env at all: see calls)
+                raise PlacementError(
+                    f"learner '{name}' is called again with no environment step since its previous call (several "
+                    f"learner steps on one rollout, first after the trace, which saw one call a trip), but policy "
+                    f"'{route.gathered}): a process's second call could be merged with its first into one update, "
+                    "and the run would make fewer updates, each on one process's data twice, than the program does",
+                    where=user_callsite(),
+                    fix="take those steps inside the learner (loop over the epochs or samples in the learner fragment "
+                        "and call it once per trip), or run with max_lag=0 (one call of each process per update, in "
+                        "order), with one acting process (actors=1 or env_workers=1), or with --policy pipelined")
+            self._learned_at[name] = steps
             ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket,
-                     steps=int(getattr(self.reporter, "total_steps", 0)))
+                     steps=steps)
         self._seq += 1
         if handle is not None and not route.primary and handle.name in self.program.reads:
             self._unclocked_write(name, handle.name)
