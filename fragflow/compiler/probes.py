@@ -311,7 +311,8 @@ def _torch_probe() -> type:
                 if name == "__getitem__" and _sink is not None and len(args) == 2 and isinstance(args[0], cls) \
                         and users_code(_past_watchers(sys._getframe(1)).f_code.co_filename):   # (not torch's printing)
                     if element_keys(args[1]):   # the loop takes an element: a probe of its own (ff.log of it is logged as such)
-                        return element(func(*_plain(tuple(args))), args[0]._ff_fragment, args[0]._ff_path + _keyed(args[1]))
+                        taken: Any = args[0]
+                        return element(func(*_plain(tuple(args))), taken._ff_fragment, taken._ff_path + _keyed(args[1]))
                     _note(args[0], f"indexed with {index_text(args[1])}")   # (a part of it, as a numpy probe's)
                 elif name == "__format__" and not (len(args) > 1 and args[1]):
                     pass   # printed, no spec: not a read
