@@ -8,6 +8,7 @@ import csv
 import pytest
 
 import fragflow as ff
+from fragflow.driver import compile
 from fragflow.errors import FragflowError, PlacementError, SpecChangedError
 from fragflow.program import load
 
@@ -639,3 +640,68 @@ def test_a_learner_whose_metrics_change_kind_after_the_trace_is_refused_where_th
         one = ff.run(program.train, program.args_cls(how=kind), policy="single_process", out=tmp_path / f"one_{kind}")
         other = ff.run(program.train, program.args_cls(how=kind), policy=policy, out=tmp_path / f"other_{kind}")
         assert one.summary["status"] == other.summary["status"] == "completed"
+
+
+SAVED = """
+import pickle
+import numpy as np
+import torch
+import fragflow as ff
+
+@ff.fragment("learner", writes="state")
+def learn(state, obs):
+    w = state["w"] * 0.5 + obs.mean()
+    return {{"w": w}}, {{"loss": {loss}}}
+
+def train(path):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({{"w": np.zeros(2)}})
+    obs = env.reset()
+    for u in range(6):
+        obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+        state, m = learn(state, obs)
+        if u >= {first}:
+            {use}   # @use
+    return state
+"""
+
+
+@pytest.mark.parametrize("loss", ["float(w.sum())", "w.copy()", "torch.as_tensor(w.sum())"])
+@pytest.mark.parametrize("use", ["torch.save(m, path)", "pickle.dumps(m)", "pickle.dumps([m['loss']])"])
+def test_a_learner_output_the_loop_pickles_is_refused_at_its_line_where_the_learner_runs_apart(
+        write_algo, tmp_path, loss, use):
+    """torch.save(m) of a learner's metrics in the loop ran under single_process; under pipelined
+    the trace's own pickling went unseen, and the run failed in the worker with pickle's "args[0]
+    from __newobj__ args has the wrong class", the file overwritten with a torn one (probe helper).
+    Refused at the trace, at its line; first pickled after the trace, at the call."""
+    from fragflow.errors import LearnerOutputOnActingSideError, VersionedStateError
+
+    path, marks = write_algo(SAVED.format(loss=loss, use=use, first=0))
+    program = load(str(path))
+    ff.run(program.train, str(tmp_path / "m.pt"), policy="single_process")
+    with pytest.raises(LearnerOutputOnActingSideError, match=r"output \[1\]\['loss'\] of learner 'learn' is pickled "
+                                                             r"\(torch.save, pickle.dump\) in the training loop") as err:
+        compile(program.train, str(tmp_path / "m.pt"), policy="pipelined")
+    assert err.value.where is not None and err.value.where.line == marks["use"]
+    path, marks = write_algo(SAVED.format(loss=loss, use=use, first=4), "late.py")
+    program = load(str(path))
+    with pytest.raises(VersionedStateError, match=r"of fragment 'learn' was pickled \(torch.save, pickle.dump\) in "
+                                                  r"the loop, but that fragment runs in another process") as err:
+        ff.run(program.train, str(tmp_path / "late.pt"), policy="pipelined")
+    assert err.value.where is not None and err.value.where.line == marks["use"]
+
+
+def test_a_list_of_learner_outputs_stacked_by_torch_in_the_loop_is_refused_at_its_line(write_algo):
+    """torch.stack(losses[-3:]) of learner outputs kept in a list: the trace looked for a probe among
+    the operation's arguments, not in a list among them, and the run failed in the worker with
+    torch's "expected Tensor as element 0 in argument 0, but got Pending" (probe helper)."""
+    from fragflow.errors import LearnerOutputOnActingSideError
+
+    path, marks = write_algo(SAVED.format(loss="torch.as_tensor(w.sum())", first=0,
+                                          use="print(torch.stack([m['loss'], m['loss']]).mean())"))
+    program = load(str(path))
+    ff.run(program.train, "", policy="single_process")
+    with pytest.raises(LearnerOutputOnActingSideError, match=r"output \[1\]\['loss'\] of learner 'learn' is used in a "
+                                                             r"torch operation \(stack\) in the training loop") as err:
+        compile(program.train, "", policy="pipelined")
+    assert err.value.where is not None and err.value.where.line == marks["use"]

@@ -370,6 +370,9 @@ class Pending(_NoLoopUse):
         where = "" if self.index < 0 else f"[{self.index}]"
         return f"Pending({self.fragment}{where}{self.path})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:   # (torch.save(m), pickle.dumps(m) in the loop)
+        raise _pending_misuse(self, "pickled (torch.save, pickle.dump)")
+
 
 def _pending_misuse(self: Pending, what: str) -> VersionedStateError:
     return VersionedStateError(

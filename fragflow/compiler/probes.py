@@ -31,7 +31,7 @@ import numpy as np
 
 from fragflow.compiler.ir import LoopRead
 from fragflow.compiler.reach import users_code
-from fragflow.source import user_callsite
+from fragflow.source import is_internal, user_callsite
 
 _sink: list[LoopRead] | None = None     # where reads go while the loop (not a fragment) runs
 
@@ -49,6 +49,26 @@ _USES = {
 # printing a learner output is not a read (the loop prints a placeholder where it runs apart), but a
 # format spec (f"{loss:.3f}") needs the number
 _FORMATTED = "formatted with a spec (an f-string such as {x:.3f}, format())"
+
+
+_PICKLED = "pickled (torch.save, pickle.dump)"
+
+
+def pickled_by_user() -> bool:
+    """Whether the pickling that asks a probe to reduce itself is the user's code's (torch.save(m),
+    pickle.dumps(m)): the innermost frame that is neither a library's nor Python's is the user's,
+    not fragflow's own."""
+    from fragflow.compiler import watchers
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if is_internal(filename) and filename != watchers.__file__:   # (the trace's torch mode passes it on)
+            return False
+        if users_code(filename):
+            return True
+        frame = frame.f_back   # type: ignore[assignment]
+    return False
 
 
 def swap_sink(into: list[LoopRead] | None) -> list[LoopRead] | None:
@@ -142,7 +162,11 @@ def _scalar_probe(base: type) -> type:
         return format(self._ff_value, spec)
     ns["__format__"] = formatted
     ns["__hash__"] = base.__hash__
-    ns["__reduce__"] = lambda self: (base, (self._ff_value,))
+    def reduce(self: Any) -> Any:
+        if _sink is not None and pickled_by_user():
+            _note(self, _PICKLED)
+        return base, (self._ff_value,)
+    ns["__reduce__"] = reduce
     # named as its base (Python's errors name an object's type by it: range() of a probe says
     # 'numpy.float64' object cannot be interpreted as an integer, as eagerly), its qualified name a probe's
     ns["__qualname__"] = f"Probe{base.__name__.title()}"
@@ -267,6 +291,11 @@ class ProbeArray(np.ndarray):
     def __str__(self) -> str:   # as the plain value prints (printing is not a read)
         return str(self.view(np.ndarray))
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if _sink is not None and pickled_by_user():
+            _note(self, _PICKLED)
+        return self.view(np.ndarray).__reduce_ex__(protocol)   # (a plain array, as unpickled eagerly)
+
 
 def element_keys(key: Any) -> tuple[int, ...]:
     """The indices an element's key takes, one per axis (``v[0]``, ``v[np.int64(1)]``, ``v[0, 3]``
@@ -316,8 +345,12 @@ def _torch_probe() -> type:
                     _note(args[0], f"indexed with {index_text(args[1])}")   # (a part of it, as a numpy probe's)
                 elif name == "__format__" and not (len(args) > 1 and args[1]):
                     pass   # printed, no spec: not a read
+                elif name == "__reduce_ex__" and _sink is not None and args and isinstance(args[0], cls):
+                    if pickled_by_user():
+                        _note(args[0], _PICKLED)
                 elif name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
-                    for a in args:
+                    # (a list of them too: torch.stack(losses), torch.cat)
+                    for a in (x for arg in args for x in (arg if isinstance(arg, (list, tuple)) else (arg,))):
                         if isinstance(a, cls):
                             op = name.strip("_")
                             _note(a, _FORMATTED if name == "__format__" else
