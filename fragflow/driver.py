@@ -571,6 +571,13 @@ def _execute(compiled: Compiled, train: Callable[..., Any], args: Any, monitor: 
         return serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks, checkpoints)
     from fragflow.runtime import multiprocess
 
+    placed = compiled.placed
+    for read in placed.graph.loop_prints:   # (printing is no read: the run goes on, saying what it prints)
+        if placed.group_of(read.fragment).program != "loop":
+            monitor.warn(f"{read.where}: the loop prints output {read.path} of {placed.graph.node(read.fragment).role} "
+                         f"'{read.fragment}', which runs in another process under policy '{placed.policy}': it prints "
+                         f"a placeholder (Pending({read.fragment}{read.path})), not the value (log it with ff.log: "
+                         "metrics.csv and the progress line show it; or run with --policy single_process)")
     return multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts,
                                 backend, address)
 

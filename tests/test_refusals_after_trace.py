@@ -705,3 +705,29 @@ def test_a_list_of_learner_outputs_stacked_by_torch_in_the_loop_is_refused_at_it
                                                              r"torch operation \(stack\) in the training loop") as err:
         compile(program.train, "", policy="pipelined")
     assert err.value.where is not None and err.value.where.line == marks["use"]
+
+
+@pytest.mark.parametrize("loss", ["float(w.sum())", "w.copy()", "torch.as_tensor(w.sum())", "np.float32(w.sum())"])
+@pytest.mark.parametrize("use", ["print(m['loss'])", "print(f\"loss {m['loss']}\")", "print(str(m['loss']))"])
+def test_a_learner_output_the_loop_prints_is_said_to_print_a_placeholder_where_the_learner_runs_apart(
+        write_algo, tmp_path, loss, use):
+    """print(f"loss {m['loss']}") printed numbers while traced and `Pending(learn[1]['loss'])` from then
+    on where the learner runs apart, without a word (probe helper). Printing is no read (the run goes
+    on), but the run says so, at the print's line, once: in its notes and on stderr."""
+    from fragflow import driver
+
+    path, marks = write_algo(SAVED.format(loss=loss, use=use, first=0))
+    program = load(str(path))
+    one = driver.run(program.train, "", policy="single_process", progress=False)
+    assert not [n for n in one.summary.get("notes", []) if "placeholder" in n]
+    run = driver.run(program.train, "", policy="pipelined", out=tmp_path / "run", progress=False)
+    assert [n for n in run.summary.get("notes", []) if "placeholder" in n] == [
+        f"{relpath_text(path)}:{marks['use']}: the loop prints output [1]['loss'] of learner 'learn', which runs in "
+        "another process under policy 'pipelined': it prints a placeholder (Pending(learn[1]['loss'])), not the "
+        "value (log it with ff.log: metrics.csv and the progress line show it; or run with --policy single_process)"]
+
+
+def relpath_text(p: object) -> str:
+    from fragflow.source import display_path
+
+    return display_path(str(p))

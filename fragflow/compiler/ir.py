@@ -153,6 +153,7 @@ class Graph:
     env_steps_traced: int = 0
     loops: tuple[LoopSpec, ...] = ()    # the training function's loops, outermost first
     loop_reads: tuple[LoopRead, ...] = ()   # fragment outputs the loop itself reads (first read of each)
+    loop_prints: tuple[LoopRead, ...] = ()  # ... and prints (print, str, an f-string without a spec): first of each
     remade_state: SourceLoc | None = None   # a line that ran ff.versioned(...) again after a learner wrote its state
     learner_again: tuple[str, SourceLoc | None] | None = None   # a learner called with no env step since its last call
     uncalled_learners: tuple[tuple[str, SourceLoc | None], ...] = ()   # the module's learners the loop never called

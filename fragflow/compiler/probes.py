@@ -54,16 +54,17 @@ _FORMATTED = "formatted with a spec (an f-string such as {x:.3f}, format())"
 _PICKLED = "pickled (torch.save, pickle.dump)"
 
 
-def pickled_by_user() -> bool:
-    """Whether the pickling that asks a probe to reduce itself is the user's code's (torch.save(m),
-    pickle.dumps(m)): the innermost frame that is neither a library's nor Python's is the user's,
-    not fragflow's own."""
+def by_user() -> bool:
+    """Whether what asks a probe for its pickling (torch.save(m), pickle.dumps(m)) or its text
+    (print) is the user's code: the innermost frame that is neither a library's nor Python's is the
+    user's, not fragflow's own."""
     from fragflow.compiler import watchers
 
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if is_internal(filename) and filename != watchers.__file__:   # (the trace's torch mode passes it on)
+        # (the probes' own frames, and the trace's torch mode, which passes the call on)
+        if is_internal(filename) and filename not in (__file__, watchers.__file__):
             return False
         if users_code(filename):
             return True
@@ -119,8 +120,20 @@ def _watched(name: str) -> Any:
 
 
 def _note(x: Any, what: str) -> None:
-    if _sink is not None and not any(r.fragment == x._ff_fragment and r.path == x._ff_path for r in _sink):
+    if _sink is not None and not any(r.fragment == x._ff_fragment and r.path == x._ff_path and r.what != PRINTED
+                                     for r in _sink):
         _sink.append(LoopRead(x._ff_fragment, x._ff_path, what, user_callsite(3)))
+
+
+PRINTED = "printed"   # a LoopRead's what for a print of the value (no read: where it runs apart, said)
+
+
+def _printed(x: Any) -> None:
+    """The user's code made the text of ``x`` (print, str, an f-string without a spec): where its
+    fragment runs apart the loop prints a placeholder instead, which the run says (see driver)."""
+    if _sink is not None and by_user() and not any(
+            r.fragment == x._ff_fragment and r.path == x._ff_path and r.what == PRINTED for r in _sink):
+        _sink.append(LoopRead(x._ff_fragment, x._ff_path, PRINTED, user_callsite(2)))
 
 
 # operators on a scalar probe are those of its plain value, so that an operand of another type (a
@@ -159,11 +172,22 @@ def _scalar_probe(base: type) -> type:
     def formatted(self: Any, spec: str) -> str:
         if spec:
             _note(self, _FORMATTED)
+        else:
+            _printed(self)
         return format(self._ff_value, spec)
     ns["__format__"] = formatted
+
+    def text(self: Any) -> str:
+        _printed(self)
+        return repr(self._ff_value)
+
+    def shown(self: Any) -> str:
+        _printed(self)
+        return str(self._ff_value)
+    ns["__repr__"], ns["__str__"] = text, shown
     ns["__hash__"] = base.__hash__
     def reduce(self: Any) -> Any:
-        if _sink is not None and pickled_by_user():
+        if _sink is not None and by_user():
             _note(self, _PICKLED)
         return base, (self._ff_value,)
     ns["__reduce__"] = reduce
@@ -252,6 +276,8 @@ class ProbeArray(np.ndarray):
     def __format__(self, spec: str) -> str:
         if spec:
             _note(self, _FORMATTED)
+        else:
+            _printed(self)
         return format(self.view(np.ndarray), spec)
 
     def tolist(self) -> Any:
@@ -271,6 +297,7 @@ class ProbeArray(np.ndarray):
         return self.view(np.ndarray).astype(*args, **kwargs)
 
     def __repr__(self) -> str:   # as the plain value prints (printing is not a read)
+        _printed(self)
         plain = self.view(np.ndarray)
         return repr(plain[()] if self._ff_element and plain.ndim == 0 else plain)
 
@@ -289,10 +316,12 @@ class ProbeArray(np.ndarray):
         return super().__getitem__(key)
 
     def __str__(self) -> str:   # as the plain value prints (printing is not a read)
-        return str(self.view(np.ndarray))
+        _printed(self)
+        plain = self.view(np.ndarray)
+        return str(plain[()] if self._ff_element and plain.ndim == 0 else plain)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if _sink is not None and pickled_by_user():
+        if _sink is not None and by_user():
             _note(self, _PICKLED)
         return self.view(np.ndarray).__reduce_ex__(protocol)   # (a plain array, as unpickled eagerly)
 
@@ -343,10 +372,11 @@ def _torch_probe() -> type:
                         taken: Any = args[0]
                         return element(func(*_plain(tuple(args))), taken._ff_fragment, taken._ff_path + _keyed(args[1]))
                     _note(args[0], f"indexed with {index_text(args[1])}")   # (a part of it, as a numpy probe's)
-                elif name == "__format__" and not (len(args) > 1 and args[1]):
-                    pass   # printed, no spec: not a read
+                elif name in ("__format__", "__repr__", "__str__") and not (len(args) > 1 and args[1]):
+                    if _sink is not None and args and isinstance(args[0], cls):
+                        _printed(args[0])   # printed, no spec: not a read
                 elif name == "__reduce_ex__" and _sink is not None and args and isinstance(args[0], cls):
-                    if pickled_by_user():
+                    if by_user():
                         _note(args[0], _PICKLED)
                 elif name not in _TENSOR_FREE and not name.startswith("__get__") and not name.startswith("__set__"):
                     # (a list of them too: torch.stack(losses), torch.cat)

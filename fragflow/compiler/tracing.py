@@ -85,7 +85,8 @@ def trace_program(train: Callable[..., Any], *args: Any, max_updates: int = 2,
                 fix="mark the functions the loop calls with @ff.fragment('actor' | 'learner' | 'env' | 'buffer') "
                     "and step environments made with ff.envs.make(...)")
         graph = tracer.graph(getattr(train, "__name__", "train"), defined_at)
-        graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(tracer.loop_reads),
+        graph = dataclasses.replace(graph, loops=tuple(watcher.specs()), loop_reads=tuple(r for r in tracer.loop_reads if r.what != probes.PRINTED),
+                                    loop_prints=tuple(r for r in tracer.loop_reads if r.what == probes.PRINTED),
                                     remade_state=tracer.remade_state, learner_again=tracer.learner_again, _index={},
                                     changed_optimizer=tracer.changed_optimizer, nested_learner=tracer.nested_learner,
                                     stale_state=tracer.stale_state, state_read=tracer.state_read,
