@@ -13,6 +13,7 @@ Args(num_envs=8, lr=0.00025)
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
 import pathlib
@@ -113,9 +114,38 @@ def coerce(raw: Any, annotation: Any) -> Any:
                      "str, Literal, Optional, Enum, Path, and tuples and lists of those): set it in the program")
 
 
+def _of_sequences(annotation: Any) -> bool:
+    """Whether a tuple's or list's items are tuples or lists themselves (``tuple[tuple[int, float], ...]``)."""
+    return any(typing.get_origin(a) in (tuple, list) or a in (tuple, list) for a in typing.get_args(annotation))
+
+
+def _from_literal(value: Any, annotation: Any, raw: str) -> Any:
+    """A Python literal's ``value`` as ``annotation`` says, item by item."""
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"expected a {origin.__name__} in {raw!r}, got {value!r}")
+        args = typing.get_args(annotation)
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ValueError(f"expected {len(args)} values in {value!r} (of {raw!r})")
+            items = [_from_literal(v, a, raw) for v, a in zip(value, args)]
+        else:
+            items = [_from_literal(v, args[0] if args else Any, raw) for v in value]
+        return tuple(items) if origin is tuple else items
+    return coerce(value if isinstance(value, str) else repr(value), annotation)
+
+
 def _sequence(raw: str, annotation: Any, kind: type) -> Any:
     """``64,64`` (or ``(64, 64)``, ``[64, 64]``; ``64,`` is a tuple of one) as a tuple or list of the
-    annotation's items."""
+    annotation's items; of tuples or lists, a Python literal: ``((0, 1e-3), (6, 1e-4))``."""
+    if _of_sequences(annotation):
+        try:
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"a {kind.__name__} of {kind.__name__}s is given as a Python literal, such as "
+                             f"'((0, 1e-3), (6, 1e-4))' (quoted for the shell); got {raw!r}") from None
+        return _from_literal(value if isinstance(value, (tuple, list)) else (value,), annotation, raw)
     text = raw.strip()
     if text[:1] + text[-1:] in ("()", "[]"):
         text = text[1:-1]

@@ -175,6 +175,25 @@ class Shapes:
     bare: tuple = (1, 2)
 
 
+@dataclass(frozen=True)
+class Milestones:
+    lr_milestones: tuple[tuple[int, float], ...] = ((0, 1e-3),)
+    grid: list[list[int]] = field(default_factory=lambda: [[1]])
+
+
+def test_overrides_set_tuples_of_tuples_from_a_python_literal():
+    """A tuple of (update, rate) pairs could not be set at all: its text was split at every comma
+    ("expected 2 comma-separated values, got '(0'"), whatever was written (probe helper)."""
+    args = apply_overrides(Milestones, ["lr_milestones=((0, 1e-3), (6, 1e-4))", "grid=[[1, 2], []]"])
+    assert args == Milestones(((0, 1e-3), (6, 1e-4)), [[1, 2], []])
+    assert apply_overrides(Milestones, ["lr_milestones=[[2, 0.5]]"]).lr_milestones == ((2, 0.5),)
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Milestones, ["lr_milestones=0:1e-3", "grid=[[1, 'x']]"])
+    msg = str(info.value)
+    assert "--set lr_milestones=0:1e-3: a tuple of tuples is given as a Python literal, such as " \
+           "'((0, 1e-3), (6, 1e-4))'" in msg and "expected an integer, got 'x'" in msg
+
+
 def test_overrides_set_tuples_lists_enums_and_paths():
     """They were refused with no fix, and the README did not say which types --set takes (helper round 33 C11)."""
     args = apply_overrides(Shapes, ["sizes=128,128,64", "pair=(3, 0.5)", "items=[]", "color=BLUE", "path=/data/x"])
