@@ -557,6 +557,7 @@ def _prepared(compiled: Compiled, train: Callable[..., Any], args: Any, out: str
         monitor.resume(start.counters)
     if checkpoints is not None:
         checkpoints.warn = monitor.warn
+        checkpoints.flush = outputs.flush if outputs is not None else None
     if outputs is not None and start is None:
         outputs.write_text("graph.txt", format_placed(placed))
     # (one process runs the program again from its start, its setup before its loop with it: not in the rate)

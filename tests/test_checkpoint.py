@@ -2940,3 +2940,36 @@ def test_a_loop_local_holding_only_classes_or_functions_is_not_named_as_left_out
     frame = {"wrappers": [gym.wrappers.NormalizeObservation, gym.wrappers.ClipAction], "schedule": {"lr": abs},
              "history": [object()], "seen": []}
     assert unsaved_note(frame, list(frame)) == ["'history' (a list)", "'seen' (a list)"]
+
+
+@pytest.mark.parametrize("policy", ["single_process", "pipelined"])
+def test_every_row_before_a_checkpoint_is_in_tensorboard_when_it_is_written(program, tmp_path, monkeypatch, policy):
+    """TensorBoard's events were held (by the writer, for up to two minutes, and by the run, a second):
+    a driver killed (SIGKILL) after a checkpoint left TensorBoard without the rows before it, and the
+    run resumed from it never wrote them (probe helper: updates 604-900 of a 2,500-update run). The
+    outputs are written through before each checkpoint."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, seen = tmp_path / "run", []
+    real_write, real_finish = ckpt.write, ckpt.finish
+
+    def on_disk(name: str) -> None:
+        rows = list(csv.DictReader((out / "metrics.csv").open()))
+        events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+        events.Reload()
+        steps = {int(e.step) for e in events.Scalars("charts/updates")} if "charts/updates" in events.Tags()["scalars"] else set()
+        seen.append((name, {int(float(r["env_steps"])) for r in rows} - steps))
+
+    def write(root: Path, name: str, *a: object, **k: object) -> Path:
+        on_disk(name)
+        return real_write(root, name, *a, **k)
+
+    def finish(root: Path, tmp: Path, name: str, *a: object, **k: object) -> Path:
+        on_disk(name)
+        return real_finish(root, tmp, name, *a, **k)
+
+    monkeypatch.setattr(ckpt, "write", write)
+    monkeypatch.setattr(ckpt, "finish", finish)
+    prog = load(str(program))
+    driver.run(prog.train, prog.args_cls(), policy=policy, out=out, checkpoint_every=2, progress=False)
+    assert len(seen) >= 3 and all(not missing for _, missing in seen), seen

@@ -403,6 +403,9 @@ class RunCheckpoints:
         self.given_up: set[int] = set()        # their parts, still coming, are dropped
         self.committed = 0                     # the newest committed (an older one's parts are dropped)
         self.warn: Callable[[str], None] | None = None   # the run's warnings (the monitor's)
+        # the run's outputs written through before a checkpoint is (a run killed after it keeps every row
+        # the checkpoint's resume needs: TensorBoard's events are otherwise held for minutes)
+        self.flush: Callable[[], None] | None = None
         self._unsaved_said: set[str] = set()
         if every is not None:
             _prune_stale(self.root)
@@ -442,6 +445,8 @@ class RunCheckpoints:
             self.refuse_nothing_run(counters)
         for name, (meta, _) in parts.items():
             self._say_unsaved(name, meta)
+        if self.flush is not None:
+            self.flush()
         path = write(self.root, str(counters["updates"]), self.manifest(counters, loop, complete), parts, self.keep)
         if self.schedule is not None:
             self.schedule.written(int(counters["updates"]))
@@ -532,6 +537,8 @@ class RunCheckpoints:
             counters["updates"] = counters["version"] = base[1] + versions.pop()
         if positions and all("steps" in p for p in positions.values()):
             counters["env_steps"] = base[0] + sum(int(p["steps"]) for p in positions.values())
+        if self.flush is not None:
+            self.flush()
         path = finish(self.root, tmp, str(counters["updates"]), self.manifest(counters, {"replicas": replicas, "positions": positions}, False),
                       parts, self.keep)
         del self.staging[seq]   # (not before: a run stopped while it is committed removes the staged parts)

@@ -336,6 +336,14 @@ class RunOutputs:
         if self._late_columns and self._csv_file is not None:
             self._widen()
 
+    def flush(self) -> None:
+        """Every row and event written so far on disk (a checkpoint is about to be)."""
+        if self._csv_file is not None:
+            self._csv_file.flush()
+        if self._tb_writer is not None:
+            self._hand_over()
+            self._tb_writer.flush()
+
     def close(self) -> None:
         if self._csv_file is not None:
             self.settle()
