@@ -2973,3 +2973,138 @@ def test_every_row_before_a_checkpoint_is_in_tensorboard_when_it_is_written(prog
     prog = load(str(program))
     driver.run(prog.train, prog.args_cls(), policy=policy, out=out, checkpoint_every=2, progress=False)
     assert len(seen) >= 3 and all(not missing for _, missing in seen), seen
+
+
+STRADDLE = """
+import time
+from dataclasses import dataclass
+import gymnasium as gym
+import numpy as np
+import fragflow as ff
+
+
+class SlowZero(gym.Env):
+    '''CartPole-like toy: the environment seeded 0 steps slowly (so its replica lags behind).'''
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.slow = seed == 0
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        if self.slow:
+            time.sleep(0.004)
+        self.t += 1
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), 1.0, False, self.t >= 20, {}
+
+
+@dataclass(frozen=True)
+class Args:
+    iterations: int = 300
+    sync_at: int = 200
+
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 1e-3 * batch["obs"].mean((0, 1))[:, None]}, {}
+
+
+@ff.fragment("learner", writes="aux")
+def sync(aux, state):
+    return {"w": state["w"] * 1.0}, {}
+
+
+def train(args: Args):
+    env = ff.envs.make(SlowZero, num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((2, 2))})
+    aux = ff.versioned({"w": np.zeros((2, 2))}, name="aux")
+    buf = ff.RolloutBuffer(5)
+    obs = env.reset()
+    for step in range(args.iterations):
+        obs, *_ = env.step(act(state["w"], obs))
+        buf.add(obs=obs)
+        if (step + 1) % 5 == 0:
+            state, _ = learn(state, buf.collect())
+        if step == args.sync_at:
+            aux, _ = sync(aux, state)
+    return state
+"""
+
+
+@pytest.mark.parametrize("policy", ["async_relaxed(actors=2)"])
+def test_a_checkpoint_whose_replicas_stand_either_side_of_a_shared_call_resumes(write_algo, tmp_path, monkeypatch, policy):
+    """`if step == 200: aux = sync(aux, state)`, a second learner on a schedule both replicas share: a
+    checkpoint with one replica saved before that call and the other after it could never be resumed
+    ("replica(s) 1 ended the training loop while replica(s) 0 still called 'sync'", exit 2, every time;
+    the repository's dqn.py's sync_target too, probe helper): the service counted each replica's calls
+    from the resume, not over the run. It counts the calls the checkpoint saved as made."""
+    import shutil
+
+    path, _ = write_algo(STRADDLE, "straddle.py")
+    prog = load(str(path))
+    out, copies, real_finish = tmp_path / "run", tmp_path / "copies", ckpt.finish
+
+    def finish(root: Path, tmp: Path, name: str, *a: object, **k: object) -> Path:
+        done = real_finish(root, tmp, name, *a, **k)   # type: ignore[arg-type]
+        shutil.copytree(out, copies / name, ignore=shutil.ignore_patterns("tensorboard"))
+        return done
+
+    monkeypatch.setattr(ckpt, "finish", finish)
+    driver.run(prog.train, prog.args_cls(), policy=policy, out=out, checkpoint_every=5, progress=False)
+    monkeypatch.setattr(ckpt, "finish", real_finish)
+    straddling = []
+    for copy in sorted(copies.iterdir()):
+        manifest = json.loads((copy / "checkpoints" / copy.name / "manifest.json").read_text())
+        trips = sorted(p["trip"] for p in ((manifest.get("loop") or {}).get("positions") or {}).values())
+        if trips and trips[0] <= 200 < trips[-1]:
+            straddling.append(copy / "checkpoints" / copy.name)
+    assert straddling, "no checkpoint had the replicas either side of the call (a replica made slow by its env)"
+    resumed = driver.run(prog.train, prog.args_cls(), policy=policy, resume=straddling[0], progress=False)
+    assert resumed.summary["status"] == "completed"
+
+
+def test_the_dict_given_to_ff_versioned_is_not_named_among_what_checkpoints_leave_out(write_algo, tmp_path):
+    """`nets = {...}; state = ff.versioned(nets)` with a learner returning a new dict ({**state}): the
+    loop's `nets` held the state's own modules and optimizer, saved with it, and every checkpointed
+    single_process run of sac.py warned that checkpoints leave out 'nets' (probe helper). A dict
+    of the loop's own holding a module beside a counter is still named."""
+    path, _ = write_algo('''
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, obs):
+            loss = state["net"](torch.as_tensor(obs, dtype=torch.float32)).pow(2).mean()
+            state["opt"].zero_grad()
+            loss.backward()
+            state["opt"].step()
+            return {**state}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            net = torch.nn.Linear(4, 1)
+            nets = {"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.01), "rng": torch.zeros(3)}
+            state = ff.versioned(nets)
+            cfg = {"net": net, "seen": 0}
+            obs = env.reset()
+            for _ in range(8):
+                obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+                state = learn(state, obs)
+                cfg["seen"] += 1
+            return state
+    ''')
+    prog = load(str(path))
+    result = driver.run(prog.train, None, policy="single_process", out=tmp_path / "run", checkpoint_every=2,
+                        progress=False)
+    notes = [n for n in result.summary.get("notes", []) if "checkpoints leave out" in n]
+    assert len(notes) == 1 and "'cfg' (a dict)" in notes[0] and "'nets'" not in notes[0], notes

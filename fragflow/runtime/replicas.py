@@ -153,14 +153,17 @@ class ReplicaChecks:
     def _left_apart(self, fragment: str, ended: list[int], going: list[int]) -> FragflowError:
         """Replicas that made different numbers of calls of ``fragment`` by the end of their loop."""
         resumed = (getattr(self, "saving", None) or {}).get("resume")
-        idle = [k for k in ended if not any(j == k for j, _ in self._calls_made)]
-        if resumed and idle:
+        saved = getattr(self, "_calls_saved", {})   # (a resumed run's: calls made before its checkpoint)
+        idle = [k for k in sorted(ended + going)
+                if all(saved.get(key) == last for key, last in self._calls_made.items() if key[0] == k)]
+        went_on = [k for k in sorted(ended + going) if k not in idle]
+        if resumed and idle and went_on:
             # (a resumed replica that made no call: the budget ends before where it stood, not the program's leaving)
             from fragflow.runtime.snapshot import CheckpointError
 
             return CheckpointError(
                 f"the run resumed from {getattr(resumed, 'path', resumed)} has loop replica(s) {', '.join(map(str, idle))} end at once, while "
-                f"replica(s) {', '.join(map(str, going))} go on: the budget of these args ends between where the "
+                f"replica(s) {', '.join(map(str, went_on))} go on: the budget of these args ends between where the "
                 "replicas stood in the checkpoint (their trips are its manifest's loop.positions; replicas gathered "
                 "as they arrive are saved at different trips), so the replicas past it cannot end where the others do",
                 fix="resume with a budget beyond every replica's saved trip (--set the field of your Args that sets "

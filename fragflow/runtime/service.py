@@ -114,6 +114,7 @@ class ServiceRunner(Outgoing, Gathering):
         self._shapes: dict[str, Any] = {}   # each state's structure, as it came (a learner's new state keeps it)
         self.outputs: dict[str, Any] = {}
         self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
+        self._calls_saved: dict[tuple[int, str], int] = {}   # ... (resumed) as the checkpoint has them
         self._answered: dict[str, list[str]] = {}   # a served fragment's output paths, as first answered
         self.kept: dict[tuple[str, int], dict[int, Any]] = {}   # (fragment, replica): its last calls' outputs
         self._kept_bytes: dict[tuple[str, int], dict[int, int]] = {}   # and their sizes
@@ -175,6 +176,14 @@ class ServiceRunner(Outgoing, Gathering):
 
             ckpt = checkpoint.resumed(self.saving)
             assert ckpt is not None
+            # each loop replica's calls of this group's fragments before the checkpoint: replicas saved at
+            # different trips resume at different calls, and whole-run counts are what must agree at the end
+            # (one saved past a call every replica makes once, the others before it, made it already)
+            for k in range(program.producers):
+                meta = ckpt.manifest["parts"].get(f"loop{program.first + k}") or {}
+                for fragment, last in meta.get("calls", {}).items():
+                    if fragment in program.fragments:
+                        self._calls_made[(k, str(fragment))] = self._calls_saved[(k, str(fragment))] = int(last)
             if f"objects.{program.group}" in ckpt.manifest["parts"]:
                 self.resume_objects = ckpt.part(f"objects.{program.group}")
             if f"states.{program.group}" in ckpt.manifest["parts"]:   # (this group's random states, saved with them)

@@ -115,6 +115,8 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                 entries[name] = {"as": "attributes", "type": type(x).__qualname__, "v": _enc(dict(vars(x)), key, arrays)}
             except Unsupported:
                 left.append(name)
+        elif _state_given(x, skip):
+            continue   # the value given to ff.versioned (nets = {"q": q, "opt": opt}): the state holds and saves it
         elif (not callable(x) or _own_instance(x)) and not isinstance(x, types.ModuleType):
             if strict and _buffer_of_users(x):   # its data is the run's: a resumed run would learn from an empty one
                 raise CheckpointError(
@@ -125,6 +127,19 @@ def loop_locals(frame_locals: dict[str, Any], skip: frozenset[int] | set[int] = 
                         "states) and load_state_dict(d) (setting them back), or run without --checkpoint-every")
             left.append(name)
     return entries, arrays, left
+
+
+def _state_given(x: Any, held: frozenset[int] | set[int]) -> bool:
+    """A dict, list or tuple holding objects the versioned state holds (its modules, optimizers) and
+    otherwise only numbers and arrays: what the program gave ``ff.versioned`` (``state =
+    ff.versioned(nets)``), its objects saved with the state (a learner returning a new dict leaves the
+    loop's ``nets`` apart from the state's value, the same objects in it)."""
+    if type(x) not in (dict, list, tuple) or not held:
+        return False
+    items = list(x.values() if isinstance(x, dict) else x)
+    torch = sys.modules.get("torch")
+    arrays = (np.ndarray,) if torch is None else (np.ndarray, torch.Tensor)   # (not numbers: a loop's counters)
+    return any(id(i) in held for i in items) and all(id(i) in held or isinstance(i, arrays) for i in items)
 
 
 CONTAINER_MAX = 1 << 20   # leaves of a container the loop keeps that a checkpoint saves (more: left out, said)
