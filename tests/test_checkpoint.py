@@ -3108,3 +3108,29 @@ def test_the_dict_given_to_ff_versioned_is_not_named_among_what_checkpoints_leav
                         progress=False)
     notes = [n for n in result.summary.get("notes", []) if "checkpoints leave out" in n]
     assert len(notes) == 1 and "'cfg' (a dict)" in notes[0] and "'nets'" not in notes[0], notes
+
+
+def test_a_resumed_runs_tensorboard_drops_the_rows_past_its_checkpoint_however_few_steps_they_count(tmp_path):
+    """Gathered as they arrive, a row counts the steps of the calls its update took, fewer than the
+    checkpoint's count of every step the replicas had made: rows past the checkpoint's update sat
+    below TensorBoard's purge step (the checkpoint's steps + 1), and the resumed run wrote those
+    updates again beside them (probe helper: updates 31-34 twice in 5 of 6 resumes). The purge
+    starts at the first dropped row's steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fragflow.runtime.outputs import RunOutputs
+
+    run = RunOutputs(tmp_path / "run")
+    for updates, steps in zip(range(1, 7), (100, 200, 300, 320, 340, 360)):
+        run.write_row({"env_steps": float(steps), "updates": float(updates), "loss": 1.0})
+    run.close()
+    resumed = RunOutputs(tmp_path / "run", resumed_at=(3, 400))
+    for updates, steps in zip(range(4, 7), (440, 480, 520)):
+        resumed.write_row({"env_steps": float(steps), "updates": float(updates), "loss": 2.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(int(e.step), int(e.value)) for e in events.Scalars("charts/updates")] == \
+        [(100, 1), (200, 2), (300, 3), (440, 4), (480, 5), (520, 6)]
+    assert [r["updates"] for r in csv.DictReader((tmp_path / "run" / "metrics.csv").open())] == \
+        ["1.0", "2.0", "3.0", "4.0", "5.0", "6.0"]

@@ -68,6 +68,13 @@ def _before(row: dict[str, str], at: tuple[int, int]) -> bool:
         return True
 
 
+def _steps(row: dict[str, str]) -> int | None:
+    try:
+        return int(float(row.get("env_steps") or "nan"))
+    except ValueError:
+        return None
+
+
 def _rewrite(path: Path, columns: list[str], rows: list[dict[str, str]]) -> None:
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
@@ -158,6 +165,7 @@ class RunOutputs:
     def _begin(self) -> None:
         resumed_at = self._resumed_at
         metrics = self.dir / "metrics.csv"
+        purge_from: int | None = None
         if resumed_at is not None and self._history is not None:
             _carry_history(self._history, self.dir)
         if resumed_at is not None and metrics.is_file():
@@ -170,6 +178,12 @@ class RunOutputs:
                 kept = [r for r in rows if _before(r, resumed_at)]
                 if len(kept) < len(rows):
                     _rewrite(metrics, self._columns, kept)
+                # (gathered as they arrive, a row past the checkpoint's update counts the steps of the calls its
+                # update took, fewer than the checkpoint's, which counts every step the replicas had made)
+                dropped = [d for r in rows if not _before(r, resumed_at) and (d := _steps(r)) is not None]
+                if dropped:   # (never past a kept row's: TensorBoard drops every event from that step on)
+                    last_kept = max([d for r in kept if (d := _steps(r)) is not None], default=-1)
+                    purge_from = min(resumed_at[1] + 1, max(min(dropped), last_kept + 1))
                 self._rows = self._written_at = len(kept)
         from fragflow.runtime.checkpoint import listing
 
@@ -197,7 +211,7 @@ class RunOutputs:
 
         fast_event_checksums()
         # events past the checkpoint's env steps are hidden (TensorBoard's purge_step)
-        purge = resumed_at[1] + 1 if resumed_at is not None else None
+        purge = (purge_from if purge_from is not None else resumed_at[1] + 1) if resumed_at is not None else None
         self._tb_writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
 
     def write_row(self, row: dict[str, float]) -> None:
