@@ -23,7 +23,7 @@ from typing import Any
 
 from fragflow import __version__
 from fragflow.api.fragment import Fragment
-from fragflow.compiler.ir import Graph
+from fragflow.compiler.ir import EdgeKind, Graph
 from fragflow.compiler.loops import guard_of
 from fragflow.compiler.printer import format_placed
 from fragflow.compiler.resumable import loop_lines
@@ -573,6 +573,13 @@ def _execute(compiled: Compiled, train: Callable[..., Any], args: Any, monitor: 
     from fragflow.runtime import multiprocess
 
     placed = compiled.placed
+    printed = placed.graph.state_printed
+    writers = [e.src for e in placed.graph.edges_of(EdgeKind.STATE_WRITE) if printed is not None and e.dst == printed[0]]
+    if printed is not None and any(placed.group_of(w).program != "loop" for w in writers):
+        monitor.warn(f"{printed[1]}: the loop prints versioned state '{printed[0]}', which learner '{writers[0]}' writes "
+                     f"in another process under policy '{placed.policy}': once written it prints a placeholder "
+                     f"(Versioned('{printed[0]}', v1)...), not the value (return what you want to see from the learner "
+                     "and log it with ff.log; or run with --policy single_process)")
     for read in placed.graph.loop_prints:   # (printing is no read: the run goes on, saying what it prints)
         if placed.group_of(read.fragment).program != "loop":
             monitor.warn(f"{read.where}: the loop prints output {read.path} of {placed.graph.node(read.fragment).role} "

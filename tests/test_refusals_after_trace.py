@@ -731,3 +731,37 @@ def relpath_text(p: object) -> str:
     from fragflow.source import display_path
 
     return display_path(str(p))
+
+
+def test_versioned_state_the_loop_prints_is_said_to_print_a_placeholder_where_its_learner_runs_apart(write_algo, tmp_path):
+    """print(state["n"]) after a learner wrote it printed `Versioned('state', v4)['n']` where the learner
+    runs apart, without a word (probe helper); said once, at the print's line."""
+    from fragflow import driver
+
+    path, marks = write_algo('''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, obs):
+            return {"w": state["w"] * 0.5 + obs.mean(), "n": state["n"] + 1}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            state = ff.versioned({"w": np.zeros(2), "n": 0})
+            obs = env.reset()
+            for u in range(6):
+                obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+                state = learn(state, obs)
+                print("n is", state["n"])   # @print
+            return state
+    ''')
+    program = load(str(path))
+    one = driver.run(program.train, None, policy="single_process", progress=False)
+    assert not [n for n in one.summary.get("notes", []) if "placeholder" in n]
+    run = driver.run(program.train, None, policy="pipelined", out=tmp_path / "run", progress=False)
+    assert [n for n in run.summary.get("notes", []) if "placeholder" in n] == [
+        f"{relpath_text(path)}:{marks['print']}: the loop prints versioned state 'state', which learner 'learn' writes "
+        "in another process under policy 'pipelined': once written it prints a placeholder (Versioned('state', "
+        "v1)...), not the value (return what you want to see from the learner and log it with ff.log; or run with "
+        "--policy single_process)"]

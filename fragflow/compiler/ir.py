@@ -162,6 +162,7 @@ class Graph:
     nested_learner: tuple[str, str, SourceLoc | None] | None = None   # (learner, the fragment it ran inside, where)
     stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None   # an old version passed to a fragment
     state_read: tuple[str, SourceLoc | None] | None = None   # the loop read versioned state: how, where
+    state_printed: tuple[str, SourceLoc | None] | None = None   # the loop printed written state: which, where
     # the loop changed (or, once a learner wrote it, read) a tensor versioned state holds through a
     # reference of its own, not the handle: ("changed" or "read", the state, the tensor, how, where)
     state_used: tuple[str, str, str, str, SourceLoc | None] | None = None

@@ -52,6 +52,7 @@ class StateBook(Repeats):
     state_use: StateUse
     begins_run: bool
     state_read: tuple[str, SourceLoc | None] | None
+    state_printed: tuple[str, SourceLoc | None] | None
     remade_state: SourceLoc | None
     stale_state: Any
     changed_arg: Any
@@ -72,6 +73,8 @@ class StateBook(Repeats):
         # (before any learner wrote it, every process holds the value the loop made: read as eagerly)
         if self.state_read is None and what is not None and name in self.state_use.written:
             self.state_read = (what, user_callsite())
+        if self.state_printed is None and what is None and name in self.state_use.written:
+            self.state_printed = (name, user_callsite())   # (printed: no read; where a learner runs apart, said)
         return True, own_value(x)
 
     def versioned(self, value: Any, name: str, where: SourceLoc | None) -> Versioned:

@@ -109,6 +109,7 @@ class Tracer(StateBook):
         # (state, version passed, newest version, fragment, its call) where the loop passed an old version
         self.stale_state: tuple[str, int, int, str, SourceLoc | None] | None = None
         self.state_read: tuple[str, SourceLoc | None] | None = None   # the loop's first read of versioned state
+        self.state_printed: tuple[str, SourceLoc | None] | None = None   # ... and its first print of a written one
         # the loop's own use of the state's tensors through a reference of its own (see StateUse), and
         # where the trace is not the run's beginning, each state's checksum as the last learner call (or
         # ff.versioned) left it: changed before the next learner call, by the loop (an array the state
