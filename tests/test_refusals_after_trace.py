@@ -765,3 +765,33 @@ def test_versioned_state_the_loop_prints_is_said_to_print_a_placeholder_where_it
         "in another process under policy 'pipelined': once written it prints a placeholder (Versioned('state', "
         "v1)...), not the value (return what you want to see from the learner and log it with ff.log; or run with "
         "--policy single_process)"]
+
+
+def test_an_evaluation_env_made_without_evaluation_true_that_cannot_be_split_is_told_the_flag(write_algo):
+    """A second env of one environment, stepped to evaluate after each update but made without
+    evaluation=True, could not be split across two actors; the fix said to --set num_envs, which sets
+    the training env's count, already even (probe helper). It names evaluation=True too."""
+    path, _ = write_algo('''
+        import numpy as np
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, obs):
+            return {"w": state["w"] * 0.5 + obs.mean()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            ev = ff.envs.make("CartPole-v1", num_envs=1, seed=100)
+            state = ff.versioned({"w": np.zeros(2)})
+            obs, eobs = env.reset(), ev.reset()
+            for u in range(4):
+                obs, *_ = env.step(np.zeros(env.num_envs, dtype=np.int64))
+                state = learn(state, obs)
+                eobs, *_ = ev.step(np.zeros(1, dtype=np.int64))
+            return state
+    ''')
+    program = load(str(path))
+    with pytest.raises(ff.errors.ConfigError, match=r"splits the loop's 1 environments across 2 processes(.|\n)*fix: .*"
+                                                    r"; if this env evaluates, apart from the training envs, make it "
+                                                    r"with ff.envs.make\(\.\.\., evaluation=True\)"):
+        compile(program.train, None, policy="actor_learner(actors=2, max_lag=0)")

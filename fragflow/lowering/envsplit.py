@@ -97,7 +97,7 @@ def _asked_per(placed: PlacedGraph) -> int:
     return int(options.get("envs_per_actor", 0) or options.get("envs_per_worker", 0) or 0)
 
 
-def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any) -> None:
+def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any, several: bool = False) -> None:
     """The policy's processes cannot each step an equal share of the loop's ``total`` environments."""
     options = dict(placed.options)
     unit, per_unit = ("env_workers", "envs_per_worker") if "env_workers" in options else ("actors", "envs_per_actor")
@@ -117,7 +117,10 @@ def _refuse_env_split(placed: PlacedGraph, total: int, replicas: int, where: Any
                       f"({given}{each}): they do not divide evenly", where=where,
                       fix=f"choose {count} dividing num_envs={total} (and {per_unit} = num_envs / {count}), or "
                           f"make num_envs (given to ff.envs.make) a multiple of {count} (`--set num_envs=...` "
-                          "where your Args has that field)")
+                          "where your Args has that field)" + (
+                              "; if this env evaluates, apart from the training envs, make it with "
+                              "ff.envs.make(..., evaluation=True): every acting process then steps it whole, its "
+                              "episodes reported apart" if several else ""))
 
 
 def _processes(n: int) -> str:
@@ -151,5 +154,6 @@ def check_env_split(placed: PlacedGraph, loop: Group) -> None:
                 total = spec.shape[axis]
                 per = _asked_per(placed)
                 if total % loop.replicas or (per and per * loop.replicas != total):
-                    _refuse_env_split(placed, total, loop.replicas, node.called_at)
+                    envs = {n.instance for n in graph.fragments("env") if not n.evaluation}
+                    _refuse_env_split(placed, total, loop.replicas, node.called_at, several=len(envs) > 1)
                 break

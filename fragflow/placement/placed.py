@@ -285,7 +285,9 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                     "keep the buffer with the actors (--policy actor_learner), or run with --policy single_process"
                 if buffer else
                 "send it whole to ff.log (logged where it is computed) or to fragments placed with it (indexing it "
-                "there), make what the loop needs part of the versioned state, or run with --policy single_process")
+                "there); for a decision the loop takes on it (`if m['loss'] < x: break`), have the learner keep it "
+                "in the versioned state and decide in an actor fragment given that state (`if should_stop(state): "
+                "break`: an actor's answer is the loop's); or run with --policy single_process")
     if graph.log_clash is not None and graph.log_clash[1] in service:
         column, writer, by_learner, by_loop = graph.log_clash
         raise PlacementError(
