@@ -795,3 +795,67 @@ def test_an_evaluation_env_made_without_evaluation_true_that_cannot_be_split_is_
                                                     r"; if this env evaluates, apart from the training envs, make it "
                                                     r"with ff.envs.make\(\.\.\., evaluation=True\)"):
         compile(program.train, None, policy="actor_learner(actors=2, max_lag=0)")
+
+
+OWN_RING_RNG = '''
+import numpy as np
+import fragflow as ff
+
+class Ring:
+    def __init__(self, n, seed):
+        self.obs, self.i, self.n = np.zeros((n, 4), np.float32), 0, n
+        self.rng = np.random.default_rng(seed)
+
+    @ff.fragment("buffer")
+    def add(self, obs):
+        self.obs[np.arange(self.i, self.i + len(obs)) % self.n] = obs
+        self.i += len(obs)
+
+    @ff.fragment("buffer")
+    def sample(self, size):
+        return {"obs": self.obs[self.rng.integers(0, min(self.i, self.n), size)]}
+
+class Noise:
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, n):
+        return self.rng.normal(size=n)
+
+@ff.fragment("actor")
+def act(w, obs, eps):
+    return ((obs @ w).argmax(-1) + (eps > 9.0)).clip(0, 1).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean(0)[:, None] * np.array([[1.0, -1.0]])}, {"m": batch["obs"].mean()}
+
+def train(noisy=False):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    state = ff.versioned({"w": np.zeros((4, 2))})
+    ring, noise = Ring(64, seed=0), Noise(1)
+    obs = env.reset()
+    for step in range(40):
+        ring.add(obs)
+        obs, *_ = env.step(act(state["w"], obs, noise(env.num_envs) if noisy else np.zeros(env.num_envs)))
+        if step >= 8 and step % 4 == 0:
+            state, m = learn(state, ring.sample(16))
+            ff.log(m)
+    return state
+'''
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_generator_of_the_users_object_is_named_only_where_the_loops_copy_draws(write_algo, tmp_path, noisy):
+    """A replay buffer of the user's own holding `self.rng`, under learner_replay (the buffer beside
+    the learner, drawing there): the run warned that the loop processes' copies repeat their numbers,
+    though no loop drew from it (probe helper). An object's generator is named once the loop's copy
+    draws (an exploration-noise object called in the loop still is)."""
+    from fragflow import driver
+
+    path, _ = write_algo(OWN_RING_RNG, "ring.py")
+    program = load(str(path))
+    run = driver.run(program.train, noisy, policy="learner_replay(actors=2, max_lag=0)", out=tmp_path / "run",
+                     progress=False)
+    named = [n for n in run.summary.get("notes", []) if "holds or reads the random generator" in n]
+    assert [("`noise.rng`" in n, "`ring.rng`" in n) for n in named] == ([(True, False)] if noisy else [])

@@ -625,7 +625,13 @@ def copied_generators(frame: Any, replicas: int, held_out: list[tuple[str, Any]]
                 continue
             found.append(generator_label(name, x))
         elif getattr(type(x), "__module__", None) == module and type(getattr(x, "__dict__", None)) is dict:
-            found += [generator_label(f"{name}.{attr}", v) for attr, v in vars(x).items() if isinstance(v, kinds)]
+            # an object of the user's own (an exploration-noise object, a replay buffer): named once the loop's copy
+            # draws (``held_out``); a buffer whose fragments run beside the learner (learner_replay) draws there
+            mine = [(generator_label(f"{name}.{attr}", v), v) for attr, v in vars(x).items() if isinstance(v, kinds)]
+            if held_out is not None:
+                held_out += mine
+            else:
+                found += [label for label, _ in mine]
     # an env's action space sampled in the loop (CleanRL's warm-up `envs.single_action_space.sample()`): its
     # generator, copied into every process, draws the same random actions in each. Named once it has drawn
     # (``held_out``): a loop that reads the space's size or bounds and samples something else (a replay

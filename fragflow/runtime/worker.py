@@ -509,7 +509,6 @@ def _loop_saving(interp: Any, reporter: Any, index: int, driver: int, endpoints:
             message = copied_generators(frame, replicas, held)
             if message:
                 endpoints.results.put(("warn", message))
-                held = []
             # a versioned state's generator: named if this process's copy moves (the loop drew from it);
             # so is a process-wide one (torch's, numpy's, Python's) the loop or a fragment run here draws from
             code, trips_left = frame.f_code, [64]
