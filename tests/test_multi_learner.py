@@ -710,3 +710,46 @@ def test_the_summary_says_how_the_learners_sums_went_gloo_for_bfloat16(write_alg
     two = ff.run(prog.train, prog.args_cls(), policy="multi_learner(learners=2, actors=1)")
     assert [t["via"] for t in two.summary["channels"]["trajectory"]["learners"]] == ["gloo and shared memory"] * 2
     assert mp.active_children() == [] and shm_leftovers() == []
+
+
+def test_a_generator_the_learners_state_holds_is_said_to_draw_alike_in_every_learner(write_algo, tmp_path):
+    """A learner drawing per-sample noise from a generator kept in its state (TD3's smoothing noise):
+    each learner held a copy and drew the same numbers for its different share, 16 samples getting 8
+    distinct values, without a word (probe helper). Said once, by learner 0."""
+    from fragflow import driver
+
+    path, _ = write_algo('''
+        import numpy as np
+        import torch
+        import fragflow as ff
+
+        @ff.fragment("learner", writes="state")
+        def learn(state, batch):
+            obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
+            noise = torch.as_tensor(state["rng"].standard_normal(obs.shape[:2]), dtype=torch.float32)
+            loss = ((state["w"] * obs.sum(-1) - noise) ** 2).mean()
+            state["opt"].zero_grad()
+            loss.backward()
+            state["opt"].step()
+            return state, {"loss": loss.detach()}
+
+        def train():
+            env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+            w = torch.zeros((), requires_grad=True)
+            state = ff.versioned({"w": w, "opt": torch.optim.SGD([w], lr=0.1), "rng": np.random.default_rng(0)})
+            buf = ff.RolloutBuffer(8)
+            obs = env.reset()
+            for _ in range(3):
+                for _ in range(8):
+                    obs, *_ = env.step(np.zeros(env.num_envs, np.int64))
+                    buf.add(obs=obs)
+                state, m = learn(state, buf.collect())
+                ff.log(m)
+            return state
+    ''')
+    program = load(str(path))
+    said = []
+    for policy in ("pipelined", "multi_learner(learners=2, max_lag=0)"):
+        run = driver.run(program.train, None, policy=policy, out=tmp_path / policy[:5], progress=False)
+        said.append([n for n in run.summary.get("notes", []) if "holds a random generator" in n])
+    assert said[0] == [] and len(said[1]) == 1 and "(numpy.Generator), the same in each of the 2 learners" in said[1][0]

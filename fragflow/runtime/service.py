@@ -197,6 +197,22 @@ class ServiceRunner(Outgoing, Gathering):
                 meta, arrays = ckpt.part("loop0")
                 self.resume_random = (meta["random"], arrays)
 
+    def _same_generators(self, state: str) -> None:
+        """Said once per state: a random generator the state holds is the same in every learner, which
+        draw the same numbers for their different shares of the batch."""
+        from fragflow.compiler.pytree import is_generator
+        from fragflow.compiler.reach import objects_of
+
+        found = sorted({type(o).__module__.split(".")[0] + "." + type(o).__name__
+                        for o in objects_of(self.states[state]) if is_generator(o)})
+        if found:
+            self.results.put(("warn", (
+                f"versioned state '{state}' holds a random generator ({', '.join(found)}), the same in each of the "
+                f"{self.program.world} learners: they draw the same numbers for their different shares of the batch "
+                "(per-sample noise repeats across the learners, and the update is not one learner's on the whole "
+                "batch); offset it by the learner's place (`torch.distributed.get_rank()` where `ff.learners() > 1`), "
+                "or run with a single-learner policy")))
+
     # -- interpreter protocol for calls nested inside a fragment -----------------------------
     def call(self, frag: Fragment, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return frag.fn(*args, **kwargs)
@@ -266,6 +282,8 @@ class ServiceRunner(Outgoing, Gathering):
             track_scheduled_steps(self.states[msg[1]])
             if self.program.world > 1:
                 self.reducer.watch(self.states[msg[1]], msg[1])
+                if self.program.rank == 0 and msg[1] in self.program.writes:
+                    self._same_generators(msg[1])
             if msg[1] in {b.state for b in self.program.publish}:
                 self._publish(msg[1])
         return True
