@@ -572,22 +572,33 @@ def _execute(compiled: Compiled, train: Callable[..., Any], args: Any, monitor: 
         return serial.execute(train, call_args, monitor, compiled.lowered.loop, compiled.checks, checkpoints)
     from fragflow.runtime import multiprocess
 
-    placed = compiled.placed
-    printed = placed.graph.state_printed
-    writers = [e.src for e in placed.graph.edges_of(EdgeKind.STATE_WRITE) if printed is not None and e.dst == printed[0]]
-    if printed is not None and any(placed.group_of(w).program != "loop" for w in writers):
-        monitor.warn(f"{printed[1]}: the loop prints versioned state '{printed[0]}', which learner '{writers[0]}' writes "
-                     f"in another process under policy '{placed.policy}': once written it prints a placeholder "
-                     f"(Versioned('{printed[0]}', v1)...), not the value (return what you want to see from the learner "
-                     "and log it with ff.log; or run with --policy single_process)")
-    for read in placed.graph.loop_prints:   # (printing is no read: the run goes on, saying what it prints)
-        if placed.group_of(read.fragment).program != "loop":
-            monitor.warn(f"{read.where}: the loop prints output {read.path} of {placed.graph.node(read.fragment).role} "
-                         f"'{read.fragment}', which runs in another process under policy '{placed.policy}': it prints "
-                         f"a placeholder (Pending({read.fragment}{read.path})), not the value (log it with ff.log: "
-                         "metrics.csv and the progress line show it; or run with --policy single_process)")
+    for message in _placeholders_printed(compiled.placed):   # (printing is no read: the run goes on, saying so)
+        monitor.warn(message)
     return multiprocess.execute(compiled.lowered, compiled.program, monitor, checkpoints, max_restarts,
                                 backend, address)
+
+
+def _placeholders_printed(placed: PlacedGraph) -> list[str]:
+    """What the loop prints of values another process holds (a learner's output; versioned state a
+    learner placed apart has written): a placeholder, not the value."""
+    graph, messages = placed.graph, []
+    if graph.state_printed is not None:
+        state, where = graph.state_printed
+        writers = [e.src for e in graph.edges_of(EdgeKind.STATE_WRITE) if e.dst == state]
+        if any(placed.group_of(w).program != "loop" for w in writers):
+            messages.append(
+                f"{where}: the loop prints versioned state '{state}', which learner '{writers[0]}' writes in another "
+                f"process under policy '{placed.policy}': once written it prints a placeholder (Versioned('{state}', "
+                "v1)...), not the value (return what you want to see from the learner and log it with ff.log; or run "
+                "with --policy single_process)")
+    for read in graph.loop_prints:
+        if placed.group_of(read.fragment).program != "loop":
+            messages.append(
+                f"{read.where}: the loop prints output {read.path} of {graph.node(read.fragment).role} "
+                f"'{read.fragment}', which runs in another process under policy '{placed.policy}': it prints a "
+                f"placeholder (Pending({read.fragment}{read.path})), not the value (log it with ff.log: metrics.csv "
+                "and the progress line show it; or run with --policy single_process)")
+    return messages
 
 
 def _finish(compiled: Compiled, args: Any, monitor: Monitor, status: str, backend: str, start: Checkpoint | None,

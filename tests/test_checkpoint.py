@@ -2946,7 +2946,7 @@ def test_a_loop_local_holding_only_classes_or_functions_is_not_named_as_left_out
 def test_every_row_before_a_checkpoint_is_in_tensorboard_when_it_is_written(program, tmp_path, monkeypatch, policy):
     """TensorBoard's events were held (by the writer, for up to two minutes, and by the run, a second):
     a driver killed (SIGKILL) after a checkpoint left TensorBoard without the rows before it, and the
-    run resumed from it never wrote them (probe helper: updates 604-900 of a 2,500-update run). The
+    run resumed from it never wrote them (probe helper). The
     outputs are written through before each checkpoint."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -3114,7 +3114,8 @@ def test_a_resumed_runs_tensorboard_drops_the_rows_past_its_checkpoint_however_f
     """Gathered as they arrive, a row counts the steps of the calls its update took, fewer than the
     checkpoint's count of every step the replicas had made: rows past the checkpoint's update sat
     below TensorBoard's purge step (the checkpoint's steps + 1), and the resumed run wrote those
-    updates again beside them (probe helper: updates 31-34 twice in 5 of 6 resumes). The purge
+    updates again beside them (probe helper; a2c under async_relaxed(actors=2) resumed from its
+    checkpoint 20 here: updates 21-24 twice, 40 points for 36 updates). The purge
     starts at the first dropped row's steps."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

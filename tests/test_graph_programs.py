@@ -2502,7 +2502,7 @@ def test_a_learner_first_called_again_without_an_env_step_after_the_trace_is_ref
         write_algo, tmp_path, policy):
     """`for _ in range(3 if u >= 3 else 1)`: the trace (two updates) saw one call a trip, and the run
     merged a process's later calls on one rollout into updates of its data twice, exit 0, no word
-    (probe helper: 25 of 57 updates). The loop refuses the call where it is made, as the trace's
+    (probe helper). The loop refuses the call where it is made, as the trace's
     check does, and the run stops with the error, its processes and memory released."""
     import json
     import multiprocessing as mp

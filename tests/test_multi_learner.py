@@ -714,8 +714,8 @@ def test_the_summary_says_how_the_learners_sums_went_gloo_for_bfloat16(write_alg
 
 def test_a_generator_the_learners_state_holds_is_said_to_draw_alike_in_every_learner(write_algo, tmp_path):
     """A learner drawing per-sample noise from a generator kept in its state (TD3's smoothing noise):
-    each learner held a copy and drew the same numbers for its different share, 16 samples getting 8
-    distinct values, without a word (probe helper). Said once, by learner 0."""
+    each learner held a copy and drew the same numbers for its different share, without a word (probe
+    helper). Said once, by learner 0."""
     from fragflow import driver
 
     path, _ = write_algo('''

@@ -262,8 +262,9 @@ class Pending(_NoLoopUse):
         if isinstance(key, tuple) and not isinstance(skel, (dict, list, tuple)):
             from fragflow.compiler.probes import element_keys
 
-            if element_keys(key):   # an array's element by one key per axis (v[0, 3]): v[0][3], as traced
-                return Pending(self.fragment, self.index, self.path_keys + element_keys(key), self.call, None, self.trip)
+            keys = element_keys(key)
+            if keys:   # an array's element by one key per axis (v[0, 3]): v[0][3], as traced
+                return Pending(self.fragment, self.index, self.path_keys + keys, self.call, None, self.trip)
         return Pending(self.fragment, self.index, self.path_keys + (key,), self.call, sub, self.trip, spread)
 
     def _missing(self, key: Any, kind: type[VersionedStateError], what: str) -> VersionedStateError:

@@ -125,7 +125,7 @@ class Remote:
     given: frozenset[str] = frozenset()
     # a learner whose calls from several loop processes are gathered as they arrive (max_lag >= 1):
     # a call with no env step since the previous one (the trace saw none) is refused where it is made
-    gathered: str = ""   # the policy, for the message
+    gathered: str = ""   # how the policy gathers them, for the message (see called_again)
 
 
 @dataclass(frozen=True)
@@ -349,6 +349,18 @@ def _logged(graph: Graph, fragment: str, group: set[str]) -> tuple[Logged, ...]:
     return tuple(Logged(index, keys, tuple(names)) for (index, keys), names in parts.items())
 
 
+def called_again(learner: str, how: str, gathered: str, where: Any) -> PlacementError:
+    """A learner called again with no env step since its previous call, where ``gathered`` (the
+    policy takes the loop processes' calls as they arrive) would merge a process's two calls."""
+    return PlacementError(
+        f"learner '{learner}' is called again with no environment step since its previous call ({how}), but "
+        f"{gathered}: a process's second call could be merged with its first into one update, and the run would "
+        "make fewer updates, each on one process's data twice, than the program does", where=where,
+        fix="take those steps inside the learner (loop over the epochs or samples in the learner fragment and call "
+            "it once per trip), or run with max_lag=0 (one call of each process per update, in order), with one "
+            "acting process (actors=1 or env_workers=1), or with --policy pipelined")
+
+
 def _name(keys: tuple[Any, ...]) -> str:
     return "/".join(str(k) for k in keys)
 
@@ -502,24 +514,16 @@ def lower(placed: PlacedGraph) -> Lowered:
                 fix=f"make a fragment per state (learn_b = ff.fragment('learner', writes=..., name='{who}_b')"
                     f"({who}.fn)) and call each on its own state, or run with max_lag=0 (one call of each process "
                     "per update, in order), with one acting process, or with --policy pipelined")
-        again = graph.learner_again
-        if again is not None and again[0] in members and loop.replicas > 1 and gather != "ordered" and lag > 0:
-            raise PlacementError(
-                f"learner '{again[0]}' is called again with no environment step since its previous call (several "
-                f"learner steps on one rollout, or on several samples of one trip), but policy '{placed.policy}' "
-                f"gathers the calls of its {loop.replicas} loop processes as they arrive (max_lag={lag}): a "
-                "process's second call could be merged with its first into one update, and the run would make "
-                "fewer updates, each on one process's data twice, than the program does",
-                where=again[1],
-                fix="take those steps inside the learner (loop over the epochs or samples in the learner fragment "
-                    "and call it once per trip), or run with max_lag=0 (one call of each process per update, in "
-                    "order), with one acting process (actors=1 or env_workers=1), or with --policy pipelined")
         if loop.replicas > 1 and gather != "ordered" and lag > 0:
-            for name in members:
+            gathered = (f"policy '{placed.policy}' gathers the calls of its {loop.replicas} loop processes as they "
+                        f"arrive (max_lag={lag})")
+            again = graph.learner_again
+            if again is not None and again[0] in members:
+                raise called_again(again[0], "several learner steps on one rollout, or on several samples of one trip",
+                                   gathered, again[1])
+            for name in members:   # (and one the loop first calls so after the trace, at the call: see the loop)
                 if name in remote and graph.node(name).role == "learner":
-                    remote[name] = replace(remote[name], gathered=f"{placed.policy}' gathers the calls of its "
-                                                                  f"{loop.replicas} loop processes as they arrive "
-                                                                  f"(max_lag={lag}")
+                    remote[name] = replace(remote[name], gathered=gathered)
         base = ServiceProgram(group.name, _threads(graph, group, processes), loop.replicas, group.nodes, tuple(rings),
                               tuple(publish), logs, clock, gather == "ordered" or lag == 0, overflow, lag,
                               tuple(sorted(held)), tuple(replies),

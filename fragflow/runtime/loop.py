@@ -50,6 +50,7 @@ from fragflow.errors import (
 )
 from fragflow.lowering import LoopProgram
 from fragflow.lowering.disciplines import Exact
+from fragflow.lowering.program import called_again
 from fragflow.runtime import calls, heap, kernels, received
 from fragflow.runtime.looplogs import LoopLogs
 from fragflow.runtime.remotechecks import RemoteChecks
@@ -683,15 +684,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
             again = (route.primary or frag.role == "learner") and not self._stepped
             steps = int(getattr(self.reporter, "total_steps", 0))
             if again and route.gathered and steps and self._learned_at.get(name) == steps:   # (no env at all: see calls)
-                raise PlacementError(
-                    f"learner '{name}' is called again with no environment step since its previous call (several "
-                    f"learner steps on one rollout, first after the trace, which saw one call a trip), but policy "
-                    f"'{route.gathered}): a process's second call could be merged with its first into one update, "
-                    "and the run would make fewer updates, each on one process's data twice, than the program does",
-                    where=user_callsite(),
-                    fix="take those steps inside the learner (loop over the epochs or samples in the learner fragment "
-                        "and call it once per trip), or run with max_lag=0 (one call of each process per update, in "
-                        "order), with one acting process (actors=1 or env_workers=1), or with --policy pipelined")
+                raise called_again(name, "several learner steps on one rollout, first after the trace, which saw one "
+                                         "call a trip", route.gathered, user_callsite())
             self._learned_at[name] = steps
             ring.put(leaves, version, tag=self._seq, aux=calls.pack_aux(sid, call, self.cut, again), order=self._ticket,
                      steps=steps)
