@@ -282,6 +282,26 @@ def test_split_and_uniform_draw_the_same_numbers_for_a_few_keys_as_for_many():
             assert u.dtype == np.float64 and np.array_equal(ffr.uniform(sub, shape)[5:7], u)
 
 
+def test_keys_stay_known_while_they_live_however_many_steps_split_them():
+    # a loop splits its keys at every step: the table of keys made drops the dead ones as it grows,
+    # never a live one (a checkpoint saves the loop's keys as keys), and keys of their own (a
+    # learner's noise) split into keys of their own
+    from fragflow.api import random as R
+
+    kept = ffr.keys(1, np.arange(2))
+    own = R._per_env(ffr.keys(1, np.arange(7)).copy(), env=False)   # (as a trace makes them for no env's ids)
+    assert R.is_key(kept) and R.is_key(own) and R._not_env.holds(own) and not R._not_env.holds(kept)
+    key = kept
+    for _ in range(5000):   # several prunings of the table
+        key, sub = ffr.split(key)
+        assert R.is_key(sub)
+    assert R.is_key(kept) and R.is_key(key)
+    assert not R.is_key(kept.copy()) and not R.is_key(np.zeros(2, np.uint64))
+    assert len(R._issued._refs) < 4096   # the dead steps' keys were dropped
+    a, b = ffr.split(own)
+    assert R._not_env.holds(a) and R._not_env.holds(b) and not R._not_env.holds(sub)
+
+
 def test_an_outputs_skeleton_keeps_what_has_no_array_and_leaves_other_sequences_to_their_paths():
     import collections
 

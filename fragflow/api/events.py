@@ -88,6 +88,11 @@ class EventSources:
                 counter.returns = counter.lengths = None
         return self._counters[key]
 
+    def steady(self, frag: Any) -> bool:
+        """Whether :meth:`of` answers the same for every later call of ``frag`` (it was asked once:
+        all but a reset, whose call ends the episodes under way in its group's counters)."""
+        return id(frag) in self._counters and id(frag) not in self._resets
+
 
 def _group(frag: Any) -> object:
     """The environments a user's env fragment steps: its object's, or its module's."""

@@ -58,19 +58,46 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z
 
 
-_issued: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
-_not_env: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()   # keys not one per env
+class _Known:
+    """Arrays known by identity while they live: weak references by ``id``, the dead ones dropped
+    as the table grows (a ``WeakValueDictionary`` entry costs a microsecond more: a loop registers
+    two keys at every step)."""
+
+    __slots__ = ("_refs", "_prune_at")
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[np.ndarray]] = {}
+        self._prune_at = 1024
+
+    def add(self, arr: np.ndarray) -> None:
+        refs = self._refs
+        refs[id(arr)] = weakref.ref(arr)
+        if len(refs) >= self._prune_at:
+            for k in [k for k, ref in refs.items() if ref() is None]:
+                del refs[k]
+            self._prune_at = max(1024, 2 * len(refs))
+
+    def holds(self, x: object) -> bool:
+        ref = self._refs.get(id(x))
+        return ref is not None and ref() is x
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
+
+_issued = _Known()
+_not_env = _Known()   # keys not one per env
 
 
 def is_key(x: object) -> bool:
     """Whether ``x`` is a key array this module made (a checkpoint saves the loop's keys)."""
-    return isinstance(x, np.ndarray) and _issued.get(id(x)) is x
+    return isinstance(x, np.ndarray) and _issued.holds(x)
 
 
 def as_key(arr: np.ndarray) -> np.ndarray:
     """``arr`` (keys a checkpoint saved, loaded back) known as a key again: a checkpoint taken
     before the loop splits it saves it as one."""
-    _issued[id(arr)] = arr
+    _issued.add(arr)
     return arr
 
 
@@ -78,9 +105,9 @@ def _per_env(arr: np.ndarray, env: bool = True) -> np.ndarray:
     """Tell a tracer that ``arr`` has the environments on axis 0 (keys are per environment), so a
     policy that splits the environments across processes splits keys that cross with them; and
     remember it is a key. ``env`` False: keys of another kind (a learner's noise), left whole."""
-    _issued[id(arr)] = arr
+    _issued.add(arr)
     if not env:
-        _not_env[id(arr)] = arr
+        _not_env.add(arr)
         return arr
     hint = getattr(context.current(), "hint_axis", None)
     if hint is not None:
@@ -103,7 +130,7 @@ _SPLIT_A_INT, _SPLIT_B_INT = int(_SPLIT_A), int(_SPLIT_B)
 
 def split(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent key arrays from one: ``key, sub = split(key)``."""
-    env = not _not_env or _not_env.get(id(key)) is not key   # (keys of their own split into keys of their own)
+    env = not _not_env or not _not_env.holds(key)   # (keys of their own split into keys of their own)
     if key.size <= _SMALL:   # the same numbers with Python's integers (a step of one env: a few microseconds)
         ints = key.ravel().tolist()
         a = np.array([_mix_int(k ^ _SPLIT_A_INT) for k in ints], dtype=np.uint64).reshape(key.shape)

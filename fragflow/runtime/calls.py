@@ -340,13 +340,15 @@ def _same_spec(leaf: Any, spec: TensorSpec) -> bool:
 
 
 def check_write(value: Any, traced: dict[str, TensorSpec] | None, fragment: str, state: str, update: int,
-                where: Where, finite: bool, shape: Any = None) -> None:
+                where: Where, finite: bool, shape: Any = None, every: int | None = None) -> None:
     """The checks of a learner's new state: its structure (``shape``, where given) at every update;
     its specs and finiteness, over one walk of its leaves, at the updates :func:`is_checked` picks
-    (``where`` may be a callable: it is called only to report an error)."""
+    (``every``: :func:`check_every`, as the caller read it once; ``where`` may be a callable: it is
+    called only to report an error)."""
     if shape is not None:
         check_structure(value, shape, fragment, state, update, where)
-    every = check_every()
+    if every is None:
+        every = check_every()
     if not is_checked(update, every) or (traced is None and not finite):
         return
     leaves = leaf_paths(value)

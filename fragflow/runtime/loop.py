@@ -76,6 +76,8 @@ class Reporter(Protocol):
 # The stamp of a call that depends on no version of any state (the loop reads none and no inference
 # answers it: a random or fixed behaviour policy): never stale, whatever the learner's version.
 UNVERSIONED = -1
+_ASK = object()
+_HANDLES = frozenset({Versioned, VersionedView})   # (neither has subclasses: a type's lookup is the fast test)
 
 
 def allow_nonfinite() -> bool:
@@ -111,6 +113,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._names = InstanceNames()
         self._state_names = InstanceNames()
         self._node_of: dict[int, tuple[Fragment, str, bool]] = {}
+        self._events_of: dict[int, Any] = {}   # a plain fragment's events function, once asked (see _plain)
         self.events = EventSources()
         self.resources: list[Any] = []
         self.current: str | None = None   # the fragment being called (None: the loop's own code runs)
@@ -148,6 +151,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         # module data each fragment served elsewhere reaches, as it was when the fragment was sent there
         self._reached: dict[str, Reached] = {}
         self._every = calls.check_every()
+        self._finite = not allow_nonfinite()   # (read once, as _every: a learner's writes are checked at each update)
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
         self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
         self._skeletons: dict[tuple[str, Any], int] = {}
@@ -394,16 +398,28 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         args, kwargs, reads = self._resolved(args, kwargs)
         if self._eval_obs is not None and frag.role == "actor" and self.program.replicas > 1:
             self._training_keys_on_evaluation(name, args, kwargs)
+        settled, depth = kernels.settled, kernels.depth   # (kernels.in_fragment's work, without its two calls)
         try:
-            with kernels.in_fragment:
+            if not settled[0]:
+                kernels.settle()
+            depth.n += 1
+            try:
                 out = frag.fn(*args, **kwargs)
+            finally:
+                depth.n -= 1
+                if not settled[0]:
+                    kernels.settle()
         except Exception as exc:
             self._failed(exc, frag, name, args, kwargs, reads)
             raise
         if reads and self._watched:
             for state in self._watched:
                 received.check_unchanged(self._watched, self._drawn, state, name)
-        events = self.events.of(frag)
+        events = self._events_of.get(id(frag), _ASK)
+        if events is _ASK:
+            events = self.events.of(frag)
+            if self.events.steady(frag):   # (a reset's is asked at each call: it ends the episodes under way)
+                self._events_of[id(frag)] = events
         if events is not None:
             n, finished = events(out)
             self.reporter.env_step(n, finished, False)
@@ -440,13 +456,13 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         and whether there was any."""
         reads = False
         for a in args:
-            if isinstance(a, (Versioned, VersionedView)):
-                args, reads = tuple(self._resolve(a) for a in args), True
+            if type(a) in _HANDLES:
+                args, reads = tuple([self._resolve(a) if type(a) in _HANDLES else a for a in args]), True
                 break
         if kwargs:
             for v in kwargs.values():
-                if isinstance(v, (Versioned, VersionedView)):
-                    kwargs, reads = {k: self._resolve(v) for k, v in kwargs.items()}, True
+                if type(v) in _HANDLES:
+                    kwargs, reads = {k: self._resolve(v) if type(v) in _HANDLES else v for k, v in kwargs.items()}, True
                     break
         return args, kwargs, reads
 
@@ -503,8 +519,8 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
 
     def _check_write(self, fragment: str, state: str, value: Any) -> None:
         traced = self.checks.get("state", {}).get((fragment, state))
-        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite, not allow_nonfinite(),
-                          self._shapes.get(state))
+        calls.check_write(value, traced, fragment, state, self.update + 1, user_callsite, self._finite,
+                          self._shapes.get(state), self._every)
 
     def _version(self) -> int:
         """The parameter version of the current rollout, chosen at its first read."""
@@ -528,8 +544,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
     def _resolve(self, x: Any) -> Any:
         if not isinstance(x, (Versioned, VersionedView)):
             return x
-        handle = x if isinstance(x, Versioned) else x.handle
-        path = () if isinstance(x, Versioned) else x.path
+        handle, path = (x, ()) if type(x) is Versioned else (x.handle, x.path)
         local = self._states.get(handle.name, handle)
         b = self.program.reads.get(handle.name) if self.endpoints is not None else None
         if b is None:

@@ -85,7 +85,11 @@ def _named_leaves(tree: Any, name: str, nones: bool = False) -> Iterator[tuple[s
 def _number(leaf: Any) -> float:
     """A scalar leaf as a float: a number, or an array or tensor of one element (any shape: the
     trace lets ff.log take ``np.ones(1) * x``, which numpy's float() refuses)."""
-    return float(leaf) if isinstance(leaf, (int, float)) else float(np.asarray(to_numpy(leaf)).reshape(()))
+    if isinstance(leaf, (int, float)):
+        return float(leaf)
+    if type(leaf).__name__ == "Tensor" and type(leaf).__module__ == "torch" and not leaf.is_complex():
+        return float(leaf.detach().reshape(()).item())   # (a plain tensor: its one number, without a numpy copy)
+    return float(np.asarray(to_numpy(leaf)).reshape(()))
 
 
 def scalars_in(tree: Any) -> dict[str, float | None]:

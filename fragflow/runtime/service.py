@@ -112,6 +112,8 @@ class ServiceRunner(Outgoing, Gathering):
         self.skeletons: dict[tuple[int, int], Any] = {}
         self.states: dict[str, Any] = {}
         self._shapes: dict[str, Any] = {}   # each state's structure, as it came (a learner's new state keeps it)
+        self._every = calls.check_every()   # (read once: a learner's writes are checked at each update)
+        self._finite = not allow_nonfinite()
         self.outputs: dict[str, Any] = {}
         self._calls_made: dict[tuple[int, str], int] = {}   # (replica, fragment): the number of its last call taken
         self._calls_saved: dict[tuple[int, str], int] = {}   # ... (resumed) as the checkpoint has them
@@ -500,8 +502,8 @@ class ServiceRunner(Outgoing, Gathering):
             new_value = ordered_like(self.states.get(state), out[0] if isinstance(out, tuple) else out)
             traced = self.checks.get("state", {}).get((fragment, state))
             where = self.checks.get("called_at", {}).get(fragment)
-            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, not allow_nonfinite(),
-                              self._shapes.get(state))
+            calls.check_write(new_value, traced, fragment, state, self.version + 1, where, self._finite,
+                              self._shapes.get(state), self._every)
             self.states[state] = new_value
             if self.reducer is not None:   # (a module the learner made anew has parameters of its own to average)
                 self.reducer.watch(new_value, state, self.states)
