@@ -217,6 +217,7 @@ def _placed(graph: Graph, fragments: dict[str, Fragment], spec: Any, options: An
     checks = state_checks(graph)
     checks["called_at"] = {n.name: n.called_at for n in graph.fragments()}
     checks["arity"] = {n.name: n.arity for n in graph.fragments()}   # (the loop unpacks that many outputs)
+    checks["torch_mode"] = {n.name: n.torch_mode for n in graph.fragments() if n.torch_mode}   # (a served call runs in it)
     checks["kinds"] = {n.name: n.out_kinds for n in graph.fragments() if n.out_kinds is not None}   # (... of the kinds traced)
     checks["loops"] = graph.loops   # (a fragment first called after the trace: defined in one?)
     checks["guarded_at"] = {n.name: guard for n in graph.fragments() if (guard := guard_of(n.called_at, graph.loops))}

@@ -5926,3 +5926,83 @@ def test_a_global_optimizer_of_the_versioned_networks_parameters_is_refused(writ
                                              rf"'state' through the global 'OPT'.*\n  at {path}:{marks['learn']}\n"
                                              rf"  fix: .*an optimizer of the state's parameters belongs in it"):
         ff.run(program.train, program.args_cls(), policy="pipelined")
+
+
+TORCH_MODE_AROUND_CALLS = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    mode: str = "no_grad"
+
+@ff.fragment("actor")
+def act(net, obs):
+    return net(torch.as_tensor(obs)).float().numpy().argmax(-1)     # (.numpy() of a tensor that needs no gradient)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    net, opt = state["net"], state["opt"]
+    loss = net(torch.as_tensor(batch["obs"])).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    return state, {"loss": loss.detach()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for u in range(3):
+        for t in range(4):
+            if args.mode == "autocast":
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    a = act(state["net"], obs).astype(np.int64)   # @act_autocast
+            elif args.mode == "some" and t == 0:
+                with torch.inference_mode():
+                    a = act(state["net"], obs)   # @act_inference
+            else:
+                with torch.no_grad():   # as CleanRL acts
+                    a = act(state["net"], obs)   # @act
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+"""
+
+
+def test_an_actor_called_under_no_grad_in_the_loop_runs_so_where_it_is_served(write_algo):
+    """CleanRL's `with torch.no_grad():` around the actor's call, in the loop: a served actor ran with
+    gradients on in its own process, where `.numpy()` of its output failed (probe helper); it runs
+    in the loop's mode there, with single_process's result."""
+    path, _ = write_algo(TORCH_MODE_AROUND_CALLS)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    for policy in ("central_inference", "central_inference(env_workers=2)"):
+        result = ff.run(program.train, program.args_cls(), policy=policy)
+        assert same_tree(result.value, expected.value)
+    assert shm_leftovers() == []
+
+
+@pytest.mark.parametrize(("mode", "mark", "says"), [
+    ("autocast", "act_autocast", "torch.autocast('cpu', dtype=torch.bfloat16)"),
+    ("some", "act_inference", "some of its calls and not others"),
+])
+def test_a_served_call_in_a_mode_its_process_cannot_take_is_refused_at_the_loops_line(write_algo, mode, mark, says):
+    """An autocast around a served call (it would compute in float32 apart), or gradients off around
+    some of its calls only: refused where the loop calls it, with the fix; single_process runs it."""
+    path, marks = write_algo(TORCH_MODE_AROUND_CALLS)
+    program = load(str(path))
+    args = program.args_cls(mode=mode)
+    ff.run(program.train, args, policy="single_process")
+    with pytest.raises(PlacementError) as err:
+        ff.run(program.train, args, policy="central_inference")
+    assert str(err.value.where).endswith(f"algo.py:{marks[mark]}")
+    assert says in str(err.value) and ("inside 'act'" in err.value.fix or "set the mode inside it" in err.value.fix)
+    assert "actor_learner" not in str(err.value)   # (a policy acting where the loop runs takes it as it is)
+    ff.run(program.train, args, policy="actor_learner(actors=2, max_lag=0)")
+    assert shm_leftovers() == []

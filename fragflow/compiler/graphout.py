@@ -41,6 +41,7 @@ def graph_of(t: Tracer, name: str, defined_at: SourceLoc | None) -> Graph:
                           reads_captured=rec.reads_captured, other_rows=rec.other_rows,
                           other_rows_evaluation=rec.other_rows_n not in t._env_sizes,
                           other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
+                          torch_mode=rec.torch_mode[0], torch_mode_at=rec.torch_mode[1],
                           reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
                                                       if id(value) not in t._changed_data
                                                       and id(value) not in t._state_objects)),

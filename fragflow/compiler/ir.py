@@ -111,6 +111,9 @@ class Node:
     other_inputs: str = ""         # also given an argument of another shape: which, where
     module_arg: tuple[str, str, SourceLoc | None] | None = None   # given an nn.Module: (argument path, type, where)
     loop_changes: str = ""         # module data its code reaches that the loop changed between its calls
+    torch_mode: str | None = None  # torch's mode around its calls from the loop where not the default (torch.no_grad(),
+                                   # an autocast; "" where some calls had it and some not)
+    torch_mode_at: SourceLoc | None = None   # ... and where the loop first called it so
     reaches: tuple[str, ...] = ()  # module data its code reaches that no fragment changes (checked in the run)
 
 

@@ -79,6 +79,9 @@ class NodeRec:
     other_rows_n: int | None = None   # ... and that number
     other_inputs: str = ""    # it was also given an argument of another shape (two rollouts' sizes): which, where
     module_arg: tuple[str, str, SourceLoc | None] | None = None   # an nn.Module given as (part of) an argument
+    # torch's mode around its calls from the loop where not the default ("torch.no_grad()", an autocast;
+    # "" where it varied between calls, None where never other), with where the first such call was
+    torch_mode: tuple[str | None, SourceLoc | None] = (None, None)
     repeat: Repeat | None = None   # its last call, where the next one like it need not be recorded again
     repeated: bool = False         # its last call was like that one (its arguments from the same places)
 

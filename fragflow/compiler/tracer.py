@@ -53,7 +53,7 @@ from fragflow.compiler.recording import LOOP, EdgeRec, NodeRec, Repeat, strong
 from fragflow.compiler.repeats import _NOT_REPEATED, _leaf_list, _state_param
 from fragflow.compiler.statebook import StateBook, _StateRec
 from fragflow.compiler.statecheck import fingerprint, grad_flags
-from fragflow.compiler.watchers import StateUse, ThreadsSet
+from fragflow.compiler.watchers import StateUse, ThreadsSet, torch_mode
 from fragflow.compiler.window import TraceWindow
 from fragflow.context import InstanceNames
 from fragflow.errors import (
@@ -279,6 +279,12 @@ class Tracer(StateBook):
             return interp.call(frag, args, kwargs)
         window = self.window.window
         rec.calls[window] += 1
+        mode = torch_mode()
+        if mode is not None or rec.torch_mode[0] is not None:   # (torch's mode around the call, where not the default)
+            if sum(rec.calls) == 1:
+                rec.torch_mode = (mode, where or user_callsite())
+            elif mode != rec.torch_mode[0]:
+                rec.torch_mode = ("", rec.torch_mode[1] or where or user_callsite())
         if frag.role == "logger":
             # metrics.csv's columns in the order the loop logs them, whichever process's values reach
             # the driver first in a run over several

@@ -67,6 +67,25 @@ class ThreadsSet:
         return out
 
 
+def torch_mode() -> str | None:
+    """torch's mode a call from the loop runs in, where not the default: the context that set it
+    (``torch.no_grad()``, ``torch.inference_mode()``, an autocast), as the user would write it;
+    None: gradients on and no autocast, or no torch imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    modes = []
+    if torch.is_inference_mode_enabled():
+        modes.append("torch.inference_mode()")
+    elif not torch.is_grad_enabled():
+        modes.append("torch.no_grad()")
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+            modes.append(f"torch.autocast({device!r}, dtype=torch.{dtype})")
+    return " and ".join(modes) or None
+
+
 def watch_env_makers(into: set[tuple[SourceLoc, int | None]],
                      line_now: Callable[[], int | None] = lambda: None) -> Callable[[], None]:
     """Note in ``into`` where the user's code made an environment it then steps, with

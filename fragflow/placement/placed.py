@@ -429,6 +429,21 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 where=n.defined_at,
                 fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the "
                     "call, or run with --policy single_process")
+        if n.name in service and n.torch_mode is not None and (not n.torch_mode or "autocast" in n.torch_mode):
+            # (gradients off around every call: the process that runs it turns them off as the loop did)
+            how = (f"with {n.torch_mode} around its calls" if n.torch_mode else
+                   "with torch's mode around some of its calls and not others (torch.no_grad(), an autocast)")
+            raise PlacementError(
+                f"{n.role} fragment '{n.name}' is called from the loop {how} (at {n.torch_mode_at}), but policy "
+                f"'{policy}' runs it in another process, where the loop's mode does not reach: "
+                + ("it would compute in float32 where eagerly it computes in the autocast's dtype" if n.torch_mode
+                   else "each call there runs in the one mode its process is given"),
+                where=n.torch_mode_at,
+                fix=(f"enter the autocast inside '{n.name}' (`with torch.autocast(...):` around its body, as its own "
+                     "part of the work)" if n.torch_mode else
+                     f"call '{n.name}' the same way every time, or set the mode inside it (`with torch.no_grad():` "
+                     "around its body)") + ", or run with --policy single_process or a policy that runs it where the "
+                    "loop runs")
         if n.name in service and n.captures_state:
             raise PlacementError(
                 f"{n.role} fragment '{n.name}' reaches an object of the versioned state {n.captures_state} instead "

@@ -17,6 +17,7 @@ outputs the graph sends to ``ff.log`` are reported with the update.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -413,6 +414,17 @@ class ServiceRunner(Outgoing, Gathering):
                     "buffer of its own that it appends to), or run with --policy single_process")
         return kept[max(ran)]
 
+    def _torch_mode(self, fragment: str) -> Any:
+        """The mode the loop called ``fragment`` in, where it turned gradients off around every call (a
+        served actor called inside ``with torch.no_grad():``, as CleanRL acts): its calls run in it
+        here too, as eagerly (the placement refuses an autocast, or a mode some calls had and some not)."""
+        mode = self.checks.get("torch_mode", {}).get(fragment)
+        if not mode or "autocast" in mode:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.inference_mode() if mode == "torch.inference_mode()" else torch.no_grad()
+
     def _execute(self, fragment: str) -> None:
         pieces = self.pools.pop(fragment)
         if not self.program.ordered:
@@ -460,14 +472,14 @@ class ServiceRunner(Outgoing, Gathering):
                                              given=self._unbatched(fragment, leaves) if self.program.ordered else ()) \
                             as written:
                         t1 = time.perf_counter_ns()
-                        with kernels.in_fragment:
+                        with kernels.in_fragment, self._torch_mode(fragment):
                             out = frag.fn(*bound.args, **bound.kwargs)
                         self.reducer.timing["call_ns"] += time.perf_counter_ns() - t1
                         # (the learners compare the new states they made as the update ends)
                         written.state = out[0] if isinstance(out, tuple) else out
                         written.name = skel_state_name(skel, frag.writes)
                 else:
-                    with kernels.in_fragment:
+                    with kernels.in_fragment, self._torch_mode(fragment):
                         out = frag.fn(*bound.args, **bound.kwargs)
         except FragflowError:
             raise
