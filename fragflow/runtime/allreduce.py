@@ -149,7 +149,9 @@ class GradientAllReduce:
 
         call = self.call
         loop = self.left_loop.get(call.fragment) if call is not None else None
-        return ConfigError(
+        from fragflow.runtime.replicas import apart
+
+        return apart(ConfigError(
             f"learner(s) {', '.join(map(str, ended))} ended their run (every loop replica they serve left the "
             f"training loop) while learner {self.rank} still updated"
             + (f" in '{call.fragment}'" if call is not None else "")
@@ -157,7 +159,7 @@ class GradientAllReduce:
               "left the loop" + left_apart(loop),
             where=left_at(loop) or (call.called_at if call is not None else None),
             fix="end the loop on a count every replica shares (updates, the configured total of steps), or run "
-                "with one learner (learners=1) or a single-learner policy")
+                "with one learner (learners=1) or a single-learner policy"))
 
     def _check_peers(self) -> None:
         """While waiting for the others in a shared-memory sum: raise where one of them will not come

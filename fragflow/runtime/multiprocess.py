@@ -514,6 +514,8 @@ class Driver(DriverCheckpoints):
                 except Exception:
                     cause = None
             if isinstance(cause, FragflowError):
+                if role != "actor" and getattr(cause, "replicas_apart", False):
+                    self._replica_failure_first()
                 raise cause
             if isinstance(cause, (SystemExit, KeyboardInterrupt)):
                 raise ProgramExit(cause, role)
@@ -522,6 +524,24 @@ class Driver(DriverCheckpoints):
                 first = (tb.strip().splitlines() or [""])[-1]
                 raise WorkerDied(f"{dead} without reporting an error; {exc.args[0].splitlines()[0]} {first}") from None
             raise exc from cause
+
+    def _replica_failure_first(self, wait: float = 2.0) -> None:
+        """A service found loop replicas that left the loop apart: where one of them left because its
+        program raised (it closes its channels, then reports), report that error, which follows at
+        once, not its consequence (handled here: it raises)."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                msg = self.wiring.results.get(timeout=min(left, 0.05))
+            except queue.Empty:
+                continue
+            if msg[0] == "error" and msg[1] == "actor":
+                self._handle(msg)
+            elif msg[0] != "error":
+                self._handle(msg)
 
     def _process_name(self, role: str, index: int, fragment: str | None) -> str:
         """A worker by its part in the placement: the loop's replicas only step environments where every

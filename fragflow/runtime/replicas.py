@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -175,7 +175,7 @@ class ReplicaChecks:
         values = "data of its own environments" + (
             ", or an evaluation of the version it acts with, which differs between replicas that act with the "
             "newest version" if not self.program.ordered and self.checks.get("evaluates") else "")
-        return ConfigError(
+        return apart(ConfigError(
             f"loop replica(s) {', '.join(map(str, ended))} ended the training loop while replica(s) "
             f"{', '.join(map(str, going))} still called '{fragment}', whose calls gather one from each replica "
             "(or, gathered as they arrive, a piece of several): the replicas left the loop"
@@ -183,7 +183,7 @@ class ReplicaChecks:
             + f", or call '{fragment}'{f' (at {called_at})' if called_at else ''} under an `if` on such "
             f"data{f' (the `if` at {guard})' if guard else ''} (calls of it taken: {made})",
             where=(left_at(loop) if not guard else loop[0] if loop else None) or called_at,
-            fix=self._leaving_fix())
+            fix=self._leaving_fix()))
 
     def _leaving_fix(self) -> str:
         """How to leave the loop at the same trip in every replica: on a count they share, or, where an
@@ -371,3 +371,14 @@ class ReplicaChecks:
                 fix="run with one acting process (actors=1) or max_lag=0, whose calls are taken in order, or "
                     "pass per-environment data through ff.ReplayBuffer or ff.RolloutBuffer (which declare "
                     "their batch axes)")
+
+
+_E = TypeVar("_E", bound=FragflowError)
+
+
+def apart(err: _E) -> _E:
+    """``err`` marked as what a service sees of loop replicas that left the loop apart: a replica
+    whose program raised closes its channels too (its calls are learned from), and the driver then
+    reports that replica's own error, which follows at once, rather than this consequence of it."""
+    err.replicas_apart = True   # type: ignore[attr-defined]
+    return err
