@@ -249,3 +249,82 @@ def test_set_extra_state_gets_its_values_in_the_modules_own_order_and_type():
     learner, actor = Counted(7, 0.5), Counted(0, 1.0)
     unflatten_into(actor, flatten(learner)[0])
     assert (actor.steps, actor.scale) == (7, 0.5)
+
+
+PLAIN_ATTRIBUTE = '''
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    read: bool = True
+
+class QNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+        self.epsilon = 1.0          # exploration rate kept on the module
+        self.last_loss = 0.0        # (a note of the learner's own, which no actor reads)
+
+@ff.fragment("actor")
+def act(q, obs, key):
+    u = ff.random.uniform(key, (2,))
+    with torch.no_grad():
+        greedy = q.fc(torch.as_tensor(obs)).argmax(-1).numpy()
+    return np.where(u[:, 0] < q.epsilon, (u[:, 1] * 2).astype(np.int64), greedy)
+
+@ff.fragment("actor")
+def act_plain(q, obs, key):
+    with torch.no_grad():
+        return q.fc(torch.as_tensor(obs)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")   # @learn
+def learn(state, batch, read):
+    if read:
+        state["q"].epsilon = max(0.05, state["q"].epsilon * 0.5)   # the learner anneals it
+    state["q"].last_loss = float(batch["obs"].mean())
+    return state, {"obs": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    state = ff.versioned({"q": QNet()})
+    buf = ff.RolloutBuffer(2)
+    key = ff.random.keys(0, env.ids)
+    obs = env.reset()
+    for _ in range(4):
+        for _ in range(2):
+            key, sub = ff.random.split(key)
+            a = act(state["q"], obs, sub) if args.read else act_plain(state["q"], obs, sub)
+            obs, r, term, trunc, info = env.step(a)
+            buf.add(obs=obs)
+        state, m = learn(state, buf.collect(), args.read)
+        ff.log(m)
+    return state
+'''
+
+
+def test_a_plain_attribute_a_learner_changes_and_an_actor_apart_reads_is_refused(write_algo):
+    """`self.epsilon = 1.0` on a module in the state, annealed by the learner and read by the actor: a
+    version carries parameters and buffers, so an actor apart acted with 1.0 throughout, without a
+    word (probe helper: single_process 1, 0.5, 0.25, 0.125; pipelined(max_lag=0) 1, 1, 1, 1). Refused
+    where the actor runs apart, naming the attribute and the fix; run where the actor shares the
+    learner's process; an attribute no actor's code reads (the learner's own note) is not refused."""
+    from fragflow.errors import PlacementError
+    from tests.test_multiprocess import same_tree, shm_leftovers
+
+    path, marks = write_algo(PLAIN_ATTRIBUTE)
+    program = load(str(path))
+    expected = ff.run(program.train, program.args_cls(), policy="single_process")
+    for policy in ("pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)", "async_relaxed"):
+        with pytest.raises(PlacementError) as err:
+            ff.run(program.train, program.args_cls(), policy=policy)
+        assert "learner 'learn' changes state['q'].epsilon (a float attribute of QNet)" in str(err.value)
+        assert "actor fragment 'act'" in str(err.value) and "register_buffer" in err.value.fix
+        assert str(err.value.where).endswith(f"algo.py:{marks['learn']}")
+    served = ff.run(program.train, program.args_cls(), policy="central_inference")
+    assert same_tree(served.value, expected.value)
+    ff.run(program.train, program.args_cls(read=False), policy="pipelined(max_lag=0)")   # (last_loss: no actor reads it)
+    assert shm_leftovers() == []

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fragflow.compiler.ir import Edge, Graph, Node, NodeKind
+from fragflow.compiler.ir import Edge, EdgeKind, Graph, Node, NodeKind
+from fragflow.compiler.modes import names_read
 from fragflow.compiler.recording import LOOP, NodeRec
 from fragflow.source import SourceLoc
 
@@ -42,6 +43,7 @@ def graph_of(t: Tracer, name: str, defined_at: SourceLoc | None) -> Graph:
                           other_rows_evaluation=rec.other_rows_n not in t._env_sizes,
                           other_inputs=rec.other_inputs, module_arg=rec.module_arg, loop_changes=rec.loop_changes,
                           torch_mode=rec.torch_mode[0], torch_mode_at=rec.torch_mode[1],
+                          plain_attribute=_attribute_readers(t, rec.name),
                           reaches=tuple(dict.fromkeys(label for label, _, _, value, _ in rec.reached or ()
                                                       if id(value) not in t._changed_data
                                                       and id(value) not in t._state_objects)),
@@ -75,3 +77,16 @@ def _splittable(t: Tracer, rec: NodeRec) -> bool:
 
 def _per(count: int, updates: int) -> float:
     return round(count / updates, 4)
+
+
+def _attribute_readers(t: Any, name: str) -> tuple[str, tuple[str, ...]] | None:
+    """A learner's change of a plain attribute of a module in its state, with the fragments (not
+    learners) that read that state and whose code, or the module's class's, may read the attribute."""
+    found = t.modes.attributes.get(name)
+    if found is None:
+        return None
+    state, where, attribute, cls = found
+    reads = {(key[0], key[1]) for key in t._edges if key[2] == EdgeKind.STATE_READ}
+    readers = tuple(sorted(rec.name for rec in t._nodes.values() if rec.role != "learner"
+                           and (state, rec.name) in reads and attribute in names_read(t.fragments[rec.name].fn, cls)))
+    return (where, readers) if readers else None

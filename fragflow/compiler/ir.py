@@ -114,6 +114,9 @@ class Node:
     torch_mode: str | None = None  # torch's mode around its calls from the loop where not the default (torch.no_grad(),
                                    # an autocast; "" where some calls had it and some not)
     torch_mode_at: SourceLoc | None = None   # ... and where the loop first called it so
+    # a learner that changed a plain attribute of a module its state holds (self.epsilon = ..., which a
+    # version does not carry), and the acting fragments whose code may read it: (where, readers)
+    plain_attribute: tuple[str, tuple[str, ...]] | None = None
     reaches: tuple[str, ...] = ()  # module data its code reaches that no fragment changes (checked in the run)
 
 

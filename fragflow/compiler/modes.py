@@ -5,6 +5,7 @@ sets is not the other's, as it is eagerly. Only modules whose mode changes what 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -58,6 +59,94 @@ def changed(was: list[tuple[Any, bool]]) -> list[Any]:
     return [m for m, training in was if m.training != training]
 
 
+def plain_attributes(value: Any, state: str, pname: str) -> list[tuple[str, Any, Any]]:
+    """(where, module, name) of each plain attribute (``self.epsilon = 1.0``: not a parameter, buffer or
+    submodule) of each torch module a state value holds, with what it holds now: a version carries a
+    module's parameters and buffers, not these, so an actor apart never sees a learner change them."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    out: list[tuple[str, Any, Any]] = []
+    stack: list[tuple[str, Any]] = [(f"{state}", value)]
+    seen: set[int] = set()
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, torch.nn.Module):
+            for name, m in x.named_modules():
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                if type(m).get_extra_state is not torch.nn.Module.get_extra_state:
+                    continue   # (its extra state travels with each version: what it holds is the module's to say)
+                where = f"{path}{'.' + name if name else ''}"
+                for k, v in vars(m).items():
+                    if not k.startswith("_") and k != "training" and _plain(torch, v):
+                        out.append((f"{where}.{k}", m, (k, _held(torch, v))))
+        elif isinstance(x, dict):
+            stack.extend((f"{path}[{k!r}]", v) for k, v in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+    return out
+
+
+def _plain(torch: Any, v: Any) -> bool:
+    return isinstance(v, (int, float, complex, torch.Tensor)) or (type(v).__module__ == "numpy" and hasattr(v, "shape"))
+
+
+def _held(torch: Any, v: Any) -> Any:
+    """What an attribute holds, to compare after a call (a tensor's or array's values, copied)."""
+    if isinstance(v, torch.Tensor):
+        return (id(v), v.detach().clone() if v.numel() <= 1 << 16 else None)
+    if hasattr(v, "copy") and hasattr(v, "shape"):
+        return (id(v), v.copy() if v.size <= 1 << 16 else None)
+    return (id(v), v)
+
+
+def _same(torch: Any, before: Any, now: Any) -> bool:
+    (i, a), (j, b) = before, now
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return i == j and (a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)))
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        import numpy as np
+
+        return i == j and np.array_equal(a, b)
+    return type(a) is type(b) and (a == b or (a != a and b != b))
+
+
+def changed_attributes(before: list[tuple[str, Any, Any]]) -> tuple[str, str, type] | None:
+    """The first plain attribute of ``plain_attributes``' list that a call changed: (where, with its
+    type; its name; its module's class), or None."""
+    torch = sys.modules.get("torch")
+    for where, m, (k, held) in before:
+        now = vars(m).get(k)
+        if now is None or not _same(torch, held, _held(torch, now)):
+            kind = type(now if now is not None else held[1]).__name__
+            return f"{where} (a {kind} attribute of {type(m).__name__})", k, type(m)
+    return None
+
+
+def names_read(fn: Any, cls: type) -> set[str]:
+    """The attribute names the code of ``fn`` (its nested functions too) and of ``cls``'s own methods
+    (and its bases', torch's own left out) reads (``x.name`` loaded, not stored: ``__init__``'s
+    ``self.name = ...`` is no read): where a module's plain attribute may be read."""
+    codes = [getattr(getattr(fn, "__func__", fn), "__code__", None)]
+    for klass in getattr(cls, "__mro__", ()):
+        if klass.__module__.startswith("torch") or klass is object:
+            continue
+        for v in vars(klass).values():
+            codes.append(getattr(getattr(v, "__func__", v), "__code__", None))
+    import dis
+
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        names.update(str(i.argval) for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD"))
+        codes.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return names
+
+
 class ModeSet:
     """While a learner is traced: the modules it calls ``.train()``/``.eval()`` on (with their submodules)."""
 
@@ -97,6 +186,8 @@ class ModeBook:
         self._actor_sets: set[int] = set()     # ... an acting fragment sets itself
         self._learner_changes: dict[int, str] = {}   # module -> the learner that left it in another mode
         self._readers: dict[str, tuple[str, str, set[int]]] = {}   # acting fragment -> (state, argument, modules)
+        # learner -> (the state, a plain attribute of one of its modules the learner changed: where; its name; the class)
+        self.attributes: dict[str, tuple[str, str, str, type]] = {}
 
     @contextmanager
     def call(self, name: str, role: str, state_args: list[tuple[str, str]], arguments: dict[str, Any],
@@ -108,8 +199,15 @@ class ModeBook:
         # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
         watching = ModeSet() if state_args and (role == "learner" or read) else None
         entered = [moded(arguments[pname]) for pname, _ in state_args] if role == "learner" else []
+        attributes = [plain_attributes(arguments[pname], state, pname) for pname, state in state_args] \
+            if role == "learner" and name not in self.attributes else []
         with watching if watching is not None else nullcontext():
             yield
+        for held, (_, state) in zip(attributes, state_args):
+            change = changed_attributes(held)
+            if change is not None:
+                self.attributes[name] = (state, *change)
+                break
         if watching is not None and watching.ids:
             for pname, _ in state_args:
                 (self._learner_sets if role == "learner" else self._actor_sets).update(

@@ -429,6 +429,18 @@ def acting_and_learning(graph: Graph, *, policy: str, options: tuple[tuple[str, 
                 where=n.defined_at,
                 fix=f"add a parameter to '{n.name}' and pass the state (or a view such as state['model']) at the "
                     "call, or run with --policy single_process")
+        readers_apart = [r for r in (n.plain_attribute[1] if n.plain_attribute else ()) if r in acting]
+        if n.name in service and readers_apart and n.plain_attribute is not None:
+            first_reader = graph.node(readers_apart[0])
+            raise PlacementError(
+                f"learner '{n.name}' changes {n.plain_attribute[0]}, which {first_reader.role} fragment '{first_reader.name}' "
+                f"may read, but policy '{policy}' runs '{first_reader.name}' apart from the learner: a version carries a "
+                "module's parameters and buffers, not its plain attributes, so it would act with the attribute's "
+                "first value throughout", where=n.defined_at,
+                fix="keep it where a version carries it: a buffer (self.register_buffer('name', torch.tensor(x)), "
+                    "changed in place or assigned a tensor), or an entry of the versioned state (ff.versioned({'q': q, "
+                    "'epsilon': 1.0})); or run with --policy single_process or central_inference (which acts in the "
+                    "learner's process)")
         if n.name in service and n.torch_mode is not None and (not n.torch_mode or "autocast" in n.torch_mode):
             # (gradients off around every call: the process that runs it turns them off as the loop did)
             how = (f"with {n.torch_mode} around its calls" if n.torch_mode else
