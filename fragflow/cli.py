@@ -132,7 +132,7 @@ def _check_callable(program: Any) -> None:
 
         raise ConfigError(
             f"the training function {getattr(program.train, '__name__', 'train')}({', '.join(p.name for p in params)}) needs "
-            f"{', '.join(repr(m) for m in missing)}, which fragflow run cannot give: it calls it with an instance of "
+            f"{', '.join(repr(m) for m in missing)}, which fragflow cannot give: it calls it with an instance of "
             "the dataclass its first parameter is annotated with (else with nothing)", where=program.where,
             fix="annotate the first parameter with a frozen dataclass of settings (def train(args: Args), its fields "
                 "with defaults), and give every other parameter a default")
@@ -143,7 +143,7 @@ def run(
     algorithm: Annotated[str | None, typer.Argument(help="algorithm file (e.g. algorithms/ppo.py) or built-in name (default: ppo, or the one a --resume checkpoint names)")] = None,
     policy: PolicyOpt = None,
     set_: SetOpt = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", "-o", help="run directory (default runs/<algorithm>-<policy>-<time>)")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="run directory (default runs/<algorithm>-<policy>-<time>)")] = None,
     target_return: Annotated[float | None, typer.Option(help="record when the mean return of the last 20 episodes first reaches R")] = None,
     stop_on_target: Annotated[bool, typer.Option(help="stop the run once --target-return is reached")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
@@ -170,6 +170,12 @@ def run(
         from fragflow.placement import registry as policies
         from fragflow.runtime import checkpoint as ckpt
 
+        if out is not None and not out.strip():   # (Path("") is ".": the run's files went into the current folder)
+            from fragflow.errors import ConfigError
+
+            raise ConfigError("--out got an empty path", fix="give the run's directory (--out runs/mine), or leave "
+                                                               "--out out for runs/<algorithm>-<policy>-<time>")
+        out_dir = Path(out) if out is not None else None
         start = ckpt.find(resume) if resume is not None else None
         if start is not None:
             ckpt.refuse_completed(start)

@@ -208,16 +208,33 @@ def _nested(annotation: Any) -> type | None:
 
 
 def _settable(cls: type, prefix: str = "", depth: int = 0) -> list[str]:
-    """The keys --set takes for ``cls``: its fields, a nested dataclass's as ``field.sub``."""
+    """The keys --set takes for ``cls``: its fields, a nested dataclass's as ``field.sub`` (not a field
+    of a type it cannot set, as a dict)."""
     out: list[str] = []
     made = {f.name for f in dataclasses.fields(cls) if not f.init}   # (what the class makes itself: no --set)
     for name, annotation in field_types(cls).items():
         if name in made:
             continue
         sub = _nested(annotation)
-        out.extend(_settable(sub, f"{prefix}{name}.", depth + 1) if sub is not None and depth < 4
-                   else [f"{prefix}{name}"])
+        if sub is not None and depth < 4:
+            out.extend(_settable(sub, f"{prefix}{name}.", depth + 1))
+        elif _takes(annotation):
+            out.append(f"{prefix}{name}")
     return out
+
+
+def _takes(annotation: Any) -> bool:
+    """Whether --set can give a field of this type (what :func:`coerce` refuses of every value: no)."""
+    if isinstance(annotation, Unresolved):
+        return False
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal or annotation in (bool, int, float, str, Any, tuple, list):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes(a) for a in typing.get_args(annotation) if a is not type(None))
+    if origin in (tuple, list):
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, (enum.Enum, pathlib.PurePath))
 
 
 def _default(cls: type, name: str) -> Any:

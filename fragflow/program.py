@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import pkgutil
 import sys
+import traceback
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from fragflow.errors import ConfigError, UnknownFileError, did_you_mean
-from fragflow.source import SourceLoc, definition_of
+from fragflow.source import SourceLoc, definition_of, display_path
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,20 @@ def _import_file(path: Path) -> ModuleType:
         sys.path.insert(0, folder)
     if folder not in USER_FOLDERS:
         USER_FOLDERS.append(folder)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:   # (the file, or a module beside it that it imports)
+        where = SourceLoc.of(exc.filename, exc.lineno) if exc.filename and exc.lineno else None
+        text = (exc.text or "").strip()
+        raise UnknownFileError(f"{display_path(exc.filename) if exc.filename else path} is not valid Python: {exc.msg}" + (f": `{text}`" if text else ""),
+                               where=where, fix="correct that line (`python FILE` reports the same)") from None
+    except ModuleNotFoundError as exc:   # (a module it imports, not installed here)
+        lines = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+        where = SourceLoc.of(lines[-1].filename, lines[-1].lineno) if lines and lines[-1].lineno else None
+        raise UnknownFileError(f"{path} imports {exc.name!r}, which this Python cannot find"
+                               + (f" ({exc})" if exc.name is None else ""), where=where,
+                               fix=f"install it where fragflow runs (pip install ..., in {sys.prefix}), or correct the "
+                                   "module's name; a module beside the file imports as it does with `python FILE`") from None
     return module
 
 
@@ -94,8 +108,8 @@ def from_module(module: ModuleType, name: str) -> Program:
         raise ConfigError(
             f"{getattr(module, '__file__', name)} marks {len(marked)} training functions with @ff.distribute: "
             + ", ".join(f"'{f.__name__}' (at {at})" for f, at in zip(marked, where))
-            + "; fragflow run runs one", where=where[1],
-            fix="keep @ff.distribute on the training function fragflow run should run (the others may stay, "
+            + "; fragflow runs one", where=where[1],
+            fix="keep @ff.distribute on the training function fragflow should run (the others may stay, "
                 "undecorated, or move to a file of their own)")
     train = marked[0] if marked else vars(module).get("train")
     if train is None or not callable(train):

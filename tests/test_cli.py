@@ -197,7 +197,7 @@ def {signature}:
 """)
     res = invoke("run", str(algo), "--out", str(tmp_path / "never"), "--policy", "single_process")
     assert res.exit_code == 2, res.output
-    assert f"needs {missing}, which fragflow run cannot give" in res.stderr and "sig.py:9" in res.stderr
+    assert f"needs {missing}, which fragflow cannot give" in res.stderr and "sig.py:9" in res.stderr
     assert "Traceback" not in res.output and not (tmp_path / "never").exists()
 
 
@@ -309,16 +309,27 @@ def test_an_algorithm_file_imports_the_modules_beside_it_in_every_process(tmp_pa
 
 
 def test_an_error_importing_the_algorithm_file_shows_only_the_users_frames(tmp_path):
-    """A syntax error or a failing import in the user's file: the user's line, none of Python's
-    import machinery (its frozen frames were shown)."""
+    """A syntax error or a module the file imports that is not installed: a usage error (exit 2, one
+    message at the user's line with the fix; they exited 1 with Python's error, probe helper), for
+    `run` and `graph`; an exception the file's own code raises as it is imported is the program's
+    (exit 1), its frames the user's only, none of Python's import machinery."""
     exe = Path(sys.executable).with_name("fragflow")
     (tmp_path / "syntax.py").write_text("import fragflow as ff\ndef train():\n    x = (1,\n    return x\n")
     (tmp_path / "imports.py").write_text("import fragflow as ff\nimport no_such_module_here\ndef train():\n    pass\n")
-    for name, error in (("syntax.py", "SyntaxError"), ("imports.py", "ModuleNotFoundError")):
-        res = subprocess.run([str(exe), "run", str(tmp_path / name), "-q", "--out", str(tmp_path / "run")],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
-        assert res.returncode == 1 and error in res.stderr and f'{tmp_path / name}", line' in res.stderr, res.stderr
-        assert "<frozen" not in res.stderr and "Traceback" not in res.stderr
+    (tmp_path / "raises.py").write_text("import fragflow as ff\nraise RuntimeError('not today')\ndef train():\n    pass\n")
+    for name, says, line in (("syntax.py", "is not valid Python", 3),
+                             ("imports.py", "imports 'no_such_module_here', which this Python cannot find", 2)):
+        for command in ("run", "graph"):
+            out = ["--out", str(tmp_path / "run"), "-q"] if command == "run" else []
+            res = subprocess.run([str(exe), command, str(tmp_path / name), *out],
+                                 capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert res.returncode == 2 and says in res.stderr and f"{name}:{line}" in res.stderr, res.stderr
+            assert "fix:" in res.stderr and "Traceback" not in res.stderr and "<frozen" not in res.stderr
+    res = subprocess.run([str(exe), "run", str(tmp_path / "raises.py"), "-q", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 1 and "RuntimeError: not today" in res.stderr and f'{tmp_path / "raises.py"}", line 2' in res.stderr
+    assert "<frozen" not in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_new_run_in_a_used_directory_replaces_its_outputs_and_writes_strict_json(tmp_path):
@@ -1237,7 +1248,7 @@ def test_a_training_callable_without_a_name_that_needs_arguments_is_a_usage_erro
         res = subprocess.run([str(exe), "run", str(tmp_path / name), "-q", "--out", str(tmp_path / "run")],
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert res.returncode == 2, res.stderr
-        assert f"needs {needs}, which fragflow run cannot give" in res.stderr and "Traceback" not in res.stderr
+        assert f"needs {needs}, which fragflow cannot give" in res.stderr and "Traceback" not in res.stderr
 
 
 TORCH_RAISES = '''
