@@ -6074,3 +6074,61 @@ def test_an_error_in_one_loop_replica_is_the_runs_error_not_the_replicas_leaving
     assert "env 3 broke" in str(err.value) and "ended the training loop" not in str(err.value)
     assert f"algo.py\", line {marks['raise']}" in str(err.value) or f"algo.py:{marks['raise']}" in str(err.value)
     assert shm_leftovers() == []
+
+
+LATE_ENV = """
+from dataclasses import dataclass
+import numpy as np
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 6
+
+@ff.fragment("actor")
+def act(w, obs):
+    return (obs @ w > 0).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    return {"w": state["w"] + 0.01 * batch["obs"].mean((0, 1))}, {}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=4, seed=0)
+    other = ff.envs.make("CartPole-v1", num_envs=2, seed=100)   # a second env, used once late in the run
+    state = ff.versioned({"w": np.zeros(4, np.float32)})
+    buf = ff.RolloutBuffer(8)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(8):
+            a = act(state["w"], obs)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, _ = learn(state, buf.collect())
+        if u == 4:
+            o = other.reset()
+            for _ in range(5):
+                o, *_ = other.step(act(state["w"], o))   # @late
+    return state
+"""
+
+
+def test_a_served_actor_called_on_an_env_first_stepped_after_the_trace_is_refused_at_that_call(write_algo):
+    """An env made before the loop, first stepped after the trace, of another size: with one env worker
+    it steps where the loop runs, and the served actor's call on its observations failed at run time
+    with a shape error whose fix ("pad or bucket") did not apply; with two, the refusal sent the user
+    to env_workers=1 (probe helper). Refused at the actor's call with the fix; two workers are sent to a
+    policy that acts where the envs step."""
+    path, marks = write_algo(LATE_ENV)
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process")
+    with pytest.raises(PlacementError) as err:
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=1)")
+    assert str(err.value.where).endswith(f"algo.py:{marks['late']}")
+    assert "an env first stepped after the trace" in str(err.value) and "f32[2,4]" in str(err.value)
+    assert "evaluation=True" in err.value.fix and "act_eval" in err.value.fix
+    with pytest.raises(UntracedFragmentError) as err2:
+        ff.run(program.train, program.args_cls(), policy="central_inference(env_workers=2)")
+    assert "env_workers=1" not in err2.value.fix and "actor_learner" in err2.value.fix
+    ff.run(program.train, program.args_cls(), policy="pipelined")
+    assert shm_leftovers() == []

@@ -153,6 +153,7 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         self._every = calls.check_every()
         self._finite = not allow_nonfinite()   # (read once, as _every: a learner's writes are checked at each update)
         self._eval_obs: tuple[int, Any] | None = None   # (id, array) of the evaluation env's latest observations
+        self._late_obs: tuple[int, Any, str] | None = None   # ... of an env first stepped after the trace (and its name)
         self._acted_on_training: set[str] = set()   # served actors called on the training envs' observations
         self._skeletons: dict[tuple[str, Any], int] = {}
         self._calls_of: dict[str, int] = {}   # remote fragment -> its last call's number
@@ -288,7 +289,11 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         # updates, made without evaluation=True; one a later phase of training makes), as eagerly
         made_later = frag.instance is not None and frag.role in ("env", "buffer")
         if made_later and self.program.replicas == 1:
-            return self._local(frag, name, args, kwargs)
+            out = self._local(frag, name, args, kwargs)
+            if frag.role == "env" and any(r.sync for r in self.program.remote.values()):
+                first = out[0] if isinstance(out, tuple) and out else out   # (to know them if a served actor gets them)
+                self._late_obs = (id(first), first, name)
+            return out
         if self.program.remote and name not in self.program.local and not frag.evaluation and \
                 (made_later or frag.role not in ("actor", "env") or not self._broadcast_here(args, kwargs)):
             loop = loop_around(frag.defined_at, self.checks.get("loops", ()))
@@ -308,7 +313,9 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
                      "process steps it whole, its episodes reported apart from training's); else call it within "
                      "the first learner updates, which the trace runs through (make every environment and buffer "
                      "once, before the training loop, and use them from its first trips), or run with "
-                     f"{self.program.one_process} (the placement's option) or --policy single_process")
+                     + ("a policy that acts where the envs step (actor_learner, pipelined) or --policy single_process"
+                        if any(r.sync for r in self.program.remote.values()) else
+                        f"{self.program.one_process} (the placement's option) or --policy single_process"))
                 if made_later else
                 "make sure the loop calls it within its first learner updates (the tracer runs until every "
                 "fragment of the training module has been called, for up to 200 updates: call it within "
@@ -675,6 +682,18 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
                 fix=f"give the evaluation its own fragment ({name}_eval = ff.fragment('actor', name='{name}_eval')"
                     f"({name}.fn)) and call that on the evaluation env" + (" with env_workers=1" if several else "") +
                     ", or run with a policy that acts where the envs step (actor_learner, pipelined, single_process)")
+        late = self._late_obs
+        if late is not None and frag.role == "actor" and any(id(v) == late[0] for v in bound.arguments.values()):
+            misfit = self._eval_misfit(leaves, ring.layout.specs, late[1], "the env's")
+            if misfit:
+                env = late[2].rsplit(".", 1)[0]
+                raise PlacementError(
+                    f"actor fragment '{name}' is called on the observations of '{env}', an env first stepped after "
+                    f"the trace, but this policy answers it in the learner's process {misfit}", where=user_callsite(),
+                    fix=f"if '{env}' evaluates, make it with ff.envs.make(..., evaluation=True) and give its calls an "
+                        f"actor fragment of their own ({name}_eval = ff.fragment('actor', name='{name}_eval')({name}.fn)); "
+                        "else step it within the first learner updates, which the trace runs through; or run with "
+                        "a policy that acts where the envs step (actor_learner, pipelined, single_process)")
         if route.whole:
             leaves = self._own_rows(leaves, route.whole)
         calls.check_leaves(leaves, ring.layout.specs, name, None, self.program.replicas,

@@ -44,21 +44,24 @@ class RemoteChecks:
                     "ff.versioned({'net': net}, name='target'), passed to the fragment and synced by a learner "
                     "fragment that writes it); or run with --policy single_process")
 
-    def _eval_misfit(self, leaves: list[Any], specs: tuple[Any, ...]) -> str:
-        """Why the evaluation env's observations, given to an actor served for the training envs,
-        cannot go through its requests ("": they can, as a second training env's of the same size
-        would): several workers would each send them whole, or their slot is sized for another array
-        (another number of environments, another dtype)."""
+    def _eval_misfit(self, leaves: list[Any], specs: tuple[Any, ...], obs: Any = None,
+                     whose: str = "the evaluation env's") -> str:
+        """Why the evaluation env's observations (``obs``: another env's, ``whose``), given to an actor
+        served for the training envs, cannot go through its requests ("": they can, as a second
+        training env's of the same size would): several workers would each send them whole, or their
+        slot is sized for another array (another number of environments, another dtype)."""
         if self.program.replicas > 1:
             return (f"for {self.program.replicas} env workers at once, each sending its slice of the training "
                     "envs, where every worker steps the evaluation env whole")
-        assert self._eval_obs is not None
-        mine = {id(x) for _, x in leaf_paths(self._eval_obs[1])}
+        if obs is None:
+            assert self._eval_obs is not None
+            obs = self._eval_obs[1]
+        mine = {id(x) for _, x in leaf_paths(obs)}
         for x, spec in zip(leaves, specs):
             got = spec_of(x)
             if id(x) in mine and not fits(got, spec):
-                return (f"through channels sized for the training envs' calls ({spec.short()}), and the evaluation "
-                        f"env's observations are {got.short()}")
+                return (f"through channels sized for the training envs' calls ({spec.short()}), and {whose} "
+                        f"observations are {got.short()}")
         return ""
 
     def _refuse_untraced_state(self, name: str, route: Any, arguments: dict[str, Any]) -> None:
