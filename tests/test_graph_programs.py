@@ -6132,3 +6132,56 @@ def test_a_served_actor_called_on_an_env_first_stepped_after_the_trace_is_refuse
     assert "env_workers=1" not in err2.value.fix and "actor_learner" in err2.value.fix
     ff.run(program.train, program.args_cls(), policy="pipelined")
     assert shm_leftovers() == []
+
+
+NUMBER_BECOMES_TENSOR = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 4
+
+@ff.fragment("actor")
+def act(aux, obs):
+    return (np.zeros(obs.shape[0]) * float(aux["scale"])).astype(np.int64)
+
+@ff.fragment("learner", writes="aux")
+def learn_aux(aux, batch):
+    loss = torch.as_tensor(batch["r"], dtype=torch.float32).mean()
+    aux["scale"] = 0.9 * aux["scale"] + 0.1 * loss          # a Python float, a 0-d tensor after the first update
+    return aux, {"scale": aux["scale"]}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    aux = ff.versioned({"scale": 1.0}, name="aux")   # @made
+    buf = ff.RolloutBuffer(3)
+    obs = env.reset()
+    for _ in range(args.updates):
+        for _ in range(3):
+            a = act(aux, obs)
+            obs, r, term, trunc, info = env.step(a)
+            buf.add(r=r)
+        aux, m = learn_aux(aux, buf.collect())
+        ff.log(m)
+    return aux
+"""
+
+
+def test_state_made_of_another_kind_than_its_learner_returns_is_named_so_where_it_was_made(write_algo):
+    """A number in the state that the learner turns into a float32 tensor: the state as made does not
+    fit the broadcast sized from the learner's versions. It was reported as the learner returning a
+    Python float, with a cast to float32 for the fix, which changed nothing (probe helper); it names
+    the state as made, where it was made, and both fixes."""
+    path, marks = write_algo(NUMBER_BECOMES_TENSOR)
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process")
+    with pytest.raises(SpecChangedError) as err:
+        ff.run(program.train, program.args_cls(), policy="pipelined")
+    assert "versioned state 'aux' holds ['scale'] as float[] python as it was made" in str(err.value)
+    assert "learner 'learn_aux' returns it as f32[] torch" in str(err.value)
+    assert str(err.value.where).endswith(f"algo.py:{marks['made']}")
+    assert "torch.tensor(x)" in err.value.fix and "float(x)" in err.value.fix
+    assert shm_leftovers() == []

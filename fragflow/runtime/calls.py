@@ -414,10 +414,11 @@ def check_finite(out: Any, fragment: str, update: int, where: Where,
 
 def state_checks(graph: Any) -> dict[str, Any]:
     """What every executor checks after a learner call: the traced state specs and the clock."""
-    from fragflow.compiler.ir import EdgeKind
+    from fragflow.compiler.ir import EdgeKind, NodeKind
 
     state = {(e.src, e.dst): {leaf.src_path: leaf.spec for leaf in e.leaves}
              for e in graph.edges_of(EdgeKind.STATE_WRITE)}
     learners = graph.fragments("learner")
     clock = graph.clock() or (learners[0].name if learners else None)
-    return {"state": state, "clock": clock}
+    made_at = {n.name: n.defined_at for n in graph.nodes if n.kind is NodeKind.STATE}   # (where ff.versioned made each)
+    return {"state": state, "clock": clock, "made_at": made_at}

@@ -127,7 +127,7 @@ class Outgoing:
             logged[part] = scalars_in(value)
         return logged
 
-    def _publish(self, state: str) -> None:
+    def _publish(self, state: str, made: bool = False) -> None:
         b = next(b for b in self.program.publish if b.state == state)
         leaves: list[Any] = []
         value = self.states[state]
@@ -139,12 +139,36 @@ class Outgoing:
         try:
             self.endpoints.broadcasts[state].publish(leaves, self.version, self.writes.get(state, 0))
         except (SpecChangedError, TypeError, ValueError) as exc:   # (the channel's own words name no fragment)
-            unfit = self._unfit(state, exc)
+            unfit = self._made_unfit(state, value, exc) if made else self._unfit(state, exc)
             if isinstance(unfit, SpecChangedError) and unsaved_paths(value):
                 unfit.restate(fix=f"{unfit.fix}; a module's buffers travel with each version, those registered with "
                                   "persistent=False too: a cache made or resized after the trace belongs in a plain "
                                   "attribute (self.cache = ...), not a buffer")
             raise unfit from None
+
+    def _made_unfit(self, state: str, value: Any, exc: Exception) -> Exception:
+        """The state as the program made it (version 0) does not fit the broadcast, sized from the versions
+        its learner returned while traced: a leaf the learner returns in another kind (a Python number it
+        turns into a tensor at its first update). Named with both, where the state was made."""
+        for (writer, written), traced in self.checks.get("state", {}).items():
+            if written != state:
+                continue
+            for path, leaf in leaf_paths(value):
+                spec = traced.get(path)
+                got = spec_of(leaf)
+                if spec is not None and (got.shape, got.dtype, got.backend) != (spec.shape, spec.dtype, spec.backend):
+                    return SpecChangedError(
+                        f"versioned state '{state}' holds {path} as {got.short()} {got.backend} as it was made, but "
+                        f"learner '{writer}' returns it as {spec.short()} {spec.backend}: this policy sends every "
+                        "version of it to the acting side in one layout, the learner's", where=self.checks.get(
+                            "made_at", {}).get(state),
+                        fix=f"make it as the learner returns it (a {spec.backend} {spec.short()} from the start"
+                            + (", torch.tensor(x) for a number it turns into a tensor" if spec.backend == "torch" and
+                               got.backend == "python" else "")
+                            + "), or have the learner return it as it was made"
+                            + (" (float(x), x.item())" if got.backend == "python" else "")
+                            + "; or run with --policy single_process")
+        return exc
 
     def _unfit(self, state: str, exc: Exception) -> Exception:
         """The broadcast, sized from the state's traced specs, refused the state a learner just wrote:

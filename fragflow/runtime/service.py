@@ -288,7 +288,7 @@ class ServiceRunner(Outgoing, Gathering):
                 if self.program.rank == 0 and msg[1] in self.program.writes:
                     self._same_generators(msg[1])
             if msg[1] in {b.state for b in self.program.publish}:
-                self._publish(msg[1])
+                self._publish(msg[1], made=True)
         return True
 
     def _shared_globals(self, fn: types.FunctionType) -> types.FunctionType:
