@@ -328,3 +328,62 @@ def test_a_plain_attribute_a_learner_changes_and_an_actor_apart_reads_is_refused
     assert same_tree(served.value, expected.value)
     ff.run(program.train, program.args_cls(read=False), policy="pipelined(max_lag=0)")   # (last_loss: no actor reads it)
     assert shm_leftovers() == []
+
+
+LOOP_SETS_MODE = '''
+from dataclasses import dataclass
+import numpy as np
+import torch
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    updates: int = 3
+
+@ff.fragment("actor")
+def act(net, obs):
+    with torch.no_grad():
+        return net(torch.as_tensor(obs)).argmax(-1).numpy()
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch):
+    net, opt = state["net"], state["opt"]
+    net.train()
+    loss = net(torch.as_tensor(batch["obs"])).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    return state, {"loss": loss.detach()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    state = ff.versioned({"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1)})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(args.updates):
+        state["net"].eval()   # (act in eval mode; the learner sets train() itself)   # @eval
+        for _ in range(4):
+            a = act(state["net"], obs)
+            buf.add(obs=obs)
+            obs, r, term, trunc, info = env.step(a)
+        state, m = learn(state, buf.collect())
+        ff.log(m)
+    return state
+'''
+
+
+@pytest.mark.parametrize("policy", ["pipelined(max_lag=0)", "actor_learner(actors=2, max_lag=0)"])
+def test_the_loops_own_mode_change_is_named_at_its_line_not_blamed_on_the_learner(write_algo, policy):
+    """The loop sets eval mode through the state handle before acting, the learner sets train() itself:
+    the refusal said the learner changes the mode the actor acts in, at the actor's definition, with a
+    fix the program already followed (probe helper). It is the loop's read of the state, refused at
+    its line as central_inference refused it."""
+    from fragflow.errors import VersionedStateError
+
+    path, marks = write_algo(LOOP_SETS_MODE)
+    program = load(str(path))
+    ff.run(program.train, program.args_cls(), policy="single_process")
+    with pytest.raises(VersionedStateError) as err:
+        ff.run(program.train, program.args_cls(), policy=policy)
+    assert "read as attribute '.eval' in the training loop" in str(err.value)
+    assert str(err.value.where).endswith(f"algo.py:{marks['eval']}")

@@ -163,6 +163,11 @@ class Fragment:
         return f"<fragment {self.name} role={self.role} at {self.defined_at}>"
 
 
+def calling() -> Fragment | None:
+    """The fragment this thread is running, called from the loop (None: the loop's own code runs)."""
+    return getattr(_calling, "fragment", None)
+
+
 def _position(signature: inspect.Signature, name: str | None) -> int:
     """Where parameter ``name`` is passed positionally, when every parameter before it can be (else -1)."""
     for i, p in enumerate(signature.parameters.values()):

@@ -186,8 +186,34 @@ class ModeBook:
         self._actor_sets: set[int] = set()     # ... an acting fragment sets itself
         self._learner_changes: dict[int, str] = {}   # module -> the learner that left it in another mode
         self._readers: dict[str, tuple[str, str, set[int]]] = {}   # acting fragment -> (state, argument, modules)
+        self._loop_sets: set[int] = set()   # modules whose mode the loop's own code sets (.eval() before acting)
         # learner -> (the state, a plain attribute of one of its modules the learner changed: where; its name; the class)
         self.attributes: dict[str, tuple[str, str, str, type]] = {}
+
+    @contextmanager
+    def watching_loop(self) -> Iterator[None]:
+        """While the loop runs: the modules whose ``.train()``/``.eval()`` its own code calls (outside any
+        fragment): where the loop sets the mode an actor acts in, it does so wherever the loop runs."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            yield
+            return
+        from fragflow.api.fragment import calling
+
+        original = torch.nn.Module.train
+        loop_sets = self._loop_sets
+
+        def train(module: Any, mode: bool = True) -> Any:
+            if calling() is None:
+                loop_sets.update(id(m) for m in module.modules())
+            return original(module, mode)
+
+        torch.nn.Module.train = train
+        try:
+            yield
+        finally:
+            if torch.nn.Module.train is train:
+                torch.nn.Module.train = original
 
     @contextmanager
     def call(self, name: str, role: str, state_args: list[tuple[str, str]], arguments: dict[str, Any],
@@ -240,7 +266,7 @@ class ModeBook:
         reads = self._readers.get(name)
         if reads is None:
             return ""
-        left = sorted((reads[2] & self._learner_changes.keys()) - self._actor_sets)
+        left = sorted((reads[2] & self._learner_changes.keys()) - self._actor_sets - self._loop_sets)
         if not left:
             return ""
         return f"'{reads[0]}' (argument '{reads[1]}'), whose modules' mode learner '{self._learner_changes[left[0]]}' " \

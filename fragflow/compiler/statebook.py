@@ -65,6 +65,7 @@ class StateBook(Repeats):
     _changed_args: list[Changed]
     _changed_data: dict[int, str]
     _rebound: dict[tuple[int, str], tuple[str, str, dict[str, Any]]]
+    modes: Any   # the training modes fragments (and the loop) set (compiler.modes.ModeBook)
 
     def read_state(self, x: Versioned | VersionedView, what: str | None) -> tuple[bool, Any]:
         """The loop reads versioned state: as eagerly (the run may be one process), noted for placement
@@ -114,7 +115,7 @@ class StateBook(Repeats):
         if self.begins_run:
             yield
             return
-        with self.state_use.mode():
+        with self.state_use.mode(), self.modes.watching_loop():
             self.state_use.on = True
             try:
                 yield
