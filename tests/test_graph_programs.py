@@ -6185,3 +6185,102 @@ def test_state_made_of_another_kind_than_its_learner_returns_is_named_so_where_i
     assert str(err.value.where).endswith(f"algo.py:{marks['made']}")
     assert "torch.tensor(x)" in err.value.fix and "float(x)" in err.value.fix
     assert shm_leftovers() == []
+
+
+COMPILED_MODULE = """
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+
+@dataclass(frozen=True)
+class Args:
+    seed: int = 1
+    num_envs: int = 4
+    num_steps: int = 8
+    updates: int = 3
+    lr: float = 3e-3
+    backend: str = "aot_eager"
+
+
+class AC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 32), nn.Tanh())
+        self.pi = nn.Linear(32, 2)
+        self.v = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.pi(h), self.v(h).squeeze(-1)
+
+
+@torch.no_grad()
+def psum(mod):
+    return float(sum(t.double().abs().sum() for t in mod.parameters()))
+
+
+@ff.fragment("actor")
+def act(net, obs, key):
+    with torch.inference_mode():
+        logits, _ = net(torch.as_tensor(obs))
+    return (logits.numpy() + ff.random.gumbel(key, (2,))).argmax(-1)
+
+
+@ff.fragment("learner", writes="state")
+def learn(state, ro, gamma: float):
+    net = state["net"]
+    obs = torch.as_tensor(ro["obs"])
+    T, N = obs.shape[:2]
+    logits, values = net(obs.reshape(T * N, 4))
+    logits, values = logits.reshape(T, N, 2), values.reshape(T, N)
+    with torch.no_grad():
+        _, last_v = net(torch.as_tensor(ro["next_obs"][-1]))
+        r = torch.as_tensor(ro["reward"], dtype=torch.float32)
+        d = torch.as_tensor(ro["done"], dtype=torch.float32)
+        ret = torch.zeros(T, N); nxt = last_v
+        for t in reversed(range(T)):
+            nxt = r[t] + gamma * nxt * (1 - d[t]); ret[t] = nxt
+    adv = (ret - values).detach()
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(ro["action"]).long().unsqueeze(-1)).squeeze(-1)
+    loss = -(adv * logp).mean() + 0.5 * ((ret - values) ** 2).mean()
+    state["opt"].zero_grad(); loss.backward(); state["opt"].step()
+    return state, {"loss": loss.detach(), "psum": psum(net)}
+
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=args.num_envs, seed=args.seed)
+    torch.manual_seed(args.seed)
+    net = torch.compile(AC(), backend=args.backend)
+    state = ff.versioned({"net": net, "opt": torch.optim.Adam(net.parameters(), lr=args.lr)})
+    buf = ff.RolloutBuffer(args.num_steps)
+    key = ff.random.keys(args.seed, env.ids)
+    obs = env.reset()
+    for u in range(args.updates):
+        for _ in range(args.num_steps):
+            key, sub = ff.random.split(key)
+            a = act(state["net"], obs, sub)
+            nobs, r, term, trunc, info = env.step(a)
+            buf.add(obs=obs, action=a, reward=r, done=term | trunc, next_obs=nobs)
+            obs = nobs
+        state, m = learn(state, buf.collect(), 0.99)
+        ff.log(m)
+    return state
+"""
+
+
+def test_a_compiled_module_traced_for_a_policy_of_several_processes_gives_no_dynamo_warning(write_algo):
+    """torch.compile tracing a module inside the trace's own torch function mode went through the mode's
+    frame checks: "Dynamo does not know how to trace the builtin sys._getframe" under every policy of
+    several processes, never under single_process (probe helper). The mode passes compiled code on."""
+    import warnings
+
+    path, _ = write_algo(COMPILED_MODULE)
+    program = load(str(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ff.run(program.train, program.args_cls(), policy="pipelined")
+    assert not [w for w in caught if "Dynamo does not know how to trace" in str(w.message)]
+    assert shm_leftovers() == []

@@ -202,6 +202,7 @@ class StateUse:
 
     def mode(self) -> Any:
         """A torch function mode that sends each operation to ``seen`` while ``on``."""
+        import torch
         from torch.overrides import TorchFunctionMode
 
         use = self
@@ -210,6 +211,8 @@ class StateUse:
             def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                                    kwargs: dict[str, Any] | None = None) -> Any:
                 kwargs = kwargs or {}
+                if torch.compiler.is_compiling():   # (torch.compile tracing a module: its own graph, nothing to watch)
+                    return func(*args, **kwargs)
                 if use.on and (use.first is None or use.first[0] == "read") and use._tensors:
                     use.seen(func, args, kwargs)
                 shown = warnings.showwarning   # (torch's warnings name their caller, this frame: the loop's line instead)
