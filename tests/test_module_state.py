@@ -387,3 +387,91 @@ def test_the_loops_own_mode_change_is_named_at_its_line_not_blamed_on_the_learne
         ff.run(program.train, program.args_cls(), policy=policy)
     assert "read as attribute '.eval' in the training loop" in str(err.value)
     assert str(err.value.where).endswith(f"algo.py:{marks['eval']}")
+
+
+ATTRIBUTE_READS = '''
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+import fragflow as ff
+
+@dataclass(frozen=True)
+class Args:
+    variant: str = "helper"
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 2)
+        self.epsilon = 1.0
+        self.n_updates = 0
+    def bump(self):               # (only the learner calls it)
+        self.n_updates = self.n_updates + 1
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.fc(x))))
+
+def read_eps(m):
+    return m.epsilon
+
+@ff.fragment("actor")
+def act(net, obs, variant: str):
+    eps = read_eps(net) if variant == "helper" else getattr(net, "epsilon") if variant == "getattr" else 0.0
+    with torch.no_grad():
+        greedy = net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+    return np.where(eps > 0.5, 0, greedy).astype(np.int64)
+
+@ff.fragment("learner", writes="state")
+def learn(state, batch, variant: str):   # @learn
+    net = state["net"]
+    if variant in ("helper", "getattr"):
+        net.epsilon = net.epsilon * 0.5
+    elif variant == "dropout":
+        net.drop.p = max(0.0, net.drop.p - 0.1)   # a schedule of torch's own module's attribute
+    net.bump()
+    return state, {"obs": batch["obs"].mean()}
+
+def train(args: Args):
+    env = ff.envs.make("CartPole-v1", num_envs=2, seed=0)
+    torch.manual_seed(0)
+    state = ff.versioned({"net": Net()})
+    buf = ff.RolloutBuffer(4)
+    obs = env.reset()
+    for _ in range(3):
+        for _ in range(4):
+            a = act(state["net"], obs, args.variant)
+            buf.add(obs=obs)
+            obs, *_ = env.step(a)
+        state, m = learn(state, buf.collect(), args.variant)
+        ff.log(m)
+    return state
+'''
+
+
+@pytest.mark.parametrize(("variant", "names"), [
+    ("helper", "state['net'].epsilon (a float attribute of Net)"),        # read through a helper function
+    ("getattr", "state['net'].epsilon (a float attribute of Net)"),       # getattr(net, "epsilon")
+    ("dropout", "state['net'].drop.p (a float attribute of Dropout)"),    # torch's own forward reads it
+    ("counter", None),                                                     # only the learner's method reads it
+])
+def test_what_the_actor_reads_of_a_modules_plain_attributes_is_followed(write_algo, variant, names):
+    """The plain-attribute refusal followed only the actor's own text and the module class's methods,
+    all of them (probe helper): a counter a method only the learner calls updates was refused; an
+    epsilon read through a helper function or getattr, and a Dropout's p annealed by the learner,
+    ran with the first value apart. It follows what runs: the actor's code, the module-level
+    functions it calls, string names, the modules' forward and the methods that code names."""
+    from fragflow.errors import PlacementError
+
+    path, marks = write_algo(ATTRIBUTE_READS)
+    program = load(str(path))
+    args = program.args_cls(variant=variant)
+    ff.run(program.train, args, policy="single_process")
+    if names is None:
+        ff.run(program.train, args, policy="pipelined(max_lag=0)")
+        return
+    with pytest.raises(PlacementError) as err:
+        ff.run(program.train, args, policy="pipelined(max_lag=0)")
+    assert f"learner 'learn' changes {names}" in str(err.value)
+    assert str(err.value.where).endswith(f"algo.py:{marks['learn'] - 1}")

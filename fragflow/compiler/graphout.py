@@ -81,12 +81,12 @@ def _per(count: int, updates: int) -> float:
 
 def _attribute_readers(t: Any, name: str) -> tuple[str, tuple[str, ...]] | None:
     """A learner's change of a plain attribute of a module in its state, with the fragments (not
-    learners) that read that state and whose code, or the module's class's, may read the attribute."""
-    found = t.modes.attributes.get(name)
-    if found is None:
-        return None
-    state, where, attribute, cls = found
+    learners) that read that state and whose code, or the module's methods they run, may read the
+    attribute (the first such change)."""
     reads = {(key[0], key[1]) for key in t._edges if key[2] == EdgeKind.STATE_READ}
-    readers = tuple(sorted(rec.name for rec in t._nodes.values() if rec.role != "learner"
-                           and (state, rec.name) in reads and attribute in names_read(t.fragments[rec.name].fn, cls)))
-    return (where, readers) if readers else None
+    for state, where, attribute, cls in t.modes.attributes.get(name, ()):
+        readers = tuple(sorted(rec.name for rec in t._nodes.values() if rec.role != "learner"
+                               and (state, rec.name) in reads and attribute in names_read(t.fragments[rec.name].fn, cls)))
+        if readers:
+            return where, readers
+    return None

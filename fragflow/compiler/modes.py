@@ -113,37 +113,59 @@ def _same(torch: Any, before: Any, now: Any) -> bool:
     return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
-def changed_attributes(before: list[tuple[str, Any, Any]]) -> tuple[str, str, type] | None:
-    """The first plain attribute of ``plain_attributes``' list that a call changed: (where, with its
-    type; its name; its module's class), or None."""
+def changed_attributes(before: list[tuple[str, Any, Any]]) -> list[tuple[str, str, type]]:
+    """The plain attributes of ``plain_attributes``' list that a call changed: (where, with its type;
+    its name; its module's class) of each."""
     torch = sys.modules.get("torch")
+    out = []
     for where, m, (k, held) in before:
         now = vars(m).get(k)
         if now is None or not _same(torch, held, _held(torch, now)):
             kind = type(now if now is not None else held[1]).__name__
-            return f"{where} (a {kind} attribute of {type(m).__name__})", k, type(m)
-    return None
+            article = "an" if kind[:1].lower() in "aeiou" else "a"
+            out.append((f"{where} ({article} {kind} attribute of {type(m).__name__})", k, type(m)))
+    return out
 
 
 def names_read(fn: Any, cls: type) -> set[str]:
-    """The attribute names the code of ``fn`` (its nested functions too) and of ``cls``'s own methods
-    (and its bases', torch's own left out) reads (``x.name`` loaded, not stored: ``__init__``'s
-    ``self.name = ...`` is no read): where a module's plain attribute may be read."""
-    codes = [getattr(getattr(fn, "__func__", fn), "__code__", None)]
-    for klass in getattr(cls, "__mro__", ()):
-        if klass.__module__.startswith("torch") or klass is object:
-            continue
-        for v in vars(klass).values():
-            codes.append(getattr(getattr(v, "__func__", v), "__code__", None))
+    """The attribute names an acting fragment ``fn`` may read of a module of class ``cls``: those its
+    code loads (``x.name``; a string constant, as ``getattr(x, "name")`` takes), its nested functions'
+    and the module-level functions it calls', and those ``cls``'s methods that run read: its
+    ``forward`` and the methods that code names, torch's own modules' too (``Dropout.forward`` reads
+    ``p``), and what they name in turn. A store (``__init__``'s ``self.name = ...``) or a method only
+    the learner calls (a counter's ``bump``) is no read."""
     import dis
+    import types
 
+    methods: dict[str, Any] = {}
+    for klass in reversed(getattr(cls, "__mro__", ())):
+        if klass is object or (klass.__module__ == "torch.nn.modules.module" and klass.__name__ == "Module"):
+            continue   # (Module's own machinery: __call__, state_dict, ...)
+        for k, v in vars(klass).items():
+            code = getattr(getattr(v, "__func__", v), "__code__", None)
+            if code is not None:
+                methods[k] = code
     names: set[str] = set()
+    done: set[Any] = set()
+    fn = getattr(fn, "__func__", fn)
+    codes: list[tuple[Any, dict[str, Any]]] = [(getattr(fn, "__code__", None), getattr(fn, "__globals__", {}))]
+    codes.append((methods.get("forward"), {}))
     while codes:
-        code = codes.pop()
-        if code is None:
+        code, scope = codes.pop()
+        if code is None or code in done:
             continue
-        names.update(str(i.argval) for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD"))
-        codes.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+        done.add(code)
+        for i in dis.get_instructions(code):
+            if i.opname in ("LOAD_ATTR", "LOAD_METHOD") or (i.opname == "LOAD_CONST" and isinstance(i.argval, str)):
+                name = str(i.argval)
+                names.add(name)
+                if name in methods:
+                    codes.append((methods[name], {}))
+            elif i.opname == "LOAD_GLOBAL":   # (a helper function of the module the fragment calls)
+                helper = scope.get(str(i.argval))
+                if isinstance(helper, types.FunctionType):
+                    codes.append((helper.__code__, helper.__globals__))
+        codes.extend((c, scope) for c in code.co_consts if hasattr(c, "co_names"))
     return names
 
 
@@ -188,7 +210,7 @@ class ModeBook:
         self._readers: dict[str, tuple[str, str, set[int]]] = {}   # acting fragment -> (state, argument, modules)
         self._loop_sets: set[int] = set()   # modules whose mode the loop's own code sets (.eval() before acting)
         # learner -> (the state, a plain attribute of one of its modules the learner changed: where; its name; the class)
-        self.attributes: dict[str, tuple[str, str, str, type]] = {}
+        self.attributes: dict[str, list[tuple[str, str, str, type]]] = {}
 
     @contextmanager
     def watching_loop(self) -> Iterator[None]:
@@ -229,11 +251,10 @@ class ModeBook:
             if role == "learner" and name not in self.attributes else []
         with watching if watching is not None else nullcontext():
             yield
-        for held, (_, state) in zip(attributes, state_args):
-            change = changed_attributes(held)
-            if change is not None:
-                self.attributes[name] = (state, *change)
-                break
+        changes = [(state, *change) for held, (_, state) in zip(attributes, state_args)
+                   for change in changed_attributes(held)]
+        if changes:
+            self.attributes[name] = changes
         if watching is not None and watching.ids:
             for pname, _ in state_args:
                 (self._learner_sets if role == "learner" else self._actor_sets).update(
