@@ -59,7 +59,7 @@ def changed(was: list[tuple[Any, bool]]) -> list[Any]:
     return [m for m, training in was if m.training != training]
 
 
-def plain_attributes(value: Any, state: str, pname: str) -> list[tuple[str, Any, Any]]:
+def plain_attributes(value: Any, state: str) -> list[tuple[str, Any, Any]]:
     """(where, module, name) of each plain attribute (``self.epsilon = 1.0``: not a parameter, buffer or
     submodule) of each torch module a state value holds, with what it holds now: a version carries a
     module's parameters and buffers, not these, so an actor apart never sees a learner change them."""
@@ -247,7 +247,7 @@ class ModeBook:
         # actor's .eval() left the mode; one that does not learns in the mode an actor set, as eagerly
         watching = ModeSet() if state_args and (role == "learner" or read) else None
         entered = [moded(arguments[pname]) for pname, _ in state_args] if role == "learner" else []
-        attributes = [plain_attributes(arguments[pname], state, pname) for pname, state in state_args] \
+        attributes = [plain_attributes(arguments[pname], state) for pname, state in state_args] \
             if role == "learner" and name not in self.attributes else []
         with watching if watching is not None else nullcontext():
             yield

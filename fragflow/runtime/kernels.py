@@ -42,7 +42,6 @@ class _Depth(threading.local):
 
 depth = _Depth()   # fragments running on this thread (a fragment may call another)
 _settled = [False]   # this process has chosen (once torch is imported)
-settled = _settled   # (read by the loop's hot path, which does in_fragment's work inline)
 
 
 def setting() -> str:

@@ -405,17 +405,9 @@ class LoopInterpreter(RemoteChecks, LoopLogs):
         args, kwargs, reads = self._resolved(args, kwargs)
         if self._eval_obs is not None and frag.role == "actor" and self.program.replicas > 1:
             self._training_keys_on_evaluation(name, args, kwargs)
-        settled, depth = kernels.settled, kernels.depth   # (kernels.in_fragment's work, without its two calls)
         try:
-            if not settled[0]:
-                kernels.settle()
-            depth.n += 1
-            try:
+            with kernels.in_fragment:
                 out = frag.fn(*args, **kwargs)
-            finally:
-                depth.n -= 1
-                if not settled[0]:
-                    kernels.settle()
         except Exception as exc:
             self._failed(exc, frag, name, args, kwargs, reads)
             raise

@@ -538,9 +538,7 @@ class Driver(DriverCheckpoints):
                 msg = self.wiring.results.get(timeout=min(left, 0.05))
             except queue.Empty:
                 continue
-            if msg[0] == "error" and msg[1] == "actor":
-                self._handle(msg)
-            elif msg[0] != "error":
+            if msg[0] != "error" or msg[1] == "actor":   # (another service's error: this one is reported)
                 self._handle(msg)
 
     def _process_name(self, role: str, index: int, fragment: str | None) -> str:
